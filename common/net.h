@@ -1,0 +1,51 @@
+// Socket helpers shared by the daemons and the CLI: address parsing, listeners, and passing a file
+// descriptor with a message over a unix socket (how the node hands a sandbox-side socket to the proxy).
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/error.h"
+#include "common/fd.h"
+
+namespace sg {
+
+// "127.0.0.1:8443", "[::1]:8443", "localhost:8443" (loopback only), or "unix:/path/to.sock".
+struct Endpoint {
+  enum class Kind { kTcp, kUnix } kind = Kind::kTcp;
+  std::string host;  // numeric address for kTcp
+  uint16_t port = 0;
+  std::string path;  // for kUnix
+
+  std::string to_string() const;
+};
+
+Result<Endpoint> parse_endpoint(std::string_view text);
+
+struct SockAddr {
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
+};
+Result<SockAddr> to_sockaddr(const Endpoint& ep);
+// "1.2.3.4:5" / "[::1]:5" for the access log.
+std::string format_peer(const sockaddr* sa);
+
+// A non-blocking, close-on-exec listening socket. reuse_port lets each proxy worker own a listener.
+Result<UniqueFd> listen_on(const Endpoint& ep, bool reuse_port, int backlog = 1024);
+// Blocking connect with a timeout (used by the CLI and tests, never by the data path).
+Result<UniqueFd> connect_blocking(const Endpoint& ep, int timeout_ms);
+// The port a bound socket ended up on (for port 0 in tests).
+Result<uint16_t> local_port(int fd);
+
+// sendmsg() of `data` with `fd_to_pass` attached via SCM_RIGHTS. Returns bytes written (may be short).
+Result<size_t> send_with_fd(int sock, const void* data, size_t len, int fd_to_pass);
+// recvmsg() into buf; a passed descriptor, if any, is stored in *received (closed if one was already held).
+// Returns 0 at EOF; Error::kIo with EAGAIN in the message is never returned: *would_block is set instead.
+Result<size_t> recv_with_fd(int sock, void* buf, size_t len, UniqueFd* received, bool* would_block);
+
+}  // namespace sg

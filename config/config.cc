@@ -1,0 +1,263 @@
+#include "config/config.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+// Config loading reports every error as a value; toml++ must not throw.
+#define TOML_EXCEPTIONS 0
+#include <toml++/toml.h>
+
+namespace sg {
+namespace {
+
+// Walks one TOML table, converting known keys and remembering which were seen so the rest can be reported
+// as unknown. Errors accumulate so a user sees every mistake in one run, each with file:line and key.
+class TableReader {
+ public:
+  TableReader(const toml::table& table, std::string prefix, std::string_view source,
+              std::vector<std::string>* errors)
+      : table_(table), prefix_(std::move(prefix)), source_(source), errors_(errors) {}
+
+  ~TableReader() {
+    for (auto&& [key, node] : table_) {
+      if (!seen_.count(std::string(key.str()))) error(node, full(key.str()), "unknown key");
+    }
+  }
+
+  const toml::node* find(std::string_view key) {
+    seen_.insert(std::string(key));
+    return table_.get(key);
+  }
+
+  void string(std::string_view key, std::string* out) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    if (auto s = n->value<std::string>()) {
+      *out = *s;
+    } else {
+      error(*n, full(key), "must be a string");
+    }
+  }
+
+  template <typename T>
+  void integer(std::string_view key, T* out, int64_t min, int64_t max) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    auto v = n->is_integer() ? n->value<int64_t>() : std::nullopt;
+    if (!v) return error(*n, full(key), "must be an integer");
+    if (*v < min || *v > max)
+      return error(*n, full(key), "must be between " + std::to_string(min) + " and " + std::to_string(max));
+    *out = static_cast<T>(*v);
+  }
+
+  // A string or an array of strings, each parsed as an endpoint.
+  void endpoints(std::string_view key, std::vector<Endpoint>* out, bool allow_unix) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    std::vector<std::pair<const toml::node*, std::string>> items;
+    if (auto s = n->value<std::string>()) {
+      items.emplace_back(n, *s);
+    } else if (const toml::array* arr = n->as_array()) {
+      for (const toml::node& item : *arr) {
+        auto s2 = item.value<std::string>();
+        if (!s2) return error(item, full(key), "must be a string or an array of strings");
+        items.emplace_back(&item, *s2);
+      }
+    } else {
+      return error(*n, full(key), "must be a string or an array of strings");
+    }
+    out->clear();
+    for (auto& [node, text] : items) {
+      auto ep = parse_endpoint(text);
+      if (!ep) {
+        error(*node, full(key), ep.message());
+      } else if (!allow_unix && ep->kind == Endpoint::Kind::kUnix) {
+        error(*node, full(key), "must be a TCP address (host:port)");
+      } else {
+        out->push_back(*ep);
+      }
+    }
+  }
+
+  void error(const toml::node& n, const std::string& key, const std::string& msg) {
+    errors_->push_back(std::string(source_) + ":" + std::to_string(n.source().begin.line) + ": " + key + ": " + msg);
+  }
+  std::string full(std::string_view key) const { return prefix_.empty() ? std::string(key) : prefix_ + "." + std::string(key); }
+
+ private:
+  const toml::table& table_;
+  std::string prefix_;
+  std::string_view source_;
+  std::vector<std::string>* errors_;
+  std::set<std::string> seen_;
+};
+
+std::string resolve_path(const std::string& base_dir, const std::string& p) {
+  if (p.empty() || p[0] == '/' || p == "-") return p;
+  return base_dir + "/" + p;
+}
+
+void read_proxy(const toml::table& t, std::string_view source, const std::string& base_dir,
+                std::vector<std::string>* errors, ProxyConfig* out) {
+  TableReader r(t, "proxy", source, errors);
+  r.endpoints("listen", &out->listen, false);
+  r.integer("public_port", &out->public_port, 0, 65535);
+  r.integer("workers", &out->workers, 0, 256);
+  std::string ktls = "auto";
+  r.string("ktls", &ktls);
+  if (ktls == "auto") out->ktls = KtlsMode::kAuto;
+  else if (ktls == "on") out->ktls = KtlsMode::kOn;
+  else if (ktls == "off") out->ktls = KtlsMode::kOff;
+  else r.error(*t.get("ktls"), "proxy.ktls", "must be one of auto, on, off");
+  r.integer("handshake_timeout_ms", &out->handshake_timeout_ms, 100, 600'000);
+  r.integer("request_head_timeout_ms", &out->request_head_timeout_ms, 100, 600'000);
+  r.integer("max_request_head_bytes", &out->max_request_head_bytes, 1024, 1024 * 1024);
+  r.integer("max_connections", &out->max_connections, 1, 10'000'000);
+  r.integer("max_connections_per_sandbox", &out->max_connections_per_sandbox, 1, 10'000'000);
+  r.integer("wake_timeout_ms", &out->wake_timeout_ms, 100, 600'000);
+  r.integer("idle_timeout_secs", &out->idle_timeout_secs, 1, 7 * 24 * 3600);
+  r.integer("connect_timeout_ms", &out->connect_timeout_ms, 10, 600'000);
+  r.integer("activity_report_interval_ms", &out->activity_report_interval_ms, 50, 1'000);
+  r.string("access_log", &out->access_log);
+  out->access_log = resolve_path(base_dir, out->access_log);
+  if (const toml::node* certs = r.find("certificates")) {
+    const toml::array* arr = certs->as_array();
+    if (!arr || !arr->is_array_of_tables()) {
+      r.error(*certs, "proxy.certificates", "must be an array of tables ([[proxy.certificates]])");
+    } else {
+      for (const toml::node& item : *arr) {
+        CertificateConfig c;
+        TableReader cr(*item.as_table(), "proxy.certificates", source, errors);
+        cr.string("cert", &c.cert_file);
+        cr.string("key", &c.key_file);
+        if (c.cert_file.empty() || c.key_file.empty()) {
+          cr.error(item, "proxy.certificates", "needs both cert and key");
+          continue;
+        }
+        c.cert_file = resolve_path(base_dir, c.cert_file);
+        c.key_file = resolve_path(base_dir, c.key_file);
+        out->certificates.push_back(std::move(c));
+      }
+    }
+  }
+}
+
+void read_node(const toml::table& t, std::string_view source, const std::string& base_dir,
+               std::vector<std::string>* errors, NodeConfig* out) {
+  TableReader r(t, "node", source, errors);
+  r.string("state_dir", &out->state_dir);
+  out->state_dir = resolve_path(base_dir, out->state_dir);
+  r.endpoints("api_listen", &out->api_listen, false);
+  r.integer("default_timeout_secs", &out->default_timeout_secs, 1, 7 * 24 * 3600);
+  r.integer("max_timeout_secs", &out->max_timeout_secs, 1, 365 * 24 * 3600);
+  r.integer("max_sandboxes", &out->max_sandboxes, 1, 1'000'000);
+  r.integer("suspend_timeout_ms", &out->suspend_timeout_ms, 10, 600'000);
+  std::string policy = "keep";
+  r.string("on_shutdown", &policy);
+  if (policy == "keep") out->on_shutdown = ShutdownPolicy::kKeep;
+  else if (policy == "terminate") out->on_shutdown = ShutdownPolicy::kTerminate;
+  else r.error(*t.get("on_shutdown"), "node.on_shutdown", "must be keep or terminate");
+  r.string("cgroup_name", &out->cgroup_name);
+  bool cgroup_ok = !out->cgroup_name.empty() && out->cgroup_name.size() <= 64;
+  for (char c : out->cgroup_name)
+    cgroup_ok = cgroup_ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.');
+  if (!cgroup_ok || out->cgroup_name[0] == '.')
+    r.error(*t.get("cgroup_name") ? *t.get("cgroup_name") : static_cast<const toml::node&>(t), "node.cgroup_name",
+            "must be 1-64 characters of [A-Za-z0-9._-] not starting with a dot");
+  r.string("init_path", &out->init_path);
+  out->init_path = resolve_path(base_dir, out->init_path);
+}
+
+bool valid_domain(std::string_view d) {
+  if (d.empty() || d.size() > 200 || d.front() == '.' || d.back() == '.') return false;
+  size_t label = 0;
+  for (char c : d) {
+    if (c == '.') {
+      if (label == 0) return false;
+      label = 0;
+      continue;
+    }
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-')) return false;
+    if (++label > 63) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+uint16_t Config::url_port() const {
+  if (proxy.public_port != 0) return proxy.public_port;
+  return proxy.listen.empty() ? 443 : proxy.listen.front().port;
+}
+
+std::string Config::port_url(uint16_t port, std::string_view name) const {
+  std::string url = "https://" + std::to_string(port) + "-" + std::string(name) + "." + domain;
+  if (url_port() != 443) url += ":" + std::to_string(url_port());
+  return url + "/";
+}
+
+Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, std::string_view source_name,
+                                                         const std::string& base_dir) {
+  toml::parse_result parsed = toml::parse(text, source_name);
+  if (!parsed) {
+    const auto& err = parsed.error();
+    return fail(Error::kInvalidArgument, std::string(source_name) + ":" + std::to_string(err.source().begin.line) +
+                                             ": " + std::string(err.description()));
+  }
+  const toml::table& root = parsed.table();
+  auto cfg = std::make_shared<Config>();
+  cfg->source = std::string(source_name);
+  cfg->node_socket = Endpoint{Endpoint::Kind::kUnix, "", 0, "/run/sandgate/node.sock"};
+  cfg->proxy.listen = {*parse_endpoint("127.0.0.1:8443")};
+  std::vector<std::string> errors;
+  {
+    TableReader r(root, "", source_name, &errors);
+    r.string("domain", &cfg->domain);
+    if (!valid_domain(cfg->domain) && r.find("domain"))
+      r.error(*root.get("domain"), "domain", "must be a lowercase DNS name such as sandbox.example.com");
+    std::vector<Endpoint> sock;
+    r.endpoints("node_socket", &sock, true);
+    if (!sock.empty()) {
+      if (sock.size() != 1 || sock[0].kind != Endpoint::Kind::kUnix)
+        r.error(*root.get("node_socket"), "node_socket", "must be one unix:/path");
+      else
+        cfg->node_socket = sock[0];
+    }
+    cfg->node_socket.path = resolve_path(base_dir, cfg->node_socket.path);
+    r.string("log_level", &cfg->log_level);
+    static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "off"};
+    if (!kLevels.count(cfg->log_level))
+      r.error(*root.get("log_level"), "log_level", "must be one of trace, debug, info, warn, error, off");
+    for (const char* section : {"proxy", "node"}) {
+      const toml::node* n = r.find(section);
+      if (!n) continue;
+      const toml::table* t = n->as_table();
+      if (!t) {
+        r.error(*n, section, "must be a table");
+        continue;
+      }
+      if (std::string_view(section) == "proxy") read_proxy(*t, source_name, base_dir, &errors, &cfg->proxy);
+      else read_node(*t, source_name, base_dir, &errors, &cfg->node);
+    }
+  }
+  if (cfg->proxy.listen.empty()) errors.push_back(std::string(source_name) + ": proxy.listen: needs at least one address");
+  if (!errors.empty()) {
+    std::string joined;
+    for (auto& e : errors) joined += (joined.empty() ? "" : "\n") + e;
+    return fail(Error::kInvalidArgument, joined);
+  }
+  return std::shared_ptr<const Config>(std::move(cfg));
+}
+
+Result<std::shared_ptr<const Config>> load_config_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return fail(Error::kNotFound, "cannot read config file " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto slash = path.rfind('/');
+  std::string base_dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
+  return load_config_string(ss.str(), path, base_dir);
+}
+
+}  // namespace sg

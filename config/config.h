@@ -1,0 +1,85 @@
+// Typed, validated configuration shared by sandgate-node and sandgate-proxy (one TOML file for both).
+// A Config is immutable once loaded; reload builds a new one and swaps the pointer whole (ConfigHolder).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+#include "common/net.h"
+
+namespace sg {
+
+enum class KtlsMode { kAuto, kOn, kOff };
+enum class ShutdownPolicy { kKeep, kTerminate };
+
+struct CertificateConfig {
+  std::string cert_file;
+  std::string key_file;
+};
+
+struct ProxyConfig {
+  std::vector<Endpoint> listen;     // default 127.0.0.1:8443
+  uint16_t public_port = 0;         // port printed in URLs; 0 = the first listen port
+  unsigned workers = 0;             // 0 = one per CPU
+  std::vector<CertificateConfig> certificates;  // the first one is the default (no or unknown SNI)
+  KtlsMode ktls = KtlsMode::kAuto;
+  uint32_t handshake_timeout_ms = 10'000;
+  uint32_t request_head_timeout_ms = 10'000;
+  uint32_t max_request_head_bytes = 16 * 1024;
+  uint32_t max_connections = 10'000;
+  uint32_t max_connections_per_sandbox = 512;
+  uint32_t wake_timeout_ms = 30'000;
+  uint32_t idle_timeout_secs = 600;      // a forwarded connection with no bytes either way is closed
+  uint32_t connect_timeout_ms = 5'000;   // proxy -> sandbox TCP connect
+  uint32_t activity_report_interval_ms = 1'000;
+  std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
+};
+
+struct NodeConfig {
+  std::string state_dir = "/var/lib/sandgate";
+  std::vector<Endpoint> api_listen;     // extra TCP listeners for the node API (loopback); unix socket always
+  uint32_t default_timeout_secs = 300;
+  uint32_t max_sandboxes = 1000;
+  uint32_t max_timeout_secs = 7 * 24 * 3600;
+  ShutdownPolicy on_shutdown = ShutdownPolicy::kKeep;
+  std::string cgroup_name = "sandgate";  // parent cgroup under each hierarchy; differs per node copy
+  std::string init_path;                 // sandgate-init; empty = next to the sandgate-node binary
+  uint32_t suspend_timeout_ms = 10'000;  // a freeze that does not complete by then fails the transition
+};
+
+struct Config {
+  std::string source;            // file the snapshot came from ("<defaults>" for the embedded one)
+  std::string domain = "sandbox.localhost";
+  Endpoint node_socket;          // node API unix socket: proxy and CLI talk to the node through it
+  std::string log_level = "info";
+  ProxyConfig proxy;
+  NodeConfig node;
+
+  uint16_t url_port() const;
+  // https://<port>-<name>.<domain>[:port]/
+  std::string port_url(uint16_t port, std::string_view name) const;
+};
+
+// Parses and validates. Errors name the file, line and key: "conf.toml:12: proxy.workers: must be <= 256".
+Result<std::shared_ptr<const Config>> load_config_file(const std::string& path);
+Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, std::string_view source_name,
+                                                         const std::string& base_dir = ".");
+
+// The currently active snapshot. Readers take a shared_ptr at the start of a unit of work (a connection,
+// a request) and keep using it even if a reload swaps in another one meanwhile.
+class ConfigHolder {
+ public:
+  explicit ConfigHolder(std::shared_ptr<const Config> initial) : current_(std::move(initial)) {}
+  std::shared_ptr<const Config> get() const { return current_.load(std::memory_order_acquire); }
+  void swap(std::shared_ptr<const Config> next) { current_.store(std::move(next), std::memory_order_release); }
+
+ private:
+  std::atomic<std::shared_ptr<const Config>> current_;
+};
+
+}  // namespace sg
