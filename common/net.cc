@@ -7,6 +7,7 @@
 #include <poll.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <charconv>
 #include <cstring>
 

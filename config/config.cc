@@ -6,6 +6,7 @@
 
 // Config loading reports every error as a value; toml++ must not throw.
 #define TOML_EXCEPTIONS 0
+#define TOML_HEADER_ONLY 1
 #include <toml++/toml.h>
 
 namespace sg {
@@ -163,7 +164,7 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   for (char c : out->cgroup_name)
     cgroup_ok = cgroup_ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.');
   if (!cgroup_ok || out->cgroup_name[0] == '.')
-    r.error(*t.get("cgroup_name") ? *t.get("cgroup_name") : static_cast<const toml::node&>(t), "node.cgroup_name",
+    r.error(t.get("cgroup_name") ? *t.get("cgroup_name") : static_cast<const toml::node&>(t), "node.cgroup_name",
             "must be 1-64 characters of [A-Za-z0-9._-] not starting with a dot");
   r.string("init_path", &out->init_path);
   out->init_path = resolve_path(base_dir, out->init_path);

@@ -1,0 +1,81 @@
+// One JSON object per line per connection, written when the connection ends, with the recorded reason it
+// ended. Shared by all workers: a line is formatted on the worker and written under a mutex in one write.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "common/error.h"
+
+namespace sg {
+
+// Why a connection ended. Every connection records exactly one; the access log prints it as "cause".
+enum class TerminationCause {
+  kClientClosed,        // forwarding finished after the client closed first
+  kUpstreamClosed,      // forwarding finished after the sandbox closed first
+  kClientReset,         // I/O error on the client side (reset, broken TLS record)
+  kUpstreamReset,       // I/O error on the sandbox side
+  kHandshakeFailed,     // not TLS, no shared cipher, bad ClientHello
+  kHandshakeTimeout,
+  kUnknownSni,          // SNI names a host this ingress does not serve
+  kHeadTimeout,         // no complete request head in time
+  kHeadTooLarge,
+  kBadRequest,          // malformed HTTP or Host
+  kMisdirected,         // Host outside our domain or not matching SNI
+  kUnknownSandbox,
+  kPortNotExposed,
+  kNotServed,           // a route kind this ingress does not serve (yet)
+  kSandboxConnLimit,
+  kTooManyConnections,
+  kWakeFailed,
+  kWakeTimeout,
+  kNodeUnavailable,
+  kUpstreamConnectFailed,
+  kUpstreamConnectTimeout,
+  kIdleTimeout,
+  kKtlsRequired,        // ktls = on and this connection could not be offloaded
+  kShutdown,
+};
+
+std::string_view cause_name(TerminationCause c);
+
+struct AccessRecord {
+  std::chrono::system_clock::time_point started_at;
+  std::chrono::steady_clock::time_point started_steady;
+  std::string client;
+  std::string sni;
+  std::string host;
+  std::string sandbox_id;
+  std::string sandbox;  // the name or id used in the host
+  uint16_t port = 0;
+  int status = 0;  // HTTP status when the proxy answered itself; 0 when forwarded
+  uint64_t bytes_in = 0;   // client -> sandbox
+  uint64_t bytes_out = 0;  // sandbox -> client
+  bool woke = false;
+  double wake_ms = 0;
+  std::string tls_version;
+  std::string data_path;  // "userspace", "ktls-tx-only", "ktls-splice"
+  TerminationCause cause = TerminationCause::kClientClosed;
+  std::string detail;     // e.g. the OpenSSL error for a failed handshake
+};
+
+class AccessLog {
+ public:
+  // "-" = stdout, "" = disabled, else a file opened for append.
+  static Result<std::unique_ptr<AccessLog>> open(const std::string& target);
+  ~AccessLog();
+  void write(const AccessRecord& r);
+  static std::string format(const AccessRecord& r);
+
+ private:
+  std::mutex mu_;
+  FILE* out_ = nullptr;
+  bool owned_ = false;
+};
+
+}  // namespace sg

@@ -1,0 +1,504 @@
+#include "proxy/connection.h"
+
+#include <netinet/in.h>
+#include <openssl/err.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "proxy/worker.h"
+
+namespace sg {
+namespace {
+
+// Per direction. A TLS record carries at most 16 KiB; two records per read keeps syscalls per byte low.
+constexpr size_t kForwardBufferBytes = 32 * 1024;
+
+uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
+
+}  // namespace
+
+Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
+    : worker_(worker),
+      cfg_(worker->shared()->config.get()),
+      tls_(worker->shared()->tls.load()),
+      client_fd_(std::move(client)),
+      // The head must fit in the buffer that later forwards it; one byte more detects "too large".
+      c2u_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
+  rec_.started_at = std::chrono::system_clock::now();
+  rec_.started_steady = std::chrono::steady_clock::now();
+  rec_.client = std::move(peer);
+  uv_loop_t* loop = worker_->loop();
+  uv_poll_init(loop, &client_poll_, client_fd_.get());
+  uv_timer_init(loop, &deadline_);
+  uv_timer_init(loop, &idle_timer_);
+  client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = this;
+  handles_open_ = 3;
+}
+
+Connection::~Connection() {
+  if (ssl_) SSL_free(ssl_);
+}
+
+void Connection::start() {
+  ssl_ = SSL_new(tls_->default_ctx());
+  if (!ssl_) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
+  SSL_set_fd(ssl_, client_fd_.get());
+  SSL_set_accept_state(ssl_);
+  SSL_set_ex_data(ssl_, sni_ex_index(), &rec_.sni);
+  arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
+  do_handshake();
+}
+
+void Connection::arm_deadline(uint32_t ms, TerminationCause cause) {
+  deadline_cause_ = cause;
+  uv_timer_start(&deadline_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_deadline(); }, ms, 0);
+}
+
+void Connection::on_deadline() {
+  switch (phase_) {
+    case Phase::kReadHead:
+      return respond(408, "request head not received in time\n", TerminationCause::kHeadTimeout);
+    case Phase::kOpening:
+      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, "Retry-After: 5\r\n");
+    case Phase::kConnecting:
+      return respond(504, "sandbox port did not accept the connection in time\n",
+                     TerminationCause::kUpstreamConnectTimeout);
+    default:
+      return close(deadline_cause_);
+  }
+}
+
+void Connection::on_idle_timer() {
+  uint64_t idle_ms = uint64_t{cfg_->proxy.idle_timeout_secs} * 1000;
+  uint64_t quiet = now_ms(worker_->loop()) - last_activity_ms_;
+  if (quiet >= idle_ms) return close(TerminationCause::kIdleTimeout);
+  // Activity is recorded as a timestamp (no timer restart per read); re-arm for the remainder.
+  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
+                 idle_ms - quiet, 0);
+}
+
+void Connection::update_interest() {
+  if (phase_ == Phase::kClosed) return;
+  int want_client = 0;
+  int want_upstream = 0;
+  switch (phase_) {
+    case Phase::kHandshake:
+      want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
+      break;
+    case Phase::kReadHead:
+      want_client = UV_READABLE;
+      break;
+    case Phase::kOpening:
+      break;  // nothing to read until the sandbox is there; the deadline bounds the wait
+    case Phase::kConnecting:
+      want_upstream = UV_WRITABLE;
+      break;
+    case Phase::kResponding:
+      want_client = UV_WRITABLE;
+      break;
+    case Phase::kForwarding:
+      if (!client_eof_ && c2u_.space() > 0) want_client |= UV_READABLE;
+      if (u2c_->readable() > 0 || (upstream_eof_ && !client_shut_)) want_client |= UV_WRITABLE;
+      if (!upstream_eof_ && u2c_->space() > 0) want_upstream |= UV_READABLE;
+      if (c2u_.readable() > 0) want_upstream |= UV_WRITABLE;
+      break;
+    case Phase::kClosed:
+      return;
+  }
+  auto client_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_client_io(st, ev); };
+  auto upstream_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_upstream_io(st, ev); };
+  if (want_client != client_events_) {
+    client_events_ = want_client;
+    if (want_client) uv_poll_start(&client_poll_, want_client, client_cb);
+    else uv_poll_stop(&client_poll_);
+  }
+  if (upstream_poll_started_ && want_upstream != upstream_events_) {
+    upstream_events_ = want_upstream;
+    if (want_upstream) uv_poll_start(&upstream_poll_, want_upstream, upstream_cb);
+    else uv_poll_stop(&upstream_poll_);
+  }
+}
+
+void Connection::on_client_io(int status, int) {
+  if (status < 0) {
+    if (phase_ == Phase::kForwarding || phase_ == Phase::kResponding)
+      return close(TerminationCause::kClientReset, uv_strerror(status));
+    return close(TerminationCause::kClientClosed, uv_strerror(status));
+  }
+  switch (phase_) {
+    case Phase::kHandshake: return do_handshake();
+    case Phase::kReadHead: return read_head();
+    case Phase::kResponding: return flush_response();
+    case Phase::kForwarding: return pump();
+    default: return;
+  }
+}
+
+void Connection::on_upstream_io(int status, int) {
+  if (phase_ == Phase::kConnecting) return finish_connect();
+  if (status < 0) return close(TerminationCause::kUpstreamReset, uv_strerror(status));
+  if (phase_ == Phase::kForwarding) pump();
+}
+
+void Connection::do_handshake() {
+  ERR_clear_error();
+  int r = SSL_do_handshake(ssl_);
+  if (r == 1) return after_handshake();
+  int err = SSL_get_error(ssl_, r);
+  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+    handshake_wants_write_ = err == SSL_ERROR_WANT_WRITE;
+    return update_interest();
+  }
+  if (!rec_.sni.empty() && tls_->select(rec_.sni) == nullptr)
+    return close(TerminationCause::kUnknownSni, "no certificate for " + rec_.sni);
+  std::string detail = err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0
+                           ? std::string("connection closed during handshake")
+                           : take_ssl_error();
+  close(TerminationCause::kHandshakeFailed, detail);
+}
+
+void Connection::after_handshake() {
+  rec_.tls_version = SSL_get_version(ssl_);
+  bool ktls_tx = BIO_get_ktls_send(SSL_get_wbio(ssl_));
+  bool ktls_rx = BIO_get_ktls_recv(SSL_get_rbio(ssl_));
+  // Record crypto in the kernel still moves plaintext through SSL_read/SSL_write here; splice comes with
+  // the zero-copy data path. The label says what ran.
+  rec_.data_path = ktls_tx && ktls_rx ? "ktls-userspace" : ktls_tx ? "ktls-tx-only" : "userspace";
+  if (cfg_->proxy.ktls == KtlsMode::kOn && !ktls_tx)
+    return close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
+  phase_ = Phase::kReadHead;
+  head_parser_ = std::make_unique<HttpParser>(
+      HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
+  arm_deadline(cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
+  read_head();
+}
+
+void Connection::read_head() {
+  for (;;) {
+    ERR_clear_error();
+    int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
+    if (n <= 0) {
+      int err = SSL_get_error(ssl_, n);
+      if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return update_interest();
+      if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
+        return close(TerminationCause::kClientClosed, "closed before a request head");
+      return close(TerminationCause::kClientReset, take_ssl_error());
+    }
+    const char* fresh = c2u_.write_ptr();
+    c2u_.produced(static_cast<size_t>(n));
+    switch (head_parser_->feed(fresh, static_cast<size_t>(n))) {
+      case HttpParser::State::kNeedMore:
+        continue;
+      case HttpParser::State::kHeadComplete:
+      case HttpParser::State::kMessageComplete:
+        return on_head();
+      case HttpParser::State::kError:
+        if (head_parser_->failure().code == Error::kLimitExceeded)
+          return respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
+        return respond(400, head_parser_->failure().message + "\n", TerminationCause::kBadRequest);
+    }
+  }
+}
+
+void Connection::on_head() {
+  const HttpMessage& msg = head_parser_->message();
+  const std::string* host_header = msg.header("host");
+  std::string host = host_header ? *host_header : rec_.sni;
+  rec_.host = host;
+  if (host.empty()) return respond(400, "missing Host header\n", TerminationCause::kBadRequest);
+  // The connection is bound to what its first request names; a Host that contradicts the TLS server name
+  // would let one certificate's connection reach another name's sandbox.
+  if (!rec_.sni.empty() && normalize_host(host) != rec_.sni)
+    return respond(421, "Host does not match the TLS server name\n", TerminationCause::kMisdirected);
+  auto route = parse_route(host, cfg_->domain);
+  if (!route) {
+    if (route.error() == Error::kNotFound) return respond(421, route.message() + "\n", TerminationCause::kMisdirected);
+    return respond(400, route.message() + "\n", TerminationCause::kBadRequest);
+  }
+  route_ = std::move(*route);
+  rec_.sandbox = route_.target;
+  if (route_.kind != RouteKind::kPort) {
+    return respond(404,
+                   route_.kind == RouteKind::kApi ? "the node API is not served on this ingress\n"
+                                                  : "use https://<port>-<sandbox>." + cfg_->domain + "/\n",
+                   TerminationCause::kNotServed);
+  }
+  rec_.port = route_.port;
+
+  phase_ = Phase::kOpening;
+  update_interest();
+  uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
+  arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
+  open_started_ms_ = now_ms(worker_->loop());
+  nlohmann::json body = {{"sandbox", route_.target}, {"port", route_.port}};
+  open_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/open", body.dump(),
+                                     wake_ms + 1000,
+                                     "X-Sandgate-Wake-Timeout-Ms: " + std::to_string(wake_ms) + "\r\n",
+                                     [this](Result<NodeResponse> r) { on_open_result(std::move(r)); });
+}
+
+void Connection::on_open_result(Result<NodeResponse> r) {
+  auto request = std::move(open_request_);  // destroyed when this function returns, after its callback
+  if (!r) {
+    if (r.error() == Error::kTimeout)
+      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, "Retry-After: 5\r\n");
+    spdlog::warn("node request failed: {}", r.message());
+    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, "Retry-After: 5\r\n");
+  }
+  NodeResponse& resp = *r;
+  auto json = nlohmann::json::parse(resp.body, nullptr, false);
+  std::string message = json.is_object() && json.contains("message") && json["message"].is_string()
+                            ? json["message"].get<std::string>()
+                            : std::string();
+  switch (resp.status) {
+    case 200:
+      break;
+    case 404:
+      return respond(404, "no sandbox named " + route_.target + "\n", TerminationCause::kUnknownSandbox);
+    case 403:
+      return respond(403, "port " + std::to_string(route_.port) + " is not exposed by sandbox " + route_.target + "\n",
+                     TerminationCause::kPortNotExposed);
+    case 504:
+      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, "Retry-After: 5\r\n");
+    default:
+      rec_.detail = message;
+      return respond(503, "sandbox is not available: " + message + "\n", TerminationCause::kWakeFailed,
+                     "Retry-After: 5\r\n");
+  }
+  if (!json.is_object() || !json.contains("id") || !json["id"].is_string() || !resp.passed_fd.valid()) {
+    return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
+  }
+  rec_.sandbox_id = json["id"].get<std::string>();
+  if (json.contains("woke") && json["woke"].is_boolean()) rec_.woke = json["woke"].get<bool>();
+  if (json.contains("wake_ms") && json["wake_ms"].is_number()) rec_.wake_ms = json["wake_ms"].get<double>();
+
+  ProxyShared* shared = worker_->shared();
+  if (!shared->sandbox_limits.try_acquire(rec_.sandbox_id, cfg_->proxy.max_connections_per_sandbox)) {
+    return respond(429, "too many connections to this sandbox\n", TerminationCause::kSandboxConnLimit,
+                   "Retry-After: 1\r\n");
+  }
+  holds_sandbox_slot_ = true;
+  traffic_ = worker_->traffic().open_connection(rec_.sandbox_id);
+  start_connect(std::move(resp.passed_fd));
+}
+
+void Connection::start_connect(UniqueFd socket) {
+  upstream_fd_ = std::move(socket);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(route_.port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int one = 1;
+  ::setsockopt(upstream_fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
+  upstream_poll_started_ = true;
+  ++handles_open_;
+  phase_ = Phase::kConnecting;
+  if (::connect(upstream_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return begin_forwarding();
+  if (errno != EINPROGRESS) {
+    return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
+                   TerminationCause::kUpstreamConnectFailed);
+  }
+  arm_deadline(cfg_->proxy.connect_timeout_ms, TerminationCause::kUpstreamConnectTimeout);
+  update_interest();
+}
+
+void Connection::finish_connect() {
+  int err = 0;
+  socklen_t len = sizeof err;
+  ::getsockopt(upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+  if (err != 0) {
+    rec_.detail = std::strerror(err);
+    return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
+                   TerminationCause::kUpstreamConnectFailed);
+  }
+  begin_forwarding();
+}
+
+void Connection::begin_forwarding() {
+  uv_timer_stop(&deadline_);
+  phase_ = Phase::kForwarding;
+  head_parser_.reset();
+  u2c_ = std::make_unique<ByteBuffer>(kForwardBufferBytes);
+  // The request head and anything after it are already in c2u_: they count as client bytes.
+  rec_.bytes_in += c2u_.readable();
+  traffic_->bytes_in += c2u_.readable();
+  last_activity_ms_ = now_ms(worker_->loop());
+  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
+                 uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);
+  pump();
+}
+
+// Moves bytes until every side would block, a side finished, or the budget is spent. Polling is
+// level-triggered, so stopping early only yields the loop to other connections; nothing is lost.
+void Connection::pump() {
+  for (int round = 0; round < 8; ++round) {
+    uint64_t before = rec_.bytes_in + rec_.bytes_out;
+    size_t pending_before = c2u_.readable() + u2c_->readable();
+    if (!client_eof_ && c2u_.space() > 0 && !read_client()) return;
+    if (c2u_.readable() > 0 && !write_upstream()) return;
+    if (!upstream_eof_ && u2c_->space() > 0 && !read_upstream()) return;
+    if (u2c_->readable() > 0 && !write_client()) return;
+    if (!handle_half_close()) return;
+    if (rec_.bytes_in + rec_.bytes_out == before && c2u_.readable() + u2c_->readable() == pending_before) break;
+  }
+  update_interest();
+}
+
+bool Connection::read_client() {
+  c2u_.make_room();
+  ERR_clear_error();
+  int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
+  if (n > 0) {
+    c2u_.produced(static_cast<size_t>(n));
+    rec_.bytes_in += static_cast<uint64_t>(n);
+    traffic_->bytes_in += static_cast<uint64_t>(n);
+    last_activity_ms_ = now_ms(worker_->loop());
+    return true;
+  }
+  int err = SSL_get_error(ssl_, n);
+  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return true;
+  if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)) {
+    client_eof_ = true;
+    if (!upstream_eof_) client_closed_first_ = true;
+    return true;
+  }
+  close(TerminationCause::kClientReset, take_ssl_error());
+  return false;
+}
+
+bool Connection::write_upstream() {
+  ssize_t n = ::send(upstream_fd_.get(), c2u_.read_ptr(), c2u_.readable(), MSG_NOSIGNAL);
+  if (n >= 0) {
+    c2u_.consumed(static_cast<size_t>(n));
+    return true;
+  }
+  if (errno == EAGAIN || errno == EINTR) return true;
+  close(TerminationCause::kUpstreamReset, std::strerror(errno));
+  return false;
+}
+
+bool Connection::read_upstream() {
+  u2c_->make_room();
+  ssize_t n = ::recv(upstream_fd_.get(), u2c_->write_ptr(), u2c_->space(), 0);
+  if (n > 0) {
+    u2c_->produced(static_cast<size_t>(n));
+    rec_.bytes_out += static_cast<uint64_t>(n);
+    traffic_->bytes_out += static_cast<uint64_t>(n);
+    last_activity_ms_ = now_ms(worker_->loop());
+    return true;
+  }
+  if (n == 0) {
+    upstream_eof_ = true;
+    return true;
+  }
+  if (errno == EAGAIN || errno == EINTR) return true;
+  close(TerminationCause::kUpstreamReset, std::strerror(errno));
+  return false;
+}
+
+bool Connection::write_client() {
+  ERR_clear_error();
+  int n = SSL_write(ssl_, u2c_->read_ptr(), static_cast<int>(u2c_->readable()));
+  if (n > 0) {
+    u2c_->consumed(static_cast<size_t>(n));
+    return true;
+  }
+  int err = SSL_get_error(ssl_, n);
+  if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return true;
+  close(TerminationCause::kClientReset, err == SSL_ERROR_SYSCALL ? std::strerror(errno) : take_ssl_error());
+  return false;
+}
+
+// A side that finished sending is told so once its buffered bytes are delivered: FIN to the sandbox,
+// close_notify (then FIN) to the client. The connection ends when both directions are done.
+bool Connection::handle_half_close() {
+  if (client_eof_ && c2u_.readable() == 0 && !upstream_shut_) {
+    ::shutdown(upstream_fd_.get(), SHUT_WR);
+    upstream_shut_ = true;
+  }
+  if (upstream_eof_ && u2c_->readable() == 0 && !client_shut_) {
+    ERR_clear_error();
+    int r = SSL_shutdown(ssl_);
+    if (r < 0) {
+      int err = SSL_get_error(ssl_, r);
+      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return true;  // retried when writable
+    }
+    ::shutdown(client_fd_.get(), SHUT_WR);
+    client_shut_ = true;
+  }
+  if (upstream_shut_ && client_shut_) {
+    close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
+    return false;
+  }
+  return true;
+}
+
+void Connection::respond(int status, std::string_view body, TerminationCause cause, std::string_view extra_headers) {
+  rec_.status = status;
+  respond_cause_ = cause;
+  uv_timer_stop(&deadline_);
+  open_request_.reset();
+  std::string out = "HTTP/1.1 " + std::to_string(status) + " " + std::string(http_reason(status)) +
+                    "\r\nServer: sandgate\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: " +
+                    std::to_string(body.size()) + "\r\nConnection: close\r\n" + std::string(extra_headers) + "\r\n" +
+                    std::string(body);
+  u2c_ = std::make_unique<ByteBuffer>(out.size());
+  std::memcpy(u2c_->write_ptr(), out.data(), out.size());
+  u2c_->produced(out.size());
+  phase_ = Phase::kResponding;
+  // A response must not wait forever on a client that does not read.
+  arm_deadline(cfg_->proxy.request_head_timeout_ms, cause);
+  flush_response();
+}
+
+void Connection::flush_response() {
+  while (u2c_->readable() > 0) {
+    ERR_clear_error();
+    int n = SSL_write(ssl_, u2c_->read_ptr(), static_cast<int>(u2c_->readable()));
+    if (n <= 0) {
+      int err = SSL_get_error(ssl_, n);
+      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return update_interest();
+      return close(respond_cause_, take_ssl_error());
+    }
+    u2c_->consumed(static_cast<size_t>(n));
+  }
+  ERR_clear_error();
+  SSL_shutdown(ssl_);
+  close(respond_cause_);
+}
+
+void Connection::close(TerminationCause cause, std::string detail) {
+  if (phase_ == Phase::kClosed) return;
+  phase_ = Phase::kClosed;
+  rec_.cause = cause;
+  if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
+  open_request_.reset();
+  worker_->shared()->access_log->write(rec_);
+  if (holds_sandbox_slot_) worker_->shared()->sandbox_limits.release(rec_.sandbox_id);
+  if (traffic_) worker_->traffic().close_connection(rec_.sandbox_id);
+  worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);
+  worker_->forget(this);
+
+  auto on_closed = [](uv_handle_t* h) {
+    auto* self = static_cast<Connection*>(h->data);
+    if (--self->handles_open_ == 0) delete self;
+  };
+  // Stop polling before the descriptors close (libuv must not watch a closed fd), then free the handles.
+  uv_close(reinterpret_cast<uv_handle_t*>(&client_poll_), on_closed);
+  if (upstream_poll_started_) uv_close(reinterpret_cast<uv_handle_t*>(&upstream_poll_), on_closed);
+  uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
+  uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
+  if (ssl_) {
+    SSL_free(ssl_);
+    ssl_ = nullptr;
+  }
+  client_fd_.reset();
+  upstream_fd_.reset();
+}
+
+}  // namespace sg

@@ -1,0 +1,135 @@
+// One client connection through the ingress, following its path: accept -> TLS handshake (ClientHello
+// picks the certificate) -> first request head -> route -> ask the node to open the sandbox port (waking
+// it if needed) -> connect -> forward bytes both ways until both sides are done. Two timers, as in h2o: a
+// deadline for whichever phase is waiting (handshake, head, wake, connect) and an idle timer while
+// forwarding. Every connection ends in close(cause), which writes the access log line.
+#pragma once
+
+#include <openssl/ssl.h>
+#include <uv.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "common/fd.h"
+#include "common/http.h"
+#include "proxy/access_log.h"
+#include "proxy/node_client.h"
+#include "proxy/route.h"
+#include "proxy/tls.h"
+#include "proxy/traffic.h"
+
+namespace sg {
+
+class Worker;
+struct Config;
+
+// A fixed-size byte buffer filled at the end and drained from the front; never reallocated.
+class ByteBuffer {
+ public:
+  explicit ByteBuffer(size_t capacity) : data_(new char[capacity]), cap_(capacity) {}
+  char* read_ptr() { return data_.get() + start_; }
+  size_t readable() const { return end_ - start_; }
+  char* write_ptr() { return data_.get() + end_; }
+  size_t space() const { return cap_ - end_; }
+  void produced(size_t n) { end_ += n; }
+  void consumed(size_t n) {
+    start_ += n;
+    if (start_ == end_) start_ = end_ = 0;
+  }
+  // Moves unread bytes to the front when the tail is full (rare: only after a partial drain).
+  void make_room() {
+    if (end_ == cap_ && start_ > 0) {
+      std::memmove(data_.get(), data_.get() + start_, end_ - start_);
+      end_ -= start_;
+      start_ = 0;
+    }
+  }
+  void clear() { start_ = end_ = 0; }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t cap_;
+  size_t start_ = 0;
+  size_t end_ = 0;
+};
+
+class Connection {
+ public:
+  Connection(Worker* worker, UniqueFd client, std::string peer);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  void start();
+  void close(TerminationCause cause, std::string detail = {});
+
+ private:
+  enum class Phase { kHandshake, kReadHead, kOpening, kConnecting, kForwarding, kResponding, kClosed };
+
+  void on_client_io(int status, int events);
+  void on_upstream_io(int status, int events);
+  void on_deadline();
+  void on_idle_timer();
+
+  void do_handshake();
+  void after_handshake();
+  void read_head();
+  void on_head();
+  void on_open_result(Result<NodeResponse> r);
+  void start_connect(UniqueFd socket);
+  void finish_connect();
+  void begin_forwarding();
+  void pump();
+  void respond(int status, std::string_view body, TerminationCause cause, std::string_view extra_headers = {});
+  void flush_response();
+  void arm_deadline(uint32_t ms, TerminationCause cause);
+  void update_interest();
+
+  // Forwarding primitives; each returns false when the connection was closed.
+  bool read_client();
+  bool write_client();
+  bool read_upstream();
+  bool write_upstream();
+  bool handle_half_close();
+
+  Worker* worker_;
+  std::shared_ptr<const Config> cfg_;
+  std::shared_ptr<TlsContexts> tls_;
+  Phase phase_ = Phase::kHandshake;
+  UniqueFd client_fd_;
+  UniqueFd upstream_fd_;
+  SSL* ssl_ = nullptr;
+  uv_poll_t client_poll_{};
+  uv_poll_t upstream_poll_{};
+  bool upstream_poll_started_ = false;
+  uv_timer_t deadline_{};
+  uv_timer_t idle_timer_{};
+  int handles_open_ = 0;
+  TerminationCause deadline_cause_ = TerminationCause::kHandshakeTimeout;
+  int client_events_ = 0;    // currently polled
+  int upstream_events_ = 0;
+  bool handshake_wants_write_ = false;
+
+  std::unique_ptr<HttpParser> head_parser_;
+  ByteBuffer c2u_;                  // client -> upstream; also holds the request head until forwarded
+  std::unique_ptr<ByteBuffer> u2c_; // upstream -> client (or the proxy's own response)
+  Route route_;
+  std::unique_ptr<NodeRequest> open_request_;
+  uint64_t open_started_ms_ = 0;
+
+  SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
+  bool holds_sandbox_slot_ = false;
+  bool client_eof_ = false;
+  bool upstream_eof_ = false;
+  bool upstream_shut_ = false;       // FIN sent to the sandbox
+  bool client_shut_ = false;         // close_notify sent to the client
+  bool client_closed_first_ = false;
+  uint64_t last_activity_ms_ = 0;
+  TerminationCause respond_cause_ = TerminationCause::kBadRequest;
+
+  AccessRecord rec_;
+};
+
+}  // namespace sg

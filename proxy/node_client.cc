@@ -1,0 +1,111 @@
+#include "proxy/node_client.h"
+
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace sg {
+namespace {
+
+template <typename Handle>
+void close_and_free(Handle* h) {
+  if (h == nullptr) return;
+  uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
+}
+
+}  // namespace
+
+std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, const Endpoint& node, std::string method,
+                                                std::string path, std::string body, uint32_t timeout_ms,
+                                                std::string extra_headers, Callback done) {
+  std::unique_ptr<NodeRequest> req(new NodeRequest());
+  req->loop_ = loop;
+  req->done_ = std::move(done);
+  req->out_ = method + " " + path + " HTTP/1.1\r\nHost: sandgate-node\r\nConnection: close\r\n" + extra_headers;
+  if (!body.empty() || method == "POST")
+    req->out_ += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+  req->out_ += "\r\n" + body;
+
+  req->timer_ = new uv_timer_t;
+  uv_timer_init(loop, req->timer_);
+  req->timer_->data = req.get();
+
+  auto sa = to_sockaddr(node);
+  int fd = sa ? ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0) : -1;
+  if (fd < 0 || ::connect(fd, sa->get(), sa->len) != 0) {
+    int err = errno;
+    if (fd >= 0) ::close(fd);
+    // Delivered from the loop (timer 0), as promised, not from inside start().
+    req->connect_failure_ = fail(Error::kUnavailable,
+                                 "cannot reach sandgate-node at " + node.to_string() + ": " + std::strerror(err));
+    timeout_ms = 0;
+  }
+  uv_timer_start(
+      req->timer_,
+      [](uv_timer_t* t) {
+        auto* self = static_cast<NodeRequest*>(t->data);
+        if (self->connect_failure_) return self->finish(*self->connect_failure_);
+        self->finish(fail(Error::kTimeout, "sandgate-node did not answer in time"));
+      },
+      timeout_ms, 0);
+  if (req->connect_failure_) return req;
+  req->fd_.reset(fd);
+  req->poll_ = new uv_poll_t;
+  uv_poll_init(loop, req->poll_, fd);
+  req->poll_->data = req.get();
+  req->arm(UV_WRITABLE);
+  return req;
+}
+
+NodeRequest::~NodeRequest() {
+  close_and_free(poll_);
+  close_and_free(timer_);
+}
+
+void NodeRequest::arm(int events) {
+  uv_poll_start(poll_, events, [](uv_poll_t* p, int status, int ev) {
+    static_cast<NodeRequest*>(p->data)->on_io(status, ev);
+  });
+}
+
+void NodeRequest::on_io(int status, int events) {
+  if (status < 0) return finish(fail(Error::kIo, std::string("node socket: ") + uv_strerror(status)));
+  if ((events & UV_WRITABLE) && out_off_ < out_.size()) {
+    ssize_t n = ::send(fd_.get(), out_.data() + out_off_, out_.size() - out_off_, MSG_NOSIGNAL);
+    if (n < 0 && errno != EAGAIN) return finish(fail_errno("send to sandgate-node", errno));
+    if (n > 0) out_off_ += static_cast<size_t>(n);
+    if (out_off_ == out_.size()) arm(UV_READABLE);
+    return;
+  }
+  if (!(events & UV_READABLE)) return;
+  char buf[8192];
+  for (;;) {
+    bool would_block = false;
+    auto n = recv_with_fd(fd_.get(), buf, sizeof buf, &passed_fd_, &would_block);
+    if (!n) return finish(n.failure());
+    if (would_block) return;
+    HttpParser::State st = *n == 0 ? parser_.finish() : parser_.feed(buf, *n);
+    if (st == HttpParser::State::kError)
+      return finish(fail(Error::kUnavailable, "bad answer from sandgate-node: " + parser_.failure().message));
+    if (st == HttpParser::State::kMessageComplete) {
+      NodeResponse r;
+      r.status = parser_.message().status;
+      r.body = std::move(parser_.message().body);
+      r.passed_fd = std::move(passed_fd_);
+      return finish(std::move(r));
+    }
+  }
+}
+
+void NodeRequest::finish(Result<NodeResponse> r) {
+  if (finished_) return;
+  finished_ = true;
+  if (poll_) uv_poll_stop(poll_);
+  uv_timer_stop(timer_);
+  fd_.reset();
+  Callback done = std::move(done_);
+  done(std::move(r));  // may destroy *this; nothing touches members afterwards
+}
+
+}  // namespace sg

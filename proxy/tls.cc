@@ -1,0 +1,171 @@
+#include "proxy/tls.h"
+
+#include <openssl/err.h>
+#include <openssl/x509v3.h>
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+
+namespace sg {
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return out;
+}
+
+bool name_matches(std::string_view pattern, std::string_view host) {
+  if (pattern.starts_with("*.")) {
+    // A wildcard covers exactly one label, as browsers and curl check it.
+    auto dot = host.find('.');
+    return dot != std::string_view::npos && dot > 0 && host.substr(dot + 1) == pattern.substr(2);
+  }
+  return pattern == host;
+}
+
+std::vector<std::string> certificate_names(X509* cert) {
+  std::vector<std::string> names;
+  auto* sans = static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr));
+  if (sans) {
+    for (int i = 0; i < sk_GENERAL_NAME_num(sans); ++i) {
+      const GENERAL_NAME* gn = sk_GENERAL_NAME_value(sans, i);
+      if (gn->type != GEN_DNS) continue;
+      const unsigned char* data = ASN1_STRING_get0_data(gn->d.dNSName);
+      names.push_back(lower(std::string_view(reinterpret_cast<const char*>(data), ASN1_STRING_length(gn->d.dNSName))));
+    }
+    GENERAL_NAMES_free(sans);
+  }
+  if (names.empty()) {
+    char cn[256] = {0};
+    if (X509_NAME_get_text_by_NID(X509_get_subject_name(cert), NID_commonName, cn, sizeof cn) > 0)
+      names.push_back(lower(cn));
+  }
+  return names;
+}
+
+// The server_name extension, parsed by hand because SSL_get_servername is not set yet when the
+// ClientHello callback runs. Malformed input yields "" and the handshake proceeds as without SNI.
+std::string extract_sni(SSL* ssl) {
+  const unsigned char* p = nullptr;
+  size_t len = 0;
+  if (!SSL_client_hello_get0_ext(ssl, TLSEXT_TYPE_server_name, &p, &len) || len < 5) return {};
+  size_t list_len = (size_t(p[0]) << 8) | p[1];
+  if (list_len + 2 != len || p[2] != TLSEXT_NAMETYPE_host_name) return {};
+  size_t name_len = (size_t(p[3]) << 8) | p[4];
+  if (name_len == 0 || name_len + 5 > len || name_len > 255) return {};
+  return lower(std::string_view(reinterpret_cast<const char*>(p + 5), name_len));
+}
+
+int select_alpn(SSL*, const unsigned char** out, unsigned char* outlen, const unsigned char* in, unsigned inlen,
+                void*) {
+  // Only HTTP/1.1 until the HTTP/2 front end exists; a client offering only h2 gets no ALPN and must cope.
+  static const unsigned char kHttp11[] = {8, 'h', 't', 't', 'p', '/', '1', '.', '1'};
+  unsigned char* selected = nullptr;
+  if (SSL_select_next_proto(&selected, outlen, kHttp11, sizeof kHttp11, in, inlen) == OPENSSL_NPN_NEGOTIATED) {
+    *out = selected;
+    return SSL_TLSEXT_ERR_OK;
+  }
+  return SSL_TLSEXT_ERR_NOACK;
+}
+
+}  // namespace
+
+int sni_ex_index() {
+  static int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
+  return index;
+}
+
+std::string take_ssl_error() {
+  unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  if (e == 0) return "no OpenSSL error";
+  char buf[256];
+  ERR_error_string_n(e, buf, sizeof buf);
+  return buf;
+}
+
+SSL_CTX* TlsContexts::select(std::string_view sni) const {
+  if (sni.empty()) return default_ctx();
+  for (const auto& c : certs_)
+    for (const auto& n : c.names)
+      if (name_matches(n, sni)) return c.ctx.get();
+  // Names under our domain that no certificate covers (e.g. two labels deep) still get the default
+  // certificate so the client sees a clear HTTP error instead of an opaque alert.
+  if (sni.size() > domain_.size() && sni.ends_with(domain_) && sni[sni.size() - domain_.size() - 1] == '.')
+    return default_ctx();
+  return nullptr;
+}
+
+int TlsContexts::on_client_hello(SSL* ssl, int* alert, void* arg) {
+  auto* self = static_cast<TlsContexts*>(arg);
+  std::string sni = extract_sni(ssl);
+  SSL_CTX* ctx = self->select(sni);
+  if (auto* slot = static_cast<std::string*>(SSL_get_ex_data(ssl, sni_ex_index()))) *slot = sni;
+  if (ctx == nullptr) {
+    *alert = SSL_AD_UNRECOGNIZED_NAME;
+    return SSL_CLIENT_HELLO_ERROR;
+  }
+  if (ctx != SSL_get_SSL_CTX(ssl)) SSL_set_SSL_CTX(ssl, ctx);
+  return SSL_CLIENT_HELLO_SUCCESS;
+}
+
+Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
+  if (cfg.proxy.certificates.empty())
+    return fail(Error::kInvalidArgument, "proxy.certificates: at least one certificate is needed");
+  auto self = std::make_shared<TlsContexts>();
+  self->domain_ = cfg.domain;
+  self->ktls_requested_ = cfg.proxy.ktls != KtlsMode::kOff;
+  for (const auto& cc : cfg.proxy.certificates) {
+    SslCtxPtr ctx(SSL_CTX_new(TLS_server_method()));
+    if (!ctx) return fail(Error::kInternal, "SSL_CTX_new: " + take_ssl_error());
+    SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
+    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE |
+                                      // A peer that closes without close_notify is an ordinary EOF.
+                                      SSL_OP_IGNORE_UNEXPECTED_EOF);
+    if (self->ktls_requested_) SSL_CTX_set_options(ctx.get(), SSL_OP_ENABLE_KTLS);
+    // Partial writes let the forwarder drain a buffer across several socket-writable events.
+    // Buffers are kept for the connection's life (no SSL_MODE_RELEASE_BUFFERS): no allocation per read.
+    SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+    SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);
+    if (SSL_CTX_use_certificate_chain_file(ctx.get(), cc.cert_file.c_str()) != 1)
+      return fail(Error::kInvalidArgument, "certificate " + cc.cert_file + ": " + take_ssl_error());
+    if (SSL_CTX_use_PrivateKey_file(ctx.get(), cc.key_file.c_str(), SSL_FILETYPE_PEM) != 1)
+      return fail(Error::kInvalidArgument, "private key " + cc.key_file + ": " + take_ssl_error());
+    if (SSL_CTX_check_private_key(ctx.get()) != 1)
+      return fail(Error::kInvalidArgument, "private key " + cc.key_file + " does not match " + cc.cert_file);
+    SSL_CTX_set_alpn_select_cb(ctx.get(), select_alpn, nullptr);
+    SSL_CTX_set_client_hello_cb(ctx.get(), on_client_hello, self.get());
+    Cert cert;
+    cert.names = certificate_names(SSL_CTX_get0_certificate(ctx.get()));
+    cert.ctx = std::move(ctx);
+    self->certs_.push_back(std::move(cert));
+  }
+  return self;
+}
+
+}  // namespace sg
+
+namespace sg {
+
+std::string ktls_unavailable_reason() {
+  auto listener = listen_on(*parse_endpoint("127.0.0.1:0"), false, 1);
+  if (!listener) return "probe failed: " + listener.message();
+  auto port = local_port(listener->get());
+  if (!port) return "probe failed: " + port.message();
+  auto client = connect_blocking(*parse_endpoint("127.0.0.1:" + std::to_string(*port)), 1000);
+  if (!client) return "probe failed: " + client.message();
+  if (::setsockopt(client->get(), SOL_TCP, TCP_ULP, "tls", sizeof "tls") != 0) {
+    if (errno == ENOENT) return "the kernel has no TLS ULP (CONFIG_TLS / tls.ko missing)";
+    return std::string("setsockopt(TCP_ULP, tls): ") + std::strerror(errno);
+  }
+  return {};
+}
+
+}  // namespace sg

@@ -1,0 +1,47 @@
+// Per-sandbox accounting at the ingress. Bytes are counted on each worker without atomics (one add per
+// read, on the worker's own thread) and reported to the node as deltas about once a second; the
+// per-sandbox connection limit is the one thing shared across workers.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace sg {
+
+struct SandboxTraffic {
+  uint64_t bytes_in = 0;   // client -> sandbox since the last report
+  uint64_t bytes_out = 0;  // sandbox -> client since the last report
+  uint32_t connections = 0;
+  bool reported_connections_dirty = true;  // the count changed since the last report
+};
+
+// One per worker thread; never touched by another thread.
+class WorkerTraffic {
+ public:
+  // Stable until release_connection() of the last connection and the following report.
+  SandboxTraffic* open_connection(const std::string& sandbox_id);
+  void close_connection(const std::string& sandbox_id);
+
+  // JSON body for POST /v1/internal/activity with the deltas since the previous call, or "" when nothing
+  // changed. Entries with no connections left are dropped after they are reported.
+  std::string take_report(const std::string& reporter);
+
+ private:
+  std::unordered_map<std::string, SandboxTraffic> by_sandbox_;
+};
+
+// Shared by all workers: open connections per sandbox against max_connections_per_sandbox.
+class SandboxConnectionLimits {
+ public:
+  bool try_acquire(const std::string& sandbox_id, uint32_t limit);
+  void release(const std::string& sandbox_id);
+  uint32_t count(const std::string& sandbox_id) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, uint32_t> open_;
+};
+
+}  // namespace sg

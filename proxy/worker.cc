@@ -1,0 +1,107 @@
+#include "proxy/worker.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/log.h"
+#include "proxy/connection.h"
+
+namespace sg {
+
+Worker::Worker(int index, ProxyShared* shared)
+    : index_(index), shared_(shared), reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
+  uv_loop_init(&loop_);
+}
+
+Worker::~Worker() {
+  join();
+  uv_loop_close(&loop_);
+}
+
+Status Worker::start() {
+  auto cfg = shared_->config.get();
+  for (const Endpoint& ep : cfg->proxy.listen) {
+    auto fd = listen_on(ep, /*reuse_port=*/true);
+    if (!fd) return fd.failure();
+    auto poll = std::make_unique<uv_poll_t>();
+    uv_poll_init(&loop_, poll.get(), fd->get());
+    poll->data = this;
+    uv_poll_start(poll.get(), UV_READABLE, [](uv_poll_t* p, int status, int) {
+      uv_os_fd_t fd;
+      if (status == 0 && uv_fileno(reinterpret_cast<uv_handle_t*>(p), &fd) == 0) static_cast<Worker*>(p->data)->on_accept(fd);
+    });
+    listen_fds_.push_back(std::move(*fd));
+    listen_polls_.push_back(std::move(poll));
+  }
+  uv_async_init(&loop_, &stop_async_, [](uv_async_t* a) {
+    auto* self = static_cast<Worker*>(a->data);
+    for (auto& p : self->listen_polls_) uv_close(reinterpret_cast<uv_handle_t*>(p.get()), nullptr);
+    self->listen_fds_.clear();
+    // Closing removes the connection from the set: iterate over a copy.
+    std::vector<Connection*> open(self->connections_.begin(), self->connections_.end());
+    for (Connection* c : open) c->close(TerminationCause::kShutdown);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->report_timer_), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->stop_async_), nullptr);
+    self->report_in_flight_.reset();
+  });
+  stop_async_.data = this;
+  uv_timer_init(&loop_, &report_timer_);
+  report_timer_.data = this;
+  uint32_t interval = cfg->proxy.activity_report_interval_ms;
+  uv_timer_start(&report_timer_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->report_activity(); }, interval,
+                 interval);
+  thread_ = std::thread([this] { run(); });
+  return {};
+}
+
+void Worker::run() { uv_run(&loop_, UV_RUN_DEFAULT); }
+
+void Worker::stop() { uv_async_send(&stop_async_); }
+
+void Worker::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void Worker::on_accept(int listen_fd) {
+  // Bounded so one busy listener cannot starve this loop's established connections.
+  for (int i = 0; i < 64; ++i) {
+    sockaddr_storage peer{};
+    socklen_t len = sizeof peer;
+    int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) return;
+      // EMFILE/ENFILE: the process is out of descriptors; back off until the next readiness event.
+      spdlog::warn("accept: {}", std::strerror(errno));
+      return;
+    }
+    auto cfg = shared_->config.get();
+    uint32_t open = shared_->open_connections.fetch_add(1, std::memory_order_relaxed);
+    auto* conn = new Connection(this, UniqueFd(fd), format_peer(reinterpret_cast<sockaddr*>(&peer)));
+    connections_.insert(conn);
+    if (open >= cfg->proxy.max_connections) {
+      conn->close(TerminationCause::kTooManyConnections);
+      continue;
+    }
+    conn->start();
+  }
+}
+
+void Worker::report_activity() {
+  if (report_in_flight_) return;  // the node is slow; the next report carries the accumulated deltas
+  std::string body = traffic_.take_report(reporter_id_);
+  if (body.empty()) return;
+  auto cfg = shared_->config.get();
+  report_in_flight_ = NodeRequest::start(&loop_, cfg->node_socket, "POST", "/v1/internal/activity", std::move(body),
+                                         5000, {}, [this](Result<NodeResponse> r) {
+                                           if (!r) spdlog::warn("activity report failed: {}", r.message());
+                                           else if (r->status >= 300)
+                                             spdlog::warn("activity report rejected: {} {}", r->status, r->body);
+                                           // Freed after this callback returns (see NodeRequest::finish).
+                                           auto done = std::move(report_in_flight_);
+                                         });
+}
+
+}  // namespace sg

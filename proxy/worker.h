@@ -1,0 +1,75 @@
+// A proxy worker: one thread, one libuv loop, its own SO_REUSEPORT listener per address (the kernel spreads
+// connections across workers), its own connections and traffic counters. Workers share only ProxyShared.
+#pragma once
+
+#include <uv.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "common/fd.h"
+#include "config/config.h"
+#include "proxy/access_log.h"
+#include "proxy/node_client.h"
+#include "proxy/tls.h"
+#include "proxy/traffic.h"
+
+namespace sg {
+
+class Connection;
+
+// State every worker reads. Config and TLS contexts are immutable snapshots swapped whole on reload; a
+// connection keeps the snapshot it started with.
+struct ProxyShared {
+  explicit ProxyShared(std::shared_ptr<const Config> cfg, std::shared_ptr<TlsContexts> tls)
+      : config(std::move(cfg)), tls(std::move(tls)) {}
+  ConfigHolder config;
+  std::atomic<std::shared_ptr<TlsContexts>> tls;
+  std::unique_ptr<AccessLog> access_log;
+  SandboxConnectionLimits sandbox_limits;
+  std::atomic<uint32_t> open_connections{0};
+};
+
+class Worker {
+ public:
+  Worker(int index, ProxyShared* shared);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Binds this worker's listeners (synchronously, so bind errors surface at startup) and starts the thread.
+  Status start();
+  // Asks the loop to close listeners and connections and return; join() waits for that.
+  void stop();
+  void join();
+
+  uv_loop_t* loop() { return &loop_; }
+  ProxyShared* shared() { return shared_; }
+  WorkerTraffic& traffic() { return traffic_; }
+  int index() const { return index_; }
+  void forget(Connection* c) { connections_.erase(c); }
+
+ private:
+  void run();
+  void on_accept(int listen_fd);
+  void report_activity();
+
+  int index_;
+  ProxyShared* shared_;
+  uv_loop_t loop_{};
+  uv_async_t stop_async_{};
+  uv_timer_t report_timer_{};
+  std::vector<UniqueFd> listen_fds_;
+  std::vector<std::unique_ptr<uv_poll_t>> listen_polls_;
+  std::unordered_set<Connection*> connections_;
+  WorkerTraffic traffic_;
+  std::unique_ptr<NodeRequest> report_in_flight_;
+  std::string reporter_id_;
+  std::thread thread_;
+};
+
+}  // namespace sg
