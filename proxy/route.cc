@@ -31,7 +31,9 @@ std::string normalize_host(std::string_view host) {
     host = host.substr(0, colon);
   }
   if (!host.empty() && host.back() == '.') host.remove_suffix(1);
-  if (host.empty() || host.size() > kMaxHostLength) return {};
+  if (host.empty() || host.size() > kMaxHostLength || host.front() == '.' ||
+      host.find("..") != std::string_view::npos)
+    return {};  // empty labels
   std::string out(host);
   for (char& c : out) {
     if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');

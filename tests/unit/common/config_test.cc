@@ -1,0 +1,109 @@
+#include "config/config.h"
+
+#include <gtest/gtest.h>
+
+namespace sg {
+namespace {
+
+Result<std::shared_ptr<const Config>> load(std::string_view text) { return load_config_string(text, "t.toml", "/base"); }
+
+TEST(Config, EmptyFileGivesDefaults) {
+  auto c = load("");
+  ASSERT_TRUE(c.ok()) << c.message();
+  EXPECT_EQ((*c)->domain, "sandbox.localhost");
+  ASSERT_EQ((*c)->proxy.listen.size(), 1u);
+  EXPECT_EQ((*c)->proxy.listen[0].to_string(), "127.0.0.1:8443");
+  EXPECT_EQ((*c)->proxy.wake_timeout_ms, 30000u);
+  EXPECT_EQ((*c)->node.on_shutdown, ShutdownPolicy::kKeep);
+}
+
+TEST(Config, FullFile) {
+  auto c = load(R"(
+domain = "sb.example.com"
+node_socket = "unix:run/node.sock"
+log_level = "debug"
+[proxy]
+listen = ["127.0.0.1:9443", "[::1]:9443"]
+workers = 3
+max_request_head_bytes = 4096
+ktls = "off"
+[[proxy.certificates]]
+cert = "tls/cert.pem"
+key = "/abs/key.pem"
+[node]
+state_dir = "state"
+on_shutdown = "terminate"
+cgroup_name = "sg-test"
+)");
+  ASSERT_TRUE(c.ok()) << c.message();
+  const Config& cfg = **c;
+  EXPECT_EQ(cfg.domain, "sb.example.com");
+  EXPECT_EQ(cfg.node_socket.path, "/base/run/node.sock");
+  EXPECT_EQ(cfg.proxy.listen.size(), 2u);
+  EXPECT_EQ(cfg.proxy.workers, 3u);
+  EXPECT_EQ(cfg.proxy.ktls, KtlsMode::kOff);
+  ASSERT_EQ(cfg.proxy.certificates.size(), 1u);
+  EXPECT_EQ(cfg.proxy.certificates[0].cert_file, "/base/tls/cert.pem");
+  EXPECT_EQ(cfg.proxy.certificates[0].key_file, "/abs/key.pem");
+  EXPECT_EQ(cfg.node.state_dir, "/base/state");
+  EXPECT_EQ(cfg.node.on_shutdown, ShutdownPolicy::kTerminate);
+  EXPECT_EQ(cfg.port_url(8080, "demo"), "https://8080-demo.sb.example.com:9443/");
+}
+
+struct BadCase {
+  const char* text;
+  const char* expected;  // substring of the error: file:line: key: reason
+};
+
+TEST(Config, ErrorsNameFileLineAndKey) {
+  const BadCase cases[] = {
+      {"[proxy]\nworkerz = 2\n", "t.toml:2: proxy.workerz: unknown key"},
+      {"colour = 1\n", "t.toml:1: colour: unknown key"},
+      {"[proxy]\nworkers = \"two\"\n", "t.toml:2: proxy.workers: must be an integer"},
+      {"[proxy]\nworkers = 100000\n", "t.toml:2: proxy.workers: must be between 0 and 256"},
+      {"[proxy]\nmax_connections = 0\n", "proxy.max_connections: must be between 1"},
+      {"[proxy]\nlisten = \"nonsense\"\n", "t.toml:2: proxy.listen: expected host:port"},
+      {"[proxy]\nlisten = \"example.com:443\"\n", "not a numeric IP address"},
+      {"[proxy]\nlisten = \"127.0.0.1:99999\"\n", "invalid port"},
+      {"[proxy]\nktls = \"maybe\"\n", "t.toml:2: proxy.ktls: must be one of auto, on, off"},
+      {"[[proxy.certificates]]\ncert = \"a.pem\"\n", "needs both cert and key"},
+      {"[node]\non_shutdown = \"explode\"\n", "t.toml:2: node.on_shutdown"},
+      {"[node]\ncgroup_name = \"../escape\"\n", "node.cgroup_name"},
+      {"domain = \"Bad_Domain\"\n", "t.toml:1: domain"},
+      {"log_level = \"loud\"\n", "log_level"},
+      {"proxy = 3\n", "proxy: must be a table"},
+      {"[proxy\n", "t.toml:1:"},
+      {"node_socket = \"127.0.0.1:1\"\n", "node_socket: must be one unix:/path"},
+  };
+  for (const auto& bc : cases) {
+    auto c = load(bc.text);
+    ASSERT_FALSE(c.ok()) << bc.text;
+    EXPECT_NE(c.message().find(bc.expected), std::string::npos) << "got: " << c.message() << "\nwant: " << bc.expected;
+  }
+}
+
+TEST(Config, AllErrorsReportedAtOnce) {
+  auto c = load("[proxy]\nworkers = -1\nfoo = 1\n");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.message().find("proxy.workers"), std::string::npos);
+  EXPECT_NE(c.message().find("proxy.foo"), std::string::npos);
+}
+
+TEST(Config, MissingFile) {
+  auto c = load_config_file("/nonexistent/sandgate.toml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error(), Error::kNotFound);
+}
+
+TEST(ConfigHolder, SwapIsWholeSnapshot) {
+  auto a = load("domain = \"a.test\"");
+  auto b = load("domain = \"b.test\"");
+  ConfigHolder holder(*a);
+  auto held = holder.get();
+  holder.swap(*b);
+  EXPECT_EQ(held->domain, "a.test");  // a reader keeps its snapshot
+  EXPECT_EQ(holder.get()->domain, "b.test");
+}
+
+}  // namespace
+}  // namespace sg

@@ -1,0 +1,55 @@
+#include "proxy/access_log.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace sg {
+namespace {
+
+TEST(AccessLog, OneJsonObjectWithEveryField) {
+  AccessRecord r;
+  r.started_at = std::chrono::system_clock::now();
+  r.started_steady = std::chrono::steady_clock::now();
+  r.client = "127.0.0.1:5555";
+  r.sni = "8080-demo.sandbox.localhost";
+  r.sandbox_id = "sb-0123456789ab";
+  r.sandbox = "demo";
+  r.port = 8080;
+  r.bytes_in = 100;
+  r.bytes_out = 2000;
+  r.woke = true;
+  r.wake_ms = 1.25;
+  r.data_path = "userspace";
+  r.cause = TerminationCause::kUpstreamClosed;
+  std::string line = AccessLog::format(r);
+  EXPECT_EQ(line.find('\n'), std::string::npos);
+  auto j = nlohmann::json::parse(line);
+  EXPECT_EQ(j["client"], "127.0.0.1:5555");
+  EXPECT_EQ(j["sni"], "8080-demo.sandbox.localhost");
+  EXPECT_EQ(j["sandbox"], "sb-0123456789ab");
+  EXPECT_EQ(j["port"], 8080);
+  EXPECT_EQ(j["bytes_in"], 100);
+  EXPECT_EQ(j["bytes_out"], 2000);
+  EXPECT_EQ(j["woke"], true);
+  EXPECT_DOUBLE_EQ(j["wake_ms"].get<double>(), 1.25);
+  EXPECT_EQ(j["cause"], "upstream_closed");
+  EXPECT_TRUE(j["duration_ms"].is_number());
+  EXPECT_TRUE(j["time"].get<std::string>().ends_with("Z"));
+}
+
+TEST(AccessLog, InvalidUtf8FromClientsDoesNotThrow) {
+  AccessRecord r;
+  r.host = "\xff\xfe bad";
+  r.cause = TerminationCause::kBadRequest;
+  std::string line = AccessLog::format(r);
+  EXPECT_NE(line.find("bad_request"), std::string::npos);
+}
+
+TEST(AccessLog, EveryCauseHasAName) {
+  for (int c = 0; c <= static_cast<int>(TerminationCause::kShutdown); ++c)
+    EXPECT_NE(cause_name(static_cast<TerminationCause>(c)), "unknown") << c;
+}
+
+}  // namespace
+}  // namespace sg

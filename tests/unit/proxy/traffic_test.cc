@@ -1,0 +1,64 @@
+#include "proxy/traffic.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+namespace sg {
+namespace {
+
+TEST(WorkerTraffic, ReportsDeltasAndDropsClosedSandboxes) {
+  WorkerTraffic t;
+  SandboxTraffic* a = t.open_connection("sb-a");
+  a->bytes_in += 10;
+  a->bytes_out += 20;
+  auto j = nlohmann::json::parse(t.take_report("w0"));
+  ASSERT_EQ(j["sandboxes"].size(), 1u);
+  EXPECT_EQ(j["sandboxes"][0]["id"], "sb-a");
+  EXPECT_EQ(j["sandboxes"][0]["bytes_in"], 10);
+  EXPECT_EQ(j["sandboxes"][0]["bytes_out"], 20);
+  EXPECT_EQ(j["sandboxes"][0]["connections"], 1);
+  EXPECT_EQ(j["sandboxes"][0]["reporter"], "w0");
+  // Nothing moved, nothing changed: no report at all.
+  EXPECT_EQ(t.take_report("w0"), "");
+  a->bytes_out += 5;
+  j = nlohmann::json::parse(t.take_report("w0"));
+  EXPECT_EQ(j["sandboxes"][0]["bytes_in"], 0);
+  EXPECT_EQ(j["sandboxes"][0]["bytes_out"], 5);
+  t.close_connection("sb-a");
+  j = nlohmann::json::parse(t.take_report("w0"));
+  EXPECT_EQ(j["sandboxes"][0]["connections"], 0);
+  EXPECT_EQ(t.take_report("w0"), "");
+}
+
+TEST(WorkerTraffic, PointerStaysValidWhileConnectionsOpen) {
+  WorkerTraffic t;
+  SandboxTraffic* a = t.open_connection("sb-a");
+  for (int i = 0; i < 1000; ++i) t.open_connection("sb-" + std::to_string(i));  // rehashes
+  a->bytes_in += 1;
+  (void)t.take_report("w");
+  EXPECT_EQ(a->connections, 1u);
+}
+
+TEST(SandboxConnectionLimits, EnforcedAcrossThreads) {
+  SandboxConnectionLimits limits;
+  std::atomic<int> granted{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&] {
+      for (int k = 0; k < 100; ++k)
+        if (limits.try_acquire("sb-x", 50)) granted.fetch_add(1);
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(granted.load(), 50);
+  EXPECT_EQ(limits.count("sb-x"), 50u);
+  limits.release("sb-x");
+  EXPECT_TRUE(limits.try_acquire("sb-x", 50));
+  EXPECT_FALSE(limits.try_acquire("sb-x", 50));
+  EXPECT_TRUE(limits.try_acquire("sb-y", 50));
+}
+
+}  // namespace
+}  // namespace sg
