@@ -1,0 +1,66 @@
+// Micro-benchmarks for the per-connection and per-read work of the ingress.
+#include <benchmark/benchmark.h>
+
+#include "common/http.h"
+#include "proxy/route.h"
+#include "proxy/traffic.h"
+
+namespace sg {
+namespace {
+
+void BM_ParseRoute(benchmark::State& state) {
+  const std::string host = "8080-my-sandbox-name.sandbox.localhost:8443";
+  for (auto _ : state) {
+    auto r = parse_route(host, "sandbox.localhost");
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_ParseRoute);
+
+void BM_ParseRouteMalformed(benchmark::State& state) {
+  const std::string host = "8080-bad_name.sandbox.localhost";
+  for (auto _ : state) {
+    auto r = parse_route(host, "sandbox.localhost");
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_ParseRouteMalformed);
+
+// What a connection does per read: add to its sandbox's worker-local counters through a held pointer.
+void BM_AccountPerRead(benchmark::State& state) {
+  WorkerTraffic traffic;
+  SandboxTraffic* t = traffic.open_connection("sb-0123456789ab");
+  for (auto _ : state) {
+    t->bytes_in += 16384;
+    benchmark::DoNotOptimize(t->bytes_in);
+  }
+}
+BENCHMARK(BM_AccountPerRead);
+
+// Once a second per worker: turn the counters of N active sandboxes into a report.
+void BM_TakeReport(benchmark::State& state) {
+  WorkerTraffic traffic;
+  std::vector<SandboxTraffic*> all;
+  for (int i = 0; i < state.range(0); ++i) all.push_back(traffic.open_connection("sb-" + std::to_string(i)));
+  for (auto _ : state) {
+    for (auto* t : all) t->bytes_out += 1;
+    auto body = traffic.take_report("w0");
+    benchmark::DoNotOptimize(body);
+  }
+}
+BENCHMARK(BM_TakeReport)->Arg(100)->Arg(10000);
+
+void BM_ParseRequestHead(benchmark::State& state) {
+  const std::string head =
+      "GET /api/v1/items?id=42 HTTP/1.1\r\nHost: 8080-demo.sandbox.localhost:8443\r\nUser-Agent: curl/7.88.1\r\n"
+      "Accept: */*\r\nAccept-Encoding: gzip\r\nConnection: keep-alive\r\n\r\n";
+  for (auto _ : state) {
+    HttpParser p(HttpParser::Kind::kRequest, HttpLimits{16384, 0, true});
+    benchmark::DoNotOptimize(p.feed(head));
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(head.size()));
+}
+BENCHMARK(BM_ParseRequestHead);
+
+}  // namespace
+}  // namespace sg

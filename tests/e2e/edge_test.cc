@@ -1,0 +1,253 @@
+// Bad input and explicit limits at the ingress and the node API: each gets its documented answer, is
+// logged with a termination cause, and the daemons keep serving.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <set>
+
+#include "tests/e2e/harness.h"
+
+namespace sg::e2e {
+namespace {
+
+void expect_still_serving(Cluster& c, const std::string& name) {
+  auto r = c.curl("8080-" + name + ".sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(r), 200) << "daemons stopped serving: " << r.err;
+}
+
+std::string s_client(const Cluster& c, const std::string& servername_flag, const std::string& input,
+                     int hold_stdin_s = 0) {
+  std::string feed = "printf " + shell_quote(input);
+  if (hold_stdin_s > 0) feed = "(" + feed + "; sleep " + std::to_string(hold_stdin_s) + ")";
+  auto r = run(feed + " | openssl s_client -quiet -ign_eof " + servername_flag + " -CAfile " + shell_quote(c.ca()) +
+                   " -connect 127.0.0.1:" + std::to_string(c.port()) + " 2>&1",
+               30);
+  return r.out;
+}
+
+TEST(Edge, RoutingErrors) {
+  Cluster c;
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+
+  auto unknown = c.curl("8080-nobody.sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(unknown), 404);
+  EXPECT_NE(Cluster::body(unknown).find("no sandbox named nobody"), std::string::npos);
+
+  auto not_exposed = c.curl("9090-app.sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(not_exposed), 403);
+
+  auto bad_port = c.curl("99999-app.sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(bad_port), 400);
+  auto zero_port = c.curl("0-app.sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(zero_port), 400);
+
+  // Host naming another sandbox than the TLS server name: refused, never routed by Host alone.
+  auto mismatch = c.curl("8080-app.sandbox.localhost", "/", "-H 'Host: 8080-other.sandbox.localhost'");
+  EXPECT_EQ(Cluster::http_code(mismatch), 421);
+
+  auto causes = c.access_log();
+  std::set<std::string> seen;
+  for (auto& e : causes) seen.insert(e["cause"].get<std::string>());
+  for (const char* want : {"unknown_sandbox", "port_not_exposed", "bad_request", "misdirected"})
+    EXPECT_TRUE(seen.count(want)) << "no access log entry with cause " << want;
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, GarbageInsteadOfClientHello) {
+  Cluster c;
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  auto r = run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(c.port()) +
+               "; printf \"GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n\" >&3; timeout 5 cat <&3 | head -c 100'");
+  EXPECT_EQ(r.exit_code, 0);
+  auto e = c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "handshake_failed"; });
+  ASSERT_TRUE(e.is_object()) << "no handshake_failed entry";
+  EXPECT_TRUE(e.contains("detail"));
+  // Random binary too.
+  run("bash -c 'head -c 4096 /dev/urandom > /dev/tcp/127.0.0.1/" + std::to_string(c.port()) + "'");
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, ClientHelloWithoutSniUsesDefaultCertificateAndHost) {
+  Cluster c;
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  std::string out = s_client(c, "-noservername",
+                             "GET / HTTP/1.1\r\nHost: 8080-app.sandbox.localhost\r\nConnection: close\r\n\r\n");
+  EXPECT_NE(out.find("HTTP/1.1 200"), std::string::npos) << out;
+  EXPECT_NE(out.find("hello from app"), std::string::npos) << out;
+  // Without SNI and without Host there is nothing to route by.
+  std::string none = s_client(c, "-noservername", "GET / HTTP/1.0\r\n\r\n");
+  EXPECT_NE(none.find("HTTP/1.1 400"), std::string::npos) << none;
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, UnknownSniIsRefusedInTheHandshake) {
+  Cluster c;
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  std::string out = s_client(c, "-servername www.example.com", "GET / HTTP/1.1\r\n\r\n");
+  EXPECT_NE(out.find("unrecognized name"), std::string::npos) << out;
+  auto e = c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "unknown_sni"; });
+  ASSERT_TRUE(e.is_object());
+  EXPECT_EQ(e["sni"], "www.example.com");
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, OneMebibyteRequestHeadIs431) {
+  Cluster c;
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  write_file(c.dir() + "/big-header", "X-Big: " + std::string(1024 * 1024, 'a') + "\n");
+  auto r = c.curl("8080-app.sandbox.localhost", "/", "-H @" + c.dir() + "/big-header");
+  EXPECT_EQ(Cluster::http_code(r), 431) << r.err;
+  auto e = c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "head_too_large"; });
+  EXPECT_TRUE(e.is_object());
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, ConfiguredHeadSizeLimit) {
+  Cluster c(ClusterOptions::proxy("max_request_head_bytes = 2048\n"));
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  auto small = c.curl("8080-app.sandbox.localhost", "/", "-H 'X-Small: " + std::string(1000, 'b') + "'");
+  EXPECT_EQ(Cluster::http_code(small), 200);
+  auto big = c.curl("8080-app.sandbox.localhost", "/", "-H 'X-Big: " + std::string(3000, 'b') + "'");
+  EXPECT_EQ(Cluster::http_code(big), 431);
+}
+
+TEST(Edge, HandshakeDeadline) {
+  Cluster c(ClusterOptions::proxy("handshake_timeout_ms = 500\n"));
+  auto start = std::chrono::steady_clock::now();
+  // Connect and say nothing: the proxy must hang up by itself.
+  auto r = run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(c.port()) + "; timeout 10 cat <&3'");
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(secs, 5.0) << "silent client was not cut off";
+  auto e = c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "handshake_timeout"; });
+  EXPECT_TRUE(e.is_object());
+}
+
+TEST(Edge, RequestHeadDeadline) {
+  Cluster c(ClusterOptions::proxy("request_head_timeout_ms = 500\n"));
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  // Half a request head, then silence (stdin held open for 4 s).
+  std::string out = s_client(c, "-servername 8080-app.sandbox.localhost", "GET / HTTP/1.1\r\nHost: 8080-app", 4);
+  EXPECT_NE(out.find("HTTP/1.1 408"), std::string::npos) << out;
+  auto e = c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "head_timeout"; });
+  EXPECT_TRUE(e.is_object());
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, ConnectionsPerSandboxLimit) {
+  Cluster c(ClusterOptions::proxy("max_connections_per_sandbox = 2\n"));
+  c.create_http_sandbox("app", 8080);
+  c.create_http_sandbox("other", 8080);
+  c.wait_until_serving("app", 8080);
+  c.wait_until_serving("other", 8080);
+  auto slow1 = std::async(std::launch::async, [&] { return c.curl("8080-app.sandbox.localhost", "/slow?secs=3"); });
+  auto slow2 = std::async(std::launch::async, [&] { return c.curl("8080-app.sandbox.localhost", "/slow?secs=3"); });
+  // Wait until both are forwarding (the limit counts established sandbox connections).
+  ASSERT_TRUE(eventually([&] { return c.get("app")["connections"].get<int>() >= 2; }, std::chrono::seconds(5)));
+  auto third = c.curl("8080-app.sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(third), 429);
+  // Another sandbox is not affected.
+  EXPECT_EQ(Cluster::http_code(c.curl("8080-other.sandbox.localhost")), 200);
+  EXPECT_EQ(Cluster::http_code(slow1.get()), 200);
+  EXPECT_EQ(Cluster::http_code(slow2.get()), 200);
+  EXPECT_EQ(Cluster::http_code(c.curl("8080-app.sandbox.localhost")), 200);
+  EXPECT_TRUE(c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "sandbox_connection_limit"; }).is_object());
+}
+
+TEST(Edge, TotalConnectionLimit) {
+  Cluster c(ClusterOptions::proxy("max_connections = 2\n"));
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  // Two silent connections occupy the budget (they sit in the handshake phase).
+  std::string port = std::to_string(c.port());
+  auto hold = std::async(std::launch::async, [&] {
+    return run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + port + "; exec 4<>/dev/tcp/127.0.0.1/" + port + "; sleep 3'");
+  });
+  ::usleep(1'000'000);
+  auto refused = c.curl("8080-app.sandbox.localhost");
+  EXPECT_NE(Cluster::http_code(refused), 200);
+  EXPECT_TRUE(c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "too_many_connections"; }).is_object());
+  hold.get();
+  EXPECT_TRUE(eventually([&] { return Cluster::http_code(c.curl("8080-app.sandbox.localhost")) == 200; },
+                         std::chrono::seconds(5)));
+}
+
+TEST(Edge, FailedSandboxAnswers503WithRetryAfter) {
+  Cluster c;
+  auto sb = c.create_http_sandbox("fragile", 8080);
+  c.wait_until_serving("fragile", 8080);
+  ::kill(sb["pid"].get<int>(), SIGKILL);
+  ASSERT_TRUE(eventually([&] { return c.get("fragile")["state"] == "failed"; }, std::chrono::seconds(5)));
+  auto r = c.curl("8080-fragile.sandbox.localhost", "/", "-D -");
+  EXPECT_EQ(Cluster::http_code(r), 503);
+  EXPECT_NE(r.out.find("Retry-After:"), std::string::npos) << r.out;
+}
+
+TEST(Edge, NodeDownAnswers503) {
+  Cluster c;
+  c.create_http_sandbox("app", 8080);
+  c.wait_until_serving("app", 8080);
+  c.stop_node(SIGKILL);
+  auto r = c.curl("8080-app.sandbox.localhost", "/", "-D -");
+  EXPECT_EQ(Cluster::http_code(r), 503);
+  EXPECT_NE(r.out.find("Retry-After:"), std::string::npos);
+  EXPECT_TRUE(c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "node_unavailable"; }).is_object());
+  c.start_node();
+  expect_still_serving(c, "app");
+}
+
+TEST(Edge, BadNamesAreRefusedWithAClearError) {
+  Cluster c(ClusterOptions::node_only());
+  for (const char* bad : {"my.box", "MyBox", "-box", "box-", "has_underscore", "8080-box", "api", ""}) {
+    auto r = c.cli(std::string("create --name ") + shell_quote(bad) + " -- sleep 100");
+    EXPECT_EQ(r.exit_code, 1) << bad << ": " << r.out;
+    EXPECT_FALSE(r.err.empty()) << bad;
+  }
+  auto long_name = c.cli("create --name " + std::string(64, 'a') + " -- sleep 100");
+  EXPECT_EQ(long_name.exit_code, 1);
+  auto ls = c.cli("ls --json");
+  auto j = nlohmann::json::parse(ls.out, nullptr, false);
+  ASSERT_TRUE(j.is_object() || j.is_array()) << ls.out;
+}
+
+TEST(Edge, NodeApiRejectsBadJsonAndKeepsServing) {
+  Cluster c(ClusterOptions::node_only());
+  for (const std::string& body : {std::string("this is not json"), std::string("{\"command\": \"not-an-array\"}"),
+                                 std::string("{\"command\": [\"sleep\", \"1\"], \"colour\": 1}"), std::string("[]"),
+                                 std::string("{\"command\": [\"sleep\"], \"exposed_ports\": [70000]}")}) {
+    auto r = c.api_raw("POST", "/v1/sandboxes", body);
+    EXPECT_EQ(Cluster::http_code(r), 400) << body << " -> " << r.out;
+    auto err = nlohmann::json::parse(Cluster::body(r), nullptr, false);
+    EXPECT_TRUE(err.is_object() && err.contains("message")) << r.out;
+  }
+  auto health = run("curl -sS --unix-socket " + shell_quote(c.api().substr(5)) + " http://node/v1/health");
+  EXPECT_NE(health.out.find("ok"), std::string::npos);
+  auto missing = c.api_raw("POST", "/v1/sandboxes/nope/suspend", "");
+  EXPECT_EQ(Cluster::http_code(missing), 404);
+}
+
+TEST(Edge, SuspendResumeStatusCodes) {
+  Cluster c(ClusterOptions::node_only());
+  auto r = c.cli("create --json --name s1 -- sleep 1000");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Cluster::http_code(c.api_raw("POST", "/v1/sandboxes/s1/resume", "")), 200);  // already running
+  EXPECT_EQ(Cluster::http_code(c.api_raw("POST", "/v1/sandboxes/s1/suspend", "")), 202);
+  ASSERT_TRUE(eventually([&] { return c.get("s1")["state"] == "suspended"; }, std::chrono::seconds(5)));
+  EXPECT_EQ(Cluster::http_code(c.api_raw("POST", "/v1/sandboxes/s1/suspend", "")), 200);  // already there
+  EXPECT_EQ(Cluster::http_code(c.api_raw("POST", "/v1/sandboxes/s1/resume", "")), 202);
+  ASSERT_TRUE(eventually([&] { return c.get("s1")["state"] == "running"; }, std::chrono::seconds(5)));
+  ASSERT_EQ(c.cli("create --json --name e1 --ephemeral -- sleep 1000").exit_code, 0);
+  EXPECT_EQ(Cluster::http_code(c.api_raw("POST", "/v1/sandboxes/e1/suspend", "")), 400);
+  EXPECT_EQ(Cluster::http_code(c.api_raw("POST", "/v1/sandboxes/zz/suspend", "")), 404);
+  EXPECT_EQ(c.cli("suspend zz").exit_code, 1);
+  EXPECT_EQ(c.cli("bogus-subcommand").exit_code, 2);
+}
+
+}  // namespace
+}  // namespace sg::e2e

@@ -1,0 +1,295 @@
+#include "tests/e2e/harness.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace sg::e2e {
+
+std::string bin(const std::string& relative) { return std::string(SANDGATE_BIN_DIR) + "/" + relative; }
+std::string source(const std::string& relative) { return std::string(SANDGATE_SOURCE_DIR) + "/" + relative; }
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') out += "'\\''";
+    else out += c;
+  }
+  return out + "'";
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_file(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+}
+
+CommandResult run(const std::string& cmd, int timeout_s) {
+  char out_path[] = "/tmp/sg-e2e-out-XXXXXX";
+  char err_path[] = "/tmp/sg-e2e-err-XXXXXX";
+  int out_fd = mkstemp(out_path);
+  int err_fd = mkstemp(err_path);
+  ::close(out_fd);
+  ::close(err_fd);
+  std::string full = "timeout -s KILL " + std::to_string(timeout_s) + " sh -c " + shell_quote(cmd) + " >" +
+                     out_path + " 2>" + err_path + " </dev/null";
+  int status = std::system(full.c_str());
+  CommandResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.out = read_file(out_path);
+  r.err = read_file(err_path);
+  ::unlink(out_path);
+  ::unlink(err_path);
+  return r;
+}
+
+std::string sha256_file(const std::string& path) {
+  auto r = run("sha256sum " + shell_quote(path) + " | cut -d' ' -f1");
+  std::string s = r.out;
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+Daemon::~Daemon() {
+  if (pid_ > 0) stop(SIGKILL, 5000);
+}
+
+bool Daemon::start(const std::vector<std::string>& argv, const std::string& log_path) {
+  log_path_ = log_path;
+  pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    int devnull = ::open("/dev/null", O_RDONLY);
+    ::dup2(devnull, 0);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  pid_ = pid;
+  return true;
+}
+
+std::string Daemon::wait_for(const std::string& needle, int timeout_ms, size_t from) {
+  std::string line;
+  eventually(
+      [&] {
+        std::string text = log();
+        if (text.size() < from) return false;
+        auto pos = text.find(needle, from);
+        if (pos == std::string::npos) {
+          int status;
+          if (pid_ > 0 && ::waitpid(pid_, &status, WNOHANG) == pid_) {
+            pid_ = -1;
+            return true;  // died: give up early, line stays empty
+          }
+          return false;
+        }
+        auto start = text.rfind('\n', pos);
+        start = start == std::string::npos ? 0 : start + 1;
+        auto end = text.find('\n', pos);
+        line = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
+        return true;
+      },
+      std::chrono::milliseconds(timeout_ms));
+  return line;
+}
+
+int Daemon::stop(int sig, int timeout_ms) {
+  if (pid_ <= 0) return -1;
+  ::kill(pid_, sig);
+  int status = -1;
+  bool exited = eventually([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; },
+                           std::chrono::milliseconds(timeout_ms));
+  if (!exited) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status, 0);
+  }
+  pid_ = -1;
+  return status;
+}
+
+namespace {
+std::atomic<int> cluster_counter{0};
+
+uint16_t parse_port(const std::string& ready_line) {
+  // "... ready on 127.0.0.1:PORT (..."
+  auto on = ready_line.find(" on ");
+  if (on == std::string::npos) return 0;
+  auto colon = ready_line.find(':', on + 4);
+  if (colon == std::string::npos) return 0;
+  return static_cast<uint16_t>(std::atoi(ready_line.c_str() + colon + 1));
+}
+}  // namespace
+
+Cluster::Cluster(ClusterOptions opts) : opts_(std::move(opts)) {
+  char tmpl[] = "/tmp/sg-e2e-XXXXXX";
+  dir_ = ::mkdtemp(tmpl);
+  ::chmod(dir_.c_str(), 0755);
+  int n = cluster_counter.fetch_add(1);
+  cgroup_name_ = "sgtest-" + std::to_string(::getpid()) + "-" + std::to_string(n);
+  api_ = "unix:" + dir_ + "/node.sock";
+  auto gen = run("bash " + source("deploy/gen-cert.sh") + " " + dir_ + "/tls sandbox.localhost");
+  EXPECT_EQ(gen.exit_code, 0) << gen.err;
+  ca_ = dir_ + "/tls/ca.pem";
+  write_config();
+  start_node();
+  if (opts_.start_proxy) start_proxy();
+}
+
+Cluster::~Cluster() {
+  stop_proxy();
+  stop_node();
+  // Anything a failed test left behind: processes in our cgroups, then the cgroups themselves.
+  run("for d in /sys/fs/cgroup/*/" + cgroup_name_ + " /sys/fs/cgroup/" + cgroup_name_ +
+      "; do [ -d \"$d\" ] || continue; for p in $(cat $d/*/cgroup.procs 2>/dev/null); do kill -9 $p; done; "
+      "for f in $d/*/cgroup.freeze; do [ -f $f ] && echo 0 > $f; done; "
+      "for f in $d/*/freezer.state; do [ -f $f ] && echo THAWED > $f; done; "
+      "sleep 0.2; rmdir $d/* $d 2>/dev/null; done; true");
+  if (!::testing::Test::HasFailure()) run("rm -rf " + shell_quote(dir_));
+}
+
+void Cluster::write_config() {
+  std::string cfg = "domain = \"sandbox.localhost\"\nnode_socket = \"" + api_ + "\"\nlog_level = \"debug\"\n\n" +
+                    "[proxy]\nlisten = \"127.0.0.1:0\"\nworkers = 2\naccess_log = \"" + dir_ +
+                    "/access.log\"\n" + opts_.proxy_extra + "\n[[proxy.certificates]]\ncert = \"" + dir_ +
+                    "/tls/server.pem\"\nkey = \"" + dir_ + "/tls/server.key\"\n\n[node]\nstate_dir = \"" + dir_ +
+                    "/node\"\non_shutdown = \"terminate\"\ncgroup_name = \"" + cgroup_name_ + "\"\ninit_path = \"" +
+                    bin("noderuntime/sandgate-init") + "\"\n" + opts_.node_extra + "\n";
+  write_file(config_path(), cfg);
+}
+
+void Cluster::start_node() {
+  size_t from = node_.running() ? 0 : read_file(dir_ + "/node.log").size();
+  ASSERT_TRUE(node_.start({bin("noderuntime/sandgate-node"), "--config", config_path()}, dir_ + "/node.log"));
+  std::string line = node_.wait_for("sandgate-node ready", 15000, from);
+  ASSERT_FALSE(line.empty()) << "node did not start:\n" << node_.log();
+}
+
+void Cluster::start_proxy() {
+  size_t from = read_file(dir_ + "/proxy.log").size();
+  ASSERT_TRUE(proxy_.start({bin("proxy/sandgate-proxy"), "--config", config_path()}, dir_ + "/proxy.log"));
+  std::string line = proxy_.wait_for("sandgate-proxy ready", 15000, from);
+  ASSERT_FALSE(line.empty()) << "proxy did not start:\n" << proxy_.log();
+  port_ = parse_port(line);
+  ASSERT_NE(port_, 0) << line;
+}
+
+int Cluster::stop_node(int sig) { return node_.stop(sig); }
+int Cluster::stop_proxy(int sig) { return proxy_.stop(sig); }
+
+CommandResult Cluster::cli(const std::string& args, int timeout_s) {
+  return run(bin("cli/sandgate") + " --api " + shell_quote(api_) + " " + args, timeout_s);
+}
+
+nlohmann::json Cluster::create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags) {
+  auto r = cli("create --json --name " + name + " --expose " + std::to_string(port) + " " + extra_flags +
+               " -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") + " http " + std::to_string(port) +
+               " " + name);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  EXPECT_TRUE(j.is_object()) << r.out;
+  return j;
+}
+
+nlohmann::json Cluster::get(const std::string& ref) {
+  auto r = cli("get --json " + ref);
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  if (r.exit_code != 0 || !j.is_object()) return nlohmann::json::object();
+  return j;
+}
+
+void Cluster::wait_until_serving(const std::string& name, uint16_t port) {
+  std::string host = std::to_string(port) + "-" + name + ".sandbox.localhost";
+  bool ok = eventually([&] { return http_code(curl(host, "/", "", 10)) == 200; }, std::chrono::seconds(20));
+  ASSERT_TRUE(ok) << "sandbox " << name << " never served on port " << port;
+}
+
+std::string Cluster::url(const std::string& host, const std::string& path) const {
+  return "https://" + host + ":" + std::to_string(port_) + path;
+}
+
+CommandResult Cluster::curl(const std::string& host, const std::string& path, const std::string& extra, int timeout_s) {
+  // --resolve pins the name to loopback explicitly (curl maps *.localhost there anyway).
+  return run("curl -sS --cacert " + shell_quote(ca_) + " --resolve " + host + ":" + std::to_string(port_) +
+                 ":127.0.0.1 -w '\\n%{http_code}' " + extra + " " + shell_quote(url(host, path)),
+             timeout_s);
+}
+
+int Cluster::http_code(const CommandResult& r) {
+  auto nl = r.out.rfind('\n');
+  return std::atoi(r.out.c_str() + (nl == std::string::npos ? 0 : nl + 1));
+}
+
+std::string Cluster::body(const CommandResult& r) {
+  auto nl = r.out.rfind('\n');
+  return nl == std::string::npos ? std::string() : r.out.substr(0, nl);
+}
+
+CommandResult Cluster::api_raw(const std::string& method, const std::string& path, const std::string& body) {
+  return run("curl -sS --unix-socket " + shell_quote(api_.substr(5)) + " -X " + method +
+             " -H 'Content-Type: application/json' --data-binary " + shell_quote(body) +
+             " -w '\\n%{http_code}' http://node" + path);
+}
+
+std::vector<nlohmann::json> Cluster::access_log() const {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(read_file(dir_ + "/access.log"));
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+nlohmann::json Cluster::wait_access_entry(const std::function<bool(const nlohmann::json&)>& pred, int timeout_ms) {
+  nlohmann::json found;
+  eventually(
+      [&] {
+        for (auto& e : access_log())
+          if (pred(e)) {
+            found = e;
+            return true;
+          }
+        return false;
+      },
+      std::chrono::milliseconds(timeout_ms));
+  return found;
+}
+
+bool Cluster::cgroup_frozen(const std::string& id) const {
+  std::string events = read_file("/sys/fs/cgroup/unified/" + cgroup_name_ + "/" + id + "/cgroup.events");
+  if (events.empty()) events = read_file("/sys/fs/cgroup/" + cgroup_name_ + "/" + id + "/cgroup.events");
+  if (!events.empty()) return events.find("frozen 1") != std::string::npos;
+  std::string state = read_file("/sys/fs/cgroup/freezer/" + cgroup_name_ + "/" + id + "/freezer.state");
+  return state.find("FROZEN") != std::string::npos;
+}
+
+bool Cluster::cgroup_exists(const std::string& id) const {
+  struct stat st;
+  for (const std::string& root : {std::string("/sys/fs/cgroup/unified/"), std::string("/sys/fs/cgroup/freezer/"),
+                                  std::string("/sys/fs/cgroup/memory/"), std::string("/sys/fs/cgroup/")})
+    if (::stat((root + cgroup_name_ + "/" + id).c_str(), &st) == 0) return true;
+  return false;
+}
+
+}  // namespace sg::e2e

@@ -1,0 +1,147 @@
+// End-to-end test harness: real sandgate-node and sandgate-proxy processes in a temp dir, driven with real
+// clients (curl, openssl s_client, the sandgate CLI). Everything listens on loopback; ports come from the
+// kernel (port 0) and are read back from the daemons' "ready" lines.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <csignal>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace sg::e2e {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs `cmd` with /bin/sh; stdout and stderr captured separately. Killed after timeout_s.
+CommandResult run(const std::string& cmd, int timeout_s = 120);
+std::string shell_quote(const std::string& s);
+std::string read_file(const std::string& path);
+void write_file(const std::string& path, const std::string& data);
+std::string sha256_file(const std::string& path);
+
+// Polls `pred` every 20 ms until true or timeout; returns the last value.
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    if (pred()) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    ::usleep(20'000);
+  }
+}
+
+class Daemon {
+ public:
+  Daemon() = default;
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Starts argv with stdout+stderr appended to log_path; returns false if exec failed.
+  bool start(const std::vector<std::string>& argv, const std::string& log_path);
+  // Waits until the log contains `needle` (after `from` bytes); returns the line containing it.
+  std::string wait_for(const std::string& needle, int timeout_ms, size_t from = 0);
+  // Sends sig and waits for exit (SIGKILL after timeout). Returns the exit status as from waitpid.
+  int stop(int sig = SIGTERM, int timeout_ms = 15000);
+  bool running() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
+  std::string log() const { return read_file(log_path_); }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_path_;
+};
+
+struct ClusterOptions {
+  std::string proxy_extra;  // TOML lines appended to [proxy]
+  std::string node_extra;   // TOML lines appended to [node]
+  bool start_proxy = true;
+
+  static ClusterOptions proxy(std::string extra) {
+    ClusterOptions o;
+    o.proxy_extra = std::move(extra);
+    return o;
+  }
+  static ClusterOptions node(std::string extra) {
+    ClusterOptions o;
+    o.node_extra = std::move(extra);
+    return o;
+  }
+  static ClusterOptions node_only() {
+    ClusterOptions o;
+    o.start_proxy = false;
+    return o;
+  }
+};
+
+class Cluster {
+ public:
+  explicit Cluster(ClusterOptions opts = {});
+  ~Cluster();
+
+  void start_node();
+  void start_proxy();
+  int stop_node(int sig = SIGTERM);
+  int stop_proxy(int sig = SIGTERM);
+
+  // The sandgate CLI against this node: "sandgate --api unix:... <args>".
+  CommandResult cli(const std::string& args, int timeout_s = 60);
+  // Creates a sandbox running tests/e2e/tools/testserver.py; returns its JSON (fails the test on error).
+  nlohmann::json create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags = "");
+  nlohmann::json get(const std::string& ref);
+  // Waits until the backend answers through the proxy (the server needs a moment to listen).
+  void wait_until_serving(const std::string& name, uint16_t port);
+
+  // curl through the ingress, verifying the certificate against the test CA. Output: body then
+  // "\n<http_code>" on the last line (curl -w).
+  CommandResult curl(const std::string& host, const std::string& path = "/", const std::string& extra = "",
+                     int timeout_s = 60);
+  std::string url(const std::string& host, const std::string& path = "/") const;
+  static int http_code(const CommandResult& r);
+  static std::string body(const CommandResult& r);
+
+  // Raw HTTP to the node API socket (for bad-input tests).
+  CommandResult api_raw(const std::string& method, const std::string& path, const std::string& body);
+
+  std::vector<nlohmann::json> access_log() const;
+  // Polls the access log until an entry satisfies pred.
+  nlohmann::json wait_access_entry(const std::function<bool(const nlohmann::json&)>& pred, int timeout_ms = 10000);
+
+  // The real kernel freeze state of a sandbox's cgroup (v2 cgroup.events or v1 freezer.state).
+  bool cgroup_frozen(const std::string& id) const;
+  bool cgroup_exists(const std::string& id) const;
+
+  const std::string& dir() const { return dir_; }
+  const std::string& ca() const { return ca_; }
+  const std::string& api() const { return api_; }
+  uint16_t port() const { return port_; }
+  Daemon& node() { return node_; }
+  Daemon& proxy() { return proxy_; }
+  std::string config_path() const { return dir_ + "/sandgate.toml"; }
+
+ private:
+  void write_config();
+
+  ClusterOptions opts_;
+  std::string dir_;
+  std::string ca_;
+  std::string api_;
+  std::string cgroup_name_;
+  uint16_t port_ = 0;
+  Daemon node_;
+  Daemon proxy_;
+};
+
+std::string bin(const std::string& relative);     // path under the build dir
+std::string source(const std::string& relative);  // path under the source dir
+
+}  // namespace sg::e2e

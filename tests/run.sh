@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The README's second command (and what .ci/run calls): install dependencies, build with warnings as
+# errors, run every test (unit + end to end with real clients), then run the suite again under
+# AddressSanitizer + UndefinedBehaviorSanitizer. Needs root (namespaces, cgroups).
+#   SANDGATE_SKIP_SANITIZE=1  skip the sanitizer pass (quicker local runs)
+#   CTEST_ARGS="-R Slice"     pass a filter to ctest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+[[ $(id -u) -eq 0 ]] || { echo "tests/run.sh: run as root (sandboxes need namespaces and cgroups)" >&2; exit 1; }
+
+deploy/install-deps.sh
+
+jobs=$(nproc)
+run_suite() {
+  local dir=$1
+  shift
+  echo "=== configure + build: $dir ($*)"
+  cmake -S . -B "$dir" -G Ninja -DSANDGATE_WERROR=ON "$@" >/dev/null
+  ninja -C "$dir"
+  echo "=== tests: $dir"
+  # Unit tests run in parallel; end-to-end tests are RUN_SERIAL (they share cgroup trees and CPU).
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" --timeout 300 ${CTEST_ARGS:-}
+}
+
+run_suite build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+if [[ ${SANDGATE_SKIP_SANITIZE:-0} != 1 ]]; then
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    run_suite build-asan -DCMAKE_BUILD_TYPE=Debug -DSANDGATE_SANITIZE=ON -DSANDGATE_BENCH=OFF
+fi
+echo "tests/run.sh: all suites passed"

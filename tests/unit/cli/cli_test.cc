@@ -1,0 +1,360 @@
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "cli/api_client.h"
+#include "cli/commands.h"
+
+namespace sg::cli {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+// ---- --api / SANDGATE_API ----
+
+TEST(ApiAddress, Unix) {
+  auto ep = parse_api_address("unix:/run/sandgate/node.sock");
+  ASSERT_TRUE(ep) << ep.message();
+  EXPECT_EQ(ep->kind, Endpoint::Kind::kUnix);
+  EXPECT_EQ(ep->path, "/run/sandgate/node.sock");
+  EXPECT_EQ(api_address_string(*ep), "unix:/run/sandgate/node.sock");
+}
+
+TEST(ApiAddress, Http) {
+  for (const char* text : {"http://127.0.0.1:8081", "http://127.0.0.1:8081/"}) {
+    auto ep = parse_api_address(text);
+    ASSERT_TRUE(ep) << ep.message();
+    EXPECT_EQ(ep->kind, Endpoint::Kind::kTcp);
+    EXPECT_EQ(ep->host, "127.0.0.1");
+    EXPECT_EQ(ep->port, 8081);
+    EXPECT_EQ(api_address_string(*ep), "http://127.0.0.1:8081");
+  }
+  auto v6 = parse_api_address("http://[::1]:9000");
+  ASSERT_TRUE(v6) << v6.message();
+  EXPECT_EQ(v6->host, "::1");
+  auto local = parse_api_address("http://localhost:9000");
+  ASSERT_TRUE(local) << local.message();
+  EXPECT_EQ(local->host, "127.0.0.1");
+}
+
+TEST(ApiAddress, Rejects) {
+  for (const char* text : {"", "unix:", "unix:relative.sock", "https://127.0.0.1:8081", "127.0.0.1:8081",
+                           "http://127.0.0.1", "http://127.0.0.1:0", "http://127.0.0.1:99999",
+                           "http://example.com:80", "http://127.0.0.1:8081/v1", "/run/sandgate/node.sock"}) {
+    auto ep = parse_api_address(text);
+    EXPECT_FALSE(ep) << text;
+    if (!ep) {
+      EXPECT_EQ(ep.error(), Error::kInvalidArgument);
+      EXPECT_NE(ep.message().find(text), std::string::npos) << ep.message();
+    }
+  }
+  EXPECT_NE(parse_api_address("https://127.0.0.1:1").message().find("http://"), std::string::npos);
+}
+
+// ---- create flags -> body ----
+
+TEST(CreateBody, OnlyCommand) {
+  CreateOptions o;
+  o.command = {"sleep", "1"};
+  auto body = create_request_body(o);
+  ASSERT_TRUE(body) << body.message();
+  // Everything unset is left out so the node's defaults apply.
+  EXPECT_EQ(*body, json::parse(R"({"command": ["sleep", "1"]})"));
+}
+
+TEST(CreateBody, AllFlags) {
+  CreateOptions o;
+  o.name = "demo";
+  o.ephemeral = true;
+  o.timeout_secs = 60;
+  o.expose = {8080, 3000};
+  o.cpus = 0.5;
+  o.memory_mb = 512;
+  o.env = {"A=1", "B=x=y", "EMPTY=", "A=2"};
+  o.cwd = "/srv";
+  o.command = {"python3", "-m", "http.server", "8080"};
+  auto body = create_request_body(o);
+  ASSERT_TRUE(body) << body.message();
+  EXPECT_EQ(*body, json::parse(R"({"name": "demo", "command": ["python3", "-m", "http.server", "8080"],
+                                   "env": {"A": "2", "B": "x=y", "EMPTY": ""}, "cwd": "/srv",
+                                   "exposed_ports": [8080, 3000], "timeout_secs": 60, "cpus": 0.5,
+                                   "memory_mb": 512, "ephemeral": true})"));
+}
+
+TEST(CreateBody, UsageErrors) {
+  CreateOptions none;
+  EXPECT_FALSE(create_request_body(none));
+
+  CreateOptions bad_env;
+  bad_env.command = {"true"};
+  bad_env.env = {"NOEQUALS"};
+  auto r = create_request_body(bad_env);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kInvalidArgument);
+  EXPECT_NE(r.message().find("NOEQUALS"), std::string::npos);
+  bad_env.env = {"=value"};
+  EXPECT_FALSE(create_request_body(bad_env));
+
+  for (int port : {0, -1, 65536}) {
+    CreateOptions o;
+    o.command = {"true"};
+    o.expose = {8080, port};
+    auto p = create_request_body(o);
+    ASSERT_FALSE(p) << port;
+    EXPECT_NE(p.message().find(std::to_string(port)), std::string::npos);
+  }
+  CreateOptions edge;
+  edge.command = {"true"};
+  edge.expose = {1, 65535};
+  EXPECT_TRUE(create_request_body(edge));
+}
+
+TEST(SandboxPath, EncodesRef) {
+  EXPECT_EQ(sandbox_path("demo"), "/v1/sandboxes/demo");
+  EXPECT_EQ(sandbox_path("sb-0123456789ab", "suspend"), "/v1/sandboxes/sb-0123456789ab/suspend");
+  EXPECT_EQ(sandbox_path("a b/../c?x"), "/v1/sandboxes/a%20b%2F..%2Fc%3Fx");
+}
+
+// ---- answers -> text ----
+
+TEST(ErrorMessage, PrefersNodeMessage) {
+  EXPECT_EQ(error_message(409, R"({"error":"already_exists","message":"name demo is taken"})"),
+            "name demo is taken");
+  EXPECT_EQ(error_message(404, R"({"error":"not_found"})"), "sandgate-node answered HTTP 404 Not Found (not_found)");
+  EXPECT_EQ(error_message(502, "upstream down\n"), "sandgate-node answered HTTP 502 Bad Gateway: upstream down");
+  EXPECT_EQ(error_message(500, ""), "sandgate-node answered HTTP 500 Internal Server Error");
+  EXPECT_EQ(error_message(400, R"({"message": 7})"), "sandgate-node answered HTTP 400 Bad Request: {\"message\": 7}");
+}
+
+TEST(ParseObject, RejectsNonObjects) {
+  EXPECT_TRUE(parse_object(R"({"a":1})"));
+  EXPECT_FALSE(parse_object("[1]"));
+  EXPECT_FALSE(parse_object("not json"));
+  EXPECT_FALSE(parse_object(""));
+}
+
+TEST(Timestamp, Parses) {
+  auto t = parse_timestamp("2026-11-29T10:00:00.250Z");
+  ASSERT_TRUE(t);
+  auto base = parse_timestamp("2026-11-29T10:00:00Z");
+  ASSERT_TRUE(base);
+  EXPECT_EQ(*t - *base, 250ms);
+  EXPECT_EQ(std::chrono::duration_cast<std::chrono::seconds>(base->time_since_epoch()).count(), 1795946400);
+  EXPECT_EQ(*parse_timestamp("2026-11-29T10:00:00.5Z") - *base, 500ms);
+  for (const char* bad : {"", "2026-11-29", "2026-11-29T10:00:00", "2026-13-01T00:00:00Z", "2026-02-30T00:00:00Z",
+                          "2026-11-29T25:00:00Z", "2026-11-29T10:00:00.Z", "2026-11-29T10:00:00.abcZ",
+                          "20x6-11-29T10:00:00Z"})
+    EXPECT_FALSE(parse_timestamp(bad)) << bad;
+}
+
+TEST(Duration, LargestUnit) {
+  EXPECT_EQ(format_duration(0s), "0s");
+  EXPECT_EQ(format_duration(59s), "59s");
+  EXPECT_EQ(format_duration(60s), "1m");
+  EXPECT_EQ(format_duration(3599s), "59m");
+  EXPECT_EQ(format_duration(7200s), "2h");
+  EXPECT_EQ(format_duration(3 * 86400s + 5s), "3d");
+  EXPECT_EQ(format_duration(-5s), "0s");
+}
+
+TEST(ShellJoin, QuotesOnlyWhenNeeded) {
+  EXPECT_EQ(shell_join({"python3", "-m", "http.server", "8080"}), "python3 -m http.server 8080");
+  EXPECT_EQ(shell_join({"sh", "-c", "echo hi; it's"}), "sh -c 'echo hi; it'\\''s'");
+  EXPECT_EQ(shell_join({""}), "''");
+}
+
+const char* kSandbox = R"({
+  "id": "sb-0123456789ab", "name": "demo", "state": "running", "state_reason": "", "ephemeral": false,
+  "driver": "process", "command": ["python3", "-m", "http.server", "8080"], "env": {"K": "V W"}, "cwd": "/",
+  "exposed_ports": [8080, 10000], "timeout_secs": 300, "cpus": 1.0, "memory_mb": 512, "pid": 1234,
+  "created_at": "2026-11-29T10:00:00.000Z", "last_activity_at": "2026-11-29T10:04:00.000Z",
+  "idle_deadline_at": "2026-11-29T10:09:00.000Z", "connections": 0,
+  "urls": {"8080": "https://8080-demo.sandbox.localhost:8443/", "10000": "https://10000-demo.sandbox.localhost:8443/"},
+  "snapshot": {"bytes": 5}})";
+
+TimePoint at(const char* ts) { return *parse_timestamp(ts); }
+
+TEST(Format, Created) {
+  EXPECT_EQ(format_created(json::parse(kSandbox)),
+            "id:    sb-0123456789ab\n"
+            "name:  demo\n"
+            "state: running\n"
+            "url:   https://8080-demo.sandbox.localhost:8443/\n"
+            "url:   https://10000-demo.sandbox.localhost:8443/\n");
+  EXPECT_EQ(format_created(json::parse(
+                R"({"id":"sb-x","name":null,"state":"failed","state_reason":"exec: not found","urls":{}})")),
+            "id:     sb-x\n"
+            "name:   -\n"
+            "state:  failed\n"
+            "reason: exec: not found\n");
+}
+
+TEST(Format, List) {
+  json answer = json::parse(R"({"sandboxes": [)" + std::string(kSandbox) +
+                            R"(, {"id": "sb-zzzzzzzzzzzz", "name": null, "state": "suspended", "exposed_ports": [],
+                                  "created_at": "2026-11-27T10:05:00.000Z", "idle_deadline_at": null}]})");
+  EXPECT_EQ(format_list(answer, at("2026-11-29T10:05:00Z")),
+            "ID               NAME  STATE      PORTS       IDLE-IN  AGE\n"
+            "sb-0123456789ab  demo  running    8080,10000  240      5m\n"
+            "sb-zzzzzzzzzzzz  -     suspended  -           -        2d\n");
+  // A deadline already passed (the node has not acted yet) reads 0, never negative.
+  EXPECT_NE(format_list(answer, at("2026-11-29T11:00:00Z")).find("  0  "), std::string::npos);
+  EXPECT_EQ(format_list(json::parse(R"({"sandboxes": []})"), at("2026-11-29T10:05:00Z")),
+            "ID  NAME  STATE  PORTS  IDLE-IN  AGE\n");
+  // Garbage in, still a table out.
+  EXPECT_EQ(format_list(json::parse(R"({"sandboxes": [7]})"), at("2026-11-29T10:05:00Z")),
+            "ID  NAME  STATE  PORTS  IDLE-IN  AGE\n"
+            "-   -     -      -      -        -\n");
+}
+
+TEST(Format, Sandbox) {
+  EXPECT_EQ(format_sandbox(json::parse(kSandbox), at("2026-11-29T10:05:00Z")),
+            "id:               sb-0123456789ab\n"
+            "name:             demo\n"
+            "state:            running\n"
+            "state_reason:     -\n"
+            "ephemeral:        false\n"
+            "driver:           process\n"
+            "command:          python3 -m http.server 8080\n"
+            "cwd:              /\n"
+            "env:              'K=V W'\n"
+            "exposed_ports:    8080, 10000\n"
+            "timeout_secs:     300\n"
+            "cpus:             1.0\n"
+            "memory_mb:        512\n"
+            "pid:              1234\n"
+            "created_at:       2026-11-29T10:00:00.000Z (5m ago)\n"
+            "last_activity_at: 2026-11-29T10:04:00.000Z (1m ago)\n"
+            "idle_deadline_at: 2026-11-29T10:09:00.000Z (in 4m)\n"
+            "connections:      0\n"
+            "url:              https://8080-demo.sandbox.localhost:8443/\n"
+            "url:              https://10000-demo.sandbox.localhost:8443/\n"
+            "snapshot:         {\"bytes\":5}\n");
+}
+
+TEST(Format, StateChange) {
+  EXPECT_EQ(format_state_change(json::parse(R"({"id":"sb-1","name":"demo","state":"suspending"})")),
+            "demo: suspending\n");
+  EXPECT_EQ(format_state_change(json::parse(R"({"id":"sb-1","name":null,"state":"terminated"})")),
+            "sb-1: terminated\n");
+}
+
+// ---- the client against a scripted server on a unix socket ----
+
+class FakeNode : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/sg-cli-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    endpoint_ = *parse_api_address("unix:" + dir_ + "/node.sock");
+  }
+  void TearDown() override {
+    if (server_.joinable()) server_.join();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Accepts one connection, reads the request head (and body if `read_body`), writes `answer`, closes
+  // unless `hang`, in which case it holds the connection until the client is gone.
+  void serve(std::string answer, bool hang = false) {
+    auto listener = listen_on(endpoint_, false);
+    ASSERT_TRUE(listener) << listener.message();
+    server_ = std::thread([this, fd = std::move(*listener), answer = std::move(answer), hang]() mutable {
+      pollfd p{fd.get(), POLLIN, 0};
+      if (::poll(&p, 1, 5000) != 1) return;
+      UniqueFd conn(::accept4(fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      char buf[4096];
+      while (received_.find("\r\n\r\n") == std::string::npos ||
+             received_.size() < received_.find("\r\n\r\n") + 4 + content_length()) {
+        ssize_t n = ::recv(conn.get(), buf, sizeof buf, 0);
+        if (n <= 0) return;
+        received_.append(buf, static_cast<size_t>(n));
+      }
+      ::send(conn.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+      if (hang) while (::recv(conn.get(), buf, sizeof buf, 0) > 0) {}
+    });
+  }
+
+  size_t content_length() const {
+    auto pos = received_.find("Content-Length: ");
+    return pos == std::string::npos ? 0 : std::strtoul(received_.c_str() + pos + 16, nullptr, 10);
+  }
+
+  std::string dir_;
+  Endpoint endpoint_;
+  std::thread server_;
+  std::string received_;
+};
+
+TEST_F(FakeNode, PostsJsonAndReadsAnswer) {
+  serve("HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{\"id\":1}\n");
+  ApiClient client(endpoint_, 5000);
+  auto res = client.request("POST", "/v1/sandboxes", json{{"command", {"true"}}});
+  ASSERT_TRUE(res) << res.message();
+  EXPECT_EQ(res->status, 201);
+  EXPECT_EQ(res->body, "{\"id\":1}\n");
+  server_.join();
+  EXPECT_EQ(received_,
+            "POST /v1/sandboxes HTTP/1.1\r\nHost: localhost\r\nUser-Agent: sandgate-cli\r\n"
+            "Accept: application/json\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            "Content-Length: 20\r\n\r\n{\"command\":[\"true\"]}");
+}
+
+TEST_F(FakeNode, ChunkedAnswerWithoutBodyRequest) {
+  serve("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n");
+  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/sandboxes");
+  ASSERT_TRUE(res) << res.message();
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body, "{\"a\":1}");
+  server_.join();
+  EXPECT_NE(received_.find("Content-Length: 0\r\n"), std::string::npos);
+  EXPECT_EQ(received_.find("Content-Type"), std::string::npos);
+}
+
+TEST_F(FakeNode, AnswerDelimitedByClose) {
+  serve("HTTP/1.1 404 Not Found\r\nConnection: close\r\n\r\n{\"message\":\"no such sandbox\"}");
+  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/sandboxes/x");
+  ASSERT_TRUE(res) << res.message();
+  EXPECT_EQ(res->status, 404);
+  EXPECT_EQ(error_message(res->status, res->body), "no such sandbox");
+}
+
+TEST_F(FakeNode, NoSocket) {
+  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/health");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kUnavailable);
+  EXPECT_EQ(res.message(), "cannot reach sandgate-node at unix:" + dir_ + "/node.sock: No such file or directory");
+}
+
+TEST_F(FakeNode, ClosedWithoutAnswer) {
+  serve("");
+  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/health");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kUnavailable);
+  EXPECT_NE(res.message().find("closed the connection"), std::string::npos) << res.message();
+}
+
+TEST_F(FakeNode, TruncatedAnswer) {
+  serve("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"a\"");
+  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/health");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kIo);
+}
+
+TEST_F(FakeNode, Timeout) {
+  serve("HTTP/1.1 200 OK\r\n", /*hang=*/true);
+  auto start = std::chrono::steady_clock::now();
+  auto res = ApiClient(endpoint_, 300).request("GET", "/v1/health");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kTimeout);
+  EXPECT_NE(res.message().find("did not answer within 300 ms"), std::string::npos) << res.message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
+}  // namespace
+}  // namespace sg::cli

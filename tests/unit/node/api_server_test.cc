@@ -1,0 +1,550 @@
+#include "noderuntime/api_server.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include <csignal>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "tests/unit/node/fake_driver.h"
+
+namespace sg {
+namespace {
+
+using json = nlohmann::json;
+using testing::FakeDriver;
+using testing::run_until;
+using testing::TempDir;
+
+struct Reply {
+  int status = 0;
+  HttpMessage message;
+  UniqueFd fd;
+  json body() const { return json::parse(message.body, nullptr, false); }
+};
+
+// A blocking-style HTTP client driven from the test thread: while it waits it turns the server's loop, so
+// server and client share one thread and every test is deterministic.
+class Client {
+ public:
+  Client(uv_loop_t* loop, const std::string& path) : loop_(loop) {
+    fd_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+    connected_ = ::connect(fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  }
+
+  bool connected() const { return connected_; }
+
+  // Sends everything, or stops early when the server closed its end (that is what some tests provoke).
+  bool send(std::string_view data) {
+    size_t off = 0;
+    bool failed = false;
+    run_until(loop_, [&] {
+      ssize_t n = ::send(fd_.get(), data.data() + off, data.size() - off, MSG_NOSIGNAL);
+      if (n > 0) off += static_cast<size_t>(n);
+      if (n < 0 && errno != EAGAIN) failed = true;
+      return failed || off == data.size();
+    });
+    return !failed && off == data.size();
+  }
+
+  std::optional<Reply> read(int timeout_ms = 3000) {
+    HttpParser parser(HttpParser::Kind::kResponse, HttpLimits{64 * 1024, 16 * 1024 * 1024, false});
+    std::optional<Reply> out;
+    auto parse_buffered = [&] {
+      if (buffer_.empty()) return false;
+      HttpParser::State st = parser.feed(buffer_);
+      buffer_.erase(0, parser.consumed());
+      if (st == HttpParser::State::kMessageComplete) {
+        out.emplace();
+        out->status = parser.message().status;
+        out->message = parser.message();
+        out->fd = std::move(pending_fd_);
+        return true;
+      }
+      return st == HttpParser::State::kError;
+    };
+    run_until(
+        loop_,
+        [&] {
+          if (parse_buffered()) return true;
+          char buf[64 * 1024];
+          bool would_block = false;
+          auto n = recv_with_fd(fd_.get(), buf, sizeof buf, &pending_fd_, &would_block);
+          if (!n) return true;
+          if (would_block) return false;
+          if (*n == 0) {
+            eof_ = true;
+            return true;
+          }
+          buffer_.append(buf, *n);
+          return parse_buffered();
+        },
+        timeout_ms);
+    return out;
+  }
+
+  Reply request(const std::string& method, const std::string& path, const std::string& body = "",
+                const std::string& headers = "") {
+    std::string req = method + " " + path + " HTTP/1.1\r\nHost: node\r\n" + headers;
+    if (!body.empty() || method == "POST")
+      req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+    req += "\r\n" + body;
+    EXPECT_TRUE(send(req));
+    auto r = read();
+    EXPECT_TRUE(r.has_value()) << method << " " << path << ": no answer";
+    return r ? std::move(*r) : Reply{};
+  }
+
+  // True once the server has closed the connection.
+  bool eof(int timeout_ms = 3000) {
+    if (!eof_) read(timeout_ms);
+    return eof_;
+  }
+
+ private:
+  uv_loop_t* loop_;
+  UniqueFd fd_;
+  bool connected_ = false;
+  std::string buffer_;
+  UniqueFd pending_fd_;
+  bool eof_ = false;
+};
+
+class ApiServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::signal(SIGPIPE, SIG_IGN);
+    ASSERT_EQ(uv_loop_init(&loop_), 0);
+    socket_path_ = dir_.path() + "/node.sock";
+    auto cfg = load_config_string("node_socket = \"unix:" + socket_path_ + "\"\n[node]\nstate_dir = \"" +
+                                      dir_.path() + "\"\n",
+                                  "test.toml");
+    ASSERT_TRUE(cfg.ok()) << cfg.message();
+    config_ = std::make_unique<ConfigHolder>(*cfg);
+    auto driver = std::make_unique<FakeDriver>(&loop_);
+    driver_ = driver.get();
+    auto store = Store::open(dir_.path() + "/node.db");
+    ASSERT_TRUE(store.ok());
+    node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(driver), std::move(*store));
+    server_ = std::make_unique<ApiServer>(&loop_, node_.get(), config_.get());
+    ASSERT_TRUE(server_->listen(*parse_endpoint("unix:" + socket_path_)).ok());
+  }
+
+  void TearDown() override {
+    bool closed = false;
+    server_->close([&] { closed = true; });
+    EXPECT_TRUE(run_until(&loop_, [&] { return closed; }));
+    server_.reset();
+    node_.reset();
+    uv_run(&loop_, UV_RUN_DEFAULT);
+    EXPECT_EQ(uv_loop_close(&loop_), 0);
+  }
+
+  Client client() { return Client(&loop_, socket_path_); }
+
+  std::string create_demo(Client& c, const std::string& extra = "") {
+    Reply r = c.request("POST", "/v1/sandboxes",
+                        R"({"name":"demo","command":["sleep","inf"],"exposed_ports":[8080])" + extra + "}");
+    EXPECT_EQ(r.status, 201) << r.message.body;
+    return r.body().value("id", "");
+  }
+
+  static void expect_error(const Reply& r, int status, const std::string& code, const std::string& contains = "") {
+    EXPECT_EQ(r.status, status) << r.message.body;
+    json body = r.body();
+    ASSERT_TRUE(body.is_object()) << r.message.body;
+    EXPECT_EQ(body.value("error", ""), code) << r.message.body;
+    EXPECT_NE(body.value("message", "").find(contains), std::string::npos) << r.message.body;
+  }
+
+  uv_loop_t loop_;
+  TempDir dir_;
+  std::string socket_path_;
+  std::unique_ptr<ConfigHolder> config_;
+  FakeDriver* driver_ = nullptr;
+  std::unique_ptr<Node> node_;
+  std::unique_ptr<ApiServer> server_;
+};
+
+TEST_F(ApiServerTest, SocketIsGroupOnly) {
+  struct stat st{};
+  ASSERT_EQ(::stat(socket_path_.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+}
+
+TEST_F(ApiServerTest, Health) {
+  Client c = client();
+  ASSERT_TRUE(c.connected());
+  Reply r = c.request("GET", "/v1/health");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body(), json::parse(R"({"status":"ok","sandboxes":0,"driver":"fake"})"));
+  ASSERT_NE(r.message.header("Content-Length"), nullptr);
+  EXPECT_EQ(*r.message.header("Content-Type"), "application/json");
+}
+
+TEST_F(ApiServerTest, SandboxLifecycle) {
+  Client c = client();
+  Reply created = c.request("POST", "/v1/sandboxes",
+                            R"({"name":"demo","command":["python3","-m","http.server","8080"],"env":{"K":"V"},)"
+                            R"("cwd":"/","exposed_ports":[8080],"timeout_secs":300,"cpus":1.0,"memory_mb":512,)"
+                            R"("ephemeral":false})");
+  ASSERT_EQ(created.status, 201) << created.message.body;
+  json s = created.body();
+  std::string id = s["id"];
+  EXPECT_TRUE(std::regex_match(id, std::regex("sb-[a-z0-9]{12}")));
+  EXPECT_EQ(s["name"], "demo");
+  EXPECT_EQ(s["state"], "running");
+  EXPECT_EQ(s["state_reason"], "started");
+  EXPECT_EQ(s["ephemeral"], false);
+  EXPECT_EQ(s["driver"], "fake");
+  EXPECT_EQ(s["command"], json::parse(R"(["python3","-m","http.server","8080"])"));
+  EXPECT_EQ(s["env"], json::parse(R"({"K":"V"})"));
+  EXPECT_EQ(s["cwd"], "/");
+  EXPECT_EQ(s["exposed_ports"], json::parse("[8080]"));
+  EXPECT_EQ(s["timeout_secs"], 300);
+  EXPECT_EQ(s["cpus"], 1.0);
+  EXPECT_EQ(s["memory_mb"], 512);
+  EXPECT_TRUE(s["pid"].is_number_integer());
+  std::regex rfc3339(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)");
+  EXPECT_TRUE(std::regex_match(s["created_at"].get<std::string>(), rfc3339)) << s["created_at"];
+  EXPECT_TRUE(std::regex_match(s["last_activity_at"].get<std::string>(), rfc3339));
+  EXPECT_TRUE(std::regex_match(s["idle_deadline_at"].get<std::string>(), rfc3339));
+  EXPECT_EQ(s["connections"], 0);
+  EXPECT_EQ(s["urls"], json::parse(R"({"8080":"https://8080-demo.sandbox.localhost:8443/"})"));
+
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").body()["id"], id);
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/" + id).body()["name"], "demo");
+  Reply list = c.request("GET", "/v1/sandboxes");
+  ASSERT_EQ(list.status, 200);
+  ASSERT_EQ(list.body()["sandboxes"].size(), 1u);
+  EXPECT_EQ(list.body()["sandboxes"][0]["id"], id);
+  EXPECT_EQ(c.request("GET", "/v1/health").body()["sandboxes"], 1);
+
+  Reply deleted = c.request("DELETE", "/v1/sandboxes/demo");
+  EXPECT_EQ(deleted.status, 200);
+  EXPECT_EQ(deleted.body()["state"], "terminated");
+  expect_error(c.request("GET", "/v1/sandboxes/demo"), 404, "not_found");
+  expect_error(c.request("DELETE", "/v1/sandboxes/demo"), 404, "not_found");
+  EXPECT_TRUE(c.request("GET", "/v1/sandboxes").body()["sandboxes"].empty());
+}
+
+TEST_F(ApiServerTest, UnnamedSandboxUsesItsIdInUrlsAndNullName) {
+  Client c = client();
+  Reply r = c.request("POST", "/v1/sandboxes", R"({"command":["x"],"exposed_ports":[3000],"name":null})");
+  ASSERT_EQ(r.status, 201) << r.message.body;
+  json s = r.body();
+  EXPECT_TRUE(s["name"].is_null());
+  EXPECT_EQ(s["urls"]["3000"], "https://3000-" + s["id"].get<std::string>() + ".sandbox.localhost:8443/");
+}
+
+TEST_F(ApiServerTest, BadJsonIsA400AndTheConnectionKeepsServing) {
+  Client c = client();
+  expect_error(c.request("POST", "/v1/sandboxes", "{nope"), 400, "invalid_argument", "not valid JSON");
+  EXPECT_EQ(c.request("GET", "/v1/health").status, 200);
+}
+
+TEST_F(ApiServerTest, MalformedBodiesAreExplained) {
+  struct Case {
+    std::string body;
+    std::string contains;
+  };
+  const std::string deep = std::string(400'000, '[') + std::string(400'000, ']');
+  const Case cases[] = {
+      {"", "got nothing"},
+      {"null", "JSON object"},
+      {"[1,2]", "JSON object"},
+      {"\"text\"", "JSON object"},
+      {deep, "JSON object"},
+      {"{\"command\":[\"caf\xff\"]}", "not valid JSON"},
+      {R"({})", "command is required"},
+      {R"({"command":"ls"})", "command: must be an array of strings"},
+      {R"({"command":[1]})", "command[]: must be a string"},
+      {R"({"command":["ls"],"nmae":"x"})", "unknown field 'nmae'"},
+      {R"({"command":["ls"],"name":5})", "name: must be a string or null"},
+      {R"({"command":["ls"],"env":{"A":1}})", "env.A: must be a string"},
+      {R"({"command":["ls"],"env":[]})", "env: must be an object"},
+      {R"({"command":["ls"],"cwd":false})", "cwd: must be a string"},
+      {R"({"command":["ls"],"exposed_ports":[true]})", "exposed_ports[]: must be an integer"},
+      {R"({"command":["ls"],"exposed_ports":[18446744073709551615]})", "1-65535"},
+      {R"({"command":["ls"],"timeout_secs":1.5})", "timeout_secs: must be an integer"},
+      {R"({"command":["ls"],"timeout_secs":"300"})", "timeout_secs: must be an integer"},
+      {R"({"command":["ls"],"memory_mb":-1})", "memory_mb"},
+      {R"({"command":["ls"],"cpus":"1"})", "cpus: must be a number"},
+      {R"({"command":["ls"],"ephemeral":"yes"})", "ephemeral: must be true or false"},
+      {R"({"command":["ls"],"name":"Bad"})", "lowercase"},
+      {R"({"command":["ls"],"name":"api"})", "reserved"},
+  };
+  Client c = client();
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.body.substr(0, 80));
+    expect_error(c.request("POST", "/v1/sandboxes", k.body), 400, "invalid_argument", k.contains);
+  }
+  EXPECT_EQ(driver_->starts, 0);
+  EXPECT_EQ(c.request("GET", "/v1/health").status, 200);
+}
+
+TEST_F(ApiServerTest, NameConflictIs409) {
+  Client c = client();
+  create_demo(c);
+  expect_error(c.request("POST", "/v1/sandboxes", R"({"name":"demo","command":["x"]})"), 409, "already_exists");
+}
+
+TEST_F(ApiServerTest, OversizedBodyIs413) {
+  Client c = client();
+  std::string body(1024 * 1024 + 1, ' ');
+  std::string head = "POST /v1/sandboxes HTTP/1.1\r\nHost: n\r\nContent-Length: " + std::to_string(body.size()) +
+                     "\r\n\r\n";
+  c.send(head + body);  // may be cut short: the server answers and closes as soon as the limit is crossed
+  auto r = c.read();
+  ASSERT_TRUE(r.has_value());
+  expect_error(*r, 413, "limit_exceeded", "body");
+  EXPECT_EQ(*r->message.header("Connection"), "close");
+  EXPECT_TRUE(c.eof());
+  EXPECT_EQ(client().request("GET", "/v1/health").status, 200) << "the server keeps serving others";
+}
+
+TEST_F(ApiServerTest, OversizedHeadIs431) {
+  Client c = client();
+  std::string req = "GET /v1/health HTTP/1.1\r\nX-Big: " + std::string(20 * 1024, 'a') + "\r\n\r\n";
+  c.send(req);
+  auto r = c.read();
+  ASSERT_TRUE(r.has_value());
+  expect_error(*r, 431, "limit_exceeded", "head");
+  EXPECT_TRUE(c.eof());
+}
+
+TEST_F(ApiServerTest, GarbageIs400) {
+  Client c = client();
+  c.send("THIS IS NOT HTTP\r\n\r\n");
+  auto r = c.read();
+  ASSERT_TRUE(r.has_value());
+  expect_error(*r, 400, "invalid_argument", "malformed HTTP");
+  EXPECT_TRUE(c.eof());
+}
+
+TEST_F(ApiServerTest, UnknownRoutesAndMethods) {
+  Client c = client();
+  expect_error(c.request("GET", "/"), 404, "not_found", "no such endpoint");
+  expect_error(c.request("GET", "/v2/health"), 404, "not_found");
+  expect_error(c.request("GET", "/v1/sandboxes/demo/logs"), 404, "not_found");
+  expect_error(c.request("POST", "/v1/sandboxes//suspend"), 404, "not_found");
+  Reply wrong = c.request("PUT", "/v1/sandboxes/demo");
+  expect_error(wrong, 405, "unsupported");
+  EXPECT_EQ(*wrong.message.header("Allow"), "GET, DELETE");
+  expect_error(c.request("GET", "/v1/internal/open"), 405, "unsupported");
+  EXPECT_EQ(c.request("GET", "/v1/health?verbose=1").status, 200);
+}
+
+TEST_F(ApiServerTest, SuspendAndResumeStatusCodes) {
+  Client c = client();
+  create_demo(c);
+  c.request("POST", "/v1/sandboxes", R"({"name":"temp","command":["x"],"ephemeral":true})");
+  Reply started = c.request("POST", "/v1/sandboxes/demo/suspend");
+  EXPECT_EQ(started.status, 202);
+  EXPECT_EQ(started.body()["state"], "suspending");
+  EXPECT_EQ(c.request("POST", "/v1/sandboxes/demo/suspend").status, 200);
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  EXPECT_EQ(c.request("POST", "/v1/sandboxes/demo/suspend").status, 200);
+  EXPECT_EQ(c.request("POST", "/v1/sandboxes/demo/resume").status, 202);
+  expect_error(c.request("POST", "/v1/sandboxes/demo/suspend"), 409, "conflict");
+  EXPECT_EQ(c.request("POST", "/v1/sandboxes/demo/resume").status, 200);
+  expect_error(c.request("POST", "/v1/sandboxes/temp/suspend"), 400, "invalid_argument", "ephemeral");
+  expect_error(c.request("POST", "/v1/sandboxes/temp/resume"), 400, "invalid_argument", "ephemeral");
+  expect_error(c.request("POST", "/v1/sandboxes/nope/suspend"), 404, "not_found");
+}
+
+TEST_F(ApiServerTest, OpenPassesTheSocket) {
+  Client c = client();
+  std::string id = create_demo(c);
+  Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})");
+  ASSERT_EQ(r.status, 200) << r.message.body;
+  json body = r.body();
+  EXPECT_EQ(body["id"], id);
+  EXPECT_EQ(body["name"], "demo");
+  EXPECT_EQ(body["port"], 8080);
+  EXPECT_EQ(body["woke"], false);
+  ASSERT_TRUE(r.fd.valid()) << "the socket must travel with the response";
+  struct stat st{};
+  ASSERT_EQ(::fstat(r.fd.get(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  int domain = 0;
+  socklen_t len = sizeof domain;
+  ASSERT_EQ(::getsockopt(r.fd.get(), SOL_SOCKET, SO_DOMAIN, &domain, &len), 0);
+  EXPECT_EQ(domain, AF_INET);
+  EXPECT_EQ(c.request("GET", "/v1/health").status, 200) << "keep-alive after a passed descriptor";
+}
+
+TEST_F(ApiServerTest, OpenWakesASuspendedSandbox) {
+  Client c = client();
+  create_demo(c);
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})");
+  ASSERT_EQ(r.status, 200) << r.message.body;
+  EXPECT_EQ(r.body()["woke"], true);
+  EXPECT_GT(r.body()["wake_ms"].get<double>(), 0);
+  EXPECT_TRUE(r.fd.valid());
+}
+
+TEST_F(ApiServerTest, ManyClientsOpenASuspendedSandboxAtOnce) {
+  Client c = client();
+  create_demo(c);
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  std::vector<Client> clients;
+  for (int i = 0; i < 50; ++i) {
+    clients.push_back(client());
+    std::string body = R"({"sandbox":"demo","port":8080})";
+    ASSERT_TRUE(clients.back().send("POST /v1/internal/open HTTP/1.1\r\nContent-Length: " +
+                                    std::to_string(body.size()) + "\r\n\r\n" + body));
+  }
+  for (Client& each : clients) {
+    auto r = each.read();
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->status, 200);
+    EXPECT_TRUE(r->fd.valid());
+  }
+  EXPECT_EQ(driver_->resumes, 1);
+}
+
+TEST_F(ApiServerTest, OpenErrors) {
+  Client c = client();
+  create_demo(c);
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":9090})"), 403, "permission_denied",
+               "port not exposed");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"nope","port":8080})"), 404, "not_found");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo"})"), 400, "invalid_argument", "port");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"port":8080})"), 400, "invalid_argument", "sandbox");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":70000})"), 400, "invalid_argument");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":"8080"})"), 400,
+               "invalid_argument", "port: must be an integer");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080,"x":1})"), 400,
+               "invalid_argument", "unknown field 'x'");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})",
+                         "X-Sandgate-Wake-Timeout-Ms: soon\r\n"),
+               400, "invalid_argument", "X-Sandgate-Wake-Timeout-Ms");
+  Reply fine = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})");
+  EXPECT_EQ(fine.status, 200);
+  EXPECT_TRUE(fine.fd.valid());
+}
+
+TEST_F(ApiServerTest, WakeTimeoutIs504AndFailedWakeIs503) {
+  Client c = client();
+  create_demo(c);
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  driver_->op_delay_ms = 300;
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})",
+                         "X-Sandgate-Wake-Timeout-Ms: 20\r\n"),
+               504, "timeout");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kRunning; }));
+  driver_->op_delay_ms = 5;
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  driver_->fail_resume = true;
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})"), 503, "unavailable");
+}
+
+TEST_F(ApiServerTest, PipelinedAnswersKeepRequestOrder) {
+  Client c = client();
+  create_demo(c);
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  driver_->op_delay_ms = 50;
+  std::string open_body = R"({"sandbox":"demo","port":8080})";
+  // The open waits for a wake; the health checks behind it are ready at once but must wait their turn.
+  ASSERT_TRUE(c.send("POST /v1/internal/open HTTP/1.1\r\nContent-Length: " + std::to_string(open_body.size()) +
+                     "\r\n\r\n" + open_body + "GET /v1/health HTTP/1.1\r\n\r\nGET /v1/nope HTTP/1.1\r\n\r\n"));
+  auto first = c.read();
+  auto second = c.read();
+  auto third = c.read();
+  ASSERT_TRUE(first && second && third);
+  EXPECT_EQ(first->status, 200);
+  EXPECT_EQ(first->body()["woke"], true);
+  EXPECT_TRUE(first->fd.valid());
+  EXPECT_EQ(second->status, 200);
+  EXPECT_EQ(second->body()["status"], "ok");
+  EXPECT_FALSE(second->fd.valid());
+  EXPECT_EQ(third->status, 404);
+}
+
+TEST_F(ApiServerTest, ManyPipelinedRequestsAreAllAnswered) {
+  Client c = client();
+  std::string batch;
+  for (int i = 0; i < 500; ++i) batch += "GET /v1/health HTTP/1.1\r\n\r\n";
+  ASSERT_TRUE(c.send(batch));
+  for (int i = 0; i < 500; ++i) {
+    auto r = c.read();
+    ASSERT_TRUE(r.has_value()) << i;
+    ASSERT_EQ(r->status, 200);
+  }
+}
+
+TEST_F(ApiServerTest, Activity) {
+  Client c = client();
+  std::string id = create_demo(c);
+  Reply ok = c.request("POST", "/v1/internal/activity",
+                       R"({"sandboxes":[{"id":")" + id +
+                           R"(","bytes_in":10,"bytes_out":20,"connections":2,"reporter":"w1"},{"id":"sb-unknown00000"}]})");
+  EXPECT_EQ(ok.status, 204);
+  EXPECT_TRUE(ok.message.body.empty());
+  EXPECT_EQ(*ok.message.header("Content-Length"), "0");
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").body()["connections"], 2);
+  expect_error(c.request("POST", "/v1/internal/activity", R"({"sandboxes":[{"bytes_in":1}]})"), 400,
+               "invalid_argument", "id is required");
+  expect_error(c.request("POST", "/v1/internal/activity", R"({"sandboxes":[{"id":"x","bytes_in":-1}]})"), 400,
+               "invalid_argument", "non-negative");
+  expect_error(c.request("POST", "/v1/internal/activity", R"({"sandboxes":[{"id":"x","bites_in":1}]})"), 400,
+               "invalid_argument", "unknown field");
+  expect_error(c.request("POST", "/v1/internal/activity", R"({"sandbox":[]})"), 400, "invalid_argument");
+  expect_error(c.request("POST", "/v1/internal/activity", R"({"sandboxes":{}})"), 400, "invalid_argument");
+}
+
+TEST_F(ApiServerTest, ConnectionCloseIsHonoured) {
+  Client c = client();
+  Reply r = c.request("GET", "/v1/health", "", "Connection: close\r\n");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(*r.message.header("Connection"), "close");
+  EXPECT_TRUE(c.eof());
+}
+
+TEST_F(ApiServerTest, ExpectContinue) {
+  Client c = client();
+  std::string body = R"({"name":"demo","command":["x"]})";
+  ASSERT_TRUE(c.send("POST /v1/sandboxes HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: " +
+                     std::to_string(body.size()) + "\r\n\r\n"));
+  auto interim = c.read();
+  ASSERT_TRUE(interim.has_value());
+  EXPECT_EQ(interim->status, 100);
+  ASSERT_TRUE(c.send(body));
+  auto r = c.read();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->status, 201);
+}
+
+TEST_F(ApiServerTest, ClientVanishingMidWakeIsHarmless) {
+  {
+    Client c = client();
+    create_demo(c);
+    c.request("POST", "/v1/sandboxes/demo/suspend");
+    ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+    driver_->op_delay_ms = 50;
+    std::string body = R"({"sandbox":"demo","port":8080})";
+    ASSERT_TRUE(c.send("POST /v1/internal/open HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) +
+                       "\r\n\r\n" + body));
+    run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kResuming; });
+  }  // the client disconnects before the answer exists
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kRunning; }));
+  EXPECT_EQ(client().request("GET", "/v1/health").status, 200);
+}
+
+}  // namespace
+}  // namespace sg

@@ -1,0 +1,173 @@
+// Test support for the node's units: a Driver whose asynchronous operations complete on the loop after a
+// configurable delay and count their calls, a temporary directory, and a loop runner that stops on a
+// condition. Header-only because it is shared by several test files of one binary.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+
+#include "noderuntime/driver.h"
+
+namespace sg::testing {
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "sg-node-test-XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data()) ? tmpl : std::string();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Runs `loop` until `done()` holds or `timeout_ms` passes. A ticking timer keeps each turn short even when
+// the only other pending timer is far away.
+inline bool run_until(uv_loop_t* loop, const std::function<bool()>& done, int timeout_ms = 5000) {
+  uv_timer_t tick;
+  uv_timer_init(loop, &tick);
+  uv_timer_start(&tick, [](uv_timer_t*) {}, 2, 2);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  bool ok = done();
+  while (!ok && std::chrono::steady_clock::now() < deadline) {
+    uv_run(loop, UV_RUN_ONCE);
+    ok = done();
+  }
+  uv_close(reinterpret_cast<uv_handle_t*>(&tick), nullptr);
+  uv_run(loop, UV_RUN_NOWAIT);  // runs the close callback before `tick` goes out of scope
+  return ok;
+}
+
+// Runs the loop for `ms` milliseconds of wall time.
+inline void run_for(uv_loop_t* loop, int ms) {
+  run_until(loop, [] { return false; }, ms);
+}
+
+class FakeDriver : public Driver {
+ public:
+  struct Instance {
+    bool alive = true;
+    bool paused = false;
+    std::function<void()> on_exit;
+  };
+
+  explicit FakeDriver(uv_loop_t* loop) : loop_(loop) {}
+  ~FakeDriver() override {
+    // Pending operations are dropped, as a real driver going away would.
+    for (Op* op : pending_) uv_close(reinterpret_cast<uv_handle_t*>(&op->timer), [](uv_handle_t* h) {
+      delete static_cast<Op*>(h->data);
+    });
+  }
+
+  std::string_view name() const override { return "fake"; }
+  DriverCapabilities capabilities() const override { return {can_pause, false}; }
+
+  Result<RuntimeInfo> start(const SandboxSpec& spec, const std::string& sandbox_dir) override {
+    ++starts;
+    if (fail_start) return fail(Error::kIo, "exec failed: no such file");
+    instances[spec.id] = Instance{};
+    return RuntimeInfo{next_pid_++, 4242, sandbox_dir};
+  }
+  void pause(const SandboxSpec& spec, const RuntimeInfo&, Done done) override {
+    ++pauses;
+    Status result = fail_pause ? Status(fail(Error::kIo, "freeze failed")) : Status();
+    later(std::move(done), result, [this, id = spec.id, ok = result.ok()] {
+      if (ok) instances[id].paused = true;
+    });
+  }
+  void resume(const SandboxSpec& spec, const RuntimeInfo&, Done done) override {
+    ++resumes;
+    Status result = fail_resume ? Status(fail(Error::kIo, "thaw failed")) : Status();
+    later(std::move(done), result, [this, id = spec.id, ok = result.ok()] {
+      if (ok) instances[id].paused = false;
+    });
+  }
+  void terminate(const SandboxSpec& spec, const RuntimeInfo&, Done done) override {
+    ++terminates;
+    Status result = fail_terminate ? Status(fail(Error::kIo, "kill failed")) : Status();
+    later(std::move(done), result, [this, id = spec.id, ok = result.ok()] {
+      if (ok) instances[id].alive = false;
+    });
+  }
+  Status watch_exit(const SandboxSpec& spec, const RuntimeInfo&, std::function<void()> on_exit) override {
+    ++watches;
+    instances[spec.id].on_exit = std::move(on_exit);
+    return {};
+  }
+  void unwatch(const SandboxSpec& spec) override {
+    ++unwatches;
+    instances[spec.id].on_exit = nullptr;
+  }
+  ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo&) override {
+    auto it = instances.find(spec.id);
+    if (it == instances.end()) return {};
+    return {it->second.alive, it->second.paused};
+  }
+  Result<UniqueFd> open_socket(const SandboxSpec&, const RuntimeInfo&) override {
+    ++sockets;
+    if (fail_open_socket) return fail(Error::kIo, "setns failed");
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return fail_errno("socket", errno);
+    return UniqueFd(fd);
+  }
+
+  // The instance's process exits by itself.
+  void exit(const std::string& id) {
+    Instance& inst = instances[id];
+    inst.alive = false;
+    auto cb = std::move(inst.on_exit);
+    inst.on_exit = nullptr;
+    if (cb) cb();
+  }
+
+  bool can_pause = true;
+  bool fail_start = false, fail_pause = false, fail_resume = false, fail_terminate = false, fail_open_socket = false;
+  uint64_t op_delay_ms = 5;  // how long pause/resume/terminate take
+  int starts = 0, pauses = 0, resumes = 0, terminates = 0, watches = 0, unwatches = 0, sockets = 0;
+  std::map<std::string, Instance> instances;
+
+ private:
+  struct Op {
+    uv_timer_t timer;
+    FakeDriver* driver;
+    Done done;
+    Status result;
+    std::function<void()> effect;
+  };
+
+  void later(Done done, Status result, std::function<void()> effect) {
+    auto* op = new Op{{}, this, std::move(done), std::move(result), std::move(effect)};
+    uv_timer_init(loop_, &op->timer);
+    op->timer.data = op;
+    pending_.insert(op);
+    uv_timer_start(&op->timer, [](uv_timer_t* t) {
+      auto* o = static_cast<Op*>(t->data);
+      o->driver->pending_.erase(o);
+      o->effect();
+      Done cb = std::move(o->done);
+      Status r = o->result;
+      uv_close(reinterpret_cast<uv_handle_t*>(&o->timer), [](uv_handle_t* h) { delete static_cast<Op*>(h->data); });
+      cb(r);
+    }, op_delay_ms, 0);
+  }
+
+  uv_loop_t* loop_;
+  int next_pid_ = 1000;
+  std::set<Op*> pending_;
+};
+
+}  // namespace sg::testing

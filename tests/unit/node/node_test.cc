@@ -1,0 +1,629 @@
+#include "noderuntime/node.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <optional>
+
+#include "tests/unit/node/fake_driver.h"
+
+namespace sg {
+namespace {
+
+using S = SandboxState;
+using testing::FakeDriver;
+using testing::run_for;
+using testing::run_until;
+using testing::TempDir;
+
+class NodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(uv_loop_init(&loop_), 0);
+    make_node();
+  }
+  void TearDown() override {
+    node_.reset();
+    uv_run(&loop_, UV_RUN_DEFAULT);
+    EXPECT_EQ(uv_loop_close(&loop_), 0);
+  }
+
+  // `node_toml`: extra lines for the [node] table.
+  void make_node(const std::string& node_toml = "", std::map<std::string, FakeDriver::Instance> instances = {}) {
+    auto cfg = load_config_string("[node]\nstate_dir = \"" + dir_.path() + "\"\n" + node_toml, "test.toml");
+    ASSERT_TRUE(cfg.ok()) << cfg.message();
+    config_ = std::make_unique<ConfigHolder>(*cfg);
+    auto driver = std::make_unique<FakeDriver>(&loop_);
+    driver->instances = std::move(instances);
+    driver_ = driver.get();
+    auto store = Store::open(dir_.path() + "/node.db");
+    ASSERT_TRUE(store.ok()) << store.message();
+    node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(driver), std::move(*store));
+  }
+
+  // Simulates a node crash + restart: the instances live on, the in-flight driver operations are lost.
+  void restart(const std::string& node_toml = "") {
+    auto instances = driver_->instances;
+    for (auto& [id, inst] : instances) inst.on_exit = nullptr;
+    node_.reset();
+    uv_run(&loop_, UV_RUN_NOWAIT);
+    make_node(node_toml, std::move(instances));
+  }
+
+  CreateRequest request(std::optional<std::string> name, bool ephemeral = false, int64_t timeout_secs = 300) {
+    CreateRequest r;
+    r.name = std::move(name);
+    r.command = {"sleep", "infinity"};
+    r.exposed_ports = {8080};
+    r.ephemeral = ephemeral;
+    r.timeout_secs = timeout_secs;
+    return r;
+  }
+
+  SandboxInfo create(std::optional<std::string> name, bool ephemeral = false, int64_t timeout_secs = 300) {
+    auto info = node_->create(request(std::move(name), ephemeral, timeout_secs));
+    EXPECT_TRUE(info.ok()) << info.message();
+    return info.ok() ? *info : SandboxInfo{};
+  }
+
+  std::optional<S> state(const std::string& ref) {
+    auto info = node_->get(ref);
+    if (!info) return std::nullopt;
+    return info->state;
+  }
+
+  bool wait_state(const std::string& ref, S want, int timeout_ms = 3000) {
+    return run_until(&loop_, [&] { return state(ref) == want; }, timeout_ms);
+  }
+
+  void suspend_and_wait(const std::string& ref) {
+    auto outcome = node_->suspend(ref);
+    ASSERT_TRUE(outcome.ok()) << outcome.message();
+    ASSERT_TRUE(wait_state(ref, S::kSuspended));
+  }
+
+  struct OpenResult {
+    std::optional<Result<OpenedPort>> result;
+  };
+  std::shared_ptr<OpenResult> open(const std::string& ref, uint16_t port = 8080, uint32_t timeout_ms = 5000) {
+    auto out = std::make_shared<OpenResult>();
+    node_->open(ref, port, timeout_ms, [out](Result<OpenedPort> r) { out->result.emplace(std::move(r)); });
+    return out;
+  }
+
+  std::optional<Result<SandboxInfo>> remove(const std::string& ref) {
+    std::optional<Result<SandboxInfo>> out;
+    node_->remove(ref, [&out](Result<SandboxInfo> r) { out.emplace(std::move(r)); });
+    run_until(&loop_, [&] { return out.has_value(); });
+    return out;
+  }
+
+  uv_loop_t loop_;
+  TempDir dir_;
+  std::unique_ptr<ConfigHolder> config_;
+  FakeDriver* driver_ = nullptr;
+  std::unique_ptr<Node> node_;
+};
+
+TEST_F(NodeTest, CreateStartsWatchesAndPersists) {
+  SandboxInfo info = create("demo");
+  EXPECT_EQ(info.state, S::kRunning);
+  EXPECT_TRUE(info.spec.id.starts_with("sb-"));
+  EXPECT_EQ(info.spec.name, "demo");
+  EXPECT_EQ(info.spec.cwd, "/");
+  EXPECT_EQ(info.spec.memory_mb, 512u);
+  EXPECT_DOUBLE_EQ(info.spec.cpus, 1.0);
+  EXPECT_GT(info.runtime.pid, 0);
+  EXPECT_TRUE(info.idle_deadline_at_ms.has_value());
+  EXPECT_EQ(driver_->starts, 1);
+  EXPECT_EQ(driver_->watches, 1);
+  EXPECT_TRUE(std::filesystem::is_directory(dir_.path() + "/sandboxes/" + info.spec.id));
+  EXPECT_EQ(node_->get("demo")->spec.id, info.spec.id);
+  EXPECT_EQ(node_->get(info.spec.id)->spec.name, "demo");
+  EXPECT_EQ(node_->list().size(), 1u);
+  auto store = Store::open(dir_.path() + "/node.db");
+  ASSERT_TRUE(store.ok());
+  auto rows = (*store)->load_live();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].state, S::kRunning);
+  EXPECT_EQ((*rows)[0].runtime.pid, info.runtime.pid);
+}
+
+TEST_F(NodeTest, DefaultTimeoutComesFromTheConfig) {
+  make_node("default_timeout_secs = 42\n");
+  CreateRequest r = request("demo");
+  r.timeout_secs.reset();
+  auto info = node_->create(r);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->spec.timeout_secs, 42u);
+}
+
+TEST_F(NodeTest, UnnamedSandboxesAreFoundById) {
+  SandboxInfo a = create(std::nullopt);
+  SandboxInfo b = create(std::nullopt);
+  EXPECT_NE(a.spec.id, b.spec.id);
+  EXPECT_TRUE(node_->get(a.spec.id).ok());
+  EXPECT_EQ(node_->get("nope").error(), Error::kNotFound);
+}
+
+TEST_F(NodeTest, SuspendAndResumeAnswers) {
+  create("demo");
+  auto first = node_->suspend("demo");
+  ASSERT_TRUE(first.ok());
+  EXPECT_TRUE(first->started);  // 202
+  EXPECT_EQ(first->sandbox.state, S::kSuspending);
+  auto again = node_->suspend("demo");
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->started);  // 200: already suspending
+  ASSERT_TRUE(wait_state("demo", S::kSuspended));
+  EXPECT_FALSE(node_->get("demo")->idle_deadline_at_ms.has_value());
+  EXPECT_FALSE(node_->suspend("demo")->started);  // 200: already suspended
+
+  auto resume = node_->resume("demo");
+  ASSERT_TRUE(resume.ok());
+  EXPECT_TRUE(resume->started);
+  EXPECT_EQ(resume->sandbox.state, S::kResuming);
+  EXPECT_FALSE(node_->resume("demo")->started);  // already resuming
+  auto while_resuming = node_->suspend("demo");
+  ASSERT_FALSE(while_resuming.ok());
+  EXPECT_EQ(while_resuming.error(), Error::kConflict);  // 409
+  ASSERT_TRUE(wait_state("demo", S::kRunning));
+  EXPECT_FALSE(node_->resume("demo")->started);  // 200: already running
+  EXPECT_EQ(node_->get("demo")->state_reason, "resumed on request");
+  EXPECT_EQ(driver_->pauses, 1);
+  EXPECT_EQ(driver_->resumes, 1);
+
+  EXPECT_EQ(node_->suspend("missing").error(), Error::kNotFound);
+  EXPECT_EQ(node_->resume("sb-000000000000").error(), Error::kNotFound);
+}
+
+TEST_F(NodeTest, EphemeralSandboxesCannotBeSuspendedOrResumed) {
+  create("temp", true);
+  EXPECT_EQ(node_->suspend("temp").error(), Error::kInvalidArgument);
+  EXPECT_EQ(node_->resume("temp").error(), Error::kInvalidArgument);
+  EXPECT_EQ(driver_->pauses, 0);
+}
+
+TEST_F(NodeTest, FailedSandboxesCannotBeSuspendedOrResumed) {
+  SandboxInfo info = create("demo");
+  driver_->exit(info.spec.id);
+  ASSERT_EQ(state("demo"), S::kFailed);
+  EXPECT_EQ(node_->suspend("demo").error(), Error::kConflict);
+  EXPECT_EQ(node_->resume("demo").error(), Error::kConflict);
+}
+
+TEST_F(NodeTest, ResumeDuringSuspendRunsAfterIt) {
+  create("demo");
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  auto r = node_->resume("demo");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->started);
+  ASSERT_TRUE(run_until(&loop_, [&] { return driver_->resumes == 1 && state("demo") == S::kRunning; }));
+  EXPECT_EQ(driver_->pauses, 1);
+}
+
+TEST_F(NodeTest, SingleFlightWakeForManyOpens) {
+  create("demo");
+  suspend_and_wait("demo");
+  std::vector<std::shared_ptr<OpenResult>> opens;
+  for (int i = 0; i < 100; ++i) opens.push_back(open("demo"));
+  EXPECT_EQ(state("demo"), S::kResuming);
+  ASSERT_TRUE(run_until(&loop_, [&] {
+    return std::all_of(opens.begin(), opens.end(), [](auto& o) { return o->result.has_value(); });
+  }));
+  EXPECT_EQ(driver_->resumes, 1);
+  EXPECT_EQ(driver_->sockets, 100);
+  for (auto& o : opens) {
+    ASSERT_TRUE(o->result->ok()) << o->result->message();
+    const OpenedPort& p = o->result->value();
+    EXPECT_TRUE(p.socket.valid());
+    EXPECT_TRUE(p.woke);
+    EXPECT_GT(p.wake_ms, 0);
+    EXPECT_EQ(p.port, 8080);
+    EXPECT_EQ(p.name, "demo");
+  }
+  EXPECT_EQ(state("demo"), S::kRunning);
+  EXPECT_EQ(node_->get("demo")->state_reason, "woken by a connection to port 8080");
+}
+
+TEST_F(NodeTest, OpensDuringSuspendLetItFinishThenResumeOnce) {
+  create("demo");
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  std::vector<std::shared_ptr<OpenResult>> opens;
+  for (int i = 0; i < 20; ++i) opens.push_back(open("demo"));
+  ASSERT_TRUE(run_until(&loop_, [&] {
+    return std::all_of(opens.begin(), opens.end(), [](auto& o) { return o->result.has_value(); });
+  }));
+  EXPECT_EQ(driver_->pauses, 1);
+  EXPECT_EQ(driver_->resumes, 1);
+  for (auto& o : opens) EXPECT_TRUE(o->result->ok());
+  EXPECT_EQ(state("demo"), S::kRunning);
+}
+
+TEST_F(NodeTest, OpenOfARunningSandboxAnswersAtOnce) {
+  create("demo");
+  auto o = open("demo");
+  ASSERT_TRUE(o->result.has_value()) << "no wake needed, so no waiting";
+  ASSERT_TRUE(o->result->ok());
+  EXPECT_FALSE(o->result->value().woke);
+  EXPECT_EQ(o->result->value().wake_ms, 0);
+}
+
+TEST_F(NodeTest, EachWaiterHasItsOwnTimeout) {
+  create("demo");
+  suspend_and_wait("demo");
+  driver_->op_delay_ms = 300;
+  auto impatient = open("demo", 8080, 20);
+  auto patient = open("demo", 8080, 5000);
+  ASSERT_TRUE(run_until(&loop_, [&] { return impatient->result.has_value(); }));
+  ASSERT_FALSE(impatient->result->ok());
+  EXPECT_EQ(impatient->result->error(), Error::kTimeout);
+  EXPECT_FALSE(patient->result.has_value());
+  ASSERT_TRUE(run_until(&loop_, [&] { return patient->result.has_value(); }));
+  EXPECT_TRUE(patient->result->ok());
+  EXPECT_EQ(driver_->resumes, 1);
+}
+
+TEST_F(NodeTest, OpenErrors) {
+  SandboxInfo info = create("demo");
+  auto unknown = open("nope");
+  ASSERT_TRUE(unknown->result.has_value());
+  EXPECT_EQ(unknown->result->error(), Error::kNotFound);
+  auto closed_port = open("demo", 9999);
+  EXPECT_EQ(closed_port->result->error(), Error::kPermissionDenied);
+  EXPECT_NE(closed_port->result->message().find("port not exposed"), std::string::npos);
+  driver_->fail_open_socket = true;
+  EXPECT_EQ(open("demo")->result->error(), Error::kIo);
+  driver_->fail_open_socket = false;
+  driver_->exit(info.spec.id);
+  EXPECT_EQ(open("demo")->result->error(), Error::kUnavailable);
+  ASSERT_TRUE(remove("demo")->ok());
+  EXPECT_EQ(open("demo")->result->error(), Error::kNotFound);
+}
+
+TEST_F(NodeTest, OpensCountAsActivity) {
+  create("demo");
+  int64_t before = *node_->get("demo")->idle_deadline_at_ms;
+  run_for(&loop_, 30);
+  open("demo");
+  EXPECT_GT(*node_->get("demo")->idle_deadline_at_ms, before);
+}
+
+TEST_F(NodeTest, IdleExpirySuspendsNamedAndTerminatesEphemeral) {
+  SandboxInfo named = create("named", false, 1);
+  SandboxInfo ephemeral = create(std::nullopt, true, 1);
+  SandboxInfo busy = create("busy", false, 1);
+  // Traffic keeps "busy" awake past its timeout.
+  uv_timer_t traffic;
+  uv_timer_init(&loop_, &traffic);
+  traffic.data = node_.get();
+  uv_timer_start(&traffic, [](uv_timer_t* t) {
+    static_cast<Node*>(t->data)->activity({ActivityReport{"busy", "w1", 10, 20, 1}});
+  }, 200, 200);
+  bool expired = run_until(&loop_, [&] {
+    return state("named") == S::kSuspended && !node_->get(ephemeral.spec.id).ok();
+  }, 4000);
+  uv_close(reinterpret_cast<uv_handle_t*>(&traffic), nullptr);
+  run_for(&loop_, 1);
+  ASSERT_TRUE(expired);
+  EXPECT_EQ(node_->get("named")->state_reason, "idle for 1 s");
+  EXPECT_EQ(state("busy"), S::kRunning);
+  EXPECT_EQ(driver_->pauses, 1);
+  EXPECT_EQ(driver_->terminates, 1);
+}
+
+TEST_F(NodeTest, IdleWithoutPauseSupportKeepsRunning) {
+  driver_->can_pause = false;
+  create("named", false, 1);
+  run_for(&loop_, 1300);
+  EXPECT_EQ(state("named"), S::kRunning);
+  EXPECT_EQ(driver_->pauses, 0);
+  EXPECT_EQ(node_->suspend("named").error(), Error::kUnsupported);
+}
+
+TEST_F(NodeTest, TrafficForASuspendedSandboxWakesIt) {
+  SandboxInfo info = create("demo");
+  suspend_and_wait("demo");
+  node_->activity({ActivityReport{info.spec.id, "w1", 0, 0, 1}});
+  run_for(&loop_, 20);
+  EXPECT_EQ(state("demo"), S::kSuspended) << "no bytes, no wake";
+  node_->activity({ActivityReport{info.spec.id, "w1", 5, 0, 1}});
+  ASSERT_TRUE(wait_state("demo", S::kRunning));
+  EXPECT_EQ(driver_->resumes, 1);
+  EXPECT_EQ(node_->get("demo")->state_reason, "woken by traffic that raced the suspend");
+}
+
+TEST_F(NodeTest, TrafficDuringSuspendResumesAfterIt) {
+  SandboxInfo info = create("demo");
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  node_->activity({ActivityReport{info.spec.id, "w1", 0, 7, 1}});
+  ASSERT_TRUE(run_until(&loop_, [&] { return driver_->resumes == 1 && state("demo") == S::kRunning; }));
+  EXPECT_EQ(driver_->pauses, 1);
+}
+
+TEST_F(NodeTest, ConnectionsGaugeIsTheSumOfTheLatestPerReporter) {
+  SandboxInfo info = create("demo");
+  node_->activity({{info.spec.id, "w1", 0, 0, 2}, {info.spec.id, "w2", 0, 0, 3}, {"sb-unknown00000", "w1", 1, 1, 1}});
+  EXPECT_EQ(node_->get("demo")->connections, 5u);
+  node_->activity({{info.spec.id, "w1", 0, 0, 0}});
+  EXPECT_EQ(node_->get("demo")->connections, 3u);
+  node_->activity({{info.spec.id, "w2", 0, 0, 1}});
+  EXPECT_EQ(node_->get("demo")->connections, 1u);
+}
+
+TEST_F(NodeTest, ExitWatch) {
+  SandboxInfo named = create("named");
+  SandboxInfo ephemeral = create(std::nullopt, true);
+  driver_->exit(named.spec.id);
+  EXPECT_EQ(state("named"), S::kFailed);
+  EXPECT_NE(node_->get("named")->state_reason.find("exited"), std::string::npos);
+  driver_->exit(ephemeral.spec.id);
+  ASSERT_TRUE(run_until(&loop_, [&] { return !node_->get(ephemeral.spec.id).ok(); }));
+  EXPECT_EQ(driver_->terminates, 1) << "the ephemeral sandbox's leftovers are released";
+}
+
+TEST_F(NodeTest, ExitWhileWakingFailsTheWaiters) {
+  SandboxInfo info = create("demo");
+  suspend_and_wait("demo");
+  driver_->op_delay_ms = 200;
+  auto o = open("demo");
+  driver_->exit(info.spec.id);
+  ASSERT_TRUE(o->result.has_value());
+  EXPECT_EQ(o->result->error(), Error::kUnavailable);
+  run_for(&loop_, 250);  // the late resume completion is ignored
+  EXPECT_EQ(state("demo"), S::kFailed);
+}
+
+TEST_F(NodeTest, DeleteTerminatesAndForgets) {
+  SandboxInfo info = create("demo");
+  std::optional<Result<SandboxInfo>> first, second;
+  node_->remove("demo", [&](Result<SandboxInfo> r) { first.emplace(std::move(r)); });
+  node_->remove(info.spec.id, [&](Result<SandboxInfo> r) { second.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return first && second; }));
+  ASSERT_TRUE(first->ok());
+  ASSERT_TRUE(second->ok());
+  EXPECT_EQ(first->value().state, S::kTerminated);
+  EXPECT_EQ(driver_->terminates, 1);
+  EXPECT_EQ(driver_->unwatches, 1);
+  EXPECT_EQ(node_->get("demo").error(), Error::kNotFound);
+  EXPECT_TRUE(node_->list().empty());
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/sandboxes/" + info.spec.id));
+  EXPECT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->empty());
+  create("demo");  // the name is free again
+  EXPECT_EQ(remove("nope")->error(), Error::kNotFound);
+}
+
+TEST_F(NodeTest, DeleteFailsOpensWaitingForAWake) {
+  create("demo");
+  suspend_and_wait("demo");
+  driver_->op_delay_ms = 200;
+  auto o = open("demo");
+  node_->remove("demo", [](Result<SandboxInfo>) {});
+  ASSERT_TRUE(o->result.has_value());
+  EXPECT_EQ(o->result->error(), Error::kNotFound);
+  ASSERT_TRUE(run_until(&loop_, [&] { return !node_->get("demo").ok(); }));
+}
+
+TEST_F(NodeTest, FailedSuspendRollsBack) {
+  create("demo");
+  driver_->fail_pause = true;
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  auto o = open("demo");
+  ASSERT_TRUE(wait_state("demo", S::kRunning));
+  EXPECT_NE(node_->get("demo")->state_reason.find("suspend failed"), std::string::npos);
+  ASSERT_TRUE(o->result.has_value());
+  EXPECT_TRUE(o->result->ok()) << "the waiting open is served by the still-running sandbox";
+  EXPECT_TRUE(node_->get("demo")->idle_deadline_at_ms.has_value());
+}
+
+TEST_F(NodeTest, FailedResumeFailsTheSandboxButNotTheNode) {
+  create("demo");
+  suspend_and_wait("demo");
+  driver_->fail_resume = true;
+  auto o = open("demo");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  EXPECT_EQ(o->result->error(), Error::kUnavailable);
+  EXPECT_EQ(state("demo"), S::kFailed);
+  EXPECT_NE(node_->get("demo")->state_reason.find("resume failed"), std::string::npos);
+  driver_->fail_resume = false;
+  create("other");
+  EXPECT_TRUE(open("other")->result->ok());
+  ASSERT_TRUE(remove("demo")->ok()) << "a failed sandbox can still be deleted";
+}
+
+TEST_F(NodeTest, FailedTerminateLeavesAFailedSandbox) {
+  create("demo");
+  driver_->fail_terminate = true;
+  auto r = remove("demo");
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->error(), Error::kIo);
+  EXPECT_EQ(state("demo"), S::kFailed);
+  EXPECT_NE(node_->get("demo")->state_reason.find("terminate failed"), std::string::npos);
+  driver_->fail_terminate = false;
+  EXPECT_TRUE(remove("demo")->ok());
+}
+
+TEST_F(NodeTest, FailedStartLeavesNothingBehind) {
+  driver_->fail_start = true;
+  auto info = node_->create(request("demo"));
+  ASSERT_FALSE(info.ok());
+  EXPECT_NE(info.message().find("exec failed"), std::string::npos);
+  EXPECT_TRUE(node_->list().empty());
+  EXPECT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->empty());
+  driver_->fail_start = false;
+  create("demo");
+}
+
+TEST_F(NodeTest, NamesAreUniqueAmongLiveSandboxes) {
+  SandboxInfo first = create("demo");
+  auto dup = node_->create(request("demo"));
+  ASSERT_FALSE(dup.ok());
+  EXPECT_EQ(dup.error(), Error::kAlreadyExists);
+  EXPECT_NE(dup.message().find(first.spec.id), std::string::npos);
+}
+
+TEST_F(NodeTest, MaxSandboxes) {
+  make_node("max_sandboxes = 2\n");
+  create("a");
+  create("b");
+  auto third = node_->create(request("c"));
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.error(), Error::kLimitExceeded);
+  // A reload that raises the limit applies to the next request.
+  auto raised = load_config_string("[node]\nstate_dir = \"" + dir_.path() + "\"\nmax_sandboxes = 3\n", "t");
+  config_->swap(*raised);
+  create("c");
+}
+
+TEST_F(NodeTest, RejectsInvalidRequests) {
+  struct Case {
+    const char* what;
+    std::function<void(CreateRequest&)> mutate;
+    const char* message_contains;
+  };
+  const double kNan = std::numeric_limits<double>::quiet_NaN();
+  const double kInf = std::numeric_limits<double>::infinity();
+  const Case cases[] = {
+      {"bad name", [](CreateRequest& r) { r.name = "Bad_Name"; }, "lowercase"},
+      {"id-like name", [](CreateRequest& r) { r.name = "sb-0123456789ab"; }, "sandbox id"},
+      {"empty command", [](CreateRequest& r) { r.command.clear(); }, "command"},
+      {"empty argv[0]", [](CreateRequest& r) { r.command = {""}; }, "command[0]"},
+      {"empty arg", [](CreateRequest& r) { r.command = {"ls", ""}; }, "command[1]"},
+      {"NUL in arg", [](CreateRequest& r) { r.command = {"ls", std::string("a\0b", 3)}; }, "NUL"},
+      {"env key digit", [](CreateRequest& r) { r.env = {{"1A", "x"}}; }, "1A"},
+      {"env key dash", [](CreateRequest& r) { r.env = {{"A-B", "x"}}; }, "A-B"},
+      {"env key =", [](CreateRequest& r) { r.env = {{"A=B", "x"}}; }, "A=B"},
+      {"env key empty", [](CreateRequest& r) { r.env = {{"", "x"}}; }, "env"},
+      {"env value NUL", [](CreateRequest& r) { r.env = {{"A", std::string("x\0y", 3)}}; }, "NUL"},
+      {"cwd relative", [](CreateRequest& r) { r.cwd = "tmp"; }, "absolute"},
+      {"cwd empty", [](CreateRequest& r) { r.cwd = ""; }, "absolute"},
+      {"cwd NUL", [](CreateRequest& r) { r.cwd = std::string("/a\0b", 4); }, "NUL"},
+      {"port 0", [](CreateRequest& r) { r.exposed_ports = {0}; }, "1-65535"},
+      {"port 65536", [](CreateRequest& r) { r.exposed_ports = {65536}; }, "1-65535"},
+      {"port negative", [](CreateRequest& r) { r.exposed_ports = {-80}; }, "1-65535"},
+      {"port twice", [](CreateRequest& r) { r.exposed_ports = {80, 81, 80}; }, "twice"},
+      {"timeout 0", [](CreateRequest& r) { r.timeout_secs = 0; }, "timeout_secs"},
+      {"timeout over max", [](CreateRequest& r) { r.timeout_secs = 7 * 24 * 3600 + 1; }, "timeout_secs"},
+      {"timeout huge", [](CreateRequest& r) { r.timeout_secs = std::numeric_limits<int64_t>::max(); }, "timeout"},
+      {"memory 15", [](CreateRequest& r) { r.memory_mb = 15; }, "memory_mb"},
+      {"memory over", [](CreateRequest& r) { r.memory_mb = 1048577; }, "memory_mb"},
+      {"cpus 0", [](CreateRequest& r) { r.cpus = 0; }, "cpus"},
+      {"cpus negative", [](CreateRequest& r) { r.cpus = -1; }, "cpus"},
+      {"cpus over", [](CreateRequest& r) { r.cpus = 1024.5; }, "cpus"},
+      {"cpus NaN", [kNan](CreateRequest& r) { r.cpus = kNan; }, "cpus"},
+      {"cpus inf", [kInf](CreateRequest& r) { r.cpus = kInf; }, "cpus"},
+  };
+  for (const Case& c : cases) {
+    CreateRequest r = request("demo");
+    c.mutate(r);
+    auto info = node_->create(r);
+    ASSERT_FALSE(info.ok()) << c.what;
+    EXPECT_EQ(info.error(), Error::kInvalidArgument) << c.what;
+    EXPECT_NE(info.message().find(c.message_contains), std::string::npos) << c.what << ": " << info.message();
+  }
+  EXPECT_EQ(driver_->starts, 0);
+  // The edges themselves are fine.
+  CreateRequest edge = request("edge");
+  edge.exposed_ports = {1, 65535};
+  edge.timeout_secs = 1;
+  edge.memory_mb = 16;
+  edge.cpus = 1024;
+  edge.env = {{"_A1", ""}};
+  EXPECT_TRUE(node_->create(edge).ok());
+}
+
+TEST_F(NodeTest, ReconcileAfterRestart) {
+  SandboxInfo running = create("running");
+  SandboxInfo suspended = create("suspended");
+  SandboxInfo ephemeral = create(std::nullopt, true);
+  SandboxInfo died = create("died");
+  SandboxInfo died_ephemeral = create(std::nullopt, true);
+  SandboxInfo half_suspended = create("half-suspended");
+  SandboxInfo half_resumed = create("half-resumed");
+  SandboxInfo failed = create("failed");
+  suspend_and_wait("suspended");
+  suspend_and_wait("half-resumed");
+  driver_->exit(failed.spec.id);
+  // Crash while a freeze and a thaw are in flight: the store says suspending / resuming.
+  driver_->op_delay_ms = 10'000;
+  ASSERT_TRUE(node_->suspend("half-suspended")->started);
+  ASSERT_TRUE(node_->resume("half-resumed")->started);
+  driver_->instances[died.spec.id].alive = false;
+  driver_->instances[died_ephemeral.spec.id].alive = false;
+
+  restart();
+  driver_->op_delay_ms = 5;
+  ASSERT_TRUE(node_->reconcile().ok());
+  EXPECT_EQ(state("running"), S::kRunning);
+  EXPECT_TRUE(node_->get("running")->idle_deadline_at_ms.has_value()) << "idle clock restarted";
+  EXPECT_EQ(state("suspended"), S::kSuspended);
+  EXPECT_EQ(state(ephemeral.spec.id), S::kRunning);
+  EXPECT_EQ(state("died"), S::kFailed);
+  EXPECT_EQ(node_->get("died")->state_reason, "not running after node restart");
+  EXPECT_EQ(state("half-suspended"), S::kRunning) << "the freeze never happened";
+  EXPECT_EQ(state("failed"), S::kFailed);
+  ASSERT_TRUE(wait_state("half-resumed", S::kRunning)) << "the interrupted resume is finished";
+  ASSERT_TRUE(run_until(&loop_, [&] { return !node_->get(died_ephemeral.spec.id).ok(); }));
+  EXPECT_EQ(driver_->resumes, 1);
+  // Watched again: running, suspended, ephemeral, half-suspended, half-resumed.
+  EXPECT_EQ(driver_->watches, 5);
+  driver_->exit(running.spec.id);
+  EXPECT_EQ(state("running"), S::kFailed);
+  // The name index was rebuilt: names are still taken.
+  EXPECT_EQ(node_->create(request("suspended")).error(), Error::kAlreadyExists);
+}
+
+TEST_F(NodeTest, ReconcileFinishesAFreezeThatCompletedBeforeTheCrash) {
+  SandboxInfo info = create("demo");
+  driver_->op_delay_ms = 10'000;
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  driver_->instances[info.spec.id].paused = true;  // the freeze took effect; the node died before noting it
+  restart();
+  ASSERT_TRUE(node_->reconcile().ok());
+  EXPECT_EQ(state("demo"), S::kSuspended);
+  EXPECT_EQ(node_->get("demo")->state_reason, "suspend completed before node restart");
+}
+
+TEST_F(NodeTest, ShutdownKeepLeavesSandboxesRunning) {
+  SandboxInfo info = create("demo");
+  suspend_and_wait("demo");
+  driver_->op_delay_ms = 10'000;
+  auto o = open("demo");
+  bool done = false;
+  node_->shutdown([&] { done = true; });
+  EXPECT_FALSE(done) << "completion is delivered from the loop";
+  ASSERT_TRUE(run_until(&loop_, [&] { return done; }));
+  EXPECT_EQ(o->result->error(), Error::kUnavailable);
+  EXPECT_EQ(driver_->terminates, 0);
+  EXPECT_TRUE(driver_->instances[info.spec.id].alive);
+  EXPECT_EQ(driver_->unwatches, 1);
+  EXPECT_EQ(node_->create(request("late")).error(), Error::kUnavailable);
+  EXPECT_EQ((*Store::open(dir_.path() + "/node.db"))->load_live()->size(), 1u);
+}
+
+TEST_F(NodeTest, ShutdownTerminateTerminatesEverything) {
+  make_node("on_shutdown = \"terminate\"\n");
+  create("a");
+  create("b");
+  create(std::nullopt, true);
+  suspend_and_wait("b");
+  bool done = false;
+  node_->shutdown([&] { done = true; });
+  ASSERT_TRUE(run_until(&loop_, [&] { return done; }));
+  EXPECT_EQ(driver_->terminates, 3);
+  EXPECT_TRUE(node_->list().empty());
+  EXPECT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->empty());
+}
+
+TEST_F(NodeTest, ShutdownWithNothingToDo) {
+  make_node("on_shutdown = \"terminate\"\n");
+  bool done = false;
+  node_->shutdown([&] { done = true; });
+  EXPECT_FALSE(done);
+  ASSERT_TRUE(run_until(&loop_, [&] { return done; }));
+}
+
+}  // namespace
+}  // namespace sg

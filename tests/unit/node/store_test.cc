@@ -1,0 +1,184 @@
+#include "noderuntime/store.h"
+
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+
+#include <fstream>
+
+#include "tests/unit/node/fake_driver.h"
+
+namespace sg {
+namespace {
+
+using testing::TempDir;
+
+StoredSandbox sample(const std::string& id, SandboxState state = SandboxState::kRunning) {
+  StoredSandbox s;
+  s.spec.id = id;
+  s.spec.name = "demo-" + id.substr(3, 4);
+  s.spec.ephemeral = true;
+  s.spec.command = {"python3", "-m", "http.server", "8080", "caf\xc3\xa9 \"quoted\"\n"};
+  s.spec.env = {{"K", "V"}, {"EMPTY", ""}};
+  s.spec.cwd = "/srv/app";
+  s.spec.exposed_ports = {8080, 65535, 1};
+  s.spec.timeout_secs = 604800;
+  s.spec.cpus = 0.25;
+  s.spec.memory_mb = 1048576;
+  s.state = state;
+  s.state_reason = "idle for 300 s";
+  s.runtime.pid = 4321;
+  s.runtime.start_time_ticks = 18446744073709551615ull;  // survives the trip through a signed column
+  s.runtime.sandbox_dir = "/var/lib/sandgate/sandboxes/" + id;
+  s.created_at_ms = 1764410400123;
+  s.last_activity_at_ms = 1764410500456;
+  return s;
+}
+
+void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
+  EXPECT_EQ(a.spec.id, b.spec.id);
+  EXPECT_EQ(a.spec.name, b.spec.name);
+  EXPECT_EQ(a.spec.ephemeral, b.spec.ephemeral);
+  EXPECT_EQ(a.spec.command, b.spec.command);
+  EXPECT_EQ(a.spec.env, b.spec.env);
+  EXPECT_EQ(a.spec.cwd, b.spec.cwd);
+  EXPECT_EQ(a.spec.exposed_ports, b.spec.exposed_ports);
+  EXPECT_EQ(a.spec.timeout_secs, b.spec.timeout_secs);
+  EXPECT_DOUBLE_EQ(a.spec.cpus, b.spec.cpus);
+  EXPECT_EQ(a.spec.memory_mb, b.spec.memory_mb);
+  EXPECT_EQ(a.state, b.state);
+  EXPECT_EQ(a.state_reason, b.state_reason);
+  EXPECT_EQ(a.runtime.pid, b.runtime.pid);
+  EXPECT_EQ(a.runtime.start_time_ticks, b.runtime.start_time_ticks);
+  EXPECT_EQ(a.runtime.sandbox_dir, b.runtime.sandbox_dir);
+  EXPECT_EQ(a.created_at_ms, b.created_at_ms);
+  EXPECT_EQ(a.last_activity_at_ms, b.last_activity_at_ms);
+}
+
+TEST(Store, RoundTripAcrossReopen) {
+  TempDir dir;
+  std::string path = dir.path() + "/node.db";
+  StoredSandbox a = sample("sb-aaaaaaaaaaaa");
+  StoredSandbox b = sample("sb-bbbbbbbbbbbb", SandboxState::kSuspended);
+  b.spec.name = "";
+  b.spec.ephemeral = false;
+  b.created_at_ms = a.created_at_ms + 1;
+  {
+    auto store = Store::open(path);
+    ASSERT_TRUE(store.ok()) << store.message();
+    ASSERT_TRUE((*store)->upsert(a).ok());
+    ASSERT_TRUE((*store)->upsert(b).ok());
+    auto live = (*store)->load_live();
+    ASSERT_TRUE(live.ok());
+    ASSERT_EQ(live->size(), 2u);
+  }
+  auto store = Store::open(path);
+  ASSERT_TRUE(store.ok()) << store.message();
+  auto live = (*store)->load_live();
+  ASSERT_TRUE(live.ok()) << live.message();
+  ASSERT_EQ(live->size(), 2u);
+  expect_same((*live)[0], a);
+  expect_same((*live)[1], b);
+}
+
+TEST(Store, UpsertReplacesAndEraseDeletes) {
+  TempDir dir;
+  auto store = Store::open(dir.path() + "/node.db");
+  ASSERT_TRUE(store.ok());
+  StoredSandbox a = sample("sb-aaaaaaaaaaaa");
+  ASSERT_TRUE((*store)->upsert(a).ok());
+  a.state = SandboxState::kSuspending;
+  a.state_reason = "suspended on request";
+  a.runtime.pid = 99;
+  ASSERT_TRUE((*store)->upsert(a).ok());
+  auto live = (*store)->load_live();
+  ASSERT_EQ(live->size(), 1u);
+  expect_same((*live)[0], a);
+  ASSERT_TRUE((*store)->erase(a.spec.id).ok());
+  ASSERT_TRUE((*store)->erase("sb-unknown0000").ok());
+  EXPECT_TRUE((*store)->load_live()->empty());
+}
+
+TEST(Store, TerminatedRowsAreNotLive) {
+  TempDir dir;
+  auto store = Store::open(dir.path() + "/node.db");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->upsert(sample("sb-aaaaaaaaaaaa", SandboxState::kTerminated)).ok());
+  ASSERT_TRUE((*store)->upsert(sample("sb-bbbbbbbbbbbb", SandboxState::kFailed)).ok());
+  auto live = (*store)->load_live();
+  ASSERT_EQ(live->size(), 1u);
+  EXPECT_EQ((*live)[0].spec.id, "sb-bbbbbbbbbbbb");
+}
+
+TEST(Store, UsesWalAndRecordsTheSchemaVersion) {
+  TempDir dir;
+  std::string path = dir.path() + "/node.db";
+  ASSERT_TRUE(Store::open(path).ok());
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  auto pragma = [db](const char* sql) {
+    sqlite3_stmt* st = nullptr;
+    sqlite3_prepare_v2(db, sql, -1, &st, nullptr);
+    std::string v = sqlite3_step(st) == SQLITE_ROW ? reinterpret_cast<const char*>(sqlite3_column_text(st, 0)) : "";
+    sqlite3_finalize(st);
+    return v;
+  };
+  EXPECT_EQ(pragma("PRAGMA journal_mode"), "wal");
+  EXPECT_EQ(pragma("PRAGMA user_version"), "1");
+  sqlite3_close(db);
+}
+
+TEST(Store, RefusesANewerSchema) {
+  TempDir dir;
+  std::string path = dir.path() + "/node.db";
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "PRAGMA user_version = 99", nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(db);
+  auto store = Store::open(path);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.error(), Error::kUnsupported);
+  EXPECT_NE(store.message().find("99"), std::string::npos) << store.message();
+}
+
+TEST(Store, ErrorsAreValuesNotCrashes) {
+  TempDir dir;
+  auto missing_dir = Store::open(dir.path() + "/no/such/dir/node.db");
+  ASSERT_FALSE(missing_dir.ok());
+  EXPECT_EQ(missing_dir.error(), Error::kIo);
+
+  std::string garbage = dir.path() + "/garbage.db";
+  std::ofstream(garbage) << std::string(8192, 'x');
+  auto not_a_db = Store::open(garbage);
+  ASSERT_FALSE(not_a_db.ok());
+  EXPECT_NE(not_a_db.message().find("sqlite"), std::string::npos) << not_a_db.message();
+}
+
+TEST(Store, SkipsADamagedRowButLoadsTheRest) {
+  TempDir dir;
+  std::string path = dir.path() + "/node.db";
+  {
+    auto store = Store::open(path);
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->upsert(sample("sb-aaaaaaaaaaaa")).ok());
+    ASSERT_TRUE((*store)->upsert(sample("sb-bbbbbbbbbbbb")).ok());
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "UPDATE sandboxes SET spec = '{\"name\": 5}' WHERE id = 'sb-aaaaaaaaaaaa'", nullptr,
+                         nullptr, nullptr),
+            SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "UPDATE sandboxes SET state = 'weird' WHERE id = 'sb-bbbbbbbbbbbb'", nullptr, nullptr,
+                         nullptr),
+            SQLITE_OK);
+  sqlite3_close(db);
+  auto store = Store::open(path);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->upsert(sample("sb-cccccccccccc")).ok());
+  auto live = (*store)->load_live();
+  ASSERT_TRUE(live.ok());
+  ASSERT_EQ(live->size(), 1u);
+  EXPECT_EQ((*live)[0].spec.id, "sb-cccccccccccc");
+}
+
+}  // namespace
+}  // namespace sg
