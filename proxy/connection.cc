@@ -16,6 +16,9 @@ namespace {
 
 // Per direction. A TLS record carries at most 16 KiB; two records per read keeps syscalls per byte low.
 constexpr size_t kForwardBufferBytes = 32 * 1024;
+// After an error response: how long and how much unread client input we drain before closing.
+constexpr uint32_t kLingerMs = 2000;
+constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
 
 uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
 
@@ -100,6 +103,9 @@ void Connection::update_interest() {
     case Phase::kResponding:
       want_client = UV_WRITABLE;
       break;
+    case Phase::kLingering:
+      want_client = UV_READABLE;
+      break;
     case Phase::kForwarding:
       if (!client_eof_ && c2u_.space() > 0) want_client |= UV_READABLE;
       if (u2c_->readable() > 0 || (upstream_eof_ && !client_shut_)) want_client |= UV_WRITABLE;
@@ -133,6 +139,7 @@ void Connection::on_client_io(int status, int) {
     case Phase::kHandshake: return do_handshake();
     case Phase::kReadHead: return read_head();
     case Phase::kResponding: return flush_response();
+    case Phase::kLingering: return linger();
     case Phase::kForwarding: return pump();
     default: return;
   }
@@ -469,7 +476,25 @@ void Connection::flush_response() {
   }
   ERR_clear_error();
   SSL_shutdown(ssl_);
-  close(respond_cause_);
+  ::shutdown(client_fd_.get(), SHUT_WR);
+  phase_ = Phase::kLingering;
+  lingered_bytes_ = 0;
+  arm_deadline(kLingerMs, respond_cause_);
+  linger();
+}
+
+void Connection::linger() {
+  char scratch[16 * 1024];
+  for (;;) {
+    ssize_t n = ::recv(client_fd_.get(), scratch, sizeof scratch, 0);
+    if (n > 0) {
+      lingered_bytes_ += static_cast<size_t>(n);
+      if (lingered_bytes_ > kMaxLingerBytes) return close(respond_cause_);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return update_interest();
+    return close(respond_cause_);  // EOF or error: the client is done
+  }
 }
 
 void Connection::close(TerminationCause cause, std::string detail) {

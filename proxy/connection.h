@@ -66,7 +66,9 @@ class Connection {
   void close(TerminationCause cause, std::string detail = {});
 
  private:
-  enum class Phase { kHandshake, kReadHead, kOpening, kConnecting, kForwarding, kResponding, kClosed };
+  // kLingering: our error response is sent; the client's unread input is drained (and discarded) for a
+  // moment so closing does not turn into a TCP reset that destroys the response before it is read.
+  enum class Phase { kHandshake, kReadHead, kOpening, kConnecting, kForwarding, kResponding, kLingering, kClosed };
 
   void on_client_io(int status, int events);
   void on_upstream_io(int status, int events);
@@ -84,6 +86,7 @@ class Connection {
   void pump();
   void respond(int status, std::string_view body, TerminationCause cause, std::string_view extra_headers = {});
   void flush_response();
+  void linger();
   void arm_deadline(uint32_t ms, TerminationCause cause);
   void update_interest();
 
@@ -128,6 +131,7 @@ class Connection {
   bool client_closed_first_ = false;
   uint64_t last_activity_ms_ = 0;
   TerminationCause respond_cause_ = TerminationCause::kBadRequest;
+  size_t lingered_bytes_ = 0;
 
   AccessRecord rec_;
 };

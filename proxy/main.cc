@@ -77,9 +77,13 @@ int main(int argc, char** argv) {
   }
 
   unsigned n = (*cfg)->proxy.workers ? (*cfg)->proxy.workers : std::max(1u, std::thread::hardware_concurrency());
+  // Port 0 (tests) is resolved by the first worker's bind; the others join the same ports via SO_REUSEPORT.
+  std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;
   for (unsigned i = 0; i < n; ++i) {
     auto w = std::make_unique<sg::Worker>(static_cast<int>(i), proxy.shared.get());
-    if (auto st = w->start(); !st) {
+    auto st = w->start(listen);
+    if (st && i == 0) listen = w->bound();
+    if (!st) {
       spdlog::error("cannot start worker {}: {}", i, st.message());
       for (auto& started : proxy.workers) started->stop();
       return 1;
@@ -87,7 +91,7 @@ int main(int argc, char** argv) {
     proxy.workers.push_back(std::move(w));
   }
   std::string listening;
-  for (const auto& ep : (*cfg)->proxy.listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
+  for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
   spdlog::info("sandgate-proxy ready on {} ({} workers, domain {})", listening, n, (*cfg)->domain);
 
   uv_loop_t* loop = uv_default_loop();

@@ -21,11 +21,17 @@ Worker::~Worker() {
   uv_loop_close(&loop_);
 }
 
-Status Worker::start() {
+Status Worker::start(const std::vector<Endpoint>& listen) {
   auto cfg = shared_->config.get();
-  for (const Endpoint& ep : cfg->proxy.listen) {
+  for (Endpoint ep : listen) {
     auto fd = listen_on(ep, /*reuse_port=*/true);
     if (!fd) return fd.failure();
+    if (ep.port == 0) {
+      auto port = local_port(fd->get());
+      if (!port) return port.failure();
+      ep.port = *port;
+    }
+    bound_.push_back(ep);
     auto poll = std::make_unique<uv_poll_t>();
     uv_poll_init(&loop_, poll.get(), fd->get());
     poll->data = this;

@@ -42,7 +42,10 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   // Binds this worker's listeners (synchronously, so bind errors surface at startup) and starts the thread.
-  Status start();
+  // `listen` is the list to bind (port 0 already resolved by the first worker: all workers share ports).
+  Status start(const std::vector<Endpoint>& listen);
+  // The addresses this worker actually bound (port 0 resolved), in config order.
+  const std::vector<Endpoint>& bound() const { return bound_; }
   // Asks the loop to close listeners and connections and return; join() waits for that.
   void stop();
   void join();
@@ -64,6 +67,7 @@ class Worker {
   uv_async_t stop_async_{};
   uv_timer_t report_timer_{};
   std::vector<UniqueFd> listen_fds_;
+  std::vector<Endpoint> bound_;
   std::vector<std::unique_ptr<uv_poll_t>> listen_polls_;
   std::unordered_set<Connection*> connections_;
   WorkerTraffic traffic_;

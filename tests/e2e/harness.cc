@@ -241,7 +241,9 @@ int Cluster::http_code(const CommandResult& r) {
 
 std::string Cluster::body(const CommandResult& r) {
   auto nl = r.out.rfind('\n');
-  return nl == std::string::npos ? std::string() : r.out.substr(0, nl);
+  std::string b = nl == std::string::npos ? std::string() : r.out.substr(0, nl);
+  while (!b.empty() && (b.back() == '\n' || b.back() == '\r')) b.pop_back();
+  return b;
 }
 
 CommandResult Cluster::api_raw(const std::string& method, const std::string& path, const std::string& body) {

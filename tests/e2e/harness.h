@@ -107,6 +107,7 @@ class Cluster {
                      int timeout_s = 60);
   std::string url(const std::string& host, const std::string& path = "/") const;
   static int http_code(const CommandResult& r);
+  // The body without curl's status line and without trailing newlines.
   static std::string body(const CommandResult& r);
 
   // Raw HTTP to the node API socket (for bad-input tests).

@@ -1,12 +1,11 @@
 #include "noderuntime/api_server.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 
 #include <csignal>
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <regex>
 
@@ -31,12 +30,13 @@ struct Reply {
 // server and client share one thread and every test is deterministic.
 class Client {
  public:
-  Client(uv_loop_t* loop, const std::string& path) : loop_(loop) {
-    fd_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-    connected_ = ::connect(fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  Client(uv_loop_t* loop, const Endpoint& ep) : loop_(loop) {
+    // The kernel completes the connect from the listen backlog, so blocking here needs no loop turn.
+    auto fd = connect_blocking(ep, 1000);
+    if (!fd) return;
+    fd_ = std::move(*fd);
+    ::fcntl(fd_.get(), F_SETFL, ::fcntl(fd_.get(), F_GETFL) | O_NONBLOCK);
+    connected_ = true;
   }
 
   bool connected() const { return connected_; }
@@ -147,7 +147,7 @@ class ApiServerTest : public ::testing::Test {
     EXPECT_EQ(uv_loop_close(&loop_), 0);
   }
 
-  Client client() { return Client(&loop_, socket_path_); }
+  Client client() { return Client(&loop_, *parse_endpoint("unix:" + socket_path_)); }
 
   std::string create_demo(Client& c, const std::string& extra = "") {
     Reply r = c.request("POST", "/v1/sandboxes",
@@ -544,6 +544,24 @@ TEST_F(ApiServerTest, ClientVanishingMidWakeIsHarmless) {
   }  // the client disconnects before the answer exists
   ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kRunning; }));
   EXPECT_EQ(client().request("GET", "/v1/health").status, 200);
+}
+
+TEST_F(ApiServerTest, TcpListenerServesButCannotPassDescriptors) {
+  uint16_t port = 0;
+  {
+    auto probe = listen_on(*parse_endpoint("127.0.0.1:0"), false);  // find a free port
+    ASSERT_TRUE(probe.ok());
+    port = *local_port(probe->get());
+  }
+  Endpoint tcp = *parse_endpoint("127.0.0.1:" + std::to_string(port));
+  ASSERT_TRUE(server_->listen(tcp).ok());
+  Client c(&loop_, tcp);
+  ASSERT_TRUE(c.connected());
+  EXPECT_EQ(c.request("GET", "/v1/health").status, 200);
+  create_demo(c);
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})"), 400, "invalid_argument",
+               "unix socket");
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").status, 200);
 }
 
 }  // namespace

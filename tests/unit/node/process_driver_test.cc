@@ -4,6 +4,7 @@
 #include "noderuntime/process_driver.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -295,6 +296,70 @@ TEST_F(ProcessDriverTest, CommandRunsUnderInitInItsOwnNamespaces) {
   EXPECT_EQ(st.st_mode & 0777, 0700u);
 }
 
+// The node's open descriptors, ignored signals and signal mask must not leak into the sandbox.
+TEST_F(ProcessDriverTest, SandboxInheritsNoDescriptorsOrSignalStateFromTheNode) {
+  UniqueFd leaked(::open("/dev/null", O_RDONLY));  // deliberately without O_CLOEXEC
+  ASSERT_TRUE(leaked.valid());
+  struct sigaction ignore{}, previous{};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGUSR1, &ignore, &previous), 0);
+  sigset_t blocked, previous_mask;
+  sigemptyset(&blocked);
+  sigaddset(&blocked, SIGUSR2);
+  ASSERT_EQ(::sigprocmask(SIG_BLOCK, &blocked, &previous_mask), 0);
+
+  const std::string fd = std::to_string(leaked.get());
+  SandboxSpec spec = make_spec({"sh", "-c",
+                                "echo leaked=$(test -e /proc/$$/fd/" + fd + " && echo yes || echo no) "
+                                "$(grep -E '^Sig(Ign|Blk)' /proc/$$/status | tr '\\t\\n' '= '); exec sleep 1000"});
+  auto info = start(spec);
+  ::sigaction(SIGUSR1, &previous, nullptr);
+  ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
+  ASSERT_TRUE(info.ok()) << info.message();
+
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("SigIgn") != std::string::npos; }, 10s)) << log_of(spec);
+  const std::string log = log_of(spec);
+  EXPECT_NE(log.find("leaked=no"), std::string::npos) << log;
+  EXPECT_NE(log.find("SigBlk:=0000000000000000"), std::string::npos) << log;
+  EXPECT_NE(log.find("SigIgn:=0000000000000000"), std::string::npos) << log;
+}
+
+// sandgate-init passes signals on to the command and exits with its fate (128 + signal when killed).
+TEST_F(ProcessDriverTest, InitForwardsSignalsAndExitsWithTheCommandsStatus) {
+  SandboxSpec spec = make_spec({"sh", "-c", "echo ready; exec sleep 1000"});
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  // The signal must find init waiting for it, not still setting up.
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("ready") != std::string::npos; }, 10s));
+  ASSERT_EQ(::kill(info->pid, SIGTERM), 0);
+  siginfo_t si{};
+  ASSERT_TRUE(wait_for([&] {
+    return ::waitid(P_PID, static_cast<id_t>(info->pid), &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid != 0;
+  }, 10s)) << "init did not pass SIGTERM on";
+  EXPECT_EQ(si.si_code, CLD_EXITED);
+  EXPECT_EQ(si.si_status, 128 + SIGTERM);
+}
+
+// Orphans inside the sandbox are reparented to sandgate-init, which must reap them.
+TEST_F(ProcessDriverTest, InitReapsOrphans) {
+  SandboxSpec spec = make_spec({"sh", "-c", "(sleep 0.1 &); echo orphaned; exec sleep 1000"});
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("orphaned") != std::string::npos; }, 10s));
+  auto zombie_children_of_init = [&] {
+    int zombies = 0;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+      const std::string name = entry.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      const int pid = std::stoi(name);
+      if (stat_field(pid, 4) == std::to_string(info->pid) && stat_field(pid, 3) == "Z") ++zombies;
+    }
+    return zombies;
+  };
+  std::this_thread::sleep_for(400ms);  // the orphan has exited by now
+  EXPECT_EQ(zombie_children_of_init(), 0);
+}
+
 TEST_F(ProcessDriverTest, HostnameDefaultsToTheId) {
   SandboxSpec spec = make_spec({"sh", "-c", "echo host=$(hostname); exec sleep 1000"});
   auto info = start(spec);
@@ -471,6 +536,17 @@ TEST_F(ProcessDriverTest, TerminateKillsEveryProcessOfAPausedSandboxAndRemovesIt
 
   Status again = terminate(spec, *info);
   EXPECT_TRUE(again.ok()) << "terminate is idempotent: " << again.message();
+}
+
+// libuv's clock only advances when the loop runs. A node busy elsewhere for longer than the terminate
+// deadline (5 s) must not see that deadline expire the moment the loop runs again.
+TEST_F(ProcessDriverTest, TerminateAfterTheLoopSatIdleStillWaitsForTheInit) {
+  SandboxSpec spec = make_spec({"sleep", "1000"});
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  std::this_thread::sleep_for(5200ms);
+  Status terminated = terminate(spec, *info);
+  EXPECT_TRUE(terminated.ok()) << terminated.message();
 }
 
 TEST_F(ProcessDriverTest, ObserveTellsTheInstanceFromAReusedPid) {

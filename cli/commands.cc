@@ -1,0 +1,293 @@
+#include "cli/commands.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <set>
+#include <utility>
+
+#include "common/http.h"
+
+namespace sg::cli {
+namespace {
+
+using nlohmann::json;
+using Lines = std::vector<std::pair<std::string, std::string>>;
+
+// Node answers are read defensively: a missing or mistyped field renders as "-" instead of throwing.
+const json* field(const json& obj, const std::string& key) {
+  if (!obj.is_object()) return nullptr;
+  auto it = obj.find(key);
+  return it == obj.end() ? nullptr : &*it;
+}
+
+std::string dump(const json& v) { return v.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string scalar(const json* v) {
+  if (v == nullptr || v->is_null()) return "-";
+  if (v->is_string()) {
+    const auto& s = v->get_ref<const std::string&>();
+    return s.empty() ? "-" : s;
+  }
+  return dump(*v);
+}
+
+std::string text(const json& obj, const std::string& key) { return scalar(field(obj, key)); }
+
+// Sandboxes are named by their name when they have one; ids are what unnamed ones have.
+std::string label(const json& sandbox) {
+  std::string name = text(sandbox, "name");
+  return name != "-" ? name : text(sandbox, "id");
+}
+
+std::vector<std::string> strings(const json* v) {
+  std::vector<std::string> out;
+  if (v == nullptr || !v->is_array()) return out;
+  for (const json& item : *v) out.push_back(item.is_string() ? item.get_ref<const std::string&>() : dump(item));
+  return out;
+}
+
+std::string ports(const json& sandbox, std::string_view sep) {
+  std::string out;
+  for (const std::string& p : strings(field(sandbox, "exposed_ports"))) out += (out.empty() ? "" : std::string(sep)) + p;
+  return out.empty() ? "-" : out;
+}
+
+// The urls object's keys are port numbers as strings; JSON objects sort them as text ("10000" < "8080").
+std::vector<std::string> urls(const json& sandbox) {
+  std::vector<std::pair<long, std::string>> sorted;
+  const json* u = field(sandbox, "urls");
+  if (u == nullptr || !u->is_object()) return {};
+  for (auto it = u->begin(); it != u->end(); ++it) {
+    long port = 0;
+    std::from_chars(it.key().data(), it.key().data() + it.key().size(), port);
+    sorted.emplace_back(port, scalar(&it.value()));
+  }
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<std::string> out;
+  for (auto& [port, url] : sorted) out.push_back(std::move(url));
+  return out;
+}
+
+std::optional<std::chrono::seconds> seconds_between(TimePoint from, const json* to_text) {
+  if (to_text == nullptr || !to_text->is_string()) return std::nullopt;
+  auto to = parse_timestamp(to_text->get_ref<const std::string&>());
+  if (!to) return std::nullopt;
+  return std::chrono::duration_cast<std::chrono::seconds>(*to - from);
+}
+
+std::string relative(TimePoint now, const json* when) {
+  auto d = seconds_between(now, when);
+  if (!d) return scalar(when);
+  std::string hint = d->count() > 0 ? "in " + format_duration(*d) : format_duration(-*d) + " ago";
+  return when->get_ref<const std::string&>() + " (" + hint + ")";
+}
+
+std::string key_values(const Lines& lines) {
+  size_t width = 0;
+  for (const auto& [key, value] : lines) width = std::max(width, key.size());
+  std::string out;
+  for (const auto& [key, value] : lines) out += key + ":" + std::string(width - key.size() + 1, ' ') + value + "\n";
+  return out;
+}
+
+bool parse_int(std::string_view s, int* out) {
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && ptr == s.data() + s.size();
+}
+
+}  // namespace
+
+Result<json> create_request_body(const CreateOptions& opts) {
+  if (opts.command.empty())
+    return fail(Error::kInvalidArgument, "a command is required: sandgate create [OPTIONS] -- CMD [ARGS...]");
+  json body = json::object();
+  if (opts.name) body["name"] = *opts.name;
+  body["command"] = opts.command;
+  if (!opts.env.empty()) {
+    json env = json::object();
+    for (const std::string& kv : opts.env) {
+      auto eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0)
+        return fail(Error::kInvalidArgument, "--env expects KEY=VALUE, got '" + kv + "'");
+      env[kv.substr(0, eq)] = kv.substr(eq + 1);  // a repeated key: the last one wins, as in a shell
+    }
+    body["env"] = std::move(env);
+  }
+  if (opts.cwd) body["cwd"] = *opts.cwd;
+  if (!opts.expose.empty()) {
+    for (int port : opts.expose)
+      if (port < 1 || port > 65535)
+        return fail(Error::kInvalidArgument, "--expose " + std::to_string(port) + ": a port must be 1-65535");
+    body["exposed_ports"] = opts.expose;
+  }
+  if (opts.timeout_secs) body["timeout_secs"] = *opts.timeout_secs;
+  if (opts.cpus) body["cpus"] = *opts.cpus;
+  if (opts.memory_mb) body["memory_mb"] = *opts.memory_mb;
+  if (opts.ephemeral) body["ephemeral"] = true;
+  return body;
+}
+
+std::string sandbox_path(std::string_view ref, std::string_view action) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  std::string path = "/v1/sandboxes/";
+  for (unsigned char c : ref) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      path += static_cast<char>(c);
+    } else {
+      path += '%';
+      path += kHex[c >> 4];
+      path += kHex[c & 15];
+    }
+  }
+  if (!action.empty()) path.append("/").append(action);
+  return path;
+}
+
+Result<json> parse_object(std::string_view body) {
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    return fail(Error::kIo, "sandgate-node answered something that is not a JSON object: " +
+                                std::string(body.substr(0, 200)));
+  return j;
+}
+
+std::string error_message(int status, std::string_view body) {
+  json j = json::parse(body, nullptr, false);
+  if (const json* m = field(j, "message"); m != nullptr && m->is_string() && !m->get_ref<const std::string&>().empty())
+    return m->get_ref<const std::string&>();
+  std::string msg = "sandgate-node answered HTTP " + std::to_string(status) + " " + std::string(http_reason(status));
+  if (const json* code = field(j, "error"); code != nullptr && code->is_string())
+    return msg + " (" + code->get_ref<const std::string&>() + ")";
+  std::string_view start = body.substr(0, 200);
+  while (!start.empty() && std::isspace(static_cast<unsigned char>(start.back()))) start.remove_suffix(1);
+  return start.empty() ? msg : msg + ": " + std::string(start);
+}
+
+std::optional<TimePoint> parse_timestamp(std::string_view t) {
+  // YYYY-MM-DDTHH:MM:SS then an optional .fraction, then Z.
+  if (t.size() < 20 || t[4] != '-' || t[7] != '-' || (t[10] != 'T' && t[10] != ' ') || t[13] != ':' ||
+      t[16] != ':' || t.back() != 'Z')
+    return std::nullopt;
+  int y, mo, d, h, mi, s;
+  if (!parse_int(t.substr(0, 4), &y) || !parse_int(t.substr(5, 2), &mo) || !parse_int(t.substr(8, 2), &d) ||
+      !parse_int(t.substr(11, 2), &h) || !parse_int(t.substr(14, 2), &mi) || !parse_int(t.substr(17, 2), &s))
+    return std::nullopt;
+  std::chrono::year_month_day ymd{std::chrono::year(y), std::chrono::month(static_cast<unsigned>(mo)),
+                                  std::chrono::day(static_cast<unsigned>(d))};
+  if (!ymd.ok() || h > 23 || mi > 59 || s > 60) return std::nullopt;
+  std::chrono::nanoseconds frac{0};
+  std::string_view rest = t.substr(19, t.size() - 20);
+  if (!rest.empty()) {
+    if (rest[0] != '.' || rest.size() < 2 || rest.size() > 10) return std::nullopt;
+    int digits = 0;
+    if (!parse_int(rest.substr(1), &digits) || digits < 0) return std::nullopt;
+    long long scale = 1;
+    for (size_t i = rest.size() - 1; i < 9; ++i) scale *= 10;
+    frac = std::chrono::nanoseconds(digits * scale);
+  }
+  auto tp = std::chrono::sys_days(ymd) + std::chrono::hours(h) + std::chrono::minutes(mi) +
+            std::chrono::seconds(s) + frac;
+  return std::chrono::time_point_cast<TimePoint::duration>(tp);
+}
+
+std::string format_duration(std::chrono::seconds d) {
+  long long s = std::max<long long>(d.count(), 0);
+  if (s < 60) return std::to_string(s) + "s";
+  if (s < 3600) return std::to_string(s / 60) + "m";
+  if (s < 86400) return std::to_string(s / 3600) + "h";
+  return std::to_string(s / 86400) + "d";
+}
+
+std::string shell_join(const std::vector<std::string>& args) {
+  std::string out;
+  for (const std::string& a : args) {
+    if (!out.empty()) out += ' ';
+    bool plain = !a.empty() && std::all_of(a.begin(), a.end(), [](unsigned char c) {
+      return std::isalnum(c) || std::string_view("-_./:=@%+,").find(static_cast<char>(c)) != std::string_view::npos;
+    });
+    if (plain) {
+      out += a;
+      continue;
+    }
+    out += '\'';
+    for (char c : a) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    out += '\'';
+  }
+  return out;
+}
+
+std::string format_created(const json& sandbox) {
+  Lines lines = {{"id", text(sandbox, "id")}, {"name", text(sandbox, "name")}, {"state", text(sandbox, "state")}};
+  if (text(sandbox, "state") == "failed") lines.emplace_back("reason", text(sandbox, "state_reason"));
+  for (std::string& url : urls(sandbox)) lines.emplace_back("url", std::move(url));
+  return key_values(lines);
+}
+
+std::string format_list(const json& answer, TimePoint now) {
+  std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "STATE", "PORTS", "IDLE-IN", "AGE"}};
+  const json* list = field(answer, "sandboxes");
+  if (list != nullptr && list->is_array()) {
+    for (const json& sb : *list) {
+      auto idle = seconds_between(now, field(sb, "idle_deadline_at"));
+      auto age = seconds_between(now, field(sb, "created_at"));
+      rows.push_back({text(sb, "id"), text(sb, "name"), text(sb, "state"), ports(sb, ","),
+                      idle ? std::to_string(std::max<long long>(idle->count(), 0)) : "-",
+                      age ? format_duration(-*age) : "-"});
+    }
+  }
+  std::vector<size_t> width(rows[0].size(), 0);
+  for (const auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string format_sandbox(const json& sandbox, TimePoint now) {
+  static const std::vector<std::string> kOrder = {
+      "id",          "name",      "state",   "state_reason", "ephemeral",  "driver",
+      "command",     "cwd",       "env",     "exposed_ports", "timeout_secs", "cpus",
+      "memory_mb",   "pid",       "created_at", "last_activity_at", "idle_deadline_at", "connections",
+      "urls"};
+  Lines lines;
+  auto add = [&](const std::string& key) {
+    const json* v = field(sandbox, key);
+    if (key == "command") {
+      lines.emplace_back(key, v != nullptr && v->is_array() ? shell_join(strings(v)) : scalar(v));
+    } else if (key == "env") {
+      std::vector<std::string> kvs;
+      if (v != nullptr && v->is_object())
+        for (auto it = v->begin(); it != v->end(); ++it) kvs.push_back(it.key() + "=" + scalar(&it.value()));
+      lines.emplace_back(key, kvs.empty() ? "-" : shell_join(kvs));
+    } else if (key == "exposed_ports") {
+      lines.emplace_back(key, ports(sandbox, ", "));
+    } else if (key.ends_with("_at")) {
+      lines.emplace_back(key, relative(now, v));
+    } else if (key == "urls") {
+      for (std::string& url : urls(sandbox)) lines.emplace_back("url", std::move(url));
+    } else if (v != nullptr && (v->is_array() || v->is_object())) {
+      lines.emplace_back(key, dump(*v));
+    } else {
+      lines.emplace_back(key, scalar(v));
+    }
+  };
+  for (const std::string& key : kOrder) add(key);
+  // Fields a newer node added: shown rather than silently dropped.
+  const std::set<std::string> known(kOrder.begin(), kOrder.end());
+  if (sandbox.is_object())
+    for (auto it = sandbox.begin(); it != sandbox.end(); ++it)
+      if (!known.count(it.key())) add(it.key());
+  return key_values(lines);
+}
+
+std::string format_state_change(const json& sandbox) { return label(sandbox) + ": " + text(sandbox, "state") + "\n"; }
+
+}  // namespace sg::cli

@@ -1,0 +1,63 @@
+// The pure parts of the `sandgate` CLI: command line values -> request bodies and paths, node answers -> text.
+// Kept free of I/O and of CLI11 so they can be unit tested (tests/unit/cli).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+
+namespace sg::cli {
+
+inline constexpr std::string_view kVersion = "0.1.0";
+
+using TimePoint = std::chrono::system_clock::time_point;
+
+// `sandgate create` flags as typed; unset optionals are left out of the body so the node applies its defaults.
+struct CreateOptions {
+  std::optional<std::string> name;
+  bool ephemeral = false;
+  std::optional<uint32_t> timeout_secs;
+  std::vector<int> expose;
+  std::optional<double> cpus;
+  std::optional<uint32_t> memory_mb;
+  std::vector<std::string> env;  // "K=V" as given
+  std::optional<std::string> cwd;
+  std::vector<std::string> command;
+};
+
+// The POST /v1/sandboxes body. kInvalidArgument (a usage error) for what the CLI can tell is wrong by itself:
+// no command, a port outside 1-65535, an --env without '='. Everything else is left to the node.
+Result<nlohmann::json> create_request_body(const CreateOptions& opts);
+
+// "/v1/sandboxes/<ref>[/<action>]" with ref percent-encoded (it is user input placed in a path).
+std::string sandbox_path(std::string_view ref, std::string_view action = {});
+
+// A 2xx answer's body, which must be a JSON object.
+Result<nlohmann::json> parse_object(std::string_view body);
+// What to tell the user for a non-2xx answer: the node's "message", else the status line and the body's start.
+std::string error_message(int status, std::string_view body);
+
+// "2026-11-29T10:00:00.000Z" (the node's format; fraction optional). nullopt if malformed.
+std::optional<TimePoint> parse_timestamp(std::string_view text);
+// "42s", "5m", "3h", "2d": the largest whole unit, like `ps`/`kubectl` ages.
+std::string format_duration(std::chrono::seconds d);
+// Arguments joined by spaces, each quoted for a POSIX shell only if it needs it.
+std::string shell_join(const std::vector<std::string>& args);
+
+// `sandgate create`: id, name, state (and why, if it failed) and one url line per exposed port.
+std::string format_created(const nlohmann::json& sandbox);
+// `sandgate ls`: the {"sandboxes": [...]} answer as a table ID NAME STATE PORTS IDLE-IN AGE.
+std::string format_list(const nlohmann::json& answer, TimePoint now);
+// `sandgate get`: one "key: value" line per field, timestamps with a relative hint.
+std::string format_sandbox(const nlohmann::json& sandbox, TimePoint now);
+// `sandgate suspend/resume/rm`: "<name or id>: <state>".
+std::string format_state_change(const nlohmann::json& sandbox);
+
+}  // namespace sg::cli

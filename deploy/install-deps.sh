@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Installs everything building, running and testing sandgate needs on Debian 12, as root.
+# Idempotent and fast on reruns: when every package is already installed, apt is not touched at all.
+set -euo pipefail
+
+PACKAGES=(
+  # toolchain
+  build-essential cmake ninja-build pkg-config
+  # libraries (see the find_package/pkg_check_modules calls in CMakeLists.txt)
+  libssl-dev libuv1-dev node-llhttp libnghttp2-dev libjemalloc-dev nlohmann-json3-dev libtomlplusplus-dev
+  libcli11-dev libspdlog-dev libfmt-dev libsqlite3-dev
+  # tests and benchmarks
+  googletest libgtest-dev libgmock-dev libbenchmark-dev
+  # runtime tools and the clients the tests and the quickstart use
+  openssl ca-certificates curl python3 procps iproute2
+)
+
+log() { echo "install-deps: $*" >&2; }
+
+if [[ $(id -u) -ne 0 ]]; then
+  log "must run as root (it installs Debian packages)"
+  exit 1
+fi
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
+  [[ $status == installed ]] || missing+=("$pkg")
+done
+if ((${#missing[@]} == 0)); then
+  log "all ${#PACKAGES[@]} packages already installed"
+  exit 0
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+aptlog=$(mktemp)
+trap 'rm -f "$aptlog"' EXIT
+
+# apt writes progress to stdout (kept in $aptlog, shown only on failure) and errors to stderr (always shown).
+run_apt() {
+  if ! apt-get -q -o Dpkg::Use-Pty=0 "$@" >"$aptlog"; then
+    tail -n 40 "$aptlog" >&2
+    log "apt-get $1 failed"
+    exit 1
+  fi
+}
+
+# Refresh the package lists only when they are missing, older than a day, or do not know a wanted package:
+# an update costs seconds to minutes, and stale lists make downloads 404 after a point release.
+needs_update() {
+  if [[ -z $(find /var/lib/apt/lists -maxdepth 1 -type f -name '*_Packages*' -mmin -1440 -print -quit 2>/dev/null) ]]; then
+    return 0
+  fi
+  local pkg candidate
+  for pkg in "${missing[@]}"; do
+    candidate=$(apt-cache policy "$pkg" 2>/dev/null | awk '/Candidate:/ {print $2}')
+    [[ -n $candidate && $candidate != "(none)" ]] || return 0
+  done
+  return 1
+}
+
+if needs_update; then
+  log "updating package lists"
+  run_apt update
+fi
+log "installing ${#missing[@]} package(s): ${missing[*]}"
+run_apt install -y --no-install-recommends "${missing[@]}"
+log "done"

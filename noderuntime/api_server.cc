@@ -1,0 +1,791 @@
+#include "noderuntime/api_server.h"
+
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <strings.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <charconv>
+#include <ctime>
+#include <deque>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+namespace sg {
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+using Response = ApiServer::Response;
+
+constexpr HttpLimits kRequestLimits{16 * 1024, 1024 * 1024, false};
+// Back-pressure: a client that pipelines without reading answers stops being read from.
+constexpr size_t kMaxPendingResponses = 64;
+constexpr size_t kMaxQueuedWriteBytes = 4 * 1024 * 1024;
+constexpr size_t kReadBufferBytes = 64 * 1024;
+// After the last answer on a closing connection, how long unread input is drained before giving up.
+constexpr uint64_t kLingerMs = 2'000;
+// The send buffer was full when an answer with a descriptor reached the front; poll again this soon.
+constexpr uint64_t kFdRetryMs = 5;
+constexpr uint32_t kDefaultWakeTimeoutMs = 30'000;
+constexpr uint32_t kMaxWakeTimeoutMs = 600'000;
+
+template <typename Handle>
+void close_and_free(Handle* h) {
+  uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
+}
+
+int http_status(Error e) {
+  switch (e) {
+    case Error::kInvalidArgument: return 400;
+    case Error::kNotFound: return 404;
+    case Error::kAlreadyExists: return 409;
+    case Error::kConflict: return 409;
+    case Error::kUnsupported: return 400;
+    case Error::kPermissionDenied: return 403;
+    case Error::kLimitExceeded: return 429;
+    case Error::kTimeout: return 504;
+    case Error::kUnavailable: return 503;
+    case Error::kIo: return 500;
+    case Error::kInternal: return 500;
+  }
+  return 500;
+}
+
+// Strings in answers come from clients (already valid UTF-8, the parser checked) or from the system
+// (error messages, paths): replace rather than throw if one is not valid UTF-8.
+template <typename Json>
+std::string to_text(const Json& j) {
+  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+Response error_response(int status, Error code, std::string_view message) {
+  ordered_json body = {{"error", error_name(code)}, {"message", message}};
+  return Response{status, to_text(body), UniqueFd(), ""};
+}
+
+Response error_response(const Failure& f) { return error_response(http_status(f.code), f.code, f.message); }
+
+Response invalid(std::string_view message) { return error_response(400, Error::kInvalidArgument, message); }
+
+// RFC 3339, UTC, milliseconds: 2026-11-29T10:00:00.000Z
+std::string format_time(int64_t unix_ms) {
+  int64_t secs = unix_ms >= 0 ? unix_ms / 1000 : (unix_ms - 999) / 1000;
+  int millis = static_cast<int>(unix_ms - secs * 1000);
+  time_t t = static_cast<time_t>(secs);
+  tm parts{};
+  gmtime_r(&t, &parts);
+  char buf[40];
+  size_t n = std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &parts);
+  std::snprintf(buf + n, sizeof buf - n, ".%03dZ", millis);
+  return buf;
+}
+
+// JSON integers arrive as signed or unsigned; huge unsigned values saturate so range checks still see them.
+int64_t as_int64(const json& v) {
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    return u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
+                                                                           : static_cast<int64_t>(u);
+  }
+  return v.get<int64_t>();
+}
+
+Result<json> parse_object(const std::string& body) {
+  if (body.empty()) return fail(Error::kInvalidArgument, "request body must be a JSON object, got nothing");
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded()) return fail(Error::kInvalidArgument, "request body is not valid JSON");
+  if (!j.is_object())
+    return fail(Error::kInvalidArgument, std::string("request body must be a JSON object, got ") + j.type_name());
+  return j;
+}
+
+Failure wrong_type(std::string_view field, std::string_view expected, const json& got) {
+  return fail(Error::kInvalidArgument,
+              std::string(field) + ": must be " + std::string(expected) + ", got " + got.type_name());
+}
+
+Failure unknown_field(std::string_view field, std::string_view allowed) {
+  return fail(Error::kInvalidArgument,
+              "unknown field '" + std::string(field) + "' (allowed: " + std::string(allowed) + ")");
+}
+
+Result<CreateRequest> parse_create(const json& body) {
+  constexpr std::string_view kAllowed =
+      "name, command, env, cwd, exposed_ports, timeout_secs, cpus, memory_mb, ephemeral";
+  CreateRequest req;
+  bool has_command = false;
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (key == "name") {
+      if (v.is_null()) continue;
+      if (!v.is_string()) return wrong_type(key, "a string or null", v);
+      req.name = v.get<std::string>();
+    } else if (key == "command") {
+      if (!v.is_array()) return wrong_type(key, "an array of strings", v);
+      for (const json& arg : v) {
+        if (!arg.is_string()) return wrong_type("command[]", "a string", arg);
+        req.command.push_back(arg.get<std::string>());
+      }
+      has_command = true;
+    } else if (key == "env") {
+      if (!v.is_object()) return wrong_type(key, "an object of strings", v);
+      for (auto e = v.begin(); e != v.end(); ++e) {
+        if (!e.value().is_string()) return wrong_type("env." + e.key(), "a string", e.value());
+        req.env[e.key()] = e.value().get<std::string>();
+      }
+    } else if (key == "cwd") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.cwd = v.get<std::string>();
+    } else if (key == "exposed_ports") {
+      if (!v.is_array()) return wrong_type(key, "an array of integers", v);
+      for (const json& port : v) {
+        if (!port.is_number_integer()) return wrong_type("exposed_ports[]", "an integer", port);
+        req.exposed_ports.push_back(as_int64(port));
+      }
+    } else if (key == "timeout_secs" || key == "memory_mb") {
+      if (!v.is_number_integer()) return wrong_type(key, "an integer", v);
+      (key == "timeout_secs" ? req.timeout_secs : req.memory_mb) = as_int64(v);
+    } else if (key == "cpus") {
+      if (!v.is_number()) return wrong_type(key, "a number", v);
+      req.cpus = v.get<double>();
+    } else if (key == "ephemeral") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.ephemeral = v.get<bool>();
+    } else {
+      return unknown_field(key, kAllowed);
+    }
+  }
+  if (!has_command) return fail(Error::kInvalidArgument, "command is required (an array of strings: argv)");
+  return req;
+}
+
+Result<uint64_t> non_negative(std::string_view field, const json& v) {
+  if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0))
+    return wrong_type(field, "a non-negative integer", v);
+  return v.get<uint64_t>();
+}
+
+Result<std::vector<ActivityReport>> parse_activity(const json& body) {
+  std::string default_reporter;
+  const json* list = nullptr;
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    if (it.key() == "sandboxes") {
+      if (!it.value().is_array()) return wrong_type("sandboxes", "an array of objects", it.value());
+      list = &it.value();
+    } else if (it.key() == "reporter") {
+      if (!it.value().is_string()) return wrong_type("reporter", "a string", it.value());
+      default_reporter = it.value().get<std::string>();
+    } else {
+      return unknown_field(it.key(), "sandboxes, reporter");
+    }
+  }
+  if (list == nullptr) return fail(Error::kInvalidArgument, "sandboxes is required (an array of objects)");
+  std::vector<ActivityReport> reports;
+  reports.reserve(list->size());
+  for (const json& entry : *list) {
+    if (!entry.is_object()) return wrong_type("sandboxes[]", "an object", entry);
+    ActivityReport r;
+    r.reporter = default_reporter;
+    bool has_id = false;
+    for (auto it = entry.begin(); it != entry.end(); ++it) {
+      const std::string& key = it.key();
+      const json& v = it.value();
+      if (key == "id") {
+        if (!v.is_string()) return wrong_type("sandboxes[].id", "a string", v);
+        r.id = v.get<std::string>();
+        has_id = true;
+      } else if (key == "reporter") {
+        if (!v.is_string()) return wrong_type("sandboxes[].reporter", "a string", v);
+        r.reporter = v.get<std::string>();
+      } else if (key == "bytes_in" || key == "bytes_out" || key == "connections") {
+        auto n = non_negative("sandboxes[]." + key, v);
+        if (!n) return n.failure();
+        (key == "bytes_in" ? r.bytes_in : key == "bytes_out" ? r.bytes_out : r.connections) = *n;
+      } else {
+        return unknown_field("sandboxes[]." + key, "id, bytes_in, bytes_out, connections, reporter");
+      }
+    }
+    if (!has_id) return fail(Error::kInvalidArgument, "sandboxes[].id is required");
+    reports.push_back(std::move(r));
+  }
+  return reports;
+}
+
+Result<uint32_t> parse_wake_timeout(const HttpMessage& request) {
+  const std::string* header = request.header("X-Sandgate-Wake-Timeout-Ms");
+  if (header == nullptr) return kDefaultWakeTimeoutMs;
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(header->data(), header->data() + header->size(), value);
+  if (ec != std::errc() || end != header->data() + header->size() || value < 1 || value > kMaxWakeTimeoutMs)
+    return fail(Error::kInvalidArgument, "X-Sandgate-Wake-Timeout-Ms: must be an integer between 1 and " +
+                                             std::to_string(kMaxWakeTimeoutMs));
+  return static_cast<uint32_t>(value);
+}
+
+std::string serialize(const Response& r, bool close) {
+  std::string out = "HTTP/1.1 " + std::to_string(r.status) + " " + std::string(http_reason(r.status)) + "\r\n";
+  if (!r.body.empty()) out += "Content-Type: application/json\r\n";
+  out += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
+  out += r.extra_headers;
+  if (close) out += "Connection: close\r\n";
+  out += "\r\n";
+  out += r.body;
+  return out;
+}
+
+}  // namespace
+
+// ---- listeners ----
+
+struct ApiServer::Listener {
+  union {
+    uv_stream_t stream;
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+  } handle;
+  ApiServer* server = nullptr;
+  bool is_unix = false;
+  std::string unix_path;  // removed when the listener closes
+};
+
+// ---- connections ----
+
+// One client connection: parses requests in arrival order, gives each a response slot, and writes slots
+// strictly in order as they complete. Owned by ApiServer::connections_; asynchronous answers hold a
+// weak_ptr, so a client that disconnects mid-wake simply has its answer dropped.
+class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(ApiServer* server, bool is_unix) : server_(server), is_unix_(is_unix) {}
+
+  uv_stream_t* stream() { return &handle_.stream; }
+  Status init(uv_loop_t* loop) {
+    int rc = is_unix_ ? uv_pipe_init(loop, &handle_.pipe, 0) : uv_tcp_init(loop, &handle_.tcp);
+    if (rc < 0) return fail(Error::kIo, std::string("init connection: ") + uv_strerror(rc));
+    handle_.stream.data = this;
+    timer_ = new uv_timer_t;
+    uv_timer_init(loop, timer_);
+    timer_->data = this;
+    return {};
+  }
+  void start(const std::string& peer) {
+    peer_ = peer;
+    start_reading();
+  }
+  void close_now();
+
+ private:
+  struct Slot {
+    bool ready = false;
+    bool close_after = false;
+    std::string bytes;
+    UniqueFd fd;
+    std::string method, target;  // for the request log line
+    Clock::time_point started;
+  };
+  struct WriteReq {
+    uv_write_t req;
+    std::string data;
+  };
+
+  void start_reading();
+  void on_read(ssize_t nread, const uv_buf_t* buf);
+  void process(const char* data, size_t len);
+  bool backlogged() const;
+  void handle_request(HttpMessage& request);
+  void respond(uint64_t seq, Response response);
+  void answer_parse_error();
+  void flush();
+  bool send_with_descriptor(Slot& slot);
+  void write(std::string data);
+  void begin_close();
+  void maybe_send_continue();
+
+  ApiServer* server_;
+  bool is_unix_;
+  union {
+    uv_stream_t stream;
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+  } handle_;
+  uv_timer_t* timer_ = nullptr;  // fd-send retry, then linger
+  std::string peer_;
+  HttpParser parser_{HttpParser::Kind::kRequest, kRequestLimits};
+  std::unique_ptr<char[]> read_buf_ = std::make_unique<char[]>(kReadBufferBytes);
+  std::string unparsed_;  // input held back while backlogged
+  std::deque<Slot> slots_;
+  uint64_t first_seq_ = 0;  // sequence number of slots_.front()
+  uint64_t next_seq_ = 0;
+  bool reading_ = false;
+  bool in_process_ = false;
+  bool input_done_ = false;  // no further requests are read (Connection: close, parse error, EOF)
+  bool peer_eof_ = false;
+  bool shutdown_started_ = false;
+  bool draining_ = false;  // after shutdown: discard input until EOF or the linger timer
+  bool closing_ = false;
+  bool continue_sent_ = false;
+};
+
+void ApiServer::Connection::start_reading() {
+  if (reading_ || closing_ || peer_eof_) return;
+  reading_ = true;
+  uv_read_start(
+      stream(),
+      [](uv_handle_t* h, size_t, uv_buf_t* buf) {
+        auto* self = static_cast<Connection*>(h->data);
+        *buf = uv_buf_init(self->read_buf_.get(), kReadBufferBytes);
+      },
+      [](uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) { static_cast<Connection*>(s->data)->on_read(nread, buf); });
+}
+
+void ApiServer::Connection::on_read(ssize_t nread, const uv_buf_t* buf) {
+  if (closing_) return;
+  if (nread < 0) {
+    if (nread != UV_EOF || draining_) return close_now();
+    // The peer finished sending; it may still read the answers to what it sent.
+    peer_eof_ = true;
+    reading_ = false;
+    uv_read_stop(stream());
+    input_done_ = true;  // a request is never delimited by EOF, so a partial one is simply dropped
+    return flush();
+  }
+  if (draining_ || input_done_) return;
+  process(buf->base, static_cast<size_t>(nread));
+}
+
+bool ApiServer::Connection::backlogged() const {
+  return slots_.size() >= kMaxPendingResponses ||
+         uv_stream_get_write_queue_size(&handle_.stream) >= kMaxQueuedWriteBytes;
+}
+
+void ApiServer::Connection::process(const char* data, size_t len) {
+  in_process_ = true;
+  while (len > 0 && !input_done_ && !closing_) {
+    if (backlogged()) {
+      unparsed_.append(data, len);
+      reading_ = false;
+      uv_read_stop(stream());
+      break;
+    }
+    HttpParser::State st = parser_.feed(data, len);
+    size_t used = parser_.consumed();
+    data += used;
+    len -= used;
+    if (st == HttpParser::State::kMessageComplete) {
+      handle_request(parser_.message());
+      parser_.reset();
+      continue_sent_ = false;
+    } else if (st == HttpParser::State::kError) {
+      answer_parse_error();
+    } else {
+      maybe_send_continue();
+      // kNeedMore may stop early (the parser bounds how much of a chunk can still be head); feed the rest.
+      if (used == 0) break;
+    }
+  }
+  in_process_ = false;
+  if (input_done_ && reading_ && !draining_) {
+    reading_ = false;
+    uv_read_stop(stream());
+  }
+  flush();
+}
+
+// curl and others wait (up to a second) for "100 Continue" before sending a body they announced with
+// Expect. Only safe when no earlier answer is still owed, or the interim answer would overtake it.
+void ApiServer::Connection::maybe_send_continue() {
+  if (continue_sent_ || !slots_.empty()) return;
+  const HttpMessage& m = parser_.message();
+  const std::string* expect = m.header("Expect");
+  if (expect == nullptr || strcasecmp(expect->c_str(), "100-continue") != 0 || m.http_minor < 1) return;
+  continue_sent_ = true;
+  write("HTTP/1.1 100 Continue\r\n\r\n");
+}
+
+void ApiServer::Connection::handle_request(HttpMessage& request) {
+  uint64_t seq = next_seq_++;
+  Slot& slot = slots_.emplace_back();
+  slot.method = request.method;
+  slot.target = request.target;
+  slot.started = Clock::now();
+  slot.close_after = !request.keep_alive;
+  if (slot.close_after) input_done_ = true;
+  std::weak_ptr<Connection> weak = weak_from_this();
+  server_->route(request, is_unix_, [weak, seq](Response r) {
+    if (auto self = weak.lock(); self && !self->closing_) self->respond(seq, std::move(r));
+  });
+}
+
+void ApiServer::Connection::respond(uint64_t seq, Response response) {
+  if (seq < first_seq_ || seq - first_seq_ >= slots_.size()) return;
+  Slot& slot = slots_[seq - first_seq_];
+  slot.ready = true;
+  slot.bytes = serialize(response, slot.close_after);
+  slot.fd = std::move(response.fd);
+  spdlog::debug("{} {} {} -> {} ({:.1f} ms)", peer_, slot.method, slot.target, response.status,
+                std::chrono::duration<double, std::milli>(Clock::now() - slot.started).count());
+  if (!in_process_) flush();
+}
+
+void ApiServer::Connection::answer_parse_error() {
+  const Failure& f = parser_.failure();
+  int status = 400;
+  if (f.code == Error::kLimitExceeded) status = f.message.starts_with("head") ? 431 : 413;
+  Slot& slot = slots_.emplace_back();
+  slot.method = "?";
+  slot.target = "?";
+  slot.started = Clock::now();
+  slot.close_after = true;  // the stream position is lost; nothing after this can be parsed
+  input_done_ = true;
+  respond(next_seq_++, error_response(status, f.code, f.message));
+}
+
+void ApiServer::Connection::flush() {
+  if (closing_) return;
+  while (!slots_.empty() && slots_.front().ready) {
+    Slot& slot = slots_.front();
+    if (slot.fd.valid()) {
+      // The descriptor must ride on these exact bytes, so everything before them has to be in the kernel.
+      if (uv_stream_get_write_queue_size(stream()) > 0) return;  // the write callback flushes again
+      if (!send_with_descriptor(slot)) return;
+    } else {
+      write(std::move(slot.bytes));
+    }
+    if (closing_) return;
+    bool close_after = slot.close_after;
+    slots_.pop_front();
+    ++first_seq_;
+    if (close_after) break;  // input_done_ was set when this request (or parse error) arrived
+  }
+  if (closing_) return;
+  if (input_done_) {
+    if (slots_.empty()) begin_close();
+    return;
+  }
+  if (in_process_ || reading_ || backlogged()) return;
+  // Caught up after back-pressure: parse what was held back, then read again.
+  std::string held = std::move(unparsed_);
+  unparsed_.clear();
+  start_reading();
+  if (!held.empty()) process(held.data(), held.size());
+}
+
+bool ApiServer::Connection::send_with_descriptor(Slot& slot) {
+  int fd = -1;
+  uv_fileno(reinterpret_cast<uv_handle_t*>(stream()), &fd);
+  pollfd p{fd, POLLOUT, 0};
+  if (::poll(&p, 1, 0) == 0) {
+    // Send buffer full and libuv has nothing queued, so no write callback will come: poll again shortly.
+    uv_timer_start(timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->flush(); }, kFdRetryMs, 0);
+    return false;
+  }
+  auto sent = send_with_fd(fd, slot.bytes.data(), slot.bytes.size(), slot.fd.get());
+  if (!sent) {
+    spdlog::debug("{}: cannot pass descriptor: {}", peer_, sent.message());
+    close_now();
+    return false;
+  }
+  slot.fd.reset();  // the peer holds its own copy now
+  if (*sent < slot.bytes.size()) write(slot.bytes.substr(*sent));
+  return true;
+}
+
+void ApiServer::Connection::write(std::string data) {
+  auto* req = new WriteReq;
+  req->data = std::move(data);
+  req->req.data = this;
+  uv_buf_t buf = uv_buf_init(req->data.data(), static_cast<unsigned>(req->data.size()));
+  int rc = uv_write(&req->req, stream(), &buf, 1, [](uv_write_t* w, int status) {
+    auto* r = reinterpret_cast<WriteReq*>(w);
+    auto* self = static_cast<Connection*>(w->data);
+    delete r;
+    // Callbacks of cancelled writes run before the close callback, so `self` is still alive here.
+    if (self->closing_) return;
+    if (status < 0) return self->close_now();
+    self->flush();
+  });
+  if (rc < 0) {
+    delete req;
+    close_now();
+  }
+}
+
+// All answers are queued: send FIN after them, then drain what the client still sends until it closes
+// (closing with unread input would reset the connection and could destroy the answer in flight).
+void ApiServer::Connection::begin_close() {
+  if (shutdown_started_ || closing_) return;
+  shutdown_started_ = true;
+  auto* req = new uv_shutdown_t;
+  req->data = this;
+  int rc = uv_shutdown(req, stream(), [](uv_shutdown_t* r, int status) {
+    auto* self = static_cast<Connection*>(r->data);
+    delete r;
+    if (self->closing_) return;
+    if (status < 0 || self->peer_eof_) return self->close_now();
+    self->draining_ = true;
+    self->start_reading();
+    uv_timer_start(self->timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->close_now(); }, kLingerMs, 0);
+  });
+  if (rc < 0) {
+    delete req;
+    close_now();
+  }
+}
+
+void ApiServer::Connection::close_now() {
+  if (closing_) return;
+  closing_ = true;
+  slots_.clear();  // closes descriptors that were never sent
+  uv_timer_stop(timer_);
+  close_and_free(timer_);
+  uv_close(reinterpret_cast<uv_handle_t*>(stream()), [](uv_handle_t* h) {
+    auto* self = static_cast<Connection*>(h->data);
+    ApiServer* server = self->server_;
+    server->connections_.erase(self);  // destroys *self
+    server->on_handle_closed();
+  });
+}
+
+// ---- server ----
+
+ApiServer::ApiServer(uv_loop_t* loop, Node* node, const ConfigHolder* config)
+    : loop_(loop), node_(node), config_(config) {}
+
+Status ApiServer::listen(const Endpoint& ep) {
+  if (closing_) return fail(Error::kUnavailable, "server is closing");
+  auto fd = listen_on(ep, false);
+  if (!fd) return fd.failure();
+  bool is_unix = ep.kind == Endpoint::Kind::kUnix;
+  // Owner and group only: the socket controls every sandbox on the node.
+  if (is_unix && ::chmod(ep.path.c_str(), 0660) != 0) return fail_errno("chmod " + ep.path, errno);
+  auto* l = new Listener;
+  l->server = this;
+  l->is_unix = is_unix;
+  if (is_unix) l->unix_path = ep.path;
+  int rc = is_unix ? uv_pipe_init(loop_, &l->handle.pipe, 0) : uv_tcp_init(loop_, &l->handle.tcp);
+  if (rc < 0) {
+    delete l;
+    return fail(Error::kIo, "listen " + ep.to_string() + ": " + uv_strerror(rc));
+  }
+  l->handle.stream.data = l;
+  ++open_handles_;
+  listeners_.push_back(l);
+  rc = is_unix ? uv_pipe_open(&l->handle.pipe, fd->get()) : uv_tcp_open(&l->handle.tcp, fd->get());
+  if (rc == 0) {
+    fd->release();  // the handle owns it now
+    rc = uv_listen(&l->handle.stream, 1024, [](uv_stream_t* s, int status) {
+      auto* listener = static_cast<Listener*>(s->data);
+      listener->server->on_connection(listener, status);
+    });
+  }
+  if (rc < 0) return fail(Error::kIo, "listen " + ep.to_string() + ": " + uv_strerror(rc));
+  spdlog::info("node API listening on {}", ep.to_string());
+  return {};
+}
+
+void ApiServer::on_connection(Listener* listener, int status) {
+  if (status < 0) {
+    spdlog::warn("accept: {}", uv_strerror(status));
+    return;
+  }
+  auto conn = std::make_shared<Connection>(this, listener->is_unix);
+  if (auto s = conn->init(loop_); !s) {
+    spdlog::warn("{}", s.message());
+    return;
+  }
+  ++open_handles_;
+  connections_.emplace(conn.get(), conn);
+  if (int rc = uv_accept(&listener->handle.stream, conn->stream()); rc < 0) {
+    spdlog::warn("accept: {}", uv_strerror(rc));
+    conn->close_now();
+    return;
+  }
+  std::string peer = "unix";
+  if (!listener->is_unix) {
+    sockaddr_storage ss{};
+    int len = sizeof ss;
+    if (uv_tcp_getpeername(reinterpret_cast<uv_tcp_t*>(conn->stream()), reinterpret_cast<sockaddr*>(&ss), &len) == 0)
+      peer = format_peer(reinterpret_cast<sockaddr*>(&ss));
+  }
+  conn->start(peer);
+}
+
+void ApiServer::close(std::function<void()> done) {
+  closing_ = true;
+  close_done_ = std::move(done);
+  for (Listener* l : listeners_) {
+    if (!l->unix_path.empty()) ::unlink(l->unix_path.c_str());
+    uv_close(reinterpret_cast<uv_handle_t*>(&l->handle.stream), [](uv_handle_t* h) {
+      auto* listener = static_cast<Listener*>(h->data);
+      ApiServer* server = listener->server;
+      delete listener;
+      server->on_handle_closed();
+    });
+  }
+  listeners_.clear();
+  std::vector<std::shared_ptr<Connection>> open;
+  for (auto& [ptr, conn] : connections_) open.push_back(conn);
+  for (auto& conn : open) conn->close_now();
+  if (open_handles_ == 0) on_handle_closed();
+}
+
+void ApiServer::on_handle_closed() {
+  if (open_handles_ > 0) --open_handles_;
+  if (!closing_ || open_handles_ != 0 || !close_done_) return;
+  auto done = std::move(close_done_);
+  close_done_ = nullptr;
+  done();
+}
+
+// ---- routes ----
+
+Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const {
+  auto cfg = config_->get();
+  ordered_json urls = ordered_json::object();
+  const std::string& host_ref = info.spec.name.empty() ? info.spec.id : info.spec.name;
+  for (uint16_t port : info.spec.exposed_ports) urls[std::to_string(port)] = cfg->port_url(port, host_ref);
+  ordered_json j = {
+      {"id", info.spec.id},
+      {"name", info.spec.name.empty() ? ordered_json(nullptr) : ordered_json(info.spec.name)},
+      {"state", state_name(info.state)},
+      {"state_reason", info.state_reason},
+      {"ephemeral", info.spec.ephemeral},
+      {"driver", node_->driver_name()},
+      {"command", info.spec.command},
+      {"env", info.spec.env},
+      {"cwd", info.spec.cwd},
+      {"exposed_ports", info.spec.exposed_ports},
+      {"timeout_secs", info.spec.timeout_secs},
+      {"cpus", info.spec.cpus},
+      {"memory_mb", info.spec.memory_mb},
+      {"pid", info.runtime.pid > 0 ? ordered_json(info.runtime.pid) : ordered_json(nullptr)},
+      {"created_at", format_time(info.created_at_ms)},
+      {"last_activity_at", format_time(info.last_activity_at_ms)},
+      {"idle_deadline_at",
+       info.idle_deadline_at_ms ? ordered_json(format_time(*info.idle_deadline_at_ms)) : ordered_json(nullptr)},
+      {"connections", info.connections},
+      {"urls", std::move(urls)},
+  };
+  return Response{status, to_text(j), UniqueFd(), ""};
+}
+
+void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply) {
+  std::string_view path = request.target;
+  if (auto q = path.find('?'); q != std::string_view::npos) path = path.substr(0, q);
+  const std::string& method = request.method;
+  auto method_not_allowed = [&](std::string_view allowed) {
+    Response r = error_response(405, Error::kUnsupported,
+                                method + " is not allowed on " + std::string(path) + " (use " + std::string(allowed) + ")");
+    r.extra_headers = "Allow: " + std::string(allowed) + "\r\n";
+    reply(std::move(r));
+  };
+
+  if (path == "/v1/health") {
+    if (method != "GET") return method_not_allowed("GET");
+    ordered_json j = {{"status", "ok"}, {"sandboxes", node_->sandbox_count()}, {"driver", node_->driver_name()}};
+    return reply(Response{200, to_text(j), UniqueFd(), ""});
+  }
+  if (path == "/v1/sandboxes") {
+    if (method == "POST") return handle_create(request, reply);
+    if (method != "GET") return method_not_allowed("GET, POST");
+    // Serialized piecewise: one Response per sandbox reuses the single-sandbox encoding.
+    std::string body = "{\"sandboxes\":[";
+    bool first = true;
+    for (const SandboxInfo& info : node_->list()) {
+      body += first ? "" : ",";
+      body += sandbox_response(200, info).body;
+      first = false;
+    }
+    body += "]}";
+    return reply(Response{200, std::move(body), UniqueFd(), ""});
+  }
+  if (path == "/v1/internal/open") {
+    if (method != "POST") return method_not_allowed("POST");
+    return handle_open(request, can_pass_fds, std::move(reply));
+  }
+  if (path == "/v1/internal/activity") {
+    if (method != "POST") return method_not_allowed("POST");
+    return handle_activity(request, reply);
+  }
+  constexpr std::string_view kSandboxes = "/v1/sandboxes/";
+  if (path.starts_with(kSandboxes)) {
+    std::string_view rest = path.substr(kSandboxes.size());
+    std::string_view ref = rest.substr(0, rest.find('/'));
+    std::string_view action = ref.size() < rest.size() ? rest.substr(ref.size() + 1) : std::string_view();
+    if (!ref.empty() && ref.size() == rest.size()) {
+      if (method == "GET") {
+        auto info = node_->get(ref);
+        return reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
+      }
+      if (method != "DELETE") return method_not_allowed("GET, DELETE");
+      return node_->remove(ref, [this, reply = std::move(reply)](Result<SandboxInfo> info) {
+        reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
+      });
+    }
+    if (!ref.empty() && (action == "suspend" || action == "resume")) {
+      if (method != "POST") return method_not_allowed("POST");
+      auto outcome = action == "suspend" ? node_->suspend(ref) : node_->resume(ref);
+      if (!outcome) return reply(error_response(outcome.failure()));
+      return reply(sandbox_response(outcome->started ? 202 : 200, outcome->sandbox));
+    }
+  }
+  reply(error_response(404, Error::kNotFound, "no such endpoint: " + method + " " + std::string(path)));
+}
+
+void ApiServer::handle_create(const HttpMessage& request, Reply& reply) {
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  auto create = parse_create(*body);
+  if (!create) return reply(error_response(create.failure()));
+  auto info = node_->create(*create);
+  reply(info ? sandbox_response(201, *info) : error_response(info.failure()));
+}
+
+void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply) {
+  if (!can_pass_fds)
+    return reply(invalid("internal/open passes a file descriptor, so it only works on the unix socket"));
+  auto wake_timeout = parse_wake_timeout(request);
+  if (!wake_timeout) return reply(error_response(wake_timeout.failure()));
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  std::string ref;
+  int64_t port = -1;
+  for (auto it = body->begin(); it != body->end(); ++it) {
+    const json& v = it.value();
+    if (it.key() == "sandbox") {
+      if (!v.is_string()) return reply(error_response(wrong_type("sandbox", "a string", v)));
+      ref = v.get<std::string>();
+    } else if (it.key() == "port") {
+      if (!v.is_number_integer()) return reply(error_response(wrong_type("port", "an integer", v)));
+      port = as_int64(v);
+    } else {
+      return reply(error_response(unknown_field(it.key(), "sandbox, port")));
+    }
+  }
+  if (ref.empty()) return reply(invalid("sandbox is required (an id or a name)"));
+  if (port < 1 || port > 65535) return reply(invalid("port is required and must be between 1 and 65535"));
+  node_->open(ref, static_cast<uint16_t>(port), *wake_timeout, [reply = std::move(reply)](Result<OpenedPort> r) {
+    if (!r) return reply(error_response(r.failure()));
+    ordered_json j = {{"id", r->id},
+                      {"name", r->name.empty() ? ordered_json(nullptr) : ordered_json(r->name)},
+                      {"port", r->port},
+                      {"woke", r->woke},
+                      {"wake_ms", r->wake_ms}};
+    reply(Response{200, to_text(j), std::move(r->socket), ""});
+  });
+}
+
+void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  auto reports = parse_activity(*body);
+  if (!reports) return reply(error_response(reports.failure()));
+  node_->activity(*reports);
+  reply(Response{204, "", UniqueFd(), ""});
+}
+
+}  // namespace sg

@@ -1,0 +1,73 @@
+// The node API (docs/node-api.md) over HTTP/1.1 on libuv: the unix socket `node_socket` (what the proxy and
+// the CLI use; the only listener that can pass file descriptors) plus any loopback `node.api_listen` TCP
+// addresses. Keep-alive and pipelining are supported; responses leave in request order even when a later
+// request finishes first. Every body is JSON, parsed without exceptions and type-checked field by field,
+// so malformed input is a 400 and never takes the daemon down.
+#pragma once
+
+#include <uv.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fd.h"
+#include "common/http.h"
+#include "common/net.h"
+#include "config/config.h"
+#include "noderuntime/node.h"
+
+namespace sg {
+
+class ApiServer {
+ public:
+  // `node` and `config` must outlive the server.
+  ApiServer(uv_loop_t* loop, Node* node, const ConfigHolder* config);
+  // close() must have completed (its callback ran) before destruction.
+  ~ApiServer() = default;
+  ApiServer(const ApiServer&) = delete;
+  ApiServer& operator=(const ApiServer&) = delete;
+
+  // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
+  Status listen(const Endpoint& ep);
+  // Stops listening and closes every connection (answers still in flight are dropped); `done` runs once
+  // every handle is closed.
+  void close(std::function<void()> done);
+
+  // One complete answer: status, JSON body, and for internal/open the descriptor that travels with it.
+  struct Response {
+    int status = 200;
+    std::string body;
+    UniqueFd fd;
+    std::string extra_headers;  // "Name: value\r\n" lines
+  };
+  using Reply = std::function<void(Response)>;
+
+ private:
+  class Connection;
+  struct Listener;
+
+  void on_connection(Listener* listener, int status);
+  void on_handle_closed();
+  // Routes one request; `reply` runs exactly once, possibly before route() returns.
+  void route(const HttpMessage& request, bool can_pass_fds, Reply reply);
+  Response sandbox_response(int status, const SandboxInfo& info) const;
+
+  void handle_create(const HttpMessage& request, Reply& reply);
+  void handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply);
+  void handle_activity(const HttpMessage& request, Reply& reply);
+
+  uv_loop_t* loop_;
+  Node* node_;
+  const ConfigHolder* config_;
+  std::vector<Listener*> listeners_;
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;
+  size_t open_handles_ = 0;
+  bool closing_ = false;
+  std::function<void()> close_done_;
+};
+
+}  // namespace sg

@@ -1,0 +1,188 @@
+// sandgate-node: runs sandboxes on this host and serves the node API (docs/node-api.md).
+//
+//   sandgate-node --config /etc/sandgate/sandgate.toml [--state-dir DIR] [--socket unix:/path]
+//
+// SIGINT/SIGTERM: graceful shutdown per node.on_shutdown, exit 0. SIGHUP: reload the config file; limits and
+// defaults apply to the next request, listeners and the state dir stay as they are until a restart.
+#include <sys/stat.h>
+#include <uv.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "common/log.h"
+#include "common/net.h"
+#include "config/config.h"
+#include "noderuntime/api_server.h"
+#include "noderuntime/node.h"
+#include "noderuntime/process_driver.h"
+#include "noderuntime/store.h"
+
+namespace {
+
+struct Overrides {
+  std::string state_dir;
+  std::string socket;
+};
+
+// The command line wins over the file, on every (re)load.
+sg::Result<std::shared_ptr<const sg::Config>> load(const std::string& path, const Overrides& overrides) {
+  auto loaded = sg::load_config_file(path);
+  if (!loaded) return loaded;
+  if (overrides.state_dir.empty() && overrides.socket.empty()) return loaded;
+  auto cfg = std::make_shared<sg::Config>(**loaded);
+  if (!overrides.state_dir.empty()) cfg->node.state_dir = overrides.state_dir;
+  if (!overrides.socket.empty()) {
+    auto ep = sg::parse_endpoint(overrides.socket);
+    if (!ep || ep->kind != sg::Endpoint::Kind::kUnix)
+      return sg::fail(sg::Error::kInvalidArgument, "--socket: must be unix:/path");
+    cfg->node_socket = *ep;
+  }
+  return std::shared_ptr<const sg::Config>(std::move(cfg));
+}
+
+sg::Status make_dir(const std::string& dir, std::filesystem::perms perms) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return sg::fail(sg::Error::kIo, "cannot create " + dir + ": " + ec.message());
+  std::filesystem::permissions(dir, perms, ec);
+  if (ec) return sg::fail(sg::Error::kIo, "cannot set permissions of " + dir + ": " + ec.message());
+  return {};
+}
+
+// listen_on() replaces a stale socket file; make sure it is stale and not a live node's.
+bool socket_in_use(const sg::Endpoint& ep) { return sg::connect_blocking(ep, 200).ok(); }
+
+struct Daemon {
+  uv_loop_t* loop = nullptr;
+  std::string config_path;
+  Overrides overrides;
+  std::unique_ptr<sg::ConfigHolder> config;
+  std::unique_ptr<sg::Node> node;
+  std::unique_ptr<sg::ApiServer> server;
+  uv_signal_t sigint{}, sigterm{}, sighup{};
+  bool stopping = false;
+
+  void reload() {
+    auto next = load(config_path, overrides);
+    if (!next) {
+      spdlog::error("reload failed, keeping the current config:\n{}", next.message());
+      return;
+    }
+    auto current = config->get();
+    const sg::Config& n = **next;
+    bool moved = n.node_socket.to_string() != current->node_socket.to_string() ||
+                 n.node.state_dir != current->node.state_dir || n.node.api_listen.size() != current->node.api_listen.size();
+    for (size_t i = 0; !moved && i < n.node.api_listen.size(); ++i)
+      moved = n.node.api_listen[i].to_string() != current->node.api_listen[i].to_string();
+    config->swap(*next);
+    spdlog::info("reloaded {}: limits and defaults apply from now on", config_path);
+    if (moved) spdlog::warn("node_socket, node.api_listen and node.state_dir changes take effect only after a restart");
+  }
+
+  void stop(int signum) {
+    if (stopping) return;
+    stopping = true;
+    spdlog::info("received {}, shutting down (on_shutdown = {})", signum == SIGINT ? "SIGINT" : "SIGTERM",
+                 config->get()->node.on_shutdown == sg::ShutdownPolicy::kTerminate ? "terminate" : "keep");
+    server->close([this] {
+      node->shutdown([this] {
+        for (uv_signal_t* s : {&sigint, &sigterm, &sighup}) uv_close(reinterpret_cast<uv_handle_t*>(s), nullptr);
+        // The driver may keep handles of its own open; the loop ends here regardless.
+        uv_stop(loop);
+      });
+    });
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sandgate-node: runs sandboxes and serves the node API"};
+  Daemon d;
+  app.add_option("--config", d.config_path, "TOML config file")->required();
+  app.add_option("--state-dir", d.overrides.state_dir, "override node.state_dir");
+  app.add_option("--socket", d.overrides.socket, "override node_socket (unix:/path)");
+  CLI11_PARSE(app, argc, argv);
+
+  auto cfg = load(d.config_path, d.overrides);
+  if (!cfg) {
+    std::fprintf(stderr, "sandgate-node: invalid config:\n%s\n", cfg.message().c_str());
+    return 2;
+  }
+  sg::init_logging("sandgate-node", (*cfg)->log_level);
+  // Writes to a client that went away must fail with EPIPE, not kill the daemon.
+  std::signal(SIGPIPE, SIG_IGN);
+  d.config = std::make_unique<sg::ConfigHolder>(*cfg);
+  const sg::Config& c = **cfg;
+
+  using std::filesystem::perms;
+  if (auto s = make_dir(c.node.state_dir, perms::owner_all); !s) {
+    spdlog::critical("{}", s.message());
+    return 1;
+  }
+  std::string socket_dir = std::filesystem::path(c.node_socket.path).parent_path().string();
+  if (!socket_dir.empty()) {
+    if (auto s = make_dir(socket_dir, perms::owner_all | perms::group_read | perms::group_exec | perms::others_read |
+                                          perms::others_exec);
+        !s) {
+      spdlog::critical("{}", s.message());
+      return 1;
+    }
+  }
+  if (socket_in_use(c.node_socket)) {
+    spdlog::critical("another sandgate-node is already serving on {}", c.node_socket.to_string());
+    return 1;
+  }
+
+  d.loop = uv_default_loop();
+  auto store = sg::Store::open(c.node.state_dir + "/node.db");
+  if (!store) {
+    spdlog::critical("cannot open the state database: {}", store.message());
+    return 1;
+  }
+  auto driver = sg::make_process_driver(d.loop, c.node);
+  if (!driver) {
+    spdlog::critical("cannot initialise the process driver: {}", driver.message());
+    return 1;
+  }
+  d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(*driver), std::move(*store));
+  if (auto s = d.node->reconcile(); !s) {
+    spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());
+    return 1;
+  }
+  d.server = std::make_unique<sg::ApiServer>(d.loop, d.node.get(), d.config.get());
+  std::vector<sg::Endpoint> endpoints = {c.node_socket};
+  endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
+  for (const sg::Endpoint& ep : endpoints) {
+    if (auto s = d.server->listen(ep); !s) {
+      spdlog::critical("cannot listen on {}: {}", ep.to_string(), s.message());
+      return 1;
+    }
+  }
+
+  for (uv_signal_t* s : {&d.sigint, &d.sigterm, &d.sighup}) {
+    uv_signal_init(d.loop, s);
+    s->data = &d;
+  }
+  auto on_stop = [](uv_signal_t* s, int signum) { static_cast<Daemon*>(s->data)->stop(signum); };
+  uv_signal_start(&d.sigint, on_stop, SIGINT);
+  uv_signal_start(&d.sigterm, on_stop, SIGTERM);
+  uv_signal_start(&d.sighup, [](uv_signal_t* s, int) { static_cast<Daemon*>(s->data)->reload(); }, SIGHUP);
+
+  std::printf("sandgate-node ready on %s\n", c.node_socket.to_string().c_str());
+  std::fflush(stdout);
+  uv_run(d.loop, UV_RUN_DEFAULT);
+
+  // Free what is left in order: server and node close their handles; one more turn runs the close callbacks.
+  d.server.reset();
+  d.node.reset();
+  uv_run(d.loop, UV_RUN_NOWAIT);
+  spdlog::info("sandgate-node stopped");
+  return 0;
+}

@@ -1,0 +1,763 @@
+#include "noderuntime/node.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include "noderuntime/names.h"
+#include "noderuntime/state_machine.h"
+
+namespace sg {
+namespace {
+
+using Clock = IdleTracker::Clock;
+using S = SandboxState;
+
+constexpr int64_t kMinMemoryMb = 16;
+constexpr int64_t kMaxMemoryMb = 1024 * 1024;
+constexpr double kMaxCpus = 1024;
+// A terminate that hangs must not keep the daemon from exiting; whatever is left is adopted next start.
+constexpr uint64_t kShutdownTerminateTimeoutMs = 15'000;
+
+int64_t wall_now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+template <typename Handle>
+void close_and_free(Handle* h) {
+  uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
+}
+
+bool valid_env_key(std::string_view key) {
+  auto alpha = [](char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_'; };
+  if (key.empty() || !alpha(key[0])) return false;
+  return std::all_of(key.begin(), key.end(), [&](char c) { return alpha(c) || (c >= '0' && c <= '9'); });
+}
+
+bool has_nul(std::string_view s) { return s.find('\0') != std::string_view::npos; }
+
+std::string describe_ports(const std::vector<uint16_t>& ports) {
+  if (ports.empty()) return "none";
+  std::string out;
+  for (uint16_t p : ports) out += (out.empty() ? "" : ", ") + std::to_string(p);
+  return out;
+}
+
+}  // namespace
+
+// An open() waiting for its sandbox to be running again. Self-owned: freed in its timer's close callback.
+struct Node::Waiter {
+  uv_timer_t timer;
+  Node* node = nullptr;
+  std::string sandbox_id;
+  uint16_t port = 0;
+  uint32_t timeout_ms = 0;
+  Clock::time_point started;
+  OpenCallback done;
+};
+
+struct Node::Sandbox {
+  StoredSandbox rec;  // the persisted part
+  std::map<std::string, uint64_t> connections_by_reporter;
+  uint64_t connections = 0;
+  std::vector<Waiter*> waiters;
+  // Set while suspending when something asked for the sandbox (an open, traffic, the API): the suspend
+  // is allowed to finish and is then followed by exactly one resume, for this reason.
+  std::optional<std::string> pending_wake;
+  bool watched = false;
+  bool terminating = false;
+  std::string terminate_reason;
+  std::vector<SandboxCallback> terminated_callbacks;
+
+  const std::string& id() const { return rec.spec.id; }
+};
+
+Node::Node(uv_loop_t* loop, const ConfigHolder* config, std::unique_ptr<Driver> driver, std::unique_ptr<Store> store)
+    : loop_(loop),
+      config_(config),
+      driver_(std::move(driver)),
+      store_(std::move(store)),
+      idle_timer_(new uv_timer_t),
+      shutdown_timer_(new uv_timer_t) {
+  uv_timer_init(loop_, idle_timer_);
+  idle_timer_->data = this;
+  uv_timer_init(loop_, shutdown_timer_);
+  shutdown_timer_->data = this;
+}
+
+Node::~Node() {
+  for (auto& [id, sb] : sandboxes_) {
+    for (Waiter* w : sb->waiters) {
+      uv_timer_stop(&w->timer);
+      uv_close(reinterpret_cast<uv_handle_t*>(&w->timer),
+               [](uv_handle_t* h) { delete static_cast<Waiter*>(h->data); });
+    }
+  }
+  close_and_free(idle_timer_);
+  close_and_free(shutdown_timer_);
+}
+
+// ---- lookup and snapshots ----
+
+Node::Sandbox* Node::find(std::string_view ref) const {
+  std::string key(ref);
+  if (!looks_like_id(ref)) {
+    auto named = ids_by_name_.find(key);
+    if (named == ids_by_name_.end()) return nullptr;
+    key = named->second;
+  }
+  auto it = sandboxes_.find(key);
+  return it == sandboxes_.end() ? nullptr : it->second.get();
+}
+
+Result<Node::Sandbox*> Node::find_usable(std::string_view ref) const {
+  Sandbox* sb = find(ref);
+  if (sb == nullptr) return fail(Error::kNotFound, "no sandbox '" + std::string(ref) + "'");
+  if (sb->terminating) return fail(Error::kNotFound, "sandbox " + sb->id() + " is being terminated");
+  return sb;
+}
+
+SandboxInfo Node::snapshot(const Sandbox& sb) const {
+  SandboxInfo info;
+  info.spec = sb.rec.spec;
+  info.state = sb.rec.state;
+  info.state_reason = sb.rec.state_reason;
+  info.runtime = sb.rec.runtime;
+  info.created_at_ms = sb.rec.created_at_ms;
+  info.last_activity_at_ms = sb.rec.last_activity_at_ms;
+  info.connections = sb.connections;
+  if (sb.rec.state == S::kRunning && !sb.terminating) {
+    if (auto deadline = idle_.deadline(sb.id())) {
+      auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+      info.idle_deadline_at_ms = wall_now_ms() + remaining.count();
+    }
+  }
+  return info;
+}
+
+std::vector<SandboxInfo> Node::list() const {
+  std::vector<SandboxInfo> out;
+  out.reserve(sandboxes_.size());
+  for (const auto& [id, sb] : sandboxes_) out.push_back(snapshot(*sb));
+  std::sort(out.begin(), out.end(), [](const SandboxInfo& a, const SandboxInfo& b) {
+    return a.created_at_ms != b.created_at_ms ? a.created_at_ms < b.created_at_ms : a.spec.id < b.spec.id;
+  });
+  return out;
+}
+
+Result<SandboxInfo> Node::get(std::string_view ref) const {
+  Sandbox* sb = find(ref);
+  if (sb == nullptr) return fail(Error::kNotFound, "no sandbox '" + std::string(ref) + "'");
+  return snapshot(*sb);
+}
+
+// ---- create ----
+
+Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
+  auto cfg = config_->get();
+  auto invalid = [](std::string msg) { return fail(Error::kInvalidArgument, std::move(msg)); };
+  SandboxSpec spec;
+  if (req.name) {
+    if (auto s = validate_name(*req.name); !s) return s.failure();
+    spec.name = *req.name;
+  }
+  spec.ephemeral = req.ephemeral;
+  if (req.command.empty()) return invalid("command: needs at least one element (the program to run)");
+  for (size_t i = 0; i < req.command.size(); ++i) {
+    if (req.command[i].empty()) return invalid("command[" + std::to_string(i) + "]: must not be empty");
+    if (has_nul(req.command[i])) return invalid("command[" + std::to_string(i) + "]: must not contain NUL bytes");
+  }
+  spec.command = req.command;
+  for (const auto& [key, value] : req.env) {
+    if (!valid_env_key(key))
+      return invalid("env: key '" + key + "' is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)");
+    // An empty value is a legitimate setting (FOO=), but a NUL would silently truncate it.
+    if (has_nul(value)) return invalid("env." + key + ": must not contain NUL bytes");
+  }
+  spec.env = req.env;
+  if (req.cwd) {
+    if (req.cwd->empty() || req.cwd->front() != '/') return invalid("cwd: must be an absolute path");
+    if (has_nul(*req.cwd)) return invalid("cwd: must not contain NUL bytes");
+    spec.cwd = *req.cwd;
+  }
+  std::set<int64_t> seen_ports;
+  for (int64_t port : req.exposed_ports) {
+    if (port < 1 || port > 65535)
+      return invalid("exposed_ports: " + std::to_string(port) + " is not a TCP port (1-65535)");
+    if (!seen_ports.insert(port).second) return invalid("exposed_ports: " + std::to_string(port) + " is listed twice");
+    spec.exposed_ports.push_back(static_cast<uint16_t>(port));
+  }
+  int64_t timeout = req.timeout_secs.value_or(cfg->node.default_timeout_secs);
+  if (timeout < 1 || timeout > static_cast<int64_t>(cfg->node.max_timeout_secs))
+    return invalid("timeout_secs: must be between 1 and " + std::to_string(cfg->node.max_timeout_secs) +
+                   " (node.max_timeout_secs)");
+  spec.timeout_secs = static_cast<uint32_t>(timeout);
+  double cpus = req.cpus.value_or(spec.cpus);
+  if (!std::isfinite(cpus) || cpus <= 0 || cpus > kMaxCpus) return invalid("cpus: must be > 0 and <= 1024");
+  spec.cpus = cpus;
+  int64_t memory = req.memory_mb.value_or(spec.memory_mb);
+  if (memory < kMinMemoryMb || memory > kMaxMemoryMb) return invalid("memory_mb: must be between 16 and 1048576");
+  spec.memory_mb = static_cast<uint32_t>(memory);
+  return spec;
+}
+
+Result<SandboxInfo> Node::create(const CreateRequest& request) {
+  if (shutting_down_) return fail(Error::kUnavailable, "node is shutting down");
+  auto spec = validate(request);
+  if (!spec) return spec.failure();
+  auto cfg = config_->get();
+  if (sandboxes_.size() >= cfg->node.max_sandboxes)
+    return fail(Error::kLimitExceeded, "this node already has " + std::to_string(sandboxes_.size()) +
+                                           " sandboxes (node.max_sandboxes)");
+  if (!spec->name.empty()) {
+    auto taken = ids_by_name_.find(spec->name);
+    if (taken != ids_by_name_.end())
+      return fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second);
+  }
+  do {
+    spec->id = generate_id();
+  } while (sandboxes_.count(spec->id) != 0);
+
+  std::error_code ec;
+  std::string parent = cfg->node.state_dir + "/sandboxes";
+  std::filesystem::create_directories(parent, ec);
+  std::string dir = parent + "/" + spec->id;
+  if (ec || (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST))
+    return fail(Error::kIo, "cannot create " + dir + ": " + (ec ? ec.message() : std::strerror(errno)));
+
+  auto owned = std::make_unique<Sandbox>();
+  Sandbox& sb = *owned;
+  sb.rec.spec = std::move(*spec);
+  sb.rec.state = S::kCreating;
+  sb.rec.state_reason = "created";
+  sb.rec.runtime.sandbox_dir = dir;
+  sb.rec.created_at_ms = sb.rec.last_activity_at_ms = wall_now_ms();
+  // Persisted before anything runs: a crash between start and the next write leaves a record to reconcile.
+  if (auto s = store_->upsert(sb.rec); !s) {
+    std::filesystem::remove_all(dir, ec);
+    return s.failure();
+  }
+  std::string id = sb.id();
+  if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
+  sandboxes_.emplace(id, std::move(owned));
+
+  auto runtime = driver_->start(sb.rec.spec, dir);
+  if (!runtime) {
+    // Nothing lingers after a failed start: the caller gets the error and can retry with the same name.
+    (void)transition(sb, S::kTerminated, "start failed: " + runtime.message());
+    forget(id);
+    return fail(runtime.error(), "cannot start sandbox: " + runtime.message());
+  }
+  sb.rec.runtime = std::move(*runtime);
+  (void)transition(sb, S::kRunning, "started");
+  watch(sb);
+  return snapshot(sb);
+}
+
+// ---- transitions ----
+
+Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
+  SandboxState from = sb.rec.state;
+  if (auto s = check_transition(from, to); !s) {
+    spdlog::error("sandbox {}: {} ({})", sb.id(), s.message(), reason);
+    return s;
+  }
+  sb.rec.state = to;
+  sb.rec.state_reason = std::move(reason);
+  spdlog::info("sandbox {}: {} -> {} ({})", sb.id(), state_name(from), state_name(to), sb.rec.state_reason);
+  if (from == S::kRunning) idle_.remove(sb.id());
+  if (to == S::kRunning) start_idle_clock(sb);
+  if (to != S::kTerminated) persist(sb);  // a terminated sandbox's row is erased by forget()
+  return {};
+}
+
+void Node::persist(const Sandbox& sb) {
+  // The in-memory record stays authoritative; the next transition writes it again, and reconcile
+  // re-derives states from the live instances anyway.
+  if (auto s = store_->upsert(sb.rec); !s) spdlog::error("sandbox {}: cannot persist state: {}", sb.id(), s.message());
+}
+
+void Node::start_idle_clock(Sandbox& sb) {
+  idle_.set(sb.id(), std::chrono::seconds(sb.rec.spec.timeout_secs), Clock::now());
+  arm_idle_timer();
+}
+
+void Node::touch(Sandbox& sb) {
+  sb.rec.last_activity_at_ms = wall_now_ms();
+  idle_.touch(sb.id(), Clock::now());
+}
+
+void Node::watch(Sandbox& sb) {
+  auto s = driver_->watch_exit(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()] { on_exit(id); });
+  if (!s) {
+    spdlog::warn("sandbox {}: cannot watch for exit: {}", sb.id(), s.message());
+    return;
+  }
+  sb.watched = true;
+}
+
+void Node::begin_suspend(Sandbox& sb, std::string reason) {
+  if (!transition(sb, S::kSuspending, std::move(reason))) return;
+  sb.pending_wake.reset();
+  driver_->pause(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_pause_done(id, std::move(s)); });
+}
+
+void Node::on_pause_done(const std::string& id, Status status) {
+  auto it = sandboxes_.find(id);
+  // Overtaken while the freeze ran: deleted, or the process exited. Nothing left to settle.
+  if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kSuspending) return;
+  Sandbox& sb = *it->second;
+  if (!status) {
+    spdlog::warn("sandbox {}: suspend failed: {}", id, status.message());
+    (void)transition(sb, S::kRunning, "suspend failed, still running: " + status.message());
+    serve_waiters(sb);
+    return;
+  }
+  (void)transition(sb, S::kSuspended, sb.rec.state_reason);
+  if (sb.pending_wake) begin_resume(sb, *sb.pending_wake);
+}
+
+void Node::begin_resume(Sandbox& sb, std::string reason) {
+  if (!transition(sb, S::kResuming, std::move(reason))) return;
+  sb.pending_wake.reset();
+  driver_->resume(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
+}
+
+void Node::on_resume_done(const std::string& id, Status status) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kResuming) return;
+  Sandbox& sb = *it->second;
+  if (!status) {
+    (void)transition(sb, S::kFailed, "resume failed: " + status.message());
+    fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " failed to wake: " + status.message()));
+    return;
+  }
+  (void)transition(sb, S::kRunning, sb.rec.state_reason);
+  touch(sb);
+  serve_waiters(sb);
+}
+
+void Node::begin_terminate(Sandbox& sb, std::string reason) {
+  sb.terminating = true;
+  ++terminating_count_;
+  sb.terminate_reason = std::move(reason);
+  sb.pending_wake.reset();
+  idle_.remove(sb.id());
+  if (sb.watched) {
+    driver_->unwatch(sb.rec.spec);
+    sb.watched = false;
+  }
+  fail_waiters(sb, fail(Error::kNotFound, "sandbox " + sb.id() + " is being terminated"));
+  spdlog::info("sandbox {}: terminating ({})", sb.id(), sb.terminate_reason);
+  driver_->terminate(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_terminated(id, std::move(s)); });
+}
+
+void Node::on_terminated(const std::string& id, Status status) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return;
+  Sandbox& sb = *it->second;
+  std::vector<SandboxCallback> callbacks = std::move(sb.terminated_callbacks);
+  sb.terminated_callbacks.clear();
+  sb.terminating = false;
+  --terminating_count_;
+  if (status) {
+    (void)transition(sb, S::kTerminated, sb.terminate_reason);
+    SandboxInfo final_state = snapshot(sb);
+    forget(id);
+    for (auto& cb : callbacks) cb(final_state);
+  } else {
+    std::string reason = "terminate failed: " + status.message();
+    spdlog::error("sandbox {}: {}", id, reason);
+    if (sb.rec.state == S::kFailed) {
+      sb.rec.state_reason = reason;
+      persist(sb);
+    } else {
+      (void)transition(sb, S::kFailed, reason);
+    }
+    for (auto& cb : callbacks) cb(status.failure());
+  }
+  maybe_finish_shutdown();
+}
+
+void Node::forget(const std::string& id) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return;
+  const StoredSandbox& rec = it->second->rec;
+  if (auto s = store_->erase(id); !s) spdlog::error("sandbox {}: cannot delete its record: {}", id, s.message());
+  // Only the directory this node created: the stored path is data, not something to trust blindly.
+  std::string expected_dir = config_->get()->node.state_dir + "/sandboxes/" + id;
+  if (rec.runtime.sandbox_dir == expected_dir) {
+    std::error_code ec;
+    std::filesystem::remove_all(expected_dir, ec);
+    if (ec) spdlog::warn("sandbox {}: cannot remove {}: {}", id, expected_dir, ec.message());
+  }
+  auto named = ids_by_name_.find(rec.spec.name);
+  if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
+  sandboxes_.erase(it);
+}
+
+void Node::on_exit(const std::string& id) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end() || it->second->terminating) return;
+  Sandbox& sb = *it->second;
+  sb.watched = false;  // the driver reports an exit once
+  spdlog::warn("sandbox {}: process exited on its own", id);
+  if (sb.rec.spec.ephemeral) {
+    begin_terminate(sb, "exited on its own");  // releases what the instance left behind
+    return;
+  }
+  sb.pending_wake.reset();
+  if (sb.rec.state != S::kFailed) (void)transition(sb, S::kFailed, "the sandbox's process exited on its own");
+  fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " exited"));
+}
+
+// ---- API operations ----
+
+Result<TransitionOutcome> Node::suspend(std::string_view ref) {
+  auto found = find_usable(ref);
+  if (!found) return found.failure();
+  Sandbox& sb = **found;
+  if (sb.rec.spec.ephemeral)
+    return fail(Error::kInvalidArgument,
+                "sandbox " + sb.id() + " is ephemeral: it is terminated when idle, never suspended");
+  if (!driver_->capabilities().pause)
+    return fail(Error::kUnsupported, "the " + std::string(driver_->name()) + " driver cannot suspend sandboxes");
+  switch (sb.rec.state) {
+    case S::kRunning:
+      begin_suspend(sb, "suspended on request");
+      return TransitionOutcome{true, snapshot(sb)};
+    case S::kSuspending:
+    case S::kSuspended:
+      // The latest explicit wish wins over an earlier resume request; waiting opens still get their wake.
+      if (sb.waiters.empty()) sb.pending_wake.reset();
+      return TransitionOutcome{false, snapshot(sb)};
+    default:
+      return fail(Error::kConflict, "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
+                                        "; only a running sandbox can be suspended");
+  }
+}
+
+Result<TransitionOutcome> Node::resume(std::string_view ref) {
+  auto found = find_usable(ref);
+  if (!found) return found.failure();
+  Sandbox& sb = **found;
+  if (sb.rec.spec.ephemeral)
+    return fail(Error::kInvalidArgument, "sandbox " + sb.id() + " is ephemeral: it never suspends");
+  switch (sb.rec.state) {
+    case S::kSuspended:
+      begin_resume(sb, "resumed on request");
+      return TransitionOutcome{true, snapshot(sb)};
+    case S::kSuspending:
+      if (!sb.pending_wake) sb.pending_wake = "resumed on request";
+      return TransitionOutcome{true, snapshot(sb)};
+    case S::kRunning:
+    case S::kResuming:
+      return TransitionOutcome{false, snapshot(sb)};
+    default:
+      return fail(Error::kConflict, "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
+                                        "; it cannot be resumed");
+  }
+}
+
+void Node::remove(std::string_view ref, SandboxCallback done) {
+  Sandbox* sb = find(ref);
+  if (sb == nullptr) return done(fail(Error::kNotFound, "no sandbox '" + std::string(ref) + "'"));
+  sb->terminated_callbacks.push_back(std::move(done));
+  if (!sb->terminating) begin_terminate(*sb, "deleted on request");
+}
+
+void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, OpenCallback done) {
+  Clock::time_point started = Clock::now();
+  if (shutting_down_) return done(fail(Error::kUnavailable, "node is shutting down"));
+  auto found = find_usable(ref);
+  if (!found) return done(found.failure());
+  Sandbox& sb = **found;
+  const auto& ports = sb.rec.spec.exposed_ports;
+  if (std::find(ports.begin(), ports.end(), port) == ports.end())
+    return done(fail(Error::kPermissionDenied, "port not exposed: sandbox " + sb.id() + " exposes " +
+                                                   describe_ports(ports) + ", not " + std::to_string(port)));
+  touch(sb);
+  switch (sb.rec.state) {
+    case S::kRunning:
+      return done(open_port(sb, port, false, started));
+    case S::kFailed:
+      return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " failed: " + sb.rec.state_reason));
+    case S::kCreating:
+    case S::kTerminated:
+      return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state))));
+    case S::kSuspending:
+    case S::kSuspended:
+    case S::kResuming:
+      break;
+  }
+  auto* w = new Waiter;
+  w->node = this;
+  w->sandbox_id = sb.id();
+  w->port = port;
+  w->timeout_ms = wake_timeout_ms;
+  w->started = started;
+  w->done = std::move(done);
+  uv_timer_init(loop_, &w->timer);
+  w->timer.data = w;
+  auto on_timeout = [](uv_timer_t* t) {
+    auto* waiter = static_cast<Waiter*>(t->data);
+    waiter->node->on_waiter_timeout(waiter);
+  };
+  uv_timer_start(&w->timer, on_timeout, wake_timeout_ms, 0);
+  sb.waiters.push_back(w);
+  std::string reason = "woken by a connection to port " + std::to_string(port);
+  if (sb.rec.state == S::kSuspended) {
+    begin_resume(sb, std::move(reason));
+  } else if (sb.rec.state == S::kSuspending && !sb.pending_wake) {
+    sb.pending_wake = std::move(reason);
+  }
+}
+
+void Node::activity(const std::vector<ActivityReport>& reports) {
+  for (const ActivityReport& r : reports) {
+    Sandbox* sb = find(r.id);
+    if (sb == nullptr || sb->terminating) continue;  // reports may trail a delete; nothing to account
+    if (r.connections == 0) {
+      sb->connections_by_reporter.erase(r.reporter);
+    } else {
+      sb->connections_by_reporter[r.reporter] = r.connections;
+    }
+    sb->connections = 0;
+    for (const auto& [reporter, count] : sb->connections_by_reporter) sb->connections += count;
+    if (r.bytes_in == 0 && r.bytes_out == 0) continue;
+    touch(*sb);
+    // Bytes for a sandbox that is (being) suspended: the traffic raced the suspend, so wake it again.
+    const char* reason = "woken by traffic that raced the suspend";
+    if (sb->rec.state == S::kSuspended) {
+      begin_resume(*sb, reason);
+    } else if (sb->rec.state == S::kSuspending && !sb->pending_wake) {
+      sb->pending_wake = reason;
+    }
+  }
+}
+
+// ---- waiters ----
+
+Result<OpenedPort> Node::open_port(Sandbox& sb, uint16_t port, bool woke, Clock::time_point started) {
+  auto socket = driver_->open_socket(sb.rec.spec, sb.rec.runtime);
+  if (!socket)
+    return fail(socket.error(), "cannot open a socket in sandbox " + sb.id() + ": " + socket.message());
+  OpenedPort opened;
+  opened.id = sb.id();
+  opened.name = sb.rec.spec.name;
+  opened.port = port;
+  opened.woke = woke;
+  if (woke) opened.wake_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
+  opened.socket = std::move(*socket);
+  return opened;
+}
+
+void Node::serve_waiters(Sandbox& sb) {
+  std::vector<Waiter*> waiters = std::move(sb.waiters);
+  sb.waiters.clear();
+  for (Waiter* w : waiters) finish_waiter(w, open_port(sb, w->port, true, w->started));
+}
+
+void Node::fail_waiters(Sandbox& sb, const Failure& failure) {
+  std::vector<Waiter*> waiters = std::move(sb.waiters);
+  sb.waiters.clear();
+  for (Waiter* w : waiters) finish_waiter(w, failure);
+}
+
+void Node::finish_waiter(Waiter* w, Result<OpenedPort> result) {
+  uv_timer_stop(&w->timer);
+  OpenCallback done = std::move(w->done);
+  uv_close(reinterpret_cast<uv_handle_t*>(&w->timer), [](uv_handle_t* h) { delete static_cast<Waiter*>(h->data); });
+  done(std::move(result));
+}
+
+void Node::on_waiter_timeout(Waiter* w) {
+  auto it = sandboxes_.find(w->sandbox_id);
+  if (it != sandboxes_.end()) {
+    auto& waiters = it->second->waiters;
+    waiters.erase(std::remove(waiters.begin(), waiters.end(), w), waiters.end());
+  }
+  // The wake itself goes on: the next open will find the sandbox running.
+  finish_waiter(w, fail(Error::kTimeout, "sandbox " + w->sandbox_id + " did not wake within " +
+                                             std::to_string(w->timeout_ms) + " ms"));
+}
+
+// ---- idle expiry ----
+
+void Node::arm_idle_timer() {
+  if (shutting_down_) return;
+  auto next = idle_.next_deadline();
+  if (!next) {
+    uv_timer_stop(idle_timer_);
+    idle_timer_due_.reset();
+    return;
+  }
+  if (idle_timer_due_ && *idle_timer_due_ <= *next) return;  // already fires early enough
+  auto now = Clock::now();
+  uint64_t delay_ms = 0;
+  if (*next > now)
+    delay_ms = static_cast<uint64_t>(std::chrono::ceil<std::chrono::milliseconds>(*next - now).count());
+  uv_update_time(loop_);  // libuv schedules from its cached loop time, which lags behind `now`
+  uv_timer_start(idle_timer_, [](uv_timer_t* t) { static_cast<Node*>(t->data)->on_idle_timer(); }, delay_ms, 0);
+  idle_timer_due_ = *next;
+}
+
+void Node::on_idle_timer() {
+  idle_timer_due_.reset();
+  for (const std::string& id : idle_.pop_expired(Clock::now())) {
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kRunning) continue;
+    Sandbox& sb = *it->second;
+    std::string reason = "idle for " + std::to_string(sb.rec.spec.timeout_secs) + " s";
+    if (sb.rec.spec.ephemeral) {
+      begin_terminate(sb, std::move(reason));
+    } else if (driver_->capabilities().pause) {
+      begin_suspend(sb, std::move(reason));
+    } else {
+      spdlog::info("sandbox {}: {}, but the {} driver cannot suspend; it keeps running", id, reason, driver_->name());
+      start_idle_clock(sb);
+    }
+  }
+  arm_idle_timer();
+}
+
+// ---- restart and shutdown ----
+
+Status Node::reconcile() {
+  auto rows = store_->load_live();
+  if (!rows) return rows.failure();
+  size_t adopted = 0, failed = 0;
+  for (StoredSandbox& row : *rows) {
+    auto owned = std::make_unique<Sandbox>();
+    Sandbox& sb = *owned;
+    sb.rec = std::move(row);
+    std::string id = sb.id();
+    if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
+    sandboxes_.emplace(id, std::move(owned));
+    if (sb.rec.state == S::kFailed) {
+      ++failed;
+      continue;
+    }
+    // pid 0: the node stopped between persisting `creating` and the start returning.
+    ObservedInstance seen;
+    if (sb.rec.runtime.pid > 0) seen = driver_->observe(sb.rec.spec, sb.rec.runtime);
+    if (!seen.alive) {
+      ++failed;
+      if (sb.rec.spec.ephemeral) {
+        begin_terminate(sb, "not running after node restart");
+      } else {
+        (void)transition(sb, S::kFailed, "not running after node restart");
+      }
+      continue;
+    }
+    adopt(sb, seen.paused);
+    watch(sb);
+    ++adopted;
+  }
+  spdlog::info("reconciled {} sandboxes from the store: {} adopted, {} failed or gone", rows->size(), adopted, failed);
+  return {};
+}
+
+// Settles a live instance's recorded state with what the driver sees, finishing half-done transitions
+// through the legal intermediate states so the state machine stays the single source of rules.
+void Node::adopt(Sandbox& sb, bool paused) {
+  switch (sb.rec.state) {
+    case S::kCreating:
+      (void)transition(sb, S::kRunning, "started (adopted after node restart)");
+      if (paused) {
+        (void)transition(sb, S::kSuspending, "found paused after node restart");
+        (void)transition(sb, S::kSuspended, "found paused after node restart");
+      }
+      break;
+    case S::kRunning:
+      if (paused) {
+        (void)transition(sb, S::kSuspending, "found paused after node restart");
+        (void)transition(sb, S::kSuspended, "found paused after node restart");
+      } else {
+        start_idle_clock(sb);
+      }
+      break;
+    case S::kSuspending:
+      if (paused) {
+        (void)transition(sb, S::kSuspended, "suspend completed before node restart");
+      } else {
+        (void)transition(sb, S::kRunning, "suspend did not complete before node restart");
+      }
+      break;
+    case S::kSuspended:
+      if (!paused) {
+        (void)transition(sb, S::kResuming, "found running after node restart");
+        (void)transition(sb, S::kRunning, "found running after node restart");
+      }
+      break;
+    case S::kResuming:
+      if (paused) {
+        // The resume was asked for before the restart; finish it.
+        driver_->resume(sb.rec.spec, sb.rec.runtime,
+                        [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
+      } else {
+        (void)transition(sb, S::kRunning, "resume completed before node restart");
+      }
+      break;
+    case S::kFailed:
+    case S::kTerminated:
+      break;
+  }
+}
+
+void Node::shutdown(std::function<void()> done) {
+  shutting_down_ = true;
+  shutdown_done_ = std::move(done);
+  uv_timer_stop(idle_timer_);
+  idle_timer_due_.reset();
+  for (auto& [id, sb] : sandboxes_) {
+    sb->pending_wake.reset();
+    fail_waiters(*sb, fail(Error::kUnavailable, "node is shutting down"));
+  }
+  if (config_->get()->node.on_shutdown == ShutdownPolicy::kKeep) {
+    for (auto& [id, sb] : sandboxes_) {
+      if (!sb->watched) continue;
+      driver_->unwatch(sb->rec.spec);
+      sb->watched = false;
+    }
+    spdlog::info("leaving {} sandboxes running for the next sandgate-node to adopt (on_shutdown = keep)",
+                 sandboxes_.size());
+    maybe_finish_shutdown();
+    return;
+  }
+  spdlog::info("terminating {} sandboxes (on_shutdown = terminate)", sandboxes_.size());
+  for (auto& [id, sb] : sandboxes_)
+    if (!sb->terminating) begin_terminate(*sb, "node shutdown (on_shutdown = terminate)");
+  uv_timer_start(
+      shutdown_timer_,
+      [](uv_timer_t* t) {
+        auto* self = static_cast<Node*>(t->data);
+        spdlog::warn("shutdown: gave up waiting for sandboxes to terminate");
+        self->finish_shutdown();
+      },
+      kShutdownTerminateTimeoutMs, 0);
+  maybe_finish_shutdown();
+}
+
+void Node::maybe_finish_shutdown() {
+  if (!shutdown_done_ || terminating_count_ != 0) return;
+  // Always from the loop, never from inside shutdown() itself.
+  uv_timer_start(shutdown_timer_, [](uv_timer_t* t) { static_cast<Node*>(t->data)->finish_shutdown(); }, 0, 0);
+}
+
+void Node::finish_shutdown() {
+  uv_timer_stop(shutdown_timer_);
+  std::function<void()> done = std::move(shutdown_done_);
+  shutdown_done_ = nullptr;
+  if (done) done();
+}
+
+}  // namespace sg

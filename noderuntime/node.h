@@ -1,0 +1,170 @@
+// The node's brain: owns every sandbox record, drives the Driver through the lifecycle (state_machine.h),
+// persists each transition (store.h), and applies the idle policy (idle_tracker.h) with a single uv timer.
+// Everything runs on one libuv loop thread; no locks.
+//
+// Idle policy: a running sandbox with no activity for timeout_secs is suspended (named, non-ephemeral) or
+// terminated (ephemeral). Activity = every open() and every activity report with bytes > 0.
+// Wake: opens of a suspended sandbox share one resume (single flight); each waits with its own timeout.
+#pragma once
+
+#include <uv.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fd.h"
+#include "config/config.h"
+#include "noderuntime/driver.h"
+#include "noderuntime/idle_tracker.h"
+#include "noderuntime/sandbox.h"
+#include "noderuntime/store.h"
+
+namespace sg {
+
+// A create request as the API received it: fields the client left out are nullopt/empty, numbers keep
+// their JSON width so Node::create can report out-of-range values instead of silently truncating them.
+struct CreateRequest {
+  std::optional<std::string> name;
+  std::vector<std::string> command;
+  std::map<std::string, std::string> env;
+  std::optional<std::string> cwd;
+  std::vector<int64_t> exposed_ports;
+  std::optional<int64_t> timeout_secs;
+  std::optional<double> cpus;
+  std::optional<int64_t> memory_mb;
+  bool ephemeral = false;
+};
+
+// A consistent snapshot of one sandbox for answers (the record may change right after).
+struct SandboxInfo {
+  SandboxSpec spec;
+  SandboxState state = SandboxState::kCreating;
+  std::string state_reason;
+  RuntimeInfo runtime;
+  int64_t created_at_ms = 0;                   // Unix epoch milliseconds
+  int64_t last_activity_at_ms = 0;             // Unix epoch milliseconds
+  std::optional<int64_t> idle_deadline_at_ms;  // only while running (and not held awake)
+  uint64_t connections = 0;                    // open proxied connections, per the latest reports
+};
+
+// suspend()/resume(): `started` is true when this call started (or queued) the transition (HTTP 202) and
+// false when the sandbox already is or is heading where asked (HTTP 200).
+struct TransitionOutcome {
+  bool started = false;
+  SandboxInfo sandbox;
+};
+
+struct OpenedPort {
+  std::string id;
+  std::string name;  // empty for unnamed sandboxes
+  uint16_t port = 0;
+  bool woke = false;     // the sandbox was not running when the open arrived
+  double wake_ms = 0;    // time from the open's arrival to the sandbox running again
+  UniqueFd socket;       // unconnected TCP socket inside the sandbox's network namespace
+};
+
+struct ActivityReport {
+  std::string id;        // sandbox id (a name is accepted too)
+  std::string reporter;  // proxy worker; its connection count replaces its previous one
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t connections = 0;
+};
+
+class Node {
+ public:
+  using OpenCallback = std::function<void(Result<OpenedPort>)>;
+  using SandboxCallback = std::function<void(Result<SandboxInfo>)>;
+
+  // `config` must outlive the Node; it is read per operation so a reload's limits apply at once.
+  Node(uv_loop_t* loop, const ConfigHolder* config, std::unique_ptr<Driver> driver, std::unique_ptr<Store> store);
+  // Closes the node's handles (the loop must run once more to free them). Pending callbacks are dropped.
+  ~Node();
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  // Adopts what the store remembers: asks the driver about each instance and settles its state, then
+  // watches the live ones and restarts their idle clocks from now. Call once, before serving.
+  Status reconcile();
+
+  Result<SandboxInfo> create(const CreateRequest& request);
+  std::vector<SandboxInfo> list() const;  // terminated sandboxes are gone, so never listed
+  Result<SandboxInfo> get(std::string_view ref) const;
+  Result<TransitionOutcome> suspend(std::string_view ref);
+  Result<TransitionOutcome> resume(std::string_view ref);
+  // Terminates; `done` gets the final snapshot (state terminated) once the instance is gone. May run
+  // before remove() returns (unknown ref).
+  void remove(std::string_view ref, SandboxCallback done);
+  // Resolves `ref`, wakes it if needed, and hands back a socket in its network namespace. `done` may run
+  // before open() returns (sandbox running, or an error).
+  void open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, OpenCallback done);
+  void activity(const std::vector<ActivityReport>& reports);
+
+  // Stops serving: opens in flight fail with kUnavailable; with on_shutdown=terminate every sandbox is
+  // terminated (bounded wait), otherwise they keep running to be adopted by the next node. `done` runs
+  // on the loop once that is finished.
+  void shutdown(std::function<void()> done);
+
+  size_t sandbox_count() const { return sandboxes_.size(); }
+  std::string_view driver_name() const { return driver_->name(); }
+
+ private:
+  struct Sandbox;
+  struct Waiter;
+
+  Sandbox* find(std::string_view ref) const;
+  Result<Sandbox*> find_usable(std::string_view ref) const;
+  SandboxInfo snapshot(const Sandbox& sb) const;
+  Result<SandboxSpec> validate(const CreateRequest& request) const;
+
+  Status transition(Sandbox& sb, SandboxState to, std::string reason);
+  void persist(const Sandbox& sb);
+  void touch(Sandbox& sb);
+  void start_idle_clock(Sandbox& sb);
+  void watch(Sandbox& sb);
+
+  void begin_suspend(Sandbox& sb, std::string reason);
+  void on_pause_done(const std::string& id, Status status);
+  void begin_resume(Sandbox& sb, std::string reason);
+  void on_resume_done(const std::string& id, Status status);
+  void begin_terminate(Sandbox& sb, std::string reason);
+  void on_terminated(const std::string& id, Status status);
+  void on_exit(const std::string& id);
+  void adopt(Sandbox& sb, bool paused);
+  void forget(const std::string& id);
+
+  Result<OpenedPort> open_port(Sandbox& sb, uint16_t port, bool woke, IdleTracker::TimePoint started);
+  void serve_waiters(Sandbox& sb);
+  void fail_waiters(Sandbox& sb, const Failure& failure);
+  void finish_waiter(Waiter* w, Result<OpenedPort> result);
+  void on_waiter_timeout(Waiter* w);
+
+  void arm_idle_timer();
+  void on_idle_timer();
+  void maybe_finish_shutdown();
+  void finish_shutdown();
+
+  uv_loop_t* loop_;
+  const ConfigHolder* config_;
+  std::unique_ptr<Driver> driver_;
+  std::unique_ptr<Store> store_;
+  IdleTracker idle_;
+  uv_timer_t* idle_timer_;
+  std::optional<IdleTracker::TimePoint> idle_timer_due_;  // when idle_timer_ fires; nullopt if stopped
+  uv_timer_t* shutdown_timer_;
+  std::unordered_map<std::string, std::unique_ptr<Sandbox>> sandboxes_;  // by id
+  std::unordered_map<std::string, std::string> ids_by_name_;
+  size_t terminating_count_ = 0;  // sandboxes with a terminate in flight
+  bool shutting_down_ = false;
+  std::function<void()> shutdown_done_;
+};
+
+}  // namespace sg

@@ -1,0 +1,671 @@
+#include "noderuntime/process_driver.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/log.h"
+#include "noderuntime/cgroup.h"
+
+namespace sg {
+namespace {
+
+constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+// How often a pending freeze/thaw re-reads the kernel's state. Freezing an idle tree takes well under a
+// millisecond, so a coarser poll would dominate pause/resume latency.
+constexpr uint64_t kFreezePollMs = 1;
+// An init that survives SIGKILL this long is stuck in the kernel (e.g. uninterruptible I/O).
+constexpr uint64_t kTerminateWaitMs = 5'000;
+// Exit statuses of the child when it never reaches execve or execve fails. start() reaps it and reports the
+// errno instead, so these only show up in traces; they follow the shell's conventions all the same.
+constexpr int kChildAborted = 125;
+constexpr int kChildExecFailed = 127;
+
+// Raw syscalls: Debian 12's <sys/pidfd.h> declares the glibc wrappers without C linkage, so C++ cannot link
+// against them.
+int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+int pidfd_send_signal(int pidfd, int sig) {
+  return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
+}
+
+Failure with_context(const std::string& sandbox_id, const Failure& f) {
+  return Failure{f.code, "sandbox " + sandbox_id + ": " + f.message};
+}
+
+std::string errno_text(std::string_view what, int err) {
+  std::string s(what);
+  s += ": ";
+  s += std::strerror(err);
+  return s;
+}
+
+struct ProcStat {
+  char state = '?';
+  uint64_t start_time_ticks = 0;
+};
+
+// /proc/<pid>/stat: "pid (comm) state ppid ... starttime(22) ...". comm may contain spaces and ')', so fields
+// are counted from the last ')'.
+Result<ProcStat> read_proc_stat(int pid) {
+  if (pid <= 0) return fail(Error::kInvalidArgument, "invalid pid " + std::to_string(pid));
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return fail(errno == ENOENT ? Error::kNotFound : Error::kIo, errno_text("open " + path, errno));
+  char buf[1024];
+  ssize_t n;
+  do {
+    n = ::read(fd.get(), buf, sizeof buf - 1);
+  } while (n < 0 && errno == EINTR);
+  // A process reaped between open and read makes the read fail with ESRCH.
+  if (n <= 0) return fail(Error::kNotFound, errno_text("read " + path, n < 0 ? errno : ENODATA));
+  std::string_view text(buf, static_cast<size_t>(n));
+  size_t paren = text.rfind(')');
+  if (paren == std::string_view::npos) return fail(Error::kInternal, "unparseable " + path);
+  text.remove_prefix(paren + 1);
+
+  ProcStat st;
+  int field = 2;  // the comm field just ended
+  size_t i = 0;
+  while (i < text.size() && field < 22) {
+    while (i < text.size() && text[i] == ' ') ++i;
+    size_t start = i;
+    while (i < text.size() && text[i] != ' ') ++i;
+    if (i == start) break;
+    ++field;
+    std::string_view value = text.substr(start, i - start);
+    if (field == 3) st.state = value[0];
+    if (field == 22) st.start_time_ticks = std::strtoull(std::string(value).c_str(), nullptr, 10);
+  }
+  if (field < 22) return fail(Error::kInternal, "truncated " + path);
+  return st;
+}
+
+bool is_live_instance(const RuntimeInfo& info) {
+  auto st = read_proc_stat(info.pid);
+  return st && st->state != 'Z' && st->state != 'X' && st->start_time_ticks == info.start_time_ticks;
+}
+
+// A pidfd for the instance `info` describes, or an invalid fd when that process is gone (exited, or its pid
+// now belongs to someone else). Checking the start time *after* opening pins the identity: if it matches,
+// the pidfd refers to our process and stays valid for it even if the pid is later reused.
+Result<UniqueFd> open_instance_pidfd(const RuntimeInfo& info) {
+  if (info.pid <= 0) return UniqueFd();
+  UniqueFd pidfd(pidfd_open(info.pid));
+  if (!pidfd.valid()) {
+    if (errno == ESRCH) return UniqueFd();
+    return fail_errno("pidfd_open " + std::to_string(info.pid), errno);
+  }
+  auto st = read_proc_stat(info.pid);
+  if (!st || st->start_time_ticks != info.start_time_ticks) return UniqueFd();
+  return pidfd;
+}
+
+// Reaps the process behind `pidfd` if it is our child and has exited; adopted instances (ECHILD) are reaped
+// by their real parent. Returns a description of how it ended, or "" if nothing was reaped.
+std::string reap(int pidfd) {
+  siginfo_t si;
+  std::memset(&si, 0, sizeof si);
+  if (::waitid(P_PIDFD, static_cast<id_t>(pidfd), &si, WEXITED | WNOHANG) != 0 || si.si_pid == 0) return {};
+  if (si.si_code == CLD_EXITED) return "exit status " + std::to_string(si.si_status);
+  return "killed by signal " + std::to_string(si.si_status);
+}
+
+Status make_dirs(const std::string& path, mode_t mode) {
+  for (size_t pos = 1; pos <= path.size(); ++pos) {
+    if (pos != path.size() && path[pos] != '/') continue;
+    const std::string prefix = path.substr(0, pos);
+    if (::mkdir(prefix.c_str(), mode) != 0 && errno != EEXIST) return fail_errno("mkdir " + prefix, errno);
+  }
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return fail_errno("stat " + path, errno);
+  if (!S_ISDIR(st.st_mode)) return fail(Error::kConflict, path + " exists and is not a directory");
+  return {};
+}
+
+Result<std::string> default_init_path() {
+  char exe[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n < 0) return fail_errno("readlink /proc/self/exe", errno);
+  std::string path(exe, static_cast<size_t>(n));
+  path.erase(path.rfind('/') + 1);
+  return path + "sandgate-init";
+}
+
+// libuv frees nothing itself: a handle's memory must outlive uv_close() until its close callback runs.
+template <typename Handle>
+void close_and_free(Handle*& handle) {
+  if (handle == nullptr) return;
+  handle->data = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<Handle*>(h); });
+  handle = nullptr;
+}
+
+// argv/envp as the C arrays execve() wants. Built before forking: the child may only make
+// async-signal-safe calls, which rules out allocating.
+class CStringArray {
+ public:
+  explicit CStringArray(std::vector<std::string> strings) : strings_(std::move(strings)) {
+    for (auto& s : strings_) pointers_.push_back(s.data());
+    pointers_.push_back(nullptr);
+  }
+  char* const* get() const { return pointers_.data(); }
+
+ private:
+  std::vector<std::string> strings_;
+  std::vector<char*> pointers_;
+};
+
+// Runs in the freshly cloned child, which is PID 1 of the new PID namespace. Only async-signal-safe calls:
+// the parent may have had other threads holding locks (malloc's included) at the time of the clone.
+[[noreturn]] void exec_init_in_child(int go_read, int go_write, int error_read, int error_write, const char* path,
+                                     char* const* argv, char* const* envp) {
+  ::close(go_write);  // else this process would keep its own "go" pipe open and never see the parent die
+  ::close(error_read);
+  // A new session: a Ctrl-C (or hangup) on the node's terminal must never reach the sandbox.
+  ::setsid();
+  // Handlers and the mask are the node's (libuv's signal pipe among them), and ignored dispositions would
+  // survive execve: start the sandbox from the defaults.
+  struct sigaction default_action;
+  std::memset(&default_action, 0, sizeof default_action);
+  default_action.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < NSIG; ++sig) ::sigaction(sig, &default_action, nullptr);
+  sigset_t no_signals;
+  ::sigemptyset(&no_signals);
+  ::sigprocmask(SIG_SETMASK, &no_signals, nullptr);
+  // None of the node's descriptors (listeners, the state database, ...) may leak into the sandbox.
+  ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
+
+  char go = 0;
+  ssize_t n;
+  do {
+    n = ::read(go_read, &go, 1);
+  } while (n < 0 && errno == EINTR);
+  if (n != 1) ::_exit(kChildAborted);  // the parent gave up (or died) before the cgroup was ready
+
+  ::execve(path, argv, envp);
+  int err = errno;
+  ssize_t ignored = ::write(error_write, &err, sizeof err);
+  (void)ignored;  // nothing left to report to if even this fails
+  ::_exit(kChildExecFailed);
+}
+
+class ProcessDriver final : public Driver {
+ public:
+  ProcessDriver(uv_loop_t* loop, const NodeConfig& cfg, CgroupManager cgroups, std::string init_path,
+                UniqueFd host_netns)
+      : loop_(loop),
+        suspend_timeout_ms_(cfg.suspend_timeout_ms),
+        cgroups_(std::move(cgroups)),
+        init_path_(std::move(init_path)),
+        host_netns_(std::move(host_netns)) {}
+
+  ~ProcessDriver() override {
+    // Pending callbacks are dropped: their owners are being torn down along with the driver.
+    for (auto& op : ops_) release_handles(*op);
+    for (auto& [id, watch] : watches_) release_handles(*watch);
+  }
+
+  std::string_view name() const override { return "process"; }
+
+  DriverCapabilities capabilities() const override {
+    return DriverCapabilities{.pause = cgroups_.detection().freeze.version != CgroupVersion::kNone,
+                              .hibernate = false};
+  }
+
+  Result<RuntimeInfo> start(const SandboxSpec& spec, const std::string& sandbox_dir) override;
+  void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
+  void resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
+  void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
+  Status watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) override;
+  void unwatch(const SandboxSpec& spec) override;
+  ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
+  Result<UniqueFd> open_socket(const SandboxSpec& spec, const RuntimeInfo& info) override;
+
+ private:
+  enum class OpKind { kPause, kResume, kTerminate };
+
+  // An asynchronous pause/resume/terminate in flight. Its timer either polls the freezer (pause/resume), is
+  // the deadline for the init to die (terminate), or fires once to report a result known up front (callbacks
+  // must never run before the call that started them returns).
+  struct Operation {
+    ProcessDriver* driver = nullptr;
+    OpKind kind = OpKind::kPause;
+    std::string sandbox_id;
+    SandboxCgroup cgroup;
+    Done done;
+    uint64_t started_ms = 0;
+    std::optional<Failure> known_result;
+    bool superseded = false;  // a terminate() for the same sandbox took over
+    int pid = 0;
+    UniqueFd pidfd;  // terminate: the init being waited for
+    uv_timer_t* timer = nullptr;
+    uv_poll_t* exit_poll = nullptr;
+  };
+
+  struct ExitWatch {
+    ProcessDriver* driver = nullptr;
+    std::string sandbox_id;
+    int pid = 0;
+    UniqueFd pidfd;
+    std::function<void()> on_exit;
+    uv_poll_t* exit_poll = nullptr;
+    uv_timer_t* already_gone = nullptr;  // the instance had exited before the watch began
+  };
+
+  // The sandbox's network namespace, kept open so open_socket() needs one setns() pair and no /proc lookup.
+  struct Netns {
+    int pid = 0;
+    uint64_t start_time_ticks = 0;
+    UniqueFd fd;
+  };
+
+  static void on_operation_timer(uv_timer_t* timer) {
+    auto* op = static_cast<Operation*>(timer->data);
+    op->driver->step(op);
+  }
+  static void release_handles(Operation& op) {
+    close_and_free(op.timer);
+    close_and_free(op.exit_poll);
+  }
+  static void release_handles(ExitWatch& watch) {
+    close_and_free(watch.exit_poll);
+    close_and_free(watch.already_gone);
+  }
+
+  Result<int> spawn_init(const SandboxSpec& spec, const std::string& log_path, const SandboxCgroup& cgroup);
+  Operation* add_operation(OpKind kind, const SandboxSpec& spec, Done done);
+  void step(Operation* op);
+  void step_freeze(Operation* op);
+  void finish_termination(Operation* op, bool timed_out);
+  void finish(Operation* op, Status status);
+  void fire_exit(ExitWatch* watch);
+  void stop_watch(const std::string& sandbox_id);
+
+  uv_loop_t* loop_;
+  uint32_t suspend_timeout_ms_;
+  CgroupManager cgroups_;
+  std::string init_path_;
+  UniqueFd host_netns_;
+  std::vector<std::unique_ptr<Operation>> ops_;
+  std::map<std::string, std::unique_ptr<ExitWatch>> watches_;
+  std::map<std::string, Netns> netns_;
+};
+
+Result<RuntimeInfo> ProcessDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir) {
+  if (spec.id.empty()) return fail(Error::kInvalidArgument, "sandbox spec has no id");
+  if (spec.command.empty()) return with_context(spec.id, fail(Error::kInvalidArgument, "empty command"));
+  if (sandbox_dir.empty()) return with_context(spec.id, fail(Error::kInvalidArgument, "empty sandbox_dir"));
+  if (Status s = make_dirs(sandbox_dir, 0700); !s) return with_context(spec.id, s.failure());
+  netns_.erase(spec.id);  // a namespace cached for an earlier instance of this sandbox is not this one's
+
+  auto cgroup = cgroups_.create(spec.id, spec.cpus, spec.memory_mb);
+  if (!cgroup) return with_context(spec.id, cgroup.failure());
+
+  auto pid = spawn_init(spec, sandbox_dir + "/output.log", *cgroup);
+  if (!pid) {
+    (void)cgroup->remove();  // best effort: the spawn failure is the error worth reporting
+    return with_context(spec.id, pid.failure());
+  }
+  auto st = read_proc_stat(*pid);
+  if (!st) {
+    (void)cgroup->kill_all();
+    ::kill(*pid, SIGKILL);
+    while (::waitpid(*pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    (void)cgroup->remove();
+    return with_context(spec.id, st.failure());
+  }
+  spdlog::info("sandbox {}: started, init pid {}, command {}", spec.id, *pid, spec.command[0]);
+  return RuntimeInfo{.pid = *pid, .start_time_ticks = st->start_time_ticks, .sandbox_dir = sandbox_dir};
+}
+
+Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string& log_path,
+                                      const SandboxCgroup& cgroup) {
+  std::vector<std::string> args = {init_path_, "--hostname", spec.name.empty() ? spec.id : spec.name,
+                                   "--cwd",    spec.cwd,     "--log",
+                                   log_path,   "--"};
+  args.insert(args.end(), spec.command.begin(), spec.command.end());
+  std::map<std::string, std::string> env = {{"PATH", kDefaultPath},
+                                            {"HOME", "/root"},
+                                            {"TERM", "xterm"},
+                                            {"SANDGATE_SANDBOX_ID", spec.id},
+                                            {"SANDGATE_SANDBOX_NAME", spec.name}};
+  for (const auto& [key, value] : spec.env) env[key] = value;
+  std::vector<std::string> env_strings;
+  for (const auto& [key, value] : env) env_strings.push_back(key + "=" + value);
+  const CStringArray argv(std::move(args));
+  const CStringArray envp(std::move(env_strings));
+
+  // "go": the child waits on it until it sits in the cgroup with limits applied, so not even the init runs
+  // unconfined. "error": close-on-exec, so EOF means execve succeeded and an int means it failed.
+  int go[2];
+  int error[2];
+  if (::pipe2(go, O_CLOEXEC) != 0) return fail_errno("pipe2", errno);
+  UniqueFd go_read(go[0]), go_write(go[1]);
+  if (::pipe2(error, O_CLOEXEC) != 0) return fail_errno("pipe2", errno);
+  UniqueFd error_read(error[0]), error_write(error[1]);
+
+  // A fork-like clone (no CLONE_VM, no new stack) straight into new namespaces. No CLONE_PARENT_SETTID or
+  // PDEATHSIG: the sandbox must outlive the node so that a restarted node can adopt it.
+  long ret = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD,
+                       nullptr, nullptr, nullptr, nullptr);
+  if (ret < 0) return fail_errno("clone into new namespaces", errno);
+  if (ret == 0) {
+    exec_init_in_child(go_read.get(), go_write.get(), error_read.get(), error_write.get(), init_path_.c_str(),
+                       argv.get(), envp.get());
+  }
+  const int pid = static_cast<int>(ret);
+  go_read.reset();
+  error_write.reset();
+
+  auto abandon_child = [pid](Failure f) -> Result<int> {
+    ::kill(pid, SIGKILL);
+    while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    return f;
+  };
+  if (Status s = cgroup.add_pid(pid); !s) return abandon_child(s.failure());
+  const char go_byte = 1;
+  if (::write(go_write.get(), &go_byte, 1) != 1)
+    return abandon_child(fail_errno("write to the child's go pipe", errno));
+  go_write.reset();
+
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(error_read.get(), &exec_errno, sizeof exec_errno);
+  } while (n < 0 && errno == EINTR);
+  if (n == 0) return pid;
+  if (n < 0) return abandon_child(fail_errno("read the child's error pipe", errno));
+  while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  }
+  return fail(exec_errno == ENOENT ? Error::kNotFound : Error::kIo,
+              errno_text("cannot execute sandbox init " + init_path_, exec_errno));
+}
+
+ProcessDriver::Operation* ProcessDriver::add_operation(OpKind kind, const SandboxSpec& spec, Done done) {
+  auto op = std::make_unique<Operation>();
+  op->driver = this;
+  op->kind = kind;
+  op->sandbox_id = spec.id;
+  op->cgroup = cgroups_.sandbox(spec.id);
+  op->done = std::move(done);
+  // The loop's clock is only refreshed per iteration; after a long synchronous stretch (a start(), a slow
+  // cgroup removal) it lags, and a timeout measured from it would expire at once.
+  uv_update_time(loop_);
+  op->started_ms = uv_now(loop_);
+  op->timer = new uv_timer_t;
+  uv_timer_init(loop_, op->timer);
+  op->timer->data = op.get();
+  ops_.push_back(std::move(op));
+  return ops_.back().get();
+}
+
+void ProcessDriver::pause(const SandboxSpec& spec, const RuntimeInfo&, Done done) {
+  Operation* op = add_operation(OpKind::kPause, spec, std::move(done));
+  if (Status s = op->cgroup.freeze(); !s) op->known_result = with_context(spec.id, s.failure());
+  uv_timer_start(op->timer, on_operation_timer, 0, kFreezePollMs);
+}
+
+void ProcessDriver::resume(const SandboxSpec& spec, const RuntimeInfo&, Done done) {
+  Operation* op = add_operation(OpKind::kResume, spec, std::move(done));
+  if (Status s = op->cgroup.thaw(); !s) op->known_result = with_context(spec.id, s.failure());
+  uv_timer_start(op->timer, on_operation_timer, 0, kFreezePollMs);
+}
+
+void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) {
+  for (auto& other : ops_) {
+    if (other->sandbox_id == spec.id && other->kind != OpKind::kTerminate) other->superseded = true;
+  }
+  // The exit this causes is not one the instance made "by itself", so the watcher is not told.
+  stop_watch(spec.id);
+  netns_.erase(spec.id);
+
+  Operation* op = add_operation(OpKind::kTerminate, spec, std::move(done));
+  op->pid = info.pid;
+  auto pidfd = open_instance_pidfd(info);
+  if (pidfd) {
+    op->pidfd = std::move(*pidfd);
+  } else {
+    // The cgroup kill below still reaches the init (it lives in the cgroup); we just cannot wait on it.
+    spdlog::warn("sandbox {}: {}", spec.id, pidfd.message());
+  }
+  // SIGKILL to a PID namespace's init takes down every process in the namespace.
+  if (op->pidfd.valid() && pidfd_send_signal(op->pidfd.get(), SIGKILL) != 0 && errno != ESRCH)
+    spdlog::warn("sandbox {}: {}", spec.id, errno_text("SIGKILL init pid " + std::to_string(info.pid), errno));
+  if (Status s = op->cgroup.kill_all(); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
+  // Frozen tasks cannot act on a SIGKILL until thawed (v1) and thawing a v2 group is harmless.
+  if (op->cgroup.can_freeze()) {
+    Status s = op->cgroup.thaw();
+    if (!s && s.error() != Error::kNotFound) spdlog::warn("sandbox {}: {}", spec.id, s.message());
+  }
+
+  if (!op->pidfd.valid()) {
+    uv_timer_start(op->timer, on_operation_timer, 0, 0);
+    return;
+  }
+  op->exit_poll = new uv_poll_t;
+  if (int rc = uv_poll_init(loop_, op->exit_poll, op->pidfd.get()); rc != 0) {
+    delete op->exit_poll;  // never initialised, so there is nothing for uv_close to do
+    op->exit_poll = nullptr;
+    op->known_result = fail(Error::kIo, "sandbox " + spec.id + ": uv_poll_init on pidfd: " + uv_strerror(rc));
+    uv_timer_start(op->timer, on_operation_timer, 0, 0);
+    return;
+  }
+  op->exit_poll->data = op;
+  uv_poll_start(op->exit_poll, UV_READABLE, [](uv_poll_t* p, int, int) {
+    auto* o = static_cast<Operation*>(p->data);
+    o->driver->finish_termination(o, false);
+  });
+  uv_timer_start(op->timer, on_operation_timer, kTerminateWaitMs, 0);
+}
+
+void ProcessDriver::step(Operation* op) {
+  if (op->known_result) return finish(op, *op->known_result);
+  // With a pidfd the timer is the deadline for the init to die; without one there was nothing to wait for.
+  if (op->kind == OpKind::kTerminate) return finish_termination(op, op->pidfd.valid());
+  step_freeze(op);
+}
+
+void ProcessDriver::step_freeze(Operation* op) {
+  const bool pausing = op->kind == OpKind::kPause;
+  if (op->superseded)
+    return finish(op, fail(Error::kConflict, "sandbox " + op->sandbox_id + ": terminated while " +
+                                                 (pausing ? "pausing" : "resuming")));
+  auto frozen = op->cgroup.is_frozen();
+  if (!frozen) {
+    if (pausing) (void)op->cgroup.thaw();  // never leave a half-frozen sandbox behind
+    return finish(op, with_context(op->sandbox_id, frozen.failure()));
+  }
+  if (*frozen == pausing) return finish(op, {});
+  if (uv_now(loop_) - op->started_ms < suspend_timeout_ms_) return;
+  if (pausing) (void)op->cgroup.thaw();
+  finish(op, fail(Error::kTimeout, "sandbox " + op->sandbox_id + ": " + (pausing ? "freeze" : "thaw") +
+                                       " did not complete within " + std::to_string(suspend_timeout_ms_) + " ms"));
+}
+
+void ProcessDriver::finish_termination(Operation* op, bool timed_out) {
+  if (op->pidfd.valid()) {
+    std::string how = reap(op->pidfd.get());
+    if (!how.empty()) spdlog::info("sandbox {}: init pid {} reaped ({})", op->sandbox_id, op->pid, how);
+  }
+  Status removed = op->cgroup.remove();
+  if (timed_out) {
+    return finish(op, fail(Error::kTimeout, "sandbox " + op->sandbox_id + ": init pid " + std::to_string(op->pid) +
+                                                " still alive " + std::to_string(kTerminateWaitMs) +
+                                                " ms after SIGKILL"));
+  }
+  if (!removed) return finish(op, with_context(op->sandbox_id, removed.failure()));
+  spdlog::info("sandbox {}: terminated", op->sandbox_id);
+  finish(op, {});
+}
+
+void ProcessDriver::finish(Operation* op, Status status) {
+  Done done = std::move(op->done);
+  release_handles(*op);
+  auto it = std::find_if(ops_.begin(), ops_.end(), [op](const auto& p) { return p.get() == op; });
+  ops_.erase(it);
+  // Last: the callback may start new operations or even destroy the driver.
+  if (done) done(std::move(status));
+}
+
+Status ProcessDriver::watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) {
+  auto pidfd = open_instance_pidfd(info);
+  if (!pidfd) return with_context(spec.id, pidfd.failure());
+  stop_watch(spec.id);
+
+  auto watch = std::make_unique<ExitWatch>();
+  watch->driver = this;
+  watch->sandbox_id = spec.id;
+  watch->pid = info.pid;
+  watch->pidfd = std::move(*pidfd);
+  watch->on_exit = std::move(on_exit);
+  if (!watch->pidfd.valid()) {
+    // Gone before we looked (e.g. it died while the node was down): report it, but from the loop.
+    watch->already_gone = new uv_timer_t;
+    uv_timer_init(loop_, watch->already_gone);
+    watch->already_gone->data = watch.get();
+    uv_timer_start(watch->already_gone, [](uv_timer_t* t) {
+      auto* w = static_cast<ExitWatch*>(t->data);
+      w->driver->fire_exit(w);
+    }, 0, 0);
+  } else {
+    watch->exit_poll = new uv_poll_t;
+    if (int rc = uv_poll_init(loop_, watch->exit_poll, watch->pidfd.get()); rc != 0) {
+      delete watch->exit_poll;  // never initialised, so there is nothing for uv_close to do
+      return fail(Error::kIo, "sandbox " + spec.id + ": uv_poll_init on pidfd: " + uv_strerror(rc));
+    }
+    watch->exit_poll->data = watch.get();
+    // A pidfd turns readable once the process has exited, whether or not it is our child.
+    uv_poll_start(watch->exit_poll, UV_READABLE, [](uv_poll_t* p, int, int) {
+      auto* w = static_cast<ExitWatch*>(p->data);
+      w->driver->fire_exit(w);
+    });
+  }
+  watches_[spec.id] = std::move(watch);
+  return {};
+}
+
+void ProcessDriver::fire_exit(ExitWatch* watch) {
+  std::string how = watch->pidfd.valid() ? reap(watch->pidfd.get()) : std::string();
+  spdlog::info("sandbox {}: init pid {} exited{}", watch->sandbox_id, watch->pid, how.empty() ? "" : " (" + how + ")");
+  std::function<void()> on_exit = std::move(watch->on_exit);
+  const std::string id = watch->sandbox_id;
+  netns_.erase(id);
+  stop_watch(id);  // destroys `watch`
+  // Last: the callback may call back into the driver (terminate, start, even destroy it).
+  if (on_exit) on_exit();
+}
+
+void ProcessDriver::stop_watch(const std::string& sandbox_id) {
+  auto it = watches_.find(sandbox_id);
+  if (it == watches_.end()) return;
+  release_handles(*it->second);
+  watches_.erase(it);
+}
+
+void ProcessDriver::unwatch(const SandboxSpec& spec) {
+  stop_watch(spec.id);
+  netns_.erase(spec.id);
+}
+
+ObservedInstance ProcessDriver::observe(const SandboxSpec& spec, const RuntimeInfo& info) {
+  ObservedInstance seen;
+  seen.alive = is_live_instance(info);
+  if (seen.alive) {
+    auto frozen = cgroups_.sandbox(spec.id).is_frozen();
+    seen.paused = frozen && *frozen;
+  }
+  return seen;
+}
+
+Result<UniqueFd> ProcessDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info) {
+  auto cached = netns_.find(spec.id);
+  if (cached != netns_.end() &&
+      (cached->second.pid != info.pid || cached->second.start_time_ticks != info.start_time_ticks)) {
+    netns_.erase(cached);
+    cached = netns_.end();
+  }
+  if (cached == netns_.end()) {
+    if (info.pid <= 0) return fail(Error::kUnavailable, "sandbox " + spec.id + ": no process");
+    const std::string path = "/proc/" + std::to_string(info.pid) + "/ns/net";
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return fail(Error::kUnavailable, "sandbox " + spec.id + ": " + errno_text("open " + path, errno));
+    // Checked after opening, so the namespace cannot belong to a process that reused the pid.
+    if (!is_live_instance(info)) return fail(Error::kUnavailable, "sandbox " + spec.id + ": not running");
+    cached = netns_.emplace(spec.id, Netns{info.pid, info.start_time_ticks, std::move(fd)}).first;
+  }
+
+  // setns() switches only the calling thread; a socket keeps the namespace it was created in.
+  if (::setns(cached->second.fd.get(), CLONE_NEWNET) != 0)
+    return fail_errno("sandbox " + spec.id + ": setns into its network namespace", errno);
+  UniqueFd sock(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  const int socket_errno = errno;
+  if (::setns(host_netns_.get(), CLONE_NEWNET) != 0) {
+    // Every later connection of this thread would silently go to the wrong network: make it loud.
+    const int err = errno;
+    spdlog::critical("cannot return to the host network namespace: {}", std::strerror(err));
+    return fail_errno("setns back into the host network namespace", err);
+  }
+  if (!sock.valid()) return fail_errno("sandbox " + spec.id + ": socket", socket_errno);
+  return sock;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg) {
+  const std::string& parent = cfg.cgroup_name;
+  if (parent.empty() || parent.front() == '/' || parent.find("..") != std::string::npos)
+    return fail(Error::kInvalidArgument, "node.cgroup_name must be a relative path without \"..\": \"" + parent + "\"");
+
+  auto detection = detect_cgroups();
+  if (!detection) return detection.failure();
+  const std::string description = detection->describe();
+  std::string_view text = description;
+  while (!text.empty()) {
+    size_t end = text.find('\n');
+    spdlog::info("process driver: {}", text.substr(0, end));
+    if (end == std::string_view::npos) break;
+    text.remove_prefix(end + 1);
+  }
+  if (detection->freeze.version == CgroupVersion::kNone)
+    spdlog::warn("process driver: no cgroup freezer on this host; sandboxes cannot be paused");
+  if (detection->memory.version == CgroupVersion::kNone)
+    spdlog::warn("process driver: no memory controller on this host; sandboxes run without memory limits");
+  if (detection->cpu.version == CgroupVersion::kNone)
+    spdlog::warn("process driver: no cpu controller on this host; sandboxes run without cpu limits");
+
+  std::string init_path = cfg.init_path;
+  if (init_path.empty()) {
+    auto found = default_init_path();
+    if (!found) return found.failure();
+    init_path = std::move(*found);
+  }
+  // Not fatal: the operator may install it after starting; start() then reports the exact error.
+  if (::access(init_path.c_str(), X_OK) != 0)
+    spdlog::warn("process driver: {}", errno_text("sandbox init " + init_path + " is not executable", errno));
+
+  // thread-self rather than self: setns() is per thread, and this is the thread the driver runs on.
+  UniqueFd host_netns(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+  if (!host_netns.valid()) return fail_errno("open /proc/thread-self/ns/net", errno);
+
+  std::unique_ptr<Driver> driver = std::make_unique<ProcessDriver>(
+      loop, cfg, CgroupManager(std::move(*detection), parent), std::move(init_path), std::move(host_netns));
+  return driver;
+}
+
+}  // namespace sg
