@@ -217,6 +217,8 @@ class ProcessDriver final : public Driver {
     // Pending callbacks are dropped: their owners are being torn down along with the driver.
     for (auto& op : ops_) release_handles(*op);
     for (auto& [id, watch] : watches_) release_handles(*watch);
+    // Leave no empty parent cgroups behind; rmdir fails (harmlessly) while sandboxes kept running are inside.
+    for (const std::string& dir : cgroups_.parent_dirs()) ::rmdir(dir.c_str());
   }
 
   std::string_view name() const override { return "process"; }

@@ -162,10 +162,10 @@ void Connection::do_handshake() {
   }
   if (!rec_.sni.empty() && tls_->select(rec_.sni) == nullptr)
     return close(TerminationCause::kUnknownSni, "no certificate for " + rec_.sni);
-  std::string detail = err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0
-                           ? std::string("connection closed during handshake")
-                           : take_ssl_error();
-  close(TerminationCause::kHandshakeFailed, detail);
+  // A peer that connects and leaves (health checks, port scans) did not fail a handshake.
+  if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
+    return close(TerminationCause::kClientClosed, "closed during the TLS handshake");
+  close(TerminationCause::kHandshakeFailed, take_ssl_error());
 }
 
 void Connection::after_handshake() {
