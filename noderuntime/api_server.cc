@@ -339,7 +339,9 @@ void ApiServer::Connection::start_reading() {
         auto* self = static_cast<Connection*>(h->data);
         *buf = uv_buf_init(self->read_buf_.get(), kReadBufferBytes);
       },
-      [](uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) { static_cast<Connection*>(s->data)->on_read(nread, buf); });
+      [](uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
+        static_cast<Connection*>(s->data)->on_read(nread, buf);
+      });
 }
 
 void ApiServer::Connection::on_read(ssize_t nread, const uv_buf_t* buf) {
@@ -412,7 +414,9 @@ void ApiServer::Connection::handle_request(HttpMessage& request) {
   slot.method = request.method;
   slot.target = request.target;
   slot.started = Clock::now();
-  slot.close_after = !request.keep_alive;
+  // Every answer has a body, which a HEAD client would not read; closing keeps it from being taken
+  // for the next response.
+  slot.close_after = !request.keep_alive || request.method == "HEAD";
   if (slot.close_after) input_done_ = true;
   std::weak_ptr<Connection> weak = weak_from_this();
   server_->route(request, is_unix_, [weak, seq](Response r) {
@@ -668,6 +672,7 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"idle_deadline_at",
        info.idle_deadline_at_ms ? ordered_json(format_time(*info.idle_deadline_at_ms)) : ordered_json(nullptr)},
       {"connections", info.connections},
+      {"resumes", info.resumes},
       {"urls", std::move(urls)},
   };
   return Response{status, to_text(j), UniqueFd(), ""};
@@ -678,8 +683,8 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
   if (auto q = path.find('?'); q != std::string_view::npos) path = path.substr(0, q);
   const std::string& method = request.method;
   auto method_not_allowed = [&](std::string_view allowed) {
-    Response r = error_response(405, Error::kUnsupported,
-                                method + " is not allowed on " + std::string(path) + " (use " + std::string(allowed) + ")");
+    std::string message = method + " is not allowed on " + std::string(path) + " (use " + std::string(allowed) + ")";
+    Response r = error_response(405, Error::kUnsupported, message);
     r.extra_headers = "Allow: " + std::string(allowed) + "\r\n";
     reply(std::move(r));
   };

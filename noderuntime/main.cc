@@ -77,7 +77,8 @@ struct Daemon {
     auto current = config->get();
     const sg::Config& n = **next;
     bool moved = n.node_socket.to_string() != current->node_socket.to_string() ||
-                 n.node.state_dir != current->node.state_dir || n.node.api_listen.size() != current->node.api_listen.size();
+                 n.node.state_dir != current->node.state_dir ||
+                 n.node.api_listen.size() != current->node.api_listen.size();
     for (size_t i = 0; !moved && i < n.node.api_listen.size(); ++i)
       moved = n.node.api_listen[i].to_string() != current->node.api_listen[i].to_string();
     config->swap(*next);

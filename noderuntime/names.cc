@@ -52,7 +52,8 @@ Status validate_name(std::string_view name) {
       } else {
         std::snprintf(shown, sizeof shown, "byte 0x%02x", static_cast<unsigned char>(c));
       }
-      return fail(Error::kInvalidArgument, std::string("name contains ") + shown + "; only a-z, 0-9 and '-' are allowed");
+      return fail(Error::kInvalidArgument,
+                  std::string("name contains ") + shown + "; only a-z, 0-9 and '-' are allowed");
     }
   }
   if (name.front() == '-' || name.back() == '-')

@@ -68,6 +68,7 @@ struct Node::Sandbox {
   StoredSandbox rec;  // the persisted part
   std::map<std::string, uint64_t> connections_by_reporter;
   uint64_t connections = 0;
+  uint64_t resumes = 0;  // resumes started since this node process adopted or created the sandbox
   std::vector<Waiter*> waiters;
   // Set while suspending when something asked for the sandbox (an open, traffic, the API): the suspend
   // is allowed to finish and is then followed by exactly one resume, for this reason.
@@ -134,6 +135,7 @@ SandboxInfo Node::snapshot(const Sandbox& sb) const {
   info.created_at_ms = sb.rec.created_at_ms;
   info.last_activity_at_ms = sb.rec.last_activity_at_ms;
   info.connections = sb.connections;
+  info.resumes = sb.resumes;
   if (sb.rec.state == S::kRunning && !sb.terminating) {
     if (auto deadline = idle_.deadline(sb.id())) {
       auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
@@ -327,6 +329,7 @@ void Node::on_pause_done(const std::string& id, Status status) {
 
 void Node::begin_resume(Sandbox& sb, std::string reason) {
   if (!transition(sb, S::kResuming, std::move(reason))) return;
+  ++sb.resumes;
   sb.pending_wake.reset();
   driver_->resume(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
 }

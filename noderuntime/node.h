@@ -53,6 +53,7 @@ struct SandboxInfo {
   int64_t last_activity_at_ms = 0;             // Unix epoch milliseconds
   std::optional<int64_t> idle_deadline_at_ms;  // only while running (and not held awake)
   uint64_t connections = 0;                    // open proxied connections, per the latest reports
+  uint64_t resumes = 0;                        // resumes started since this node process started
 };
 
 // suspend()/resume(): `started` is true when this call started (or queued) the transition (HTTP 202) and

@@ -39,6 +39,7 @@ enum class TerminationCause {
   kUpstreamConnectTimeout,
   kIdleTimeout,
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
+  kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
   kShutdown,
 };
 

@@ -16,6 +16,10 @@ namespace {
 
 // Per direction. A TLS record carries at most 16 KiB; two records per read keeps syscalls per byte low.
 constexpr size_t kForwardBufferBytes = 32 * 1024;
+// Per spliced direction. Pages in a pipe are pinned only while in flight, but a stalled reader keeps the
+// whole pipe full: 128 KiB (32 slots) moves eight TLS records per splice without letting 10k stalled
+// connections pin more than ~2.5 GiB.
+constexpr size_t kSplicePipeBytes = 128 * 1024;
 // After an error response: how long and how much unread client input we drain before closing.
 constexpr uint32_t kLingerMs = 2000;
 constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
@@ -52,6 +56,7 @@ void Connection::start() {
   SSL_set_fd(ssl_, client_fd_.get());
   SSL_set_accept_state(ssl_);
   SSL_set_ex_data(ssl_, sni_ex_index(), &rec_.sni);
+  if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl_);
   arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
   do_handshake();
 }
@@ -107,10 +112,10 @@ void Connection::update_interest() {
       want_client = UV_READABLE;
       break;
     case Phase::kForwarding:
-      if (!client_eof_ && c2u_.space() > 0) want_client |= UV_READABLE;
-      if (u2c_->readable() > 0 || (upstream_eof_ && !client_shut_)) want_client |= UV_WRITABLE;
-      if (!upstream_eof_ && u2c_->space() > 0) want_upstream |= UV_READABLE;
-      if (c2u_.readable() > 0) want_upstream |= UV_WRITABLE;
+      if (!client_eof_ && c2u_room()) want_client |= UV_READABLE;
+      if (u2c_pending() > 0 || (upstream_eof_ && !client_shut_)) want_client |= UV_WRITABLE;
+      if (!upstream_eof_ && u2c_room()) want_upstream |= UV_READABLE;
+      if (c2u_pending() > 0) want_upstream |= UV_WRITABLE;
       break;
     case Phase::kClosed:
       return;
@@ -169,19 +174,53 @@ void Connection::do_handshake() {
 }
 
 void Connection::after_handshake() {
+  ktls_rx_tracker_.handshake_finished();
   rec_.tls_version = SSL_get_version(ssl_);
-  bool ktls_tx = BIO_get_ktls_send(SSL_get_wbio(ssl_));
-  bool ktls_rx = BIO_get_ktls_recv(SSL_get_rbio(ssl_));
-  // Record crypto in the kernel still moves plaintext through SSL_read/SSL_write here; splice comes with
-  // the zero-copy data path. The label says what ran.
-  rec_.data_path = ktls_tx && ktls_rx ? "ktls-userspace" : ktls_tx ? "ktls-tx-only" : "userspace";
-  if (cfg_->proxy.ktls == KtlsMode::kOn && !ktls_tx)
+  plan_data_path(BIO_get_ktls_send(SSL_get_wbio(ssl_)), BIO_get_ktls_recv(SSL_get_rbio(ssl_)));
+  if (cfg_->proxy.ktls == KtlsMode::kOn && (!ktls_tx_ || rx_handover_ == RxHandover::kNone))
     return close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   phase_ = Phase::kReadHead;
   head_parser_ = std::make_unique<HttpParser>(
       HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
   arm_deadline(cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
   read_head();
+}
+
+// Transmit is the kernel's when OpenSSL offloaded it; bytes from the sandbox then splice into the socket.
+// Receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3 (proxy/ktls.h);
+// either way the client socket is spliced only after the request head, once OpenSSL holds no input.
+void Connection::plan_data_path(bool ktls_tx, bool ktls_rx) {
+  ktls_tx_ = ktls_tx;
+  if (ktls_rx) rx_handover_ = RxHandover::kOffloadedByOpenSsl;
+  else if (ktls_tx && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
+  set_data_path_label(ktls_tx_, rx_handover_ != RxHandover::kNone);
+  std::string why;
+  if (cfg_->proxy.ktls == KtlsMode::kOff) {
+    why = "ktls = off in the config";
+  } else if (!tls_->ktls_kernel_reason().empty()) {
+    why = tls_->ktls_kernel_reason();
+  } else if (!ktls_tx || rx_handover_ == RxHandover::kNone) {
+    why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", ktls_tx ? "receive" : "transmit",
+                      SSL_get_version(ssl_), SSL_get_cipher_name(ssl_));
+  }
+  if (!why.empty()) log_ktls_fallback_once(why);
+}
+
+void Connection::set_data_path_label(bool tx_spliced, bool rx_spliced) {
+  rec_.data_path = tx_spliced && rx_spliced ? "ktls-splice"
+                   : tx_spliced             ? "ktls-tx-only"
+                   : rx_spliced             ? "ktls-rx-only"
+                                            : "userspace";
+}
+
+// A direction planned for kTLS that cannot splice after all: with ktls = on that refuses the connection,
+// otherwise it carries on through SSL_read/SSL_write (OpenSSL still uses whatever the kernel took over).
+bool Connection::ktls_downgrade(std::string why) {
+  log_ktls_fallback_once(why);
+  set_data_path_label(u2c_pipe_ != nullptr, c2u_pipe_ != nullptr || rx_handover_ != RxHandover::kNone);
+  if (cfg_->proxy.ktls != KtlsMode::kOn) return true;
+  close(TerminationCause::kKtlsRequired, std::move(why));
+  return false;
 }
 
 void Connection::read_head() {
@@ -330,7 +369,12 @@ void Connection::begin_forwarding() {
   uv_timer_stop(&deadline_);
   phase_ = Phase::kForwarding;
   head_parser_.reset();
-  u2c_ = std::make_unique<ByteBuffer>(kForwardBufferBytes);
+  if (ktls_tx_) {
+    auto pipe = SplicePipe::create(kSplicePipeBytes);
+    if (pipe) u2c_pipe_ = std::move(*pipe);
+    else if (!ktls_downgrade("no pipe to splice into the kTLS socket: " + pipe.message())) return;
+  }
+  if (!u2c_pipe_) u2c_ = std::make_unique<ByteBuffer>(kForwardBufferBytes);
   // The request head and anything after it are already in c2u_: they count as client bytes.
   rec_.bytes_in += c2u_.readable();
   traffic_->bytes_in += c2u_.readable();
@@ -345,18 +389,20 @@ void Connection::begin_forwarding() {
 void Connection::pump() {
   for (int round = 0; round < 8; ++round) {
     uint64_t before = rec_.bytes_in + rec_.bytes_out;
-    size_t pending_before = c2u_.readable() + u2c_->readable();
-    if (!client_eof_ && c2u_.space() > 0 && !read_client()) return;
+    size_t pending_before = c2u_pending() + u2c_pending();
+    if (!client_eof_ && c2u_room() && !(c2u_pipe_ ? splice_from_client() : read_client())) return;
     if (c2u_.readable() > 0 && !write_upstream()) return;
-    if (!upstream_eof_ && u2c_->space() > 0 && !read_upstream()) return;
-    if (u2c_->readable() > 0 && !write_client()) return;
+    if (c2u_pipe_ && c2u_pipe_->buffered() > 0 && !splice_to_upstream()) return;
+    if (!upstream_eof_ && u2c_room() && !(u2c_pipe_ ? splice_from_upstream() : read_upstream())) return;
+    if (u2c_pending() > 0 && !(u2c_pipe_ ? splice_to_client() : write_client())) return;
     if (!handle_half_close()) return;
-    if (rec_.bytes_in + rec_.bytes_out == before && c2u_.readable() + u2c_->readable() == pending_before) break;
+    if (rec_.bytes_in + rec_.bytes_out == before && c2u_pending() + u2c_pending() == pending_before) break;
   }
   update_interest();
 }
 
 bool Connection::read_client() {
+  if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_)) return take_over_client_receive();
   c2u_.make_room();
   ERR_clear_error();
   int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
@@ -370,11 +416,132 @@ bool Connection::read_client() {
   int err = SSL_get_error(ssl_, n);
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return true;
   if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)) {
-    client_eof_ = true;
-    if (!upstream_eof_) client_closed_first_ = true;
+    client_finished_sending();
     return true;
   }
   close(TerminationCause::kClientReset, take_ssl_error());
+  return false;
+}
+
+void Connection::client_finished_sending() {
+  client_eof_ = true;
+  if (!upstream_eof_) client_closed_first_ = true;
+}
+
+// OpenSSL has handed out every byte it read, so the socket is at a record boundary: from here the kernel
+// decrypts and the client's bytes are spliced (the next pump round; c2u_ is delivered first).
+bool Connection::take_over_client_receive() {
+  RxHandover how = std::exchange(rx_handover_, RxHandover::kNone);
+  auto pipe = SplicePipe::create(kSplicePipeBytes);
+  if (!pipe) return ktls_downgrade("no pipe to splice from the kTLS socket: " + pipe.message());
+  if (how == RxHandover::kInstallTls13Key) {
+    if (auto st = ktls_rx_tracker_.install_tls13_rx(ssl_, client_fd_.get()); !st)
+      return ktls_downgrade("TLS 1.3 receive not handed to the kernel: " + st.message());
+  }
+  c2u_pipe_ = std::move(*pipe);
+  return true;
+}
+
+bool Connection::splice_from_client() {
+  ssize_t n = c2u_pipe_->fill(client_fd_.get());
+  if (n > 0) {
+    rec_.bytes_in += static_cast<uint64_t>(n);
+    traffic_->bytes_in += static_cast<uint64_t>(n);
+    last_activity_ms_ = now_ms(worker_->loop());
+    return true;
+  }
+  if (n == 0) {
+    client_finished_sending();
+    return true;
+  }
+  if (errno == EAGAIN || errno == EINTR) return true;
+  // The next record is not application data (an alert, a post-handshake message): splice cannot carry
+  // it. It is read once the pipe has delivered what came before it.
+  if (errno == EINVAL) {
+    if (c2u_pipe_->buffered() == 0) return read_client_control_record();
+    control_record_waits_ = true;
+    return true;
+  }
+  close(TerminationCause::kClientReset, std::strerror(errno));
+  return false;
+}
+
+bool Connection::read_client_control_record() {
+  uint8_t type = 0;
+  // c2u_ is empty while splicing (c2u_room), so a whole record (at most 16 KiB) fits.
+  ssize_t n = recv_tls_record(client_fd_.get(), c2u_.write_ptr(), c2u_.space(), &type);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EINTR) return true;
+    close(TerminationCause::kClientReset, std::string("kTLS receive: ") + std::strerror(errno));
+    return false;
+  }
+  if (n == 0) {
+    client_finished_sending();
+    return true;
+  }
+  const auto* record = reinterpret_cast<const unsigned char*>(c2u_.write_ptr());
+  switch (type) {
+    case SSL3_RT_APPLICATION_DATA:
+      c2u_.produced(static_cast<size_t>(n));
+      rec_.bytes_in += static_cast<uint64_t>(n);
+      traffic_->bytes_in += static_cast<uint64_t>(n);
+      last_activity_ms_ = now_ms(worker_->loop());
+      return true;
+    case SSL3_RT_ALERT:
+      if (n >= 2 && record[1] == SSL_AD_CLOSE_NOTIFY) {
+        client_finished_sending();
+        return true;
+      }
+      if (n >= 2 && record[1] == SSL_AD_USER_CANCELLED) return true;  // a close_notify follows
+      close(TerminationCause::kClientClosed,
+            std::string("TLS alert from the client: ") + SSL_alert_desc_string_long(n >= 2 ? record[1] : 0));
+      return false;
+    case SSL3_RT_HANDSHAKE:
+      if (record[0] == SSL3_MT_KEY_UPDATE) {
+        close(TerminationCause::kKtlsKeyUpdate, "the client sent a TLS 1.3 KeyUpdate; this kernel cannot rekey kTLS");
+        return false;
+      }
+      close(TerminationCause::kClientReset, fmt::format("unexpected TLS handshake message {} after the handshake", record[0]));
+      return false;
+    default:
+      close(TerminationCause::kClientReset, fmt::format("unexpected TLS record type {}", type));
+      return false;
+  }
+}
+
+bool Connection::splice_to_upstream() {
+  ssize_t n = c2u_pipe_->drain(upstream_fd_.get());
+  if (n >= 0) {
+    if (c2u_pipe_->buffered() == 0) control_record_waits_ = false;
+    return true;
+  }
+  if (errno == EAGAIN || errno == EINTR) return true;
+  close(TerminationCause::kUpstreamReset, std::strerror(errno));
+  return false;
+}
+
+bool Connection::splice_from_upstream() {
+  ssize_t n = u2c_pipe_->fill(upstream_fd_.get());
+  if (n > 0) {
+    rec_.bytes_out += static_cast<uint64_t>(n);
+    traffic_->bytes_out += static_cast<uint64_t>(n);
+    last_activity_ms_ = now_ms(worker_->loop());
+    return true;
+  }
+  if (n == 0) {
+    upstream_eof_ = true;
+    return true;
+  }
+  if (errno == EAGAIN || errno == EINTR) return true;
+  close(TerminationCause::kUpstreamReset, std::strerror(errno));
+  return false;
+}
+
+bool Connection::splice_to_client() {
+  // The kernel cuts the spliced bytes into TLS records as it sends them.
+  ssize_t n = u2c_pipe_->drain(client_fd_.get());
+  if (n >= 0 || errno == EAGAIN || errno == EINTR) return true;
+  close(TerminationCause::kClientReset, std::strerror(errno));
   return false;
 }
 
@@ -424,11 +591,11 @@ bool Connection::write_client() {
 // A side that finished sending is told so once its buffered bytes are delivered: FIN to the sandbox,
 // close_notify (then FIN) to the client. The connection ends when both directions are done.
 bool Connection::handle_half_close() {
-  if (client_eof_ && c2u_.readable() == 0 && !upstream_shut_) {
+  if (client_eof_ && c2u_pending() == 0 && !upstream_shut_) {
     ::shutdown(upstream_fd_.get(), SHUT_WR);
     upstream_shut_ = true;
   }
-  if (upstream_eof_ && u2c_->readable() == 0 && !client_shut_) {
+  if (upstream_eof_ && u2c_pending() == 0 && !client_shut_) {
     ERR_clear_error();
     int r = SSL_shutdown(ssl_);
     if (r < 0) {
@@ -524,6 +691,8 @@ void Connection::close(TerminationCause cause, std::string detail) {
   }
   client_fd_.reset();
   upstream_fd_.reset();
+  c2u_pipe_.reset();
+  u2c_pipe_.reset();
 }
 
 }  // namespace sg

@@ -15,8 +15,10 @@
 #include "common/fd.h"
 #include "common/http.h"
 #include "proxy/access_log.h"
+#include "proxy/ktls.h"
 #include "proxy/node_client.h"
 #include "proxy/route.h"
+#include "proxy/splice_pipe.h"
 #include "proxy/tls.h"
 #include "proxy/traffic.h"
 
@@ -90,12 +92,38 @@ class Connection {
   void arm_deadline(uint32_t ms, TerminationCause cause);
   void update_interest();
 
-  // Forwarding primitives; each returns false when the connection was closed.
+  // Forwarding primitives; each returns false when the connection was closed. The userspace ones move
+  // bytes through c2u_/u2c_ with SSL_read/SSL_write; the splice ones through a pipe, with the kernel
+  // doing the TLS record crypto (kTLS).
   bool read_client();
   bool write_client();
   bool read_upstream();
   bool write_upstream();
+  bool splice_from_client();
+  bool read_client_control_record();
+  bool splice_to_upstream();
+  bool splice_from_upstream();
+  bool splice_to_client();
   bool handle_half_close();
+  void client_finished_sending();
+
+  // kTLS: decides per connection which directions can splice and logs why not (once per reason).
+  void plan_data_path(bool ktls_tx, bool ktls_rx);
+  // Hands client receive to the kernel once OpenSSL holds no unread input; false when closed.
+  bool take_over_client_receive();
+  void set_data_path_label(bool tx_spliced, bool rx_spliced);
+  // A direction planned for splice cannot; false when that closed the connection (ktls = on).
+  bool ktls_downgrade(std::string why);
+
+  // What is waiting to go each way, and whether reading the source can make progress.
+  size_t c2u_pending() const { return c2u_.readable() + (c2u_pipe_ ? c2u_pipe_->buffered() : 0); }
+  size_t u2c_pending() const { return u2c_pipe_ ? u2c_pipe_->buffered() : u2c_->readable(); }
+  bool c2u_room() const {
+    // Spliced bytes go out only after what c2u_ holds (the request head), so the pipe fills once it is empty.
+    return c2u_pipe_ ? c2u_.readable() == 0 && c2u_pipe_->accepts_more() && !control_record_waits_
+                     : c2u_.space() > 0;
+  }
+  bool u2c_room() const { return u2c_pipe_ ? u2c_pipe_->accepts_more() : u2c_->space() > 0; }
 
   Worker* worker_;
   std::shared_ptr<const Config> cfg_;
@@ -132,6 +160,18 @@ class Connection {
   uint64_t last_activity_ms_ = 0;
   TerminationCause respond_cause_ = TerminationCause::kBadRequest;
   size_t lingered_bytes_ = 0;
+
+  // kTLS + splice. ktls_tx_ is the kernel's (OpenSSL offloaded it). Receive is handed over once the
+  // request head is read and OpenSSL holds nothing more (rx_handover_); until then it is SSL_read.
+  enum class RxHandover { kNone, kOffloadedByOpenSsl, kInstallTls13Key };
+  KtlsRxTracker ktls_rx_tracker_;
+  bool ktls_tx_ = false;
+  RxHandover rx_handover_ = RxHandover::kNone;
+  std::unique_ptr<SplicePipe> c2u_pipe_;  // set: client -> sandbox is spliced
+  std::unique_ptr<SplicePipe> u2c_pipe_;  // set: sandbox -> client is spliced
+  // splice stopped at a non-data TLS record while the pipe still held bytes for the sandbox: the record
+  // is read (recvmsg) only once those are delivered, so the order of the stream is kept.
+  bool control_record_waits_ = false;
 
   AccessRecord rec_;
 };

@@ -1,5 +1,7 @@
 #include "proxy/tls.h"
 
+#include "proxy/ktls.h"
+
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 
@@ -121,7 +123,8 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
     return fail(Error::kInvalidArgument, "proxy.certificates: at least one certificate is needed");
   auto self = std::make_shared<TlsContexts>();
   self->domain_ = cfg.domain;
-  self->ktls_requested_ = cfg.proxy.ktls != KtlsMode::kOff;
+  self->ktls_mode_ = cfg.proxy.ktls;
+  if (self->ktls_mode_ != KtlsMode::kOff) self->ktls_kernel_reason_ = ktls_unavailable_reason();
   for (const auto& cc : cfg.proxy.certificates) {
     SslCtxPtr ctx(SSL_CTX_new(TLS_server_method()));
     if (!ctx) return fail(Error::kInternal, "SSL_CTX_new: " + take_ssl_error());
@@ -129,7 +132,16 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
     SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE |
                                       // A peer that closes without close_notify is an ordinary EOF.
                                       SSL_OP_IGNORE_UNEXPECTED_EOF);
-    if (self->ktls_requested_) SSL_CTX_set_options(ctx.get(), SSL_OP_ENABLE_KTLS);
+    if (self->ktls_mode_ != KtlsMode::kOff) SSL_CTX_set_options(ctx.get(), SSL_OP_ENABLE_KTLS);
+    if (self->ktls_possible()) {
+      // Receive for TLS 1.3 is handed to the kernel by the connection (proxy/ktls.h), which needs the
+      // client traffic secret and a count of the records OpenSSL read. read_ahead stays off (the default)
+      // so OpenSSL never reads past a record boundary. TLS 1.3 session tickets are kept: OpenSSL sends
+      // them inside SSL_do_handshake, after the client's Finished and before the handshake reports
+      // success, so they are on the wire before any byte is spliced, and a server sends no other
+      // post-handshake message unless the client asks for one (KeyUpdate, handled as a termination cause).
+      enable_ktls_rx_tracking(ctx.get());
+    }
     // Partial writes let the forwarder drain a buffer across several socket-writable events.
     // Buffers are kept for the connection's life (no SSL_MODE_RELEASE_BUFFERS): no allocation per read.
     SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
@@ -154,7 +166,8 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
 
 namespace sg {
 
-std::string ktls_unavailable_reason() {
+namespace {
+std::string probe_ktls() {
   auto listener = listen_on(*parse_endpoint("127.0.0.1:0"), false, 1);
   if (!listener) return "probe failed: " + listener.message();
   auto port = local_port(listener->get());
@@ -166,6 +179,12 @@ std::string ktls_unavailable_reason() {
     return std::string("setsockopt(TCP_ULP, tls): ") + std::strerror(errno);
   }
   return {};
+}
+}  // namespace
+
+std::string ktls_unavailable_reason() {
+  static const std::string reason = probe_ktls();
+  return reason;
 }
 
 }  // namespace sg

@@ -32,8 +32,11 @@ class TlsContexts {
   // For tests and logs: which certificate would serve `sni` (nullptr: none, the handshake is refused).
   SSL_CTX* select(std::string_view sni) const;
 
-  // What offload the process can do, decided once at startup: "no TLS ULP in the kernel" etc.
-  bool ktls_requested() const { return ktls_requested_; }
+  // kTLS: the configured mode, and why this kernel cannot offload at all ("" when it can).
+  KtlsMode ktls_mode() const { return ktls_mode_; }
+  const std::string& ktls_kernel_reason() const { return ktls_kernel_reason_; }
+  // The mode allows kTLS and the kernel has the TLS ULP: connections try to offload.
+  bool ktls_possible() const { return ktls_mode_ != KtlsMode::kOff && ktls_kernel_reason_.empty(); }
 
  private:
   struct Cert {
@@ -44,7 +47,8 @@ class TlsContexts {
 
   std::vector<Cert> certs_;
   std::string domain_;
-  bool ktls_requested_ = false;
+  KtlsMode ktls_mode_ = KtlsMode::kAuto;
+  std::string ktls_kernel_reason_;
 };
 
 // Index for SSL_get_ex_data: the SNI the client sent, as a std::string* owned by the connection.
@@ -56,7 +60,8 @@ std::string take_ssl_error();
 }  // namespace sg
 
 namespace sg {
-// Why kTLS cannot be used in this process ("" when the kernel accepts the TLS ULP). Probed once with a
-// loopback connection, because the answer depends on the running kernel, not on how we were built.
+// Why kTLS cannot be used in this process ("" when the kernel accepts the TLS ULP). Probed once per process
+// (the first call) with a loopback connection, because the answer depends on the running kernel, not on
+// how we were built.
 std::string ktls_unavailable_reason();
 }  // namespace sg
