@@ -111,17 +111,21 @@ void KtlsRxTracker::handshake_finished() {
   handshake_done_ = true;
 }
 
-Status KtlsRxTracker::install_tls13_rx(SSL* ssl, int fd) {
+Status KtlsRxTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
   if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
   if (SSL_has_pending(ssl)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
   if (non_data_after_handshake_)
     return fail(Error::kUnsupported, "the client sent a post-handshake message (KeyUpdate?) before the switch");
   if (client_secret_len_ == 0) return fail(Error::kInternal, "the client traffic secret was not captured");
   const SSL_CIPHER* cipher = SSL_get_current_cipher(ssl);
+  return derive_tls13_kernel_key(SSL_CIPHER_get_protocol_id(cipher), SSL_CIPHER_get_handshake_digest(cipher),
+                                 std::span(client_secret_, client_secret_len_),
+                                 records_read_ - records_read_at_handshake_end_, out);
+}
+
+Status KtlsRxTracker::install_tls13_rx(SSL* ssl, int fd) {
   KernelTlsKey key;
-  auto derived = derive_tls13_kernel_key(SSL_CIPHER_get_protocol_id(cipher), SSL_CIPHER_get_handshake_digest(cipher),
-                                         std::span(client_secret_, client_secret_len_),
-                                         records_read_ - records_read_at_handshake_end_, &key);
+  auto derived = derive_rx_key(ssl, &key);
   // The secret is not needed again: receive is the kernel's from here on, or stays with OpenSSL.
   OPENSSL_cleanse(client_secret_, sizeof client_secret_);
   client_secret_len_ = 0;

@@ -26,6 +26,22 @@
 
 namespace sg {
 
+// The kernel's receive parameters for a TLS 1.3 cipher suite (by IANA id, e.g. 0x1301), derived from a
+// traffic secret; `seq` is the sequence number of the next record. Separate from install_tls13_rx so a
+// unit test can check the derivation by decrypting a real record with it.
+struct KernelTlsKey {
+  union {
+    tls12_crypto_info_aes_gcm_128 aes_gcm_128;
+    tls12_crypto_info_aes_gcm_256 aes_gcm_256;
+    tls12_crypto_info_chacha20_poly1305 chacha20_poly1305;
+  } info;
+  socklen_t size = 0;
+  ~KernelTlsKey();  // wipes the key
+};
+Result<void> derive_tls13_kernel_key(uint16_t cipher_suite, const EVP_MD* digest,
+                                     std::span<const unsigned char> traffic_secret, uint64_t seq,
+                                     KernelTlsKey* out);
+
 // What OpenSSL's callbacks saw of one connection's receive side; attached to its SSL with ex_data.
 class KtlsRxTracker {
  public:
@@ -41,6 +57,8 @@ class KtlsRxTracker {
   // OpenSSL offloaded transmit). Fails, leaving the socket untouched, when OpenSSL still buffers input,
   // when the key changed after the handshake (KeyUpdate) or the cipher has no kernel implementation.
   Status install_tls13_rx(SSL* ssl, int fd);
+  // The key install_tls13_rx gives the kernel, for the next record the socket will deliver.
+  Status derive_rx_key(SSL* ssl, KernelTlsKey* out) const;
 
  private:
   friend void ktls_on_keylog(const SSL* ssl, const char* line);
@@ -60,22 +78,6 @@ class KtlsRxTracker {
 // Installs the keylog and msg callbacks that feed KtlsRxTracker. Only for contexts that may offload: the
 // callbacks run for every record, and the keylog callback sees secrets (they never leave the tracker).
 void enable_ktls_rx_tracking(SSL_CTX* ctx);
-
-// The kernel's receive parameters for a TLS 1.3 cipher suite (by IANA id, e.g. 0x1301), derived from a
-// traffic secret; `seq` is the sequence number of the next record. Separate from install_tls13_rx so a
-// unit test can check the derivation by decrypting a real record with it.
-struct KernelTlsKey {
-  union {
-    tls12_crypto_info_aes_gcm_128 aes_gcm_128;
-    tls12_crypto_info_aes_gcm_256 aes_gcm_256;
-    tls12_crypto_info_chacha20_poly1305 chacha20_poly1305;
-  } info;
-  socklen_t size = 0;
-  ~KernelTlsKey();  // wipes the key
-};
-Result<void> derive_tls13_kernel_key(uint16_t cipher_suite, const EVP_MD* digest,
-                                     std::span<const unsigned char> traffic_secret, uint64_t seq,
-                                     KernelTlsKey* out);
 
 // One record read from a kTLS receive socket with recvmsg, with its TLS content type (the cmsg
 // TLS_GET_RECORD_TYPE). Needed when splice stops at a record that is not application data (EINVAL).

@@ -1,0 +1,150 @@
+#!/bin/sh
+# The kTLS guest test proper (run by tests/ktls/guest-init inside the qemu guest; busybox sh).
+# Starts sandgate-node and sandgate-proxy (ktls = "on": a connection that cannot be offloaded fails), a
+# sandbox running ktls_backend, then for TLS 1.2 and 1.3 x AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305
+# moves SIZE bytes each way with ktls_client and checks: data intact both ways (sha256 / byte compare),
+# close_notify half-close in both directions, the access log's path = ktls-splice, and the kernel's
+# /proc/net/tls_stat software TX and RX counters rising with no decrypt errors. Then a TLS 1.3 KeyUpdate
+# must end the connection with cause ktls_key_update. BENCH=1 adds a ktls-splice vs userspace run.
+# Prints "KTLS-CASE PASS|FAIL ..." per case and "KTLS-GUEST-RESULT PASS|FAIL".
+#   env: SG (binaries, certs), RUN (scratch dir), SIZE (bytes each way), BENCH, BENCH_SIZE
+set -u
+SG=${SG:-/sg}
+RUN=${RUN:-/run/ktls}
+SIZE=${SIZE:-67108864}
+BENCH=${BENCH:-0}
+BENCH_SIZE=${BENCH_SIZE:-$SIZE}
+PORT=8443
+SNI=9000-kt.sandbox.localhost
+failures=0
+mkdir -p "$RUN"
+
+write_config() { # $1 = ktls mode
+  cat >"$RUN/sandgate.toml" <<TOML
+domain = "sandbox.localhost"
+node_socket = "unix:$RUN/node.sock"
+log_level = "info"
+
+[proxy]
+listen = "127.0.0.1:$PORT"
+workers = 1
+ktls = "$1"
+access_log = "$RUN/access.log"
+
+[[proxy.certificates]]
+cert = "$SG/tls/server.pem"
+key = "$SG/tls/server.key"
+
+[node]
+state_dir = "$RUN/node"
+on_shutdown = "terminate"
+cgroup_name = "sgktls"
+init_path = "$SG/sandgate-init"
+TOML
+}
+
+wait_for_line() { # $1 file, $2 text; 30 s
+  i=0
+  while ! grep -q "$2" "$1" 2>/dev/null; do
+    i=$((i + 1))
+    [ $i -gt 300 ] && return 1
+    sleep 0.1
+  done
+}
+
+tls_stat() { awk -v k="$1" '$1 == k { print $2 }' /proc/net/tls_stat; }
+log_lines() { wc -l <"$RUN/access.log" 2>/dev/null || echo 0; }
+
+# Waits for the proxy's access log line of the connection that just ended; prints it.
+next_access_line() { # $1 = line count before
+  i=0
+  while [ "$(log_lines)" -le "$1" ]; do
+    i=$((i + 1))
+    [ $i -gt 100 ] && return 1
+    sleep 0.05
+  done
+  sed -n "$(($1 + 1))p" "$RUN/access.log"
+}
+
+start_proxy() { # $1 = ktls mode
+  write_config "$1"
+  : >"$RUN/proxy.log"
+  "$SG/sandgate-proxy" --config "$RUN/sandgate.toml" >>"$RUN/proxy.log" 2>&1 &
+  PROXY_PID=$!
+  wait_for_line "$RUN/proxy.log" "sandgate-proxy ready" || { echo "proxy did not start:"; cat "$RUN/proxy.log"; exit 1; }
+}
+
+client() { "$SG/ktls_client" $PORT $SNI "$SG/tls/ca.pem" "$@"; }
+
+write_config on
+"$SG/sandgate-node" --config "$RUN/sandgate.toml" >"$RUN/node.log" 2>&1 &
+wait_for_line "$RUN/node.log" "sandgate-node ready" || { echo "node did not start:"; cat "$RUN/node.log"; exit 1; }
+start_proxy on
+"$SG/sandgate" --api "unix:$RUN/node.sock" create --name kt --expose 9000 -- "$SG/ktls_backend" 9000 >/dev/null ||
+  { echo "sandbox create failed"; cat "$RUN/node.log"; exit 1; }
+i=0
+until client 1.3 TLS_AES_128_GCM_SHA256 1 1 >/dev/null 2>&1; do
+  i=$((i + 1))
+  [ $i -gt 100 ] && { echo "backend never answered through the proxy"; tail -5 "$RUN/access.log"; tail -20 "$RUN/proxy.log"; exit 1; }
+  sleep 0.2
+done
+
+run_case() { # $1 version, $2 cipher
+  lines=$(log_lines)
+  tx=$(tls_stat TlsTxSw)
+  rx=$(tls_stat TlsRxSw)
+  start=$(date +%s)
+  out=$(client "$1" "$2" "$SIZE" "$SIZE" 2>&1)
+  rc=$?
+  secs=$(($(date +%s) - start))
+  entry=$(next_access_line "$lines")
+  why=""
+  [ $rc -eq 0 ] || why="client: $out"
+  case "$entry" in *'"path":"ktls-splice"'*) ;; *) why="$why; access log path is not ktls-splice: $entry" ;; esac
+  case "$entry" in *"\"bytes_in\":"*) ;; *) why="$why; no access log line" ;; esac
+  [ "$(tls_stat TlsTxSw)" -gt "$tx" ] || why="$why; TlsTxSw did not rise"
+  [ "$(tls_stat TlsRxSw)" -gt "$rx" ] || why="$why; TlsRxSw did not rise"
+  [ "$(tls_stat TlsDecryptError)" = 0 ] || why="$why; TlsDecryptError $(tls_stat TlsDecryptError)"
+  if [ -z "$why" ]; then
+    echo "KTLS-CASE PASS TLS$1 $2 ${secs}s: $out"
+  else
+    echo "KTLS-CASE FAIL TLS$1 $2 ${secs}s:$why"
+    failures=$((failures + 1))
+  fi
+}
+
+for v in 1.2 1.3; do
+  if [ $v = 1.2 ]; then
+    ciphers="ECDHE-ECDSA-AES128-GCM-SHA256 ECDHE-ECDSA-AES256-GCM-SHA384 ECDHE-ECDSA-CHACHA20-POLY1305"
+  else
+    ciphers="TLS_AES_128_GCM_SHA256 TLS_AES_256_GCM_SHA384 TLS_CHACHA20_POLY1305_SHA256"
+  fi
+  for c in $ciphers; do run_case $v $c; done
+done
+
+lines=$(log_lines)
+out=$(client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 keyupdate 2>&1)
+entry=$(next_access_line "$lines")
+case "$entry" in
+  *'"cause":"ktls_key_update"'*) echo "KTLS-CASE PASS TLS1.3 KeyUpdate ends the connection: $out" ;;
+  *) echo "KTLS-CASE FAIL TLS1.3 KeyUpdate: $out; access log: $entry"; failures=$((failures + 1)) ;;
+esac
+
+cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+bench() { # $1 = label
+  before=$(cpu_ticks $PROXY_PID)
+  out=$(client 1.3 TLS_AES_128_GCM_SHA256 "$BENCH_SIZE" "$BENCH_SIZE" 2>&1)
+  after=$(cpu_ticks $PROXY_PID)
+  echo "KTLS-BENCH path=$1 bytes_each_way=$BENCH_SIZE proxy_cpu_s=$(awk -v t=$((after - before)) 'BEGIN { printf "%.2f", t / 100 }') $out"
+}
+if [ "$BENCH" = 1 ]; then
+  bench ktls-splice
+  kill $PROXY_PID
+  wait $PROXY_PID
+  start_proxy off
+  bench userspace
+fi
+
+echo "proxy log (kTLS lines):"
+grep -i ktls "$RUN/proxy.log" | head -5
+if [ $failures -eq 0 ]; then echo "KTLS-GUEST-RESULT PASS"; else echo "KTLS-GUEST-RESULT FAIL ($failures)"; fi

@@ -1,0 +1,100 @@
+/* Backend for the kTLS guest test; runs in a sandbox. For each connection: skips the HTTP request head
+ * ("GET /?down=N ..."), reads the client's bytes until EOF (the proxy's half-close), then answers
+ * "<sha256 hex of those bytes> <count>\n" followed by N bytes of the test stream, and closes.
+ *   ktls_backend PORT */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <openssl/evp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "ktls_stream.h"
+
+static int write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w <= 0) return -1;
+    p += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+static void* serve(void* arg) {
+  int fd = (int)(intptr_t)arg;
+  static __thread char buf[1 << 16];
+  size_t have = 0;
+  char* body = NULL;
+  while (!body) {
+    if (have == sizeof buf) goto out;
+    ssize_t n = read(fd, buf + have, sizeof buf - have);
+    if (n <= 0) goto out;
+    have += (size_t)n;
+    body = memmem(buf, have, "\r\n\r\n", 4);
+  }
+  unsigned long long down = 0;
+  const char* q = memmem(buf, have, "down=", 5);
+  if (q) down = strtoull(q + 5, NULL, 10);
+  EVP_MD_CTX* md = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(md, EVP_sha256(), NULL);
+  size_t head = (size_t)(body + 4 - buf);
+  unsigned long long received = have - head;
+  EVP_DigestUpdate(md, buf + head, have - head);
+  for (;;) {
+    ssize_t n = read(fd, buf, sizeof buf);
+    if (n < 0) goto out;
+    if (n == 0) break;
+    received += (unsigned long long)n;
+    EVP_DigestUpdate(md, buf, (size_t)n);
+  }
+  unsigned char digest[32];
+  EVP_DigestFinal_ex(md, digest, NULL);
+  EVP_MD_CTX_free(md);
+  char line[128];
+  int len = 0;
+  for (int i = 0; i < 32; ++i) len += snprintf(line + len, sizeof line - len, "%02x", digest[i]);
+  len += snprintf(line + len, sizeof line - len, " %llu\n", received);
+  if (write_all(fd, line, (size_t)len) != 0) goto out;
+  struct test_stream s;
+  test_stream_init(&s, KTLS_DOWN_SEED);
+  while (down > 0) {
+    size_t n = down < sizeof buf ? (size_t)down : sizeof buf;
+    test_stream_fill(&s, (unsigned char*)buf, n);
+    if (write_all(fd, buf, n) != 0) goto out;
+    down -= n;
+  }
+out:
+  close(fd);
+  return NULL;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: %s PORT\n", argv[0]);
+    return 2;
+  }
+  signal(SIGPIPE, SIG_IGN);
+  int ls = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[1]))};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (bind(ls, (struct sockaddr*)&a, sizeof a) != 0 || listen(ls, 16) != 0) {
+    perror("ktls_backend: bind/listen");
+    return 1;
+  }
+  for (;;) {
+    int c = accept(ls, NULL, NULL);
+    if (c < 0) continue;
+    pthread_t t;
+    if (pthread_create(&t, NULL, serve, (void*)(intptr_t)c) == 0) pthread_detach(t);
+    else close(c);
+  }
+}

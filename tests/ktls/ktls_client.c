@@ -1,0 +1,167 @@
+/* TLS client for the kTLS guest test. Sends a request head and UP bytes of the test stream, then
+ * close_notify (a half-close: it keeps reading), and checks the answer: the sha256 and count of what it
+ * sent, DOWN bytes of the test stream, then a clean close_notify from the proxy.
+ *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate]
+ * CIPHER is an OpenSSL cipher (1.2) or ciphersuite (1.3) name. With "keyupdate" the client sends a TLS 1.3
+ * KeyUpdate halfway through the upload and expects the proxy to close the connection.
+ * Prints one line "ok ..." or "error: ..." and exits 0 or 1. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/ssl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ktls_stream.h"
+
+#define CHUNK (1 << 16)
+
+static int fail(const char* what) {
+  char err[256];
+  ERR_error_string_n(ERR_get_error(), err, sizeof err);
+  printf("error: %s (%s)\n", what, err);
+  return 1;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int ssl_write_all(SSL* ssl, const unsigned char* p, size_t n) {
+  while (n > 0) {
+    int w = SSL_write(ssl, p, (int)n);
+    if (w <= 0) return -1;
+    p += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+/* Reads exactly n bytes (fewer only at the end of the stream). */
+static size_t ssl_read_full(SSL* ssl, unsigned char* p, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    int r = SSL_read(ssl, p + got, (int)(n - got));
+    if (r <= 0) break;
+    got += (size_t)r;
+  }
+  return got;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 8) {
+    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate]\n", argv[0]);
+    return 2;
+  }
+  const char* sni = argv[2];
+  int tls13 = strcmp(argv[4], "1.3") == 0;
+  unsigned long long up = strtoull(argv[6], NULL, 10);
+  unsigned long long down = strtoull(argv[7], NULL, 10);
+  int keyupdate = argc > 8 && strcmp(argv[8], "keyupdate") == 0;
+
+  SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+  int version = tls13 ? TLS1_3_VERSION : TLS1_2_VERSION;
+  SSL_CTX_set_min_proto_version(ctx, version);
+  SSL_CTX_set_max_proto_version(ctx, version);
+  if (!(tls13 ? SSL_CTX_set_ciphersuites(ctx, argv[5]) : SSL_CTX_set_cipher_list(ctx, argv[5])))
+    return fail("cipher");
+  if (SSL_CTX_load_verify_locations(ctx, argv[3], NULL) != 1) return fail("CA file");
+  SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, NULL);
+
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[1]))};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, (struct sockaddr*)&a, sizeof a) != 0) return fail("connect");
+  SSL* ssl = SSL_new(ctx);
+  SSL_set_fd(ssl, fd);
+  SSL_set_tlsext_host_name(ssl, sni);
+  SSL_set1_host(ssl, sni);
+  double start = now_s();
+  if (SSL_connect(ssl) != 1) return fail("handshake");
+  const char* negotiated = SSL_get_cipher_name(ssl);
+
+  char head[256];
+  int head_len = snprintf(head, sizeof head, "GET /?down=%llu HTTP/1.1\r\nHost: %s\r\n\r\n", down, sni);
+  if (ssl_write_all(ssl, (const unsigned char*)head, (size_t)head_len) != 0) return fail("write head");
+
+  static unsigned char buf[CHUNK], expect[CHUNK];
+  struct test_stream s;
+  test_stream_init(&s, KTLS_UP_SEED);
+  EVP_MD_CTX* md = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(md, EVP_sha256(), NULL);
+  unsigned long long left = up;
+  int updated = 0;
+  while (left > 0) {
+    size_t n = left < CHUNK ? (size_t)left : CHUNK;
+    test_stream_fill(&s, buf, n);
+    EVP_DigestUpdate(md, buf, n);
+    if (keyupdate && !updated && left <= up / 2) {
+      if (SSL_key_update(ssl, SSL_KEY_UPDATE_NOT_REQUESTED) != 1) return fail("SSL_key_update");
+      updated = 1;
+    }
+    if (ssl_write_all(ssl, buf, n) != 0) {
+      if (keyupdate && updated) break;
+      return fail("write upload");
+    }
+    left -= n;
+  }
+  if (keyupdate) {
+    /* The proxy must end the connection: reading gives EOF or an error, never the answer. */
+    int r = SSL_read(ssl, buf, sizeof buf);
+    printf(r <= 0 ? "ok keyupdate: connection closed by the proxy\n" : "error: the proxy answered after a KeyUpdate\n");
+    return r <= 0 ? 0 : 1;
+  }
+  unsigned char digest[32];
+  EVP_DigestFinal_ex(md, digest, NULL);
+  EVP_MD_CTX_free(md);
+  /* Half-close: close_notify says "no more from me"; the answer still arrives. */
+  if (SSL_shutdown(ssl) < 0) return fail("close_notify");
+  double uploaded = now_s();
+
+  char line[128], want[128];
+  int wl = 0;
+  for (int i = 0; i < 32; ++i) wl += snprintf(want + wl, sizeof want - wl, "%02x", digest[i]);
+  snprintf(want + wl, sizeof want - wl, " %llu\n", up);
+  size_t ll = 0;
+  while (ll < sizeof line - 1) {
+    if (SSL_read(ssl, line + ll, 1) != 1) return fail("read answer line");
+    if (line[ll++] == '\n') break;
+  }
+  line[ll] = 0;
+  if (strcmp(line, want) != 0) {
+    printf("error: upload mismatch: backend saw %s, client sent %s", line, want);
+    return 1;
+  }
+  test_stream_init(&s, KTLS_DOWN_SEED);
+  left = down;
+  while (left > 0) {
+    size_t n = left < CHUNK ? (size_t)left : CHUNK;
+    test_stream_fill(&s, expect, n);
+    if (ssl_read_full(ssl, buf, n) != n) return fail("download ended early");
+    if (memcmp(buf, expect, n) != 0) {
+      printf("error: download corrupted at byte %llu\n", down - left);
+      return 1;
+    }
+    left -= n;
+  }
+  int r = SSL_read(ssl, buf, 1);
+  if (r > 0 || SSL_get_error(ssl, r) != SSL_ERROR_ZERO_RETURN) {
+    printf("error: expected close_notify after the download (SSL_read=%d, error=%d)\n", r, SSL_get_error(ssl, r));
+    return 1;
+  }
+  double end = now_s();
+  printf("ok %s %s up=%llu down=%llu upload_s=%.3f download_s=%.3f\n", SSL_get_version(ssl), negotiated, up, down,
+         uploaded - start, end - uploaded);
+  SSL_free(ssl);
+  close(fd);
+  SSL_CTX_free(ctx);
+  return 0;
+}
