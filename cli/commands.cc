@@ -122,6 +122,13 @@ Result<json> create_request_body(const CreateOptions& opts) {
     body["exposed_ports"] = opts.expose;
   }
   if (opts.timeout_secs) body["timeout_secs"] = *opts.timeout_secs;
+  if (opts.hibernate_after_secs) body["hibernate_after_secs"] = *opts.hibernate_after_secs;
+  if (opts.driver) {
+    if (std::find(std::begin(kDrivers), std::end(kDrivers), *opts.driver) == std::end(kDrivers))
+      return fail(Error::kInvalidArgument,
+                  "--driver " + *opts.driver + ": must be one of process, qemu, firecracker, cloud-hypervisor");
+    body["driver"] = *opts.driver;
+  }
   if (opts.cpus) body["cpus"] = *opts.cpus;
   if (opts.memory_mb) body["memory_mb"] = *opts.memory_mb;
   if (opts.ephemeral) body["ephemeral"] = true;
@@ -225,14 +232,19 @@ std::string format_created(const json& sandbox) {
 }
 
 std::string format_list(const json& answer, TimePoint now) {
-  std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "STATE", "PORTS", "IDLE-IN", "AGE"}};
+  std::vector<std::vector<std::string>> rows = {
+      {"ID", "NAME", "DRIVER", "STATE", "TIER", "PORTS", "IDLE-IN", "NEXT", "AGE"}};
   const json* list = field(answer, "sandboxes");
   if (list != nullptr && list->is_array()) {
     for (const json& sb : *list) {
       auto idle = seconds_between(now, field(sb, "idle_deadline_at"));
+      auto next = seconds_between(now, field(sb, "next_transition_at"));
       auto age = seconds_between(now, field(sb, "created_at"));
-      rows.push_back({text(sb, "id"), text(sb, "name"), text(sb, "state"), ports(sb, ","),
-                      idle ? std::to_string(std::max<long long>(idle->count(), 0)) : "-",
+      std::string next_text = "-";
+      if (next && text(sb, "next_transition") != "-")
+        next_text = text(sb, "next_transition") + " in " + format_duration(*next);
+      rows.push_back({text(sb, "id"), text(sb, "name"), text(sb, "driver"), text(sb, "state"), text(sb, "tier"),
+                      ports(sb, ","), idle ? std::to_string(std::max<long long>(idle->count(), 0)) : "-", next_text,
                       age ? format_duration(-*age) : "-"});
     }
   }
@@ -253,10 +265,10 @@ std::string format_list(const json& answer, TimePoint now) {
 
 std::string format_sandbox(const json& sandbox, TimePoint now) {
   static const std::vector<std::string> kOrder = {
-      "id",          "name",      "state",   "state_reason", "ephemeral",  "driver",
-      "command",     "cwd",       "env",     "exposed_ports", "timeout_secs", "cpus",
-      "memory_mb",   "pid",       "created_at", "last_activity_at", "idle_deadline_at", "connections",
-      "urls"};
+      "id",          "name",      "state",   "state_reason", "tier",  "ephemeral",  "driver",
+      "command",     "cwd",       "env",     "exposed_ports", "timeout_secs", "hibernate_after_secs", "cpus",
+      "memory_mb",   "pid",       "created_at", "last_activity_at", "idle_deadline_at", "next_transition",
+      "next_transition_at", "connections", "urls"};
   Lines lines;
   auto add = [&](const std::string& key) {
     const json* v = field(sandbox, key);

@@ -16,6 +16,8 @@
 namespace sg::cli {
 
 inline constexpr std::string_view kVersion = "0.1.0";
+// Every driver sandgate knows; which of them a node has enabled is the node's answer to give.
+inline constexpr std::string_view kDrivers[] = {"process", "qemu", "firecracker", "cloud-hypervisor"};
 
 using TimePoint = std::chrono::system_clock::time_point;
 
@@ -24,6 +26,8 @@ struct CreateOptions {
   std::optional<std::string> name;
   bool ephemeral = false;
   std::optional<uint32_t> timeout_secs;
+  std::optional<uint32_t> hibernate_after_secs;
+  std::optional<std::string> driver;
   std::vector<int> expose;
   std::optional<double> cpus;
   std::optional<uint32_t> memory_mb;
@@ -33,7 +37,8 @@ struct CreateOptions {
 };
 
 // The POST /v1/sandboxes body. kInvalidArgument (a usage error) for what the CLI can tell is wrong by itself:
-// no command, a port outside 1-65535, an --env without '='. Everything else is left to the node.
+// no command, a port outside 1-65535, an --env without '=', a --driver outside kDrivers. Everything else is
+// left to the node.
 Result<nlohmann::json> create_request_body(const CreateOptions& opts);
 
 // "/v1/sandboxes/<ref>[/<action>]" with ref percent-encoded (it is user input placed in a path).
@@ -53,7 +58,8 @@ std::string shell_join(const std::vector<std::string>& args);
 
 // `sandgate create`: id, name, state (and why, if it failed) and one url line per exposed port.
 std::string format_created(const nlohmann::json& sandbox);
-// `sandgate ls`: the {"sandboxes": [...]} answer as a table ID NAME STATE PORTS IDLE-IN AGE.
+// `sandgate ls`: the {"sandboxes": [...]} answer as a table ID NAME DRIVER STATE TIER PORTS IDLE-IN NEXT AGE,
+// where TIER is memory/disk for a suspended sandbox and NEXT the idle policy's next step ("hibernate in 5m").
 std::string format_list(const nlohmann::json& answer, TimePoint now);
 // `sandgate get`: one "key: value" line per field, timestamps with a relative hint.
 std::string format_sandbox(const nlohmann::json& sandbox, TimePoint now);

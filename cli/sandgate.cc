@@ -17,8 +17,9 @@ constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
 
-// Generous: deleting a sandbox waits for its processes to exit, creating one for its cgroup and init.
-constexpr int kRequestTimeoutMs = 60'000;
+// Generous: deleting a sandbox waits for its processes to exit, creating one for its cgroup and init or for a
+// VM to boot (which the driver may retry).
+constexpr int kRequestTimeoutMs = 120'000;
 
 int error(const std::string& message, int code = kExitError) {
   std::cerr << "sandgate: " << message << "\n";
@@ -63,12 +64,18 @@ int main(int argc, char** argv) {
 
   sg::cli::CreateOptions create_opts;
   std::string name, cwd;
-  uint32_t timeout_secs = 0, memory_mb = 0;
+  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0;
+  std::string driver;
   double cpus = 0;
   CLI::App* create = app.add_subcommand("create", "Create and start a sandbox running CMD");
   auto* name_opt = create->add_option("--name", name, "unique name (used in URLs); default: unnamed");
   create->add_flag("--ephemeral", create_opts.ephemeral, "ephemeral sandbox: cannot be suspended or resumed");
   auto* timeout_opt = create->add_option("--timeout", timeout_secs, "idle seconds before the sandbox is suspended");
+  auto* hibernate_opt = create->add_option(
+      "--hibernate-after", hibernate_after_secs,
+      "seconds suspended in memory before it is hibernated to disk (0 = never; drivers that can hibernate)");
+  auto* driver_opt =
+      create->add_option("--driver", driver, "process, qemu, firecracker or cloud-hypervisor (default: the node's)");
   // One port per --expose: a greedy vector option would swallow the command when `--` is forgotten.
   create->add_option("--expose", create_opts.expose, "port reachable at https://PORT-NAME.DOMAIN (repeatable)")
       ->allow_extra_args(false);
@@ -117,6 +124,8 @@ int main(int argc, char** argv) {
   if (create->parsed()) {
     if (name_opt->count() > 0) create_opts.name = name;
     if (timeout_opt->count() > 0) create_opts.timeout_secs = timeout_secs;
+    if (hibernate_opt->count() > 0) create_opts.hibernate_after_secs = hibernate_after_secs;
+    if (driver_opt->count() > 0) create_opts.driver = driver;
     if (cpus_opt->count() > 0) create_opts.cpus = cpus;
     if (memory_opt->count() > 0) create_opts.memory_mb = memory_mb;
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;

@@ -168,6 +168,7 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
             "must be 1-64 characters of [A-Za-z0-9._-] not starting with a dot");
   r.string("init_path", &out->init_path);
   out->init_path = resolve_path(base_dir, out->init_path);
+  r.integer("default_hibernate_after_secs", &out->default_hibernate_after_secs, 0, 365 * 24 * 3600);
 }
 
 bool valid_domain(std::string_view d) {

@@ -44,6 +44,7 @@ struct NodeConfig {
   std::string state_dir = "/var/lib/sandgate";
   std::vector<Endpoint> api_listen;     // extra TCP listeners for the node API (loopback); unix socket always
   uint32_t default_timeout_secs = 300;
+  uint32_t default_hibernate_after_secs = 0;  // suspended in memory -> hibernated to disk; 0 = never
   uint32_t max_sandboxes = 1000;
   uint32_t max_timeout_secs = 7 * 24 * 3600;
   ShutdownPolicy on_shutdown = ShutdownPolicy::kKeep;

@@ -115,7 +115,8 @@ Failure unknown_field(std::string_view field, std::string_view allowed) {
 
 Result<CreateRequest> parse_create(const json& body) {
   constexpr std::string_view kAllowed =
-      "name, command, env, cwd, exposed_ports, timeout_secs, cpus, memory_mb, ephemeral";
+      "name, command, env, cwd, exposed_ports, timeout_secs, hibernate_after_secs, cpus, memory_mb, ephemeral, "
+      "driver";
   CreateRequest req;
   bool has_command = false;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -147,9 +148,13 @@ Result<CreateRequest> parse_create(const json& body) {
         if (!port.is_number_integer()) return wrong_type("exposed_ports[]", "an integer", port);
         req.exposed_ports.push_back(as_int64(port));
       }
-    } else if (key == "timeout_secs" || key == "memory_mb") {
+    } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs") {
       if (!v.is_number_integer()) return wrong_type(key, "an integer", v);
-      (key == "timeout_secs" ? req.timeout_secs : req.memory_mb) = as_int64(v);
+      (key == "timeout_secs" ? req.timeout_secs : key == "memory_mb" ? req.memory_mb : req.hibernate_after_secs) =
+          as_int64(v);
+    } else if (key == "driver") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.driver = v.get<std::string>();
     } else if (key == "cpus") {
       if (!v.is_number()) return wrong_type(key, "a number", v);
       req.cpus = v.get<double>();
@@ -658,12 +663,13 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"state", state_name(info.state)},
       {"state_reason", info.state_reason},
       {"ephemeral", info.spec.ephemeral},
-      {"driver", node_->driver_name()},
+      {"driver", info.spec.driver},
       {"command", info.spec.command},
       {"env", info.spec.env},
       {"cwd", info.spec.cwd},
       {"exposed_ports", info.spec.exposed_ports},
       {"timeout_secs", info.spec.timeout_secs},
+      {"hibernate_after_secs", info.spec.hibernate_after_secs},
       {"cpus", info.spec.cpus},
       {"memory_mb", info.spec.memory_mb},
       {"pid", info.runtime.pid > 0 ? ordered_json(info.runtime.pid) : ordered_json(nullptr)},
@@ -671,6 +677,10 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"last_activity_at", format_time(info.last_activity_at_ms)},
       {"idle_deadline_at",
        info.idle_deadline_at_ms ? ordered_json(format_time(*info.idle_deadline_at_ms)) : ordered_json(nullptr)},
+      {"tier", info.tier == SuspendTier::kNone ? ordered_json(nullptr) : ordered_json(tier_name(info.tier))},
+      {"next_transition", info.next_transition.empty() ? ordered_json(nullptr) : ordered_json(info.next_transition)},
+      {"next_transition_at",
+       info.next_transition_at_ms ? ordered_json(format_time(*info.next_transition_at_ms)) : ordered_json(nullptr)},
       {"connections", info.connections},
       {"resumes", info.resumes},
       {"urls", std::move(urls)},
@@ -691,11 +701,14 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
 
   if (path == "/v1/health") {
     if (method != "GET") return method_not_allowed("GET");
-    ordered_json j = {{"status", "ok"}, {"sandboxes", node_->sandbox_count()}, {"driver", node_->driver_name()}};
+    ordered_json j = {{"status", "ok"},
+                      {"sandboxes", node_->sandbox_count()},
+                      {"driver", node_->default_driver_name()},
+                      {"drivers", node_->driver_names()}};
     return reply(Response{200, to_text(j), UniqueFd(), ""});
   }
   if (path == "/v1/sandboxes") {
-    if (method == "POST") return handle_create(request, reply);
+    if (method == "POST") return handle_create(request, std::move(reply));
     if (method != "GET") return method_not_allowed("GET, POST");
     // Serialized piecewise: one Response per sandbox reuses the single-sandbox encoding.
     std::string body = "{\"sandboxes\":[";
@@ -741,13 +754,14 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
   reply(error_response(404, Error::kNotFound, "no such endpoint: " + method + " " + std::string(path)));
 }
 
-void ApiServer::handle_create(const HttpMessage& request, Reply& reply) {
+void ApiServer::handle_create(const HttpMessage& request, Reply reply) {
   auto body = parse_object(request.body);
   if (!body) return reply(error_response(body.failure()));
   auto create = parse_create(*body);
   if (!create) return reply(error_response(create.failure()));
-  auto info = node_->create(*create);
-  reply(info ? sandbox_response(201, *info) : error_response(info.failure()));
+  node_->create(*create, [this, reply = std::move(reply)](Result<SandboxInfo> info) {
+    reply(info ? sandbox_response(201, *info) : error_response(info.failure()));
+  });
 }
 
 void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply) {
@@ -779,8 +793,10 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
                       {"name", r->name.empty() ? ordered_json(nullptr) : ordered_json(r->name)},
                       {"port", r->port},
                       {"woke", r->woke},
-                      {"wake_ms", r->wake_ms}};
-    reply(Response{200, to_text(j), std::move(r->socket), ""});
+                      {"wake_ms", r->wake_ms},
+                      {"connect_port", r->socket.connect_port},
+                      {"connected", r->socket.connected}};
+    reply(Response{200, to_text(j), std::move(r->socket.fd), ""});
   });
 }
 

@@ -56,7 +56,7 @@ class ApiServer {
   void route(const HttpMessage& request, bool can_pass_fds, Reply reply);
   Response sandbox_response(int status, const SandboxInfo& info) const;
 
-  void handle_create(const HttpMessage& request, Reply& reply);
+  void handle_create(const HttpMessage& request, Reply reply);
   void handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply);
   void handle_activity(const HttpMessage& request, Reply& reply);
 

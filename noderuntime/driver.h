@@ -1,11 +1,23 @@
-// The interface every sandbox driver implements (process today; QEMU, Firecracker, Cloud Hypervisor later).
-// The node's state machine and idle policy only talk to this interface. All calls run on the node's libuv
-// loop thread. Asynchronous operations complete by invoking their callback later from that loop (never
-// before the call returns), so callers may update their own state after starting an operation.
+// The interface every sandbox driver implements: process (embedded), QEMU, Firecracker, Cloud Hypervisor.
+// The node's state machine and idle policy only talk to this interface; which of the two suspend tiers a
+// sandbox can reach depends on capabilities().
+//
+// Threading and callbacks: every call runs on the node's libuv loop thread. Asynchronous operations complete
+// by invoking their callback later from that loop, never before the call that started them returns, so the
+// caller may update its own state after starting an operation. A driver destroyed with operations in flight
+// drops their callbacks (their owners are being torn down too). At most one of start / pause / resume /
+// hibernate / restore is in flight per sandbox at a time (the node serialises them); terminate may overtake
+// any of them except start (the node waits for a start to settle before terminating).
+//
+// Tiers: `pause` keeps the instance's memory resident (wakes in milliseconds); `hibernate` writes the paused
+// instance's state to a file under RuntimeInfo::sandbox_dir and ends the instance so its memory is freed
+// (wakes in ~100s of ms through `restore`). A hibernated sandbox has no live instance: its RuntimeInfo (pid 0,
+// driver_data naming the state file) is all that is left, and it is persisted by the node.
 #pragma once
 
 #include <uv.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -16,40 +28,74 @@
 namespace sg {
 
 struct DriverCapabilities {
-  bool pause = false;      // suspend with memory kept resident (fast tier)
-  bool hibernate = false;  // suspend to disk (slow tier); none yet
+  bool pause = false;      // pause()/resume(): memory tier
+  bool hibernate = false;  // hibernate()/restore(): disk tier (requires pause)
 };
 
 // What a driver sees when it looks at an instance (used to reconcile after a node restart).
 struct ObservedInstance {
-  bool alive = false;   // the instance (process tree / VM) exists and is the one we started
-  bool paused = false;  // frozen / paused right now
+  bool alive = false;       // the instance (process tree / VM) exists and is the one we started
+  bool paused = false;      // alive and paused right now
+  bool hibernated = false;  // not alive, but a complete saved state exists that restore() can start from
+};
+
+// How the proxy reaches a guest port through the socket open_socket() returns.
+struct GuestSocket {
+  UniqueFd fd;  // non-blocking, close-on-exec
+  // true: already connected to the guest port (e.g. a vsock stream through a hypervisor's unix socket); the
+  // proxy uses it as it is. false: an unconnected TCP socket the proxy connects to 127.0.0.1:connect_port.
+  bool connected = false;
+  // The port to connect to. Equal to the guest port when the socket lives in the sandbox's own network
+  // namespace (process driver); a host port forwarded to the guest port otherwise (QEMU user networking).
+  uint16_t connect_port = 0;
 };
 
 class Driver {
  public:
   using Done = std::function<void(Status)>;
+  // start/hibernate/restore hand back the RuntimeInfo to persist from then on.
+  using RuntimeDone = std::function<void(Result<RuntimeInfo>)>;
   virtual ~Driver() = default;
 
+  // "process", "qemu", "firecracker", "cloud-hypervisor": what `--driver` names and the API reports.
   virtual std::string_view name() const = 0;
   virtual DriverCapabilities capabilities() const = 0;
 
-  // Starts the sandbox's command. On success the instance is running and its RuntimeInfo is returned.
-  // Synchronous: starting a process tree takes milliseconds.
-  virtual Result<RuntimeInfo> start(const SandboxSpec& spec, const std::string& sandbox_dir) = 0;
-  // Freeze / thaw. `done` gets ok once the instance is fully paused / running again.
+  // Starts the sandbox's command. `done` gets the running instance's RuntimeInfo (sandbox_dir included) once
+  // it is ready to serve its ports' connections at the transport level (a VM has booted its kernel and init),
+  // or a failure after which nothing of the instance is left running. A driver may retry internally (a VM
+  // whose boot stalls), within its own bounded deadline.
+  virtual void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) = 0;
+  // Memory tier. `done` gets ok once the instance is fully paused / running again. A failed pause leaves the
+  // instance running.
   virtual void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) = 0;
   virtual void resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) = 0;
-  // Kills the whole instance and releases its resources (cgroups, namespaces). `done` after it is gone.
+  // Disk tier (only with capabilities().hibernate). Called on a paused instance. On success the instance is
+  // gone, its memory is freed, its exit watch (watch_exit) has ended without firing, and `done` gets the
+  // RuntimeInfo describing the saved state. On failure the instance is still alive and paused in memory and
+  // no saved state of an earlier hibernation is deleted.
+  virtual void hibernate(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) = 0;
+  // Starts an instance from the saved state `info` describes and leaves it running; `done` gets the new
+  // instance's RuntimeInfo (the node then calls watch_exit again). On failure nothing is left running and the
+  // saved state is kept, untouched, for a later attempt or for inspection.
+  virtual void restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) = 0;
+  // Asks the pause() or hibernate() in flight for this sandbox to stop early because the sandbox is wanted
+  // again. Returns true if the operation will end with a failure that leaves the instance where it was before
+  // it began (running for a pause, paused in memory for a hibernate). Even after true, the operation may still
+  // complete successfully if it was past the point of no return. Returns false when nothing is in flight or
+  // the driver cannot interrupt it; the operation then finishes normally.
+  virtual bool cancel(const SandboxSpec& spec) = 0;
+  // Kills the whole instance and releases its resources (cgroups, namespaces, VM process, sockets) but keeps
+  // the sandbox_dir (the node removes it). Works on hibernated sandboxes too. `done` after it is gone.
   virtual void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) = 0;
-  // Calls `on_exit` once when the instance exits by itself (crash, command finished). Must also work for
-  // instances adopted after a node restart (not children of this process).
+  // Calls `on_exit` once when the instance exits by itself (crash, command finished, VM died). Must also work
+  // for instances adopted after a node restart (not children of this process).
   virtual Status watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) = 0;
   virtual void unwatch(const SandboxSpec& spec) = 0;
+  // Reconcile only (once per sandbox at node start): may block briefly to ask the instance.
   virtual ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) = 0;
-  // A TCP socket (non-blocking, close-on-exec, not yet connected) that lives in the sandbox's network
-  // namespace: connecting it to 127.0.0.1:<port> reaches the sandbox's own loopback.
-  virtual Result<UniqueFd> open_socket(const SandboxSpec& spec, const RuntimeInfo& info) = 0;
+  // A socket through which the proxy reaches `port` of the running instance (see GuestSocket).
+  virtual Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) = 0;
 };
 
 }  // namespace sg

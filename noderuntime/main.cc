@@ -147,12 +147,14 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot open the state database: {}", store.message());
     return 1;
   }
-  auto driver = sg::make_process_driver(d.loop, c.node);
-  if (!driver) {
-    spdlog::critical("cannot initialise the process driver: {}", driver.message());
+  std::vector<std::unique_ptr<sg::Driver>> drivers;
+  auto process_driver = sg::make_process_driver(d.loop, c.node);
+  if (!process_driver) {
+    spdlog::critical("cannot initialise the process driver: {}", process_driver.message());
     return 1;
   }
-  d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(*driver), std::move(*store));
+  drivers.push_back(std::move(*process_driver));
+  d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
   if (auto s = d.node->reconcile(); !s) {
     spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());
     return 1;

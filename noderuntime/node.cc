@@ -70,9 +70,12 @@ struct Node::Sandbox {
   uint64_t connections = 0;
   uint64_t resumes = 0;  // resumes started since this node process adopted or created the sandbox
   std::vector<Waiter*> waiters;
-  // Set while suspending when something asked for the sandbox (an open, traffic, the API): the suspend
-  // is allowed to finish and is then followed by exactly one resume, for this reason.
+  // Set while suspending when something asked for the sandbox (an open, traffic, the API): unless the
+  // driver cancels the suspension, it finishes and is then followed by exactly one resume, for this reason.
   std::optional<std::string> pending_wake;
+  bool cancel_requested = false;  // the driver agreed to cancel the suspension in flight
+  bool starting = false;          // the driver's start() has not answered yet
+  SandboxCallback created;        // create()'s caller, answered when the start settles
   bool watched = false;
   bool terminating = false;
   std::string terminate_reason;
@@ -81,10 +84,11 @@ struct Node::Sandbox {
   const std::string& id() const { return rec.spec.id; }
 };
 
-Node::Node(uv_loop_t* loop, const ConfigHolder* config, std::unique_ptr<Driver> driver, std::unique_ptr<Store> store)
+Node::Node(uv_loop_t* loop, const ConfigHolder* config, std::vector<std::unique_ptr<Driver>> drivers,
+           std::unique_ptr<Store> store)
     : loop_(loop),
       config_(config),
-      driver_(std::move(driver)),
+      drivers_(std::move(drivers)),
       store_(std::move(store)),
       idle_timer_(new uv_timer_t),
       shutdown_timer_(new uv_timer_t) {
@@ -107,6 +111,21 @@ Node::~Node() {
 }
 
 // ---- lookup and snapshots ----
+
+Driver* Node::find_driver(std::string_view name) const {
+  for (const auto& d : drivers_)
+    if (d->name() == name) return d.get();
+  return nullptr;
+}
+
+// Every live sandbox's driver exists: create checks the name and reconcile fails rows whose driver is gone.
+Driver& Node::driver(const Sandbox& sb) const { return *find_driver(sb.rec.spec.driver); }
+
+std::vector<std::string> Node::driver_names() const {
+  std::vector<std::string> names;
+  for (const auto& d : drivers_) names.emplace_back(d->name());
+  return names;
+}
 
 Node::Sandbox* Node::find(std::string_view ref) const {
   std::string key(ref);
@@ -136,11 +155,19 @@ SandboxInfo Node::snapshot(const Sandbox& sb) const {
   info.last_activity_at_ms = sb.rec.last_activity_at_ms;
   info.connections = sb.connections;
   info.resumes = sb.resumes;
-  if (sb.rec.state == S::kRunning && !sb.terminating) {
-    if (auto deadline = idle_.deadline(sb.id())) {
-      auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
-      info.idle_deadline_at_ms = wall_now_ms() + remaining.count();
+  bool suspended_state = sb.rec.state == S::kSuspending || sb.rec.state == S::kSuspended || sb.rec.state == S::kResuming;
+  info.tier = suspended_state ? sb.rec.tier : SuspendTier::kNone;
+  if (sb.terminating) return info;
+  if (auto deadline = idle_.deadline(sb.id())) {
+    auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+    int64_t at_ms = wall_now_ms() + remaining.count();
+    if (sb.rec.state == S::kRunning) {
+      info.idle_deadline_at_ms = at_ms;
+      info.next_transition = sb.rec.spec.ephemeral ? "terminate" : "suspend";
+    } else {
+      info.next_transition = "hibernate";
     }
+    info.next_transition_at_ms = at_ms;
   }
   return info;
 }
@@ -202,6 +229,17 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
     return invalid("timeout_secs: must be between 1 and " + std::to_string(cfg->node.max_timeout_secs) +
                    " (node.max_timeout_secs)");
   spec.timeout_secs = static_cast<uint32_t>(timeout);
+  int64_t hibernate_after = req.hibernate_after_secs.value_or(cfg->node.default_hibernate_after_secs);
+  if (hibernate_after < 0 || hibernate_after > static_cast<int64_t>(cfg->node.max_timeout_secs))
+    return invalid("hibernate_after_secs: must be between 0 (never) and " +
+                   std::to_string(cfg->node.max_timeout_secs) + " (node.max_timeout_secs)");
+  spec.hibernate_after_secs = static_cast<uint32_t>(hibernate_after);
+  spec.driver = req.driver.value_or(std::string(default_driver_name()));
+  if (find_driver(spec.driver) == nullptr) {
+    std::string enabled;
+    for (const std::string& n : driver_names()) enabled += (enabled.empty() ? "" : ", ") + n;
+    return invalid("driver: '" + spec.driver + "' is not enabled on this node (enabled: " + enabled + ")");
+  }
   double cpus = req.cpus.value_or(spec.cpus);
   if (!std::isfinite(cpus) || cpus <= 0 || cpus > kMaxCpus) return invalid("cpus: must be > 0 and <= 1024");
   spec.cpus = cpus;
@@ -211,18 +249,18 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   return spec;
 }
 
-Result<SandboxInfo> Node::create(const CreateRequest& request) {
-  if (shutting_down_) return fail(Error::kUnavailable, "node is shutting down");
+void Node::create(const CreateRequest& request, SandboxCallback done) {
+  if (shutting_down_) return done(fail(Error::kUnavailable, "node is shutting down"));
   auto spec = validate(request);
-  if (!spec) return spec.failure();
+  if (!spec) return done(spec.failure());
   auto cfg = config_->get();
   if (sandboxes_.size() >= cfg->node.max_sandboxes)
-    return fail(Error::kLimitExceeded, "this node already has " + std::to_string(sandboxes_.size()) +
-                                           " sandboxes (node.max_sandboxes)");
+    return done(fail(Error::kLimitExceeded, "this node already has " + std::to_string(sandboxes_.size()) +
+                                                " sandboxes (node.max_sandboxes)"));
   if (!spec->name.empty()) {
     auto taken = ids_by_name_.find(spec->name);
     if (taken != ids_by_name_.end())
-      return fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second);
+      return done(fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second));
   }
   do {
     spec->id = generate_id();
@@ -233,7 +271,7 @@ Result<SandboxInfo> Node::create(const CreateRequest& request) {
   std::filesystem::create_directories(parent, ec);
   std::string dir = parent + "/" + spec->id;
   if (ec || (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST))
-    return fail(Error::kIo, "cannot create " + dir + ": " + (ec ? ec.message() : std::strerror(errno)));
+    return done(fail(Error::kIo, "cannot create " + dir + ": " + (ec ? ec.message() : std::strerror(errno))));
 
   auto owned = std::make_unique<Sandbox>();
   Sandbox& sb = *owned;
@@ -245,23 +283,44 @@ Result<SandboxInfo> Node::create(const CreateRequest& request) {
   // Persisted before anything runs: a crash between start and the next write leaves a record to reconcile.
   if (auto s = store_->upsert(sb.rec); !s) {
     std::filesystem::remove_all(dir, ec);
-    return s.failure();
+    return done(s.failure());
   }
   std::string id = sb.id();
   if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
   sandboxes_.emplace(id, std::move(owned));
+  sb.starting = true;
+  sb.created = std::move(done);
+  driver(sb).start(sb.rec.spec, dir, [this, id](Result<RuntimeInfo> r) { on_started(id, std::move(r)); });
+}
 
-  auto runtime = driver_->start(sb.rec.spec, dir);
+void Node::on_started(const std::string& id, Result<RuntimeInfo> runtime) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return;
+  Sandbox& sb = *it->second;
+  sb.starting = false;
+  SandboxCallback created = std::move(sb.created);
+  sb.created = nullptr;
+  if (sb.terminating) {
+    // Deleted (or the node shut down) while starting: the terminate was held back until now.
+    if (created) created(fail(Error::kConflict, "sandbox " + id + " was deleted while it was starting"));
+    if (!runtime) return on_terminated(id, {});
+    sb.rec.runtime = std::move(*runtime);
+    driver(sb).terminate(sb.rec.spec, sb.rec.runtime, [this, id](Status s) { on_terminated(id, std::move(s)); });
+    return;
+  }
   if (!runtime) {
     // Nothing lingers after a failed start: the caller gets the error and can retry with the same name.
+    fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " failed to start: " + runtime.message()));
     (void)transition(sb, S::kTerminated, "start failed: " + runtime.message());
     forget(id);
-    return fail(runtime.error(), "cannot start sandbox: " + runtime.message());
+    if (created) created(fail(runtime.error(), "cannot start sandbox: " + runtime.message()));
+    return;
   }
   sb.rec.runtime = std::move(*runtime);
   (void)transition(sb, S::kRunning, "started");
   watch(sb);
-  return snapshot(sb);
+  serve_waiters(sb);
+  if (created) created(snapshot(sb));
 }
 
 // ---- transitions ----
@@ -275,8 +334,13 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   sb.rec.state = to;
   sb.rec.state_reason = std::move(reason);
   spdlog::info("sandbox {}: {} -> {} ({})", sb.id(), state_name(from), state_name(to), sb.rec.state_reason);
-  if (from == S::kRunning) idle_.remove(sb.id());
-  if (to == S::kRunning) start_idle_clock(sb);
+  // One idle clock per sandbox: running -> idle timeout, suspended in memory -> hibernation.
+  idle_.remove(sb.id());
+  if (to == S::kRunning) {
+    sb.rec.tier = SuspendTier::kNone;
+    start_idle_clock(sb);
+  }
+  if (to == S::kSuspended && sb.rec.tier == SuspendTier::kMemory) start_hibernate_clock(sb);
   if (to != S::kTerminated) persist(sb);  // a terminated sandbox's row is erased by forget()
   return {};
 }
@@ -292,13 +356,19 @@ void Node::start_idle_clock(Sandbox& sb) {
   arm_idle_timer();
 }
 
+void Node::start_hibernate_clock(Sandbox& sb) {
+  if (sb.rec.spec.hibernate_after_secs == 0 || !driver(sb).capabilities().hibernate) return;
+  idle_.set(sb.id(), std::chrono::seconds(sb.rec.spec.hibernate_after_secs), Clock::now());
+  arm_idle_timer();
+}
+
 void Node::touch(Sandbox& sb) {
   sb.rec.last_activity_at_ms = wall_now_ms();
   idle_.touch(sb.id(), Clock::now());
 }
 
 void Node::watch(Sandbox& sb) {
-  auto s = driver_->watch_exit(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()] { on_exit(id); });
+  auto s = driver(sb).watch_exit(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()] { on_exit(id); });
   if (!s) {
     spdlog::warn("sandbox {}: cannot watch for exit: {}", sb.id(), s.message());
     return;
@@ -307,9 +377,11 @@ void Node::watch(Sandbox& sb) {
 }
 
 void Node::begin_suspend(Sandbox& sb, std::string reason) {
+  sb.rec.tier = SuspendTier::kMemory;
   if (!transition(sb, S::kSuspending, std::move(reason))) return;
   sb.pending_wake.reset();
-  driver_->pause(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_pause_done(id, std::move(s)); });
+  sb.cancel_requested = false;
+  driver(sb).pause(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_pause_done(id, std::move(s)); });
 }
 
 void Node::on_pause_done(const std::string& id, Status status) {
@@ -318,8 +390,12 @@ void Node::on_pause_done(const std::string& id, Status status) {
   if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kSuspending) return;
   Sandbox& sb = *it->second;
   if (!status) {
-    spdlog::warn("sandbox {}: suspend failed: {}", id, status.message());
-    (void)transition(sb, S::kRunning, "suspend failed, still running: " + status.message());
+    std::string reason = sb.cancel_requested && sb.pending_wake ? "suspend cancelled: " + *sb.pending_wake
+                                                                : "suspend failed, still running: " + status.message();
+    if (!sb.cancel_requested) spdlog::warn("sandbox {}: suspend failed: {}", id, status.message());
+    sb.pending_wake.reset();
+    (void)transition(sb, S::kRunning, std::move(reason));
+    touch(sb);
     serve_waiters(sb);
     return;
   }
@@ -327,11 +403,54 @@ void Node::on_pause_done(const std::string& id, Status status) {
   if (sb.pending_wake) begin_resume(sb, *sb.pending_wake);
 }
 
+void Node::begin_hibernate(Sandbox& sb, std::string reason) {
+  sb.rec.tier = SuspendTier::kDisk;
+  if (!transition(sb, S::kSuspending, std::move(reason))) return;
+  sb.pending_wake.reset();
+  sb.cancel_requested = false;
+  driver(sb).hibernate(sb.rec.spec, sb.rec.runtime,
+                       [this, id = sb.id()](Result<RuntimeInfo> r) { on_hibernate_done(id, std::move(r)); });
+}
+
+void Node::on_hibernate_done(const std::string& id, Result<RuntimeInfo> runtime) {
+  auto it = sandboxes_.find(id);
+  // Overtaken: deleted, or the instance died during the hibernation (on_exit failed it).
+  if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kSuspending) return;
+  Sandbox& sb = *it->second;
+  if (runtime) {
+    sb.rec.runtime = std::move(*runtime);
+    sb.watched = false;  // a hibernated instance is gone; its watch ended with it
+    (void)transition(sb, S::kSuspended, sb.rec.state_reason);
+  } else {
+    // The instance is still paused in memory, so the sandbox is simply suspended in the memory tier; the
+    // hibernate clock starts over, which paces retries.
+    std::string reason = sb.cancel_requested && sb.pending_wake
+                             ? "hibernation cancelled: " + *sb.pending_wake
+                             : "hibernate failed, still suspended in memory: " + runtime.message();
+    if (!sb.cancel_requested) spdlog::warn("sandbox {}: hibernate failed: {}", id, runtime.message());
+    sb.rec.tier = SuspendTier::kMemory;
+    (void)transition(sb, S::kSuspended, std::move(reason));
+  }
+  if (sb.pending_wake) begin_resume(sb, *sb.pending_wake);
+}
+
+void Node::wake(Sandbox& sb, std::string reason) {
+  if (sb.rec.state == S::kSuspended) return begin_resume(sb, std::move(reason));
+  if (sb.rec.state != S::kSuspending) return;
+  if (!sb.pending_wake) sb.pending_wake = std::move(reason);
+  if (!sb.cancel_requested) sb.cancel_requested = driver(sb).cancel(sb.rec.spec);
+}
+
 void Node::begin_resume(Sandbox& sb, std::string reason) {
   if (!transition(sb, S::kResuming, std::move(reason))) return;
   ++sb.resumes;
   sb.pending_wake.reset();
-  driver_->resume(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
+  if (sb.rec.tier == SuspendTier::kDisk) {
+    driver(sb).restore(sb.rec.spec, sb.rec.runtime,
+                       [this, id = sb.id()](Result<RuntimeInfo> r) { on_restore_done(id, std::move(r)); });
+    return;
+  }
+  driver(sb).resume(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
 }
 
 void Node::on_resume_done(const std::string& id, Status status) {
@@ -348,6 +467,23 @@ void Node::on_resume_done(const std::string& id, Status status) {
   serve_waiters(sb);
 }
 
+void Node::on_restore_done(const std::string& id, Result<RuntimeInfo> runtime) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kResuming) return;
+  Sandbox& sb = *it->second;
+  if (!runtime) {
+    // The saved state stays on disk (the driver never deletes it on failure) for inspection or deletion.
+    (void)transition(sb, S::kFailed, "restore from disk failed: " + runtime.message());
+    fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " failed to wake: " + runtime.message()));
+    return;
+  }
+  sb.rec.runtime = std::move(*runtime);
+  (void)transition(sb, S::kRunning, sb.rec.state_reason);
+  watch(sb);
+  touch(sb);
+  serve_waiters(sb);
+}
+
 void Node::begin_terminate(Sandbox& sb, std::string reason) {
   sb.terminating = true;
   ++terminating_count_;
@@ -355,12 +491,13 @@ void Node::begin_terminate(Sandbox& sb, std::string reason) {
   sb.pending_wake.reset();
   idle_.remove(sb.id());
   if (sb.watched) {
-    driver_->unwatch(sb.rec.spec);
+    driver(sb).unwatch(sb.rec.spec);
     sb.watched = false;
   }
   fail_waiters(sb, fail(Error::kNotFound, "sandbox " + sb.id() + " is being terminated"));
   spdlog::info("sandbox {}: terminating ({})", sb.id(), sb.terminate_reason);
-  driver_->terminate(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_terminated(id, std::move(s)); });
+  if (sb.starting) return;  // on_started terminates it once the driver has answered
+  driver(sb).terminate(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_terminated(id, std::move(s)); });
 }
 
 void Node::on_terminated(const std::string& id, Status status) {
@@ -431,8 +568,8 @@ Result<TransitionOutcome> Node::suspend(std::string_view ref) {
   if (sb.rec.spec.ephemeral)
     return fail(Error::kInvalidArgument,
                 "sandbox " + sb.id() + " is ephemeral: it is terminated when idle, never suspended");
-  if (!driver_->capabilities().pause)
-    return fail(Error::kUnsupported, "the " + std::string(driver_->name()) + " driver cannot suspend sandboxes");
+  if (!driver(sb).capabilities().pause)
+    return fail(Error::kUnsupported, "the " + sb.rec.spec.driver + " driver cannot suspend sandboxes");
   switch (sb.rec.state) {
     case S::kRunning:
       begin_suspend(sb, "suspended on request");
@@ -459,7 +596,7 @@ Result<TransitionOutcome> Node::resume(std::string_view ref) {
       begin_resume(sb, "resumed on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kSuspending:
-      if (!sb.pending_wake) sb.pending_wake = "resumed on request";
+      wake(sb, "resumed on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kRunning:
     case S::kResuming:
@@ -493,9 +630,9 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
       return done(open_port(sb, port, false, started));
     case S::kFailed:
       return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " failed: " + sb.rec.state_reason));
-    case S::kCreating:
     case S::kTerminated:
       return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state))));
+    case S::kCreating:
     case S::kSuspending:
     case S::kSuspended:
     case S::kResuming:
@@ -516,12 +653,7 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
   };
   uv_timer_start(&w->timer, on_timeout, wake_timeout_ms, 0);
   sb.waiters.push_back(w);
-  std::string reason = "woken by a connection to port " + std::to_string(port);
-  if (sb.rec.state == S::kSuspended) {
-    begin_resume(sb, std::move(reason));
-  } else if (sb.rec.state == S::kSuspending && !sb.pending_wake) {
-    sb.pending_wake = std::move(reason);
-  }
+  wake(sb, "woken by a connection to port " + std::to_string(port));
 }
 
 void Node::activity(const std::vector<ActivityReport>& reports) {
@@ -538,19 +670,14 @@ void Node::activity(const std::vector<ActivityReport>& reports) {
     if (r.bytes_in == 0 && r.bytes_out == 0) continue;
     touch(*sb);
     // Bytes for a sandbox that is (being) suspended: the traffic raced the suspend, so wake it again.
-    const char* reason = "woken by traffic that raced the suspend";
-    if (sb->rec.state == S::kSuspended) {
-      begin_resume(*sb, reason);
-    } else if (sb->rec.state == S::kSuspending && !sb->pending_wake) {
-      sb->pending_wake = reason;
-    }
+    wake(*sb, "woken by traffic that raced the suspend");
   }
 }
 
 // ---- waiters ----
 
 Result<OpenedPort> Node::open_port(Sandbox& sb, uint16_t port, bool woke, Clock::time_point started) {
-  auto socket = driver_->open_socket(sb.rec.spec, sb.rec.runtime);
+  auto socket = driver(sb).open_socket(sb.rec.spec, sb.rec.runtime, port);
   if (!socket)
     return fail(socket.error(), "cannot open a socket in sandbox " + sb.id() + ": " + socket.message());
   OpenedPort opened;
@@ -617,15 +744,21 @@ void Node::on_idle_timer() {
   idle_timer_due_.reset();
   for (const std::string& id : idle_.pop_expired(Clock::now())) {
     auto it = sandboxes_.find(id);
-    if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kRunning) continue;
+    if (it == sandboxes_.end() || it->second->terminating) continue;
     Sandbox& sb = *it->second;
+    if (sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kMemory) {
+      begin_hibernate(sb, "suspended in memory for " + std::to_string(sb.rec.spec.hibernate_after_secs) + " s");
+      continue;
+    }
+    if (sb.rec.state != S::kRunning) continue;
     std::string reason = "idle for " + std::to_string(sb.rec.spec.timeout_secs) + " s";
     if (sb.rec.spec.ephemeral) {
       begin_terminate(sb, std::move(reason));
-    } else if (driver_->capabilities().pause) {
+    } else if (driver(sb).capabilities().pause) {
       begin_suspend(sb, std::move(reason));
     } else {
-      spdlog::info("sandbox {}: {}, but the {} driver cannot suspend; it keeps running", id, reason, driver_->name());
+      spdlog::info("sandbox {}: {}, but the {} driver cannot suspend; it keeps running", id, reason,
+                   sb.rec.spec.driver);
       start_idle_clock(sb);
     }
   }
@@ -649,9 +782,19 @@ Status Node::reconcile() {
       ++failed;
       continue;
     }
-    // pid 0: the node stopped between persisting `creating` and the start returning.
+    if (find_driver(sb.rec.spec.driver) == nullptr) {
+      ++failed;
+      (void)transition(sb, S::kFailed, "its driver '" + sb.rec.spec.driver + "' is not enabled on this node");
+      continue;
+    }
+    // Creating with pid 0: the node stopped between persisting `creating` and the start answering.
     ObservedInstance seen;
-    if (sb.rec.runtime.pid > 0) seen = driver_->observe(sb.rec.spec, sb.rec.runtime);
+    if (sb.rec.state != S::kCreating || sb.rec.runtime.pid > 0) seen = driver(sb).observe(sb.rec.spec, sb.rec.runtime);
+    if (!seen.alive && seen.hibernated && sb.rec.state != S::kCreating) {
+      adopt_hibernated(sb);
+      ++adopted;
+      continue;
+    }
     if (!seen.alive) {
       ++failed;
       if (sb.rec.spec.ephemeral) {
@@ -672,6 +815,8 @@ Status Node::reconcile() {
 // Settles a live instance's recorded state with what the driver sees, finishing half-done transitions
 // through the legal intermediate states so the state machine stays the single source of rules.
 void Node::adopt(Sandbox& sb, bool paused) {
+  // A live instance's memory is resident whatever the record said (e.g. a hibernation that never finished).
+  sb.rec.tier = paused ? SuspendTier::kMemory : SuspendTier::kNone;
   switch (sb.rec.state) {
     case S::kCreating:
       (void)transition(sb, S::kRunning, "started (adopted after node restart)");
@@ -699,17 +844,47 @@ void Node::adopt(Sandbox& sb, bool paused) {
       if (!paused) {
         (void)transition(sb, S::kResuming, "found running after node restart");
         (void)transition(sb, S::kRunning, "found running after node restart");
+      } else {
+        persist(sb);
+        start_hibernate_clock(sb);
       }
       break;
     case S::kResuming:
       if (paused) {
         // The resume was asked for before the restart; finish it.
-        driver_->resume(sb.rec.spec, sb.rec.runtime,
+        driver(sb).resume(sb.rec.spec, sb.rec.runtime,
                         [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
       } else {
         (void)transition(sb, S::kRunning, "resume completed before node restart");
       }
       break;
+    case S::kFailed:
+    case S::kTerminated:
+      break;
+  }
+}
+
+// The instance is gone but its saved state is complete: whatever was in flight, the sandbox is hibernated.
+void Node::adopt_hibernated(Sandbox& sb) {
+  sb.rec.tier = SuspendTier::kDisk;
+  const char* reason = "found hibernated after node restart";
+  switch (sb.rec.state) {
+    case S::kRunning:
+      (void)transition(sb, S::kSuspending, reason);
+      (void)transition(sb, S::kSuspended, reason);
+      break;
+    case S::kSuspending:
+      (void)transition(sb, S::kSuspended, reason);
+      break;
+    case S::kSuspended:
+      persist(sb);
+      break;
+    case S::kResuming:
+      // The restore was asked for before the restart; start it again from the saved state.
+      driver(sb).restore(sb.rec.spec, sb.rec.runtime,
+                         [this, id = sb.id()](Result<RuntimeInfo> r) { on_restore_done(id, std::move(r)); });
+      break;
+    case S::kCreating:
     case S::kFailed:
     case S::kTerminated:
       break;
@@ -728,7 +903,7 @@ void Node::shutdown(std::function<void()> done) {
   if (config_->get()->node.on_shutdown == ShutdownPolicy::kKeep) {
     for (auto& [id, sb] : sandboxes_) {
       if (!sb->watched) continue;
-      driver_->unwatch(sb->rec.spec);
+      driver(*sb).unwatch(sb->rec.spec);
       sb->watched = false;
     }
     spdlog::info("leaving {} sandboxes running for the next sandgate-node to adopt (on_shutdown = keep)",

@@ -2,9 +2,13 @@
 // persists each transition (store.h), and applies the idle policy (idle_tracker.h) with a single uv timer.
 // Everything runs on one libuv loop thread; no locks.
 //
-// Idle policy: a running sandbox with no activity for timeout_secs is suspended (named, non-ephemeral) or
-// terminated (ephemeral). Activity = every open() and every activity report with bytes > 0.
-// Wake: opens of a suspended sandbox share one resume (single flight); each waits with its own timeout.
+// Idle policy, two tiers: a running sandbox with no activity for timeout_secs is paused (memory tier; named,
+// non-ephemeral sandboxes) or terminated (ephemeral). A paused sandbox with hibernate_after_secs > 0 whose
+// driver can hibernate is, after that many more seconds, hibernated (disk tier: state saved, memory freed).
+// Activity = every open() and every activity report with bytes > 0.
+// Wake: opens of a suspended sandbox share one resume or restore (single flight); each waits with its own
+// timeout. An open that arrives while a pause or hibernation is in flight asks the driver to cancel it and
+// waits for the shorter way back (thaw / cont), not for the suspension to finish and be undone.
 #pragma once
 
 #include <uv.h>
@@ -38,6 +42,8 @@ struct CreateRequest {
   std::optional<std::string> cwd;
   std::vector<int64_t> exposed_ports;
   std::optional<int64_t> timeout_secs;
+  std::optional<int64_t> hibernate_after_secs;
+  std::optional<std::string> driver;
   std::optional<double> cpus;
   std::optional<int64_t> memory_mb;
   bool ephemeral = false;
@@ -52,6 +58,10 @@ struct SandboxInfo {
   int64_t created_at_ms = 0;                   // Unix epoch milliseconds
   int64_t last_activity_at_ms = 0;             // Unix epoch milliseconds
   std::optional<int64_t> idle_deadline_at_ms;  // only while running (and not held awake)
+  SuspendTier tier = SuspendTier::kNone;       // suspending: target tier; suspended, resuming: current tier
+  // The next transition the idle policy has scheduled ("suspend", "terminate" or "hibernate") and when.
+  std::string next_transition;
+  std::optional<int64_t> next_transition_at_ms;
   uint64_t connections = 0;                    // open proxied connections, per the latest reports
   uint64_t resumes = 0;                        // resumes started since this node process started
 };
@@ -69,7 +79,7 @@ struct OpenedPort {
   uint16_t port = 0;
   bool woke = false;     // the sandbox was not running when the open arrived
   double wake_ms = 0;    // time from the open's arrival to the sandbox running again
-  UniqueFd socket;       // unconnected TCP socket inside the sandbox's network namespace
+  GuestSocket socket;    // how the proxy reaches the port (driver.h)
 };
 
 struct ActivityReport {
@@ -85,8 +95,10 @@ class Node {
   using OpenCallback = std::function<void(Result<OpenedPort>)>;
   using SandboxCallback = std::function<void(Result<SandboxInfo>)>;
 
-  // `config` must outlive the Node; it is read per operation so a reload's limits apply at once.
-  Node(uv_loop_t* loop, const ConfigHolder* config, std::unique_ptr<Driver> driver, std::unique_ptr<Store> store);
+  // `config` must outlive the Node; it is read per operation so a reload's limits apply at once. `drivers`:
+  // one per name, the first is the default for creates that name none.
+  Node(uv_loop_t* loop, const ConfigHolder* config, std::vector<std::unique_ptr<Driver>> drivers,
+       std::unique_ptr<Store> store);
   // Closes the node's handles (the loop must run once more to free them). Pending callbacks are dropped.
   ~Node();
   Node(const Node&) = delete;
@@ -96,7 +108,9 @@ class Node {
   // watches the live ones and restarts their idle clocks from now. Call once, before serving.
   Status reconcile();
 
-  Result<SandboxInfo> create(const CreateRequest& request);
+  // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
+  // started it, or the error; it runs before create() returns when validation fails.
+  void create(const CreateRequest& request, SandboxCallback done);
   std::vector<SandboxInfo> list() const;  // terminated sandboxes are gone, so never listed
   Result<SandboxInfo> get(std::string_view ref) const;
   Result<TransitionOutcome> suspend(std::string_view ref);
@@ -115,7 +129,8 @@ class Node {
   void shutdown(std::function<void()> done);
 
   size_t sandbox_count() const { return sandboxes_.size(); }
-  std::string_view driver_name() const { return driver_->name(); }
+  std::string_view default_driver_name() const { return drivers_.front()->name(); }
+  std::vector<std::string> driver_names() const;
 
  private:
   struct Sandbox;
@@ -125,21 +140,31 @@ class Node {
   Result<Sandbox*> find_usable(std::string_view ref) const;
   SandboxInfo snapshot(const Sandbox& sb) const;
   Result<SandboxSpec> validate(const CreateRequest& request) const;
+  Driver& driver(const Sandbox& sb) const;
+  Driver* find_driver(std::string_view name) const;
 
   Status transition(Sandbox& sb, SandboxState to, std::string reason);
   void persist(const Sandbox& sb);
   void touch(Sandbox& sb);
   void start_idle_clock(Sandbox& sb);
+  void start_hibernate_clock(Sandbox& sb);
   void watch(Sandbox& sb);
 
+  void on_started(const std::string& id, Result<RuntimeInfo> runtime);
   void begin_suspend(Sandbox& sb, std::string reason);
   void on_pause_done(const std::string& id, Status status);
+  void begin_hibernate(Sandbox& sb, std::string reason);
+  void on_hibernate_done(const std::string& id, Result<RuntimeInfo> runtime);
+  // Something wants the sandbox running: resume it, or cancel / follow up a suspension in flight.
+  void wake(Sandbox& sb, std::string reason);
   void begin_resume(Sandbox& sb, std::string reason);
   void on_resume_done(const std::string& id, Status status);
+  void on_restore_done(const std::string& id, Result<RuntimeInfo> runtime);
   void begin_terminate(Sandbox& sb, std::string reason);
   void on_terminated(const std::string& id, Status status);
   void on_exit(const std::string& id);
   void adopt(Sandbox& sb, bool paused);
+  void adopt_hibernated(Sandbox& sb);
   void forget(const std::string& id);
 
   Result<OpenedPort> open_port(Sandbox& sb, uint16_t port, bool woke, IdleTracker::TimePoint started);
@@ -155,7 +180,7 @@ class Node {
 
   uv_loop_t* loop_;
   const ConfigHolder* config_;
-  std::unique_ptr<Driver> driver_;
+  std::vector<std::unique_ptr<Driver>> drivers_;
   std::unique_ptr<Store> store_;
   IdleTracker idle_;
   uv_timer_t* idle_timer_;

@@ -228,17 +228,25 @@ class ProcessDriver final : public Driver {
                               .hibernate = false};
   }
 
-  Result<RuntimeInfo> start(const SandboxSpec& spec, const std::string& sandbox_dir) override;
+  // Spawning a process tree takes milliseconds, so the work is done synchronously; only the answer is
+  // delivered from the loop, as the interface requires.
+  void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
   void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
   void resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
+  // The host's file system is shared with the sandbox and a process tree's memory cannot be saved and
+  // brought back by the kernel, so there is no disk tier (capabilities().hibernate is false).
+  void hibernate(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override;
+  void restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override;
+  // A freeze in progress is undone by thawing; the pause then fails once the cgroup is thawed again.
+  bool cancel(const SandboxSpec& spec) override;
   void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
   Status watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) override;
   void unwatch(const SandboxSpec& spec) override;
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
-  Result<UniqueFd> open_socket(const SandboxSpec& spec, const RuntimeInfo& info) override;
+  Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
 
  private:
-  enum class OpKind { kPause, kResume, kTerminate };
+  enum class OpKind { kStart, kPause, kResume, kTerminate };
 
   // An asynchronous pause/resume/terminate in flight. Its timer either polls the freezer (pause/resume), is
   // the deadline for the init to die (terminate), or fires once to report a result known up front (callbacks
@@ -252,6 +260,9 @@ class ProcessDriver final : public Driver {
     uint64_t started_ms = 0;
     std::optional<Failure> known_result;
     bool superseded = false;  // a terminate() for the same sandbox took over
+    bool cancelled = false;   // a pause asked to stop: now waiting for the thaw
+    std::optional<RuntimeInfo> started;  // start: the instance to hand back
+    RuntimeDone start_done;
     int pid = 0;
     UniqueFd pidfd;  // terminate: the init being waited for
     uv_timer_t* timer = nullptr;
@@ -288,11 +299,13 @@ class ProcessDriver final : public Driver {
     close_and_free(watch.already_gone);
   }
 
+  Result<RuntimeInfo> start_now(const SandboxSpec& spec, const std::string& sandbox_dir);
   Result<int> spawn_init(const SandboxSpec& spec, const std::string& log_path, const SandboxCgroup& cgroup);
   Operation* add_operation(OpKind kind, const SandboxSpec& spec, Done done);
   void step(Operation* op);
   void step_freeze(Operation* op);
   void finish_termination(Operation* op, bool timed_out);
+  void finish_start(Operation* op);
   void finish(Operation* op, Status status);
   void fire_exit(ExitWatch* watch);
   void stop_watch(const std::string& sandbox_id);
@@ -307,7 +320,46 @@ class ProcessDriver final : public Driver {
   std::map<std::string, Netns> netns_;
 };
 
-Result<RuntimeInfo> ProcessDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir) {
+void ProcessDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
+  auto started = start_now(spec, sandbox_dir);
+  Operation* op = add_operation(OpKind::kStart, spec, nullptr);
+  op->start_done = std::move(done);
+  if (started) {
+    op->started = std::move(*started);
+  } else {
+    op->known_result = started.failure();
+  }
+  uv_timer_start(op->timer, on_operation_timer, 0, 0);
+}
+
+void ProcessDriver::hibernate(const SandboxSpec& spec, const RuntimeInfo&, RuntimeDone done) {
+  Operation* op = add_operation(OpKind::kStart, spec, nullptr);
+  op->start_done = std::move(done);
+  op->known_result = fail(Error::kUnsupported, "the process driver cannot hibernate sandboxes");
+  uv_timer_start(op->timer, on_operation_timer, 0, 0);
+}
+
+void ProcessDriver::restore(const SandboxSpec& spec, const RuntimeInfo&, RuntimeDone done) {
+  Operation* op = add_operation(OpKind::kStart, spec, nullptr);
+  op->start_done = std::move(done);
+  op->known_result = fail(Error::kUnsupported, "the process driver cannot restore sandboxes from disk");
+  uv_timer_start(op->timer, on_operation_timer, 0, 0);
+}
+
+bool ProcessDriver::cancel(const SandboxSpec& spec) {
+  for (auto& op : ops_) {
+    if (op->sandbox_id != spec.id || op->kind != OpKind::kPause || op->known_result || op->cancelled) continue;
+    if (Status s = op->cgroup.thaw(); !s) {
+      spdlog::warn("sandbox {}: cannot cancel the freeze: {}", spec.id, s.message());
+      return false;
+    }
+    op->cancelled = true;
+    return true;
+  }
+  return false;
+}
+
+Result<RuntimeInfo> ProcessDriver::start_now(const SandboxSpec& spec, const std::string& sandbox_dir) {
   if (spec.id.empty()) return fail(Error::kInvalidArgument, "sandbox spec has no id");
   if (spec.command.empty()) return with_context(spec.id, fail(Error::kInvalidArgument, "empty command"));
   if (sandbox_dir.empty()) return with_context(spec.id, fail(Error::kInvalidArgument, "empty sandbox_dir"));
@@ -332,7 +384,7 @@ Result<RuntimeInfo> ProcessDriver::start(const SandboxSpec& spec, const std::str
     return with_context(spec.id, st.failure());
   }
   spdlog::info("sandbox {}: started, init pid {}, command {}", spec.id, *pid, spec.command[0]);
-  return RuntimeInfo{.pid = *pid, .start_time_ticks = st->start_time_ticks, .sandbox_dir = sandbox_dir};
+  return RuntimeInfo{.pid = *pid, .start_time_ticks = st->start_time_ticks, .sandbox_dir = sandbox_dir, .driver_data = {}};
 }
 
 Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string& log_path,
@@ -477,6 +529,7 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
 }
 
 void ProcessDriver::step(Operation* op) {
+  if (op->kind == OpKind::kStart) return finish_start(op);
   if (op->known_result) return finish(op, *op->known_result);
   // With a pidfd the timer is the deadline for the init to die; without one there was nothing to wait for.
   if (op->kind == OpKind::kTerminate) return finish_termination(op, op->pidfd.valid());
@@ -493,7 +546,11 @@ void ProcessDriver::step_freeze(Operation* op) {
     if (pausing) (void)op->cgroup.thaw();  // never leave a half-frozen sandbox behind
     return finish(op, with_context(op->sandbox_id, frozen.failure()));
   }
-  if (*frozen == pausing) return finish(op, {});
+  if (op->cancelled) {
+    if (!*frozen) return finish(op, fail(Error::kConflict, "sandbox " + op->sandbox_id + ": pause cancelled"));
+  } else if (*frozen == pausing) {
+    return finish(op, {});
+  }
   if (uv_now(loop_) - op->started_ms < suspend_timeout_ms_) return;
   if (pausing) (void)op->cgroup.thaw();
   finish(op, fail(Error::kTimeout, "sandbox " + op->sandbox_id + ": " + (pausing ? "freeze" : "thaw") +
@@ -514,6 +571,14 @@ void ProcessDriver::finish_termination(Operation* op, bool timed_out) {
   if (!removed) return finish(op, with_context(op->sandbox_id, removed.failure()));
   spdlog::info("sandbox {}: terminated", op->sandbox_id);
   finish(op, {});
+}
+
+void ProcessDriver::finish_start(Operation* op) {
+  RuntimeDone done = std::move(op->start_done);
+  Result<RuntimeInfo> result = op->known_result ? Result<RuntimeInfo>(*op->known_result)
+                                                : Result<RuntimeInfo>(std::move(*op->started));
+  finish(op, {});
+  if (done) done(std::move(result));
 }
 
 void ProcessDriver::finish(Operation* op, Status status) {
@@ -595,7 +660,7 @@ ObservedInstance ProcessDriver::observe(const SandboxSpec& spec, const RuntimeIn
   return seen;
 }
 
-Result<UniqueFd> ProcessDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info) {
+Result<GuestSocket> ProcessDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) {
   auto cached = netns_.find(spec.id);
   if (cached != netns_.end() &&
       (cached->second.pid != info.pid || cached->second.start_time_ticks != info.start_time_ticks)) {
@@ -624,7 +689,7 @@ Result<UniqueFd> ProcessDriver::open_socket(const SandboxSpec& spec, const Runti
     return fail_errno("setns back into the host network namespace", err);
   }
   if (!sock.valid()) return fail_errno("sandbox " + spec.id + ": socket", socket_errno);
-  return sock;
+  return GuestSocket{.fd = std::move(sock), .connected = false, .connect_port = port};
 }
 
 }  // namespace

@@ -22,4 +22,19 @@ std::optional<SandboxState> parse_state(std::string_view s) {
   return std::nullopt;
 }
 
+std::string_view tier_name(SuspendTier t) {
+  switch (t) {
+    case SuspendTier::kNone: return "";
+    case SuspendTier::kMemory: return "memory";
+    case SuspendTier::kDisk: return "disk";
+  }
+  return "";
+}
+
+std::optional<SuspendTier> parse_tier(std::string_view s) {
+  for (auto t : {SuspendTier::kNone, SuspendTier::kMemory, SuspendTier::kDisk})
+    if (tier_name(t) == s) return t;
+  return std::nullopt;
+}
+
 }  // namespace sg

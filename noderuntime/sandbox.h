@@ -24,7 +24,10 @@ struct SandboxSpec {
   std::map<std::string, std::string> env;
   std::string cwd = "/";
   std::vector<uint16_t> exposed_ports;
-  uint32_t timeout_secs = 300;  // idle threshold
+  uint32_t timeout_secs = 300;  // idle threshold: running -> suspended (memory tier)
+  // Seconds in the memory tier before hibernating to disk; 0 = never. Only drivers that can hibernate use it.
+  uint32_t hibernate_after_secs = 0;
+  std::string driver = "process";  // Driver::name() of the driver that runs it
   double cpus = 1.0;            // CPU quota in cores (fractional allowed)
   uint32_t memory_mb = 512;
 };
@@ -34,6 +37,15 @@ struct RuntimeInfo {
   int pid = 0;                    // the sandbox's init process, as seen from the host
   uint64_t start_time_ticks = 0;  // /proc/<pid>/stat field 22: tells a live process from a reused pid
   std::string sandbox_dir;        // per-sandbox directory under the state dir (logs, driver files)
+  // Anything else the driver needs to find or restore the instance (a QMP socket path, a state file, host
+  // ports forwarded to guest ports). Opaque to the node; stored as a JSON object of strings.
+  std::map<std::string, std::string> driver_data;
 };
+
+// Where a suspended sandbox's memory is: kept resident (paused) or saved to disk (hibernated).
+enum class SuspendTier { kNone, kMemory, kDisk };
+
+std::string_view tier_name(SuspendTier t);  // "", "memory", "disk"
+std::optional<SuspendTier> parse_tier(std::string_view s);
 
 }  // namespace sg

@@ -17,7 +17,7 @@ bool allowed(SandboxState from, SandboxState to) {
     case S::kCreating: return one_of({S::kRunning, S::kFailed, S::kTerminated});
     case S::kRunning: return one_of({S::kSuspending, S::kTerminated, S::kFailed});
     case S::kSuspending: return one_of({S::kSuspended, S::kRunning, S::kTerminated, S::kFailed});
-    case S::kSuspended: return one_of({S::kResuming, S::kTerminated, S::kFailed});
+    case S::kSuspended: return one_of({S::kResuming, S::kSuspending, S::kTerminated, S::kFailed});
     case S::kResuming: return one_of({S::kRunning, S::kFailed, S::kTerminated});
     case S::kFailed: return to == S::kTerminated;
     case S::kTerminated: return false;

@@ -5,7 +5,7 @@
 //   creating   -> running | failed | terminated
 //   running    -> suspending | terminated | failed
 //   suspending -> suspended | running (the freeze failed and was rolled back) | terminated | failed
-//   suspended  -> resuming | terminated | failed
+//   suspended  -> resuming | suspending (memory -> disk: hibernation) | terminated | failed
 //   resuming   -> running | failed | terminated
 //   failed     -> terminated
 //   terminated is final.

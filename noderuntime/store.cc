@@ -10,7 +10,7 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr int kSchemaVersion = 1;
+constexpr int kSchemaVersion = 2;
 
 Failure sqlite_failure(sqlite3* db, std::string_view what) {
   return fail(Error::kIo, "sqlite " + std::string(what) + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
@@ -24,6 +24,8 @@ std::string spec_to_json(const SandboxSpec& spec) {
             {"cwd", spec.cwd},
             {"exposed_ports", spec.exposed_ports},
             {"timeout_secs", spec.timeout_secs},
+            {"hibernate_after_secs", spec.hibernate_after_secs},
+            {"driver", spec.driver},
             {"cpus", spec.cpus},
             {"memory_mb", spec.memory_mb}};
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -71,7 +73,32 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
   spec.cpus = v->get<double>();
   if (!(v = field("memory_mb")) || !v->is_number_unsigned()) return bad("memory_mb");
   spec.memory_mb = static_cast<uint32_t>(v->get<uint64_t>());
+  // Added with the two-tier idle policy: rows written before it have neither and keep the defaults.
+  if ((v = field("hibernate_after_secs"))) {
+    if (!v->is_number_unsigned()) return bad("hibernate_after_secs");
+    spec.hibernate_after_secs = static_cast<uint32_t>(v->get<uint64_t>());
+  }
+  if ((v = field("driver"))) {
+    if (!v->is_string()) return bad("driver");
+    spec.driver = v->get<std::string>();
+  }
   return spec;
+}
+
+std::string driver_data_to_json(const std::map<std::string, std::string>& data) {
+  return json(data).dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+Result<std::map<std::string, std::string>> driver_data_from_json(const std::string& id, const std::string& text) {
+  json j = json::parse(text, nullptr, false);
+  auto bad = fail(Error::kIo, "stored driver data of " + id + " is damaged");
+  if (!j.is_object()) return bad;
+  std::map<std::string, std::string> out;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (!it.value().is_string()) return bad;
+    out[it.key()] = it.value().get<std::string>();
+  }
+  return out;
 }
 
 std::string column_text(sqlite3_stmt* stmt, int col) {
@@ -122,11 +149,12 @@ Result<std::unique_ptr<Store>> Store::open(const std::string& path) {
   if (auto s = store->migrate(); !s) return s.failure();
   auto upsert = store->prepare(
       "INSERT INTO sandboxes (id, name, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, "
-      "created_at_ms, last_activity_at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) "
+      "created_at_ms, last_activity_at_ms, tier, driver_data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, "
+      "?11, ?12) "
       "ON CONFLICT(id) DO UPDATE SET name=excluded.name, spec=excluded.spec, state=excluded.state, "
       "state_reason=excluded.state_reason, pid=excluded.pid, start_time_ticks=excluded.start_time_ticks, "
       "sandbox_dir=excluded.sandbox_dir, created_at_ms=excluded.created_at_ms, "
-      "last_activity_at_ms=excluded.last_activity_at_ms");
+      "last_activity_at_ms=excluded.last_activity_at_ms, tier=excluded.tier, driver_data=excluded.driver_data");
   if (!upsert) return upsert.failure();
   store->upsert_stmt_ = *upsert;
   auto erase = store->prepare("DELETE FROM sandboxes WHERE id = ?1");
@@ -190,6 +218,19 @@ Status Store::migrate() {
       (void)exec("ROLLBACK");
       return s;
     }
+    version = 1;
+  }
+  if (version == 1) {
+    auto s = exec(
+        "BEGIN IMMEDIATE;"
+        "ALTER TABLE sandboxes ADD COLUMN tier TEXT NOT NULL DEFAULT '';"
+        "ALTER TABLE sandboxes ADD COLUMN driver_data TEXT NOT NULL DEFAULT '{}';"
+        "PRAGMA user_version = 2;"
+        "COMMIT;");
+    if (!s) {
+      (void)exec("ROLLBACK");
+      return s;
+    }
   }
   return {};
 }
@@ -197,6 +238,7 @@ Status Store::migrate() {
 Status Store::upsert(const StoredSandbox& s) {
   StatementScope scope(upsert_stmt_);
   std::string spec = spec_to_json(s.spec);
+  std::string driver_data = driver_data_to_json(s.runtime.driver_data);
   std::string_view state = state_name(s.state);
   sqlite3_stmt* st = upsert_stmt_;
   bool bound = bind_text(st, 1, s.spec.id) && bind_text(st, 2, s.spec.name) && bind_text(st, 3, spec) &&
@@ -204,7 +246,8 @@ Status Store::upsert(const StoredSandbox& s) {
                sqlite3_bind_int64(st, 6, s.runtime.pid) == SQLITE_OK &&
                sqlite3_bind_int64(st, 7, static_cast<sqlite3_int64>(s.runtime.start_time_ticks)) == SQLITE_OK &&
                bind_text(st, 8, s.runtime.sandbox_dir) && sqlite3_bind_int64(st, 9, s.created_at_ms) == SQLITE_OK &&
-               sqlite3_bind_int64(st, 10, s.last_activity_at_ms) == SQLITE_OK;
+               sqlite3_bind_int64(st, 10, s.last_activity_at_ms) == SQLITE_OK && bind_text(st, 11, tier_name(s.tier)) &&
+               bind_text(st, 12, driver_data);
   if (!bound) return sqlite_failure(db_, "bind sandbox " + s.spec.id);
   if (sqlite3_step(upsert_stmt_) != SQLITE_DONE) return sqlite_failure(db_, "save sandbox " + s.spec.id);
   return {};
@@ -220,8 +263,8 @@ Status Store::erase(const std::string& id) {
 
 Result<std::vector<StoredSandbox>> Store::load_live() {
   auto stmt = prepare(
-      "SELECT id, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, created_at_ms, last_activity_at_ms "
-      "FROM sandboxes WHERE state != 'terminated' ORDER BY created_at_ms, id");
+      "SELECT id, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, created_at_ms, last_activity_at_ms, "
+      "tier, driver_data FROM sandboxes WHERE state != 'terminated' ORDER BY created_at_ms, id");
   if (!stmt) return stmt.failure();
   std::vector<StoredSandbox> out;
   int rc;
@@ -229,9 +272,12 @@ Result<std::vector<StoredSandbox>> Store::load_live() {
     std::string id = column_text(*stmt, 0);
     auto spec = spec_from_json(id, column_text(*stmt, 1));
     auto state = parse_state(column_text(*stmt, 2));
+    auto tier = parse_tier(column_text(*stmt, 9));
+    auto driver_data = driver_data_from_json(id, column_text(*stmt, 10));
     // One damaged row must not keep the node from adopting every other sandbox.
-    if (!spec || !state) {
-      spdlog::error("skipping sandbox {} in node.db: {}", id, spec ? "unknown state" : spec.message());
+    if (!spec || !state || !tier || !driver_data) {
+      spdlog::error("skipping sandbox {} in node.db: {}", id,
+                    !spec ? spec.message() : !state ? "unknown state" : !tier ? "unknown tier" : driver_data.message());
       continue;
     }
     StoredSandbox s;
@@ -243,6 +289,8 @@ Result<std::vector<StoredSandbox>> Store::load_live() {
     s.runtime.sandbox_dir = column_text(*stmt, 6);
     s.created_at_ms = sqlite3_column_int64(*stmt, 7);
     s.last_activity_at_ms = sqlite3_column_int64(*stmt, 8);
+    s.tier = *tier;
+    s.runtime.driver_data = std::move(*driver_data);
     out.push_back(std::move(s));
   }
   if (rc != SQLITE_DONE) {

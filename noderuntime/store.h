@@ -20,6 +20,7 @@ struct StoredSandbox {
   SandboxSpec spec;
   SandboxState state = SandboxState::kCreating;
   std::string state_reason;
+  SuspendTier tier = SuspendTier::kNone;  // see SandboxInfo::tier
   RuntimeInfo runtime;
   int64_t created_at_ms = 0;        // Unix epoch milliseconds (wall clock)
   int64_t last_activity_at_ms = 0;  // Unix epoch milliseconds (wall clock)

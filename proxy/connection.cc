@@ -329,14 +329,21 @@ void Connection::on_open_result(Result<NodeResponse> r) {
   }
   holds_sandbox_slot_ = true;
   traffic_ = worker_->traffic().open_connection(rec_.sandbox_id);
-  start_connect(std::move(resp.passed_fd));
+  // How to use the socket depends on the driver: connect it to the sandbox-side port (normally the routed
+  // port), or take it as it is when the driver already connected it (e.g. a vsock stream).
+  uint16_t connect_port = route_.port;
+  if (json.contains("connect_port") && json["connect_port"].is_number_unsigned() &&
+      json["connect_port"].get<uint64_t>() >= 1 && json["connect_port"].get<uint64_t>() <= 65535)
+    connect_port = static_cast<uint16_t>(json["connect_port"].get<uint64_t>());
+  bool connected = json.contains("connected") && json["connected"].is_boolean() && json["connected"].get<bool>();
+  start_connect(std::move(resp.passed_fd), connect_port, connected);
 }
 
-void Connection::start_connect(UniqueFd socket) {
+void Connection::start_connect(UniqueFd socket, uint16_t connect_port, bool already_connected) {
   upstream_fd_ = std::move(socket);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(route_.port);
+  addr.sin_port = htons(connect_port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   int one = 1;
   ::setsockopt(upstream_fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -344,6 +351,7 @@ void Connection::start_connect(UniqueFd socket) {
   upstream_poll_started_ = true;
   ++handles_open_;
   phase_ = Phase::kConnecting;
+  if (already_connected) return begin_forwarding();
   if (::connect(upstream_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return begin_forwarding();
   if (errno != EINPROGRESS) {
     return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",

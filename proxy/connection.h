@@ -82,7 +82,7 @@ class Connection {
   void read_head();
   void on_head();
   void on_open_result(Result<NodeResponse> r);
-  void start_connect(UniqueFd socket);
+  void start_connect(UniqueFd socket, uint16_t connect_port, bool already_connected);
   void finish_connect();
   void begin_forwarding();
   void pump();

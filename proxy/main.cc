@@ -71,11 +71,6 @@ int main(int argc, char** argv) {
   }
   proxy.shared->access_log = std::move(*access_log);
 
-  if ((*cfg)->proxy.ktls != sg::KtlsMode::kOff) {
-    std::string why = sg::ktls_unavailable_reason();
-    if (!why.empty()) spdlog::info("kTLS unavailable, every connection uses the userspace TLS path: {}", why);
-  }
-
   unsigned n = (*cfg)->proxy.workers ? (*cfg)->proxy.workers : std::max(1u, std::thread::hardware_concurrency());
   // Port 0 (tests) is resolved by the first worker's bind; the others join the same ports via SO_REUSEPORT.
   std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;

@@ -19,6 +19,8 @@
 #                     except proxy, curl and backend is measured ("others"); a transfer during which others
 #                     used more than 0.1 core on average is repeated (up to RETRIES=2 times), and the
 #                     least disturbed attempt is kept. The table reports the median "others" per cell.
+#   WAIT_BUDGET=300   total seconds all that waiting and repeating may add to a run; once spent, every
+#                     transfer is measured once, right away (the report then shows how disturbed it was)
 #   KEEP_TMP=1        keep the temp dir (configs, logs) for inspection
 #   OUT=bench/compare/last-run.md   where the Markdown report is also written
 #
@@ -55,6 +57,8 @@ DIRECTIONS=${DIRECTIONS:-download upload}
 ATTACH_WAIT=${ATTACH_WAIT:-0}
 QUIET_WAIT=${QUIET_WAIT:-60}
 RETRIES=${RETRIES:-2}
+WAIT_BUDGET=${WAIT_BUDGET:-300}
+wait_deadline=$((SECONDS + 100000))  # set when measuring starts
 KEEP_TMP=${KEEP_TMP:-0}
 OUT=${OUT:-$here/last-run.md}
 
@@ -100,6 +104,7 @@ cleanup() {
     [[ -d $d ]] || continue
     for p in $(cat "$d"/*/cgroup.procs 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
     for p in "$d"/*/cgroup.freeze; do [[ -f $p ]] && echo 0 >"$p"; done
+    for p in "$d"/*/freezer.state; do [[ -f $p ]] && echo THAWED >"$p"; done
     sleep 0.2
     rmdir "$d"/* "$d" 2>/dev/null
   done
@@ -176,14 +181,19 @@ busy_cores() {
   awk -v a="$a" -v b="$b" -v n="$(nproc)" 'BEGIN { split(a, x, " "); split(b, y, " ")
     busy = y[1] - x[1]; all = busy + y[2] - x[2]; printf "%.2f\n", (all > 0 ? n * busy / all : 0) }'
 }
-wait_quiet() {  # sets $quiet to the background load (cores) seen last
-  local deadline=$((SECONDS + QUIET_WAIT))
+wait_quiet() {  # up to QUIET_WAIT s (within the run's WAIT_BUDGET) until other processes are nearly idle
+  local deadline=$((SECONDS + QUIET_WAIT)) quiet said=0
+  ((deadline < wait_deadline)) || deadline=$wait_deadline
+  ((SECONDS < deadline)) || return 0
   while :; do
     quiet=$(busy_cores)
     awk -v b="$quiet" 'BEGIN { exit !(b < 0.2) }' && return 0
-    ((SECONDS < deadline)) || { log "machine still busy (${quiet} cores used by others); measuring anyway"; return 0; }
-    log "machine busy (${quiet} cores used by other processes); waiting up to ${QUIET_WAIT}s"
-    sleep 4
+    if ((SECONDS >= deadline)); then
+      log "machine still busy (${quiet} cores used by other processes); measuring anyway"
+      return 0
+    fi
+    ((said++)) || log "machine busy (${quiet} cores used by other processes); waiting up to $((deadline - SECONDS))s"
+    sleep 2
   done
 }
 
@@ -232,6 +242,7 @@ declare -A port  # proxy -> client-facing port
 declare -A ppids # proxy -> pids whose CPU is counted
 declare -A scheme
 
+backend_port=""
 pick_port backend_port
 start backend "$tmp/backend" 127.0.0.1 "$backend_port"
 wait_port "$backend_port" "$started" backend
@@ -379,7 +390,7 @@ fi
 # One transfer: prints "wall proxy_cpu client_cpu proxy_sys_cpu others_cpu" (seconds); others = CPU time the
 # whole machine spent on anything but proxy, curl and backend during the transfer.
 transfer_once() {  # PROXY DIRECTION
-  local p=$1 dir=$2 c0 c1 m0 m1 b0 b1 res timef="$tmp/time.txt" out="$tmp/curl.out" resp="$tmp/resp.txt"
+  local p=$1 dir=$2 c0 c1 m0 m1 b0 b1 timef="$tmp/time.txt" out="$tmp/curl.out" resp="$tmp/resp.txt"
   local -a topts args
   mapfile -t topts < <(tls_opts "$p")
   if [[ $dir == download ]]; then
@@ -425,11 +436,19 @@ transfer() {  # PROXY DIRECTION: the least disturbed of up to 1 + RETRIES attemp
       best=$r
     fi
     awk -v r="$best" 'BEGIN { split(r, x, " "); exit !(x[5] <= 0.1 * x[1]) }' && break
+    ((SECONDS < wait_deadline)) || break
     log "$1 $2: other processes used $(cut -d' ' -f5 <<<"$r") CPU s during the transfer; repeating"
   done
   echo "$best"
 }
 
+if ((ATTACH_WAIT > 0)); then
+  for p in "${order[@]}"; do log "pids of $p: ${ppids[$p]:-none}"; done
+  log "pausing ${ATTACH_WAIT}s (ATTACH_WAIT) before measuring"
+  sleep "$ATTACH_WAIT"
+fi
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+wait_deadline=$((SECONDS + WAIT_BUDGET))
 declare -A samples  # "proxy dir" -> lines of "wall proxy_cpu client_cpu proxy_sys others"
 start_s=$SECONDS
 for ((run = 1; run <= RUNS; run++)); do

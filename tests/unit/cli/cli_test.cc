@@ -77,13 +77,16 @@ TEST(CreateBody, AllFlags) {
   o.memory_mb = 512;
   o.env = {"A=1", "B=x=y", "EMPTY=", "A=2"};
   o.cwd = "/srv";
+  o.hibernate_after_secs = 600;
+  o.driver = "qemu";
   o.command = {"python3", "-m", "http.server", "8080"};
   auto body = create_request_body(o);
   ASSERT_TRUE(body) << body.message();
   EXPECT_EQ(*body, json::parse(R"({"name": "demo", "command": ["python3", "-m", "http.server", "8080"],
                                    "env": {"A": "2", "B": "x=y", "EMPTY": ""}, "cwd": "/srv",
                                    "exposed_ports": [8080, 3000], "timeout_secs": 60, "cpus": 0.5,
-                                   "memory_mb": 512, "ephemeral": true})"));
+                                   "memory_mb": 512, "ephemeral": true, "hibernate_after_secs": 600,
+                                   "driver": "qemu"})"));
 }
 
 TEST(CreateBody, UsageErrors) {
@@ -112,6 +115,12 @@ TEST(CreateBody, UsageErrors) {
   edge.command = {"true"};
   edge.expose = {1, 65535};
   EXPECT_TRUE(create_request_body(edge));
+  CreateOptions bad_driver;
+  bad_driver.command = {"true"};
+  bad_driver.driver = "docker";
+  auto d = create_request_body(bad_driver);
+  ASSERT_FALSE(d);
+  EXPECT_NE(d.message().find("--driver docker"), std::string::npos);
 }
 
 TEST(SandboxPath, EncodesRef) {
@@ -173,7 +182,8 @@ const char* kSandbox = R"({
   "driver": "process", "command": ["python3", "-m", "http.server", "8080"], "env": {"K": "V W"}, "cwd": "/",
   "exposed_ports": [8080, 10000], "timeout_secs": 300, "cpus": 1.0, "memory_mb": 512, "pid": 1234,
   "created_at": "2026-11-29T10:00:00.000Z", "last_activity_at": "2026-11-29T10:04:00.000Z",
-  "idle_deadline_at": "2026-11-29T10:09:00.000Z", "connections": 0,
+  "idle_deadline_at": "2026-11-29T10:09:00.000Z", "connections": 0, "tier": null, "hibernate_after_secs": 0,
+  "next_transition": "suspend", "next_transition_at": "2026-11-29T10:09:00.000Z",
   "urls": {"8080": "https://8080-demo.sandbox.localhost:8443/", "10000": "https://10000-demo.sandbox.localhost:8443/"},
   "snapshot": {"bytes": 5}})";
 
@@ -197,44 +207,50 @@ TEST(Format, Created) {
 TEST(Format, List) {
   json answer = json::parse(R"({"sandboxes": [)" + std::string(kSandbox) +
                             R"(, {"id": "sb-zzzzzzzzzzzz", "name": null, "state": "suspended", "exposed_ports": [],
+                                  "driver": "qemu", "tier": "memory", "next_transition": "hibernate",
+                                  "next_transition_at": "2026-11-29T11:05:00.000Z",
                                   "created_at": "2026-11-27T10:05:00.000Z", "idle_deadline_at": null}]})");
   EXPECT_EQ(format_list(answer, at("2026-11-29T10:05:00Z")),
-            "ID               NAME  STATE      PORTS       IDLE-IN  AGE\n"
-            "sb-0123456789ab  demo  running    8080,10000  240      5m\n"
-            "sb-zzzzzzzzzzzz  -     suspended  -           -        2d\n");
+            "ID               NAME  DRIVER   STATE      TIER    PORTS       IDLE-IN  NEXT             AGE\n"
+            "sb-0123456789ab  demo  process  running    -       8080,10000  240      suspend in 4m    5m\n"
+            "sb-zzzzzzzzzzzz  -     qemu     suspended  memory  -           -        hibernate in 1h  2d\n");
   // A deadline already passed (the node has not acted yet) reads 0, never negative.
   EXPECT_NE(format_list(answer, at("2026-11-29T11:00:00Z")).find("  0  "), std::string::npos);
   EXPECT_EQ(format_list(json::parse(R"({"sandboxes": []})"), at("2026-11-29T10:05:00Z")),
-            "ID  NAME  STATE  PORTS  IDLE-IN  AGE\n");
+            "ID  NAME  DRIVER  STATE  TIER  PORTS  IDLE-IN  NEXT  AGE\n");
   // Garbage in, still a table out.
   EXPECT_EQ(format_list(json::parse(R"({"sandboxes": [7]})"), at("2026-11-29T10:05:00Z")),
-            "ID  NAME  STATE  PORTS  IDLE-IN  AGE\n"
-            "-   -     -      -      -        -\n");
+            "ID  NAME  DRIVER  STATE  TIER  PORTS  IDLE-IN  NEXT  AGE\n"
+            "-   -     -       -      -     -      -        -     -\n");
 }
 
 TEST(Format, Sandbox) {
   EXPECT_EQ(format_sandbox(json::parse(kSandbox), at("2026-11-29T10:05:00Z")),
-            "id:               sb-0123456789ab\n"
-            "name:             demo\n"
-            "state:            running\n"
-            "state_reason:     -\n"
-            "ephemeral:        false\n"
-            "driver:           process\n"
-            "command:          python3 -m http.server 8080\n"
-            "cwd:              /\n"
-            "env:              'K=V W'\n"
-            "exposed_ports:    8080, 10000\n"
-            "timeout_secs:     300\n"
-            "cpus:             1.0\n"
-            "memory_mb:        512\n"
-            "pid:              1234\n"
-            "created_at:       2026-11-29T10:00:00.000Z (5m ago)\n"
-            "last_activity_at: 2026-11-29T10:04:00.000Z (1m ago)\n"
-            "idle_deadline_at: 2026-11-29T10:09:00.000Z (in 4m)\n"
-            "connections:      0\n"
-            "url:              https://8080-demo.sandbox.localhost:8443/\n"
-            "url:              https://10000-demo.sandbox.localhost:8443/\n"
-            "snapshot:         {\"bytes\":5}\n");
+            "id:                   sb-0123456789ab\n"
+            "name:                 demo\n"
+            "state:                running\n"
+            "state_reason:         -\n"
+            "tier:                 -\n"
+            "ephemeral:            false\n"
+            "driver:               process\n"
+            "command:              python3 -m http.server 8080\n"
+            "cwd:                  /\n"
+            "env:                  'K=V W'\n"
+            "exposed_ports:        8080, 10000\n"
+            "timeout_secs:         300\n"
+            "hibernate_after_secs: 0\n"
+            "cpus:                 1.0\n"
+            "memory_mb:            512\n"
+            "pid:                  1234\n"
+            "created_at:           2026-11-29T10:00:00.000Z (5m ago)\n"
+            "last_activity_at:     2026-11-29T10:04:00.000Z (1m ago)\n"
+            "idle_deadline_at:     2026-11-29T10:09:00.000Z (in 4m)\n"
+            "next_transition:      suspend\n"
+            "next_transition_at:   2026-11-29T10:09:00.000Z (in 4m)\n"
+            "connections:          0\n"
+            "url:                  https://8080-demo.sandbox.localhost:8443/\n"
+            "url:                  https://10000-demo.sandbox.localhost:8443/\n"
+            "snapshot:             {\"bytes\":5}\n");
 }
 
 TEST(Format, StateChange) {

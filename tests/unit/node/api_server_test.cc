@@ -143,7 +143,9 @@ class ApiServerTest : public ::testing::Test {
     driver_ = driver.get();
     auto store = Store::open(dir_.path() + "/node.db");
     ASSERT_TRUE(store.ok());
-    node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(driver), std::move(*store));
+    std::vector<std::unique_ptr<Driver>> drivers;
+    drivers.push_back(std::move(driver));
+    node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(drivers), std::move(*store));
     server_ = std::make_unique<ApiServer>(&loop_, node_.get(), config_.get());
     ASSERT_TRUE(server_->listen(*parse_endpoint("unix:" + socket_path_)).ok());
   }
@@ -196,7 +198,7 @@ TEST_F(ApiServerTest, Health) {
   ASSERT_TRUE(c.connected());
   Reply r = c.request("GET", "/v1/health");
   EXPECT_EQ(r.status, 200);
-  EXPECT_EQ(r.body(), json::parse(R"({"status":"ok","sandboxes":0,"driver":"fake"})"));
+  EXPECT_EQ(r.body(), json::parse(R"({"status":"ok","sandboxes":0,"driver":"fake","drivers":["fake"]})"));
   ASSERT_NE(r.message.header("Content-Length"), nullptr);
   EXPECT_EQ(*r.message.header("Content-Type"), "application/json");
 }

@@ -62,6 +62,7 @@ class FakeDriver : public Driver {
   struct Instance {
     bool alive = true;
     bool paused = false;
+    bool hibernated = false;  // saved to "disk": not alive, restorable
     std::function<void()> on_exit;
   };
 
@@ -74,33 +75,89 @@ class FakeDriver : public Driver {
   }
 
   std::string_view name() const override { return "fake"; }
-  DriverCapabilities capabilities() const override { return {can_pause, false}; }
+  DriverCapabilities capabilities() const override { return {can_pause, can_hibernate}; }
 
-  Result<RuntimeInfo> start(const SandboxSpec& spec, const std::string& sandbox_dir) override {
+  void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {
     ++starts;
-    if (fail_start) return fail(Error::kIo, "exec failed: no such file");
-    instances[spec.id] = Instance{};
-    return RuntimeInfo{next_pid_++, 4242, sandbox_dir};
+    Result<RuntimeInfo> result = fail(Error::kIo, "exec failed: no such file");
+    if (!fail_start) result = RuntimeInfo{next_pid_++, 4242, sandbox_dir, {{"boot", "1"}}};
+    later_with(start_delay_ms, spec.id, [done = std::move(done), result, this, id = spec.id](bool) {
+      if (result) instances[id] = Instance{};
+      done(result);
+    });
   }
   void pause(const SandboxSpec& spec, const RuntimeInfo&, Done done) override {
     ++pauses;
     Status result = fail_pause ? Status(fail(Error::kIo, "freeze failed")) : Status();
-    later(std::move(done), result, [this, id = spec.id, ok = result.ok()] {
-      if (ok) instances[id].paused = true;
+    later_with(op_delay_ms, spec.id, [this, done = std::move(done), result, id = spec.id](bool cancelled) {
+      if (cancelled) return done(fail(Error::kConflict, "pause cancelled"));
+      if (result) instances[id].paused = true;
+      done(result);
     });
+  }
+  void hibernate(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override {
+    ++hibernates;
+    Result<RuntimeInfo> result = fail(Error::kIo, "disk full");
+    if (!fail_hibernate) {
+      RuntimeInfo saved = info;
+      saved.pid = 0;
+      saved.driver_data["state_file"] = info.sandbox_dir + "/state";
+      result = saved;
+    }
+    later_with(hibernate_delay_ms, spec.id, [this, done = std::move(done), result, id = spec.id](bool cancelled) {
+      if (cancelled) return done(fail(Error::kConflict, "hibernate cancelled"));
+      if (result) {
+        Instance& inst = instances[id];
+        inst.alive = false;
+        inst.paused = false;
+        inst.hibernated = true;
+        inst.on_exit = nullptr;
+      }
+      done(result);
+    });
+  }
+  void restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override {
+    ++restores;
+    restored_from = info;
+    Result<RuntimeInfo> result = fail(Error::kIo, "state file truncated");
+    if (!fail_restore) {
+      RuntimeInfo running = info;
+      running.pid = next_pid_++;
+      result = running;
+    }
+    later_with(op_delay_ms, spec.id, [this, done = std::move(done), result, id = spec.id](bool) {
+      if (result) instances[id] = Instance{};
+      done(result);
+    });
+  }
+  bool cancel(const SandboxSpec& spec) override {
+    ++cancels;
+    if (!can_cancel) return false;
+    for (Op* op : pending_) {
+      if (op->sandbox_id != spec.id) continue;
+      op->cancelled = true;
+      uv_timer_start(&op->timer, on_op_timer, 1, 0);  // a cancelled operation ends almost at once
+      return true;
+    }
+    return false;
   }
   void resume(const SandboxSpec& spec, const RuntimeInfo&, Done done) override {
     ++resumes;
     Status result = fail_resume ? Status(fail(Error::kIo, "thaw failed")) : Status();
-    later(std::move(done), result, [this, id = spec.id, ok = result.ok()] {
-      if (ok) instances[id].paused = false;
+    later_with(op_delay_ms, spec.id, [this, done = std::move(done), result, id = spec.id](bool) {
+      if (result) instances[id].paused = false;
+      done(result);
     });
   }
   void terminate(const SandboxSpec& spec, const RuntimeInfo&, Done done) override {
     ++terminates;
     Status result = fail_terminate ? Status(fail(Error::kIo, "kill failed")) : Status();
-    later(std::move(done), result, [this, id = spec.id, ok = result.ok()] {
-      if (ok) instances[id].alive = false;
+    later_with(op_delay_ms, spec.id, [this, done = std::move(done), result, id = spec.id](bool) {
+      if (result) {
+        instances[id].alive = false;
+        instances[id].hibernated = false;
+      }
+      done(result);
     });
   }
   Status watch_exit(const SandboxSpec& spec, const RuntimeInfo&, std::function<void()> on_exit) override {
@@ -115,14 +172,14 @@ class FakeDriver : public Driver {
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo&) override {
     auto it = instances.find(spec.id);
     if (it == instances.end()) return {};
-    return {it->second.alive, it->second.paused};
+    return {it->second.alive, it->second.paused, it->second.hibernated};
   }
-  Result<UniqueFd> open_socket(const SandboxSpec&, const RuntimeInfo&) override {
+  Result<GuestSocket> open_socket(const SandboxSpec&, const RuntimeInfo&, uint16_t port) override {
     ++sockets;
     if (fail_open_socket) return fail(Error::kIo, "setns failed");
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return fail_errno("socket", errno);
-    return UniqueFd(fd);
+    return GuestSocket{UniqueFd(fd), false, static_cast<uint16_t>(port + port_offset)};
   }
 
   // The instance's process exits by itself.
@@ -134,35 +191,43 @@ class FakeDriver : public Driver {
     if (cb) cb();
   }
 
-  bool can_pause = true;
+  bool can_pause = true, can_hibernate = true, can_cancel = true;
   bool fail_start = false, fail_pause = false, fail_resume = false, fail_terminate = false, fail_open_socket = false;
-  uint64_t op_delay_ms = 5;  // how long pause/resume/terminate take
+  bool fail_hibernate = false, fail_restore = false;
+  uint64_t op_delay_ms = 5;          // how long pause/resume/restore/terminate take
+  uint64_t start_delay_ms = 5;       // how long a start takes
+  uint64_t hibernate_delay_ms = 5;   // how long a hibernation takes
+  uint16_t port_offset = 0;          // open_socket's connect_port = port + port_offset (a forwarded port)
   int starts = 0, pauses = 0, resumes = 0, terminates = 0, watches = 0, unwatches = 0, sockets = 0;
+  int hibernates = 0, restores = 0, cancels = 0;
+  RuntimeInfo restored_from;
   std::map<std::string, Instance> instances;
 
  private:
+  // An operation in flight: `finish(cancelled)` runs once from the loop.
   struct Op {
     uv_timer_t timer;
     FakeDriver* driver;
-    Done done;
-    Status result;
-    std::function<void()> effect;
+    std::string sandbox_id;
+    bool cancelled = false;
+    std::function<void(bool)> finish;
   };
 
-  void later(Done done, Status result, std::function<void()> effect) {
-    auto* op = new Op{{}, this, std::move(done), std::move(result), std::move(effect)};
+  static void on_op_timer(uv_timer_t* t) {
+    auto* o = static_cast<Op*>(t->data);
+    o->driver->pending_.erase(o);
+    auto finish = std::move(o->finish);
+    bool cancelled = o->cancelled;
+    uv_close(reinterpret_cast<uv_handle_t*>(&o->timer), [](uv_handle_t* h) { delete static_cast<Op*>(h->data); });
+    finish(cancelled);
+  }
+
+  void later_with(uint64_t delay_ms, const std::string& sandbox_id, std::function<void(bool)> finish) {
+    auto* op = new Op{{}, this, sandbox_id, false, std::move(finish)};
     uv_timer_init(loop_, &op->timer);
     op->timer.data = op;
     pending_.insert(op);
-    uv_timer_start(&op->timer, [](uv_timer_t* t) {
-      auto* o = static_cast<Op*>(t->data);
-      o->driver->pending_.erase(o);
-      o->effect();
-      Done cb = std::move(o->done);
-      Status r = o->result;
-      uv_close(reinterpret_cast<uv_handle_t*>(&o->timer), [](uv_handle_t* h) { delete static_cast<Op*>(h->data); });
-      cb(r);
-    }, op_delay_ms, 0);
+    uv_timer_start(&op->timer, on_op_timer, delay_ms, 0);
   }
 
   uv_loop_t* loop_;

@@ -40,7 +40,9 @@ class NodeTest : public ::testing::Test {
     driver_ = driver.get();
     auto store = Store::open(dir_.path() + "/node.db");
     ASSERT_TRUE(store.ok()) << store.message();
-    node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(driver), std::move(*store));
+    std::vector<std::unique_ptr<Driver>> drivers;
+    drivers.push_back(std::move(driver));
+    node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(drivers), std::move(*store));
   }
 
   // Simulates a node crash + restart: the instances live on, the in-flight driver operations are lost.
@@ -62,8 +64,16 @@ class NodeTest : public ::testing::Test {
     return r;
   }
 
+  // Runs the loop until the create is answered.
+  Result<SandboxInfo> create_request(const CreateRequest& r) {
+    std::optional<Result<SandboxInfo>> out;
+    node_->create(r, [&out](Result<SandboxInfo> info) { out.emplace(std::move(info)); });
+    if (!run_until(&loop_, [&] { return out.has_value(); })) return fail(Error::kTimeout, "create never answered");
+    return std::move(*out);
+  }
+
   SandboxInfo create(std::optional<std::string> name, bool ephemeral = false, int64_t timeout_secs = 300) {
-    auto info = node_->create(request(std::move(name), ephemeral, timeout_secs));
+    auto info = create_request(request(std::move(name), ephemeral, timeout_secs));
     EXPECT_TRUE(info.ok()) << info.message();
     return info.ok() ? *info : SandboxInfo{};
   }
@@ -72,6 +82,11 @@ class NodeTest : public ::testing::Test {
     auto info = node_->get(ref);
     if (!info) return std::nullopt;
     return info->state;
+  }
+
+  bool hibernated(const std::string& ref) {
+    auto info = node_->get(ref);
+    return info && info->state == S::kSuspended && info->tier == SuspendTier::kDisk;
   }
 
   bool wait_state(const std::string& ref, S want, int timeout_ms = 3000) {
@@ -135,7 +150,7 @@ TEST_F(NodeTest, DefaultTimeoutComesFromTheConfig) {
   make_node("default_timeout_secs = 42\n");
   CreateRequest r = request("demo");
   r.timeout_secs.reset();
-  auto info = node_->create(r);
+  auto info = create_request(r);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->spec.timeout_secs, 42u);
 }
@@ -194,8 +209,24 @@ TEST_F(NodeTest, FailedSandboxesCannotBeSuspendedOrResumed) {
   EXPECT_EQ(node_->resume("demo").error(), Error::kConflict);
 }
 
-TEST_F(NodeTest, ResumeDuringSuspendRunsAfterIt) {
+TEST_F(NodeTest, ResumeDuringSuspendCancelsIt) {
   create("demo");
+  driver_->op_delay_ms = 2000;
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  auto r = node_->resume("demo");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->started);
+  ASSERT_TRUE(wait_state("demo", S::kRunning, 500)) << "the cancel is the short way back, not a 2 s pause";
+  EXPECT_EQ(driver_->pauses, 1);
+  EXPECT_EQ(driver_->cancels, 1);
+  EXPECT_EQ(driver_->resumes, 0);
+  EXPECT_EQ(node_->get("demo")->state_reason, "suspend cancelled: resumed on request");
+  EXPECT_TRUE(node_->get("demo")->idle_deadline_at_ms.has_value());
+}
+
+TEST_F(NodeTest, ResumeDuringAnUncancellableSuspendRunsAfterIt) {
+  create("demo");
+  driver_->can_cancel = false;
   ASSERT_TRUE(node_->suspend("demo")->started);
   auto r = node_->resume("demo");
   ASSERT_TRUE(r.ok());
@@ -218,7 +249,7 @@ TEST_F(NodeTest, SingleFlightWakeForManyOpens) {
   for (auto& o : opens) {
     ASSERT_TRUE(o->result->ok()) << o->result->message();
     const OpenedPort& p = o->result->value();
-    EXPECT_TRUE(p.socket.valid());
+    EXPECT_TRUE(p.socket.fd.valid());
     EXPECT_TRUE(p.woke);
     EXPECT_GT(p.wake_ms, 0);
     EXPECT_EQ(p.port, 8080);
@@ -228,8 +259,25 @@ TEST_F(NodeTest, SingleFlightWakeForManyOpens) {
   EXPECT_EQ(node_->get("demo")->state_reason, "woken by a connection to port 8080");
 }
 
-TEST_F(NodeTest, OpensDuringSuspendLetItFinishThenResumeOnce) {
+TEST_F(NodeTest, OpensDuringSuspendCancelItOnce) {
   create("demo");
+  driver_->op_delay_ms = 2000;
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  std::vector<std::shared_ptr<OpenResult>> opens;
+  for (int i = 0; i < 20; ++i) opens.push_back(open("demo"));
+  ASSERT_TRUE(run_until(&loop_, [&] {
+    return std::all_of(opens.begin(), opens.end(), [](auto& o) { return o->result.has_value(); });
+  }, 500));
+  EXPECT_EQ(driver_->pauses, 1);
+  EXPECT_EQ(driver_->cancels, 1) << "one cancel, however many opens";
+  EXPECT_EQ(driver_->resumes, 0);
+  for (auto& o : opens) EXPECT_TRUE(o->result->ok());
+  EXPECT_EQ(state("demo"), S::kRunning);
+}
+
+TEST_F(NodeTest, OpensDuringAnUncancellableSuspendLetItFinishThenResumeOnce) {
+  create("demo");
+  driver_->can_cancel = false;
   ASSERT_TRUE(node_->suspend("demo")->started);
   std::vector<std::shared_ptr<OpenResult>> opens;
   for (int i = 0; i < 20; ++i) opens.push_back(open("demo"));
@@ -337,6 +385,7 @@ TEST_F(NodeTest, TrafficForASuspendedSandboxWakesIt) {
 
 TEST_F(NodeTest, TrafficDuringSuspendResumesAfterIt) {
   SandboxInfo info = create("demo");
+  driver_->can_cancel = false;
   ASSERT_TRUE(node_->suspend("demo")->started);
   node_->activity({ActivityReport{info.spec.id, "w1", 0, 7, 1}});
   ASSERT_TRUE(run_until(&loop_, [&] { return driver_->resumes == 1 && state("demo") == S::kRunning; }));
@@ -409,6 +458,7 @@ TEST_F(NodeTest, DeleteFailsOpensWaitingForAWake) {
 TEST_F(NodeTest, FailedSuspendRollsBack) {
   create("demo");
   driver_->fail_pause = true;
+  driver_->can_cancel = false;
   ASSERT_TRUE(node_->suspend("demo")->started);
   auto o = open("demo");
   ASSERT_TRUE(wait_state("demo", S::kRunning));
@@ -447,7 +497,7 @@ TEST_F(NodeTest, FailedTerminateLeavesAFailedSandbox) {
 
 TEST_F(NodeTest, FailedStartLeavesNothingBehind) {
   driver_->fail_start = true;
-  auto info = node_->create(request("demo"));
+  auto info = create_request(request("demo"));
   ASSERT_FALSE(info.ok());
   EXPECT_NE(info.message().find("exec failed"), std::string::npos);
   EXPECT_TRUE(node_->list().empty());
@@ -458,7 +508,7 @@ TEST_F(NodeTest, FailedStartLeavesNothingBehind) {
 
 TEST_F(NodeTest, NamesAreUniqueAmongLiveSandboxes) {
   SandboxInfo first = create("demo");
-  auto dup = node_->create(request("demo"));
+  auto dup = create_request(request("demo"));
   ASSERT_FALSE(dup.ok());
   EXPECT_EQ(dup.error(), Error::kAlreadyExists);
   EXPECT_NE(dup.message().find(first.spec.id), std::string::npos);
@@ -468,7 +518,7 @@ TEST_F(NodeTest, MaxSandboxes) {
   make_node("max_sandboxes = 2\n");
   create("a");
   create("b");
-  auto third = node_->create(request("c"));
+  auto third = create_request(request("c"));
   ASSERT_FALSE(third.ok());
   EXPECT_EQ(third.error(), Error::kLimitExceeded);
   // A reload that raises the limit applies to the next request.
@@ -518,7 +568,7 @@ TEST_F(NodeTest, RejectsInvalidRequests) {
   for (const Case& c : cases) {
     CreateRequest r = request("demo");
     c.mutate(r);
-    auto info = node_->create(r);
+    auto info = create_request(r);
     ASSERT_FALSE(info.ok()) << c.what;
     EXPECT_EQ(info.error(), Error::kInvalidArgument) << c.what;
     EXPECT_NE(info.message().find(c.message_contains), std::string::npos) << c.what << ": " << info.message();
@@ -531,7 +581,7 @@ TEST_F(NodeTest, RejectsInvalidRequests) {
   edge.memory_mb = 16;
   edge.cpus = 1024;
   edge.env = {{"_A1", ""}};
-  EXPECT_TRUE(node_->create(edge).ok());
+  EXPECT_TRUE(create_request(edge).ok());
 }
 
 TEST_F(NodeTest, ReconcileAfterRestart) {
@@ -572,7 +622,7 @@ TEST_F(NodeTest, ReconcileAfterRestart) {
   driver_->exit(running.spec.id);
   EXPECT_EQ(state("running"), S::kFailed);
   // The name index was rebuilt: names are still taken.
-  EXPECT_EQ(node_->create(request("suspended")).error(), Error::kAlreadyExists);
+  EXPECT_EQ(create_request(request("suspended")).error(), Error::kAlreadyExists);
 }
 
 TEST_F(NodeTest, ReconcileFinishesAFreezeThatCompletedBeforeTheCrash) {
@@ -599,7 +649,7 @@ TEST_F(NodeTest, ShutdownKeepLeavesSandboxesRunning) {
   EXPECT_EQ(driver_->terminates, 0);
   EXPECT_TRUE(driver_->instances[info.spec.id].alive);
   EXPECT_EQ(driver_->unwatches, 1);
-  EXPECT_EQ(node_->create(request("late")).error(), Error::kUnavailable);
+  EXPECT_EQ(create_request(request("late")).error(), Error::kUnavailable);
   EXPECT_EQ((*Store::open(dir_.path() + "/node.db"))->load_live()->size(), 1u);
 }
 
@@ -615,6 +665,221 @@ TEST_F(NodeTest, ShutdownTerminateTerminatesEverything) {
   EXPECT_EQ(driver_->terminates, 3);
   EXPECT_TRUE(node_->list().empty());
   EXPECT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->empty());
+}
+
+// ---- two-tier idle policy ----
+
+TEST_F(NodeTest, IdleSandboxPausesThenHibernates) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  auto created = create_request(r);
+  ASSERT_TRUE(created.ok()) << created.message();
+  EXPECT_EQ(created->next_transition, "suspend");
+  EXPECT_EQ(created->tier, SuspendTier::kNone);
+  ASSERT_TRUE(wait_state("tiered", S::kSuspended));
+  SandboxInfo paused = *node_->get("tiered");
+  EXPECT_EQ(paused.tier, SuspendTier::kMemory);
+  EXPECT_EQ(paused.next_transition, "hibernate");
+  ASSERT_TRUE(paused.next_transition_at_ms.has_value());
+  EXPECT_FALSE(paused.idle_deadline_at_ms.has_value());
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 3000));
+  SandboxInfo hibernated = *node_->get("tiered");
+  EXPECT_EQ(hibernated.state, S::kSuspended);
+  EXPECT_EQ(hibernated.state_reason, "suspended in memory for 1 s");
+  EXPECT_TRUE(hibernated.next_transition.empty()) << "nothing after the disk tier";
+  EXPECT_EQ(hibernated.runtime.pid, 0);
+  EXPECT_EQ(driver_->pauses, 1);
+  EXPECT_EQ(driver_->hibernates, 1);
+  auto rows = (*Store::open(dir_.path() + "/node.db"))->load_live();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].tier, SuspendTier::kDisk);
+  EXPECT_EQ((*rows)[0].runtime.driver_data.count("state_file"), 1u) << "the driver's data is persisted";
+}
+
+TEST_F(NodeTest, OpenRestoresAHibernatedSandbox) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(r).ok());
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 4000));
+  int watches_before = driver_->watches;
+  auto o = open("tiered");
+  EXPECT_EQ(state("tiered"), S::kResuming);
+  EXPECT_EQ(node_->get("tiered")->tier, SuspendTier::kDisk) << "resuming from the disk tier";
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_TRUE(o->result->value().woke);
+  EXPECT_EQ(driver_->restores, 1);
+  EXPECT_EQ(driver_->resumes, 0);
+  EXPECT_EQ(driver_->restored_from.driver_data.count("state_file"), 1u) << "restored from what hibernate saved";
+  SandboxInfo info = *node_->get("tiered");
+  EXPECT_EQ(info.state, S::kRunning);
+  EXPECT_EQ(info.tier, SuspendTier::kNone);
+  EXPECT_GT(info.runtime.pid, 0);
+  EXPECT_EQ(driver_->watches, watches_before + 1) << "the restored instance is watched";
+  EXPECT_EQ(info.next_transition, "suspend");
+}
+
+TEST_F(NodeTest, OpenDuringHibernationCancelsItAndResumesFromMemory) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(r).ok());
+  driver_->hibernate_delay_ms = 3000;
+  ASSERT_TRUE(run_until(&loop_, [&] { return driver_->hibernates == 1; }, 4000));
+  ASSERT_EQ(state("tiered"), S::kSuspending);
+  EXPECT_EQ(node_->get("tiered")->tier, SuspendTier::kDisk) << "suspending towards the disk tier";
+  auto o = open("tiered");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }, 500)) << "waited for the full hibernation";
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_EQ(driver_->cancels, 1);
+  EXPECT_EQ(driver_->resumes, 1) << "back from memory: the shorter way";
+  EXPECT_EQ(driver_->restores, 0);
+  EXPECT_EQ(state("tiered"), S::kRunning);
+}
+
+TEST_F(NodeTest, OpenDuringAnUncancellableHibernationRestoresAfterIt) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(r).ok());
+  driver_->hibernate_delay_ms = 200;
+  driver_->can_cancel = false;
+  ASSERT_TRUE(run_until(&loop_, [&] { return driver_->hibernates == 1; }, 4000));
+  auto o = open("tiered");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_EQ(driver_->restores, 1);
+  EXPECT_EQ(driver_->resumes, 0);
+  EXPECT_EQ(state("tiered"), S::kRunning);
+}
+
+TEST_F(NodeTest, FailedHibernationStaysSuspendedInMemory) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  SandboxInfo info = *create_request(r);
+  driver_->fail_hibernate = true;
+  ASSERT_TRUE(run_until(&loop_, [&] { return driver_->hibernates == 1 && state("tiered") == S::kSuspended; }, 4000));
+  SandboxInfo after = *node_->get("tiered");
+  EXPECT_EQ(after.tier, SuspendTier::kMemory);
+  EXPECT_NE(after.state_reason.find("hibernate failed, still suspended in memory: disk full"), std::string::npos)
+      << after.state_reason;
+  EXPECT_EQ(after.next_transition, "hibernate") << "tried again after another hibernate_after_secs";
+  EXPECT_TRUE(std::filesystem::is_directory(dir_.path() + "/sandboxes/" + info.spec.id)) << "no data deleted";
+  auto o = open("tiered");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  EXPECT_TRUE(o->result->ok());
+  EXPECT_EQ(driver_->resumes, 1);
+}
+
+TEST_F(NodeTest, FailedRestoreFailsTheSandboxButKeepsItsData) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  SandboxInfo info = *create_request(r);
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 4000));
+  driver_->fail_restore = true;
+  auto o = open("tiered");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  EXPECT_EQ(o->result->error(), Error::kUnavailable);
+  EXPECT_EQ(state("tiered"), S::kFailed);
+  EXPECT_NE(node_->get("tiered")->state_reason.find("restore from disk failed: state file truncated"),
+            std::string::npos);
+  EXPECT_TRUE(std::filesystem::is_directory(dir_.path() + "/sandboxes/" + info.spec.id)) << "no data deleted";
+  create("other");
+  EXPECT_TRUE(open("other")->result->ok()) << "the node keeps serving others";
+}
+
+TEST_F(NodeTest, DriverWithoutHibernationStaysInTheMemoryTier) {
+  driver_->can_hibernate = false;
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(r).ok());
+  ASSERT_TRUE(wait_state("tiered", S::kSuspended));
+  run_for(&loop_, 1500);
+  EXPECT_EQ(driver_->hibernates, 0);
+  EXPECT_EQ(node_->get("tiered")->tier, SuspendTier::kMemory);
+  EXPECT_TRUE(node_->get("tiered")->next_transition.empty());
+}
+
+TEST_F(NodeTest, HibernateAfterDefaultsComeFromTheConfigAndAreValidated) {
+  make_node("default_hibernate_after_secs = 77\nmax_timeout_secs = 100\n");
+  auto info = create_request(request("demo", false, 10));
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_EQ(info->spec.hibernate_after_secs, 77u);
+  EXPECT_EQ(info->spec.driver, "fake");
+  CreateRequest too_long = request("long", false, 10);
+  too_long.hibernate_after_secs = 101;
+  EXPECT_EQ(create_request(too_long).error(), Error::kInvalidArgument);
+  CreateRequest negative = request("neg", false, 10);
+  negative.hibernate_after_secs = -1;
+  EXPECT_EQ(create_request(negative).error(), Error::kInvalidArgument);
+  CreateRequest unknown = request("unknown", false, 10);
+  unknown.driver = "firecracker";
+  auto refused = create_request(unknown);
+  EXPECT_EQ(refused.error(), Error::kInvalidArgument);
+  EXPECT_NE(refused.message().find("'firecracker' is not enabled on this node (enabled: fake)"), std::string::npos)
+      << refused.message();
+}
+
+TEST_F(NodeTest, ReconcileFindsHibernatedAndHalfHibernatedSandboxes) {
+  CreateRequest r = request("on-disk", false, 1);
+  r.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(r).ok());
+  CreateRequest r2 = request("mid-way", false, 1);
+  r2.hibernate_after_secs = 3;
+  SandboxInfo mid = *create_request(r2);
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("on-disk"); }, 4000));
+  // "mid-way" is killed with the node during its hibernation (the record says suspending to disk); its VM is
+  // still alive and paused, so it is suspended in memory.
+  ASSERT_EQ(state("mid-way"), S::kSuspended);
+  driver_->hibernate_delay_ms = 10'000;
+  ASSERT_TRUE(run_until(&loop_, [&] { return state("mid-way") == S::kSuspending; }, 4000));
+  restart();
+  ASSERT_TRUE(node_->reconcile().ok());
+  SandboxInfo disk = *node_->get("on-disk");
+  EXPECT_EQ(disk.state, S::kSuspended);
+  EXPECT_EQ(disk.tier, SuspendTier::kDisk);
+  SandboxInfo memory = *node_->get("mid-way");
+  EXPECT_EQ(memory.state, S::kSuspended);
+  EXPECT_EQ(memory.tier, SuspendTier::kMemory);
+  EXPECT_TRUE(driver_->instances[mid.spec.id].alive);
+  auto o = open("on-disk");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_EQ(driver_->restores, 1);
+}
+
+TEST_F(NodeTest, OpensDuringCreateWaitForTheStart) {
+  driver_->start_delay_ms = 200;
+  std::optional<Result<SandboxInfo>> created;
+  node_->create(request("slow"), [&](Result<SandboxInfo> r) { created.emplace(std::move(r)); });
+  EXPECT_FALSE(created.has_value()) << "answered when the driver has started it";
+  EXPECT_EQ(state("slow"), S::kCreating);
+  auto o = open("slow");
+  EXPECT_FALSE(o->result.has_value());
+  ASSERT_TRUE(run_until(&loop_, [&] { return created.has_value() && o->result.has_value(); }));
+  ASSERT_TRUE(created->ok());
+  EXPECT_EQ(created->value().state, S::kRunning);
+  EXPECT_TRUE(o->result->ok());
+}
+
+TEST_F(NodeTest, DeleteDuringCreateTerminatesOnceStarted) {
+  driver_->start_delay_ms = 100;
+  std::optional<Result<SandboxInfo>> created;
+  node_->create(request("short-lived"), [&](Result<SandboxInfo> r) { created.emplace(std::move(r)); });
+  auto removed = remove("short-lived");
+  ASSERT_TRUE(removed.has_value());
+  ASSERT_TRUE(removed->ok()) << removed->message();
+  ASSERT_TRUE(created.has_value());
+  EXPECT_EQ(created->error(), Error::kConflict);
+  EXPECT_EQ(driver_->terminates, 1);
+  EXPECT_FALSE(node_->get("short-lived").ok());
+}
+
+TEST_F(NodeTest, OpenAnswersWithTheDriversConnectPort) {
+  driver_->port_offset = 1000;
+  create("demo");
+  auto o = open("demo");
+  ASSERT_TRUE(o->result->ok());
+  EXPECT_EQ(o->result->value().port, 8080);
+  EXPECT_EQ(o->result->value().socket.connect_port, 9080);
 }
 
 TEST_F(NodeTest, ShutdownWithNothingToDo) {

@@ -172,10 +172,16 @@ class ProcessDriverTest : public ::testing::Test {
     return spec;
   }
 
-  Result<RuntimeInfo> start(const SandboxSpec& spec) {
-    auto info = driver_->start(spec, sandbox_dir(spec));
-    if (info.ok()) started_.emplace_back(spec, *info);
-    return info;
+  Result<RuntimeInfo> start(const SandboxSpec& spec) { return start_with(*driver_, spec); }
+
+  // Starts through `driver` and waits for the answer, which must not arrive before start() returns.
+  Result<RuntimeInfo> start_with(Driver& driver, const SandboxSpec& spec) {
+    auto result = std::make_shared<std::optional<Result<RuntimeInfo>>>();
+    driver.start(spec, sandbox_dir(spec), [result](Result<RuntimeInfo> r) { result->emplace(std::move(r)); });
+    if (result->has_value()) return fail(Error::kInternal, "callback ran before the call returned");
+    if (!run_until([&] { return result->has_value(); })) return fail(Error::kTimeout, "start never answered");
+    if ((*result)->ok()) started_.emplace_back(spec, ***result);
+    return std::move(**result);
   }
 
   // By value: SandboxCgroup::dirs() returns a reference into the cgroup, which must not be a temporary.
@@ -230,9 +236,10 @@ class ProcessDriverTest : public ::testing::Test {
     Failure last{Error::kTimeout, "never tried"};
     const auto deadline = std::chrono::steady_clock::now() + 20s;
     while (std::chrono::steady_clock::now() < deadline) {
-      auto sock = driver_->open_socket(spec, info);
+      auto sock = driver_->open_socket(spec, info, 8080);
       if (!sock) return sock.failure();
-      auto response = http_get_once(std::move(*sock), path);
+      if (sock->connected || sock->connect_port != 8080) return fail(Error::kInternal, "not a socket to connect to 8080");
+      auto response = http_get_once(std::move(sock->fd), path);
       if (response) return response;
       last = response.failure();
       std::this_thread::sleep_for(50ms);
@@ -505,7 +512,7 @@ TEST_F(ProcessDriverTest, NonexistentInitFailsStartAndLeavesNoCgroup) {
   auto broken = make_process_driver(&loop_, cfg_);
   ASSERT_TRUE(broken.ok()) << broken.message();
   SandboxSpec spec = make_spec({"sleep", "1000"});
-  auto info = (*broken)->start(spec, sandbox_dir(spec));
+  auto info = start_with(**broken, spec);
   ASSERT_FALSE(info.ok());
   EXPECT_EQ(info.error(), Error::kNotFound);
   EXPECT_NE(info.message().find("/nonexistent/sandgate-init: No such file or directory"), std::string::npos)
@@ -557,10 +564,10 @@ TEST_F(ProcessDriverTest, ObserveTellsTheInstanceFromAReusedPid) {
   RuntimeInfo impostor = *info;
   impostor.start_time_ticks += 1;
   EXPECT_FALSE(driver_->observe(spec, impostor).alive);
-  EXPECT_FALSE(driver_->open_socket(spec, impostor).ok());
+  EXPECT_FALSE(driver_->open_socket(spec, impostor, 8080).ok());
   ASSERT_TRUE(terminate(spec, *info).ok());
   EXPECT_FALSE(driver_->observe(spec, *info).alive);
-  EXPECT_EQ(driver_->open_socket(spec, *info).error(), Error::kUnavailable);
+  EXPECT_EQ(driver_->open_socket(spec, *info, 8080).error(), Error::kUnavailable);
 }
 
 // A sandbox outlives the node that started it (no parent-death signal), and another node instance can
@@ -577,9 +584,11 @@ TEST_F(ProcessDriverTest, SandboxOutlivesItsNodeAndIsAdopted) {
     uv_loop_init(&loop);
     auto driver = make_process_driver(&loop, cfg_);
     if (!driver) ::_exit(2);
-    auto started = (*driver)->start(spec, sandbox_dir(spec));
-    if (!started) ::_exit(3);
-    RuntimeInfo reported = *started;
+    std::optional<Result<RuntimeInfo>> started;
+    (*driver)->start(spec, sandbox_dir(spec), [&](Result<RuntimeInfo> r) { started.emplace(std::move(r)); });
+    while (!started) uv_run(&loop, UV_RUN_ONCE);
+    if (!*started) ::_exit(3);
+    RuntimeInfo reported = **started;
     ssize_t n = ::write(pipe_fds[1], &reported.pid, sizeof reported.pid);
     n += ::write(pipe_fds[1], &reported.start_time_ticks, sizeof reported.start_time_ticks);
     ::_exit(n == sizeof reported.pid + sizeof reported.start_time_ticks ? 0 : 4);

@@ -20,7 +20,7 @@ const std::set<std::pair<S, S>> kLegal = {
     {S::kRunning, S::kSuspending},    {S::kRunning, S::kTerminated},    {S::kRunning, S::kFailed},
     {S::kSuspending, S::kSuspended},  {S::kSuspending, S::kRunning},    {S::kSuspending, S::kTerminated},
     {S::kSuspending, S::kFailed},     {S::kSuspended, S::kResuming},    {S::kSuspended, S::kTerminated},
-    {S::kSuspended, S::kFailed},      {S::kResuming, S::kRunning},      {S::kResuming, S::kFailed},
+    {S::kSuspended, S::kFailed},      {S::kSuspended, S::kSuspending}, {S::kResuming, S::kRunning},      {S::kResuming, S::kFailed},
     {S::kResuming, S::kTerminated},   {S::kFailed, S::kTerminated},
 };
 

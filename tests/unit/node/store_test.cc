@@ -31,6 +31,10 @@ StoredSandbox sample(const std::string& id, SandboxState state = SandboxState::k
   s.runtime.sandbox_dir = "/var/lib/sandgate/sandboxes/" + id;
   s.created_at_ms = 1764410400123;
   s.last_activity_at_ms = 1764410500456;
+  s.spec.hibernate_after_secs = 3600;
+  s.spec.driver = "qemu";
+  s.tier = SuspendTier::kDisk;
+  s.runtime.driver_data = {{"state_file", "/var/lib/sandgate/sandboxes/" + id + "/state"}, {"qmp", "q\"\n"}};
   return s;
 }
 
@@ -52,6 +56,38 @@ void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
   EXPECT_EQ(a.runtime.sandbox_dir, b.runtime.sandbox_dir);
   EXPECT_EQ(a.created_at_ms, b.created_at_ms);
   EXPECT_EQ(a.last_activity_at_ms, b.last_activity_at_ms);
+  EXPECT_EQ(a.spec.hibernate_after_secs, b.spec.hibernate_after_secs);
+  EXPECT_EQ(a.spec.driver, b.spec.driver);
+  EXPECT_EQ(a.tier, b.tier);
+  EXPECT_EQ(a.runtime.driver_data, b.runtime.driver_data);
+}
+
+// A node.db written before the two-tier policy (schema 1) is upgraded in place and its rows keep working.
+TEST(Store, MigratesSchemaOneRows) {
+  TempDir dir;
+  std::string path = dir.path() + "/node.db";
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  const char* v1 =
+      "CREATE TABLE sandboxes (id TEXT PRIMARY KEY NOT NULL, name TEXT NOT NULL, spec TEXT NOT NULL, state TEXT NOT "
+      "NULL, state_reason TEXT NOT NULL, pid INTEGER NOT NULL, start_time_ticks INTEGER NOT NULL, sandbox_dir TEXT "
+      "NOT NULL, created_at_ms INTEGER NOT NULL, last_activity_at_ms INTEGER NOT NULL);"
+      "INSERT INTO sandboxes VALUES ('sb-oldoldoldold', 'old', '{\"name\":\"old\",\"ephemeral\":false,"
+      "\"command\":[\"sleep\"],\"env\":{},\"cwd\":\"/\",\"exposed_ports\":[],\"timeout_secs\":5,"
+      "\"cpus\":1.0,\"memory_mb\":64}', 'suspended', 'r', 7, 8, '/d', 1, 2);"
+      "PRAGMA user_version = 1;";
+  ASSERT_EQ(sqlite3_exec(db, v1, nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+  sqlite3_close(db);
+  auto store = Store::open(path);
+  ASSERT_TRUE(store.ok()) << store.message();
+  auto rows = (*store)->load_live();
+  ASSERT_TRUE(rows.ok()) << rows.message();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].spec.driver, "process");
+  EXPECT_EQ((*rows)[0].spec.hibernate_after_secs, 0u);
+  EXPECT_EQ((*rows)[0].tier, SuspendTier::kNone);
+  EXPECT_TRUE((*rows)[0].runtime.driver_data.empty());
+  EXPECT_EQ((*rows)[0].state, SandboxState::kSuspended);
 }
 
 TEST(Store, RoundTripAcrossReopen) {
@@ -123,7 +159,7 @@ TEST(Store, UsesWalAndRecordsTheSchemaVersion) {
     return v;
   };
   EXPECT_EQ(pragma("PRAGMA journal_mode"), "wal");
-  EXPECT_EQ(pragma("PRAGMA user_version"), "1");
+  EXPECT_EQ(pragma("PRAGMA user_version"), "2");
   sqlite3_close(db);
 }
 
