@@ -58,9 +58,10 @@ TEST(Edge, GarbageInsteadOfClientHello) {
   Cluster c;
   c.create_http_sandbox("app", 8080);
   c.wait_until_serving("app", 8080);
-  auto r = run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(c.port()) +
+  run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(c.port()) +
                "; printf \"GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n\" >&3; timeout 5 cat <&3 | head -c 100'");
-  EXPECT_EQ(r.exit_code, 0);
+  // The exit status is not checked: the proxy may hang up before the write finishes (SIGPIPE). What it
+  // logged and that it keeps serving are what matter.
   auto e = c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "handshake_failed"; });
   ASSERT_TRUE(e.is_object()) << "no handshake_failed entry";
   EXPECT_TRUE(e.contains("detail"));
