@@ -412,23 +412,14 @@ void Connection::pump() {
 bool Connection::read_client() {
   if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_)) return take_over_client_receive();
   c2u_.make_room();
-  // SSL_read returns one record at a time: keep reading until the buffer is full or the socket is dry, so
-  // the sandbox gets one large send instead of one per record.
-  int n = 0;
-  size_t got = 0;
-  while (c2u_.space() > 0) {
-    ERR_clear_error();
-    n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
-    if (n <= 0) break;
+  ERR_clear_error();
+  int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
+  if (n > 0) {
     c2u_.produced(static_cast<size_t>(n));
-    got += static_cast<size_t>(n);
-    if (rx_handover_ != RxHandover::kNone) break;  // the kernel takes over at the next record boundary
-  }
-  if (got > 0) {
-    rec_.bytes_in += got;
-    traffic_->bytes_in += got;
+    rec_.bytes_in += static_cast<uint64_t>(n);
+    traffic_->bytes_in += static_cast<uint64_t>(n);
     last_activity_ms_ = now_ms(worker_->loop());
-    if (n > 0) return true;  // buffer full; an EOF or error behind the data is seen on the next read
+    return true;
   }
   int err = SSL_get_error(ssl_, n);
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return true;

@@ -141,11 +141,6 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
       // success, so they are on the wire before any byte is spliced, and a server sends no other
       // post-handshake message unless the client asks for one (KeyUpdate, handled as a termination cause).
       enable_ktls_rx_tracking(ctx.get());
-    } else {
-      // Userspace TLS for every connection: read-ahead lets one read() bring in several records (64 KiB)
-      // instead of two reads per record (header, then body), halving syscalls on uploads.
-      SSL_CTX_set_read_ahead(ctx.get(), 1);
-      SSL_CTX_set_default_read_buffer_len(ctx.get(), 64 * 1024);
     }
     // Partial writes let the forwarder drain a buffer across several socket-writable events.
     // Buffers are kept for the connection's life (no SSL_MODE_RELEASE_BUFFERS): no allocation per read.
