@@ -14,6 +14,10 @@ PACKAGES=(
   libyaml-cpp-dev  # the Firecracker / Cloud Hypervisor contract tests read the hypervisors' YAML specs
   # runtime tools and the clients the tests and the quickstart use
   openssl ca-certificates curl python3 procps iproute2
+  openssh-client openssh-server  # ssh/scp through the ingress to an sshd inside a sandbox
+  nghttp2-client                 # h2load and nghttp: HTTP/2 through the ingress
+  python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
+  qemu-system-x86 busybox-static # the QEMU driver and the kTLS guest test (guest images from Debian packages)
 )
 
 log() { echo "install-deps: $*" >&2; }
