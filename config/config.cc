@@ -169,6 +169,22 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.string("init_path", &out->init_path);
   out->init_path = resolve_path(base_dir, out->init_path);
   r.integer("default_hibernate_after_secs", &out->default_hibernate_after_secs, 0, 365 * 24 * 3600);
+  r.string("agent_path", &out->agent_path);
+  out->agent_path = resolve_path(base_dir, out->agent_path);
+  r.string("qemu_binary", &out->qemu_binary);
+  r.string("qemu_accel", &out->qemu_accel);
+  if (out->qemu_accel != "auto" && out->qemu_accel != "kvm" && out->qemu_accel != "tcg")
+    r.error(*t.get("qemu_accel"), "node.qemu_accel", "must be auto, kvm or tcg");
+  r.string("guest_kernel", &out->guest_kernel);
+  out->guest_kernel = resolve_path(base_dir, out->guest_kernel);
+  r.string("guest_initrd", &out->guest_initrd);
+  out->guest_initrd = resolve_path(base_dir, out->guest_initrd);
+  r.integer("qemu_boot_timeout_ms", &out->qemu_boot_timeout_ms, 1'000, 600'000);
+  r.integer("qemu_boot_attempts", &out->qemu_boot_attempts, 1, 10);
+  r.string("firecracker_binary", &out->firecracker_binary);
+  out->firecracker_binary = resolve_path(base_dir, out->firecracker_binary);
+  r.string("cloud_hypervisor_binary", &out->cloud_hypervisor_binary);
+  out->cloud_hypervisor_binary = resolve_path(base_dir, out->cloud_hypervisor_binary);
 }
 
 bool valid_domain(std::string_view d) {
@@ -231,6 +247,9 @@ Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, 
     static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "off"};
     if (!kLevels.count(cfg->log_level))
       r.error(*root.get("log_level"), "log_level", "must be one of trace, debug, info, warn, error, off");
+    r.integer("agent_port", &cfg->agent_port, 1, 65535);
+    r.string("operator_token_file", &cfg->operator_token_file);
+    cfg->operator_token_file = resolve_path(base_dir, cfg->operator_token_file);
     for (const char* section : {"proxy", "node"}) {
       const toml::node* n = r.find(section);
       if (!n) continue;

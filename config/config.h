@@ -51,6 +51,18 @@ struct NodeConfig {
   std::string cgroup_name = "sandgate";  // parent cgroup under each hierarchy; differs per node copy
   std::string init_path;                 // sandgate-init; empty = next to the sandgate-node binary
   uint32_t suspend_timeout_ms = 10'000;  // a freeze that does not complete by then fails the transition
+  // sandgate-agent, started inside every process sandbox on Config::agent_port; empty = next to sandgate-node.
+  std::string agent_path;
+  // QEMU driver (`--driver qemu`). The guest kernel and initramfs come from deploy/build-guest-image.sh.
+  std::string qemu_binary = "qemu-system-x86_64";
+  std::string qemu_accel = "auto";      // auto (kvm when /dev/kvm runs a guest, else tcg) | kvm | tcg
+  std::string guest_kernel;             // empty = <state_dir>/guest/vmlinuz
+  std::string guest_initrd;             // empty = <state_dir>/guest/initrd.img
+  uint32_t qemu_boot_timeout_ms = 30'000;  // one boot attempt; a stalled boot is killed and retried
+  uint32_t qemu_boot_attempts = 3;
+  // Firecracker / Cloud Hypervisor drivers: enabled when the binary path is set.
+  std::string firecracker_binary;
+  std::string cloud_hypervisor_binary;
 };
 
 struct Config {
@@ -58,6 +70,10 @@ struct Config {
   std::string domain = "sandbox.localhost";
   Endpoint node_socket;          // node API unix socket: proxy and CLI talk to the node through it
   std::string log_level = "info";
+  uint16_t agent_port = 9501;    // the in-sandbox agent's port: what https://<name>.<domain> reaches
+  // A file holding the operator token that api.<domain> (and the node's TCP API) require as a Bearer token.
+  // Empty: api.<domain> refuses every request and the TCP API is unauthenticated (loopback only).
+  std::string operator_token_file;
   ProxyConfig proxy;
   NodeConfig node;
 
