@@ -53,6 +53,18 @@ std::string ports(const json& sandbox, std::string_view sep) {
   return out.empty() ? "-" : out;
 }
 
+// "8080/http1, 22/tcp public": each port's protocol, and "public" for those that need no token.
+std::string port_policies(const json* v) {
+  std::string out;
+  if (v == nullptr || !v->is_array()) return scalar(v);
+  for (const json& p : *v) {
+    std::string one = scalar(field(p, "port")) + "/" + scalar(field(p, "protocol"));
+    if (const json* pub = field(p, "public"); pub != nullptr && pub->is_boolean() && pub->get<bool>()) one += " public";
+    out += (out.empty() ? "" : ", ") + one;
+  }
+  return out.empty() ? "-" : out;
+}
+
 // The urls object's keys are port numbers as strings; JSON objects sort them as text ("10000" < "8080").
 std::vector<std::string> urls(const json& sandbox) {
   std::vector<std::pair<long, std::string>> sorted;
@@ -98,6 +110,23 @@ bool parse_int(std::string_view s, int* out) {
 
 }  // namespace
 
+Result<PortFlag> parse_port_flag(std::string_view flag, std::string_view value) {
+  auto bad = [&](std::string_view why) {
+    return fail(Error::kInvalidArgument,
+                std::string(flag) + " " + std::string(value) + ": " + std::string(why) + " (expected PORT[/PROTO])");
+  };
+  PortFlag out;
+  std::string_view number = value.substr(0, value.find('/'));
+  if (number.size() < value.size()) {
+    std::string_view protocol = value.substr(number.size() + 1);
+    if (protocol != "http1" && protocol != "h2c" && protocol != "tcp")
+      return bad("the protocol must be http1, h2c or tcp");
+    out.protocol = std::string(protocol);
+  }
+  if (!parse_int(number, &out.port) || out.port < 1 || out.port > 65535) return bad("a port must be 1-65535");
+  return out;
+}
+
 Result<json> create_request_body(const CreateOptions& opts) {
   if (opts.command.empty())
     return fail(Error::kInvalidArgument, "a command is required: sandgate create [OPTIONS] -- CMD [ARGS...]");
@@ -115,12 +144,26 @@ Result<json> create_request_body(const CreateOptions& opts) {
     body["env"] = std::move(env);
   }
   if (opts.cwd) body["cwd"] = *opts.cwd;
-  if (!opts.expose.empty()) {
-    for (int port : opts.expose)
-      if (port < 1 || port > 65535)
-        return fail(Error::kInvalidArgument, "--expose " + std::to_string(port) + ": a port must be 1-65535");
-    body["exposed_ports"] = opts.expose;
+  json exposed = json::array();
+  json ports = json::array();
+  std::set<int> seen;
+  for (bool is_public : {false, true}) {
+    const char* flag = is_public ? "--public" : "--expose";
+    for (const std::string& value : is_public ? opts.publish : opts.expose) {
+      auto port = parse_port_flag(flag, value);
+      if (!port) return port.failure();
+      if (!seen.insert(port->port).second)
+        return fail(Error::kInvalidArgument,
+                    std::string(flag) + " " + value + ": port " + std::to_string(port->port) + " is given twice");
+      if (!is_public && port->protocol == "http1") {
+        exposed.push_back(port->port);
+      } else {
+        ports.push_back({{"port", port->port}, {"public", is_public}, {"protocol", port->protocol}});
+      }
+    }
   }
+  if (!exposed.empty()) body["exposed_ports"] = std::move(exposed);
+  if (!ports.empty()) body["ports"] = std::move(ports);
   if (opts.timeout_secs) body["timeout_secs"] = *opts.timeout_secs;
   if (opts.hibernate_after_secs) body["hibernate_after_secs"] = *opts.hibernate_after_secs;
   if (opts.driver) {
@@ -228,6 +271,8 @@ std::string format_created(const json& sandbox) {
   Lines lines = {{"id", text(sandbox, "id")}, {"name", text(sandbox, "name")}, {"state", text(sandbox, "state")}};
   if (text(sandbox, "state") == "failed") lines.emplace_back("reason", text(sandbox, "state_reason"));
   for (std::string& url : urls(sandbox)) lines.emplace_back("url", std::move(url));
+  if (const json* token = field(sandbox, "token"); token != nullptr && token->is_string())
+    lines.emplace_back("token", token->get<std::string>());
   return key_values(lines);
 }
 
@@ -281,6 +326,8 @@ std::string format_sandbox(const json& sandbox, TimePoint now) {
       lines.emplace_back(key, kvs.empty() ? "-" : shell_join(kvs));
     } else if (key == "exposed_ports") {
       lines.emplace_back(key, ports(sandbox, ", "));
+    } else if (key == "ports") {
+      lines.emplace_back(key, port_policies(v));
     } else if (key.ends_with("_at")) {
       lines.emplace_back(key, relative(now, v));
     } else if (key == "urls") {

@@ -28,7 +28,8 @@ struct CreateOptions {
   std::optional<uint32_t> timeout_secs;
   std::optional<uint32_t> hibernate_after_secs;
   std::optional<std::string> driver;
-  std::vector<int> expose;
+  std::vector<std::string> expose;   // --expose PORT[/PROTO]: behind the sandbox token
+  std::vector<std::string> publish;  // --public PORT[/PROTO]: no token needed
   std::optional<double> cpus;
   std::optional<uint32_t> memory_mb;
   std::vector<std::string> env;  // "K=V" as given
@@ -36,9 +37,17 @@ struct CreateOptions {
   std::vector<std::string> command;
 };
 
+// One --expose/--public value: "PORT" or "PORT/PROTO" with PROTO one of http1 (the default), h2c, tcp.
+struct PortFlag {
+  int port = 0;
+  std::string protocol = "http1";
+};
+// kInvalidArgument naming `flag` and the value.
+Result<PortFlag> parse_port_flag(std::string_view flag, std::string_view value);
+
 // The POST /v1/sandboxes body. kInvalidArgument (a usage error) for what the CLI can tell is wrong by itself:
-// no command, a port outside 1-65535, an --env without '=', a --driver outside kDrivers. Everything else is
-// left to the node.
+// no command, a malformed or repeated port, an --env without '=', a --driver outside kDrivers. Everything
+// else is left to the node. Private http1 ports go in "exposed_ports", every other port in "ports".
 Result<nlohmann::json> create_request_body(const CreateOptions& opts);
 
 // "/v1/sandboxes/<ref>[/<action>]" with ref percent-encoded (it is user input placed in a path).
@@ -56,7 +65,8 @@ std::string format_duration(std::chrono::seconds d);
 // Arguments joined by spaces, each quoted for a POSIX shell only if it needs it.
 std::string shell_join(const std::vector<std::string>& args);
 
-// `sandgate create`: id, name, state (and why, if it failed) and one url line per exposed port.
+// `sandgate create`: id, name, state (and why, if it failed), one url line per exposed port, and the token
+// when the answer has one.
 std::string format_created(const nlohmann::json& sandbox);
 // `sandgate ls`: the {"sandboxes": [...]} answer as a table ID NAME DRIVER STATE TIER PORTS IDLE-IN NEXT AGE,
 // where TIER is memory/disk for a suspended sandbox and NEXT the idle policy's next step ("hibernate in 5m").

@@ -2,11 +2,17 @@
 // Exit codes: 0 success, 1 the node refused or could not be reached (its message on stderr), 2 usage error.
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
+#include <climits>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include "cli/api_client.h"
 #include "cli/commands.h"
+#include "cli/ssh.h"
 
 namespace {
 
@@ -45,6 +51,52 @@ int call(const ApiClient& client, std::string_view method, const std::string& pa
   return std::cout ? kExitOk : error("cannot write to stdout");
 }
 
+// `sandgate create`: like call(), and the token in the answer is saved for ssh-proxy and shown this once.
+int create_sandbox(const ApiClient& client, const json& body, bool raw_json) {
+  auto res = client.request("POST", "/v1/sandboxes", body);
+  if (!res) return error(res.message());
+  if (res->status < 200 || res->status > 299) return error(sg::cli::error_message(res->status, res->body));
+  auto parsed = sg::cli::parse_object(res->body);
+  if (!parsed) return error(parsed.message());
+  if (raw_json) {
+    std::cout << res->body;
+    if (res->body.empty() || res->body.back() != '\n') std::cout << "\n";
+  } else {
+    std::cout << sg::cli::format_created(*parsed);
+  }
+  std::cout.flush();
+  auto token = parsed->find("token");
+  if (token != parsed->end() && token->is_string()) {
+    auto name = parsed->find("name");
+    auto id = parsed->find("id");
+    std::string ref = name != parsed->end() && name->is_string() ? name->get<std::string>()
+                      : id != parsed->end() && id->is_string()   ? id->get<std::string>()
+                                                                 : "";
+    auto home = sg::cli::default_config_home();
+    sg::Status saved = home ? sg::cli::save_token(*home, ref, token->get<std::string>()) : sg::Status(home.failure());
+    if (saved) {
+      std::cerr << "sandgate: the token is shown only once; saved to " << sg::cli::token_file(*home, ref) << "\n";
+    } else {
+      std::cerr << "sandgate: the token is shown only once and could not be saved (" << saved.message()
+                << "); keep it now\n";
+    }
+  }
+  return std::cout ? kExitOk : error("cannot write to stdout");
+}
+
+// Flag, else environment variable, else default.
+std::string setting(const std::string& flag, const char* env, std::string_view fallback) {
+  if (!flag.empty()) return flag;
+  if (const char* v = std::getenv(env); v != nullptr && v[0] != '\0') return v;
+  return std::string(fallback);
+}
+
+std::string self_path() {
+  char buf[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -77,7 +129,11 @@ int main(int argc, char** argv) {
   auto* driver_opt =
       create->add_option("--driver", driver, "process, qemu, firecracker or cloud-hypervisor (default: the node's)");
   // One port per --expose: a greedy vector option would swallow the command when `--` is forgotten.
-  create->add_option("--expose", create_opts.expose, "port reachable at https://PORT-NAME.DOMAIN (repeatable)")
+  create->add_option("--expose", create_opts.expose,
+                     "PORT[/PROTO]: reachable at https://PORT-NAME.DOMAIN with the sandbox token; PROTO is http1 "
+                     "(default), h2c or tcp (repeatable)")
+      ->allow_extra_args(false);
+  create->add_option("--public", create_opts.publish, "PORT[/PROTO]: like --expose, but needs no token (repeatable)")
       ->allow_extra_args(false);
   auto* cpus_opt = create->add_option("--cpus", cpus, "CPU limit, in CPUs (e.g. 0.5)");
   auto* memory_opt = create->add_option("--memory-mb", memory_mb, "memory limit in MiB");
@@ -101,6 +157,24 @@ int main(int argc, char** argv) {
   CLI::App* rm = app.add_subcommand("rm", "Terminate and remove a sandbox");
   rm->add_option("sandbox", ref, "name or id")->required();
 
+  std::string ingress, domain, cacert, ssh_user = "root", token;
+  CLI::App* ssh_config = app.add_subcommand("ssh-config", "Print a ~/.ssh/config block for `ssh NAME`");
+  ssh_config->add_option("sandbox", ref, "name or id")->required();
+  ssh_config->add_option("--user", ssh_user, "user to log in as")->capture_default_str();
+  ssh_config->add_option("--ingress", ingress, "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; 127.0.0.1:8443)");
+  ssh_config->add_option("--domain", domain, "sandbox domain (env SANDGATE_DOMAIN; sandbox.localhost)");
+  ssh_config->add_option("--cacert", cacert, "CA file for the ingress's certificate (env SANDGATE_CACERT)");
+
+  uint16_t ssh_port = 22;
+  CLI::App* ssh_proxy =
+      app.add_subcommand("ssh-proxy", "Tunnel stdin/stdout to a sandbox port through the ingress (ssh ProxyCommand)");
+  ssh_proxy->add_option("host", ref, "NAME or NAME.DOMAIN")->required();
+  ssh_proxy->add_option("--ingress", ingress, "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; 127.0.0.1:8443)");
+  ssh_proxy->add_option("--domain", domain, "domain when HOST is a bare name (env SANDGATE_DOMAIN)");
+  ssh_proxy->add_option("--cacert", cacert, "CA file (env SANDGATE_CACERT; default: the system's)");
+  ssh_proxy->add_option("--token", token, "sandbox or operator token (env SANDGATE_TOKEN; default: the saved one)");
+  ssh_proxy->add_option("--port", ssh_port, "sandbox port")->capture_default_str()->check(CLI::Range(1, 65535));
+
   CLI::App* version = app.add_subcommand("version", "Print the CLI version");
 
   // CLI11 reports parse problems by throwing; this is the one place exceptions are caught, and they become
@@ -114,6 +188,41 @@ int main(int argc, char** argv) {
   if (version->parsed()) {
     std::cout << "sandgate " << sg::cli::kVersion << "\n";
     return kExitOk;
+  }
+
+  ingress = setting(ingress, "SANDGATE_INGRESS", sg::cli::kDefaultIngress);
+  domain = setting(domain, "SANDGATE_DOMAIN", sg::cli::kDefaultDomain);
+  cacert = setting(cacert, "SANDGATE_CACERT", "");
+  if (ssh_config->parsed()) {
+    sg::cli::SshConfigOptions o{ref, ssh_user, ingress, domain, cacert, self_path()};
+    auto block = sg::cli::ssh_config_block(o);
+    if (!block) return error(block.message(), kExitUsage);
+    std::cout << *block;
+    std::cout.flush();
+    return std::cout ? kExitOk : error("cannot write to stdout");
+  }
+  if (ssh_proxy->parsed()) {
+    auto host = sg::cli::parse_ssh_host(ref, domain);
+    if (!host) return error(host.message(), kExitUsage);
+    auto where = sg::cli::parse_ingress(ingress);
+    if (!where) return error(where.message(), kExitUsage);
+    token = setting(token, "SANDGATE_TOKEN", "");
+    if (token.empty()) {
+      auto home = sg::cli::default_config_home();
+      auto saved = home ? sg::cli::load_token(*home, host->name) : sg::Result<std::string>(home.failure());
+      if (!saved) return error("no token: pass --token or SANDGATE_TOKEN (" + saved.message() + ")", kExitUsage);
+      token = std::move(*saved);
+    }
+    sg::cli::SshProxyOptions o;
+    o.ingress = *where;
+    o.cacert = cacert;
+    o.token = token;
+    o.name = host->name;
+    o.domain = host->domain;
+    o.port = ssh_port;
+    // A tunnel peer that goes away must be an error to report, not a silent kill on the next write.
+    std::signal(SIGPIPE, SIG_IGN);
+    return sg::cli::run_ssh_proxy(o, STDIN_FILENO, STDOUT_FILENO);
   }
 
   auto endpoint = sg::cli::parse_api_address(api);
@@ -131,7 +240,7 @@ int main(int argc, char** argv) {
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;
     auto body = sg::cli::create_request_body(create_opts);
     if (!body) return error(body.message(), kExitUsage);
-    return call(client, "POST", "/v1/sandboxes", *body, raw_json, sg::cli::format_created);
+    return create_sandbox(client, *body, raw_json);
   }
   if (ls->parsed())
     return call(client, "GET", "/v1/sandboxes", nullptr, raw_json,

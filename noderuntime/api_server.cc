@@ -10,6 +10,7 @@
 #include <ctime>
 #include <deque>
 #include <limits>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -71,6 +72,12 @@ Response error_response(const Failure& f) { return error_response(http_status(f.
 
 Response invalid(std::string_view message) { return error_response(400, Error::kInvalidArgument, message); }
 
+// 401 has no place in the shared error vocabulary (common/error.h): only the proxy's credential check makes it.
+Response unauthorized(std::string_view message) {
+  ordered_json body = {{"error", "unauthorized"}, {"message", message}};
+  return Response{401, to_text(body), UniqueFd(), ""};
+}
+
 // RFC 3339, UTC, milliseconds: 2026-11-29T10:00:00.000Z
 std::string format_time(int64_t unix_ms) {
   int64_t secs = unix_ms >= 0 ? unix_ms / 1000 : (unix_ms - 999) / 1000;
@@ -113,10 +120,37 @@ Failure unknown_field(std::string_view field, std::string_view allowed) {
               "unknown field '" + std::string(field) + "' (allowed: " + std::string(allowed) + ")");
 }
 
+// {"port": 22, "public": true, "protocol": "tcp"}: only port is required. Ranges, duplicates and the protocol
+// name are Node::create's to check, so the messages are the same however a port was given.
+Result<CreateRequest::Port> parse_port_entry(const json& entry) {
+  if (!entry.is_object()) return wrong_type("ports[]", "an object", entry);
+  CreateRequest::Port port;
+  bool has_port = false;
+  for (auto it = entry.begin(); it != entry.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (key == "port") {
+      if (!v.is_number_integer()) return wrong_type("ports[].port", "an integer", v);
+      port.port = as_int64(v);
+      has_port = true;
+    } else if (key == "public") {
+      if (!v.is_boolean()) return wrong_type("ports[].public", "true or false", v);
+      port.is_public = v.get<bool>();
+    } else if (key == "protocol") {
+      if (!v.is_string()) return wrong_type("ports[].protocol", "a string (http1, h2c or tcp)", v);
+      port.protocol = v.get<std::string>();
+    } else {
+      return unknown_field("ports[]." + key, "port, public, protocol");
+    }
+  }
+  if (!has_port) return fail(Error::kInvalidArgument, "ports[].port is required");
+  return port;
+}
+
 Result<CreateRequest> parse_create(const json& body) {
   constexpr std::string_view kAllowed =
-      "name, command, env, cwd, exposed_ports, timeout_secs, hibernate_after_secs, cpus, memory_mb, ephemeral, "
-      "driver";
+      "name, command, env, cwd, exposed_ports, ports, allow_unauthenticated_access, timeout_secs, "
+      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver";
   CreateRequest req;
   bool has_command = false;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -148,6 +182,16 @@ Result<CreateRequest> parse_create(const json& body) {
         if (!port.is_number_integer()) return wrong_type("exposed_ports[]", "an integer", port);
         req.exposed_ports.push_back(as_int64(port));
       }
+    } else if (key == "ports") {
+      if (!v.is_array()) return wrong_type(key, "an array of objects", v);
+      for (const json& entry : v) {
+        auto port = parse_port_entry(entry);
+        if (!port) return port.failure();
+        req.ports.push_back(std::move(*port));
+      }
+    } else if (key == "allow_unauthenticated_access") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.allow_unauthenticated_access = v.get<bool>();
     } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs") {
       if (!v.is_number_integer()) return wrong_type(key, "an integer", v);
       (key == "timeout_secs" ? req.timeout_secs : key == "memory_mb" ? req.memory_mb : req.hibernate_after_secs) =
@@ -219,6 +263,39 @@ Result<std::vector<ActivityReport>> parse_activity(const json& body) {
     reports.push_back(std::move(r));
   }
   return reports;
+}
+
+// The body of internal/open and internal/lookup: {"sandbox": "<ref>", "port": N} and, for open only, an
+// optional "credential".
+struct PortRequest {
+  std::string ref;
+  uint16_t port = 0;
+  std::optional<std::string> credential;
+};
+
+Result<PortRequest> parse_port_request(const json& body, bool allow_credential) {
+  PortRequest out;
+  int64_t port = -1;
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const json& v = it.value();
+    if (it.key() == "sandbox") {
+      if (!v.is_string()) return wrong_type("sandbox", "a string", v);
+      out.ref = v.get<std::string>();
+    } else if (it.key() == "port") {
+      if (!v.is_number_integer()) return wrong_type("port", "an integer", v);
+      port = as_int64(v);
+    } else if (it.key() == "credential" && allow_credential) {
+      if (!v.is_string()) return wrong_type("credential", "a string", v);
+      out.credential = v.get<std::string>();
+    } else {
+      return unknown_field(it.key(), allow_credential ? "sandbox, port, credential" : "sandbox, port");
+    }
+  }
+  if (out.ref.empty()) return fail(Error::kInvalidArgument, "sandbox is required (an id or a name)");
+  if (port < 1 || port > 65535)
+    return fail(Error::kInvalidArgument, "port is required and must be between 1 and 65535");
+  out.port = static_cast<uint16_t>(port);
+  return out;
 }
 
 Result<uint32_t> parse_wake_timeout(const HttpMessage& request) {
@@ -657,6 +734,13 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
   ordered_json urls = ordered_json::object();
   const std::string& host_ref = info.spec.name.empty() ? info.spec.id : info.spec.name;
   for (uint16_t port : info.spec.exposed_ports) urls[std::to_string(port)] = cfg->port_url(port, host_ref);
+  ordered_json ports = ordered_json::array();
+  for (uint16_t port : info.spec.exposed_ports) {
+    auto policy = port_policy(info.spec, port);
+    ports.push_back({{"port", port},
+                     {"public", policy && policy->is_public},
+                     {"protocol", protocol_name(policy ? policy->protocol : PortProtocol::kHttp1)}});
+  }
   ordered_json j = {
       {"id", info.spec.id},
       {"name", info.spec.name.empty() ? ordered_json(nullptr) : ordered_json(info.spec.name)},
@@ -668,6 +752,9 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"env", info.spec.env},
       {"cwd", info.spec.cwd},
       {"exposed_ports", info.spec.exposed_ports},
+      {"ports", std::move(ports)},
+      {"allow_unauthenticated_access", info.spec.allow_unauthenticated_access},
+      {"agent_port", info.spec.agent_port != 0 ? ordered_json(info.spec.agent_port) : ordered_json(nullptr)},
       {"timeout_secs", info.spec.timeout_secs},
       {"hibernate_after_secs", info.spec.hibernate_after_secs},
       {"cpus", info.spec.cpus},
@@ -685,6 +772,8 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"resumes", info.resumes},
       {"urls", std::move(urls)},
   };
+  // Only create's answer has it: the node keeps nothing it could show again.
+  if (!info.token.empty()) j["token"] = info.token;
   return Response{status, to_text(j), UniqueFd(), ""};
 }
 
@@ -724,6 +813,10 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
   if (path == "/v1/internal/open") {
     if (method != "POST") return method_not_allowed("POST");
     return handle_open(request, can_pass_fds, std::move(reply));
+  }
+  if (path == "/v1/internal/lookup") {
+    if (method != "POST") return method_not_allowed("POST");
+    return handle_lookup(request, can_pass_fds, reply);
   }
   if (path == "/v1/internal/activity") {
     if (method != "POST") return method_not_allowed("POST");
@@ -771,33 +864,47 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
   if (!wake_timeout) return reply(error_response(wake_timeout.failure()));
   auto body = parse_object(request.body);
   if (!body) return reply(error_response(body.failure()));
-  std::string ref;
-  int64_t port = -1;
-  for (auto it = body->begin(); it != body->end(); ++it) {
-    const json& v = it.value();
-    if (it.key() == "sandbox") {
-      if (!v.is_string()) return reply(error_response(wrong_type("sandbox", "a string", v)));
-      ref = v.get<std::string>();
-    } else if (it.key() == "port") {
-      if (!v.is_number_integer()) return reply(error_response(wrong_type("port", "an integer", v)));
-      port = as_int64(v);
-    } else {
-      return reply(error_response(unknown_field(it.key(), "sandbox, port")));
-    }
+  auto req = parse_port_request(*body, true);
+  if (!req) return reply(error_response(req.failure()));
+  // Checked before anything touches the sandbox: a refused credential must neither wake it nor count as
+  // activity, or anyone could keep every sandbox awake.
+  auto access = node_->lookup(req->ref, req->port);
+  if (!access) return reply(error_response(access.failure()));
+  if (!access->is_public) {
+    CredentialCheck check = node_->check_credential(access->id, req->credential);
+    if (check != CredentialCheck::kAccepted)
+      return reply(unauthorized(check == CredentialCheck::kMissing ? "missing token" : "invalid token"));
   }
-  if (ref.empty()) return reply(invalid("sandbox is required (an id or a name)"));
-  if (port < 1 || port > 65535) return reply(invalid("port is required and must be between 1 and 65535"));
-  node_->open(ref, static_cast<uint16_t>(port), *wake_timeout, [reply = std::move(reply)](Result<OpenedPort> r) {
+  node_->open(req->ref, req->port, *wake_timeout, [reply = std::move(reply)](Result<OpenedPort> r) {
     if (!r) return reply(error_response(r.failure()));
     ordered_json j = {{"id", r->id},
                       {"name", r->name.empty() ? ordered_json(nullptr) : ordered_json(r->name)},
                       {"port", r->port},
+                      {"protocol", protocol_name(r->protocol)},
+                      {"public", r->is_public},
                       {"woke", r->woke},
                       {"wake_ms", r->wake_ms},
                       {"connect_port", r->socket.connect_port},
                       {"connected", r->socket.connected}};
     reply(Response{200, to_text(j), std::move(r->socket.fd), ""});
   });
+}
+
+void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& reply) {
+  // Internal like open: it tells which ports need no token, which is the proxy's business only.
+  if (!is_unix) return reply(invalid("internal/lookup is served on the unix socket only"));
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  auto req = parse_port_request(*body, false);
+  if (!req) return reply(error_response(req.failure()));
+  auto access = node_->lookup(req->ref, req->port);
+  if (!access) return reply(error_response(access.failure()));
+  ordered_json j = {{"id", access->id},
+                    {"name", access->name.empty() ? ordered_json(nullptr) : ordered_json(access->name)},
+                    {"port", access->port},
+                    {"protocol", protocol_name(access->protocol)},
+                    {"public", access->is_public}};
+  reply(Response{200, to_text(j), UniqueFd(), ""});
 }
 
 void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {

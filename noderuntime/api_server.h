@@ -58,6 +58,7 @@ class ApiServer {
 
   void handle_create(const HttpMessage& request, Reply reply);
   void handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply);
+  void handle_lookup(const HttpMessage& request, bool is_unix, Reply& reply);
   void handle_activity(const HttpMessage& request, Reply& reply);
 
   uv_loop_t* loop_;

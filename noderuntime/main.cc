@@ -20,7 +20,10 @@
 #include "config/config.h"
 #include "noderuntime/api_server.h"
 #include "noderuntime/node.h"
+#include "noderuntime/cloud_hypervisor_driver.h"
+#include "noderuntime/firecracker_driver.h"
 #include "noderuntime/process_driver.h"
+#include "noderuntime/qemu_driver.h"
 #include "noderuntime/store.h"
 
 namespace {
@@ -154,6 +157,25 @@ int main(int argc, char** argv) {
     return 1;
   }
   drivers.push_back(std::move(*process_driver));
+  // Always offered: a missing guest image fails each sandbox's start with the reason, not the node.
+  drivers.push_back(sg::make_qemu_driver(d.loop, c.node, c.agent_port));
+  // The microVM drivers boot the same guest image; they are offered when their binary is configured.
+  const std::string kernel = c.node.guest_kernel.empty() ? c.node.state_dir + "/guest/vmlinuz" : c.node.guest_kernel;
+  const std::string initrd = c.node.guest_initrd.empty() ? c.node.state_dir + "/guest/initrd.img" : c.node.guest_initrd;
+  if (!c.node.firecracker_binary.empty()) {
+    sg::FirecrackerConfig fc;
+    fc.binary = c.node.firecracker_binary;
+    fc.kernel_image_path = kernel;
+    fc.initrd_path = initrd;
+    drivers.push_back(sg::make_firecracker_driver(d.loop, std::move(fc)));
+  }
+  if (!c.node.cloud_hypervisor_binary.empty()) {
+    sg::CloudHypervisorConfig ch;
+    ch.binary = c.node.cloud_hypervisor_binary;
+    ch.kernel = kernel;
+    ch.initramfs = initrd;
+    drivers.push_back(sg::make_cloud_hypervisor_driver(d.loop, std::move(ch)));
+  }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
   if (auto s = d.node->reconcile(); !s) {
     spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());

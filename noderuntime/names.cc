@@ -1,5 +1,7 @@
 #include "noderuntime/names.h"
 
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
 #include <sys/random.h>
 
 #include <cerrno>
@@ -14,6 +16,8 @@ constexpr std::string_view kIdPrefix = "sb-";
 constexpr size_t kIdRandomChars = 12;
 constexpr std::string_view kIdAlphabet = "abcdefghijklmnopqrstuvwxyz0123456789";
 constexpr size_t kMaxLabel = 63;
+constexpr std::string_view kTokenPrefix = "sgt_";
+constexpr size_t kTokenRandomBytes = 32;  // 256 bits: unguessable, and beyond any offline search of the digest
 
 bool is_lower_alnum(char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'); }
 bool is_digit(char c) { return c >= '0' && c <= '9'; }
@@ -89,6 +93,48 @@ std::string generate_id() {
     }
   }
   return id;
+}
+
+std::string generate_token() {
+  static constexpr char kBase64Url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+  uint8_t raw[kTokenRandomBytes];
+  fill_random(raw, sizeof raw);
+  std::string token(kTokenPrefix);
+  uint32_t bits = 0;
+  int nbits = 0;
+  for (uint8_t b : raw) {
+    bits = (bits << 8) | b;
+    nbits += 8;
+    while (nbits >= 6) {
+      nbits -= 6;
+      token += kBase64Url[(bits >> nbits) & 63];
+    }
+  }
+  if (nbits > 0) token += kBase64Url[(bits << (6 - nbits)) & 63];
+  OPENSSL_cleanse(raw, sizeof raw);
+  return token;
+}
+
+std::string token_digest(std::string_view token) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  // EVP_Digest with SHA-256 cannot fail short of memory exhaustion; an empty result then never matches.
+  if (EVP_Digest(token.data(), token.size(), md, &len, EVP_sha256(), nullptr) != 1) return {};
+  std::string hex;
+  hex.reserve(2 * len);
+  for (unsigned int i = 0; i < len; ++i) {
+    hex += kHex[md[i] >> 4];
+    hex += kHex[md[i] & 15];
+  }
+  return hex;
+}
+
+bool token_matches(std::string_view token, std::string_view digest_hex) {
+  std::string presented = token_digest(token);
+  // The lengths are public (always 64 for a stored digest); only the contents are compared in constant time.
+  if (digest_hex.empty() || presented.size() != digest_hex.size()) return false;
+  return CRYPTO_memcmp(presented.data(), digest_hex.data(), presented.size()) == 0;
 }
 
 bool looks_like_id(std::string_view s) {

@@ -1,4 +1,4 @@
-// Sandbox names and ids. Both appear in host names (<port>-<name|id>.<domain>) and in API paths
+// Sandbox names, ids and access tokens. Both appear in host names (<port>-<name|id>.<domain>) and in API paths
 // (/v1/sandboxes/{ref}), so a name must be a DNS label that can never be mistaken for an id, a port
 // prefix, or a reserved host.
 #pragma once
@@ -15,6 +15,16 @@ Status validate_name(std::string_view name);
 
 // "sb-" + 12 random characters of [a-z0-9] (~62 bits), from getrandom().
 std::string generate_id();
+
+// A sandbox access token: "sgt_" + 32 random bytes (getrandom) in unpadded base64url (43 characters).
+std::string generate_token();
+
+// SHA-256 of `token` as 64 lowercase hex digits: what is stored instead of the token.
+std::string token_digest(std::string_view token);
+
+// Whether `token` hashes to `digest_hex`, compared in constant time (CRYPTO_memcmp) so the time taken says
+// nothing about how much of a guess was right. False for an empty digest (no token was ever set).
+bool token_matches(std::string_view token, std::string_view digest_hex);
 
 // True for strings shaped like an id ("sb-" + 12 of [a-z0-9]), whether or not such a sandbox exists.
 bool looks_like_id(std::string_view s);

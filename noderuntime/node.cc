@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <set>
 
 #include "noderuntime/names.h"
@@ -25,6 +27,13 @@ constexpr int64_t kMaxMemoryMb = 1024 * 1024;
 constexpr double kMaxCpus = 1024;
 // A terminate that hangs must not keep the daemon from exiting; whatever is left is adopted next start.
 constexpr uint64_t kShutdownTerminateTimeoutMs = 15'000;
+// Ports one sandbox may expose: enough for any real service, small enough that answers and lookups stay tiny.
+constexpr size_t kMaxExposedPorts = 64;
+// A worker's connection count lives this many report intervals past its last report (a few missed reports
+// are a slow proxy, not a dead one).
+constexpr int kReportTtlIntervals = 10;
+// The operator token file holds one token; anything larger is not what the operator meant to configure.
+constexpr size_t kMaxOperatorTokenBytes = 4096;
 
 int64_t wall_now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -44,11 +53,18 @@ bool valid_env_key(std::string_view key) {
 
 bool has_nul(std::string_view s) { return s.find('\0') != std::string_view::npos; }
 
-std::string describe_ports(const std::vector<uint16_t>& ports) {
-  if (ports.empty()) return "none";
+std::string describe_ports(const SandboxSpec& spec) {
   std::string out;
-  for (uint16_t p : ports) out += (out.empty() ? "" : ", ") + std::to_string(p);
-  return out;
+  for (uint16_t p : spec.exposed_ports) out += (out.empty() ? "" : ", ") + std::to_string(p);
+  if (spec.agent_port != 0) out += (out.empty() ? "" : ", ") + std::to_string(spec.agent_port) + " (agent)";
+  return out.empty() ? "none" : out;
+}
+
+std::string trim(std::string s) {
+  const char* ws = " \t\r\n\v\f";
+  size_t end = s.find_last_not_of(ws);
+  if (end == std::string::npos) return {};
+  return s.substr(s.find_first_not_of(ws), end + 1 - s.find_first_not_of(ws));
 }
 
 }  // namespace
@@ -65,8 +81,13 @@ struct Node::Waiter {
 };
 
 struct Node::Sandbox {
+  struct Reported {
+    uint64_t connections = 0;
+    Clock::time_point expires;
+  };
   StoredSandbox rec;  // the persisted part
-  std::map<std::string, uint64_t> connections_by_reporter;
+  std::map<std::string, Reported> connections_by_reporter;  // only non-zero counts
+  std::string new_token;  // the token in clear between create() and its answer, then wiped
   uint64_t connections = 0;
   uint64_t resumes = 0;  // resumes started since this node process adopted or created the sandbox
   std::vector<Waiter*> waiters;
@@ -91,11 +112,14 @@ Node::Node(uv_loop_t* loop, const ConfigHolder* config, std::vector<std::unique_
       drivers_(std::move(drivers)),
       store_(std::move(store)),
       idle_timer_(new uv_timer_t),
-      shutdown_timer_(new uv_timer_t) {
+      shutdown_timer_(new uv_timer_t),
+      reports_timer_(new uv_timer_t) {
   uv_timer_init(loop_, idle_timer_);
   idle_timer_->data = this;
   uv_timer_init(loop_, shutdown_timer_);
   shutdown_timer_->data = this;
+  uv_timer_init(loop_, reports_timer_);
+  reports_timer_->data = this;
 }
 
 Node::~Node() {
@@ -108,6 +132,7 @@ Node::~Node() {
   }
   close_and_free(idle_timer_);
   close_and_free(shutdown_timer_);
+  close_and_free(reports_timer_);
 }
 
 // ---- lookup and snapshots ----
@@ -217,13 +242,34 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
     if (has_nul(*req.cwd)) return invalid("cwd: must not contain NUL bytes");
     spec.cwd = *req.cwd;
   }
+  if (req.exposed_ports.size() + req.ports.size() > kMaxExposedPorts)
+    return invalid("exposed_ports + ports: at most " + std::to_string(kMaxExposedPorts) + " ports, got " +
+                   std::to_string(req.exposed_ports.size() + req.ports.size()));
+  spec.agent_port = cfg->agent_port;
   std::set<int64_t> seen_ports;
-  for (int64_t port : req.exposed_ports) {
-    if (port < 1 || port > 65535)
-      return invalid("exposed_ports: " + std::to_string(port) + " is not a TCP port (1-65535)");
-    if (!seen_ports.insert(port).second) return invalid("exposed_ports: " + std::to_string(port) + " is listed twice");
+  auto add_port = [&](std::string_view field, int64_t port, bool is_public,
+                      PortProtocol protocol) -> std::optional<std::string> {
+    std::string where = std::string(field) + ": " + std::to_string(port);
+    if (port < 1 || port > 65535) return where + " is not a TCP port (1-65535)";
+    if (port == spec.agent_port)
+      return where + " is the agent's port (agent_port), which is always reachable with the sandbox's token";
+    if (!seen_ports.insert(port).second) return where + " is listed twice";
     spec.exposed_ports.push_back(static_cast<uint16_t>(port));
+    spec.ports.push_back(PortPolicy{static_cast<uint16_t>(port), is_public, protocol});
+    return std::nullopt;
+  };
+  for (int64_t port : req.exposed_ports)
+    if (auto bad = add_port("exposed_ports", port, false, PortProtocol::kHttp1)) return invalid(*bad);
+  for (const CreateRequest::Port& p : req.ports) {
+    PortProtocol protocol = PortProtocol::kHttp1;
+    if (p.protocol) {
+      auto parsed = parse_protocol(*p.protocol);
+      if (!parsed) return invalid("ports[].protocol: '" + *p.protocol + "' is not one of http1, h2c, tcp");
+      protocol = *parsed;
+    }
+    if (auto bad = add_port("ports", p.port, p.is_public.value_or(false), protocol)) return invalid(*bad);
   }
+  spec.allow_unauthenticated_access = req.allow_unauthenticated_access;
   int64_t timeout = req.timeout_secs.value_or(cfg->node.default_timeout_secs);
   if (timeout < 1 || timeout > static_cast<int64_t>(cfg->node.max_timeout_secs))
     return invalid("timeout_secs: must be between 1 and " + std::to_string(cfg->node.max_timeout_secs) +
@@ -265,6 +311,8 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   do {
     spec->id = generate_id();
   } while (sandboxes_.count(spec->id) != 0);
+  std::string token = generate_token();
+  spec->token_sha256 = token_digest(token);
 
   std::error_code ec;
   std::string parent = cfg->node.state_dir + "/sandboxes";
@@ -289,6 +337,7 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
   sandboxes_.emplace(id, std::move(owned));
   sb.starting = true;
+  sb.new_token = std::move(token);
   sb.created = std::move(done);
   driver(sb).start(sb.rec.spec, dir, [this, id](Result<RuntimeInfo> r) { on_started(id, std::move(r)); });
 }
@@ -300,6 +349,7 @@ void Node::on_started(const std::string& id, Result<RuntimeInfo> runtime) {
   sb.starting = false;
   SandboxCallback created = std::move(sb.created);
   sb.created = nullptr;
+  std::string token = std::move(sb.new_token);  // moved, not copied: no second copy lingers in the record
   if (sb.terminating) {
     // Deleted (or the node shut down) while starting: the terminate was held back until now.
     if (created) created(fail(Error::kConflict, "sandbox " + id + " was deleted while it was starting"));
@@ -320,7 +370,10 @@ void Node::on_started(const std::string& id, Result<RuntimeInfo> runtime) {
   (void)transition(sb, S::kRunning, "started");
   watch(sb);
   serve_waiters(sb);
-  if (created) created(snapshot(sb));
+  if (!created) return;
+  SandboxInfo info = snapshot(sb);
+  info.token = std::move(token);
+  created(std::move(info));
 }
 
 // ---- transitions ----
@@ -352,7 +405,9 @@ void Node::persist(const Sandbox& sb) {
 }
 
 void Node::start_idle_clock(Sandbox& sb) {
+  idle_.remove(sb.id());  // a fresh entry, so the hold below is its only one
   idle_.set(sb.id(), std::chrono::seconds(sb.rec.spec.timeout_secs), Clock::now());
+  if (sb.connections > 0) idle_.hold(sb.id());
   arm_idle_timer();
 }
 
@@ -541,6 +596,7 @@ void Node::forget(const std::string& id) {
   }
   auto named = ids_by_name_.find(rec.spec.name);
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
+  reported_.erase(id);
   sandboxes_.erase(it);
 }
 
@@ -620,10 +676,9 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
   auto found = find_usable(ref);
   if (!found) return done(found.failure());
   Sandbox& sb = **found;
-  const auto& ports = sb.rec.spec.exposed_ports;
-  if (std::find(ports.begin(), ports.end(), port) == ports.end())
+  if (!port_policy(sb.rec.spec, port))
     return done(fail(Error::kPermissionDenied, "port not exposed: sandbox " + sb.id() + " exposes " +
-                                                   describe_ports(ports) + ", not " + std::to_string(port)));
+                                                   describe_ports(sb.rec.spec) + ", not " + std::to_string(port)));
   touch(sb);
   switch (sb.rec.state) {
     case S::kRunning:
@@ -656,22 +711,115 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
   wake(sb, "woken by a connection to port " + std::to_string(port));
 }
 
+Result<PortAccess> Node::lookup(std::string_view ref, uint16_t port) const {
+  auto found = find_usable(ref);
+  if (!found) return found.failure();
+  const Sandbox& sb = **found;
+  auto policy = port_policy(sb.rec.spec, port);
+  if (!policy)
+    return fail(Error::kPermissionDenied, "port not exposed: sandbox " + sb.id() + " exposes " +
+                                              describe_ports(sb.rec.spec) + ", not " + std::to_string(port));
+  return PortAccess{sb.id(), sb.rec.spec.name, port, policy->protocol, policy->is_public};
+}
+
+CredentialCheck Node::check_credential(std::string_view id, const std::optional<std::string>& credential) const {
+  if (!credential || credential->empty()) return CredentialCheck::kMissing;
+  Sandbox* sb = find(id);
+  // Both digests are always compared, so the answer's timing does not tell which of the two a guess matched.
+  bool sandbox_token = sb != nullptr && token_matches(*credential, sb->rec.spec.token_sha256);
+  bool operator_token = token_matches(*credential, operator_token_sha256_);
+  return sandbox_token || operator_token ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
+}
+
 void Node::activity(const std::vector<ActivityReport>& reports) {
+  Clock::time_point now = Clock::now();
   for (const ActivityReport& r : reports) {
     Sandbox* sb = find(r.id);
     if (sb == nullptr || sb->terminating) continue;  // reports may trail a delete; nothing to account
-    if (r.connections == 0) {
-      sb->connections_by_reporter.erase(r.reporter);
-    } else {
-      sb->connections_by_reporter[r.reporter] = r.connections;
-    }
-    sb->connections = 0;
-    for (const auto& [reporter, count] : sb->connections_by_reporter) sb->connections += count;
+    set_connections(*sb, r.reporter, r.connections, now);
     if (r.bytes_in == 0 && r.bytes_out == 0) continue;
     touch(*sb);
     // Bytes for a sandbox that is (being) suspended: the traffic raced the suspend, so wake it again.
     wake(*sb, "woken by traffic that raced the suspend");
   }
+}
+
+// ---- connections hold sandboxes awake ----
+
+IdleTracker::Duration Node::report_ttl() const {
+  return std::chrono::milliseconds(static_cast<int64_t>(kReportTtlIntervals) *
+                                   config_->get()->proxy.activity_report_interval_ms);
+}
+
+void Node::set_connections(Sandbox& sb, const std::string& reporter, uint64_t count, Clock::time_point now) {
+  if (count == 0) {
+    sb.connections_by_reporter.erase(reporter);
+  } else {
+    Clock::time_point expires = now + report_ttl();
+    sb.connections_by_reporter[reporter] = Sandbox::Reported{count, expires};
+    reported_.insert(sb.id());
+    arm_reports_timer(expires);
+  }
+  recount(sb, now);
+}
+
+// The idle entry holds at most once, and only while running: holding is about not going idle, and every
+// transition drops the entry (start_idle_clock holds it again if connections are still open).
+void Node::recount(Sandbox& sb, Clock::time_point now) {
+  uint64_t before = sb.connections;
+  sb.connections = 0;
+  for (const auto& [reporter, reported] : sb.connections_by_reporter) sb.connections += reported.connections;
+  if (sb.connections_by_reporter.empty()) reported_.erase(sb.id());
+  if (sb.rec.state != S::kRunning) return;
+  if (before == 0 && sb.connections > 0) {
+    idle_.hold(sb.id());
+  } else if (before > 0 && sb.connections == 0) {
+    // The last connection closed: the idle clock starts now, not at the last byte it carried.
+    sb.rec.last_activity_at_ms = wall_now_ms();
+    idle_.release(sb.id(), now);
+    arm_idle_timer();
+  }
+}
+
+void Node::arm_reports_timer(Clock::time_point due) {
+  if (shutting_down_ || (reports_timer_due_ && *reports_timer_due_ <= due)) return;
+  auto now = Clock::now();
+  uint64_t delay_ms =
+      due > now ? static_cast<uint64_t>(std::chrono::ceil<std::chrono::milliseconds>(due - now).count()) : 0;
+  uv_update_time(loop_);
+  uv_timer_start(reports_timer_, [](uv_timer_t* t) { static_cast<Node*>(t->data)->expire_reports(); }, delay_ms, 0);
+  reports_timer_due_ = due;
+}
+
+// Scans only the sandboxes that have counts, and re-arms for the earliest count still alive.
+void Node::expire_reports() {
+  reports_timer_due_.reset();
+  Clock::time_point now = Clock::now();
+  std::optional<Clock::time_point> next;
+  std::vector<std::string> ids(reported_.begin(), reported_.end());
+  for (const std::string& id : ids) {
+    auto it = sandboxes_.find(id);
+    if (it == sandboxes_.end()) {
+      reported_.erase(id);
+      continue;
+    }
+    Sandbox& sb = *it->second;
+    bool expired = false;
+    for (auto r = sb.connections_by_reporter.begin(); r != sb.connections_by_reporter.end();) {
+      if (r->second.expires <= now) {
+        spdlog::warn("sandbox {}: {} connection(s) reported by '{}' expired: no report for {} ms", id,
+                     r->second.connections, r->first,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(report_ttl()).count());
+        r = sb.connections_by_reporter.erase(r);
+        expired = true;
+        continue;
+      }
+      if (!next || r->second.expires < *next) next = r->second.expires;
+      ++r;
+    }
+    if (expired) recount(sb, now);
+  }
+  if (next) arm_reports_timer(*next);
 }
 
 // ---- waiters ----
@@ -684,6 +832,11 @@ Result<OpenedPort> Node::open_port(Sandbox& sb, uint16_t port, bool woke, Clock:
   opened.id = sb.id();
   opened.name = sb.rec.spec.name;
   opened.port = port;
+  // open() checked the port; the policy cannot have changed since (specs are immutable).
+  if (auto policy = port_policy(sb.rec.spec, port)) {
+    opened.protocol = policy->protocol;
+    opened.is_public = policy->is_public;
+  }
   opened.woke = woke;
   if (woke) opened.wake_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
   opened.socket = std::move(*socket);
@@ -767,7 +920,28 @@ void Node::on_idle_timer() {
 
 // ---- restart and shutdown ----
 
+Status Node::load_operator_token() {
+  const std::string& path = config_->get()->operator_token_file;
+  if (path.empty()) return {};
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return fail_errno("operator_token_file: cannot open " + path, errno);
+  std::string text;
+  text.resize(kMaxOperatorTokenBytes + 1);
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  if (in.bad()) return fail(Error::kIo, "operator_token_file: cannot read " + path);
+  if (text.size() > kMaxOperatorTokenBytes)
+    return fail(Error::kInvalidArgument, "operator_token_file: " + path + " is larger than " +
+                                             std::to_string(kMaxOperatorTokenBytes) + " bytes; it must hold one token");
+  std::string token = trim(std::move(text));
+  if (token.empty()) return fail(Error::kInvalidArgument, "operator_token_file: " + path + " holds no token");
+  operator_token_sha256_ = token_digest(token);
+  spdlog::info("operator token loaded from {}", path);
+  return {};
+}
+
 Status Node::reconcile() {
+  if (auto s = load_operator_token(); !s) return s;
   auto rows = store_->load_live();
   if (!rows) return rows.failure();
   size_t adopted = 0, failed = 0;
@@ -896,6 +1070,8 @@ void Node::shutdown(std::function<void()> done) {
   shutdown_done_ = std::move(done);
   uv_timer_stop(idle_timer_);
   idle_timer_due_.reset();
+  uv_timer_stop(reports_timer_);
+  reports_timer_due_.reset();
   for (auto& [id, sb] : sandboxes_) {
     sb->pending_wake.reset();
     fail_waiters(*sb, fail(Error::kUnavailable, "node is shutting down"));

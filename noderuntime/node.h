@@ -5,7 +5,14 @@
 // Idle policy, two tiers: a running sandbox with no activity for timeout_secs is paused (memory tier; named,
 // non-ephemeral sandboxes) or terminated (ephemeral). A paused sandbox with hibernate_after_secs > 0 whose
 // driver can hibernate is, after that many more seconds, hibernated (disk tier: state saved, memory freed).
-// Activity = every open() and every activity report with bytes > 0.
+// Activity = every open() and every activity report with bytes > 0. A running sandbox with open proxied
+// connections (per the latest report of each proxy worker) never goes idle, bytes or not (an SSH session at
+// a prompt, an exec stream waiting); its idle clock starts when the last one closes. A worker's count expires
+// 10 report intervals (proxy.activity_report_interval_ms) after its last report, so a proxy that died cannot
+// pin a sandbox awake: workers re-report every non-zero count at least that often.
+// Access: every exposed port is private (sandbox token or operator token) unless public; the agent port is
+// always reachable and private unless allow_unauthenticated_access. Refused credentials never wake a sandbox
+// and never count as activity.
 // Wake: opens of a suspended sandbox share one resume or restore (single flight); each waits with its own
 // timeout. An open that arrives while a pause or hibernation is in flight asks the driver to cancel it and
 // waits for the shorter way back (thaw / cont), not for the suspension to finish and be undone.
@@ -21,6 +28,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/error.h"
@@ -40,7 +48,14 @@ struct CreateRequest {
   std::vector<std::string> command;
   std::map<std::string, std::string> env;
   std::optional<std::string> cwd;
-  std::vector<int64_t> exposed_ports;
+  std::vector<int64_t> exposed_ports;  // private http1 ports
+  struct Port {
+    int64_t port = 0;
+    std::optional<bool> is_public;        // default false
+    std::optional<std::string> protocol;  // default "http1"
+  };
+  std::vector<Port> ports;  // ports with an explicit policy; a port may appear here or in exposed_ports, not both
+  bool allow_unauthenticated_access = false;
   std::optional<int64_t> timeout_secs;
   std::optional<int64_t> hibernate_after_secs;
   std::optional<std::string> driver;
@@ -64,6 +79,9 @@ struct SandboxInfo {
   std::optional<int64_t> next_transition_at_ms;
   uint64_t connections = 0;                    // open proxied connections, per the latest reports
   uint64_t resumes = 0;                        // resumes started since this node process started
+  // Only in create()'s answer: the sandbox's access token in clear. The node keeps its digest only, so it
+  // can never be shown again.
+  std::string token;
 };
 
 // suspend()/resume(): `started` is true when this call started (or queued) the transition (HTTP 202) and
@@ -73,10 +91,23 @@ struct TransitionOutcome {
   SandboxInfo sandbox;
 };
 
+// What the proxy needs to know about a port before it connects: how to carry it and whether it needs a token.
+struct PortAccess {
+  std::string id;
+  std::string name;  // empty for unnamed sandboxes
+  uint16_t port = 0;
+  PortProtocol protocol = PortProtocol::kHttp1;
+  bool is_public = false;
+};
+
+enum class CredentialCheck { kAccepted, kMissing, kInvalid };
+
 struct OpenedPort {
   std::string id;
   std::string name;  // empty for unnamed sandboxes
   uint16_t port = 0;
+  PortProtocol protocol = PortProtocol::kHttp1;
+  bool is_public = false;
   bool woke = false;     // the sandbox was not running when the open arrived
   double wake_ms = 0;    // time from the open's arrival to the sandbox running again
   GuestSocket socket;    // how the proxy reaches the port (driver.h)
@@ -104,8 +135,9 @@ class Node {
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
-  // Adopts what the store remembers: asks the driver about each instance and settles its state, then
-  // watches the live ones and restarts their idle clocks from now. Call once, before serving.
+  // Reads the operator token (Config::operator_token_file; a configured file that is missing, unreadable or
+  // empty is an error), then adopts what the store remembers: asks the driver about each instance and settles
+  // its state, then watches the live ones and restarts their idle clocks from now. Call once, before serving.
   Status reconcile();
 
   // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
@@ -122,6 +154,13 @@ class Node {
   // before open() returns (sandbox running, or an error).
   void open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, OpenCallback done);
   void activity(const std::vector<ActivityReport>& reports);
+
+  // Resolves `ref` and the policy of `port` without touching the sandbox (no wake, no activity): kNotFound,
+  // or kPermissionDenied ("port not exposed") for a port that is neither exposed nor the agent port.
+  Result<PortAccess> lookup(std::string_view ref, uint16_t port) const;
+  // Whether `credential` opens sandbox `id`'s private ports: its own token or the operator token. An empty
+  // credential counts as missing.
+  CredentialCheck check_credential(std::string_view id, const std::optional<std::string>& credential) const;
 
   // Stops serving: opens in flight fail with kUnavailable; with on_shutdown=terminate every sandbox is
   // terminated (bounded wait), otherwise they keep running to be adopted by the next node. `done` runs
@@ -173,6 +212,14 @@ class Node {
   void finish_waiter(Waiter* w, Result<OpenedPort> result);
   void on_waiter_timeout(Waiter* w);
 
+  Status load_operator_token();
+  // Applies one worker's connection count, then holds the idle clock while the total is above zero.
+  void set_connections(Sandbox& sb, const std::string& reporter, uint64_t count, IdleTracker::TimePoint now);
+  void recount(Sandbox& sb, IdleTracker::TimePoint now);
+  IdleTracker::Duration report_ttl() const;
+  void arm_reports_timer(IdleTracker::TimePoint due);
+  void expire_reports();
+
   void arm_idle_timer();
   void on_idle_timer();
   void maybe_finish_shutdown();
@@ -186,6 +233,10 @@ class Node {
   uv_timer_t* idle_timer_;
   std::optional<IdleTracker::TimePoint> idle_timer_due_;  // when idle_timer_ fires; nullopt if stopped
   uv_timer_t* shutdown_timer_;
+  uv_timer_t* reports_timer_;  // expires connection counts that were not re-reported in time
+  std::optional<IdleTracker::TimePoint> reports_timer_due_;
+  std::unordered_set<std::string> reported_;  // ids of sandboxes with at least one worker's count
+  std::string operator_token_sha256_;  // empty: no operator token configured
   std::unordered_map<std::string, std::unique_ptr<Sandbox>> sandboxes_;  // by id
   std::unordered_map<std::string, std::string> ids_by_name_;
   size_t terminating_count_ = 0;  // sandboxes with a terminate in flight

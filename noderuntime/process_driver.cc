@@ -136,13 +136,43 @@ Status make_dirs(const std::string& path, mode_t mode) {
   return {};
 }
 
-Result<std::string> default_init_path() {
+// The running executable's directory, with a trailing '/'.
+Result<std::string> exe_dir() {
   char exe[PATH_MAX];
   ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (n < 0) return fail_errno("readlink /proc/self/exe", errno);
   std::string path(exe, static_cast<size_t>(n));
   path.erase(path.rfind('/') + 1);
-  return path + "sandgate-init";
+  return path;
+}
+
+Result<std::string> default_init_path() {
+  auto dir = exe_dir();
+  if (!dir) return dir.failure();
+  return *dir + "sandgate-init";
+}
+
+// sandgate-agent: node.agent_path, else next to this executable (an install), else the build tree's
+// <build>/agent/ beside <build>/noderuntime/. Empty when none is executable: sandboxes then run without an
+// agent, which is said once here rather than at every start.
+std::string find_agent(const NodeConfig& cfg) {
+  std::vector<std::string> candidates;
+  if (!cfg.agent_path.empty()) {
+    candidates.push_back(cfg.agent_path);
+  } else if (auto dir = exe_dir()) {
+    candidates = {*dir + "sandgate-agent", *dir + "../agent/sandgate-agent"};
+  }
+  for (const std::string& path : candidates) {
+    if (::access(path.c_str(), X_OK) == 0) {
+      spdlog::info("process driver: sandboxes run sandgate-agent {}", path);
+      return path;
+    }
+  }
+  std::string tried;
+  for (const std::string& path : candidates) tried += (tried.empty() ? "" : ", ") + path;
+  spdlog::warn("process driver: no executable sandgate-agent (tried {}); sandboxes run without an agent",
+               tried.empty() ? "nothing: cannot find this executable" : tried);
+  return {};
 }
 
 // libuv frees nothing itself: a handle's memory must outlive uv_close() until its close callback runs.
@@ -206,11 +236,12 @@ class CStringArray {
 class ProcessDriver final : public Driver {
  public:
   ProcessDriver(uv_loop_t* loop, const NodeConfig& cfg, CgroupManager cgroups, std::string init_path,
-                UniqueFd host_netns)
+                std::string agent_path, UniqueFd host_netns)
       : loop_(loop),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
+        agent_path_(std::move(agent_path)),
         host_netns_(std::move(host_netns)) {}
 
   ~ProcessDriver() override {
@@ -314,6 +345,7 @@ class ProcessDriver final : public Driver {
   uint32_t suspend_timeout_ms_;
   CgroupManager cgroups_;
   std::string init_path_;
+  std::string agent_path_;  // empty: no agent found, sandboxes run without one
   UniqueFd host_netns_;
   std::vector<std::unique_ptr<Operation>> ops_;
   std::map<std::string, std::unique_ptr<ExitWatch>> watches_;
@@ -391,7 +423,13 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
                                       const SandboxCgroup& cgroup) {
   std::vector<std::string> args = {init_path_, "--hostname", spec.name.empty() ? spec.id : spec.name,
                                    "--cwd",    spec.cwd,     "--log",
-                                   log_path,   "--"};
+                                   log_path};
+  // All addresses: the sandbox's network namespace has only its own loopback, which is where the node's
+  // sockets connect from.
+  if (!agent_path_.empty() && spec.agent_port != 0) {
+    args.insert(args.end(), {"--agent", agent_path_, "--agent-listen", "0.0.0.0:" + std::to_string(spec.agent_port)});
+  }
+  args.push_back("--");
   args.insert(args.end(), spec.command.begin(), spec.command.end());
   std::map<std::string, std::string> env = {{"PATH", kDefaultPath},
                                             {"HOME", "/root"},
@@ -730,8 +768,9 @@ Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeC
   UniqueFd host_netns(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
   if (!host_netns.valid()) return fail_errno("open /proc/thread-self/ns/net", errno);
 
-  std::unique_ptr<Driver> driver = std::make_unique<ProcessDriver>(
-      loop, cfg, CgroupManager(std::move(*detection), parent), std::move(init_path), std::move(host_netns));
+  std::unique_ptr<Driver> driver =
+      std::make_unique<ProcessDriver>(loop, cfg, CgroupManager(std::move(*detection), parent), std::move(init_path),
+                                      find_agent(cfg), std::move(host_netns));
   return driver;
 }
 

@@ -1,5 +1,7 @@
 #include "noderuntime/sandbox.h"
 
+#include <algorithm>
+
 namespace sg {
 
 std::string_view state_name(SandboxState s) {
@@ -34,6 +36,34 @@ std::string_view tier_name(SuspendTier t) {
 std::optional<SuspendTier> parse_tier(std::string_view s) {
   for (auto t : {SuspendTier::kNone, SuspendTier::kMemory, SuspendTier::kDisk})
     if (tier_name(t) == s) return t;
+  return std::nullopt;
+}
+
+std::string_view protocol_name(PortProtocol p) {
+  switch (p) {
+    case PortProtocol::kHttp1: return "http1";
+    case PortProtocol::kH2c: return "h2c";
+    case PortProtocol::kTcp: return "tcp";
+  }
+  return "http1";
+}
+
+std::optional<PortProtocol> parse_protocol(std::string_view s) {
+  for (auto p : {PortProtocol::kHttp1, PortProtocol::kH2c, PortProtocol::kTcp})
+    if (protocol_name(p) == s) return p;
+  return std::nullopt;
+}
+
+std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port) {
+  if (std::find(spec.exposed_ports.begin(), spec.exposed_ports.end(), port) != spec.exposed_ports.end()) {
+    PortPolicy out{port, false, PortProtocol::kHttp1};
+    for (const PortPolicy& p : spec.ports)
+      if (p.port == port) out = p;
+    out.is_public = out.is_public || spec.allow_unauthenticated_access;
+    return out;
+  }
+  if (spec.agent_port != 0 && port == spec.agent_port)
+    return PortPolicy{port, spec.allow_unauthenticated_access, PortProtocol::kH2c};
   return std::nullopt;
 }
 

@@ -16,6 +16,22 @@ enum class SandboxState { kCreating, kRunning, kSuspending, kSuspended, kResumin
 std::string_view state_name(SandboxState s);
 std::optional<SandboxState> parse_state(std::string_view s);
 
+// What a port speaks, which tells the proxy how to carry a connection to it: http1 (HTTP/1.1 behind an HTTP
+// head the proxy reads first), h2c (HTTP/2 with prior knowledge as well as HTTP/1.1, so the proxy may offer
+// h2 in ALPN), tcp (raw bytes: a public tcp port is forwarded as soon as the TLS handshake is done, because
+// a server such as sshd speaks first; a non-public one needs an HTTP/1.1 CONNECT with a token first).
+enum class PortProtocol { kHttp1, kH2c, kTcp };
+
+std::string_view protocol_name(PortProtocol p);  // "http1", "h2c", "tcp"
+std::optional<PortProtocol> parse_protocol(std::string_view s);
+
+// How one exposed port may be reached. A public port needs no token.
+struct PortPolicy {
+  uint16_t port = 0;
+  bool is_public = false;
+  PortProtocol protocol = PortProtocol::kHttp1;
+};
+
 struct SandboxSpec {
   std::string id;    // "sb-" + 12 chars of [a-z0-9]; stable, never reused
   std::string name;  // optional, unique among live sandboxes, DNS-label rules (names.h)
@@ -23,7 +39,17 @@ struct SandboxSpec {
   std::vector<std::string> command;  // argv, non-empty
   std::map<std::string, std::string> env;
   std::string cwd = "/";
-  std::vector<uint16_t> exposed_ports;
+  std::vector<uint16_t> exposed_ports;  // every exposed port (drivers forward these)
+  // The policy of each exposed port, in the same order; an exposed port without an entry (a spec built by
+  // older code) is private http1.
+  std::vector<PortPolicy> ports;
+  bool allow_unauthenticated_access = false;  // every port public, the agent port included
+  // SHA-256 (lowercase hex) of the sandbox's access token; the token itself is only ever in create's answer.
+  // Empty for sandboxes created before tokens existed: only the operator token opens their private ports.
+  std::string token_sha256;
+  // The port sandgate-agent listens on inside the sandbox, fixed at create (Config::agent_port then) so a
+  // config change never points the proxy at a port the running agent does not serve. 0 = no agent.
+  uint16_t agent_port = 0;
   uint32_t timeout_secs = 300;  // idle threshold: running -> suspended (memory tier)
   // Seconds in the memory tier before hibernating to disk; 0 = never. Only drivers that can hibernate use it.
   uint32_t hibernate_after_secs = 0;
@@ -31,6 +57,10 @@ struct SandboxSpec {
   double cpus = 1.0;            // CPU quota in cores (fractional allowed)
   uint32_t memory_mb = 512;
 };
+
+// The effective policy of `port`: an exposed port's own (public when the whole sandbox is), the agent port's
+// (h2c, private unless the whole sandbox is public), or nullopt when the port is not reachable at all.
+std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port);
 
 // Driver-owned facts persisted with the sandbox so a restarted node can find the running instance again.
 struct RuntimeInfo {

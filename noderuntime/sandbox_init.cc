@@ -1,12 +1,17 @@
 // sandgate-init: PID 1 inside a process sandbox's fresh PID, mount, network, UTS and IPC namespaces.
 //
-//   sandgate-init --hostname NAME --cwd DIR --log FILE -- CMD ARGS...
+//   sandgate-init --hostname NAME --cwd DIR --log FILE [--agent PATH --agent-listen ADDR:PORT] -- CMD ARGS...
 //
 // It finishes the namespace setup that only makes sense from inside (a private mount tree with its own /proc,
 // loopback up, the hostname), points stdio at the sandbox log, then runs CMD with the environment it was
 // given. As PID 1 it must forward signals (the kernel drops unhandled signals aimed at a namespace init) and
 // reap orphans (they are reparented to it). It exits with CMD's status; the kernel then kills whatever else
 // is left in the namespace.
+//
+// With --agent it also runs `PATH --listen ADDR:PORT` (sandgate-agent) next to CMD, same namespaces, cgroup
+// and environment. The agent is a helper, not the sandbox: when it exits it is restarted after a backoff
+// (1 s doubling to 30 s, back to 1 s after it has run for 30 s), and it never ends the sandbox. Signals go to
+// CMD only; the agent dies with the namespace when CMD ends.
 //
 // Deliberately libc-only: it runs in every sandbox and should start fast and never break with the daemon's
 // dependencies.
@@ -21,6 +26,7 @@
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 namespace {
@@ -33,11 +39,17 @@ constexpr int kExitUsage = 2;
 
 constexpr int kForwardedSignals[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
 
+constexpr long kAgentBackoffMinMs = 1'000;
+constexpr long kAgentBackoffMaxMs = 30'000;
+constexpr long kAgentHealthyRunMs = 30'000;  // an agent that ran this long gets the minimum backoff again
+
 struct Options {
   const char* hostname = nullptr;
   const char* cwd = nullptr;
   const char* log = nullptr;
-  char** command = nullptr;  // NULL-terminated, from argv
+  const char* agent = nullptr;         // optional: sandgate-agent's path
+  const char* agent_listen = nullptr;  // its --listen argument
+  char** command = nullptr;            // NULL-terminated, from argv
 };
 
 bool parse_options(int argc, char** argv, Options* out) {
@@ -49,10 +61,13 @@ bool parse_options(int argc, char** argv, Options* out) {
     if (strcmp(argv[i], "--hostname") == 0) target = &out->hostname;
     if (strcmp(argv[i], "--cwd") == 0) target = &out->cwd;
     if (strcmp(argv[i], "--log") == 0) target = &out->log;
+    if (strcmp(argv[i], "--agent") == 0) target = &out->agent;
+    if (strcmp(argv[i], "--agent-listen") == 0) target = &out->agent_listen;
     if (target == nullptr) return false;
     *target = argv[++i];
   }
   if (i + 1 >= argc || !out->hostname || !out->cwd || !out->log) return false;
+  if ((out->agent == nullptr) != (out->agent_listen == nullptr)) return false;
   out->command = argv + i + 1;
   return true;
 }
@@ -101,12 +116,61 @@ int exit_code_of(int wait_status) {
   return kExitSetupFailed;
 }
 
+long now_ms() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000 + ts.tv_nsec / 1'000'000;
+}
+
+// The agent's supervision state: PID 1 restarts it, never waits for it.
+struct Agent {
+  const char* path = nullptr;
+  const char* listen = nullptr;
+  pid_t pid = 0;            // 0 while not running
+  long started_ms = 0;
+  long backoff_ms = kAgentBackoffMinMs;
+  long restart_at_ms = -1;  // when the next start is due; -1 = none pending
+};
+
+void start_agent(Agent* agent, const sigset_t* original_mask) {
+  agent->restart_at_ms = -1;
+  pid_t pid = fork();
+  if (pid < 0) {
+    fprintf(stderr, "sandgate-init: cannot fork sandgate-agent: %s; retrying in %ld ms\n", strerror(errno),
+            agent->backoff_ms);
+    agent->restart_at_ms = now_ms() + agent->backoff_ms;
+    return;
+  }
+  if (pid == 0) {
+    sigprocmask(SIG_SETMASK, original_mask, nullptr);
+    char* const args[] = {const_cast<char*>(agent->path), const_cast<char*>("--listen"),
+                          const_cast<char*>(agent->listen), nullptr};
+    execv(agent->path, args);
+    fprintf(stderr, "sandgate-init: cannot execute %s: %s\n", agent->path, strerror(errno));
+    _exit(kExitExecFailed);
+  }
+  agent->pid = pid;
+  agent->started_ms = now_ms();
+}
+
+void agent_exited(Agent* agent, int wait_status) {
+  long ran_ms = now_ms() - agent->started_ms;
+  if (ran_ms >= kAgentHealthyRunMs) agent->backoff_ms = kAgentBackoffMinMs;
+  fprintf(stderr, "sandgate-init: sandgate-agent (pid %d) exited with status %d after %ld ms; restarting in %ld ms\n",
+          agent->pid, exit_code_of(wait_status), ran_ms, agent->backoff_ms);
+  agent->pid = 0;
+  agent->restart_at_ms = now_ms() + agent->backoff_ms;
+  agent->backoff_ms = agent->backoff_ms * 2 > kAgentBackoffMaxMs ? kAgentBackoffMaxMs : agent->backoff_ms * 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Options opts;
   if (!parse_options(argc, argv, &opts)) {
-    fprintf(stderr, "usage: sandgate-init --hostname NAME --cwd DIR --log FILE -- CMD [ARGS...]\n");
+    fprintf(stderr,
+            "usage: sandgate-init --hostname NAME --cwd DIR --log FILE [--agent PATH --agent-listen ADDR:PORT] "
+            "-- CMD [ARGS...]\n");
     return kExitUsage;
   }
   // The log comes first so that every later setup error lands where the sandbox's owner will look.
@@ -132,10 +196,26 @@ int main(int argc, char** argv) {
     _exit(kExitExecFailed);
   }
 
+  Agent agent;
+  agent.path = opts.agent;
+  agent.listen = opts.agent_listen;
+  if (agent.path != nullptr) start_agent(&agent, &original_mask);
+
   for (;;) {
     siginfo_t info;
-    int sig = sigwaitinfo(&handled, &info);
-    if (sig < 0) continue;  // EINTR from a signal outside the set (e.g. SIGSTOP/SIGCONT)
+    int sig;
+    if (agent.restart_at_ms >= 0) {
+      long wait_ms = agent.restart_at_ms - now_ms();
+      if (wait_ms <= 0) {
+        start_agent(&agent, &original_mask);
+        continue;
+      }
+      struct timespec timeout = {wait_ms / 1000, (wait_ms % 1000) * 1'000'000};
+      sig = sigtimedwait(&handled, &info, &timeout);
+    } else {
+      sig = sigwaitinfo(&handled, &info);
+    }
+    if (sig < 0) continue;  // the restart is due (EAGAIN), or EINTR from a signal outside the set (SIGSTOP...)
     if (sig != SIGCHLD) {
       kill(command_pid, sig);
       continue;
@@ -145,6 +225,7 @@ int main(int argc, char** argv) {
     pid_t pid;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
       if (pid == command_pid) return exit_code_of(status);
+      if (pid == agent.pid) agent_exited(&agent, status);
     }
   }
 }

@@ -10,19 +10,25 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr int kSchemaVersion = 2;
+constexpr int kSchemaVersion = 3;
 
 Failure sqlite_failure(sqlite3* db, std::string_view what) {
   return fail(Error::kIo, "sqlite " + std::string(what) + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
 }
 
 std::string spec_to_json(const SandboxSpec& spec) {
+  json ports = json::array();
+  for (const PortPolicy& p : spec.ports)
+    ports.push_back({{"port", p.port}, {"public", p.is_public}, {"protocol", protocol_name(p.protocol)}});
   json j = {{"name", spec.name},
             {"ephemeral", spec.ephemeral},
             {"command", spec.command},
             {"env", spec.env},
             {"cwd", spec.cwd},
             {"exposed_ports", spec.exposed_ports},
+            {"ports", ports},
+            {"allow_unauthenticated_access", spec.allow_unauthenticated_access},
+            {"agent_port", spec.agent_port},
             {"timeout_secs", spec.timeout_secs},
             {"hibernate_after_secs", spec.hibernate_after_secs},
             {"driver", spec.driver},
@@ -81,6 +87,32 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
   if ((v = field("driver"))) {
     if (!v->is_string()) return bad("driver");
     spec.driver = v->get<std::string>();
+  }
+  // Added with edge authentication (schema v3). Older rows keep the defaults: their ports private http1
+  // (port_policy), no agent (they were started without one).
+  if ((v = field("ports"))) {
+    if (!v->is_array()) return bad("ports");
+    for (const json& p : *v) {
+      auto port = p.is_object() ? p.find("port") : json::const_iterator();
+      auto is_public = p.is_object() ? p.find("public") : json::const_iterator();
+      auto protocol = p.is_object() ? p.find("protocol") : json::const_iterator();
+      if (!p.is_object() || port == p.end() || is_public == p.end() || protocol == p.end() ||
+          !port->is_number_unsigned() || port->get<uint64_t>() < 1 || port->get<uint64_t>() > 65535 ||
+          !is_public->is_boolean() || !protocol->is_string())
+        return bad("ports");
+      auto parsed = parse_protocol(protocol->get<std::string>());
+      if (!parsed) return bad("ports");
+      spec.ports.push_back(
+          PortPolicy{static_cast<uint16_t>(port->get<uint64_t>()), is_public->get<bool>(), *parsed});
+    }
+  }
+  if ((v = field("allow_unauthenticated_access"))) {
+    if (!v->is_boolean()) return bad("allow_unauthenticated_access");
+    spec.allow_unauthenticated_access = v->get<bool>();
+  }
+  if ((v = field("agent_port"))) {
+    if (!v->is_number_unsigned() || v->get<uint64_t>() > 65535) return bad("agent_port");
+    spec.agent_port = static_cast<uint16_t>(v->get<uint64_t>());
   }
   return spec;
 }
@@ -149,12 +181,13 @@ Result<std::unique_ptr<Store>> Store::open(const std::string& path) {
   if (auto s = store->migrate(); !s) return s.failure();
   auto upsert = store->prepare(
       "INSERT INTO sandboxes (id, name, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, "
-      "created_at_ms, last_activity_at_ms, tier, driver_data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, "
-      "?11, ?12) "
+      "created_at_ms, last_activity_at_ms, tier, driver_data, token_sha256) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, "
+      "?8, ?9, ?10, ?11, ?12, ?13) "
       "ON CONFLICT(id) DO UPDATE SET name=excluded.name, spec=excluded.spec, state=excluded.state, "
       "state_reason=excluded.state_reason, pid=excluded.pid, start_time_ticks=excluded.start_time_ticks, "
       "sandbox_dir=excluded.sandbox_dir, created_at_ms=excluded.created_at_ms, "
-      "last_activity_at_ms=excluded.last_activity_at_ms, tier=excluded.tier, driver_data=excluded.driver_data");
+      "last_activity_at_ms=excluded.last_activity_at_ms, tier=excluded.tier, driver_data=excluded.driver_data, "
+      "token_sha256=excluded.token_sha256");
   if (!upsert) return upsert.failure();
   store->upsert_stmt_ = *upsert;
   auto erase = store->prepare("DELETE FROM sandboxes WHERE id = ?1");
@@ -231,6 +264,20 @@ Status Store::migrate() {
       (void)exec("ROLLBACK");
       return s;
     }
+    version = 2;
+  }
+  if (version == 2) {
+    // A column rather than a spec field: the digest is a credential, kept apart from what is shown and
+    // logged. Rows from before have none ('') and accept only the operator token.
+    auto s = exec(
+        "BEGIN IMMEDIATE;"
+        "ALTER TABLE sandboxes ADD COLUMN token_sha256 TEXT NOT NULL DEFAULT '';"
+        "PRAGMA user_version = 3;"
+        "COMMIT;");
+    if (!s) {
+      (void)exec("ROLLBACK");
+      return s;
+    }
   }
   return {};
 }
@@ -247,7 +294,7 @@ Status Store::upsert(const StoredSandbox& s) {
                sqlite3_bind_int64(st, 7, static_cast<sqlite3_int64>(s.runtime.start_time_ticks)) == SQLITE_OK &&
                bind_text(st, 8, s.runtime.sandbox_dir) && sqlite3_bind_int64(st, 9, s.created_at_ms) == SQLITE_OK &&
                sqlite3_bind_int64(st, 10, s.last_activity_at_ms) == SQLITE_OK && bind_text(st, 11, tier_name(s.tier)) &&
-               bind_text(st, 12, driver_data);
+               bind_text(st, 12, driver_data) && bind_text(st, 13, s.spec.token_sha256);
   if (!bound) return sqlite_failure(db_, "bind sandbox " + s.spec.id);
   if (sqlite3_step(upsert_stmt_) != SQLITE_DONE) return sqlite_failure(db_, "save sandbox " + s.spec.id);
   return {};
@@ -264,7 +311,7 @@ Status Store::erase(const std::string& id) {
 Result<std::vector<StoredSandbox>> Store::load_live() {
   auto stmt = prepare(
       "SELECT id, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, created_at_ms, last_activity_at_ms, "
-      "tier, driver_data FROM sandboxes WHERE state != 'terminated' ORDER BY created_at_ms, id");
+      "tier, driver_data, token_sha256 FROM sandboxes WHERE state != 'terminated' ORDER BY created_at_ms, id");
   if (!stmt) return stmt.failure();
   std::vector<StoredSandbox> out;
   int rc;
@@ -282,6 +329,7 @@ Result<std::vector<StoredSandbox>> Store::load_live() {
     }
     StoredSandbox s;
     s.spec = std::move(*spec);
+    s.spec.token_sha256 = column_text(*stmt, 11);
     s.state = *state;
     s.state_reason = column_text(*stmt, 3);
     s.runtime.pid = static_cast<int>(sqlite3_column_int64(*stmt, 4));

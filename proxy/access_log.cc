@@ -26,6 +26,8 @@ std::string_view cause_name(TerminationCause c) {
     case TerminationCause::kUnknownSandbox: return "unknown_sandbox";
     case TerminationCause::kPortNotExposed: return "port_not_exposed";
     case TerminationCause::kNotServed: return "route_not_served";
+    case TerminationCause::kUnauthorized: return "unauthorized";
+    case TerminationCause::kAuthRedirect: return "auth_redirect";
     case TerminationCause::kSandboxConnLimit: return "sandbox_connection_limit";
     case TerminationCause::kTooManyConnections: return "too_many_connections";
     case TerminationCause::kWakeFailed: return "wake_failed";

@@ -30,6 +30,8 @@ enum class TerminationCause {
   kUnknownSandbox,
   kPortNotExposed,
   kNotServed,           // a route kind this ingress does not serve (yet)
+  kUnauthorized,        // no valid token for a non-public port or api.<domain>; the sandbox was not woken
+  kAuthRedirect,        // a valid ?sandgate_token= was turned into a cookie by a redirect
   kSandboxConnLimit,
   kTooManyConnections,
   kWakeFailed,

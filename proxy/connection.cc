@@ -3,6 +3,7 @@
 #include <netinet/in.h>
 #include <openssl/err.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <cerrno>
 #include <cstring>
@@ -42,8 +43,9 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
   uv_poll_init(loop, &client_poll_, client_fd_.get());
   uv_timer_init(loop, &deadline_);
   uv_timer_init(loop, &idle_timer_);
-  client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = this;
-  handles_open_ = 3;
+  uv_idle_init(loop, &buffered_input_);
+  client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = buffered_input_.data = this;
+  handles_open_ = 4;
 }
 
 Connection::~Connection() {
@@ -55,7 +57,7 @@ void Connection::start() {
   if (!ssl_) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
   SSL_set_fd(ssl_, client_fd_.get());
   SSL_set_accept_state(ssl_);
-  SSL_set_ex_data(ssl_, sni_ex_index(), &rec_.sni);
+  SSL_set_ex_data(ssl_, hello_ex_index(), &hello_);
   if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl_);
   arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
   do_handshake();
@@ -71,7 +73,7 @@ void Connection::on_deadline() {
     case Phase::kReadHead:
       return respond(408, "request head not received in time\n", TerminationCause::kHeadTimeout);
     case Phase::kOpening:
-      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, "Retry-After: 5\r\n");
+      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
     case Phase::kConnecting:
       return respond(504, "sandbox port did not accept the connection in time\n",
                      TerminationCause::kUpstreamConnectTimeout);
@@ -95,7 +97,7 @@ void Connection::update_interest() {
   int want_upstream = 0;
   switch (phase_) {
     case Phase::kHandshake:
-      want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
+      if (!lookup_request_) want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
       break;
     case Phase::kReadHead:
       want_client = UV_READABLE;
@@ -159,8 +161,10 @@ void Connection::on_upstream_io(int status, int) {
 void Connection::do_handshake() {
   ERR_clear_error();
   int r = SSL_do_handshake(ssl_);
+  rec_.sni = hello_.sni;
   if (r == 1) return after_handshake();
   int err = SSL_get_error(ssl_, r);
+  if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) return look_up_port_policy();
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
     handshake_wants_write_ = err == SSL_ERROR_WANT_WRITE;
     return update_interest();
@@ -173,15 +177,70 @@ void Connection::do_handshake() {
   close(TerminationCause::kHandshakeFailed, take_ssl_error());
 }
 
+// The ClientHello callback paused the handshake: the ALPN choice and the connection's mode depend on the
+// routed port's policy (tls.cc). The node answers from memory, without waking the sandbox.
+void Connection::look_up_port_policy() {
+  auto route = parse_route(hello_.sni, cfg_->domain);
+  if (!route || route->kind == RouteKind::kApi) {
+    hello_.policy_known = true;  // nothing to look up; the request head decides
+    return do_handshake();
+  }
+  uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
+  nlohmann::json body = {{"sandbox", route->target}, {"port", port}};
+  update_interest();
+  lookup_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/lookup", body.dump(),
+                                       cfg_->proxy.handshake_timeout_ms, "",
+                                       [this](Result<NodeResponse> r) { on_lookup_result(std::move(r)); });
+  update_interest();
+}
+
+void Connection::on_lookup_result(Result<NodeResponse> r) {
+  auto request = std::move(lookup_request_);  // destroyed when this function returns, after its callback
+  // Whatever the answer, the handshake goes on: an unknown sandbox or port is answered (404/403) over
+  // HTTP once the head names it, which a client can show, unlike a failed handshake.
+  hello_.policy_known = true;
+  if (r && r->status == 200) {
+    auto json = nlohmann::json::parse(r->body, nullptr, false);
+    if (json.is_object() && json.contains("protocol") && json["protocol"].is_string())
+      hello_.port_protocol = json["protocol"].get<std::string>();
+    hello_.port_public = json.is_object() && json.contains("public") && json["public"].is_boolean() &&
+                         json["public"].get<bool>();
+  } else if (!r) {
+    spdlog::warn("port policy lookup failed: {}", r.message());
+  }
+  do_handshake();
+}
+
 void Connection::after_handshake() {
   ktls_rx_tracker_.handshake_finished();
+  const unsigned char* alpn = nullptr;
+  unsigned alpn_len = 0;
+  SSL_get0_alpn_selected(ssl_, &alpn, &alpn_len);
+  h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
   rec_.tls_version = SSL_get_version(ssl_);
   plan_data_path(BIO_get_ktls_send(SSL_get_wbio(ssl_)), BIO_get_ktls_recv(SSL_get_rbio(ssl_)));
   if (cfg_->proxy.ktls == KtlsMode::kOn && (!ktls_tx_ || rx_handover_ == RxHandover::kNone))
     return close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
+  // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
+  if (hello_.policy_known && hello_.port_protocol == "tcp" && hello_.port_public) {
+    auto route = parse_route(rec_.sni, cfg_->domain);
+    if (route && route->kind == RouteKind::kPort) {
+      rec_.host = rec_.sni;
+      route_ = std::move(*route);
+      rec_.sandbox = route_.target;
+      rec_.port = route_.port;
+      return open_sandbox();
+    }
+  }
   phase_ = Phase::kReadHead;
-  head_parser_ = std::make_unique<HttpParser>(
-      HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
+  if (h2_) {
+    // Everything scanned stays in c2u_ to be forwarded, so the scan may not outgrow it.
+    h2_scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
+        .max_bytes_before_request = c2u_.space() - 1, .max_header_list_bytes = cfg_->proxy.max_request_head_bytes});
+  } else {
+    head_parser_ = std::make_unique<HttpParser>(
+        HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
+  }
   arm_deadline(cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
   read_head();
 }
@@ -236,11 +295,26 @@ void Connection::read_head() {
     }
     const char* fresh = c2u_.write_ptr();
     c2u_.produced(static_cast<size_t>(n));
+    if (h2_) {
+      auto scanned = h2_scanner_->scan(std::string_view(c2u_.read_ptr(), c2u_.readable()));
+      if (!scanned) {
+        bool too_large = scanned.error() == Error::kLimitExceeded;
+        rec_.detail = scanned.message();
+        return respond_bytes(h2_goaway(too_large ? H2ErrorCode::kEnhanceYourCalm : H2ErrorCode::kProtocolError,
+                                       scanned.message()),
+                             too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
+      }
+      if (!*scanned) continue;
+      H2Request& req = **scanned;
+      h2_stream_ = req.stream_id;
+      return on_request(req.authority, req.method, req.path, req.headers);
+    }
     switch (head_parser_->feed(fresh, static_cast<size_t>(n))) {
       case HttpParser::State::kNeedMore:
         continue;
       case HttpParser::State::kHeadComplete:
       case HttpParser::State::kMessageComplete:
+        head_bytes_ = c2u_.readable() - static_cast<size_t>(n) + head_parser_->consumed();
         return on_head();
       case HttpParser::State::kError:
         if (head_parser_->failure().code == Error::kLimitExceeded)
@@ -253,8 +327,12 @@ void Connection::read_head() {
 void Connection::on_head() {
   const HttpMessage& msg = head_parser_->message();
   const std::string* host_header = msg.header("host");
-  std::string host = host_header ? *host_header : rec_.sni;
-  rec_.host = host;
+  on_request(host_header ? *host_header : rec_.sni, msg.method, msg.target, msg.headers);
+}
+
+void Connection::on_request(std::string_view host, std::string_view method, std::string_view target,
+                            std::span<const HttpHeader> headers) {
+  rec_.host = std::string(host);
   if (host.empty()) return respond(400, "missing Host header\n", TerminationCause::kBadRequest);
   // The connection is bound to what its first request names; a Host that contradicts the TLS server name
   // would let one certificate's connection reach another name's sandbox.
@@ -267,33 +345,60 @@ void Connection::on_head() {
   }
   route_ = std::move(*route);
   rec_.sandbox = route_.target;
-  if (route_.kind != RouteKind::kPort) {
-    return respond(404,
-                   route_.kind == RouteKind::kApi ? "the node API is not served on this ingress\n"
-                                                  : "use https://<port>-<sandbox>." + cfg_->domain + "/\n",
-                   TerminationCause::kNotServed);
-  }
+  credentials_ = find_credentials(target, headers);
+  request_authority_ = std::string(host);
+  request_target_ = std::string(target);
+  if (route_.kind == RouteKind::kApi) return open_node_api();
+  if (route_.kind == RouteKind::kSdk) route_.port = cfg_->agent_port;
+  // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
+  // 200 itself and the bytes after the head are the tunnel's.
+  tunnel_ = method == "CONNECT";
   rec_.port = route_.port;
+  open_sandbox();
+}
 
+void Connection::open_sandbox() {
   phase_ = Phase::kOpening;
   update_interest();
   uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
-  open_started_ms_ = now_ms(worker_->loop());
+  if (open_started_ms_ == 0) open_started_ms_ = now_ms(worker_->loop());
   nlohmann::json body = {{"sandbox", route_.target}, {"port", route_.port}};
+  if (credential_index_ < credentials_.size()) body["credential"] = credentials_[credential_index_].token;
   open_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/open", body.dump(),
                                      wake_ms + 1000,
                                      "X-Sandgate-Wake-Timeout-Ms: " + std::to_string(wake_ms) + "\r\n",
                                      [this](Result<NodeResponse> r) { on_open_result(std::move(r)); });
 }
 
+// api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
+void Connection::open_node_api() {
+  auto token = worker_->shared()->operator_token.load();
+  bool allowed = false;
+  for (const auto& c : credentials_) allowed = allowed || (token && !token->empty() && token_matches(c.token, *token));
+  if (!allowed) {
+    return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
+                   TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
+  }
+  rec_.sandbox = "api";
+  traffic_ = &node_api_traffic_;
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string& path = cfg_->node_socket.path;
+  if (!fd.valid() || path.size() >= sizeof addr.sun_path)
+    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  start_connect(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, false);
+}
+
 void Connection::on_open_result(Result<NodeResponse> r) {
   auto request = std::move(open_request_);  // destroyed when this function returns, after its callback
   if (!r) {
     if (r.error() == Error::kTimeout)
-      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, "Retry-After: 5\r\n");
+      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
     spdlog::warn("node request failed: {}", r.message());
-    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, "Retry-After: 5\r\n");
+    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
   }
   NodeResponse& resp = *r;
   auto json = nlohmann::json::parse(resp.body, nullptr, false);
@@ -303,17 +408,26 @@ void Connection::on_open_result(Result<NodeResponse> r) {
   switch (resp.status) {
     case 200:
       break;
+    case 401:
+      // Several candidates (an app's own Authorization header next to the sandgate cookie): try the next.
+      if (credential_index_ + 1 < credentials_.size()) {
+        ++credential_index_;
+        return open_sandbox();
+      }
+      rec_.detail = message;
+      return respond(401, "this sandbox port needs its token: Authorization: Bearer <token>\n",
+                     TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
     case 404:
       return respond(404, "no sandbox named " + route_.target + "\n", TerminationCause::kUnknownSandbox);
     case 403:
       return respond(403, "port " + std::to_string(route_.port) + " is not exposed by sandbox " + route_.target + "\n",
                      TerminationCause::kPortNotExposed);
     case 504:
-      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, "Retry-After: 5\r\n");
+      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
     default:
       rec_.detail = message;
       return respond(503, "sandbox is not available: " + message + "\n", TerminationCause::kWakeFailed,
-                     "Retry-After: 5\r\n");
+                     {{"Retry-After", "5"}});
   }
   if (!json.is_object() || !json.contains("id") || !json["id"].is_string() || !resp.passed_fd.valid()) {
     return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
@@ -321,11 +435,22 @@ void Connection::on_open_result(Result<NodeResponse> r) {
   rec_.sandbox_id = json["id"].get<std::string>();
   if (json.contains("woke") && json["woke"].is_boolean()) rec_.woke = json["woke"].get<bool>();
   if (json.contains("wake_ms") && json["wake_ms"].is_number()) rec_.wake_ms = json["wake_ms"].get<double>();
+  bool port_public = json.contains("public") && json["public"].is_boolean() && json["public"].get<bool>();
+  // A browser's one-time ?sandgate_token=: now verified, it becomes a cookie and leaves the URL. Not on a
+  // public port, where the node verified nothing.
+  if (!port_public && credential_index_ < credentials_.size() &&
+      credentials_[credential_index_].source == CredentialSource::kQueryParameter) {
+    auto location = token_redirect_location(request_authority_, request_target_);
+    if (!location) return respond(400, location.message() + "\n", TerminationCause::kBadRequest);
+    return respond(302, "", TerminationCause::kAuthRedirect,
+                   {{"Location", *location},
+                    {"Set-Cookie", token_cookie(credentials_[credential_index_].token, kTokenCookieMaxAgeSecs)}});
+  }
 
   ProxyShared* shared = worker_->shared();
   if (!shared->sandbox_limits.try_acquire(rec_.sandbox_id, cfg_->proxy.max_connections_per_sandbox)) {
     return respond(429, "too many connections to this sandbox\n", TerminationCause::kSandboxConnLimit,
-                   "Retry-After: 1\r\n");
+                   {{"Retry-After", "1"}});
   }
   holds_sandbox_slot_ = true;
   traffic_ = worker_->traffic().open_connection(rec_.sandbox_id);
@@ -336,15 +461,15 @@ void Connection::on_open_result(Result<NodeResponse> r) {
       json["connect_port"].get<uint64_t>() >= 1 && json["connect_port"].get<uint64_t>() <= 65535)
     connect_port = static_cast<uint16_t>(json["connect_port"].get<uint64_t>());
   bool connected = json.contains("connected") && json["connected"].is_boolean() && json["connected"].get<bool>();
-  start_connect(std::move(resp.passed_fd), connect_port, connected);
-}
-
-void Connection::start_connect(UniqueFd socket, uint16_t connect_port, bool already_connected) {
-  upstream_fd_ = std::move(socket);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(connect_port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  start_connect(std::move(resp.passed_fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, connected);
+}
+
+void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected) {
+  upstream_fd_ = std::move(socket);
   int one = 1;
   ::setsockopt(upstream_fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
@@ -352,7 +477,7 @@ void Connection::start_connect(UniqueFd socket, uint16_t connect_port, bool alre
   ++handles_open_;
   phase_ = Phase::kConnecting;
   if (already_connected) return begin_forwarding();
-  if (::connect(upstream_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return begin_forwarding();
+  if (::connect(upstream_fd_.get(), addr, addr_len) == 0) return begin_forwarding();
   if (errno != EINPROGRESS) {
     return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
                    TerminationCause::kUpstreamConnectFailed);
@@ -377,6 +502,19 @@ void Connection::begin_forwarding() {
   uv_timer_stop(&deadline_);
   phase_ = Phase::kForwarding;
   head_parser_.reset();
+  h2_scanner_.reset();
+  if (tunnel_) {
+    // The head was for the proxy. A fresh socket has room for these few bytes, so one write does it.
+    rec_.bytes_in += head_bytes_;
+    traffic_->bytes_in += head_bytes_;
+    c2u_.consumed(head_bytes_);
+    static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
+    ERR_clear_error();
+    if (SSL_write(ssl_, kEstablished.data(), static_cast<int>(kEstablished.size())) !=
+        static_cast<int>(kEstablished.size()))
+      return close(TerminationCause::kClientReset, "CONNECT answer: " + take_ssl_error());
+    rec_.status = 200;
+  }
   if (ktls_tx_) {
     auto pipe = SplicePipe::create(kSplicePipeBytes);
     if (pipe) u2c_pipe_ = std::move(*pipe);
@@ -407,19 +545,38 @@ void Connection::pump() {
     if (rec_.bytes_in + rec_.bytes_out == before && c2u_pending() + u2c_pending() == pending_before) break;
   }
   update_interest();
+  // Only after a read that stopped for room: one that stopped at WANT_READ left at most a partial record,
+  // whose remainder makes the socket readable.
+  if (client_read_filled_buffer_ && !client_eof_ && !c2u_pipe_ && c2u_room() && SSL_has_pending(ssl_)) {
+    uv_idle_start(&buffered_input_, [](uv_idle_t* h) {
+      uv_idle_stop(h);
+      auto* self = static_cast<Connection*>(h->data);
+      if (self->phase_ == Phase::kForwarding) self->pump();
+    });
+  }
 }
 
 bool Connection::read_client() {
   if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_)) return take_over_client_receive();
   c2u_.make_room();
-  ERR_clear_error();
-  int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
-  if (n > 0) {
+  // SSL_read returns one record at a time: keep reading until the buffer is full or the socket is dry, so
+  // the sandbox gets one large send instead of one per record.
+  int n = 0;
+  size_t got = 0;
+  while (c2u_.space() > 0) {
+    ERR_clear_error();
+    n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
+    if (n <= 0) break;
     c2u_.produced(static_cast<size_t>(n));
-    rec_.bytes_in += static_cast<uint64_t>(n);
-    traffic_->bytes_in += static_cast<uint64_t>(n);
+    got += static_cast<size_t>(n);
+    if (rx_handover_ != RxHandover::kNone) break;  // the kernel takes over at the next record boundary
+  }
+  client_read_filled_buffer_ = n > 0;
+  if (got > 0) {
+    rec_.bytes_in += got;
+    traffic_->bytes_in += got;
     last_activity_ms_ = now_ms(worker_->loop());
-    return true;
+    if (n > 0) return true;  // buffer full; an EOF or error behind the data is seen on the next read
   }
   int err = SSL_get_error(ssl_, n);
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return true;
@@ -620,15 +777,22 @@ bool Connection::handle_half_close() {
   return true;
 }
 
-void Connection::respond(int status, std::string_view body, TerminationCause cause, std::string_view extra_headers) {
+void Connection::respond(int status, std::string_view body, TerminationCause cause,
+                         std::vector<HttpHeader> extra_headers) {
   rec_.status = status;
+  static constexpr std::string_view kText = "text/plain; charset=utf-8";
+  Result<std::string> out = !h2_             ? http1_refusal(status, kText, body, extra_headers)
+                            : h2_stream_ != 0 ? h2_refusal(h2_stream_, status, kText, body, extra_headers)
+                                              // no request yet to answer on: end the connection
+                                              : Result<std::string>(h2_goaway(H2ErrorCode::kProtocolError, body));
+  if (!out) return close(cause, "cannot build the response: " + out.message());
+  respond_bytes(std::move(*out), cause);
+}
+
+void Connection::respond_bytes(std::string out, TerminationCause cause) {
   respond_cause_ = cause;
   uv_timer_stop(&deadline_);
   open_request_.reset();
-  std::string out = "HTTP/1.1 " + std::to_string(status) + " " + std::string(http_reason(status)) +
-                    "\r\nServer: sandgate\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: " +
-                    std::to_string(body.size()) + "\r\nConnection: close\r\n" + std::string(extra_headers) + "\r\n" +
-                    std::string(body);
   u2c_ = std::make_unique<ByteBuffer>(out.size());
   std::memcpy(u2c_->write_ptr(), out.data(), out.size());
   u2c_->produced(out.size());
@@ -693,6 +857,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   if (upstream_poll_started_) uv_close(reinterpret_cast<uv_handle_t*>(&upstream_poll_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
+  uv_close(reinterpret_cast<uv_handle_t*>(&buffered_input_), on_closed);
   if (ssl_) {
     SSL_free(ssl_);
     ssl_ = nullptr;

@@ -15,6 +15,8 @@
 #include "common/fd.h"
 #include "common/http.h"
 #include "proxy/access_log.h"
+#include "proxy/edge_auth.h"
+#include "proxy/h2_head.h"
 #include "proxy/ktls.h"
 #include "proxy/node_client.h"
 #include "proxy/route.h"
@@ -78,15 +80,24 @@ class Connection {
   void on_idle_timer();
 
   void do_handshake();
+  void look_up_port_policy();
+  void on_lookup_result(Result<NodeResponse> r);
   void after_handshake();
   void read_head();
   void on_head();
+  // Route + authenticate the connection's first request (HTTP/1.1 head or HTTP/2 HEADERS), then open.
+  void on_request(std::string_view host, std::string_view method, std::string_view target,
+                  std::span<const HttpHeader> headers);
+  void open_sandbox();
+  void open_node_api();
   void on_open_result(Result<NodeResponse> r);
-  void start_connect(UniqueFd socket, uint16_t connect_port, bool already_connected);
+  void start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected);
   void finish_connect();
   void begin_forwarding();
   void pump();
-  void respond(int status, std::string_view body, TerminationCause cause, std::string_view extra_headers = {});
+  // The proxy's own answer (HTTP/1.1, or HTTP/2 frames on an h2 connection), then a graceful close.
+  void respond(int status, std::string_view body, TerminationCause cause, std::vector<HttpHeader> extra_headers = {});
+  void respond_bytes(std::string bytes, TerminationCause cause);
   void flush_response();
   void linger();
   void arm_deadline(uint32_t ms, TerminationCause cause);
@@ -137,6 +148,10 @@ class Connection {
   bool upstream_poll_started_ = false;
   uv_timer_t deadline_{};
   uv_timer_t idle_timer_{};
+  // Read-ahead can leave whole records inside OpenSSL after the socket ran dry; poll() never reports them,
+  // so a pump that stops with such input re-runs from this idle handle on the next loop turn.
+  uv_idle_t buffered_input_{};
+  bool client_read_filled_buffer_ = false;  // the last read_client stopped for room, not for want of input
   int handles_open_ = 0;
   TerminationCause deadline_cause_ = TerminationCause::kHandshakeTimeout;
   int client_events_ = 0;    // currently polled
@@ -144,6 +159,18 @@ class Connection {
   bool handshake_wants_write_ = false;
 
   std::unique_ptr<HttpParser> head_parser_;
+  std::unique_ptr<H2RequestScanner> h2_scanner_;
+  HelloState hello_;                       // SNI and the routed port's policy, filled during the handshake
+  std::unique_ptr<NodeRequest> lookup_request_;
+  bool h2_ = false;                        // ALPN h2: the first request arrives as an HTTP/2 HEADERS frame
+  uint32_t h2_stream_ = 0;                 // that request's stream, which the proxy's own answers go to
+  bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
+  size_t head_bytes_ = 0;                  // length of the HTTP/1.1 head at the front of c2u_
+  std::vector<Credential> credentials_;    // tried in order; the node checks each (a 401 never wakes)
+  size_t credential_index_ = 0;
+  std::string request_authority_;          // for the redirect that takes a query-parameter token out of the URL
+  std::string request_target_;
+  SandboxTraffic node_api_traffic_;        // api.<domain> bytes belong to no sandbox
   ByteBuffer c2u_;                  // client -> upstream; also holds the request head until forwarded
   std::unique_ptr<ByteBuffer> u2c_; // upstream -> client (or the proxy's own response)
   Route route_;

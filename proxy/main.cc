@@ -10,6 +10,7 @@
 
 #include "common/log.h"
 #include "config/config.h"
+#include "proxy/edge_auth.h"
 #include "proxy/worker.h"
 
 namespace {
@@ -25,6 +26,9 @@ void reload(Proxy* p) {
   if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}", cfg.message());
   auto tls = sg::TlsContexts::create(**cfg);
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}", tls.message());
+  auto token = sg::read_operator_token((*cfg)->operator_token_file);
+  if (!token) return spdlog::error("reload failed, keeping the running config: {}", token.message());
+  p->shared->operator_token.store(std::make_shared<const std::string>(std::move(*token)));
   // Listeners, workers and the access log stay as they were; limits, timeouts, routes and certificates
   // apply to connections accepted from now on.
   p->shared->tls.store(*tls);
@@ -57,6 +61,11 @@ int main(int argc, char** argv) {
     spdlog::error("{}", tls.message());
     return 2;
   }
+  auto operator_token = sg::read_operator_token((*cfg)->operator_token_file);
+  if (!operator_token) {
+    spdlog::error("{}", operator_token.message());
+    return 2;
+  }
   if (check_only) {
     printf("configuration OK\n");
     return 0;
@@ -64,6 +73,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   proxy.shared = std::make_unique<sg::ProxyShared>(*cfg, *tls);
+  proxy.shared->operator_token.store(std::make_shared<const std::string>(std::move(*operator_token)));
   auto access_log = sg::AccessLog::open((*cfg)->proxy.access_log);
   if (!access_log) {
     spdlog::error("{}", access_log.message());

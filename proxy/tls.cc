@@ -65,21 +65,27 @@ std::string extract_sni(SSL* ssl) {
   return lower(std::string_view(reinterpret_cast<const char*>(p + 5), name_len));
 }
 
-int select_alpn(SSL*, const unsigned char** out, unsigned char* outlen, const unsigned char* in, unsigned inlen,
-                void*) {
-  // Only HTTP/1.1 until the HTTP/2 front end exists; a client offering only h2 gets no ALPN and must cope.
-  static const unsigned char kHttp11[] = {8, 'h', 't', 't', 'p', '/', '1', '.', '1'};
-  unsigned char* selected = nullptr;
-  if (SSL_select_next_proto(&selected, outlen, kHttp11, sizeof kHttp11, in, inlen) == OPENSSL_NPN_NEGOTIATED) {
-    *out = selected;
-    return SSL_TLSEXT_ERR_OK;
+// Whether the ClientHello's ALPN list offers `proto`. No ALPN extension at all counts as "maybe": such a
+// client (openssl s_client, ssh ProxyCommands) may be headed for a raw TCP port.
+bool alpn_offers(SSL* ssl, std::string_view proto, bool* has_alpn) {
+  const unsigned char* p = nullptr;
+  size_t len = 0;
+  *has_alpn = SSL_client_hello_get0_ext(ssl, TLSEXT_TYPE_application_layer_protocol_negotiation, &p, &len) == 1;
+  if (!*has_alpn || len < 2) return false;
+  size_t list_len = (size_t(p[0]) << 8) | p[1];
+  if (list_len + 2 != len) return false;
+  for (size_t i = 2; i < len;) {
+    size_t n = p[i];
+    if (i + 1 + n > len) return false;
+    if (std::string_view(reinterpret_cast<const char*>(p + i + 1), n) == proto) return true;
+    i += 1 + n;
   }
-  return SSL_TLSEXT_ERR_NOACK;
+  return false;
 }
 
 }  // namespace
 
-int sni_ex_index() {
+int hello_ex_index() {
   static int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
   return index;
 }
@@ -109,13 +115,44 @@ int TlsContexts::on_client_hello(SSL* ssl, int* alert, void* arg) {
   auto* self = static_cast<TlsContexts*>(arg);
   std::string sni = extract_sni(ssl);
   SSL_CTX* ctx = self->select(sni);
-  if (auto* slot = static_cast<std::string*>(SSL_get_ex_data(ssl, sni_ex_index()))) *slot = sni;
+  auto* hello = static_cast<HelloState*>(SSL_get_ex_data(ssl, hello_ex_index()));
+  if (hello) hello->sni = sni;
   if (ctx == nullptr) {
     *alert = SSL_AD_UNRECOGNIZED_NAME;
     return SSL_CLIENT_HELLO_ERROR;
   }
   if (ctx != SSL_get_SSL_CTX(ssl)) SSL_set_SSL_CTX(ssl, ctx);
+  // A sandbox port's policy decides whether h2 is offered (only to h2c backends) and whether a port is raw
+  // TCP (no request head: sshd speaks first). Only clients that may need it pay for the node round trip:
+  // an ALPN list without h2 means HTTP/1.1, whose head carries everything else.
+  if (hello && !hello->policy_known) {
+    bool has_alpn = false;
+    bool offers_h2 = alpn_offers(ssl, "h2", &has_alpn);
+    auto route = parse_route(sni, self->domain_);
+    if (route && route->kind != RouteKind::kApi && (offers_h2 || !has_alpn)) {
+      hello->wants_policy = true;
+      return SSL_CLIENT_HELLO_RETRY;
+    }
+  }
   return SSL_CLIENT_HELLO_SUCCESS;
+}
+
+int TlsContexts::select_alpn(SSL* ssl, const unsigned char** out, unsigned char* outlen, const unsigned char* in,
+                             unsigned inlen, void*) {
+  // h2 only where the backend speaks it (h2c port, or the agent): the first HEADERS frame is authenticated
+  // and the rest forwarded as bytes, so the backend itself must speak HTTP/2. Everyone else gets HTTP/1.1.
+  static const unsigned char kH2AndHttp11[] = {2, 'h', '2', 8, 'h', 't', 't', 'p', '/', '1', '.', '1'};
+  static const unsigned char kHttp11[] = {8, 'h', 't', 't', 'p', '/', '1', '.', '1'};
+  auto* hello = static_cast<HelloState*>(SSL_get_ex_data(ssl, hello_ex_index()));
+  bool h2 = hello && hello->policy_known && hello->port_protocol == "h2c";
+  const unsigned char* ours = h2 ? kH2AndHttp11 : kHttp11;
+  unsigned ours_len = h2 ? sizeof kH2AndHttp11 : sizeof kHttp11;
+  unsigned char* selected = nullptr;
+  if (SSL_select_next_proto(&selected, outlen, ours, ours_len, in, inlen) == OPENSSL_NPN_NEGOTIATED) {
+    *out = selected;
+    return SSL_TLSEXT_ERR_OK;
+  }
+  return SSL_TLSEXT_ERR_NOACK;
 }
 
 Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
@@ -141,6 +178,11 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
       // success, so they are on the wire before any byte is spliced, and a server sends no other
       // post-handshake message unless the client asks for one (KeyUpdate, handled as a termination cause).
       enable_ktls_rx_tracking(ctx.get());
+    } else {
+      // Userspace TLS for every connection: read-ahead lets one read() bring in several records (64 KiB)
+      // instead of two reads per record (header, then body), halving syscalls on uploads.
+      SSL_CTX_set_read_ahead(ctx.get(), 1);
+      SSL_CTX_set_default_read_buffer_len(ctx.get(), 64 * 1024);
     }
     // Partial writes let the forwarder drain a buffer across several socket-writable events.
     // Buffers are kept for the connection's life (no SSL_MODE_RELEASE_BUFFERS): no allocation per read.
@@ -152,7 +194,7 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
       return fail(Error::kInvalidArgument, "private key " + cc.key_file + ": " + take_ssl_error());
     if (SSL_CTX_check_private_key(ctx.get()) != 1)
       return fail(Error::kInvalidArgument, "private key " + cc.key_file + " does not match " + cc.cert_file);
-    SSL_CTX_set_alpn_select_cb(ctx.get(), select_alpn, nullptr);
+    SSL_CTX_set_alpn_select_cb(ctx.get(), &TlsContexts::select_alpn, nullptr);
     SSL_CTX_set_client_hello_cb(ctx.get(), on_client_hello, self.get());
     Cert cert;
     cert.names = certificate_names(SSL_CTX_get0_certificate(ctx.get()));

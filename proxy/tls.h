@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/net.h"
 #include "config/config.h"
+#include "proxy/route.h"
 
 namespace sg {
 
@@ -44,6 +45,8 @@ class TlsContexts {
     std::vector<std::string> names;  // DNS SANs (or CN), lowercase; may start with "*."
   };
   static int on_client_hello(SSL* ssl, int* alert, void* arg);
+  static int select_alpn(SSL* ssl, const unsigned char** out, unsigned char* outlen, const unsigned char* in,
+                         unsigned inlen, void* arg);
 
   std::vector<Cert> certs_;
   std::string domain_;
@@ -51,8 +54,19 @@ class TlsContexts {
   std::string ktls_kernel_reason_;
 };
 
-// Index for SSL_get_ex_data: the SNI the client sent, as a std::string* owned by the connection.
-int sni_ex_index();
+// What the handshake learns about a connection before it completes, owned by the connection and reached
+// from OpenSSL's callbacks through SSL_get_ex_data(ssl, hello_ex_index()).
+struct HelloState {
+  std::string sni;
+  // The ClientHello callback pauses the handshake (SSL_ERROR_WANT_CLIENT_HELLO_CB) when choosing the ALPN
+  // protocol or the connection's mode needs the routed port's policy; the connection asks the node
+  // (internal/lookup), fills `policy`, sets policy_known and resumes the handshake.
+  bool wants_policy = false;
+  bool policy_known = false;
+  bool port_public = false;
+  std::string port_protocol;  // "http1", "h2c" or "tcp" once known
+};
+int hello_ex_index();
 
 // The first OpenSSL error on this thread's queue as text (and clears the queue).
 std::string take_ssl_error();

@@ -22,7 +22,9 @@ std::string WorkerTraffic::take_report(const std::string& reporter) {
   nlohmann::json list = nlohmann::json::array();
   for (auto it = by_sandbox_.begin(); it != by_sandbox_.end();) {
     SandboxTraffic& t = it->second;
-    if (t.bytes_in != 0 || t.bytes_out != 0 || t.reported_connections_dirty) {
+    // Open connections are re-asserted in every report: the node forgets a reporter's counts once it has
+    // been silent for a while (a crashed proxy must not hold sandboxes awake forever).
+    if (t.bytes_in != 0 || t.bytes_out != 0 || t.reported_connections_dirty || t.connections > 0) {
       list.push_back({{"id", it->first}, {"bytes_in", t.bytes_in}, {"bytes_out", t.bytes_out},
                       {"connections", t.connections}, {"reporter", reporter}});
       t.bytes_in = t.bytes_out = 0;

@@ -32,6 +32,8 @@ struct ProxyShared {
   std::unique_ptr<AccessLog> access_log;
   SandboxConnectionLimits sandbox_limits;
   std::atomic<uint32_t> open_connections{0};
+  // What api.<domain> requires (read_operator_token); swapped with the config on reload.
+  std::atomic<std::shared_ptr<const std::string>> operator_token{std::make_shared<const std::string>()};
 };
 
 class Worker {

@@ -168,7 +168,12 @@ Cluster::~Cluster() {
 }
 
 void Cluster::write_config() {
-  std::string cfg = "domain = \"sandbox.localhost\"\nnode_socket = \"" + api_ + "\"\nlog_level = \"debug\"\n\n" +
+  std::string top = "domain = \"sandbox.localhost\"\nnode_socket = \"" + api_ + "\"\nlog_level = \"debug\"\n";
+  if (!opts_.operator_token.empty()) {
+    write_file(dir_ + "/operator.token", opts_.operator_token + "\n");
+    top += "operator_token_file = \"" + dir_ + "/operator.token\"\n";
+  }
+  std::string cfg = top + "\n" +
                     "[proxy]\nlisten = \"127.0.0.1:0\"\nworkers = 2\naccess_log = \"" + dir_ +
                     "/access.log\"\n" + opts_.proxy_extra + "\n[[proxy.certificates]]\ncert = \"" + dir_ +
                     "/tls/server.pem\"\nkey = \"" + dir_ + "/tls/server.key\"\n\n[node]\nstate_dir = \"" + dir_ +

@@ -64,6 +64,7 @@ class Daemon {
 struct ClusterOptions {
   std::string proxy_extra;  // TOML lines appended to [proxy]
   std::string node_extra;   // TOML lines appended to [node]
+  std::string operator_token;  // non-empty: written to a file that operator_token_file names
   bool start_proxy = true;
 
   static ClusterOptions proxy(std::string extra) {

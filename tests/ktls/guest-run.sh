@@ -5,13 +5,16 @@
 # moves SIZE bytes each way with ktls_client and checks: data intact both ways (sha256 / byte compare),
 # close_notify half-close in both directions, the access log's path = ktls-splice, and the kernel's
 # /proc/net/tls_stat software TX and RX counters rising with no decrypt errors. Then a TLS 1.3 KeyUpdate
-# must end the connection with cause ktls_key_update. BENCH=1 adds a ktls-splice vs userspace run.
+# must end the connection with cause ktls_key_update, and a fatal alert from the client with cause
+# client_closed. BENCH=1 adds a ktls-splice vs userspace run.
 # Prints "KTLS-CASE PASS|FAIL ..." per case and "KTLS-GUEST-RESULT PASS|FAIL".
-#   env: SG (binaries, certs), RUN (scratch dir), SIZE (bytes each way), BENCH, BENCH_SIZE
+#   env: SG (binaries, certs), RUN (scratch dir), SIZE (bytes each way), BIG_SIZE (one more TLS 1.3 case),
+#        BENCH, BENCH_SIZE
 set -u
 SG=${SG:-/sg}
 RUN=${RUN:-/run/ktls}
 SIZE=${SIZE:-67108864}
+BIG_SIZE=${BIG_SIZE:-$SIZE}
 BENCH=${BENCH:-0}
 BENCH_SIZE=${BENCH_SIZE:-$SIZE}
 PORT=8443
@@ -89,12 +92,13 @@ until client 1.3 TLS_AES_128_GCM_SHA256 1 1 >/dev/null 2>&1; do
   sleep 0.2
 done
 
-run_case() { # $1 version, $2 cipher
+run_case() { # $1 version, $2 cipher, [$3 bytes each way]
+  bytes=${3:-$SIZE}
   lines=$(log_lines)
   tx=$(tls_stat TlsTxSw)
   rx=$(tls_stat TlsRxSw)
   start=$(date +%s)
-  out=$(client "$1" "$2" "$SIZE" "$SIZE" 2>&1)
+  out=$(client "$1" "$2" "$bytes" "$bytes" 2>&1)
   rc=$?
   secs=$(($(date +%s) - start))
   entry=$(next_access_line "$lines")
@@ -121,6 +125,7 @@ for v in 1.2 1.3; do
   fi
   for c in $ciphers; do run_case $v $c; done
 done
+[ "$BIG_SIZE" != "$SIZE" ] && run_case 1.3 TLS_AES_128_GCM_SHA256 "$BIG_SIZE"
 
 lines=$(log_lines)
 out=$(client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 keyupdate 2>&1)
@@ -128,6 +133,15 @@ entry=$(next_access_line "$lines")
 case "$entry" in
   *'"cause":"ktls_key_update"'*) echo "KTLS-CASE PASS TLS1.3 KeyUpdate ends the connection: $out" ;;
   *) echo "KTLS-CASE FAIL TLS1.3 KeyUpdate: $out; access log: $entry"; failures=$((failures + 1)) ;;
+esac
+
+# A fatal alert from the client ends the connection as the client's doing, with the alert in the detail.
+lines=$(log_lines)
+out=$(client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 alert 2>&1)
+entry=$(next_access_line "$lines")
+case "$entry" in
+  *'"cause":"client_closed"'*'alert'*) echo "KTLS-CASE PASS TLS1.3 fatal alert ends the connection: $out" ;;
+  *) echo "KTLS-CASE FAIL TLS1.3 fatal alert: $out; access log: $entry"; failures=$((failures + 1)) ;;
 esac
 
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }

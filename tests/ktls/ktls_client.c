@@ -1,9 +1,11 @@
 /* TLS client for the kTLS guest test. Sends a request head and UP bytes of the test stream, then
  * close_notify (a half-close: it keeps reading), and checks the answer: the sha256 and count of what it
  * sent, DOWN bytes of the test stream, then a clean close_notify from the proxy.
- *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate]
+ *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate|alert]
  * CIPHER is an OpenSSL cipher (1.2) or ciphersuite (1.3) name. With "keyupdate" the client sends a TLS 1.3
- * KeyUpdate halfway through the upload and expects the proxy to close the connection.
+ * KeyUpdate halfway through the upload and expects the proxy to close the connection. With "alert" it sends
+ * a fatal internal_error alert there instead (OpenSSL has no call for that, so the client's own transmit is
+ * offloaded to the kernel and the alert goes out as a record of type 21 through TLS_SET_RECORD_TYPE).
  * Prints one line "ok ..." or "error: ..." and exits 0 or 1. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -14,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/tls.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,6 +24,25 @@
 #include "ktls_stream.h"
 
 #define CHUNK (1 << 16)
+
+#ifndef SOL_TLS
+#define SOL_TLS 282
+#endif
+
+/* Sends one alert record {level, description} through the kernel's TLS transmit path. */
+static int send_alert_record(int fd, unsigned char level, unsigned char description) {
+  unsigned char alert[2] = {level, description};
+  char control[CMSG_SPACE(sizeof(unsigned char))];
+  memset(control, 0, sizeof control);
+  struct iovec iov = {.iov_base = alert, .iov_len = sizeof alert};
+  struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+  struct cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_TLS;
+  cmsg->cmsg_type = TLS_SET_RECORD_TYPE;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(unsigned char));
+  *CMSG_DATA(cmsg) = 21; /* alert */
+  return sendmsg(fd, &msg, 0) == (ssize_t)sizeof alert ? 0 : -1;
+}
 
 static int fail(const char* what) {
   char err[256];
@@ -66,6 +88,7 @@ int main(int argc, char** argv) {
   unsigned long long up = strtoull(argv[6], NULL, 10);
   unsigned long long down = strtoull(argv[7], NULL, 10);
   int keyupdate = argc > 8 && strcmp(argv[8], "keyupdate") == 0;
+  int alert = argc > 8 && strcmp(argv[8], "alert") == 0;
 
   SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
   int version = tls13 ? TLS1_3_VERSION : TLS1_2_VERSION;
@@ -75,6 +98,7 @@ int main(int argc, char** argv) {
     return fail("cipher");
   if (SSL_CTX_load_verify_locations(ctx, argv[3], NULL) != 1) return fail("CA file");
   SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, NULL);
+  if (alert) SSL_CTX_set_options(ctx, SSL_OP_ENABLE_KTLS);
 
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[1]))};
@@ -87,6 +111,7 @@ int main(int argc, char** argv) {
   double start = now_s();
   if (SSL_connect(ssl) != 1) return fail("handshake");
   const char* negotiated = SSL_get_cipher_name(ssl);
+  if (alert && !BIO_get_ktls_send(SSL_get_wbio(ssl))) return fail("the alert case needs the client's transmit in kTLS");
 
   char head[256];
   int head_len = snprintf(head, sizeof head, "GET /?down=%llu HTTP/1.1\r\nHost: %s\r\n\r\n", down, sni);
@@ -107,16 +132,22 @@ int main(int argc, char** argv) {
       if (SSL_key_update(ssl, SSL_KEY_UPDATE_NOT_REQUESTED) != 1) return fail("SSL_key_update");
       updated = 1;
     }
+    if (alert && !updated && left <= up / 2) {
+      if (send_alert_record(fd, 2 /* fatal */, 80 /* internal_error */) != 0) return fail("send alert");
+      updated = 1;
+      break;
+    }
     if (ssl_write_all(ssl, buf, n) != 0) {
       if (keyupdate && updated) break;
       return fail("write upload");
     }
     left -= n;
   }
-  if (keyupdate) {
+  if (keyupdate || alert) {
     /* The proxy must end the connection: reading gives EOF or an error, never the answer. */
     int r = SSL_read(ssl, buf, sizeof buf);
-    printf(r <= 0 ? "ok keyupdate: connection closed by the proxy\n" : "error: the proxy answered after a KeyUpdate\n");
+    printf(r <= 0 ? "ok %s: connection closed by the proxy\n" : "error: the proxy answered after a %s\n",
+           keyupdate ? "keyupdate" : "fatal alert");
     return r <= 0 ? 0 : 1;
   }
   unsigned char digest[32];

@@ -8,9 +8,11 @@
 # Exit: 0 all cases passed, 1 a case failed or the guest did not finish, 77 skipped (qemu or the kernel
 # package cannot be installed or downloaded, or BUILD_DIR is a sanitizer build: the guest runs the plain
 # build, ASan under TCG would take far longer than the test's budget and adds nothing to what it checks).
-#   env: KTLS_SIZE (bytes each way per case; default 8 MiB: TCG moves 1-3 MB/s through the guest's
-#        TLS stack, and 64 MiB x 6 cases would take ~10 minutes), KTLS_BENCH=1 (also the ktls-splice vs
-#        userspace comparison), KTLS_TIMEOUT (seconds for the guest, default 420)
+#   env: KTLS_SIZE (bytes each way per matrix case; default 8 MiB: TCG moves 1-3 MB/s through the guest's
+#        TLS stack, and 64 MiB x 6 cases would take ~10 minutes), KTLS_BIG_SIZE (bytes each way of one
+#        extra TLS 1.3 AES-128-GCM case, default 64 MiB: long enough for many pipe refills and record
+#        sequence numbers far from the handover), KTLS_BENCH=1 (also the ktls-splice vs userspace
+#        comparison), KTLS_TIMEOUT (seconds for the guest, default 480)
 set -euo pipefail
 
 skip() {
@@ -27,8 +29,9 @@ grep -q '^SANDGATE_SANITIZE:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null &&
   skip "$build is a sanitizer build; the kTLS guest runs the plain build (run it with that build dir)"
 
 size=${KTLS_SIZE:-8388608}
+big_size=${KTLS_BIG_SIZE:-67108864}
 bench=${KTLS_BENCH:-0}
-guest_timeout=${KTLS_TIMEOUT:-420}
+guest_timeout=${KTLS_TIMEOUT:-480}
 cache=$build/ktls-cache
 work=$build/ktls-guest
 mkdir -p "$cache"
@@ -83,10 +86,10 @@ bash "$src/deploy/gen-cert.sh" "$root/sg/tls" sandbox.localhost >/dev/null
 cp "$src/tests/ktls/guest-run.sh" "$root/sg/guest-run.sh"
 cp "$src/tests/ktls/guest-init" "$root/init"
 chmod +x "$root/init"
-printf 'export SIZE=%s BENCH=%s\n' "$size" "$bench" >"$root/sg/guest-env"
+printf 'export SIZE=%s BIG_SIZE=%s BENCH=%s\n' "$size" "$big_size" "$bench" >"$root/sg/guest-env"
 (cd "$root" && find . | /bin/busybox cpio -o -H newc 2>/dev/null | gzip -1) >"$work/initrd.gz"
 
-echo "ktls_guest: booting $kpkg under TCG ($(( size / 1048576 )) MiB each way per case)"
+echo "ktls_guest: booting $kpkg under TCG ($(( size / 1048576 )) MiB each way per case, one of $(( big_size / 1048576 )) MiB)"
 start=$(date +%s)
 set +e
 timeout -k 10 "$guest_timeout" qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 1024 -nographic -no-reboot \

@@ -72,7 +72,7 @@ TEST(CreateBody, AllFlags) {
   o.name = "demo";
   o.ephemeral = true;
   o.timeout_secs = 60;
-  o.expose = {8080, 3000};
+  o.expose = {"8080", "3000"};
   o.cpus = 0.5;
   o.memory_mb = 512;
   o.env = {"A=1", "B=x=y", "EMPTY=", "A=2"};
@@ -103,17 +103,24 @@ TEST(CreateBody, UsageErrors) {
   bad_env.env = {"=value"};
   EXPECT_FALSE(create_request_body(bad_env));
 
-  for (int port : {0, -1, 65536}) {
+  for (const char* port : {"0", "-1", "65536", "", "80x", "80/", "80/udp", "/tcp", "80/tcp/tcp", " 80"}) {
     CreateOptions o;
     o.command = {"true"};
-    o.expose = {8080, port};
+    o.expose = {"8080", port};
     auto p = create_request_body(o);
     ASSERT_FALSE(p) << port;
-    EXPECT_NE(p.message().find(std::to_string(port)), std::string::npos);
+    EXPECT_NE(p.message().find(std::string("--expose ") + port + ":"), std::string::npos) << p.message();
   }
+  CreateOptions twice;
+  twice.command = {"true"};
+  twice.expose = {"22/tcp"};
+  twice.publish = {"22"};
+  auto t = create_request_body(twice);
+  ASSERT_FALSE(t);
+  EXPECT_NE(t.message().find("--public 22: port 22 is given twice"), std::string::npos) << t.message();
   CreateOptions edge;
   edge.command = {"true"};
-  edge.expose = {1, 65535};
+  edge.expose = {"1", "65535"};
   EXPECT_TRUE(create_request_body(edge));
   CreateOptions bad_driver;
   bad_driver.command = {"true"};
@@ -121,6 +128,20 @@ TEST(CreateBody, UsageErrors) {
   auto d = create_request_body(bad_driver);
   ASSERT_FALSE(d);
   EXPECT_NE(d.message().find("--driver docker"), std::string::npos);
+}
+
+TEST(CreateBody, PortPolicies) {
+  CreateOptions o;
+  o.command = {"sshd", "-D"};
+  o.expose = {"8080", "3000/http1", "50051/h2c", "2222/tcp"};
+  o.publish = {"22/tcp", "80"};
+  auto body = create_request_body(o);
+  ASSERT_TRUE(body) << body.message();
+  EXPECT_EQ(*body, json::parse(R"({"command": ["sshd", "-D"], "exposed_ports": [8080, 3000],
+                                   "ports": [{"port": 50051, "public": false, "protocol": "h2c"},
+                                             {"port": 2222, "public": false, "protocol": "tcp"},
+                                             {"port": 22, "public": true, "protocol": "tcp"},
+                                             {"port": 80, "public": true, "protocol": "http1"}]})"));
 }
 
 TEST(SandboxPath, EncodesRef) {
@@ -202,6 +223,14 @@ TEST(Format, Created) {
             "name:   -\n"
             "state:  failed\n"
             "reason: exec: not found\n");
+}
+
+TEST(Format, CreatedShowsTheToken) {
+  EXPECT_EQ(format_created(json::parse(R"({"id":"sb-x","name":"a","state":"running","urls":{},"token":"sgt_abc"})")),
+            "id:    sb-x\n"
+            "name:  a\n"
+            "state: running\n"
+            "token: sgt_abc\n");
 }
 
 TEST(Format, List) {

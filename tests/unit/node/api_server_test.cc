@@ -162,9 +162,11 @@ class ApiServerTest : public ::testing::Test {
 
   Client client() { return Client(&loop_, *parse_endpoint("unix:" + socket_path_)); }
 
+  // Port 8080 is public so the wake and plumbing tests need no token; the auth tests use private ports.
   std::string create_demo(Client& c, const std::string& extra = "") {
     Reply r = c.request("POST", "/v1/sandboxes",
-                        R"({"name":"demo","command":["sleep","inf"],"exposed_ports":[8080])" + extra + "}");
+                        R"({"name":"demo","command":["sleep","inf"],"ports":[{"port":8080,"public":true}])" + extra +
+                            "}");
     EXPECT_EQ(r.status, 201) << r.message.body;
     return r.body().value("id", "");
   }
@@ -231,6 +233,14 @@ TEST_F(ApiServerTest, SandboxLifecycle) {
   EXPECT_TRUE(is_rfc3339_utc_ms(s["idle_deadline_at"].get<std::string>())) << s["idle_deadline_at"];
   EXPECT_EQ(s["connections"], 0);
   EXPECT_EQ(s["urls"], json::parse(R"({"8080":"https://8080-demo.sandbox.localhost:8443/"})"));
+  EXPECT_EQ(s["ports"], json::parse(R"([{"port":8080,"public":false,"protocol":"http1"}])"));
+  EXPECT_EQ(s["allow_unauthenticated_access"], false);
+  EXPECT_EQ(s["agent_port"], 9501);
+  ASSERT_TRUE(s["token"].is_string());
+  std::string token = s["token"];
+  EXPECT_TRUE(token.starts_with("sgt_")) << token;
+  EXPECT_FALSE(c.request("GET", "/v1/sandboxes/demo").body().contains("token")) << "the token is shown once";
+  EXPECT_FALSE(c.request("GET", "/v1/sandboxes").body()["sandboxes"][0].contains("token"));
 
   EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").body()["id"], id);
   EXPECT_EQ(c.request("GET", "/v1/sandboxes/" + id).body()["name"], "demo");
@@ -286,6 +296,18 @@ TEST_F(ApiServerTest, MalformedBodiesAreExplained) {
       {R"({"command":["ls"],"cwd":false})", "cwd: must be a string"},
       {R"({"command":["ls"],"exposed_ports":[true]})", "exposed_ports[]: must be an integer"},
       {R"({"command":["ls"],"exposed_ports":[18446744073709551615]})", "1-65535"},
+      {R"({"command":["ls"],"ports":8080})", "ports: must be an array of objects"},
+      {R"({"command":["ls"],"ports":[8080]})", "ports[]: must be an object"},
+      {R"({"command":["ls"],"ports":[{"public":true}]})", "ports[].port is required"},
+      {R"({"command":["ls"],"ports":[{"port":"22"}]})", "ports[].port: must be an integer"},
+      {R"({"command":["ls"],"ports":[{"port":22,"public":"yes"}]})", "ports[].public: must be true or false"},
+      {R"({"command":["ls"],"ports":[{"port":22,"protocol":2}]})", "ports[].protocol: must be a string"},
+      {R"({"command":["ls"],"ports":[{"port":22,"protocol":"udp"}]})", "'udp' is not one of http1, h2c, tcp"},
+      {R"({"command":["ls"],"ports":[{"port":22,"tls":true}]})", "unknown field 'ports[].tls'"},
+      {R"({"command":["ls"],"ports":[{"port":0}]})", "ports: 0 is not a TCP port"},
+      {R"({"command":["ls"],"ports":[{"port":22}],"exposed_ports":[22]})", "22 is listed twice"},
+      {R"({"command":["ls"],"ports":[{"port":9501}]})", "agent's port"},
+      {R"({"command":["ls"],"allow_unauthenticated_access":1})", "allow_unauthenticated_access: must be true or false"},
       {R"({"command":["ls"],"timeout_secs":1.5})", "timeout_secs: must be an integer"},
       {R"({"command":["ls"],"timeout_secs":"300"})", "timeout_secs: must be an integer"},
       {R"({"command":["ls"],"memory_mb":-1})", "memory_mb"},
@@ -574,7 +596,129 @@ TEST_F(ApiServerTest, TcpListenerServesButCannotPassDescriptors) {
   create_demo(c);
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})"), 400, "invalid_argument",
                "unix socket");
+  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"demo","port":8080})"), 400, "invalid_argument",
+               "unix socket");
   EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").status, 200);
+}
+
+TEST_F(ApiServerTest, PortPoliciesAreValidatedAndShown) {
+  Client c = client();
+  Reply r = c.request("POST", "/v1/sandboxes",
+                      R"({"name":"web","command":["x"],"exposed_ports":[8080],"ports":[{"port":22,"public":true,)"
+                      R"("protocol":"tcp"},{"port":50051,"protocol":"h2c"}]})");
+  ASSERT_EQ(r.status, 201) << r.message.body;
+  EXPECT_EQ(r.body()["exposed_ports"], json::parse("[8080, 22, 50051]"));
+  EXPECT_EQ(r.body()["ports"], json::parse(R"([{"port":8080,"public":false,"protocol":"http1"},)"
+                                           R"({"port":22,"public":true,"protocol":"tcp"},)"
+                                           R"({"port":50051,"public":false,"protocol":"h2c"}])"));
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/web").body()["ports"], r.body()["ports"]);
+  // The count limit covers both lists together.
+  std::string many = R"({"command":["x"],"exposed_ports":[)";
+  for (int p = 1; p <= 40; ++p) many += (p > 1 ? "," : "") + std::to_string(p);
+  many += R"(],"ports":[)";
+  for (int p = 41; p <= 65; ++p) many += (p > 41 ? "," : "") + std::string(R"({"port":)") + std::to_string(p) + "}";
+  many += "]}";
+  expect_error(c.request("POST", "/v1/sandboxes", many), 400, "invalid_argument", "at most 64 ports");
+}
+
+TEST_F(ApiServerTest, OpenOfAPrivatePortNeedsTheToken) {
+  Client c = client();
+  Reply created = c.request("POST", "/v1/sandboxes", R"({"name":"priv","command":["x"],"exposed_ports":[8080]})");
+  ASSERT_EQ(created.status, 201);
+  std::string token = created.body()["token"];
+  c.request("POST", "/v1/sandboxes/priv/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("priv")->state == SandboxState::kSuspended; }));
+  int64_t activity = node_->get("priv")->last_activity_at_ms;
+
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080})"), 401, "unauthorized",
+               "missing token");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":""})"), 401,
+               "unauthorized", "missing token");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":"sgt_nope"})"),
+               401, "unauthorized", "invalid token");
+  // Another sandbox's token opens nothing here.
+  Reply other = c.request("POST", "/v1/sandboxes", R"({"name":"other","command":["x"]})");
+  expect_error(c.request("POST", "/v1/internal/open",
+                         R"({"sandbox":"priv","port":8080,"credential":")" + other.body()["token"].get<std::string>() +
+                             R"("})"),
+               401, "unauthorized", "invalid token");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":5})"), 400,
+               "invalid_argument", "credential: must be a string");
+  // The order: an unknown sandbox or port is told before the credential is looked at.
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"nope","port":8080})"), 404, "not_found");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9090})"), 403, "permission_denied",
+               "port not exposed");
+  run_until(&loop_, [] { return false; }, 30);
+  EXPECT_EQ(node_->get("priv")->state, SandboxState::kSuspended) << "a refused open must not wake the sandbox";
+  EXPECT_EQ(driver_->resumes, 0);
+  EXPECT_EQ(node_->get("priv")->last_activity_at_ms, activity) << "nor count as activity";
+
+  Reply ok = c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":")" + token + R"("})");
+  ASSERT_EQ(ok.status, 200) << ok.message.body;
+  EXPECT_EQ(ok.body()["woke"], true);
+  EXPECT_EQ(ok.body()["protocol"], "http1");
+  EXPECT_EQ(ok.body()["public"], false);
+  EXPECT_TRUE(ok.fd.valid());
+  // The agent port: always reachable with the token, never without.
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9501})"), 401, "unauthorized");
+  Reply agent = c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9501,"credential":")" + token + R"("})");
+  ASSERT_EQ(agent.status, 200) << agent.message.body;
+  EXPECT_EQ(agent.body()["protocol"], "h2c");
+  EXPECT_EQ(agent.body()["public"], false);
+}
+
+TEST_F(ApiServerTest, OpenOfAPublicPortNeedsNoToken) {
+  Client c = client();
+  create_demo(c);
+  Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080,"credential":"whatever"})");
+  ASSERT_EQ(r.status, 200) << r.message.body;
+  EXPECT_EQ(r.body()["public"], true);
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":9501})"), 401, "unauthorized");
+
+  Reply open_all = c.request("POST", "/v1/sandboxes",
+                             R"({"name":"open","command":["x"],"exposed_ports":[3000],)"
+                             R"("allow_unauthenticated_access":true})");
+  ASSERT_EQ(open_all.status, 201);
+  EXPECT_EQ(open_all.body()["ports"], json::parse(R"([{"port":3000,"public":true,"protocol":"http1"}])"));
+  for (int port : {3000, 9501}) {
+    Reply o = c.request("POST", "/v1/internal/open", R"({"sandbox":"open","port":)" + std::to_string(port) + "}");
+    EXPECT_EQ(o.status, 200) << port << ": " << o.message.body;
+    EXPECT_EQ(o.body()["public"], true);
+  }
+}
+
+TEST_F(ApiServerTest, LookupAnswersWithoutWakingOrTouching) {
+  Client c = client();
+  Reply created = c.request("POST", "/v1/sandboxes",
+                            R"({"name":"ssh","command":["x"],"ports":[{"port":22,"public":true,"protocol":"tcp"},)"
+                            R"({"port":2222,"protocol":"tcp"}]})");
+  ASSERT_EQ(created.status, 201);
+  std::string id = created.body()["id"];
+  c.request("POST", "/v1/sandboxes/ssh/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("ssh")->state == SandboxState::kSuspended; }));
+  int64_t activity = node_->get("ssh")->last_activity_at_ms;
+
+  Reply r = c.request("POST", "/v1/internal/lookup", R"({"sandbox":"ssh","port":22})");
+  ASSERT_EQ(r.status, 200) << r.message.body;
+  EXPECT_EQ(r.body(), json::parse(R"({"id":")" + id + R"(","name":"ssh","port":22,"protocol":"tcp","public":true})"));
+  EXPECT_FALSE(r.fd.valid());
+  Reply priv = c.request("POST", "/v1/internal/lookup", R"({"sandbox":")" + id + R"(","port":2222})");
+  EXPECT_EQ(priv.body()["public"], false);
+  EXPECT_EQ(priv.body()["protocol"], "tcp");
+  Reply agent = c.request("POST", "/v1/internal/lookup", R"({"sandbox":"ssh","port":9501})");
+  EXPECT_EQ(agent.body()["protocol"], "h2c");
+  EXPECT_EQ(agent.body()["public"], false);
+  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"ssh","port":80})"), 403, "permission_denied",
+               "port not exposed");
+  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"nope","port":22})"), 404, "not_found");
+  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"ssh","port":22,"credential":"x"})"), 400,
+               "invalid_argument", "unknown field 'credential'");
+  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"ssh"})"), 400, "invalid_argument", "port");
+  expect_error(c.request("GET", "/v1/internal/lookup"), 405, "unsupported");
+  run_until(&loop_, [] { return false; }, 30);
+  EXPECT_EQ(node_->get("ssh")->state, SandboxState::kSuspended);
+  EXPECT_EQ(driver_->resumes, 0);
+  EXPECT_EQ(node_->get("ssh")->last_activity_at_ms, activity);
 }
 
 }  // namespace

@@ -88,5 +88,35 @@ TEST(GenerateId, UsesTheWholeAlphabet) {
   EXPECT_EQ(chars.size(), 36u);
 }
 
+TEST(Token, IsPrefixedBase64UrlOf32RandomBytes) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 1000; ++i) {
+    std::string t = generate_token();
+    ASSERT_EQ(t.size(), 4u + 43u) << t;
+    ASSERT_EQ(t.substr(0, 4), "sgt_");
+    for (char c : t.substr(4))
+      ASSERT_TRUE((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_')
+          << t;
+    ASSERT_TRUE(seen.insert(t).second) << "duplicate " << t;
+  }
+}
+
+TEST(Token, DigestIsSha256Hex) {
+  EXPECT_EQ(token_digest(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(token_digest("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+TEST(Token, MatchesOnlyTheExactToken) {
+  std::string t = generate_token();
+  std::string digest = token_digest(t);
+  EXPECT_TRUE(token_matches(t, digest));
+  EXPECT_FALSE(token_matches(t + "x", digest));
+  EXPECT_FALSE(token_matches(t.substr(0, t.size() - 1), digest));
+  EXPECT_FALSE(token_matches("", digest));
+  EXPECT_FALSE(token_matches(t, ""));           // no token was ever set: nothing matches
+  EXPECT_FALSE(token_matches(t, "0123"));       // a damaged digest never matches
+  EXPECT_FALSE(token_matches(t, std::string(64, '0')));
+}
+
 }  // namespace
 }  // namespace sg

@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
 
+#include "noderuntime/names.h"
 #include "tests/unit/node/fake_driver.h"
 
 namespace sg {
@@ -400,6 +402,167 @@ TEST_F(NodeTest, ConnectionsGaugeIsTheSumOfTheLatestPerReporter) {
   EXPECT_EQ(node_->get("demo")->connections, 3u);
   node_->activity({{info.spec.id, "w2", 0, 0, 1}});
   EXPECT_EQ(node_->get("demo")->connections, 1u);
+}
+
+TEST_F(NodeTest, OpenConnectionsHoldASandboxAwake) {
+  SandboxInfo info = create("demo", false, 1);
+  // An SSH session at a prompt: one open connection, no bytes.
+  node_->activity({{info.spec.id, "w1", 0, 0, 1}});
+  EXPECT_FALSE(node_->get("demo")->idle_deadline_at_ms.has_value()) << "held: no deadline";
+  // Re-reported like a proxy worker does, well within the report TTL (10 x 1000 ms by default).
+  uv_timer_t heartbeat;
+  uv_timer_init(&loop_, &heartbeat);
+  heartbeat.data = node_.get();
+  uv_timer_start(&heartbeat, [](uv_timer_t* t) {
+    static_cast<Node*>(t->data)->activity({ActivityReport{"demo", "w1", 0, 0, 1}});
+  }, 300, 300);
+  run_for(&loop_, 1600);
+  uv_close(reinterpret_cast<uv_handle_t*>(&heartbeat), nullptr);
+  EXPECT_EQ(state("demo"), S::kRunning) << "past its 1 s timeout while a connection is open";
+  EXPECT_EQ(driver_->pauses, 0);
+  // The last connection closes: the idle clock starts from now.
+  int64_t closed_at_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch()).count();
+  node_->activity({{info.spec.id, "w1", 0, 0, 0}});
+  auto deadline = node_->get("demo")->idle_deadline_at_ms;
+  ASSERT_TRUE(deadline.has_value());
+  EXPECT_NEAR(static_cast<double>(*deadline - closed_at_ms), 1000, 100);
+  ASSERT_TRUE(wait_state("demo", S::kSuspended));
+}
+
+TEST_F(NodeTest, HeldSandboxStaysHeldAcrossASuspendAndResume) {
+  SandboxInfo info = create("demo", false, 1);
+  node_->activity({{info.spec.id, "w1", 0, 0, 2}});
+  suspend_and_wait("demo");
+  ASSERT_TRUE(node_->resume("demo").ok());
+  ASSERT_TRUE(wait_state("demo", S::kRunning));
+  EXPECT_FALSE(node_->get("demo")->idle_deadline_at_ms.has_value()) << "still 2 connections open";
+  node_->activity({{info.spec.id, "w1", 0, 0, 0}});
+  EXPECT_TRUE(node_->get("demo")->idle_deadline_at_ms.has_value());
+}
+
+TEST_F(NodeTest, ConnectionCountsOfAReporterThatWentSilentExpire) {
+  // Reports every 50 ms: a count lives 500 ms past its last report.
+  node_.reset();
+  uv_run(&loop_, UV_RUN_NOWAIT);
+  make_node("\n[proxy]\nactivity_report_interval_ms = 50\n");
+  SandboxInfo info = create("demo", false, 1);
+  node_->activity({{info.spec.id, "crashed-proxy", 0, 0, 3}, {info.spec.id, "live-proxy", 0, 0, 1}});
+  EXPECT_EQ(node_->get("demo")->connections, 4u);
+  node_->activity({{info.spec.id, "live-proxy", 0, 0, 0}});
+  run_for(&loop_, 300);
+  EXPECT_EQ(node_->get("demo")->connections, 3u) << "not expired yet";
+  EXPECT_FALSE(node_->get("demo")->idle_deadline_at_ms.has_value());
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->connections == 0; }, 1000));
+  EXPECT_TRUE(node_->get("demo")->idle_deadline_at_ms.has_value()) << "the expiry releases the hold";
+  EXPECT_EQ(state("demo"), S::kRunning);
+  ASSERT_TRUE(wait_state("demo", S::kSuspended, 2000)) << "and the idle policy applies again";
+}
+
+TEST_F(NodeTest, CreateAnswersWithATokenOnceAndKeepsItsDigest) {
+  SandboxInfo info = create("demo");
+  ASSERT_TRUE(info.token.starts_with("sgt_")) << info.token;
+  EXPECT_EQ(info.spec.token_sha256, token_digest(info.token));
+  EXPECT_TRUE(node_->get("demo")->token.empty());
+  for (const SandboxInfo& listed : node_->list()) EXPECT_TRUE(listed.token.empty());
+  EXPECT_EQ(node_->check_credential(info.spec.id, info.token), CredentialCheck::kAccepted);
+  EXPECT_EQ(node_->check_credential(info.spec.id, std::nullopt), CredentialCheck::kMissing);
+  EXPECT_EQ(node_->check_credential(info.spec.id, std::string()), CredentialCheck::kMissing);
+  EXPECT_EQ(node_->check_credential(info.spec.id, info.token + "x"), CredentialCheck::kInvalid);
+  SandboxInfo other = create("other");
+  EXPECT_NE(other.token, info.token);
+  EXPECT_EQ(node_->check_credential(info.spec.id, other.token), CredentialCheck::kInvalid);
+  // The digest survives a restart; the token itself was never stored.
+  restart();
+  ASSERT_TRUE(node_->reconcile().ok());
+  EXPECT_EQ(node_->check_credential(info.spec.id, info.token), CredentialCheck::kAccepted);
+}
+
+TEST_F(NodeTest, PortPoliciesAndLookup) {
+  CreateRequest r = request("demo");
+  r.ports = {{22, true, "tcp"}, {50051, std::nullopt, "h2c"}, {3000, std::nullopt, std::nullopt}};
+  auto created = create_request(r);
+  ASSERT_TRUE(created.ok()) << created.message();
+  EXPECT_EQ(created->spec.exposed_ports, (std::vector<uint16_t>{8080, 22, 50051, 3000}));
+  EXPECT_EQ(created->spec.agent_port, 9501);
+  auto expect_access = [&](uint16_t port, PortProtocol protocol, bool is_public) {
+    auto a = node_->lookup("demo", port);
+    ASSERT_TRUE(a.ok()) << port << ": " << a.message();
+    EXPECT_EQ(a->id, created->spec.id);
+    EXPECT_EQ(a->name, "demo");
+    EXPECT_EQ(a->protocol, protocol) << port;
+    EXPECT_EQ(a->is_public, is_public) << port;
+  };
+  expect_access(8080, PortProtocol::kHttp1, false);
+  expect_access(22, PortProtocol::kTcp, true);
+  expect_access(50051, PortProtocol::kH2c, false);
+  expect_access(3000, PortProtocol::kHttp1, false);
+  expect_access(9501, PortProtocol::kH2c, false);
+  EXPECT_EQ(node_->lookup("demo", 9999).error(), Error::kPermissionDenied);
+  EXPECT_EQ(node_->lookup("nope", 22).error(), Error::kNotFound);
+  // The agent port opens like an exposed one.
+  auto agent = open("demo", 9501);
+  ASSERT_TRUE(agent->result.has_value() && agent->result->ok());
+  EXPECT_EQ(agent->result->value().protocol, PortProtocol::kH2c);
+
+  CreateRequest everything = request("open");
+  everything.allow_unauthenticated_access = true;
+  ASSERT_TRUE(create_request(everything).ok());
+  EXPECT_TRUE(node_->lookup("open", 8080)->is_public);
+  EXPECT_TRUE(node_->lookup("open", 9501)->is_public);
+}
+
+TEST_F(NodeTest, PortPoliciesAreValidated) {
+  auto rejects = [&](CreateRequest r, const std::string& contains) {
+    auto out = create_request(r);
+    ASSERT_FALSE(out.ok()) << contains;
+    EXPECT_EQ(out.error(), Error::kInvalidArgument);
+    EXPECT_NE(out.message().find(contains), std::string::npos) << out.message();
+  };
+  CreateRequest r = request("x");
+  r.ports = {{8080, true, "tcp"}};
+  rejects(r, "8080 is listed twice");
+  r.ports = {{22, true, "udp"}};
+  rejects(r, "'udp' is not one of http1, h2c, tcp");
+  r.ports = {{65536, true, "tcp"}};
+  rejects(r, "65536 is not a TCP port");
+  r.ports = {{9501, false, std::nullopt}};
+  rejects(r, "agent's port");
+  r.ports.clear();
+  r.exposed_ports.clear();
+  for (int64_t p = 1; p <= 65; ++p) r.exposed_ports.push_back(p);
+  rejects(r, "at most 64 ports");
+  r.exposed_ports.pop_back();
+  EXPECT_TRUE(create_request(r).ok()) << "64 is the limit, not 63";
+}
+
+TEST_F(NodeTest, OperatorTokenOpensEverySandbox) {
+  std::string token_path = dir_.path() + "/operator.token";
+  std::ofstream(token_path) << "  op-secret-0123456789\n\n";
+  auto cfg = load_config_string("operator_token_file = \"" + token_path + "\"\n[node]\nstate_dir = \"" +
+                                    dir_.path() + "\"\n",
+                                "test.toml");
+  ASSERT_TRUE(cfg.ok()) << cfg.message();
+  config_->swap(*cfg);
+  ASSERT_TRUE(node_->reconcile().ok());
+  SandboxInfo info = create("demo");
+  EXPECT_EQ(node_->check_credential(info.spec.id, std::string("op-secret-0123456789")), CredentialCheck::kAccepted);
+  EXPECT_EQ(node_->check_credential(info.spec.id, std::string("op-secret")), CredentialCheck::kInvalid);
+  EXPECT_EQ(node_->check_credential(info.spec.id, std::string("  op-secret-0123456789\n")), CredentialCheck::kInvalid);
+
+  // A configured file that is empty, missing or oversized keeps the node from starting.
+  for (const std::string& content : {std::string(" \n\t"), std::string(5000, 'a')}) {
+    std::ofstream(token_path, std::ios::trunc) << content;
+    restart();
+    config_->swap(*cfg);
+    auto s = node_->reconcile();
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("operator_token_file"), std::string::npos) << s.message();
+  }
+  std::filesystem::remove(token_path);
+  restart();
+  config_->swap(*cfg);
+  EXPECT_FALSE(node_->reconcile().ok());
 }
 
 TEST_F(NodeTest, ExitWatch) {

@@ -78,11 +78,11 @@ std::vector<int> pids_in(const std::string& cgroup_dir) {
   return pids;
 }
 
-// One HTTP/1.0 GET through a socket of the sandbox's network namespace, connected to its 127.0.0.1:8080.
-Result<std::string> http_get_once(UniqueFd sock, const std::string& path) {
+// One HTTP/1.0 GET through a socket of the sandbox's network namespace, connected to its 127.0.0.1:<port>.
+Result<std::string> http_get_once(UniqueFd sock, const std::string& path, uint16_t port = kHttpPort) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(kHttpPort);
+  addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 && errno != EINPROGRESS)
     return fail_errno("connect", errno);
@@ -255,6 +255,70 @@ class ProcessDriverTest : public ::testing::Test {
   std::unique_ptr<Driver> driver_;
   std::vector<std::pair<SandboxSpec, RuntimeInfo>> started_;
 };
+
+// A stand-in for sandgate-agent (written by another part of the project): it takes the agent's --listen
+// ADDR:PORT and serves HTTP there.
+std::string write_agent_script(const std::string& dir, const std::string& body) {
+  std::string path = dir + "/fake-agent";
+  std::ofstream(path) << "#!/bin/sh\n" << body << "\n";
+  ::chmod(path.c_str(), 0755);
+  return path;
+}
+
+TEST_F(ProcessDriverTest, AgentListensOnTheAgentPortNextToTheCommand) {
+  cfg_.agent_path = write_agent_script(
+      state_dir_, R"sh([ "$1" = --listen ] || exit 2; exec python3 -m http.server "${2##*:}" --bind "${2%:*}")sh");
+  auto driver = make_process_driver(&loop_, cfg_);
+  ASSERT_TRUE(driver.ok()) << driver.message();
+  driver_ = std::move(*driver);
+  SandboxSpec spec = make_spec({"sleep", "1000"}, "with-agent");
+  spec.agent_port = 9501;
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  Failure last{Error::kTimeout, "never tried"};
+  bool served = wait_for([&] {
+    auto sock = driver_->open_socket(spec, *info, 9501);
+    if (!sock) return false;
+    auto r = http_get_once(std::move(sock->fd), "/", 9501);
+    if (!r) last = r.failure();
+    return r && r->starts_with("HTTP/1.0 200");
+  }, 20s);
+  EXPECT_TRUE(served) << last.message << "\n" << log_of(spec);
+  // The agent lives in the sandbox's cgroup, as a sibling of the command under init.
+  EXPECT_GE(pids_in(cgroup_dirs(spec).front()).size(), 3u);
+}
+
+TEST_F(ProcessDriverTest, AnAgentThatExitsDoesNotEndTheSandbox) {
+  cfg_.agent_path = write_agent_script(state_dir_, "echo agent-ran; exit 3");
+  auto driver = make_process_driver(&loop_, cfg_);
+  ASSERT_TRUE(driver.ok()) << driver.message();
+  driver_ = std::move(*driver);
+  SandboxSpec spec = make_spec({"sleep", "1000"});
+  spec.agent_port = 9501;
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  // Restarted after 1 s: the log shows two runs, and the sandbox is still there.
+  ASSERT_TRUE(wait_for([&] {
+    const std::string log = log_of(spec);
+    size_t first = log.find("agent-ran");
+    return first != std::string::npos && log.find("agent-ran", first + 1) != std::string::npos;
+  }, 10s)) << log_of(spec);
+  EXPECT_NE(log_of(spec).find("sandgate-agent (pid"), std::string::npos) << log_of(spec);
+  EXPECT_TRUE(driver_->observe(spec, *info).alive);
+}
+
+TEST_F(ProcessDriverTest, NoAgentWhenTheConfiguredOneIsMissing) {
+  cfg_.agent_path = state_dir_ + "/no-such-agent";
+  auto driver = make_process_driver(&loop_, cfg_);
+  ASSERT_TRUE(driver.ok()) << driver.message();
+  driver_ = std::move(*driver);
+  SandboxSpec spec = make_spec({"sh", "-c", "echo init=$(tr '\\0' ' ' < /proc/1/cmdline); exec sleep 1000"});
+  spec.agent_port = 9501;
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("init=") != std::string::npos; }, 10s));
+  EXPECT_EQ(log_of(spec).find("--agent"), std::string::npos) << log_of(spec);
+}
 
 TEST_F(ProcessDriverTest, DescribesItself) {
   EXPECT_EQ(driver_->name(), "process");

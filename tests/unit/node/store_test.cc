@@ -5,6 +5,7 @@
 
 #include <fstream>
 
+#include "noderuntime/names.h"
 #include "tests/unit/node/fake_driver.h"
 
 namespace sg {
@@ -35,6 +36,10 @@ StoredSandbox sample(const std::string& id, SandboxState state = SandboxState::k
   s.spec.driver = "qemu";
   s.tier = SuspendTier::kDisk;
   s.runtime.driver_data = {{"state_file", "/var/lib/sandgate/sandboxes/" + id + "/state"}, {"qmp", "q\"\n"}};
+  s.spec.ports = {{8080, false, PortProtocol::kHttp1}, {65535, true, PortProtocol::kTcp}, {1, false, PortProtocol::kH2c}};
+  s.spec.allow_unauthenticated_access = true;
+  s.spec.agent_port = 9501;
+  s.spec.token_sha256 = token_digest("sgt_sample-" + id);
   return s;
 }
 
@@ -60,6 +65,26 @@ void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
   EXPECT_EQ(a.spec.driver, b.spec.driver);
   EXPECT_EQ(a.tier, b.tier);
   EXPECT_EQ(a.runtime.driver_data, b.runtime.driver_data);
+  ASSERT_EQ(a.spec.ports.size(), b.spec.ports.size());
+  for (size_t i = 0; i < a.spec.ports.size(); ++i) {
+    EXPECT_EQ(a.spec.ports[i].port, b.spec.ports[i].port);
+    EXPECT_EQ(a.spec.ports[i].is_public, b.spec.ports[i].is_public);
+    EXPECT_EQ(a.spec.ports[i].protocol, b.spec.ports[i].protocol);
+  }
+  EXPECT_EQ(a.spec.allow_unauthenticated_access, b.spec.allow_unauthenticated_access);
+  EXPECT_EQ(a.spec.agent_port, b.spec.agent_port);
+  EXPECT_EQ(a.spec.token_sha256, b.spec.token_sha256);
+}
+
+std::string pragma_value(const std::string& path, const char* sql) {
+  sqlite3* db = nullptr;
+  if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) return "";
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db, sql, -1, &st, nullptr);
+  std::string v = sqlite3_step(st) == SQLITE_ROW ? reinterpret_cast<const char*>(sqlite3_column_text(st, 0)) : "";
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+  return v;
 }
 
 // A node.db written before the two-tier policy (schema 1) is upgraded in place and its rows keep working.
@@ -88,6 +113,78 @@ TEST(Store, MigratesSchemaOneRows) {
   EXPECT_EQ((*rows)[0].tier, SuspendTier::kNone);
   EXPECT_TRUE((*rows)[0].runtime.driver_data.empty());
   EXPECT_EQ((*rows)[0].state, SandboxState::kSuspended);
+  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
+}
+
+// A node.db from before edge authentication (schema 2): rows load with no token digest (only the operator
+// token opens them), their exposed ports private http1, no agent; new rows keep their digest.
+TEST(Store, MigratesSchemaTwoRows) {
+  TempDir dir;
+  std::string path = dir.path() + "/node.db";
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  const char* v2 =
+      "CREATE TABLE sandboxes (id TEXT PRIMARY KEY NOT NULL, name TEXT NOT NULL, spec TEXT NOT NULL, state TEXT NOT "
+      "NULL, state_reason TEXT NOT NULL, pid INTEGER NOT NULL, start_time_ticks INTEGER NOT NULL, sandbox_dir TEXT "
+      "NOT NULL, created_at_ms INTEGER NOT NULL, last_activity_at_ms INTEGER NOT NULL, tier TEXT NOT NULL DEFAULT "
+      "'', driver_data TEXT NOT NULL DEFAULT '{}');"
+      "INSERT INTO sandboxes VALUES ('sb-oldoldoldold', 'old', '{\"name\":\"old\",\"ephemeral\":false,"
+      "\"command\":[\"sleep\"],\"env\":{},\"cwd\":\"/\",\"exposed_ports\":[8080],\"timeout_secs\":5,"
+      "\"hibernate_after_secs\":0,\"driver\":\"process\",\"cpus\":1.0,\"memory_mb\":64}', 'running', 'r', 7, 8, "
+      "'/d', 1, 2, '', '{}');"
+      "PRAGMA user_version = 2;";
+  ASSERT_EQ(sqlite3_exec(db, v2, nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+  sqlite3_close(db);
+  {
+    auto store = Store::open(path);
+    ASSERT_TRUE(store.ok()) << store.message();
+    auto rows = (*store)->load_live();
+    ASSERT_TRUE(rows.ok()) << rows.message();
+    ASSERT_EQ(rows->size(), 1u);
+    const SandboxSpec& old = (*rows)[0].spec;
+    EXPECT_EQ(old.token_sha256, "");
+    EXPECT_TRUE(old.ports.empty());
+    EXPECT_FALSE(old.allow_unauthenticated_access);
+    EXPECT_EQ(old.agent_port, 0);
+    auto policy = port_policy(old, 8080);
+    ASSERT_TRUE(policy.has_value());
+    EXPECT_FALSE(policy->is_public);
+    EXPECT_EQ(policy->protocol, PortProtocol::kHttp1);
+    EXPECT_FALSE(port_policy(old, 9501).has_value());
+    EXPECT_FALSE(token_matches("anything", old.token_sha256));
+    ASSERT_TRUE((*store)->upsert(sample("sb-newnewnewnew")).ok());
+  }
+  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
+  auto store = Store::open(path);
+  ASSERT_TRUE(store.ok()) << store.message();
+  auto rows = (*store)->load_live();
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_TRUE(token_matches("sgt_sample-sb-newnewnewnew", (*rows)[1].spec.token_sha256));
+}
+
+TEST(Store, RejectsDamagedPortPolicies) {
+  for (const char* ports : {"5", "[{\"port\":0,\"public\":true,\"protocol\":\"tcp\"}]",
+                            "[{\"port\":22,\"public\":1,\"protocol\":\"tcp\"}]",
+                            "[{\"port\":22,\"public\":true,\"protocol\":\"udp\"}]", "[{\"port\":22}]", "[7]"}) {
+    TempDir dir;
+    std::string path = dir.path() + "/node.db";
+    {
+      auto store = Store::open(path);
+      ASSERT_TRUE(store.ok());
+      ASSERT_TRUE((*store)->upsert(sample("sb-aaaaaaaaaaaa")).ok());
+    }
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+    std::string sql = std::string("UPDATE sandboxes SET spec = json_set(spec, '$.ports', json('") + ports + "'))";
+    ASSERT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+    sqlite3_close(db);
+    auto store = Store::open(path);
+    ASSERT_TRUE(store.ok());
+    auto live = (*store)->load_live();
+    ASSERT_TRUE(live.ok());
+    EXPECT_TRUE(live->empty()) << ports;
+  }
 }
 
 TEST(Store, RoundTripAcrossReopen) {
@@ -149,18 +246,8 @@ TEST(Store, UsesWalAndRecordsTheSchemaVersion) {
   TempDir dir;
   std::string path = dir.path() + "/node.db";
   ASSERT_TRUE(Store::open(path).ok());
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
-  auto pragma = [db](const char* sql) {
-    sqlite3_stmt* st = nullptr;
-    sqlite3_prepare_v2(db, sql, -1, &st, nullptr);
-    std::string v = sqlite3_step(st) == SQLITE_ROW ? reinterpret_cast<const char*>(sqlite3_column_text(st, 0)) : "";
-    sqlite3_finalize(st);
-    return v;
-  };
-  EXPECT_EQ(pragma("PRAGMA journal_mode"), "wal");
-  EXPECT_EQ(pragma("PRAGMA user_version"), "2");
-  sqlite3_close(db);
+  EXPECT_EQ(pragma_value(path, "PRAGMA journal_mode"), "wal");
+  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
 }
 
 TEST(Store, RefusesANewerSchema) {

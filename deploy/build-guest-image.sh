@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Builds the QEMU driver's guest from Debian packages only: Debian's cloud kernel plus a busybox initramfs.
+#   deploy/build-guest-image.sh OUT_DIR [AGENT_BINARY]
+# Writes OUT_DIR/vmlinuz and OUT_DIR/initrd.img (point node.guest_kernel / node.guest_initrd at them, or use
+# OUT_DIR = <state_dir>/guest, the node's default). AGENT_BINARY (or $SANDGATE_AGENT), when given and
+# present, is put in the initramfs with every shared library it loads (ldd) and started on boot.
+#
+# Nothing is installed on the host: the kernel package is fetched with `apt-get download` and unpacked with
+# `dpkg-deb -x` into the cache ($SANDGATE_GUEST_CACHE, default OUT_DIR/.cache), once. busybox-static is
+# installed through apt if /bin/busybox is missing. A rerun with the same inputs does nothing (a stamp of the
+# inputs' hashes sits next to the image). Exit 0 built or up to date, 1 error, 77 the kernel package cannot
+# be resolved or downloaded (tests skip on it).
+#
+# The guest (what the QEMU driver relies on):
+#   - kernel command line `sg.cmd=<base64>`: a shell script (the sandbox's env, cwd and argv, quoted) the
+#     init runs as the sandbox's command; `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
+#     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
+#     guest clock stood still while the VM was stopped).
+#   - eth0 is QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3.
+#   - "SANDGATE-GUEST-READY" on the serial console once the network is up and the command started;
+#     "SANDGATE-GUEST-EXIT <status>" when the command ends, after which the guest powers off (the VM exits).
+set -euo pipefail
+
+fatal() { echo "build-guest-image: $*" >&2; exit 1; }
+skip() { echo "build-guest-image: $*" >&2; exit 77; }
+
+[[ $# -ge 1 && $# -le 2 ]] || { echo "usage: $0 OUT_DIR [AGENT_BINARY]" >&2; exit 2; }
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+agent=${2:-${SANDGATE_AGENT:-}}
+[[ -z $agent || -x $agent ]] || { echo "build-guest-image: no agent at $agent; building without it" >&2; agent=; }
+cache=${SANDGATE_GUEST_CACHE:-$out/.cache}
+mkdir -p "$cache"
+
+apt_quiet() { DEBIAN_FRONTEND=noninteractive "$@" >/dev/null 2>&1; }
+if [[ ! -x /bin/busybox ]]; then
+  apt_quiet apt-get install -y --no-install-recommends busybox-static ||
+    { apt_quiet apt-get update && apt_quiet apt-get install -y --no-install-recommends busybox-static; } ||
+    fatal "cannot install busybox-static"
+fi
+
+# The kernel the cloud meta-package points at. Resolved once and remembered: apt's answer changes with every
+# Debian point release, and a cached kernel is as good as the newest one for a guest.
+if [[ -f $cache/kernel-package ]]; then
+  kpkg=$(cat "$cache/kernel-package")
+else
+  resolve() { apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }'; }
+  kpkg=$(resolve)
+  [[ -n $kpkg ]] || { apt_quiet apt-get update || true; kpkg=$(resolve); }
+  [[ -n $kpkg ]] || skip "apt cannot resolve linux-image-cloud-amd64 to a kernel package"
+fi
+kver=${kpkg#linux-image-}
+kroot=$cache/$kpkg
+if [[ ! -f $kroot/boot/vmlinuz-$kver ]]; then
+  (cd "$cache" && rm -f "$kpkg"_*.deb && apt_quiet apt-get download "$kpkg") ||
+    (apt_quiet apt-get update && cd "$cache" && apt_quiet apt-get download "$kpkg") ||
+    skip "cannot download $kpkg"
+  rm -rf "$kroot.tmp" && dpkg-deb -x "$cache/$kpkg"_*.deb "$kroot.tmp" && mv "$kroot.tmp" "$kroot"
+  rm -f "$cache/$kpkg"_*.deb
+fi
+echo "$kpkg" >"$cache/kernel-package"
+
+# virtio-mmio and virtio-net are modules in the cloud kernel; insmod does not resolve dependencies, so they
+# are listed in dependency order (checked below against each module's own "depends=").
+modules=(drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko drivers/virtio/virtio_mmio.ko
+         net/core/failover.ko drivers/net/net_failover.ko drivers/net/virtio_net.ko)
+kmod=$kroot/lib/modules/$kver/kernel
+loaded=" "
+for m in "${modules[@]}"; do
+  [[ -f $kmod/$m ]] || fatal "$kpkg has no $m"
+  for dep in $(strings "$kmod/$m" | sed -n 's/^depends=//p' | tr ',' ' '); do
+    [[ $loaded == *" $dep "* ]] || fatal "$m needs $dep, which is not loaded before it"
+  done
+  loaded+="$(basename "$m" .ko) "
+done
+
+self=$(readlink -f "$0")
+stamp="$kpkg $(sha256sum "$self" | cut -d' ' -f1) $(sha256sum /bin/busybox | cut -d' ' -f1)"
+[[ -n $agent ]] && stamp+=" $(sha256sum "$agent" | cut -d' ' -f1)"
+if [[ -f $out/vmlinuz && -f $out/initrd.img && "$(cat "$out/.stamp" 2>/dev/null)" == "$stamp" ]]; then
+  echo "build-guest-image: $out is up to date ($kpkg)"
+  exit 0
+fi
+
+work=$(mktemp -d "$out/.work.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+root=$work/root
+mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,run,tmp,root,lib/sandgate,sandgate}
+cp /bin/busybox "$root/bin/busybox"
+for m in "${modules[@]}"; do cp "$kmod/$m" "$root/lib/sandgate/"; done
+printf '%s\n' "${modules[@]##*/}" >"$root/lib/sandgate/modules"
+if [[ -n $agent ]]; then
+  cp "$agent" "$root/sandgate/sandgate-agent"
+  ldd "$agent" | awk '/=> \// { print $3 } /^[ \t]*\// { print $1 }' | sort -u | while read -r lib; do
+    mkdir -p "$root$(dirname "$lib")"
+    cp -L "$lib" "$root$lib"
+  done
+fi
+echo 'root:x:0:0:root:/root:/bin/sh' >"$root/etc/passwd"
+echo 'root:x:0:' >"$root/etc/group"
+
+cat >"$root/init" <<'INIT'
+#!/bin/busybox sh
+# PID 1 of a sandgate QEMU guest (deploy/build-guest-image.sh documents the contract with the driver).
+/bin/busybox --install -s /bin
+export PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin HOME=/root
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mount -t tmpfs tmpfs /run
+mount -t tmpfs tmpfs /tmp
+for m in $(cat /lib/sandgate/modules); do insmod "/lib/sandgate/$m" || echo "SANDGATE-GUEST insmod $m failed"; done
+ip link set lo up
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip route add default via 10.0.2.2 ||
+  echo "SANDGATE-GUEST eth0 is not up"
+echo 'nameserver 10.0.2.3' >/etc/resolv.conf
+arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
+clock=$(arg sg.clock)
+agent=$(arg sg.agent)
+if [ -n "$clock" ]; then
+  # One connection per sync, carrying the host's epoch seconds.
+  (while :; do t=$(nc -l -p "$clock" </dev/null); [ -n "$t" ] && date -s "@$t" >/dev/null; done) &
+fi
+if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
+  /sandgate/sandgate-agent --listen "0.0.0.0:$agent" >/dev/console 2>&1 &
+fi
+arg sg.cmd | base64 -d >/run/sandgate-command.sh
+/bin/sh /run/sandgate-command.sh </dev/null >/dev/console 2>&1 &
+command=$!
+echo "SANDGATE-GUEST-READY"
+wait "$command"
+echo "SANDGATE-GUEST-EXIT $?"
+poweroff -f
+INIT
+chmod +x "$root/init"
+
+(cd "$root" && find . | /bin/busybox cpio -o -H newc 2>/dev/null | gzip -1) >"$work/initrd.img"
+cp "$kroot/boot/vmlinuz-$kver" "$work/vmlinuz"
+mv "$work/vmlinuz" "$out/vmlinuz"
+mv "$work/initrd.img" "$out/initrd.img"
+echo "$stamp" >"$out/.stamp"
+echo "build-guest-image: wrote $out/vmlinuz and $out/initrd.img ($kpkg${agent:+, agent $agent})"

@@ -1,0 +1,606 @@
+#include "noderuntime/qemu_driver.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <x86intrin.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "common/log.h"
+#include "noderuntime/hypervisor_client.h"
+#include "noderuntime/qmp_client.h"
+
+namespace sg {
+namespace {
+
+// driver_data keys besides VmmDriver::kApiSocket (the QMP socket).
+constexpr const char* kStateFile = "state_file";  // set only while hibernated
+constexpr const char* kClockPort = "clock_port";
+constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host port
+constexpr uint64_t kPollMs = 20;                  // console / query-migrate polling
+constexpr size_t kMaxCmdline = 2000;              // x86 COMMAND_LINE_SIZE is 2048
+
+template <typename Handle>
+void close_and_free(Handle*& handle) {
+  if (handle == nullptr) return;
+  handle->data = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<Handle*>(h); });
+  handle = nullptr;
+}
+
+std::string base64(std::string_view in) {
+  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  size_t i = 0;
+  for (; i + 2 < in.size(); i += 3) {
+    uint32_t v = (uint8_t(in[i]) << 16) | (uint8_t(in[i + 1]) << 8) | uint8_t(in[i + 2]);
+    for (int s : {18, 12, 6, 0}) out += kAlphabet[(v >> s) & 63];
+  }
+  if (i + 1 == in.size()) {
+    uint32_t v = uint8_t(in[i]) << 16;
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    out += "==";
+  } else if (i + 2 == in.size()) {
+    uint32_t v = (uint8_t(in[i]) << 16) | (uint8_t(in[i + 1]) << 8);
+    for (int s : {18, 12, 6}) out += kAlphabet[(v >> s) & 63];
+    out += '=';
+  }
+  return out;
+}
+
+std::string sh_quote(std::string_view s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// The script the guest's init runs as the sandbox's command.
+std::string command_script(const SandboxSpec& spec) {
+  std::string s;
+  for (const auto& [k, v] : spec.env) s += "export " + k + "=" + sh_quote(v) + "\n";
+  s += "cd " + sh_quote(spec.cwd.empty() ? "/" : spec.cwd) + " || exit 126\nexec";
+  for (const std::string& a : spec.command) s += " " + sh_quote(a);
+  return s + "\n";
+}
+
+// TCG guests read the host's TSC; microvm has no PIT or HPET to calibrate it against, so the kernel is told.
+uint64_t measure_tsc_khz() {
+  auto t0 = std::chrono::steady_clock::now();
+  uint64_t c0 = __rdtsc();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  uint64_t c1 = __rdtsc();
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<uint64_t>(static_cast<double>(c1 - c0) / secs / 1000.0);
+}
+
+// driver_data comes back from the store; a value that is not a port is treated as absent.
+std::optional<uint16_t> parse_port(const std::string& s) {
+  unsigned v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || v == 0 || v > 65535) return std::nullopt;
+  return static_cast<uint16_t>(v);
+}
+
+Result<uint16_t> free_loopback_port() {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return fail_errno("socket", errno);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0)
+    return fail_errno("bind 127.0.0.1:0", errno);
+  return ntohs(a.sin_port);
+}
+
+std::string tail_of(const std::string& path, size_t max) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string s = ss.str();
+  if (s.size() > max) s = s.substr(s.size() - max);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+bool file_contains(const std::string& path, std::string_view needle) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str().find(needle) != std::string::npos;
+}
+
+Status fsync_path(const std::string& path, int flags) {
+  UniqueFd fd(::open(path.c_str(), flags | O_CLOEXEC));
+  if (!fd.valid() || ::fsync(fd.get()) != 0) return fail_errno("fsync " + path, errno);
+  return {};
+}
+
+VmmDriverOptions vmm_options(std::string binary) {
+  VmmDriverOptions o;
+  o.binary = std::move(binary);
+  return o;
+}
+
+class QemuDriver final : public VmmDriver {
+ public:
+  QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary)
+      : VmmDriver(loop, "qemu", vmm_options(std::move(binary))),
+        kvm_(cfg.qemu_accel == "kvm"),
+        kernel_(cfg.guest_kernel.empty() ? cfg.state_dir + "/guest/vmlinuz" : cfg.guest_kernel),
+        initrd_(cfg.guest_initrd.empty() ? cfg.state_dir + "/guest/initrd.img" : cfg.guest_initrd),
+        boot_timeout_ms_(cfg.qemu_boot_timeout_ms),
+        boot_attempts_(std::max<uint32_t>(cfg.qemu_boot_attempts, 1)),
+        agent_port_(agent_port),
+        tsc_khz_(kvm_ ? 0 : measure_tsc_khz()) {}
+
+  std::string_view name() const override { return "qemu"; }
+  void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
+  void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
+  void resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
+  void hibernate(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override;
+  void restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override;
+  ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
+  Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
+
+ protected:
+  void graceful_stop(Op*, StepDone done) override { done({}); }  // no disks: nothing to flush
+  Result<bool> query_paused(const RuntimeInfo& info) override;
+
+ private:
+  // What one operation's steps share; lives in Op::api, so dropping the op closes everything.
+  struct State {
+    uv_timer_t* timer = nullptr;
+    std::function<void()> timer_fn;
+    std::unique_ptr<QmpClient> qmp;
+    std::unique_ptr<VmmExitWatch> exit;
+    bool migrate_cancel_sent = false;
+    ~State() { close_and_free(timer); }
+  };
+  State& state(Op* op) {
+    if (!op->api) {
+      auto st = std::make_shared<State>();
+      st->timer = new uv_timer_t;
+      uv_timer_init(loop_, st->timer);
+      st->timer->data = st.get();
+      op->api = st;
+    }
+    return *static_cast<State*>(op->api.get());
+  }
+  void after(Op* op, uint64_t ms, std::function<void()> fn) {
+    State& st = state(op);
+    st.timer_fn = std::move(fn);
+    uv_timer_start(st.timer, [](uv_timer_t* t) {
+      auto* s = static_cast<State*>(t->data);
+      auto fn = std::move(s->timer_fn);
+      s->timer_fn = nullptr;
+      fn();
+    }, ms, 0);
+  }
+
+  std::vector<std::string> qemu_args(const SandboxSpec& spec, const RuntimeInfo& info) const;
+  Result<RuntimeInfo> prepare(const SandboxSpec& spec, const std::string& sandbox_dir) const;
+  // One start's boot attempts: a stalled boot (no ready marker by the deadline) is killed and retried.
+  struct Boot {
+    std::vector<std::string> args;
+    std::string console;
+    std::string log;
+    uint32_t attempt = 1;
+    uint64_t deadline_ms = 0;
+    bool timed_out = false;
+    StepDone done;
+  };
+  void boot_attempt(Op* op, std::shared_ptr<Boot> boot);
+  void poll_boot(Op* op, std::shared_ptr<Boot> boot);
+  Step connect_step(bool just_spawned);
+  Step command_step(std::string command, nlohmann::json args = nullptr);
+  Step migrate_step(const std::string& tmp);
+  Step wait_incoming_step();
+  Step clock_step();
+  void poll_migration(Op* op, StepDone done);
+  void poll_incoming(Op* op, uint64_t started_ms, StepDone done);
+  static std::string state_path(const RuntimeInfo& info) { return info.sandbox_dir + "/qemu.state"; }
+  std::string peer(const Op* op) const { return "qemu (sandbox " + op->sandbox_id + ")"; }
+
+  bool kvm_;
+  std::string kernel_;
+  std::string initrd_;
+  uint32_t boot_timeout_ms_;
+  uint32_t boot_attempts_;
+  uint16_t agent_port_;
+  uint64_t tsc_khz_;
+};
+
+Result<RuntimeInfo> QemuDriver::prepare(const SandboxSpec& spec, const std::string& sandbox_dir) const {
+  for (const std::string& f : {kernel_, initrd_}) {
+    if (::access(f.c_str(), R_OK) != 0)
+      return fail(Error::kUnsupported, "guest image file " + f +
+                                           " is missing; build it with deploy/build-guest-image.sh <state_dir>/guest");
+  }
+  RuntimeInfo info;
+  info.sandbox_dir = sandbox_dir;
+  info.driver_data[kApiSocket] = sandbox_dir + "/qmp.sock";
+  std::vector<uint16_t> guest_ports = spec.exposed_ports;
+  guest_ports.push_back(agent_port_);
+  for (uint16_t gp : guest_ports) {
+    const std::string key = kPortPrefix + std::to_string(gp);
+    if (info.driver_data.count(key)) continue;
+    auto hp = free_loopback_port();
+    if (!hp) return hp.failure();
+    info.driver_data[key] = std::to_string(*hp);
+  }
+  auto cp = free_loopback_port();
+  if (!cp) return cp.failure();
+  info.driver_data[kClockPort] = std::to_string(*cp);
+  return info;
+}
+
+std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const RuntimeInfo& info) const {
+  const std::string& dir = info.sandbox_dir;
+  std::string append = "console=ttyS0 clocksource=tsc tsc=reliable quiet panic=-1";
+  if (tsc_khz_ != 0) append += " tsc_early_khz=" + std::to_string(tsc_khz_);
+  append += " sg.clock=" + std::to_string(kClockGuestPort) + " sg.agent=" + std::to_string(agent_port_);
+  append += " sg.cmd=" + base64(command_script(spec));
+  std::string netdev = "user,id=net0";
+  for (const auto& [key, value] : info.driver_data) {
+    if (key.rfind(kPortPrefix, 0) == 0)
+      netdev += ",hostfwd=tcp:127.0.0.1:" + value + "-:" + key.substr(std::strlen(kPortPrefix));
+  }
+  auto clock = info.driver_data.find(kClockPort);
+  if (clock != info.driver_data.end())
+    netdev += ",hostfwd=tcp:127.0.0.1:" + clock->second + "-:" + std::to_string(kClockGuestPort);
+  const int cpus = std::max(1, static_cast<int>(std::ceil(spec.cpus)));
+  return {"-name", "sandgate-" + spec.id,
+          "-M", "microvm",
+          "-accel", kvm_ ? "kvm" : "tcg",
+          "-cpu", kvm_ ? "host" : "max",
+          "-m", std::to_string(std::max<uint32_t>(spec.memory_mb, 64)),
+          "-smp", std::to_string(cpus),
+          "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+          "-chardev", "file,id=console,append=on,path=" + dir + "/console.log",
+          "-serial", "chardev:console",
+          "-qmp", "unix:" + info.driver_data.at(kApiSocket) + ",server=on,wait=off",
+          "-kernel", kernel_, "-initrd", initrd_, "-append", append,
+          "-netdev", netdev, "-device", "virtio-net-device,netdev=net0"};
+}
+
+void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
+  auto prepared = prepare(spec, sandbox_dir);
+  auto op = new_op(spec, "starting", prepared ? *prepared : RuntimeInfo{});
+  std::vector<Step> steps;
+  if (!prepared) {
+    steps.push_back([f = prepared.failure()](Op*, StepDone d) { d(f); });
+  } else {
+    std::vector<std::string> args = qemu_args(spec, *prepared);
+    size_t append_len = 0;
+    for (size_t i = 0; i + 1 < args.size(); ++i)
+      if (args[i] == "-append") append_len = args[i + 1].size();
+    if (append_len > kMaxCmdline) {
+      steps.push_back([](Op*, StepDone d) {
+        d(fail(Error::kInvalidArgument, "the command and environment are too long for the guest's kernel command line"));
+      });
+    } else {
+      steps.push_back([this, args](Op* o, StepDone d) {
+        auto boot = std::make_shared<Boot>();
+        boot->args = args;
+        boot->console = o->info.sandbox_dir + "/console.log";
+        boot->log = o->info.sandbox_dir + "/qemu.log";
+        boot->done = std::move(d);
+        boot_attempt(o, boot);
+      });
+    }
+  }
+  run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
+    if (!s) return done(s.failure());
+    done(o->info);
+  });
+}
+
+void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
+  std::error_code ec;
+  std::filesystem::remove(boot->console, ec);
+  std::filesystem::remove(op->info.driver_data[kApiSocket], ec);
+  auto p = spawn_vmm("qemu", options_.binary, boot->args, boot->log);
+  if (!p) return boot->done(p.failure());
+  op->process = *p;
+  op->spawned = true;
+  op->info.pid = p->pid;
+  op->info.start_time_ticks = p->start_time_ticks;
+  uv_update_time(loop_);
+  boot->deadline_ms = uv_now(loop_) + boot_timeout_ms_;
+  boot->timed_out = false;
+  auto w = VmmExitWatch::start(loop_, *p, [this, op, boot] {
+    uv_timer_stop(state(op).timer);
+    op->info.pid = 0;
+    op->info.start_time_ticks = 0;
+    op->process = {};
+    if (boot->timed_out && boot->attempt < boot_attempts_) {
+      spdlog::warn("sandbox {}: boot attempt {} stalled for {} ms; retrying", op->sandbox_id, boot->attempt,
+                   boot_timeout_ms_);
+      ++boot->attempt;
+      return after(op, 0, [this, op, boot] { boot_attempt(op, boot); });
+    }
+    if (boot->timed_out) {
+      return boot->done(fail(Error::kTimeout, "the guest did not boot within " + std::to_string(boot_timeout_ms_) +
+                                                  " ms, " + std::to_string(boot->attempt) + " attempts"));
+    }
+    boot->done(fail(Error::kUnavailable, "qemu exited during boot: " + tail_of(boot->log, 600)));
+  });
+  if (!w) return boot->done(w.failure());
+  state(op).exit = std::move(*w);
+  after(op, kPollMs, [this, op, boot] { poll_boot(op, boot); });
+}
+
+void QemuDriver::poll_boot(Op* op, std::shared_ptr<Boot> boot) {
+  if (file_contains(boot->console, kGuestReadyMarker)) {
+    state(op).exit.reset();
+    return boot->done({});
+  }
+  uv_update_time(loop_);
+  if (uv_now(loop_) >= boot->deadline_ms) {
+    boot->timed_out = true;
+    if (Status s = kill_vmm(op->process); !s) spdlog::warn("sandbox {}: {}", op->sandbox_id, s.message());
+    return;  // the exit watch retries or fails
+  }
+  after(op, kPollMs, [this, op, boot] { poll_boot(op, boot); });
+}
+
+QemuDriver::Step QemuDriver::connect_step(bool just_spawned) {
+  return [this, just_spawned](Op* op, StepDone done) {
+    QmpOptions o;
+    o.connect_wait_ms = just_spawned ? 5000 : 0;
+    State& st = state(op);
+    st.qmp = std::make_unique<QmpClient>(loop_, op->info.driver_data[kApiSocket], peer(op), o);
+    st.qmp->connect(std::move(done));
+  };
+}
+
+QemuDriver::Step QemuDriver::command_step(std::string command, nlohmann::json args) {
+  return [this, command, args](Op* op, StepDone done) {
+    state(op).qmp->execute(command, args, [done = std::move(done)](Result<nlohmann::json> r) {
+      if (!r) return done(r.failure());
+      done({});
+    });
+  };
+}
+
+QemuDriver::Step QemuDriver::clock_step() {
+  return [](Op* op, StepDone done) {
+    // Best effort: a guest whose clock listener is gone still runs, just with a late clock.
+    auto it = op->info.driver_data.find(kClockPort);
+    auto port = it == op->info.driver_data.end() ? std::nullopt : parse_port(it->second);
+    if (!port) return done({});
+    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(*port);
+    // Loopback to QEMU's own listener: connect and a few bytes complete at once.
+    const std::string now = std::to_string(std::time(nullptr)) + "\n";
+    if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::send(fd.get(), now.data(), now.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(now.size()))
+      spdlog::warn("sandbox {}: cannot set the guest clock: {}", op->sandbox_id, std::strerror(errno));
+    done({});
+  };
+}
+
+void QemuDriver::pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) {
+  run(new_op(spec, "pausing", info), {connect_step(false), command_step("stop")}, nullptr,
+      [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
+}
+
+void QemuDriver::resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) {
+  run(new_op(spec, "resuming", info), {connect_step(false), command_step("cont"), clock_step()}, nullptr,
+      [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
+}
+
+QemuDriver::Step QemuDriver::migrate_step(const std::string& tmp) {
+  return [this, tmp](Op* op, StepDone done) {
+    op->cancellable = true;
+    // The default bandwidth cap (128 MiB/s) is for live migration over a network; this is a local file.
+    nlohmann::json params = {{"max-bandwidth", int64_t{1} << 40}};
+    state(op).qmp->execute("migrate-set-parameters", params, [this, op, tmp, done](Result<nlohmann::json> r) {
+      if (!r) return done(r.failure());
+      nlohmann::json args = {{"uri", "exec:cat > " + sh_quote(tmp)}};
+      state(op).qmp->execute("migrate", args, [this, op, done](Result<nlohmann::json> r2) {
+        if (!r2) return done(r2.failure());
+        poll_migration(op, done);
+      });
+    });
+  };
+}
+
+// VmmDriver::cancel() marks the op while it is cancellable (until the state file is committed); the next
+// round of polling turns that into migrate_cancel, and QEMU then reports the migration cancelled.
+void QemuDriver::poll_migration(Op* op, StepDone done) {
+  State& st = state(op);
+  if (op->cancel_requested && !st.migrate_cancel_sent) {
+    st.migrate_cancel_sent = true;
+    st.qmp->execute("migrate_cancel", nullptr, [](Result<nlohmann::json>) {});
+  }
+  st.qmp->execute("query-migrate", nullptr, [this, op, done](Result<nlohmann::json> r) {
+    if (!r) return done(r.failure());
+    const std::string status = r->value("status", "");
+    if (status == "completed") return done({});
+    if (status == "failed")
+      return done(fail(Error::kIo, "migration to the state file failed: " + r->value("error-desc", "no reason given")));
+    if (status == "cancelled")
+      return done(fail(Error::kConflict, "sandbox " + op->sandbox_id + ": hibernate cancelled; still paused in memory"));
+    after(op, kPollMs, [this, op, done] { poll_migration(op, done); });
+  });
+}
+
+void QemuDriver::hibernate(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) {
+  auto op = new_op(spec, "hibernating", info);
+  const std::string final_path = state_path(info);
+  const std::string tmp = final_path + ".tmp";
+  Step commit = [final_path, tmp](Op* o, StepDone d) {
+    if (Status s = fsync_path(tmp, O_RDONLY); !s) return d(s);
+    if (::rename(tmp.c_str(), final_path.c_str()) != 0) return d(fail_errno("rename " + tmp, errno));
+    (void)fsync_path(o->info.sandbox_dir, O_RDONLY | O_DIRECTORY);
+    o->info.driver_data[kStateFile] = final_path;
+    d({});
+  };
+  Step end_watch = [this](Op* o, StepDone d) {
+    stop_watch(o->sandbox_id);  // the exit we cause now is not the instance's own
+    // quit is a courtesy; SIGKILL (kill_step) follows either way and waits until the process is gone.
+    state(o).qmp->execute("quit", nullptr, [d](Result<nlohmann::json>) { d({}); });
+  };
+  Step on_failure = [tmp](Op*, StepDone d) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    d({});
+  };
+  run(std::move(op), {connect_step(false), migrate_step(tmp), cancel_point_step(), commit, end_watch, kill_step()},
+      on_failure, [done = std::move(done)](Op* o, Status s) {
+        if (!s) return done(s.failure());
+        RuntimeInfo saved = o->info;
+        saved.pid = 0;
+        saved.start_time_ticks = 0;
+        done(saved);
+      });
+}
+
+void QemuDriver::poll_incoming(Op* op, uint64_t started_ms, StepDone done) {
+  state(op).qmp->execute("query-status", nullptr, [this, op, started_ms, done](Result<nlohmann::json> r) {
+    if (!r) return done(fail(r.error(), "loading the saved state failed (" + r.message() + "): " +
+                                            tail_of(op->info.sandbox_dir + "/qemu.log", 400)));
+    if (r->value("status", "") != "inmigrate") return done({});
+    uv_update_time(loop_);
+    if (uv_now(loop_) - started_ms > boot_timeout_ms_)
+      return done(fail(Error::kTimeout, "the saved state did not load within " + std::to_string(boot_timeout_ms_) + " ms"));
+    after(op, kPollMs, [this, op, started_ms, done] { poll_incoming(op, started_ms, done); });
+  });
+}
+
+QemuDriver::Step QemuDriver::wait_incoming_step() {
+  return [this](Op* op, StepDone done) {
+    auto it = op->info.driver_data.find(kStateFile);
+    nlohmann::json args = {{"uri", "exec:cat " + sh_quote(it->second)}};
+    state(op).qmp->execute("migrate-incoming", args, [this, op, done](Result<nlohmann::json> r) {
+      if (!r) return done(fail(r.error(), r.message() + ": " + tail_of(op->info.sandbox_dir + "/qemu.log", 400)));
+      uv_update_time(loop_);
+      poll_incoming(op, uv_now(loop_), done);
+    });
+  };
+}
+
+void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) {
+  auto op = new_op(spec, "restoring", info);
+  op->info.pid = 0;
+  op->info.start_time_ticks = 0;
+  op->process = {};
+  if (!op->info.driver_data.count(kStateFile)) op->info.driver_data[kStateFile] = state_path(info);
+  const std::string path = op->info.driver_data[kStateFile];
+  std::vector<Step> steps;
+  steps.push_back([path](Op*, StepDone d) {
+    struct stat st{};
+    if (::stat(path.c_str(), &st) != 0 || st.st_size == 0)
+      return d(fail(Error::kNotFound, "no saved state at " + path));
+    d({});
+  });
+  std::vector<std::string> args = qemu_args(spec, op->info);
+  for (const char* a : {"-S", "-incoming", "defer"}) args.emplace_back(a);
+  steps.push_back(spawn_step(std::move(args)));
+  steps.push_back(connect_step(true));
+  steps.push_back(wait_incoming_step());
+  steps.push_back(command_step("cont"));
+  steps.push_back(clock_step());
+  steps.push_back([](Op* o, StepDone d) {
+    // The guest has moved on from the saved state; see the header.
+    std::error_code ec;
+    std::filesystem::remove(o->info.driver_data[kStateFile], ec);
+    o->info.driver_data.erase(kStateFile);
+    d({});
+  });
+  run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
+    if (!s) return done(fail(s.error(), "sandbox " + o->sandbox_id + ": restore: " + s.message()));
+    done(o->info);
+  });
+}
+
+Result<bool> QemuDriver::query_paused(const RuntimeInfo& info) {
+  bool paused = false;
+  std::string path = info.driver_data.count(kApiSocket) ? info.driver_data.at(kApiSocket) : "";
+  Status s = run_on_private_loop([&](uv_loop_t* loop, std::function<void(Status)> done) -> std::shared_ptr<void> {
+    auto qmp = std::make_shared<QmpClient>(loop, path, "qemu", QmpOptions{});
+    QmpClient* q = qmp.get();
+    q->connect([q, &paused, done](Status c) {
+      if (!c) return done(c);
+      q->execute("query-status", nullptr, [&paused, done](Result<nlohmann::json> r) {
+        if (!r) return done(r.failure());
+        paused = r->value("status", "") != "running";
+        done({});
+      });
+    });
+    return qmp;
+  });
+  if (!s) return s.failure();
+  return paused;
+}
+
+ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo& info) {
+  ObservedInstance o;
+  o.alive = vmm_alive(VmmProcess{info.pid, info.start_time_ticks});
+  if (o.alive) {
+    auto paused = query_paused(info);
+    if (!paused) spdlog::warn("sandbox {}: cannot ask qemu whether it is paused: {}", spec.id, paused.message());
+    o.paused = paused.ok() && *paused;
+    return o;
+  }
+  // A hibernation whose commit happened but whose record was not written (node killed) counts too.
+  auto it = info.driver_data.find(kStateFile);
+  const std::string path = it != info.driver_data.end() ? it->second : state_path(info);
+  struct stat st{};
+  o.hibernated = !info.sandbox_dir.empty() && ::stat(path.c_str(), &st) == 0 && st.st_size > 0;
+  return o;
+}
+
+Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) {
+  auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
+  auto host_port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
+  if (!host_port)
+    return fail(Error::kNotFound, "sandbox " + spec.id + ": guest port " + std::to_string(port) + " is not forwarded");
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return fail_errno("socket", errno);
+  return GuestSocket{.fd = std::move(fd), .connected = false,
+                     .connect_port = *host_port};
+}
+
+// spawn_vmm wants a path; the config's default is a bare name looked up in PATH.
+std::string resolve_binary(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "/usr/bin/" + name;  // start() then reports it missing with this path
+}
+
+}  // namespace
+
+std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port) {
+  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary));
+}
+
+}  // namespace sg

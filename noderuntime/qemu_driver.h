@@ -1,0 +1,58 @@
+// The QEMU driver: each sandbox is a `qemu-system-x86_64 -M microvm` guest booting Debian's cloud kernel and
+// the busybox initramfs of deploy/build-guest-image.sh, which runs the sandbox's command. Controlled over QMP
+// (noderuntime/qmp_client.h) on a unix socket in the sandbox directory.
+//
+//   start     = spawn QEMU, wait for "SANDGATE-GUEST-READY" on the serial console (a file in the sandbox
+//               dir) up to node.qemu_boot_timeout_ms; a stalled boot is killed and retried up to
+//               node.qemu_boot_attempts times. A QEMU that exits during boot fails the start at once.
+//   pause     = QMP stop;   resume = QMP cont, then the guest clock is set (below)
+//   hibernate = QMP migrate to "exec:cat > <dir>/qemu.state.tmp", query-migrate until it completes; fsync and
+//               rename to <dir>/qemu.state (the point of no return), then quit / SIGKILL. Cancelled (or failed)
+//               before the rename: migrate_cancel, the .tmp is removed, the VM stays paused.
+//   restore   = spawn QEMU with the same devices plus `-incoming defer -S`, QMP migrate-incoming
+//               "exec:cat <state>", wait until loaded, cont, set the clock, then remove the state file: the
+//               running guest has moved on, so restoring it again after a crash would roll the guest back.
+//   terminate = SIGKILL (nothing to flush: the guest has no disks); a hibernated sandbox has nothing to kill.
+//
+// Plain migration of the whole RAM (not memory-backend-file + x-ignore-shared): the state is one
+// self-contained file of about the guest's touched memory, the guest's RAM is anonymous memory that is really
+// freed when hibernated, and a running guest never writes back to disk.
+//
+// Networking is QEMU user networking (slirp): guest 10.0.2.15, and for every exposed port, the agent port
+// and the clock port a `hostfwd=tcp:127.0.0.1:<host port>-:<guest port>`. Host ports are picked by the driver
+// (bound once on 127.0.0.1:0 to get a free one) and persisted in driver_data, so a restored guest and a
+// restarted node use the same ones. open_socket() hands the proxy an unconnected socket plus that host port.
+// Only the ports known at start are forwarded. A host port picked at start can be taken by someone else
+// before QEMU binds it (QEMU then fails the boot, or a restore, with "Could not set up host forwarding").
+//
+// Guest clock: a stopped VM's clock stops too, so after a resume or restore the guest is behind by the time
+// it spent suspended. The guest's init listens on guest port kClockGuestPort; the driver connects through its
+// forwarded host port and writes the host's epoch seconds, and the guest runs `date -s @N`.
+//
+// Acceleration: node.qemu_accel = "auto" means TCG; "kvm" must be asked for explicitly. /dev/kvm existing
+// proves nothing (on nested or paravirtualised hosts it may refuse ordinary guests), and a wrong guess would
+// fail every boot. Under TCG the kernel cannot calibrate its TSC on microvm (no PIT/HPET), so the driver
+// measures the host TSC (which TCG guests read) once and passes tsc_early_khz.
+#pragma once
+
+#include <uv.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "config/config.h"
+#include "noderuntime/driver.h"
+
+namespace sg {
+
+// The guest port the init's clock listener uses (forwarded like any exposed port).
+inline constexpr uint16_t kClockGuestPort = 1021;
+// The guest prints this line on its serial console once its network is up and the command is started.
+inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
+
+// `agent_port` is Config::agent_port: forwarded into every guest (the agent listens there when the image
+// has one). Missing kernel/initrd files are not an error here: start() fails each sandbox with the reason.
+std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port);
+
+}  // namespace sg

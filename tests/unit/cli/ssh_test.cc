@@ -1,0 +1,515 @@
+// ssh-config, the token files and ssh-proxy against a real TLS server in the test (the ingress's stand-in).
+#include "cli/ssh.h"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+
+namespace sg::cli {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/sgtest-cli-XXXXXX";
+    path_ = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+mode_t mode_of(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? (st.st_mode & 0777) : 0;
+}
+
+// ---- names, ingress, domain ----
+
+TEST(SshNames, RefsAreNamesOrIds) {
+  for (const char* ok : {"demo", "web-1", "sb-0123456789ab"}) EXPECT_TRUE(validate_ref(ok)) << ok;
+  for (const char* bad : {"", "a b", "a\nb", "a%h", "../x", "x/y", "Demo", "-x", "a.b", "api"})
+    EXPECT_FALSE(validate_ref(bad)) << bad;
+}
+
+TEST(SshNames, Ingress) {
+  auto a = parse_ingress("127.0.0.1:8443");
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_EQ(a->host, "127.0.0.1");
+  EXPECT_EQ(a->port, 8443);
+  auto b = parse_ingress("[::1]:443");
+  ASSERT_TRUE(b) << b.message();
+  EXPECT_EQ(b->host, "::1");
+  EXPECT_TRUE(parse_ingress("edge.example.com:443"));
+  for (const char* bad : {"", "host", "host:", ":443", "host:0", "host:65536", "::1:443", "[::1]443", "h st:1",
+                          "h:1\nProxyCommand x", "h%h:1", "[zz]:1"})
+    EXPECT_FALSE(parse_ingress(bad)) << bad;
+}
+
+TEST(SshNames, Hosts) {
+  auto bare = parse_ssh_host("demo", "sandbox.localhost");
+  ASSERT_TRUE(bare) << bare.message();
+  EXPECT_EQ(bare->name, "demo");
+  EXPECT_EQ(bare->domain, "sandbox.localhost");
+  auto full = parse_ssh_host("demo.example.com", "sandbox.localhost");
+  ASSERT_TRUE(full) << full.message();
+  EXPECT_EQ(full->name, "demo");
+  EXPECT_EQ(full->domain, "example.com");
+  for (const char* bad : {"", ".example.com", "demo.", "demo..com", "de mo", "demo.exa mple.com", "-x.com"})
+    EXPECT_FALSE(parse_ssh_host(bad, "sandbox.localhost")) << bad;
+}
+
+// ---- ssh-config ----
+
+TEST(SshConfig, PrintsTheBlock) {
+  SshConfigOptions o;
+  o.name = "demo";
+  o.exe_path = "/usr/local/bin/sandgate";
+  auto block = ssh_config_block(o);
+  ASSERT_TRUE(block) << block.message();
+  EXPECT_EQ(*block,
+            "Host demo\n"
+            "  HostName demo.sandbox.localhost\n"
+            "  User root\n"
+            "  ProxyCommand /usr/local/bin/sandgate ssh-proxy --ingress 127.0.0.1:8443 %h\n"
+            "  ServerAliveInterval 30\n"
+            "  ServerAliveCountMax 3\n");
+}
+
+TEST(SshConfig, QuotesPathsAndEscapesPercent) {
+  SshConfigOptions o;
+  o.name = "sb-0123456789ab";
+  o.user = "dev";
+  o.ingress = "edge.example.com:443";
+  o.domain = "example.com";
+  o.cacert = "/etc/my ca.pem";
+  o.exe_path = "/opt/100%/sandgate";
+  auto block = ssh_config_block(o);
+  ASSERT_TRUE(block) << block.message();
+  EXPECT_NE(block->find("  HostName sb-0123456789ab.example.com\n  User dev\n"), std::string::npos) << *block;
+  EXPECT_NE(block->find("  ProxyCommand /opt/100%%/sandgate ssh-proxy --ingress edge.example.com:443 --cacert "
+                        "'/etc/my ca.pem' %h\n"),
+            std::string::npos)
+      << *block;
+}
+
+TEST(SshConfig, RefusesInjection) {
+  auto with = [](const std::function<void(SshConfigOptions&)>& change) {
+    SshConfigOptions o;
+    o.name = "demo";
+    o.exe_path = "/usr/bin/sandgate";
+    change(o);
+    return ssh_config_block(o);
+  };
+  for (const char* name : {"demo\n  ProxyCommand evil", "demo evil", "demo%h", "*", "de\tmo", ""}) {
+    auto r = with([&](SshConfigOptions& o) { o.name = name; });
+    EXPECT_FALSE(r) << name;
+    if (!r) {
+      EXPECT_EQ(r.error(), Error::kInvalidArgument);
+    }
+  }
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.user = "root\n  ProxyCommand evil"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.user = "-oProxyCommand=x"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.user = "a b"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.ingress = "h:1 %h"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.domain = "x\ny"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.cacert = "/a\nb"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.exe_path = "relative/sandgate"; }));
+  EXPECT_FALSE(with([](SshConfigOptions& o) { o.exe_path = "/x\n/y"; }));
+}
+
+// The binary turns a refused name into exit code 2 and prints nothing on stdout.
+TEST(SshConfig, BinaryExitsWithUsageError) {
+  const std::string bin = SANDGATE_BIN_DIR "/cli/sandgate";
+  if (::access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << bin << " is not built";
+  std::string cmd = bin + " ssh-config 'demo%h' 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[256];
+  size_t n = std::fread(buf, 1, sizeof buf, p);
+  int status = ::pclose(p);
+  EXPECT_EQ(n, 0u);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  p = ::popen((bin + " ssh-config demo --domain example.com").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  n = std::fread(buf, 1, sizeof buf - 1, p);
+  buf[n] = '\0';
+  EXPECT_EQ(::pclose(p), 0);
+  EXPECT_NE(std::string(buf).find("ProxyCommand " + bin + " ssh-proxy --ingress"), std::string::npos) << buf;
+}
+
+// ---- token files ----
+
+TEST(TokenFiles, SavedPrivatelyAndLoaded) {
+  TempDir dir;
+  std::string home = dir.path() + "/config";
+  ASSERT_TRUE(save_token(home, "demo", "sgt_first"));
+  EXPECT_EQ(mode_of(home + "/sandgate"), 0700u);
+  EXPECT_EQ(mode_of(home + "/sandgate/tokens"), 0700u);
+  EXPECT_EQ(token_file(home, "demo"), home + "/sandgate/tokens/demo");
+  EXPECT_EQ(mode_of(token_file(home, "demo")), 0600u);
+  auto t = load_token(home, "demo");
+  ASSERT_TRUE(t) << t.message();
+  EXPECT_EQ(*t, "sgt_first");
+  ASSERT_TRUE(save_token(home, "demo", "sgt_second"));
+  EXPECT_EQ(*load_token(home, "demo"), "sgt_second");
+  EXPECT_EQ(mode_of(token_file(home, "demo")), 0600u);
+  // Looser directories left by something else are tightened.
+  ::chmod((home + "/sandgate/tokens").c_str(), 0755);
+  ASSERT_TRUE(save_token(home, "sb-0123456789ab", "sgt_id"));
+  EXPECT_EQ(mode_of(home + "/sandgate/tokens"), 0700u);
+  EXPECT_EQ(*load_token(home, "sb-0123456789ab"), "sgt_id");
+}
+
+TEST(TokenFiles, RefusesBadRefsAndBadFiles) {
+  TempDir dir;
+  std::string home = dir.path();
+  EXPECT_FALSE(save_token(home, "../escape", "t"));
+  EXPECT_FALSE(save_token(home, "a/b", "t"));
+  EXPECT_FALSE(load_token(home, "../escape"));
+  EXPECT_EQ(load_token(home, "nothere").error(), Error::kNotFound);
+  ASSERT_TRUE(save_token(home, "demo", "sgt_x"));
+  std::ofstream(token_file(home, "demo"), std::ios::trunc) << "  \n";
+  EXPECT_EQ(load_token(home, "demo").error(), Error::kNotFound);
+  std::ofstream(token_file(home, "demo"), std::ios::trunc) << std::string(5000, 'a');
+  EXPECT_FALSE(load_token(home, "demo"));
+  std::ofstream(token_file(home, "demo"), std::ios::trunc) << "two words\n";
+  EXPECT_FALSE(load_token(home, "demo"));
+  // A symlink planted where the token goes is not followed.
+  std::filesystem::remove(token_file(home, "demo"));
+  std::ofstream(home + "/elsewhere") << "sgt_elsewhere";
+  std::filesystem::create_symlink(home + "/elsewhere", token_file(home, "demo"));
+  EXPECT_FALSE(load_token(home, "demo"));
+}
+
+// ---- ssh-proxy ----
+
+TEST(SshProxy, ConnectRequest) {
+  SshProxyOptions o;
+  o.name = "demo";
+  o.domain = "sandbox.localhost";
+  o.token = "sgt_abc";
+  EXPECT_EQ(tunnel_host(o), "22-demo.sandbox.localhost");
+  EXPECT_EQ(connect_request(o),
+            "CONNECT demo:22 HTTP/1.1\r\nHost: 22-demo.sandbox.localhost\r\nAuthorization: Bearer sgt_abc\r\n\r\n");
+}
+
+// A self-signed certificate for *.sandbox.localhost, written where the CA file is expected.
+struct TestCert {
+  EVP_PKEY* key = nullptr;
+  X509* cert = nullptr;
+  TestCert() {
+    key = EVP_EC_gen("P-256");
+    cert = X509_new();
+    X509_set_version(cert, 2);
+    ASN1_INTEGER_set(X509_get_serialNumber(cert), 1);
+    X509_gmtime_adj(X509_getm_notBefore(cert), -60);
+    X509_gmtime_adj(X509_getm_notAfter(cert), 3600);
+    X509_set_pubkey(cert, key);
+    X509_NAME* name = X509_get_subject_name(cert);
+    X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("sandgate test"), -1,
+                               -1, 0);
+    X509_set_issuer_name(cert, name);
+    X509V3_CTX ctx;
+    X509V3_set_ctx_nodb(&ctx);
+    X509V3_set_ctx(&ctx, cert, cert, nullptr, nullptr, 0);
+    for (auto [nid, value] : {std::pair{NID_subject_alt_name, "DNS:*.sandbox.localhost"},
+                              std::pair{NID_basic_constraints, "critical,CA:TRUE"}}) {
+      X509_EXTENSION* ext = X509V3_EXT_conf_nid(nullptr, &ctx, nid, value);
+      X509_add_ext(cert, ext, -1);
+      X509_EXTENSION_free(ext);
+    }
+    X509_sign(cert, key, EVP_sha256());
+  }
+  ~TestCert() {
+    X509_free(cert);
+    EVP_PKEY_free(key);
+  }
+  void write_pem(const std::string& path) const {
+    FILE* f = std::fopen(path.c_str(), "w");
+    PEM_write_X509(f, cert);
+    std::fclose(f);
+  }
+};
+
+// One connection: TLS, reads the CONNECT head, answers `answer`; on a 200 it echoes until the client's
+// close_notify, then sends `after_eof` (the server's last bytes after the client's half-close) and closes.
+class FakeIngress {
+ public:
+  FakeIngress(const TestCert& cert, std::string answer, std::string after_eof)
+      : answer_(std::move(answer)), after_eof_(std::move(after_eof)) {
+    ctx_ = SSL_CTX_new(TLS_server_method());
+    SSL_CTX_use_certificate(ctx_, cert.cert);
+    SSL_CTX_use_PrivateKey(ctx_, cert.key);
+    SSL_CTX_set_alpn_select_cb(
+        ctx_,
+        [](SSL*, const unsigned char** out, unsigned char* outlen, const unsigned char* in, unsigned inlen,
+           void* arg) {
+          static_cast<FakeIngress*>(arg)->alpn_offered_.assign(reinterpret_cast<const char*>(in), inlen);
+          if (inlen < 9) return SSL_TLSEXT_ERR_NOACK;
+          *out = in + 1;
+          *outlen = in[0];
+          return SSL_TLSEXT_ERR_OK;
+        },
+        this);
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    ::listen(listen_fd_, 4);
+    socklen_t len = sizeof addr;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~FakeIngress() {
+    join();
+    ::close(listen_fd_);
+    SSL_CTX_free(ctx_);
+  }
+  uint16_t port() const { return port_; }
+  // Valid once the client's run ended (the thread has finished with them by then, or joins first).
+  std::string head() {
+    join();
+    return head_;
+  }
+  std::string sni() {
+    join();
+    return sni_;
+  }
+  std::string alpn_offered() {
+    join();
+    return alpn_offered_;
+  }
+  size_t echoed() {
+    join();
+    return echoed_;
+  }
+
+ private:
+  void join() {
+    if (thread_.joinable()) thread_.join();
+  }
+  void serve() {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, 10'000) != 1) return;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    timeval tv{10, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    SSL* ssl = SSL_new(ctx_);
+    SSL_set_fd(ssl, fd);
+    if (SSL_accept(ssl) == 1) {
+      if (const char* name = SSL_get_servername(ssl, TLSEXT_NAMETYPE_host_name)) sni_ = name;
+      char buf[16384];
+      while (head_.find("\r\n\r\n") == std::string::npos) {
+        int n = SSL_read(ssl, buf, sizeof buf);
+        if (n <= 0) break;
+        head_.append(buf, static_cast<size_t>(n));
+      }
+      SSL_write(ssl, answer_.data(), static_cast<int>(answer_.size()));
+      if (answer_.starts_with("HTTP/1.1 200")) {
+        for (;;) {
+          int n = SSL_read(ssl, buf, sizeof buf);
+          if (n <= 0) break;  // the client's close_notify: its half-close
+          echoed_ += static_cast<size_t>(n);
+          SSL_write(ssl, buf, n);
+        }
+        SSL_write(ssl, after_eof_.data(), static_cast<int>(after_eof_.size()));
+      }
+      SSL_shutdown(ssl);
+    }
+    SSL_free(ssl);
+    ::close(fd);
+  }
+
+  SSL_CTX* ctx_ = nullptr;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::string answer_, after_eof_;
+  std::string head_, sni_, alpn_offered_;
+  size_t echoed_ = 0;
+  std::thread thread_;
+};
+
+class SshProxyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::signal(SIGPIPE, SIG_IGN);
+    cert_.write_pem(dir_.path() + "/ca.pem");
+  }
+  SshProxyOptions options(uint16_t port) {
+    SshProxyOptions o;
+    o.ingress = Ingress{"127.0.0.1", port};
+    o.cacert = dir_.path() + "/ca.pem";
+    o.token = "sgt_secret";
+    o.name = "demo";
+    o.domain = "sandbox.localhost";
+    o.connect_timeout_ms = 5'000;
+    return o;
+  }
+
+  TempDir dir_;
+  TestCert cert_;
+};
+
+// Runs ssh-proxy with `input` on stdin (then EOF) and returns what it wrote to stdout.
+std::string run_with(const SshProxyOptions& o, const std::string& input, int* exit_code) {
+  int in[2], out[2];
+  EXPECT_EQ(::pipe(in), 0);
+  EXPECT_EQ(::pipe(out), 0);
+  std::thread writer([&] {
+    size_t off = 0;
+    while (off < input.size()) {
+      ssize_t n = ::write(in[1], input.data() + off, input.size() - off);
+      if (n <= 0) break;
+      off += static_cast<size_t>(n);
+    }
+    ::close(in[1]);
+  });
+  std::string output;
+  std::thread reader([&] {
+    char buf[65536];
+    ssize_t n;
+    while ((n = ::read(out[0], buf, sizeof buf)) > 0) output.append(buf, static_cast<size_t>(n));
+  });
+  *exit_code = run_ssh_proxy(o, in[0], out[1]);
+  ::close(in[0]);
+  ::close(out[1]);
+  writer.join();
+  reader.join();
+  ::close(out[0]);
+  return output;
+}
+
+TEST_F(SshProxyTest, TunnelsBothWaysAndKeepsReadingAfterStdinEnds) {
+  FakeIngress ingress(cert_, "HTTP/1.1 200 Connection established\r\n\r\n", "server's last words");
+  int code = -1;
+  std::string out = run_with(options(ingress.port()), "SSH-2.0-test\r\n", &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out, "SSH-2.0-test\r\nserver's last words");
+  EXPECT_EQ(ingress.head(),
+            "CONNECT demo:22 HTTP/1.1\r\nHost: 22-demo.sandbox.localhost\r\nAuthorization: Bearer sgt_secret\r\n\r\n");
+  EXPECT_EQ(ingress.sni(), "22-demo.sandbox.localhost");
+  EXPECT_EQ(ingress.alpn_offered(), std::string("\x08http/1.1", 9));
+}
+
+TEST_F(SshProxyTest, CarriesALargeTransferIntact) {
+  FakeIngress ingress(cert_, "HTTP/1.1 200 OK\r\n\r\n", "END");
+  std::string input(3 * 1024 * 1024 + 17, '\0');
+  for (size_t i = 0; i < input.size(); ++i) input[i] = static_cast<char>((i * 7919) >> 3);
+  int code = -1;
+  std::string out = run_with(options(ingress.port()), input, &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(ingress.echoed(), input.size());
+  ASSERT_EQ(out.size(), input.size() + 3);
+  EXPECT_TRUE(out == input + "END") << "the bytes came back altered";
+}
+
+TEST_F(SshProxyTest, BytesAfterTheConnectAnswerBelongToTheTunnel) {
+  // The server speaks first (as sshd does) in the same record as the answer.
+  FakeIngress ingress(cert_, "HTTP/1.1 200 OK\r\n\r\nSSH-2.0-server\r\n", "");
+  int code = -1;
+  std::string out = run_with(options(ingress.port()), "", &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out, "SSH-2.0-server\r\n");
+}
+
+TEST_F(SshProxyTest, RefusalPrintsStatusAndBody) {
+  FakeIngress ingress(cert_,
+                      "HTTP/1.1 401 Unauthorized\r\nContent-Length: 46\r\n\r\n"
+                      "{\"error\":\"unauthorized\",\"message\":\"bad token\"}",
+                      "");
+  int code = -1;
+  testing::internal::CaptureStderr();
+  std::string out = run_with(options(ingress.port()), "data", &code);
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(code, 1);
+  EXPECT_EQ(out, "");
+  EXPECT_NE(err.find("HTTP/1.1 401 Unauthorized"), std::string::npos) << err;
+  EXPECT_NE(err.find("\"message\":\"bad token\""), std::string::npos) << err;
+}
+
+TEST_F(SshProxyTest, UntrustedCertificateIsRefused) {
+  TestCert other;
+  other.write_pem(dir_.path() + "/other.pem");
+  FakeIngress ingress(cert_, "HTTP/1.1 200 OK\r\n\r\n", "");
+  SshProxyOptions o = options(ingress.port());
+  o.cacert = dir_.path() + "/other.pem";
+  int code = -1;
+  testing::internal::CaptureStderr();
+  std::string out = run_with(o, "x", &code);
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(err.find("not trusted"), std::string::npos) << err;
+  EXPECT_EQ(ingress.head(), "") << "nothing, least of all the token, goes to an unverified server";
+}
+
+TEST_F(SshProxyTest, NameOutsideTheCertificateIsRefused) {
+  FakeIngress ingress(cert_, "HTTP/1.1 200 OK\r\n\r\n", "");
+  SshProxyOptions o = options(ingress.port());
+  o.domain = "elsewhere.test";
+  int code = -1;
+  testing::internal::CaptureStderr();
+  run_with(o, "x", &code);
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(code, 1);
+  EXPECT_EQ(ingress.head(), "");
+}
+
+// A port nothing listens on: bound once, then released.
+uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST_F(SshProxyTest, NoIngressIsAnError) {
+  int code = -1;
+  testing::internal::CaptureStderr();
+  run_with(options(free_port()), "", &code);
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(err.find("connect"), std::string::npos) << err;
+}
+
+TEST_F(SshProxyTest, ATokenThatCouldForgeHeadersIsRefused) {
+  for (const char* token : {"", "two words", "sgt_x\r\nX-Evil: 1"}) {
+    SshProxyOptions o = options(free_port());
+    o.token = token;
+    int code = -1;
+    testing::internal::CaptureStderr();
+    run_with(o, "", &code);
+    std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(code, 1);
+    EXPECT_NE(err.find("token"), std::string::npos) << err;
+  }
+}
+
+}  // namespace
+}  // namespace sg::cli

@@ -1,0 +1,296 @@
+// The QEMU driver's fault handling against a fake `qemu` (a Python script given as node.qemu_binary) that
+// boots or stalls, dies during boot or during a migration, answers QMP errors, and loads or rejects a saved
+// state. The real QEMU runs in tests/e2e/qemu_test.cc.
+#include "noderuntime/qemu_driver.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "tests/unit/node/fake_hypervisor.h"
+
+namespace sg {
+namespace {
+
+using testing::TempDir;
+using testing::TestLoop;
+
+// FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | stall | qmp-error | migrate-die | migrate-fail.
+// Every spawn appends its pid to <sandbox dir>/spawns. A saved state is the bytes "SANDGATE-FAKE-STATE".
+constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
+import json, os, socket, subprocess, sys, time
+args = sys.argv[1:]
+mode = os.environ.get("FAKE_QEMU_MODE", "ok")
+console = [a.split("path=")[1] for a in args if a.startswith("file,id=console")][0]
+qmp = args[args.index("-qmp") + 1][len("unix:"):].split(",")[0]
+d = os.path.dirname(qmp)
+with open(os.path.join(d, "spawns"), "a") as f:
+    f.write("%d\n" % os.getpid())
+if mode == "die-at-boot":
+    sys.stderr.write("qemu-system-x86_64: Could not set up host forwarding rule 'tcp:127.0.0.1:1-:80'\n")
+    sys.exit(1)
+incoming = "-incoming" in args
+srv = socket.socket(socket.AF_UNIX)
+srv.bind(qmp)
+srv.listen(1)
+if mode == "stall":
+    time.sleep(3600)
+if not incoming:
+    with open(console, "a") as f:
+        f.write("[    1.0] booting\nSANDGATE-GUEST-READY\n")
+status = "inmigrate" if incoming else "running"
+while True:
+    c, _ = srv.accept()
+    f = c.makefile("rw")
+    f.write(json.dumps({"QMP": {"version": {}, "capabilities": []}}) + "\n"); f.flush()
+    for line in f:
+        m = json.loads(line)
+        cmd, i, ret = m["execute"], m.get("id"), {}
+        if cmd == "stop" and mode == "qmp-error":
+            f.write(json.dumps({"error": {"class": "GenericError", "desc": "fake refuses to stop"}, "id": i}) + "\n")
+            f.flush(); continue
+        if cmd == "stop": status = "paused"
+        elif cmd == "cont": status = "running"
+        elif cmd == "query-status": ret = {"status": status, "running": status == "running"}
+        elif cmd == "migrate":
+            if mode == "migrate-die": os._exit(1)
+            if mode != "migrate-fail":
+                subprocess.run(["sh", "-c", m["arguments"]["uri"][len("exec:"):]], input=b"SANDGATE-FAKE-STATE")
+            status = "postmigrate"
+        elif cmd == "query-migrate":
+            ret = {"status": "failed", "error-desc": "No space left on device"} if mode == "migrate-fail" else {"status": "completed"}
+        elif cmd == "migrate-incoming":
+            data = subprocess.run(["sh", "-c", m["arguments"]["uri"][len("exec:"):]], capture_output=True).stdout
+            if data != b"SANDGATE-FAKE-STATE":
+                sys.stderr.write("qemu-system-x86_64: load of migration failed: Input/output error\n")
+                os._exit(1)
+            status = "paused"
+        elif cmd == "quit":
+            f.write(json.dumps({"return": {}, "id": i}) + "\n"); f.flush(); os._exit(0)
+        f.write(json.dumps({"return": ret, "id": i}) + "\n"); f.flush()
+)PY";
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::vector<int> spawned_pids(const std::string& dir) {
+  std::vector<int> pids;
+  std::istringstream in(read_all(dir + "/spawns"));
+  for (int pid; in >> pid;) pids.push_back(pid);
+  return pids;
+}
+
+bool alive(int pid) {
+  std::string stat = read_all("/proc/" + std::to_string(pid) + "/stat");
+  size_t p = stat.rfind(')');
+  return p != std::string::npos && p + 2 < stat.size() && stat[p + 2] != 'Z';
+}
+
+class QemuDriverTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    bin_ = dir_.path() + "/fake-qemu";
+    std::ofstream(bin_) << kFakeQemu;
+    ::chmod(bin_.c_str(), 0755);
+    std::ofstream(dir_.path() + "/vmlinuz") << "kernel";
+    std::ofstream(dir_.path() + "/initrd.img") << "initrd";
+    sandbox_dir_ = dir_.path() + "/sb";
+    std::filesystem::create_directories(sandbox_dir_);
+    cfg_.qemu_binary = bin_;
+    cfg_.qemu_accel = "tcg";
+    cfg_.guest_kernel = dir_.path() + "/vmlinuz";
+    cfg_.guest_initrd = dir_.path() + "/initrd.img";
+    cfg_.qemu_boot_timeout_ms = 5000;
+    cfg_.qemu_boot_attempts = 2;
+    spec_.id = "sb-qemutest0001";
+    spec_.command = {"/bin/sh", "-c", "echo it's quoted"};
+    spec_.exposed_ports = {8080};
+    spec_.memory_mb = 128;
+    mode("ok");
+  }
+  void TearDown() override {
+    driver_.reset();
+    for (int pid : spawned_pids(sandbox_dir_)) ::kill(pid, SIGKILL);
+    ::unsetenv("FAKE_QEMU_MODE");
+  }
+  static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
+  Driver& driver() {
+    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501);
+    return *driver_;
+  }
+  Result<RuntimeInfo> wait_runtime(const std::function<void(Driver::RuntimeDone)>& op) {
+    std::optional<Result<RuntimeInfo>> r;
+    op([&](Result<RuntimeInfo> x) { r = std::move(x); });
+    EXPECT_FALSE(r.has_value());
+    EXPECT_TRUE(loop_.run_until([&] { return r.has_value(); }, 20000));
+    return r ? *r : Result<RuntimeInfo>(fail(Error::kInternal, "no answer"));
+  }
+  Status wait_status(const std::function<void(Driver::Done)>& op) {
+    std::optional<Status> r;
+    op([&](Status x) { r = std::move(x); });
+    EXPECT_TRUE(loop_.run_until([&] { return r.has_value(); }, 20000));
+    return r ? *r : fail(Error::kInternal, "no answer");
+  }
+  Result<RuntimeInfo> start() {
+    return wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec_, sandbox_dir_, std::move(d)); });
+  }
+  Status pause(const RuntimeInfo& info) {
+    return wait_status([&](Driver::Done d) { driver().pause(spec_, info, std::move(d)); });
+  }
+  Result<RuntimeInfo> hibernate(const RuntimeInfo& info) {
+    return wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec_, info, std::move(d)); });
+  }
+  Result<RuntimeInfo> restore(const RuntimeInfo& info) {
+    return wait_runtime([&](Driver::RuntimeDone d) { driver().restore(spec_, info, std::move(d)); });
+  }
+  bool none_alive() {
+    for (int pid : spawned_pids(sandbox_dir_))
+      if (alive(pid)) return false;
+    return true;
+  }
+
+  TempDir dir_;
+  TestLoop loop_;
+  std::string bin_;
+  std::string sandbox_dir_;
+  NodeConfig cfg_;
+  SandboxSpec spec_;
+  std::unique_ptr<Driver> driver_;
+};
+
+TEST_F(QemuDriverTest, MissingGuestImageFailsTheStartClearly) {
+  cfg_.guest_kernel = dir_.path() + "/no-such-vmlinuz";
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kUnsupported);
+  EXPECT_NE(r.message().find("build-guest-image.sh"), std::string::npos) << r.message();
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+}
+
+TEST_F(QemuDriverTest, QemuDyingDuringBootFailsWithItsMessage) {
+  mode("die-at-boot");
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.message().find("Could not set up host forwarding"), std::string::npos) << r.message();
+  EXPECT_EQ(spawned_pids(sandbox_dir_).size(), 1u);  // an error, not a stall: no retry
+}
+
+TEST_F(QemuDriverTest, StalledBootIsKilledAndRetriedThenFails) {
+  mode("stall");
+  cfg_.qemu_boot_timeout_ms = 1500;  // long enough for the Python fake to record its spawn
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kTimeout);
+  EXPECT_NE(r.message().find("2 attempts"), std::string::npos) << r.message();
+  EXPECT_EQ(spawned_pids(sandbox_dir_).size(), 2u);
+  EXPECT_TRUE(none_alive());
+}
+
+TEST_F(QemuDriverTest, PauseHibernateRestoreTerminate) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_GT(info->pid, 0);
+  EXPECT_TRUE(info->driver_data.count("port:8080"));
+  EXPECT_TRUE(info->driver_data.count("port:9501"));
+  auto sock = driver().open_socket(spec_, *info, 8080);
+  ASSERT_TRUE(sock.ok());
+  EXPECT_FALSE(sock->connected);
+  EXPECT_EQ(std::to_string(sock->connect_port), info->driver_data["port:8080"]);
+  EXPECT_EQ(driver().open_socket(spec_, *info, 9999).error(), Error::kNotFound);
+
+  ASSERT_TRUE(pause(*info).ok());
+  EXPECT_TRUE(driver().observe(spec_, *info).paused);
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  EXPECT_EQ(saved->pid, 0);
+  EXPECT_EQ(read_all(saved->driver_data["state_file"]), "SANDGATE-FAKE-STATE");
+  EXPECT_TRUE(loop_.run_until([&] { return none_alive(); }));
+  auto seen = driver().observe(spec_, *saved);
+  EXPECT_FALSE(seen.alive);
+  EXPECT_TRUE(seen.hibernated);
+
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_GT(restored->pid, 0);
+  EXPECT_EQ(restored->driver_data["port:8080"], info->driver_data["port:8080"]);  // same host ports
+  EXPECT_FALSE(std::filesystem::exists(saved->driver_data["state_file"]));  // consumed
+  EXPECT_TRUE(driver().observe(spec_, *restored).alive);
+
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
+  EXPECT_TRUE(none_alive());
+}
+
+TEST_F(QemuDriverTest, QmpErrorFailsThePauseWithItsDescription) {
+  mode("qmp-error");
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  Status s = pause(*info);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("fake refuses to stop"), std::string::npos) << s.message();
+}
+
+TEST_F(QemuDriverTest, QemuExitingDuringMigrateKeepsTheEarlierState) {
+  mode("migrate-die");
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  std::ofstream(sandbox_dir_ + "/qemu.state") << "EARLIER";
+  ASSERT_TRUE(pause(*info).ok());
+  auto r = hibernate(*info);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(read_all(sandbox_dir_ + "/qemu.state"), "EARLIER");
+  EXPECT_FALSE(std::filesystem::exists(sandbox_dir_ + "/qemu.state.tmp"));
+}
+
+TEST_F(QemuDriverTest, FailedMigrationLeavesTheVmPausedInMemory) {
+  mode("migrate-fail");
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(pause(*info).ok());
+  auto r = hibernate(*info);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.message().find("No space left on device"), std::string::npos) << r.message();
+  auto seen = driver().observe(spec_, *info);
+  EXPECT_TRUE(seen.alive);
+  EXPECT_TRUE(seen.paused);
+  EXPECT_FALSE(std::filesystem::exists(sandbox_dir_ + "/qemu.state"));
+}
+
+TEST_F(QemuDriverTest, RestoreWithoutStateFailsAndStartsNothing) {
+  RuntimeInfo info;
+  info.sandbox_dir = sandbox_dir_;
+  info.driver_data["api_socket"] = sandbox_dir_ + "/qmp.sock";
+  info.driver_data["state_file"] = sandbox_dir_ + "/qemu.state";
+  auto r = restore(info);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kNotFound);
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+  EXPECT_FALSE(driver().observe(spec_, info).hibernated);
+}
+
+TEST_F(QemuDriverTest, TruncatedStateFailsTheRestoreAndIsKept) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  const std::string state = saved->driver_data["state_file"];
+  std::filesystem::resize_file(state, 11);
+  auto r = restore(*saved);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.message().find("load of migration failed"), std::string::npos) << r.message();
+  EXPECT_EQ(read_all(state), "SANDGATE-FA");
+  EXPECT_TRUE(loop_.run_until([&] { return none_alive(); }));
+}
+
+}  // namespace
+}  // namespace sg

@@ -1,0 +1,627 @@
+#include "proxy/h2_head.h"
+
+#include <gtest/gtest.h>
+#include <nghttp2/nghttp2.h>
+
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <random>
+
+#include "proxy/edge_auth.h"
+
+namespace sg {
+namespace {
+
+constexpr std::string_view kPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+constexpr std::string_view kAuthority = "8080-demo.sandbox.localhost";
+
+uint8_t* bytes_of(const std::string& s) { return reinterpret_cast<uint8_t*>(const_cast<char*>(s.data())); }
+
+std::vector<nghttp2_nv> to_nva(const std::vector<HttpHeader>& fields) {
+  std::vector<nghttp2_nv> nva;
+  for (const HttpHeader& f : fields)
+    nva.push_back({bytes_of(f.name), bytes_of(f.value), f.name.size(), f.value.size(), NGHTTP2_NV_FLAG_NONE});
+  return nva;
+}
+
+std::vector<HttpHeader> get_request(std::string path = "/") {
+  return {{":method", "GET"}, {":scheme", "https"}, {":authority", std::string(kAuthority)}, {":path", path}};
+}
+
+// A real HTTP/2 client: nghttp2's client session produces the bytes the scanner reads and parses the bytes
+// the proxy answers with.
+class Nghttp2Client {
+ public:
+  struct Response {
+    std::vector<HttpHeader> headers;
+    std::string body;
+    bool closed = false;
+    uint32_t close_error = 0;
+  };
+
+  Nghttp2Client() {
+    nghttp2_session_callbacks* callbacks = nullptr;
+    nghttp2_session_callbacks_new(&callbacks);
+    nghttp2_session_callbacks_set_on_header_callback(callbacks, on_header);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, on_data_chunk);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, on_frame);
+    nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, on_stream_close);
+    nghttp2_session_client_new(&session_, callbacks, this);
+    nghttp2_session_callbacks_del(callbacks);
+    const nghttp2_settings_entry settings[] = {{NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, 100},
+                                               {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20}};
+    nghttp2_submit_settings(session_, NGHTTP2_FLAG_NONE, settings, 2);
+  }
+  ~Nghttp2Client() { nghttp2_session_del(session_); }
+  Nghttp2Client(const Nghttp2Client&) = delete;
+  Nghttp2Client& operator=(const Nghttp2Client&) = delete;
+
+  nghttp2_session* session() { return session_; }
+
+  int32_t submit(const std::vector<HttpHeader>& fields, const nghttp2_data_provider* body = nullptr) {
+    std::vector<nghttp2_nv> nva = to_nva(fields);
+    return nghttp2_submit_request(session_, nullptr, nva.data(), nva.size(), body, nullptr);
+  }
+
+  std::string take_output() {
+    std::string out;
+    for (;;) {
+      const uint8_t* data = nullptr;
+      ssize_t n = nghttp2_session_mem_send(session_, &data);
+      EXPECT_GE(n, 0);
+      if (n <= 0) return out;
+      out.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+    }
+  }
+
+  ssize_t receive(std::string_view bytes) {
+    return nghttp2_session_mem_recv(session_, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  }
+
+  std::map<int32_t, Response> responses;
+  bool goaway = false;
+  int32_t goaway_last_stream = -1;
+  uint32_t goaway_error = 0;
+  std::string goaway_debug;
+
+ private:
+  static Nghttp2Client* self(void* p) { return static_cast<Nghttp2Client*>(p); }
+  static int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name, size_t namelen,
+                       const uint8_t* value, size_t valuelen, uint8_t, void* user) {
+    self(user)->responses[frame->hd.stream_id].headers.push_back(
+        {std::string(reinterpret_cast<const char*>(name), namelen),
+         std::string(reinterpret_cast<const char*>(value), valuelen)});
+    return 0;
+  }
+  static int on_data_chunk(nghttp2_session*, uint8_t, int32_t stream_id, const uint8_t* data, size_t len, void* user) {
+    self(user)->responses[stream_id].body.append(reinterpret_cast<const char*>(data), len);
+    return 0;
+  }
+  static int on_frame(nghttp2_session*, const nghttp2_frame* frame, void* user) {
+    if (frame->hd.type == NGHTTP2_GOAWAY) {
+      self(user)->goaway = true;
+      self(user)->goaway_last_stream = frame->goaway.last_stream_id;
+      self(user)->goaway_error = frame->goaway.error_code;
+      self(user)->goaway_debug.assign(reinterpret_cast<const char*>(frame->goaway.opaque_data),
+                                      frame->goaway.opaque_data_len);
+    }
+    return 0;
+  }
+  static int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* user) {
+    self(user)->responses[stream_id].closed = true;
+    self(user)->responses[stream_id].close_error = error_code;
+    return 0;
+  }
+
+  nghttp2_session* session_ = nullptr;
+};
+
+// Serves `body` to nghttp2 as a request body.
+nghttp2_data_provider body_provider(std::string_view* body) {
+  nghttp2_data_provider provider{};
+  provider.source.ptr = body;
+  provider.read_callback = [](nghttp2_session*, int32_t, uint8_t* buf, size_t length, uint32_t* flags,
+                              nghttp2_data_source* source, void*) -> ssize_t {
+    auto* rest = static_cast<std::string_view*>(source->ptr);
+    const size_t n = std::min(length, rest->size());
+    std::copy_n(rest->data(), n, buf);
+    rest->remove_prefix(n);
+    if (rest->empty()) *flags |= NGHTTP2_DATA_FLAG_EOF;
+    return static_cast<ssize_t>(n);
+  };
+  return provider;
+}
+
+const std::string* field(const std::vector<HttpHeader>& fields, std::string_view name) {
+  for (const HttpHeader& f : fields)
+    if (f.name == name) return &f.value;
+  return nullptr;
+}
+
+// --- hand-built frames, for what a well-behaved client never sends ---
+
+std::string frame(uint8_t type, uint8_t flags, uint32_t stream_id, std::string_view payload) {
+  std::string out;
+  const auto length = static_cast<uint32_t>(payload.size());
+  for (int shift : {16, 8, 0}) out.push_back(static_cast<char>(length >> shift));
+  out.push_back(static_cast<char>(type));
+  out.push_back(static_cast<char>(flags));
+  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>(stream_id >> shift));
+  out.append(payload);
+  return out;
+}
+
+std::string settings_frame() { return frame(NGHTTP2_SETTINGS, 0, 0, {}); }
+
+// HPACK-encodes fields with nghttp2's encoder, which (unlike the scanner) does not judge them.
+std::string hpack(const std::vector<HttpHeader>& fields) {
+  nghttp2_hd_deflater* deflater = nullptr;
+  EXPECT_EQ(nghttp2_hd_deflate_new(&deflater, 4096), 0);
+  std::vector<nghttp2_nv> nva = to_nva(fields);
+  std::string block(nghttp2_hd_deflate_bound(deflater, nva.data(), nva.size()), '\0');
+  ssize_t n = nghttp2_hd_deflate_hd(deflater, bytes_of(block), block.size(), nva.data(), nva.size());
+  nghttp2_hd_deflate_del(deflater);
+  EXPECT_GE(n, 0);
+  block.resize(static_cast<size_t>(std::max<ssize_t>(n, 0)));
+  return block;
+}
+
+// Preface + SETTINGS + one HEADERS frame carrying `fields`.
+std::string request_bytes(const std::vector<HttpHeader>& fields, uint32_t stream_id = 1) {
+  return std::string(kPreface) + settings_frame() +
+         frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS | NGHTTP2_FLAG_END_STREAM, stream_id, hpack(fields));
+}
+
+Result<std::optional<H2Request>> scan_once(std::string_view bytes, H2ScanLimits limits = {}) {
+  return H2RequestScanner(limits).scan(bytes);
+}
+
+// Scans `bytes` split in two at every position, then one byte at a time, and checks every split gives the
+// same answer as one scan of the whole: no prefix may yield a request or an error the whole would not.
+Result<std::optional<H2Request>> scan_in_every_split(std::string_view bytes, H2ScanLimits limits = {}) {
+  auto whole = scan_once(bytes, limits);
+  auto same = [&](const Result<std::optional<H2Request>>& r, const std::string& how) {
+    ASSERT_EQ(r.ok(), whole.ok()) << how << ": " << (r.ok() ? "" : r.message());
+    if (!r.ok()) {
+      EXPECT_EQ(r.error(), whole.error()) << how;
+      return;
+    }
+    ASSERT_EQ(r->has_value(), whole->has_value()) << how;
+    if (r->has_value()) {
+      EXPECT_EQ((*r)->stream_id, (*whole)->stream_id) << how;
+      EXPECT_EQ((*r)->authority, (*whole)->authority) << how;
+      EXPECT_EQ((*r)->headers.size(), (*whole)->headers.size()) << how;
+    }
+  };
+  for (size_t split = 0; split < bytes.size(); ++split) {
+    H2RequestScanner scanner(limits);
+    auto first = scanner.scan(bytes.substr(0, split));
+    if (!first.ok()) {
+      same(first, "split at " + std::to_string(split));
+      continue;
+    }
+    if (first->has_value()) continue;  // complete before the split: bytes after the request do not matter
+    same(scanner.scan(bytes), "split at " + std::to_string(split));
+  }
+  H2RequestScanner trickle(limits);
+  for (size_t n = 1; n <= bytes.size(); ++n) {
+    auto r = trickle.scan(bytes.substr(0, n));
+    if (!r.ok() || r->has_value() || n == bytes.size()) {
+      same(r, "byte by byte, " + std::to_string(n) + " bytes");
+      break;
+    }
+  }
+  return whole;
+}
+
+TEST(H2Head, FirstRequestOfARealClientInEverySplit) {
+  Nghttp2Client client;
+  nghttp2_submit_window_update(client.session(), NGHTTP2_FLAG_NONE, 0, 1 << 24);
+  nghttp2_submit_ping(client.session(), NGHTTP2_FLAG_NONE, nullptr);
+  std::vector<HttpHeader> fields = get_request("/files?x=1");
+  fields.push_back({"user-agent", "nghttp2-test"});
+  fields.push_back({"authorization", "Bearer abc.def"});
+  fields.push_back({"cookie", "theme=dark"});
+  fields.push_back({"accept", "*/*"});
+  fields.push_back({"cookie", "sandgate_token=tok123"});
+  const int32_t stream = client.submit(fields);
+  ASSERT_EQ(stream, 1);
+  const std::string bytes = client.take_output();
+
+  auto r = scan_in_every_split(bytes);
+  ASSERT_TRUE(r.ok()) << r.message();
+  ASSERT_TRUE(r->has_value());
+  const H2Request& request = **r;
+  EXPECT_EQ(request.stream_id, 1u);
+  EXPECT_EQ(request.method, "GET");
+  EXPECT_EQ(request.scheme, "https");
+  EXPECT_EQ(request.authority, kAuthority);
+  EXPECT_EQ(request.path, "/files?x=1");
+  ASSERT_NE(field(request.headers, "authorization"), nullptr);
+  EXPECT_EQ(*field(request.headers, "authorization"), "Bearer abc.def");
+  // Crumbs joined into one field where the first crumb was (RFC 9113 §8.2.3).
+  ASSERT_EQ(request.headers.size(), 4u);
+  EXPECT_EQ(request.headers[2].name, "cookie");
+  EXPECT_EQ(request.headers[2].value, "theme=dark; sandgate_token=tok123");
+
+  // The decoded request feeds edge authentication directly.
+  auto credentials = find_credentials(request.path, request.headers);
+  ASSERT_EQ(credentials.size(), 2u);
+  EXPECT_EQ(credentials[0].source, CredentialSource::kAuthorizationHeader);
+  EXPECT_EQ(credentials[1].token, "tok123");
+}
+
+TEST(H2Head, BodyAndLaterRequestsAreNotPartOfTheScan) {
+  Nghttp2Client client;
+  std::string_view body = "name=value&x=y";
+  nghttp2_data_provider provider = body_provider(&body);
+  std::vector<HttpHeader> post = get_request("/submit");
+  post[0].value = "POST";
+  ASSERT_EQ(client.submit(post, &provider), 1);
+  std::vector<HttpHeader> other = get_request("/other");
+  other[2].value = "8080-other.sandbox.localhost";
+  ASSERT_EQ(client.submit(other), 3);
+  const std::string bytes = client.take_output();
+
+  auto r = scan_in_every_split(bytes);
+  ASSERT_TRUE(r.ok()) << r.message();
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->stream_id, 1u);
+  EXPECT_EQ((*r)->method, "POST");
+  EXPECT_EQ((*r)->authority, kAuthority);  // the connection is routed by its first request only
+}
+
+TEST(H2Head, LargeHeaderBlockInContinuationFromARealClient) {
+  Nghttp2Client client;
+  std::vector<HttpHeader> fields = get_request();
+  fields.push_back({"x-large", std::string(40000, 'v')});
+  ASSERT_EQ(client.submit(fields), 1);
+  const std::string bytes = client.take_output();
+
+  H2ScanLimits roomy;
+  roomy.max_header_list_bytes = 64 * 1024;
+  auto r = scan_once(bytes, roomy);
+  ASSERT_TRUE(r.ok()) << r.message();
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ(field((*r)->headers, "x-large")->size(), 40000u);
+
+  // The same request is refused under the default 16 KiB header list limit.
+  auto limited = scan_once(bytes);
+  ASSERT_FALSE(limited.ok());
+  EXPECT_EQ(limited.error(), Error::kLimitExceeded);
+}
+
+TEST(H2Head, PaddingPriorityAndContinuationByHand) {
+  std::vector<HttpHeader> fields = get_request("/padded");
+  fields.push_back({"authorization", "Bearer t0k"});
+  const std::string block = hpack(fields);
+  ASSERT_GT(block.size(), 10u);
+  std::string headers_payload;
+  headers_payload.push_back(7);                         // pad length
+  headers_payload.append("\x80\x00\x00\x03\x10", 5);    // exclusive dependency on stream 3, weight 17
+  headers_payload.append(block.substr(0, 4));
+  headers_payload.append(7, '\0');
+  const std::string bytes =
+      std::string(kPreface) + settings_frame() +
+      frame(NGHTTP2_PRIORITY, 0, 3, std::string("\x00\x00\x00\x00\x0f", 5)) +  // a placeholder stream
+      frame(0xfa, 0x3, 0, "unknown extension frame") +
+      frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_PADDED | NGHTTP2_FLAG_PRIORITY | NGHTTP2_FLAG_END_STREAM, 5,
+            headers_payload) +
+      frame(NGHTTP2_CONTINUATION, 0, 5, block.substr(4, 3)) + frame(NGHTTP2_CONTINUATION, 0, 5, "") +
+      frame(NGHTTP2_CONTINUATION, NGHTTP2_FLAG_END_HEADERS, 5, block.substr(7));
+
+  auto r = scan_in_every_split(bytes);
+  ASSERT_TRUE(r.ok()) << r.message();
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->stream_id, 5u);
+  EXPECT_EQ((*r)->path, "/padded");
+  EXPECT_EQ(*field((*r)->headers, "authorization"), "Bearer t0k");
+}
+
+TEST(H2Head, TruncatedInputNeedsMoreBytes) {
+  const std::string bytes = request_bytes(get_request());
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    auto r = scan_once(bytes.substr(0, n));
+    ASSERT_TRUE(r.ok()) << n << ": " << r.message();
+    EXPECT_FALSE(r->has_value()) << n;
+  }
+}
+
+void expect_error(std::string_view bytes, Error code, std::string_view message_part) {
+  auto r = scan_once(bytes);
+  ASSERT_FALSE(r.ok()) << "accepted: " << message_part;
+  EXPECT_EQ(r.error(), code) << r.message();
+  EXPECT_NE(r.message().find(message_part), std::string::npos) << r.message();
+}
+
+TEST(H2Head, NotAnHttp2Preface) {
+  expect_error("GET / HTTP/1.1\r\nHost: 8080-demo.sandbox.localhost\r\n\r\n", Error::kInvalidArgument, "HTTP/1");
+  expect_error("G", Error::kInvalidArgument, "preface");
+  expect_error(std::string("\x16\x03\x01\x02\x00", 5), Error::kInvalidArgument, "preface");
+  expect_error("PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n", Error::kInvalidArgument, "preface");
+  auto partial = scan_once("PRI * HTTP/2");
+  ASSERT_TRUE(partial.ok());
+  EXPECT_FALSE(partial->has_value());
+}
+
+TEST(H2Head, FramingErrors) {
+  const std::string preface(kPreface);
+  const std::string block = hpack(get_request());
+  const auto headers = [&](uint8_t flags, uint32_t stream) { return frame(NGHTTP2_HEADERS, flags, stream, block); };
+
+  expect_error(preface + frame(NGHTTP2_PING, 0, 0, "12345678"), Error::kInvalidArgument, "not SETTINGS");
+  expect_error(preface + headers(NGHTTP2_FLAG_END_HEADERS, 1), Error::kInvalidArgument, "not SETTINGS");
+  expect_error(preface + frame(NGHTTP2_SETTINGS, NGHTTP2_FLAG_ACK, 0, ""), Error::kInvalidArgument, "not SETTINGS");
+  expect_error(preface + frame(NGHTTP2_SETTINGS, 0, 0, "12345"), Error::kInvalidArgument, "multiple of 6");
+  expect_error(preface + frame(NGHTTP2_SETTINGS, 0, 1, ""), Error::kInvalidArgument, "SETTINGS on a stream");
+  // Oversized frames are refused from their header alone, before their payload arrives.
+  expect_error(preface + std::string("\x00\x40\x01\x04\x00\x00\x00\x00\x00", 9), Error::kInvalidArgument,
+               "maximum frame size");
+  const std::string s = preface + settings_frame();
+  expect_error(s + headers(NGHTTP2_FLAG_END_HEADERS, 0), Error::kInvalidArgument, "stream 0");
+  expect_error(s + headers(NGHTTP2_FLAG_END_HEADERS, 2), Error::kInvalidArgument, "stream 2");
+  expect_error(s + headers(0, 1) + frame(NGHTTP2_PING, 0, 0, "12345678"), Error::kInvalidArgument,
+               "inside the header block");
+  expect_error(s + headers(0, 1) + frame(NGHTTP2_CONTINUATION, NGHTTP2_FLAG_END_HEADERS, 3, ""),
+               Error::kInvalidArgument, "inside the header block");
+  expect_error(s + headers(0, 1) + headers(NGHTTP2_FLAG_END_HEADERS, 3), Error::kInvalidArgument,
+               "inside the header block");
+  expect_error(s + frame(NGHTTP2_CONTINUATION, NGHTTP2_FLAG_END_HEADERS, 1, block), Error::kInvalidArgument,
+               "CONTINUATION without");
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_PADDED | NGHTTP2_FLAG_END_HEADERS, 1, "\xc8" + block),
+               Error::kInvalidArgument, "padding");
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_PADDED | NGHTTP2_FLAG_END_HEADERS, 1, ""),
+               Error::kInvalidArgument, "pad length");
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_PRIORITY | NGHTTP2_FLAG_END_HEADERS, 1, "\x01\x02"),
+               Error::kInvalidArgument, "priority");
+  expect_error(s + frame(NGHTTP2_DATA, 0, 1, "body"), Error::kInvalidArgument, "DATA frame before");
+  expect_error(s + frame(NGHTTP2_RST_STREAM, 0, 1, "\0\0\0\0"), Error::kInvalidArgument, "RST_STREAM");
+  expect_error(s + frame(NGHTTP2_GOAWAY, 0, 0, std::string(8, '\0')), Error::kInvalidArgument, "GOAWAY");
+  expect_error(s + frame(NGHTTP2_PUSH_PROMISE, 0, 1, std::string(4, '\0')), Error::kInvalidArgument, "PUSH_PROMISE");
+  expect_error(s + frame(NGHTTP2_PING, 0, 0, "1234"), Error::kInvalidArgument, "PING");
+  expect_error(s + frame(NGHTTP2_WINDOW_UPDATE, 0, 0, "12"), Error::kInvalidArgument, "WINDOW_UPDATE");
+  expect_error(s + frame(NGHTTP2_PRIORITY, 0, 0, "12345"), Error::kInvalidArgument, "PRIORITY");
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, "\x80"), Error::kInvalidArgument, "HPACK");
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, "\xff\xff\xff\xff\xff\xff"),
+               Error::kInvalidArgument, "HPACK");
+  const std::string literal = hpack({{"x-literal", "abcdefgh"}});
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, block + literal.substr(0, literal.size() - 3)),
+               Error::kInvalidArgument, "HPACK");
+}
+
+TEST(H2Head, MalformedRequests) {
+  auto without = [](std::string_view name) {
+    std::vector<HttpHeader> fields = get_request();
+    std::erase_if(fields, [&](const HttpHeader& f) { return f.name == name; });
+    return fields;
+  };
+  auto with = [](std::vector<HttpHeader> extra) {
+    std::vector<HttpHeader> fields = get_request();
+    fields.insert(fields.end(), extra.begin(), extra.end());
+    return fields;
+  };
+  expect_error(request_bytes(without(":method")), Error::kInvalidArgument, "no :method");
+  expect_error(request_bytes(without(":path")), Error::kInvalidArgument, "no :path");
+  expect_error(request_bytes(without(":scheme")), Error::kInvalidArgument, "no :scheme");
+  expect_error(request_bytes(without(":authority")), Error::kInvalidArgument, "no :authority");
+  std::vector<HttpHeader> host_instead = without(":authority");
+  host_instead.push_back({"host", std::string(kAuthority)});
+  expect_error(request_bytes(host_instead), Error::kInvalidArgument, "Host, not :authority");
+  expect_error(request_bytes(with({{"host", "8080-other.sandbox.localhost"}})), Error::kInvalidArgument,
+               "Host differs");
+  expect_error(request_bytes(with({{"X-Token", "a"}})), Error::kInvalidArgument, "uppercase");
+  expect_error(request_bytes(with({{"x token", "a"}})), Error::kInvalidArgument, "forbids");
+  expect_error(request_bytes(with({{"x-a", "a\r\nx-b: b"}})), Error::kInvalidArgument, "CR or LF");
+  expect_error(request_bytes(with({{"x-a", std::string("a\0b", 3)}})), Error::kInvalidArgument, "NUL");
+  expect_error(request_bytes(with({{"authorization", "Bearer t "}})), Error::kInvalidArgument, "whitespace");
+  expect_error(request_bytes(with({{"connection", "keep-alive"}})), Error::kInvalidArgument, "connection-specific");
+  expect_error(request_bytes(with({{"transfer-encoding", "chunked"}})), Error::kInvalidArgument, "connection-specific");
+  expect_error(request_bytes(with({{"te", "gzip"}})), Error::kInvalidArgument, "te may only");
+  expect_error(request_bytes(with({{"accept", "*/*"}, {":path", "/again"}})), Error::kInvalidArgument, "after a regular");
+  std::vector<HttpHeader> duplicate = get_request();
+  duplicate.insert(duplicate.begin(), {":authority", "8080-other.sandbox.localhost"});
+  expect_error(request_bytes(duplicate), Error::kInvalidArgument, "duplicate :authority");
+  std::vector<HttpHeader> status = get_request();
+  status.insert(status.begin(), {":status", "200"});
+  expect_error(request_bytes(status), Error::kInvalidArgument, ":status is not allowed");
+  std::vector<HttpHeader> protocol = get_request();
+  protocol.insert(protocol.begin(), {":protocol", "websocket"});
+  expect_error(request_bytes(protocol), Error::kInvalidArgument, ":protocol is not allowed");
+  expect_error(request_bytes({{":method", "CONNECT"}, {":authority", std::string(kAuthority)}}),
+               Error::kInvalidArgument, "CONNECT");
+  expect_error(request_bytes(get_request("relative")), Error::kInvalidArgument, "must start with '/'");
+  expect_error(request_bytes(get_request("")), Error::kInvalidArgument, ":path is empty");
+  std::vector<HttpHeader> bad_method = get_request();
+  bad_method[0].value = "GE T";
+  expect_error(request_bytes(bad_method), Error::kInvalidArgument, ":method");
+
+  // What is allowed: a Host naming the same host (any case), te: trailers, OPTIONS *.
+  auto ok = scan_once(request_bytes(with({{"host", "8080-DEMO.sandbox.localhost"}, {"te", "trailers"}})));
+  ASSERT_TRUE(ok.ok()) << ok.message();
+  EXPECT_TRUE(ok->has_value());
+  std::vector<HttpHeader> options = get_request("*");
+  options[0].value = "OPTIONS";
+  auto star = scan_once(request_bytes(options));
+  ASSERT_TRUE(star.ok()) << star.message();
+  EXPECT_TRUE(star->has_value());
+}
+
+TEST(H2Head, HeaderListBombIsStoppedWhileDecoding) {
+  // One 4000-byte field added to the dynamic table, then ~3000 one-byte references to it: a 4 KiB block
+  // that decodes to 12 MB.
+  std::string block;
+  block.push_back('\x40');  // literal with incremental indexing, new name
+  block.push_back('\x01');
+  block.push_back('x');
+  block.append("\x7f\xa1\x1e");  // value length 127 + 3873 = 4000
+  block.append(4000, 'v');
+  block.append(3000, '\xbe');  // indexed field 62: the newest dynamic entry
+  ASSERT_LE(block.size(), 16384u);
+  const std::string bytes = std::string(kPreface) + settings_frame() +
+                            frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, hpack(get_request()) + block);
+  expect_error(bytes, Error::kLimitExceeded, "header list exceeds");
+}
+
+TEST(H2Head, ByteBudgetBeforeTheRequest) {
+  std::string bytes = std::string(kPreface) + settings_frame();
+  while (bytes.size() < 70 * 1024) bytes += frame(NGHTTP2_PING, 0, 0, "12345678");
+  expect_error(bytes, Error::kLimitExceeded, "no complete request within");
+
+  // A header block that cannot end within the budget is refused before its last frame arrives.
+  H2ScanLimits small;
+  small.max_bytes_before_request = 1000;
+  std::string big = std::string(kPreface) + settings_frame() +
+                    frame(NGHTTP2_HEADERS, 0, 1, hpack(get_request())) +
+                    frame(NGHTTP2_CONTINUATION, 0, 1, std::string(990, '\x80'));
+  auto r = scan_once(big.substr(0, 150), small);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kLimitExceeded);
+
+  // A request that completes within the budget is fine even if more bytes follow it.
+  std::string followed = request_bytes(get_request());
+  while (followed.size() < 70 * 1024) followed += frame(NGHTTP2_PING, 0, 0, "12345678");
+  auto fine = scan_once(followed);
+  ASSERT_TRUE(fine.ok()) << fine.message();
+  EXPECT_TRUE(fine->has_value());
+}
+
+TEST(H2Head, ReceivedBytesMustOnlyGrow) {
+  H2RequestScanner scanner;
+  const std::string bytes = request_bytes(get_request());
+  auto first = scanner.scan(bytes.substr(0, 40));
+  ASSERT_TRUE(first.ok());
+  auto shrunk = scanner.scan(bytes.substr(0, 10));
+  ASSERT_FALSE(shrunk.ok());
+  EXPECT_EQ(shrunk.error(), Error::kInternal);
+}
+
+// Scans the client's bytes, answers with h2_refusal, and lets the client parse the answer.
+void refuse_and_check(int status, std::string_view body, const std::vector<HttpHeader>& extra) {
+  Nghttp2Client client;
+  std::vector<HttpHeader> fields = get_request("/private?sandgate_token=abc");
+  const int32_t stream = client.submit(fields);
+  auto scan = scan_once(client.take_output());
+  ASSERT_TRUE(scan.ok()) << scan.message();
+  ASSERT_TRUE(scan->has_value());
+  ASSERT_EQ((*scan)->stream_id, static_cast<uint32_t>(stream));
+
+  auto refusal = h2_refusal((*scan)->stream_id, status, "text/plain; charset=utf-8", body, extra);
+  ASSERT_TRUE(refusal.ok()) << refusal.message();
+  // nghttp2 accepts every byte: a protocol error would make it return a negative value.
+  ASSERT_EQ(client.receive(*refusal), static_cast<ssize_t>(refusal->size()));
+  const Nghttp2Client::Response& response = client.responses[stream];
+  ASSERT_NE(field(response.headers, ":status"), nullptr);
+  EXPECT_EQ(*field(response.headers, ":status"), std::to_string(status));
+  EXPECT_EQ(*field(response.headers, "content-length"), std::to_string(body.size()));
+  EXPECT_EQ(*field(response.headers, "cache-control"), "no-store");
+  for (const HttpHeader& h : extra) {
+    std::string name = h.name;
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    ASSERT_NE(field(response.headers, name), nullptr) << name;
+    EXPECT_EQ(*field(response.headers, name), h.value);
+  }
+  EXPECT_EQ(response.body, body);
+  EXPECT_TRUE(response.closed);
+  EXPECT_EQ(response.close_error, 0u);
+  EXPECT_TRUE(client.goaway);
+  EXPECT_EQ(client.goaway_last_stream, stream);
+  EXPECT_EQ(client.goaway_error, static_cast<uint32_t>(NGHTTP2_NO_ERROR));
+  // The client has nothing to complain about (no RST_STREAM, no GOAWAY): at most it acknowledges SETTINGS.
+  const std::string reply = client.take_output();
+  EXPECT_TRUE(reply.empty() || reply == frame(NGHTTP2_SETTINGS, NGHTTP2_FLAG_ACK, 0, "")) << reply.size();
+}
+
+TEST(H2Head, RefusalIsUnderstoodByARealClient) {
+  refuse_and_check(401, "missing or invalid sandgate token\n", {{"WWW-Authenticate", std::string(kBearerChallenge)}});
+}
+
+TEST(H2Head, RedirectWithCookieAndNoBody) {
+  refuse_and_check(302, "",
+                   {{"location", "https://8080-demo.sandbox.localhost/private"},
+                    {"set-cookie", token_cookie("abc", 86400)}});
+}
+
+TEST(H2Head, LargeRefusalIsSplitIntoFrames) {
+  refuse_and_check(403, std::string(40000, 'b'), {{"x-filler", std::string(20000, 'h')}});
+}
+
+TEST(H2Head, RefusalRejectsWhatHttp2CannotCarry) {
+  const HttpHeader injected[] = {{"location", "/a\r\nset-cookie: x=y"}};
+  EXPECT_FALSE(h2_refusal(1, 302, "text/plain", "", injected).ok());
+  const HttpHeader connection[] = {{"Connection", "close"}};
+  EXPECT_FALSE(h2_refusal(1, 400, "text/plain", "", connection).ok());
+  const HttpHeader bad_name[] = {{"x y", "1"}};
+  EXPECT_FALSE(h2_refusal(1, 400, "text/plain", "", bad_name).ok());
+  EXPECT_FALSE(h2_refusal(1, 400, "text/plain\r\nx: y", "", {}).ok());
+  EXPECT_FALSE(h2_refusal(2, 400, "text/plain", "", {}).ok());
+  EXPECT_FALSE(h2_refusal(0, 400, "text/plain", "", {}).ok());
+  EXPECT_FALSE(h2_refusal(1, 99, "text/plain", "", {}).ok());
+  EXPECT_FALSE(h2_refusal(1, 600, "text/plain", "", {}).ok());
+}
+
+TEST(H2Head, GoawayForAnUnscannableConnection) {
+  Nghttp2Client client;
+  client.take_output();
+  const std::string goaway = h2_goaway(H2ErrorCode::kProtocolError, "HTTP/2: not an HTTP/2 connection preface");
+  ASSERT_EQ(client.receive(goaway), static_cast<ssize_t>(goaway.size()));
+  EXPECT_TRUE(client.goaway);
+  EXPECT_EQ(client.goaway_last_stream, 0);
+  EXPECT_EQ(client.goaway_error, static_cast<uint32_t>(NGHTTP2_PROTOCOL_ERROR));
+  EXPECT_EQ(client.goaway_debug, "HTTP/2: not an HTTP/2 connection preface");
+
+  Nghttp2Client calm;
+  calm.take_output();
+  const std::string long_debug = h2_goaway(H2ErrorCode::kEnhanceYourCalm, std::string(5000, 'd'));
+  ASSERT_EQ(calm.receive(long_debug), static_cast<ssize_t>(long_debug.size()));
+  EXPECT_EQ(calm.goaway_error, static_cast<uint32_t>(NGHTTP2_ENHANCE_YOUR_CALM));
+  EXPECT_EQ(calm.goaway_debug.size(), 1024u);
+}
+
+TEST(H2Head, FuzzedInputNeverCrashes) {
+  // Seeds: a real client's bytes and the hand-built padded/CONTINUATION request.
+  Nghttp2Client client;
+  std::vector<HttpHeader> fields = get_request("/fuzz?sandgate_token=abc");
+  fields.push_back({"cookie", "a=b"});
+  fields.push_back({"cookie", "sandgate_token=xyz"});
+  client.submit(fields);
+  const std::string block = hpack(get_request());
+  const std::vector<std::string> seeds = {
+      client.take_output(),
+      std::string(kPreface) + settings_frame() +
+          frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_PADDED | NGHTTP2_FLAG_PRIORITY, 1,
+                std::string("\x02\x00\x00\x00\x00\x10", 6) + block.substr(0, 5) + "\0\0") +
+          frame(NGHTTP2_CONTINUATION, NGHTTP2_FLAG_END_HEADERS, 1, block.substr(5)),
+  };
+  std::mt19937 rng(20240605);
+  auto pick = [&](size_t n) { return n == 0 ? 0 : std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  size_t requests = 0, errors = 0;
+  for (int iteration = 0; iteration < 20000; ++iteration) {
+    std::string input = seeds[pick(seeds.size())];
+    const size_t mutations = 1 + pick(4);
+    for (size_t m = 0; m < mutations && !input.empty(); ++m) {
+      const size_t at = pick(input.size());
+      switch (pick(5)) {
+        case 0: input[at] = static_cast<char>(pick(256)); break;
+        case 1: input[at] = static_cast<char>(input[at] ^ (1 << pick(8))); break;
+        case 2: input.insert(at, std::string(1 + pick(16), static_cast<char>(pick(256)))); break;
+        case 3: input.erase(at, 1 + pick(16)); break;
+        default: input.resize(pick(input.size() + 1)); break;
+      }
+    }
+    // Sometimes keep the preface intact so the mutations reach the frames and HPACK.
+    if (pick(2) == 0 && input.size() >= kPreface.size()) input.replace(0, kPreface.size(), kPreface);
+    H2RequestScanner scanner;
+    const size_t split = pick(input.size() + 1);
+    auto r = scanner.scan(std::string_view(input).substr(0, split));
+    if (r.ok() && !r->has_value()) r = scanner.scan(input);
+    if (!r.ok()) ++errors;
+    else if (r->has_value()) ++requests;
+  }
+  // The loop exercised both outcomes, not just the preface check.
+  EXPECT_GT(requests, 0u);
+  EXPECT_GT(errors, 0u);
+}
+
+}  // namespace
+}  // namespace sg
