@@ -1,13 +1,17 @@
 // A small blocking HTTP/1.1 client for the sandgate-node API (docs/node-api.md), used by the `sandgate` CLI.
+// The API is reached directly (its unix socket or loopback port) or through the TLS ingress at
+// https://api.<domain>, which wants the operator token. Both speak the same HTTP/1.1 over a different stream.
 // One request per connection: the CLI makes one call per run, so keep-alive would buy nothing.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 
+#include "cli/tls_client.h"
 #include "common/error.h"
 #include "common/net.h"
 
@@ -15,33 +19,52 @@ namespace sg::cli {
 
 inline constexpr std::string_view kDefaultApi = "unix:/run/sandgate/node.sock";
 
-// "unix:/path" or "http://HOST:PORT[/]" with a loopback HOST; the node API is plain HTTP, so https is refused.
-Result<Endpoint> parse_api_address(std::string_view text);
-// The inverse, for messages: "unix:/run/sandgate/node.sock" or "http://127.0.0.1:8081".
-std::string api_address_string(const Endpoint& ep);
+struct ApiAddress {
+  enum class Kind { kDirect, kHttps } kind = Kind::kDirect;
+  Endpoint endpoint;  // kDirect: the node's socket or loopback port
+  Ingress server;     // kHttps: the URL's host (the name the certificate must carry) and port (default 443)
+};
+
+// "unix:/path", "http://HOST:PORT[/]" with a loopback HOST (the node API itself is plain HTTP on loopback),
+// or "https://HOST[:PORT][/]" for the ingress.
+Result<ApiAddress> parse_api_address(std::string_view text);
+// The inverse, for messages: "unix:/run/sandgate/node.sock", "http://127.0.0.1:8081",
+// "https://api.sandbox.localhost:8443".
+std::string api_address_string(const ApiAddress& address);
+
+// What the ingress needs on top of the address.
+struct IngressAccess {
+  std::string token;                  // sent as "Authorization: Bearer" when set
+  std::string cacert;                 // https: the CA file; empty = the system's trust store
+  std::optional<Ingress> connect_to;  // https: dial this instead of the URL's host (still verified as that host)
+};
 
 struct ApiResponse {
   int status = 0;
   std::string body;
 };
 
-// The exact bytes sent for one request. A null `body` sends no body (Content-Length: 0 for POST).
-std::string build_request(std::string_view method, std::string_view target, const Endpoint& ep,
-                          const nlohmann::json& body);
+// The exact bytes sent for one request. A null `body` sends no body (Content-Length: 0 for POST); an empty
+// `token` sends no Authorization header.
+std::string build_request(std::string_view method, std::string_view target, const ApiAddress& address,
+                          std::string_view token, const nlohmann::json& body);
 
 class ApiClient {
  public:
-  // timeout_ms bounds the whole exchange (connect, send, wait for and read the answer).
-  ApiClient(Endpoint endpoint, int timeout_ms) : endpoint_(std::move(endpoint)), timeout_ms_(timeout_ms) {}
+  // timeout_ms bounds the whole exchange (connect, handshake, send, wait for and read the answer).
+  ApiClient(ApiAddress address, int timeout_ms, IngressAccess access = {})
+      : address_(std::move(address)), timeout_ms_(timeout_ms), access_(std::move(access)) {}
 
   // Any HTTP status is a success here; failures are only about reaching the node and reading its answer:
-  // kUnavailable (cannot connect, connection dropped), kTimeout, kIo (malformed answer).
+  // kUnavailable (cannot connect, connection dropped, certificate not trusted), kTimeout, kIo (malformed
+  // answer), kInvalidArgument (a token that cannot go in a header, an unreadable CA file).
   Result<ApiResponse> request(std::string_view method, std::string_view target,
                               const nlohmann::json& body = nullptr) const;
 
  private:
-  Endpoint endpoint_;
+  ApiAddress address_;
   int timeout_ms_;
+  IngressAccess access_;
 };
 
 }  // namespace sg::cli

@@ -203,6 +203,10 @@ Result<json> parse_object(std::string_view body) {
 }
 
 std::string error_message(int status, std::string_view body) {
+  // Only the ingress answers 401 (the node API itself has no tokens), and its body names no CLI flag.
+  if (status == 401)
+    return "the ingress refused the operator token (HTTP 401 Unauthorized): pass the right one with --token or "
+           "SANDGATE_TOKEN";
   json j = json::parse(body, nullptr, false);
   if (const json* m = field(j, "message"); m != nullptr && m->is_string() && !m->get_ref<const std::string&>().empty())
     return m->get_ref<const std::string&>();

@@ -55,7 +55,8 @@ std::string sandbox_path(std::string_view ref, std::string_view action = {});
 
 // A 2xx answer's body, which must be a JSON object.
 Result<nlohmann::json> parse_object(std::string_view body);
-// What to tell the user for a non-2xx answer: the node's "message", else the status line and the body's start.
+// What to tell the user for a non-2xx answer: for a 401 (the ingress's), which token to pass; else the node's
+// "message", else the status line and the body's start.
 std::string error_message(int status, std::string_view body);
 
 // "2026-11-29T10:00:00.000Z" (the node's format; fraction optional). nullopt if malformed.

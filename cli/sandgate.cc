@@ -107,9 +107,21 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "sandgate " + std::string(sg::cli::kVersion));
 
   std::string api(sg::cli::kDefaultApi);
-  app.add_option("--api", api, "node API address: unix:/path or http://127.0.0.1:PORT")
+  app.add_option("--api", api,
+                 "node API address: unix:/path, http://127.0.0.1:PORT, or https://api.DOMAIN[:PORT] through the "
+                 "ingress (needs --token)")
       ->envname("SANDGATE_API")
       ->capture_default_str();
+  // Global because both the https API and ssh-proxy go through the ingress; the environment is read below.
+  std::string token, cacert, connect_to;
+  app.add_option("--token", token,
+                 "operator token for an https --api; for ssh-proxy, a sandbox or operator token (default: the "
+                 "saved one) (env SANDGATE_TOKEN)");
+  app.add_option("--cacert", cacert, "CA file for the ingress's certificate (env SANDGATE_CACERT; default: the "
+                                     "system's trust store)");
+  app.add_option("--connect-to", connect_to,
+                 "HOST:PORT to dial for an https --api instead of the URL's host; the certificate is still "
+                 "checked against the URL's host (env SANDGATE_INGRESS)");
 
   bool raw_json = false;
   std::string ref;
@@ -157,13 +169,12 @@ int main(int argc, char** argv) {
   CLI::App* rm = app.add_subcommand("rm", "Terminate and remove a sandbox");
   rm->add_option("sandbox", ref, "name or id")->required();
 
-  std::string ingress, domain, cacert, ssh_user = "root", token;
+  std::string ingress, domain, ssh_user = "root";
   CLI::App* ssh_config = app.add_subcommand("ssh-config", "Print a ~/.ssh/config block for `ssh NAME`");
   ssh_config->add_option("sandbox", ref, "name or id")->required();
   ssh_config->add_option("--user", ssh_user, "user to log in as")->capture_default_str();
   ssh_config->add_option("--ingress", ingress, "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; 127.0.0.1:8443)");
   ssh_config->add_option("--domain", domain, "sandbox domain (env SANDGATE_DOMAIN; sandbox.localhost)");
-  ssh_config->add_option("--cacert", cacert, "CA file for the ingress's certificate (env SANDGATE_CACERT)");
 
   uint16_t ssh_port = 22;
   CLI::App* ssh_proxy =
@@ -171,8 +182,6 @@ int main(int argc, char** argv) {
   ssh_proxy->add_option("host", ref, "NAME or NAME.DOMAIN")->required();
   ssh_proxy->add_option("--ingress", ingress, "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; 127.0.0.1:8443)");
   ssh_proxy->add_option("--domain", domain, "domain when HOST is a bare name (env SANDGATE_DOMAIN)");
-  ssh_proxy->add_option("--cacert", cacert, "CA file (env SANDGATE_CACERT; default: the system's)");
-  ssh_proxy->add_option("--token", token, "sandbox or operator token (env SANDGATE_TOKEN; default: the saved one)");
   ssh_proxy->add_option("--port", ssh_port, "sandbox port")->capture_default_str()->check(CLI::Range(1, 65535));
 
   CLI::App* version = app.add_subcommand("version", "Print the CLI version");
@@ -225,9 +234,20 @@ int main(int argc, char** argv) {
     return sg::cli::run_ssh_proxy(o, STDIN_FILENO, STDOUT_FILENO);
   }
 
-  auto endpoint = sg::cli::parse_api_address(api);
-  if (!endpoint) return error(endpoint.message() + " (from --api or SANDGATE_API)", kExitUsage);
-  ApiClient client(*endpoint, kRequestTimeoutMs);
+  auto address = sg::cli::parse_api_address(api);
+  if (!address) return error(address.message() + " (from --api or SANDGATE_API)", kExitUsage);
+  sg::cli::IngressAccess access;
+  if (address->kind == sg::cli::ApiAddress::Kind::kHttps) {
+    // Only the ingress asks for a token: the direct API trusts whoever can reach its socket or loopback port.
+    access.token = setting(token, "SANDGATE_TOKEN", "");
+    access.cacert = cacert;
+    if (std::string dial = setting(connect_to, "SANDGATE_INGRESS", ""); !dial.empty()) {
+      auto where = sg::cli::parse_ingress(dial);
+      if (!where) return error(where.message() + " (from --connect-to or SANDGATE_INGRESS)", kExitUsage);
+      access.connect_to = *where;
+    }
+  }
+  ApiClient client(*address, kRequestTimeoutMs, access);
   auto now = std::chrono::system_clock::now();
 
   if (create->parsed()) {

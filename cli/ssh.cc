@@ -1,15 +1,10 @@
 #include "cli/ssh.h"
 
 #include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
-#include <openssl/x509v3.h>
 #include <poll.h>
 #include <pwd.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,7 +13,6 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,8 +26,6 @@
 
 namespace sg::cli {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 constexpr size_t kMaxTokenFileBytes = 4096;
 constexpr size_t kMaxConnectAnswerHead = 16 * 1024;
@@ -52,111 +44,6 @@ std::string trim(std::string_view s) {
   size_t begin = s.find_first_not_of(ws);
   if (begin == std::string_view::npos) return {};
   return std::string(s.substr(begin, s.find_last_not_of(ws) + 1 - begin));
-}
-
-int remaining_ms(Clock::time_point deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left > 0 ? static_cast<int>(std::min<long long>(left, INT_MAX)) : 0;
-}
-
-// Waits until `fd` has `events` or the deadline passes (kTimeout).
-Status wait_fd(int fd, short events, Clock::time_point deadline, std::string_view what) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int n = ::poll(&p, 1, remaining_ms(deadline));
-    if (n > 0) return {};
-    if (n == 0) return fail(Error::kTimeout, "timed out " + std::string(what));
-    if (errno != EINTR) return fail_errno("poll", errno);
-  }
-}
-
-std::string openssl_errors() {
-  std::string out;
-  while (unsigned long e = ERR_get_error()) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof buf);
-    out += (out.empty() ? "" : "; ") + std::string(buf);
-  }
-  return out.empty() ? "unknown TLS error" : out;
-}
-
-Result<UniqueFd> connect_tcp(const Ingress& ingress, Clock::time_point deadline) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* list = nullptr;
-  std::string port = std::to_string(ingress.port);
-  if (int rc = ::getaddrinfo(ingress.host.c_str(), port.c_str(), &hints, &list); rc != 0)
-    return fail(Error::kUnavailable, "cannot resolve " + ingress.host + ": " + gai_strerror(rc));
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> owned(list, ::freeaddrinfo);
-  Failure last{Error::kUnavailable, "no address for " + ingress.host};
-  for (addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
-    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol));
-    if (!fd.valid()) {
-      last = fail_errno("socket", errno);
-      continue;
-    }
-    if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-      last = fail_errno("connect to " + ingress.host + ":" + port, errno);
-      continue;
-    }
-    if (auto s = wait_fd(fd.get(), POLLOUT, deadline, "connecting to " + ingress.host + ":" + port); !s) {
-      last = s.failure();
-      continue;
-    }
-    int err = 0;
-    socklen_t len = sizeof err;
-    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) {
-      last = fail_errno("connect to " + ingress.host + ":" + port, err);
-      continue;
-    }
-    int one = 1;  // interactive sessions: keystrokes must not wait for Nagle
-    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    return fd;
-  }
-  return last;
-}
-
-struct SslDeleter {
-  void operator()(SSL_CTX* c) const { SSL_CTX_free(c); }
-  void operator()(SSL* s) const { SSL_free(s); }
-};
-
-// After an SSL call on a non-blocking socket returned `ret` <= 0: waits for what OpenSSL needs, or fails.
-Status ssl_wait(SSL* ssl, int fd, int ret, Clock::time_point deadline, std::string_view what) {
-  int err = SSL_get_error(ssl, ret);
-  if (err == SSL_ERROR_WANT_READ) return wait_fd(fd, POLLIN, deadline, what);
-  if (err == SSL_ERROR_WANT_WRITE) return wait_fd(fd, POLLOUT, deadline, what);
-  if (err == SSL_ERROR_ZERO_RETURN) return fail(Error::kUnavailable, "the ingress closed the connection " + std::string(what));
-  if (err == SSL_ERROR_SYSCALL && errno != 0) return fail_errno(what, errno);
-  return fail(Error::kUnavailable, std::string(what) + ": " + openssl_errors());
-}
-
-// Reads up to `cap` bytes; 0 = the peer closed the TLS stream.
-Result<size_t> ssl_read_some(SSL* ssl, int fd, char* buf, size_t cap, Clock::time_point deadline,
-                             std::string_view what) {
-  for (;;) {
-    size_t got = 0;
-    int ret = SSL_read_ex(ssl, buf, cap, &got);
-    if (ret == 1) return got;
-    int err = SSL_get_error(ssl, ret);
-    if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)) return size_t{0};
-    if (auto s = ssl_wait(ssl, fd, ret, deadline, what); !s) return s.failure();
-  }
-}
-
-Status ssl_write_all(SSL* ssl, int fd, std::string_view data, Clock::time_point deadline) {
-  while (!data.empty()) {
-    size_t sent = 0;
-    int ret = SSL_write_ex(ssl, data.data(), data.size(), &sent);
-    if (ret == 1) {
-      data.remove_prefix(sent);
-      continue;
-    }
-    if (auto s = ssl_wait(ssl, fd, ret, deadline, "sending CONNECT"); !s) return s;
-  }
-  return {};
 }
 
 // The value of Content-Length in an answer head, if it has a well-formed one.
@@ -458,7 +345,7 @@ Result<std::string> load_token(const std::string& config_home, std::string_view 
   if (got > kMaxTokenFileBytes) return fail(Error::kInvalidArgument, path + " is too large to be a token");
   std::string token = trim(std::string_view(text.data(), got));
   if (token.empty()) return fail(Error::kNotFound, path + " holds no token");
-  if (has_control_char(token) || token.find(' ') != std::string::npos)
+  if (!token_fits_header(token))
     return fail(Error::kInvalidArgument, path + " does not hold a token (one line, no spaces)");
   return token;
 }
@@ -477,42 +364,17 @@ int run_ssh_proxy(const SshProxyOptions& opts, int in_fd, int out_fd) {
     std::fprintf(stderr, "sandgate ssh-proxy: %s\n", m.c_str());
     return 1;
   };
-  // The token goes into a header line: one that could end the line would let it forge more headers.
-  if (opts.token.empty() || has_control_char(opts.token) || opts.token.find(' ') != std::string::npos)
+  if (!token_fits_header(opts.token))
     return failed("the token is empty or malformed");
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(opts.connect_timeout_ms);
   const std::string sni = tunnel_host(opts);
 
-  auto sock = connect_tcp(opts.ingress, deadline);
-  if (!sock) return failed(sock.message());
-
-  std::unique_ptr<SSL_CTX, SslDeleter> ctx(SSL_CTX_new(TLS_client_method()));
-  if (!ctx) return failed("TLS setup: " + openssl_errors());
-  SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
-  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
-  // A server that drops TCP without close_notify has still ended the stream; ssh guards its own integrity.
-  SSL_CTX_set_options(ctx.get(), SSL_OP_IGNORE_UNEXPECTED_EOF);
-  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
-  int loaded = opts.cacert.empty() ? SSL_CTX_set_default_verify_paths(ctx.get())
-                                   : SSL_CTX_load_verify_locations(ctx.get(), opts.cacert.c_str(), nullptr);
-  if (loaded != 1)
-    return failed("cannot load CA certificates" + (opts.cacert.empty() ? "" : " from " + opts.cacert) + ": " +
-                  openssl_errors());
-  std::unique_ptr<SSL, SslDeleter> ssl(SSL_new(ctx.get()));
-  static constexpr unsigned char kAlpn[] = "\x08http/1.1";
-  if (!ssl || SSL_set_fd(ssl.get(), sock->get()) != 1 || SSL_set_tlsext_host_name(ssl.get(), sni.c_str()) != 1 ||
-      SSL_set1_host(ssl.get(), sni.c_str()) != 1 || SSL_set_alpn_protos(ssl.get(), kAlpn, sizeof kAlpn - 1) != 0)
-    return failed("TLS setup: " + openssl_errors());
-
-  for (;;) {
-    int ret = SSL_connect(ssl.get());
-    if (ret == 1) break;
-    if (long v = SSL_get_verify_result(ssl.get()); v != X509_V_OK)
-      return failed("the ingress's certificate for " + sni + " is not trusted: " + X509_verify_cert_error_string(v));
-    if (auto s = ssl_wait(ssl.get(), sock->get(), ret, deadline, "in the TLS handshake with the ingress"); !s)
-      return failed(s.message());
-  }
-  if (auto s = ssl_write_all(ssl.get(), sock->get(), connect_request(opts), deadline); !s) return failed(s.message());
+  auto conn = tls_connect(TlsClientOptions{opts.ingress, sni, opts.cacert}, deadline);
+  if (!conn) return failed(conn.message());
+  SSL* ssl = conn->ssl.get();
+  const int sock = conn->sock.get();
+  if (auto s = ssl_write_all(ssl, sock, connect_request(opts), deadline, "sending CONNECT"); !s)
+    return failed(s.message());
 
   // The answer's head; whatever follows it already belongs to the tunnel (or, on a refusal, to its body).
   std::string answer;
@@ -520,7 +382,7 @@ int run_ssh_proxy(const SshProxyOptions& opts, int in_fd, int out_fd) {
   char buf[4096];
   while ((head_end = answer.find("\r\n\r\n")) == std::string::npos) {
     if (answer.size() > kMaxConnectAnswerHead) return failed("the ingress's answer to CONNECT is too large");
-    auto n = ssl_read_some(ssl.get(), sock->get(), buf, sizeof buf, deadline, "waiting for the CONNECT answer");
+    auto n = ssl_read_some(ssl, sock, buf, sizeof buf, deadline, "waiting for the CONNECT answer");
     if (!n) return failed(n.message());
     if (*n == 0) return failed("the ingress closed the connection without answering CONNECT");
     answer.append(buf, *n);
@@ -534,7 +396,7 @@ int run_ssh_proxy(const SshProxyOptions& opts, int in_fd, int out_fd) {
     std::optional<size_t> length = content_length(head);
     const Clock::time_point body_deadline = Clock::now() + std::chrono::milliseconds(kRefusalBodyTimeoutMs);
     while (rest.size() < std::min(length.value_or(kMaxRefusalBody), kMaxRefusalBody)) {
-      auto n = ssl_read_some(ssl.get(), sock->get(), buf, sizeof buf, body_deadline, "reading the refusal");
+      auto n = ssl_read_some(ssl, sock, buf, sizeof buf, body_deadline, "reading the refusal");
       if (!n || *n == 0) break;
       rest.append(buf, *n);
     }
@@ -544,7 +406,7 @@ int run_ssh_proxy(const SshProxyOptions& opts, int in_fd, int out_fd) {
     if (!rest.empty()) std::fprintf(stderr, "%s%s", rest.c_str(), rest.back() == '\n' ? "" : "\n");
     return 1;
   }
-  return relay(ssl.get(), sock->get(), in_fd, out_fd, std::move(rest));
+  return relay(ssl, sock, in_fd, out_fd, std::move(rest));
 }
 
 }  // namespace sg::cli

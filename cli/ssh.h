@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "cli/tls_client.h"
 #include "common/error.h"
 
 namespace sg::cli {
@@ -20,10 +21,6 @@ inline constexpr std::string_view kDefaultDomain = "sandbox.localhost";
 // a '%' token or a path.
 Status validate_ref(std::string_view ref);
 
-struct Ingress {
-  std::string host;  // a DNS name or an IP address (IPv6 without brackets)
-  uint16_t port = 0;
-};
 // "HOST:PORT" or "[V6]:PORT"; HOST limited to letters, digits, '.', '-' (and ':' inside brackets).
 Result<Ingress> parse_ingress(std::string_view text);
 // "D" made of DNS labels ([a-z0-9-], dots between).

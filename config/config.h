@@ -55,7 +55,7 @@ struct NodeConfig {
   std::string agent_path;
   // QEMU driver (`--driver qemu`). The guest kernel and initramfs come from deploy/build-guest-image.sh.
   std::string qemu_binary = "qemu-system-x86_64";
-  std::string qemu_accel = "auto";      // auto (kvm when /dev/kvm runs a guest, else tcg) | kvm | tcg
+  std::string qemu_accel = "auto";      // auto = tcg (no KVM probe: a nested /dev/kvm may not run guests) | kvm | tcg
   std::string guest_kernel;             // empty = <state_dir>/guest/vmlinuz
   std::string guest_initrd;             // empty = <state_dir>/guest/initrd.img
   uint32_t qemu_boot_timeout_ms = 30'000;  // one boot attempt; a stalled boot is killed and retried

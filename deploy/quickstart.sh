@@ -69,6 +69,7 @@ case $HOST in
 esac
 DEMO_HOST=8080-demo.$DOMAIN
 DEMO_URL=https://$DEMO_HOST$([[ $PORT == 443 ]] || echo ":$PORT")/
+API_URL=https://api.$DOMAIN$([[ $PORT == 443 ]] || echo ":$PORT")/
 # curl resolves *.localhost to 127.0.0.1/::1 by itself; only another listen address needs --resolve.
 CURL_RESOLVE=()
 case $PROBE_HOST in
@@ -130,6 +131,9 @@ proxy_answers && die "something already listens on $PROBE_HOST:$PORT; stop it or
 
 # ---- files ----------------------------------------------------------------------------------------------
 "$ROOT/deploy/gen-cert.sh" "$TLS" "$DOMAIN"
+# The operator token api.<domain> requires; kept across runs like the CA.
+OPERATOR_TOKEN_FILE=$STATE/operator.token
+[[ -s $OPERATOR_TOKEN_FILE ]] || (umask 077 && openssl rand -hex 32 >"$OPERATOR_TOKEN_FILE")
 mkdir -p "$STATE/node" "$WWW"
 cat >"$WWW/index.html" <<'HTML'
 <!doctype html>
@@ -143,6 +147,7 @@ cat >"$CONF" <<TOML
 domain = "$DOMAIN"
 node_socket = 'unix:$SOCK'
 log_level = "info"
+operator_token_file = '$OPERATOR_TOKEN_FILE'
 
 [proxy]
 listen = '$LISTEN'
@@ -226,7 +231,7 @@ export SANDGATE_API=unix:$SOCK
 # A demo kept in the node's state by an earlier run that did not shut down cleanly would make create fail.
 "$CLI" rm demo >/dev/null 2>&1 || true
 say "creating the demo sandbox"
-"$CLI" create --name demo --timeout "$DEMO_TIMEOUT" --expose 8080 --cwd "$WWW" -- python3 -m http.server 8080
+"$CLI" create --name demo --timeout "$DEMO_TIMEOUT" --public 8080 --cwd "$WWW" -- python3 -m http.server 8080
 
 # The server inside needs a moment to bind 8080; until then the proxy cannot connect.
 answer=
@@ -254,6 +259,8 @@ cat <<EOF
     curl --cacert $TLS/ca.pem ${CURL_RESOLVE[*]:+${CURL_RESOLVE[*]} }$DEMO_URL
     $CLI ls
     $CLI get demo
+    # the node API through the ingress, with the operator token:
+    curl --cacert $TLS/ca.pem -H "Authorization: Bearer \$(cat $OPERATOR_TOKEN_FILE)" ${API_URL}v1/sandboxes
 
   The demo sandbox suspends after ${DEMO_TIMEOUT} s without traffic (watch the state in 'sandgate ls') and
   wakes up on the next request: run the curl again.

@@ -1,4 +1,5 @@
 #include "noderuntime/api_server.h"
+#include "noderuntime/uv_handles.h"
 
 #include <poll.h>
 #include <spdlog/spdlog.h>
@@ -33,11 +34,6 @@ constexpr uint64_t kLingerMs = 2'000;
 constexpr uint64_t kFdRetryMs = 5;
 constexpr uint32_t kDefaultWakeTimeoutMs = 30'000;
 constexpr uint32_t kMaxWakeTimeoutMs = 600'000;
-
-template <typename Handle>
-void close_and_free(Handle* h) {
-  uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
-}
 
 int http_status(Error e) {
   switch (e) {

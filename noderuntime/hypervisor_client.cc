@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "common/http.h"
+#include "noderuntime/uv_handles.h"
 
 namespace sg {
 namespace {
@@ -28,12 +29,6 @@ namespace {
 int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
 int pidfd_send_signal(int pidfd, int sig) {
   return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
-}
-
-template <typename Handle>
-void close_and_free(Handle* h) {
-  if (h == nullptr) return;
-  uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
 }
 
 uint64_t now_ms() {

@@ -15,6 +15,7 @@
 
 #include "noderuntime/names.h"
 #include "noderuntime/state_machine.h"
+#include "noderuntime/uv_handles.h"
 
 namespace sg {
 namespace {
@@ -38,11 +39,6 @@ constexpr size_t kMaxOperatorTokenBytes = 4096;
 int64_t wall_now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-template <typename Handle>
-void close_and_free(Handle* h) {
-  uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
 }
 
 bool valid_env_key(std::string_view key) {

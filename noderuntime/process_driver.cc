@@ -20,6 +20,7 @@
 
 #include "common/log.h"
 #include "noderuntime/cgroup.h"
+#include "noderuntime/uv_handles.h"
 
 namespace sg {
 namespace {
@@ -175,14 +176,6 @@ std::string find_agent(const NodeConfig& cfg) {
   return {};
 }
 
-// libuv frees nothing itself: a handle's memory must outlive uv_close() until its close callback runs.
-template <typename Handle>
-void close_and_free(Handle*& handle) {
-  if (handle == nullptr) return;
-  handle->data = nullptr;
-  uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<Handle*>(h); });
-  handle = nullptr;
-}
 
 // argv/envp as the C arrays execve() wants. Built before forking: the child may only make
 // async-signal-safe calls, which rules out allocating.

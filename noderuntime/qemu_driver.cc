@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "noderuntime/hypervisor_client.h"
 #include "noderuntime/qmp_client.h"
+#include "noderuntime/uv_handles.h"
 
 namespace sg {
 namespace {
@@ -35,13 +36,6 @@ constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host
 constexpr uint64_t kPollMs = 20;                  // console / query-migrate polling
 constexpr size_t kMaxCmdline = 2000;              // x86 COMMAND_LINE_SIZE is 2048
 
-template <typename Handle>
-void close_and_free(Handle*& handle) {
-  if (handle == nullptr) return;
-  handle->data = nullptr;
-  uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<Handle*>(h); });
-  handle = nullptr;
-}
 
 std::string base64(std::string_view in) {
   static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";

@@ -1,4 +1,5 @@
 #include "noderuntime/qmp_client.h"
+#include "noderuntime/uv_handles.h"
 
 #include <utility>
 
@@ -8,13 +9,6 @@ namespace {
 // A socket path that does not exist yet or refuses connections belongs to a QEMU still starting.
 constexpr uint64_t kConnectRetryMs = 20;
 
-template <typename Handle>
-void close_and_free(Handle*& handle) {
-  if (handle == nullptr) return;
-  handle->data = nullptr;
-  uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<Handle*>(h); });
-  handle = nullptr;
-}
 
 }  // namespace
 

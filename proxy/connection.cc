@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -188,8 +189,11 @@ void Connection::look_up_port_policy() {
   uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
   nlohmann::json body = {{"sandbox", route->target}, {"port", port}};
   update_interest();
+  // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
+  // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
+  uint32_t lookup_ms = std::min(cfg_->proxy.wake_timeout_ms, cfg_->proxy.handshake_timeout_ms / 2);
   lookup_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/lookup", body.dump(),
-                                       cfg_->proxy.handshake_timeout_ms, "",
+                                       lookup_ms, "",
                                        [this](Result<NodeResponse> r) { on_lookup_result(std::move(r)); });
   update_interest();
 }

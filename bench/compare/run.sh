@@ -340,7 +340,7 @@ EOF
   wait_log "$tmp/proxy.log" "sandgate-proxy ready on" "$proxy_pid" sandgate-proxy
   port[sandgate]=$(sed -n 's/.*sandgate-proxy ready on 127\.0\.0\.1:\([0-9]*\).*/\1/p' "$tmp/proxy.log" | head -1)
   [[ -n ${port[sandgate]} ]] || die "cannot parse the proxy port: $(grep ready "$tmp/proxy.log")"
-  timeout 60 "${cli[@]}" create --name bench --expose 9000 --cpus 2 --timeout 86400 -- \
+  timeout 60 "${cli[@]}" create --name bench --public 9000 --cpus 2 --timeout 86400 -- \
     "$tmp/backend" 127.0.0.1 9000 >"$tmp/create.out" 2>&1 || die "sandgate create failed: $(cat "$tmp/create.out")"
   ppids[sandgate]=$proxy_pid scheme[sandgate]=https
 fi

@@ -206,7 +206,7 @@ CommandResult Cluster::cli(const std::string& args, int timeout_s) {
 }
 
 nlohmann::json Cluster::create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags) {
-  auto r = cli("create --json --name " + name + " --expose " + std::to_string(port) + " " + extra_flags +
+  auto r = cli("create --json --name " + name + " --public " + std::to_string(port) + " " + extra_flags +
                " -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") + " http " + std::to_string(port) +
                " " + name);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;

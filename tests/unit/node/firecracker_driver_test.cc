@@ -193,11 +193,13 @@ TEST_F(HypervisorClientTest, DestroyingTheClientCancelsItsCallbacks) {
   fake_->inject("PATCH /vm", FakeHypervisor::Fault::kNoAnswer);
   bool called = false;
   {
-    HypervisorClient client(loop_.get(), fake_->socket_path(), "firecracker", {.timeout_ms = 50});
+    // The request is in flight (sent, unanswered) well before its timeout, even on a slow sanitizer build;
+    // after the destroy the loop runs past that timeout, so neither the answer nor the timeout may call back.
+    HypervisorClient client(loop_.get(), fake_->socket_path(), "firecracker", {.timeout_ms = 400});
     client.request("PATCH", "/vm", R"({"state":"Paused"})", [&](Result<HypervisorResponse>) { called = true; });
     loop_.run_until([] { return false; }, 20);
   }
-  loop_.run_until([] { return false; }, 100);
+  loop_.run_until([] { return false; }, 600);
   EXPECT_FALSE(called);
 }
 
