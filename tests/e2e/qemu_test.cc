@@ -131,5 +131,33 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
                          std::chrono::seconds(10)));
 }
 
+// The disk fills up during a hibernation: the migration fails, the VM stays paused in memory with the
+// reason in its state, nothing of the guest is lost, and a request wakes it as usual.
+TEST_F(Qemu, DiskFullDuringHibernateKeepsTheSandboxInMemory) {
+  Cluster c(ClusterOptions::node(node_config()));
+  // Sandbox directories (where the state file goes) on a tmpfs far smaller than the guest's RAM.
+  const std::string sandboxes = c.dir() + "/node/sandboxes";
+  ASSERT_EQ(run("mkdir -p " + sandboxes + " && mount -t tmpfs -o size=16m sgtest-full " + sandboxes).exit_code, 0);
+  struct LazyUnmount {
+    std::string path;
+    ~LazyUnmount() { run("umount -l " + path); }
+  } unmount{sandboxes};
+  auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 2 --hibernate-after 2 "
+                       "--memory-mb 128 -- /bin/sh -c " + shell_quote(kGuestServer),
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  c.wait_until_serving("q", 8080);
+  EXPECT_EQ(counter(c).count, 1);
+  ASSERT_TRUE(eventually([&] {
+    auto j = c.get("q");
+    return j["state"] == "suspended" && j["tier"] == "memory" &&
+           j.value("state_reason", "").find("hibernate failed") != std::string::npos;
+  }, std::chrono::seconds(90))) << c.get("q").dump() << c.node().log();
+  Answer a = counter(c);
+  EXPECT_EQ(a.code, 200) << c.node().log();
+  EXPECT_EQ(a.count, 2) << "the guest's memory did not survive the failed hibernation";
+  ASSERT_EQ(c.cli("rm q").exit_code, 0);
+}
+
 }  // namespace
 }  // namespace sg::e2e

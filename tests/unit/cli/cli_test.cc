@@ -8,6 +8,7 @@
 
 #include "cli/api_client.h"
 #include "cli/commands.h"
+#include "tests/unit/cli/fake_ingress.h"
 
 namespace sg::cli {
 namespace {
@@ -18,32 +19,61 @@ using namespace std::chrono_literals;
 // ---- --api / SANDGATE_API ----
 
 TEST(ApiAddress, Unix) {
-  auto ep = parse_api_address("unix:/run/sandgate/node.sock");
-  ASSERT_TRUE(ep) << ep.message();
-  EXPECT_EQ(ep->kind, Endpoint::Kind::kUnix);
-  EXPECT_EQ(ep->path, "/run/sandgate/node.sock");
-  EXPECT_EQ(api_address_string(*ep), "unix:/run/sandgate/node.sock");
+  auto a = parse_api_address("unix:/run/sandgate/node.sock");
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_EQ(a->kind, ApiAddress::Kind::kDirect);
+  EXPECT_EQ(a->endpoint.kind, Endpoint::Kind::kUnix);
+  EXPECT_EQ(a->endpoint.path, "/run/sandgate/node.sock");
+  EXPECT_EQ(api_address_string(*a), "unix:/run/sandgate/node.sock");
 }
 
 TEST(ApiAddress, Http) {
   for (const char* text : {"http://127.0.0.1:8081", "http://127.0.0.1:8081/"}) {
-    auto ep = parse_api_address(text);
-    ASSERT_TRUE(ep) << ep.message();
-    EXPECT_EQ(ep->kind, Endpoint::Kind::kTcp);
-    EXPECT_EQ(ep->host, "127.0.0.1");
-    EXPECT_EQ(ep->port, 8081);
-    EXPECT_EQ(api_address_string(*ep), "http://127.0.0.1:8081");
+    auto a = parse_api_address(text);
+    ASSERT_TRUE(a) << a.message();
+    EXPECT_EQ(a->kind, ApiAddress::Kind::kDirect);
+    EXPECT_EQ(a->endpoint.kind, Endpoint::Kind::kTcp);
+    EXPECT_EQ(a->endpoint.host, "127.0.0.1");
+    EXPECT_EQ(a->endpoint.port, 8081);
+    EXPECT_EQ(api_address_string(*a), "http://127.0.0.1:8081");
   }
   auto v6 = parse_api_address("http://[::1]:9000");
   ASSERT_TRUE(v6) << v6.message();
-  EXPECT_EQ(v6->host, "::1");
+  EXPECT_EQ(v6->endpoint.host, "::1");
   auto local = parse_api_address("http://localhost:9000");
   ASSERT_TRUE(local) << local.message();
-  EXPECT_EQ(local->host, "127.0.0.1");
+  EXPECT_EQ(local->endpoint.host, "127.0.0.1");
+}
+
+TEST(ApiAddress, Https) {
+  for (const char* text : {"https://api.sandbox.localhost:8443", "https://api.sandbox.localhost:8443/"}) {
+    auto a = parse_api_address(text);
+    ASSERT_TRUE(a) << a.message();
+    EXPECT_EQ(a->kind, ApiAddress::Kind::kHttps);
+    EXPECT_EQ(a->server.host, "api.sandbox.localhost");
+    EXPECT_EQ(a->server.port, 8443);
+    EXPECT_EQ(api_address_string(*a), "https://api.sandbox.localhost:8443");
+  }
+  auto default_port = parse_api_address("https://api.example.com");
+  ASSERT_TRUE(default_port) << default_port.message();
+  EXPECT_EQ(default_port->server.port, 443);
+  auto v6 = parse_api_address("https://[::1]");
+  ASSERT_TRUE(v6) << v6.message();
+  EXPECT_EQ(v6->server.host, "::1");
+  EXPECT_EQ(api_address_string(*v6), "https://[::1]:443");
+}
+
+TEST(ApiAddress, RequestCarriesTheTokenAndTheUrlsHost) {
+  auto a = parse_api_address("https://api.sandbox.localhost:8443");
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_EQ(build_request("GET", "/v1/sandboxes", *a, "op-secret", nullptr),
+            "GET /v1/sandboxes HTTP/1.1\r\nHost: api.sandbox.localhost:8443\r\nAuthorization: Bearer op-secret\r\n"
+            "User-Agent: sandgate-cli\r\nAccept: application/json\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
 }
 
 TEST(ApiAddress, Rejects) {
-  for (const char* text : {"", "unix:", "unix:relative.sock", "https://127.0.0.1:8081", "127.0.0.1:8081",
+  for (const char* text : {"", "unix:", "unix:relative.sock", "https://", "https://api.x:0", "https://api.x/v1",
+                           "https://a b:1", "127.0.0.1:8081",
                            "http://127.0.0.1", "http://127.0.0.1:0", "http://127.0.0.1:99999",
                            "http://example.com:80", "http://127.0.0.1:8081/v1", "/run/sandgate/node.sock"}) {
     auto ep = parse_api_address(text);
@@ -53,7 +83,7 @@ TEST(ApiAddress, Rejects) {
       EXPECT_NE(ep.message().find(text), std::string::npos) << ep.message();
     }
   }
-  EXPECT_NE(parse_api_address("https://127.0.0.1:1").message().find("http://"), std::string::npos);
+  EXPECT_NE(parse_api_address("http://example.com:80").message().find("https://"), std::string::npos);
 }
 
 // ---- create flags -> body ----
@@ -297,7 +327,7 @@ class FakeNode : public ::testing::Test {
     char tmpl[] = "/tmp/sg-cli-test-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    endpoint_ = *parse_api_address("unix:" + dir_ + "/node.sock");
+    address_ = *parse_api_address("unix:" + dir_ + "/node.sock");
   }
   void TearDown() override {
     if (server_.joinable()) server_.join();
@@ -307,7 +337,7 @@ class FakeNode : public ::testing::Test {
   // Accepts one connection, reads the request head (and body if `read_body`), writes `answer`, closes
   // unless `hang`, in which case it holds the connection until the client is gone.
   void serve(std::string answer, bool hang = false) {
-    auto listener = listen_on(endpoint_, false);
+    auto listener = listen_on(address_.endpoint, false);
     ASSERT_TRUE(listener) << listener.message();
     server_ = std::thread([this, fd = std::move(*listener), answer = std::move(answer), hang]() mutable {
       pollfd p{fd.get(), POLLIN, 0};
@@ -331,14 +361,14 @@ class FakeNode : public ::testing::Test {
   }
 
   std::string dir_;
-  Endpoint endpoint_;
+  ApiAddress address_;
   std::thread server_;
   std::string received_;
 };
 
 TEST_F(FakeNode, PostsJsonAndReadsAnswer) {
   serve("HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{\"id\":1}\n");
-  ApiClient client(endpoint_, 5000);
+  ApiClient client(address_, 5000);
   auto res = client.request("POST", "/v1/sandboxes", json{{"command", {"true"}}});
   ASSERT_TRUE(res) << res.message();
   EXPECT_EQ(res->status, 201);
@@ -352,7 +382,7 @@ TEST_F(FakeNode, PostsJsonAndReadsAnswer) {
 
 TEST_F(FakeNode, ChunkedAnswerWithoutBodyRequest) {
   serve("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n");
-  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/sandboxes");
+  auto res = ApiClient(address_, 5000).request("GET", "/v1/sandboxes");
   ASSERT_TRUE(res) << res.message();
   EXPECT_EQ(res->status, 200);
   EXPECT_EQ(res->body, "{\"a\":1}");
@@ -363,14 +393,14 @@ TEST_F(FakeNode, ChunkedAnswerWithoutBodyRequest) {
 
 TEST_F(FakeNode, AnswerDelimitedByClose) {
   serve("HTTP/1.1 404 Not Found\r\nConnection: close\r\n\r\n{\"message\":\"no such sandbox\"}");
-  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/sandboxes/x");
+  auto res = ApiClient(address_, 5000).request("GET", "/v1/sandboxes/x");
   ASSERT_TRUE(res) << res.message();
   EXPECT_EQ(res->status, 404);
   EXPECT_EQ(error_message(res->status, res->body), "no such sandbox");
 }
 
 TEST_F(FakeNode, NoSocket) {
-  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/health");
+  auto res = ApiClient(address_, 5000).request("GET", "/v1/health");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kUnavailable);
   EXPECT_EQ(res.message(), "cannot reach sandgate-node at unix:" + dir_ + "/node.sock: No such file or directory");
@@ -378,7 +408,7 @@ TEST_F(FakeNode, NoSocket) {
 
 TEST_F(FakeNode, ClosedWithoutAnswer) {
   serve("");
-  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/health");
+  auto res = ApiClient(address_, 5000).request("GET", "/v1/health");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kUnavailable);
   EXPECT_NE(res.message().find("closed the connection"), std::string::npos) << res.message();
@@ -386,7 +416,7 @@ TEST_F(FakeNode, ClosedWithoutAnswer) {
 
 TEST_F(FakeNode, TruncatedAnswer) {
   serve("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"a\"");
-  auto res = ApiClient(endpoint_, 5000).request("GET", "/v1/health");
+  auto res = ApiClient(address_, 5000).request("GET", "/v1/health");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kIo);
 }
@@ -394,11 +424,92 @@ TEST_F(FakeNode, TruncatedAnswer) {
 TEST_F(FakeNode, Timeout) {
   serve("HTTP/1.1 200 OK\r\n", /*hang=*/true);
   auto start = std::chrono::steady_clock::now();
-  auto res = ApiClient(endpoint_, 300).request("GET", "/v1/health");
+  auto res = ApiClient(address_, 300).request("GET", "/v1/health");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kTimeout);
   EXPECT_NE(res.message().find("did not answer within 300 ms"), std::string::npos) << res.message();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
+
+// ---- the client through a TLS server standing in for the ingress ----
+
+class HttpsApi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/sg-cli-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    cert_.write_pem(dir_ + "/ca.pem");
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  ApiClient client(const std::string& url, IngressAccess access) {
+    auto a = parse_api_address(url);
+    EXPECT_TRUE(a) << a.message();
+    return ApiClient(a ? *a : ApiAddress{}, 5000, std::move(access));
+  }
+  IngressAccess access(std::string token = "op-secret") { return {std::move(token), dir_ + "/ca.pem", {}}; }
+
+  std::string dir_;
+  TestCert cert_;
+};
+
+constexpr const char* kListAnswer = "HTTP/1.1 200 OK\r\nContent-Length: 16\r\n\r\n{\"sandboxes\":[]}";
+
+TEST_F(HttpsApi, SendsTheBearerTokenAndVerifiesTheUrlsHost) {
+  FakeIngress ingress(cert_, kListAnswer, "");
+  // *.localhost dials loopback by itself: glibc would not resolve the name.
+  auto res = client("https://api.sandbox.localhost:" + std::to_string(ingress.port()), access())
+                 .request("GET", "/v1/sandboxes");
+  ASSERT_TRUE(res) << res.message();
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body, "{\"sandboxes\":[]}");
+  EXPECT_EQ(ingress.sni(), "api.sandbox.localhost");
+  EXPECT_EQ(ingress.alpn_offered(), std::string("\x08http/1.1"));
+  EXPECT_NE(ingress.head().find("\r\nAuthorization: Bearer op-secret\r\n"), std::string::npos) << ingress.head();
+}
+
+TEST_F(HttpsApi, ConnectToDialsElsewhereButChecksTheUrlsHost) {
+  FakeIngress ingress(cert_, kListAnswer, "");
+  IngressAccess a = access();
+  a.connect_to = Ingress{"127.0.0.1", ingress.port()};
+  auto res = client("https://api.sandbox.example:1", a).request("GET", "/v1/sandboxes");
+  ASSERT_FALSE(res);  // the certificate names *.sandbox.localhost only
+  EXPECT_EQ(res.error(), Error::kUnavailable);
+  EXPECT_NE(res.message().find("not trusted"), std::string::npos) << res.message();
+
+  FakeIngress ingress2(cert_, kListAnswer, "");
+  a.connect_to = Ingress{"127.0.0.1", ingress2.port()};
+  auto ok = client("https://api.sandbox.localhost:1", a).request("GET", "/v1/sandboxes");
+  ASSERT_TRUE(ok) << ok.message();
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_NE(ingress2.head().find("\r\nHost: api.sandbox.localhost:1\r\n"), std::string::npos) << ingress2.head();
+}
+
+TEST_F(HttpsApi, UntrustedCertificateIsRefused) {
+  FakeIngress ingress(cert_, kListAnswer, "");
+  IngressAccess a = access();
+  a.cacert.clear();  // the system's store does not know the test CA
+  auto res = client("https://api.sandbox.localhost:" + std::to_string(ingress.port()), a).request("GET", "/v1/sandboxes");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kUnavailable);
+  EXPECT_NE(res.message().find("not trusted"), std::string::npos) << res.message();
+}
+
+TEST_F(HttpsApi, UnauthorizedSaysWhichTokenToPass) {
+  FakeIngress ingress(cert_, "HTTP/1.1 401 Unauthorized\r\nContent-Length: 5\r\n\r\nnope\n", "");
+  auto res = client("https://api.sandbox.localhost:" + std::to_string(ingress.port()), access("wrong"))
+                 .request("GET", "/v1/sandboxes");
+  ASSERT_TRUE(res) << res.message();
+  EXPECT_EQ(res->status, 401);
+  EXPECT_NE(error_message(res->status, res->body).find("--token"), std::string::npos);
+}
+
+TEST_F(HttpsApi, ATokenThatCouldForgeHeadersIsRefused) {
+  auto res = client("https://api.sandbox.localhost:1", access("op\r\nX-Evil: 1")).request("GET", "/v1/sandboxes");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kInvalidArgument);
 }
 
 }  // namespace
