@@ -139,6 +139,9 @@ void Connection::update_interest() {
 
 void Connection::on_client_io(int status, int) {
   if (status < 0) {
+    // Our answer is out and the client reset while we drained it: the connection still ended for the
+    // reason we answered (a 401, a 403, ...).
+    if (phase_ == Phase::kLingering) return close(respond_cause_, uv_strerror(status));
     if (phase_ == Phase::kForwarding || phase_ == Phase::kResponding)
       return close(TerminationCause::kClientReset, uv_strerror(status));
     return close(TerminationCause::kClientClosed, uv_strerror(status));

@@ -84,6 +84,18 @@ TEST(Ssh, OpenSshThroughSandgateSshProxyRunsCommandsAndScpBothWays) {
   ASSERT_EQ(get.exit_code, 0) << get.err;
   EXPECT_EQ(sha256_file(c.dir() + "/down.bin"), sha256_file(up));
 
+  // A CONNECT to a port the sandbox does not expose is refused (403) before anything is opened.
+  auto unexposed = run("true | " + bin("cli/sandgate") + " ssh-proxy --ingress 127.0.0.1:" + std::to_string(c.port()) +
+                           " --cacert " + c.ca() + " --domain sandbox.localhost --token " + token + " --port 2222 box",
+                       30);
+  EXPECT_EQ(unexposed.exit_code, 1);
+  EXPECT_NE(unexposed.err.find("403"), std::string::npos) << unexposed.err;
+  auto refused_entry =
+      c.wait_access_entry([](const nlohmann::json& e) { return e.value("cause", "") == "port_not_exposed"; });
+  ASSERT_TRUE(refused_entry.is_object()) << read_file(c.dir() + "/access.log");
+  EXPECT_EQ(refused_entry.value("port", 0), 2222);
+  EXPECT_EQ(refused_entry.value("status", 0), 403);
+
   // A wrong token is refused before sshd sees anything.
   auto refused = run(f.ssh_base(ssh_proxy_command(c, "sgt_wrong")) + " root@box true", 60);
   EXPECT_NE(refused.exit_code, 0);
