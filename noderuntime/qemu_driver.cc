@@ -209,6 +209,8 @@ class QemuDriver final : public VmmDriver {
   Step wait_incoming_step();
   Step clock_step();
   void poll_migration(Op* op, StepDone done);
+  Step settle_migration_step();
+  void settle_migration(Op* op, StepDone done, bool cancel_sent);
   void poll_incoming(Op* op, uint64_t started_ms, StepDone done);
   static std::string state_path(const RuntimeInfo& info) { return info.sandbox_dir + "/qemu.state"; }
   std::string peer(const Op* op) const { return "qemu (sandbox " + op->sandbox_id + ")"; }
@@ -401,7 +403,8 @@ void QemuDriver::pause(const SandboxSpec& spec, const RuntimeInfo& info, Done do
 }
 
 void QemuDriver::resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) {
-  run(new_op(spec, "resuming", info), {connect_step(false), command_step("cont"), clock_step()}, nullptr,
+  run(new_op(spec, "resuming", info), {connect_step(false), settle_migration_step(), command_step("cont"), clock_step()},
+      nullptr,
       [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
 }
 
@@ -438,6 +441,23 @@ void QemuDriver::poll_migration(Op* op, StepDone done) {
     if (status == "cancelled")
       return done(fail(Error::kConflict, "sandbox " + op->sandbox_id + ": hibernate cancelled; still paused in memory"));
     after(op, kPollMs, [this, op, done] { poll_migration(op, done); });
+  });
+}
+
+// A node killed during a hibernation leaves the migration running (or finishing) inside QEMU, and `cont`
+// then fails with "Migration is not finalized yet". The guest is still whole in memory: cancel the
+// migration and wait until QEMU reports it over before resuming.
+QemuDriver::Step QemuDriver::settle_migration_step() {
+  return [this](Op* op, StepDone done) { settle_migration(op, std::move(done), false); };
+}
+
+void QemuDriver::settle_migration(Op* op, StepDone done, bool cancel_sent) {
+  state(op).qmp->execute("query-migrate", nullptr, [this, op, done, cancel_sent](Result<nlohmann::json> r) {
+    if (!r) return done(r.failure());
+    const std::string status = r->value("status", "none");
+    if (status == "none" || status == "completed" || status == "failed" || status == "cancelled") return done({});
+    if (!cancel_sent) state(op).qmp->execute("migrate_cancel", nullptr, [](Result<nlohmann::json>) {});
+    after(op, kPollMs, [this, op, done] { settle_migration(op, done, true); });
   });
 }
 
