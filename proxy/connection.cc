@@ -191,7 +191,6 @@ void Connection::look_up_port_policy() {
   }
   uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
   nlohmann::json body = {{"sandbox", route->target}, {"port", port}};
-  update_interest();
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
   uint32_t lookup_ms = std::min(cfg_->proxy.wake_timeout_ms, cfg_->proxy.handshake_timeout_ms / 2);
