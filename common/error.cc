@@ -16,6 +16,7 @@ std::string_view error_name(Error e) {
     case Error::kLimitExceeded: return "limit_exceeded";
     case Error::kTimeout: return "timeout";
     case Error::kUnavailable: return "unavailable";
+    case Error::kUnreachable: return "unreachable";
     case Error::kIo: return "io";
     case Error::kInternal: return "internal";
   }

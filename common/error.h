@@ -20,6 +20,7 @@ enum class Error {
   kLimitExceeded,
   kTimeout,
   kUnavailable,      // a peer (node, sandbox, kernel facility) is not reachable right now
+  kUnreachable,      // the sandbox runs, but the port asked for cannot be reached in it (nothing listens there)
   kIo,               // a system call failed
   kInternal,
 };

@@ -41,6 +41,16 @@ class TableReader {
     }
   }
 
+  void boolean(std::string_view key, bool* out) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    if (auto b = n->value_exact<bool>()) {
+      *out = *b;
+    } else {
+      error(*n, full(key), "must be true or false");
+    }
+  }
+
   template <typename T>
   void integer(std::string_view key, T* out, int64_t min, int64_t max) {
     const toml::node* n = find(key);
@@ -179,6 +189,9 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   out->guest_kernel = resolve_path(base_dir, out->guest_kernel);
   r.string("guest_initrd", &out->guest_initrd);
   out->guest_initrd = resolve_path(base_dir, out->guest_initrd);
+  r.boolean("guest_image_autobuild", &out->guest_image_autobuild);
+  r.string("guest_image_builder", &out->guest_image_builder);
+  out->guest_image_builder = resolve_path(base_dir, out->guest_image_builder);
   r.integer("qemu_boot_timeout_ms", &out->qemu_boot_timeout_ms, 1'000, 600'000);
   r.integer("qemu_boot_attempts", &out->qemu_boot_attempts, 1, 10);
   r.string("firecracker_binary", &out->firecracker_binary);
@@ -203,6 +216,14 @@ bool valid_domain(std::string_view d) {
 }
 
 }  // namespace
+
+std::string NodeConfig::guest_kernel_file() const {
+  return guest_kernel.empty() ? state_dir + "/guest/vmlinuz" : guest_kernel;
+}
+
+std::string NodeConfig::guest_initrd_file() const {
+  return guest_initrd.empty() ? state_dir + "/guest/initrd.img" : guest_initrd;
+}
 
 uint16_t Config::url_port() const {
   if (proxy.public_port != 0) return proxy.public_port;

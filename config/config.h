@@ -58,11 +58,19 @@ struct NodeConfig {
   std::string qemu_accel = "auto";      // auto = tcg (no KVM probe: a nested /dev/kvm may not run guests) | kvm | tcg
   std::string guest_kernel;             // empty = <state_dir>/guest/vmlinuz
   std::string guest_initrd;             // empty = <state_dir>/guest/initrd.img
+  // The QEMU driver builds (and refreshes) the guest image with deploy/build-guest-image.sh on first use
+  // (noderuntime/guest_image.h); the builder's path, empty = found next to sandgate-node.
+  bool guest_image_autobuild = true;
+  std::string guest_image_builder;
   uint32_t qemu_boot_timeout_ms = 30'000;  // one boot attempt; a stalled boot is killed and retried
   uint32_t qemu_boot_attempts = 3;
   // Firecracker / Cloud Hypervisor drivers: enabled when the binary path is set.
   std::string firecracker_binary;
   std::string cloud_hypervisor_binary;
+
+  // guest_kernel / guest_initrd with their defaults applied.
+  std::string guest_kernel_file() const;
+  std::string guest_initrd_file() const;
 };
 
 struct Config {

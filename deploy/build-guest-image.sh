@@ -17,10 +17,14 @@
 #     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
 #     guest clock stood still while the VM was stopped).
 #   - eth0 is QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3.
+#   - "SANDGATE-GUEST-AGENT listening|none|failed" on the serial console, before the ready line: whether the
+#     agent listens on sg.agent (none: the image has no agent; failed: it did not listen within 10 s);
 #   - "SANDGATE-GUEST-READY" on the serial console once the network is up and the command started;
 #     "SANDGATE-GUEST-EXIT <status>" when the command ends, after which the guest powers off (the VM exits).
 set -euo pipefail
 
+# Progress goes to stderr, like errors: sandgate-node logs every line while it builds on first use.
+say() { echo "build-guest-image: $*" >&2; }
 fatal() { echo "build-guest-image: $*" >&2; exit 1; }
 skip() { echo "build-guest-image: $*" >&2; exit 77; }
 
@@ -34,6 +38,7 @@ mkdir -p "$cache"
 
 apt_quiet() { DEBIAN_FRONTEND=noninteractive "$@" >/dev/null 2>&1; }
 if [[ ! -x /bin/busybox ]]; then
+  say "installing busybox-static"
   apt_quiet apt-get install -y --no-install-recommends busybox-static ||
     { apt_quiet apt-get update && apt_quiet apt-get install -y --no-install-recommends busybox-static; } ||
     fatal "cannot install busybox-static"
@@ -44,6 +49,7 @@ fi
 if [[ -f $cache/kernel-package ]]; then
   kpkg=$(cat "$cache/kernel-package")
 else
+  say "resolving linux-image-cloud-amd64 to a kernel package"
   resolve() { apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }'; }
   kpkg=$(resolve)
   [[ -n $kpkg ]] || { apt_quiet apt-get update || true; kpkg=$(resolve); }
@@ -52,9 +58,11 @@ fi
 kver=${kpkg#linux-image-}
 kroot=$cache/$kpkg
 if [[ ! -f $kroot/boot/vmlinuz-$kver ]]; then
+  say "downloading $kpkg (once; cached in $cache)"
   (cd "$cache" && rm -f "$kpkg"_*.deb && apt_quiet apt-get download "$kpkg") ||
     (apt_quiet apt-get update && cd "$cache" && apt_quiet apt-get download "$kpkg") ||
     skip "cannot download $kpkg"
+  say "unpacking $kpkg"
   rm -rf "$kroot.tmp" && dpkg-deb -x "$cache/$kpkg"_*.deb "$kroot.tmp" && mv "$kroot.tmp" "$kroot"
   rm -f "$cache/$kpkg"_*.deb
 fi
@@ -82,6 +90,7 @@ if [[ -f $out/vmlinuz && -f $out/initrd.img && "$(cat "$out/.stamp" 2>/dev/null)
   exit 0
 fi
 
+say "writing the initramfs (busybox${agent:+, agent $agent}) and the kernel to $out"
 work=$(mktemp -d "$out/.work.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 root=$work/root
@@ -121,9 +130,20 @@ if [ -n "$clock" ]; then
   # One connection per sync, carrying the host's epoch seconds.
   (while :; do t=$(nc -l -p "$clock" </dev/null); [ -n "$t" ] && date -s "@$t" >/dev/null; done) &
 fi
+# The driver routes the SDK (exec, files, health) to the agent, so it must know whether one listens: a
+# connection forwarded to a guest port nobody listens on is reset by QEMU only after the request was sent.
+agent_state=none
 if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
   /sandgate/sandgate-agent --listen "0.0.0.0:$agent" >/dev/console 2>&1 &
+  # Listening sockets in /proc/net/tcp: local port in hex, state 0A (LISTEN). Bounded: ~10 s.
+  hex=$(printf '%04X' "$agent")
+  agent_state=failed
+  for i in $(seq 100); do
+    if grep -q "^ *[0-9]*: [0-9A-F]*:$hex [0-9A-F]*:0000 0A" /proc/net/tcp; then agent_state=listening; break; fi
+    sleep 0.1
+  done
 fi
+echo "SANDGATE-GUEST-AGENT $agent_state"
 arg sg.cmd | base64 -d >/run/sandgate-command.sh
 /bin/sh /run/sandgate-command.sh </dev/null >/dev/console 2>&1 &
 command=$!

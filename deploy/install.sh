@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs a built sandgate as systemd services, as root:
-#   binaries      -> $PREFIX/bin (default /usr/local/bin): sandgate-node, sandgate-init, sandgate-proxy, sandgate
+#   binaries      -> $PREFIX/bin (default /usr/local/bin): sandgate-node, sandgate-init, sandgate-agent,
+#                    sandgate-proxy, sandgate
+#   scripts       -> $PREFIX/share/sandgate: build-guest-image.sh (the node builds the QEMU guest image with it)
 #   units         -> /etc/systemd/system/sandgate-{node,proxy}.service
 #   configuration -> /etc/sandgate/sandgate.toml, from deploy/sandgate.example.toml, only if absent
 # Build first (deploy/build.sh; BUILD_DIR as there). Rerunning upgrades binaries and units, never the config.
@@ -21,8 +23,9 @@ die() {
 
 [[ $(id -u) -eq 0 ]] || die "must run as root"
 
-# sandgate-init goes next to sandgate-node: that is where the node looks for it (node.init_path = "").
-BINARIES=(noderuntime/sandgate-node noderuntime/sandgate-init proxy/sandgate-proxy cli/sandgate)
+# sandgate-init and sandgate-agent go next to sandgate-node: that is where the node looks for them
+# (node.init_path = "", node.agent_path = "").
+BINARIES=(noderuntime/sandgate-node noderuntime/sandgate-init agent/sandgate-agent proxy/sandgate-proxy cli/sandgate)
 for bin in "${BINARIES[@]}"; do
   [[ -x $BUILD_DIR/$bin ]] || die "$BUILD_DIR/$bin not found; run deploy/build.sh first"
 done
@@ -33,6 +36,10 @@ for bin in "${BINARIES[@]}"; do
   install -m 0755 "$BUILD_DIR/$bin" "$PREFIX/bin/"
   say "installed $PREFIX/bin/$(basename "$bin")"
 done
+
+# Where the node looks for it (node.guest_image_builder = ""): <bin>/../share/sandgate.
+install -D -m 0755 "$ROOT/deploy/build-guest-image.sh" "$PREFIX/share/sandgate/build-guest-image.sh"
+say "installed $PREFIX/share/sandgate/build-guest-image.sh"
 
 for unit in sandgate-node.service sandgate-proxy.service; do
   sed "s|/usr/local/bin/|$PREFIX/bin/|g" "$ROOT/deploy/systemd/$unit" >"$UNIT_DIR/$unit.tmp"

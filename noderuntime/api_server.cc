@@ -46,6 +46,7 @@ int http_status(Error e) {
     case Error::kLimitExceeded: return 429;
     case Error::kTimeout: return 504;
     case Error::kUnavailable: return 503;
+    case Error::kUnreachable: return 502;
     case Error::kIo: return 500;
     case Error::kInternal: return 500;
   }
@@ -881,7 +882,8 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
                       {"woke", r->woke},
                       {"wake_ms", r->wake_ms},
                       {"connect_port", r->socket.connect_port},
-                      {"connected", r->socket.connected}};
+                      {"connected", r->socket.connected},
+                      {"opened_at", r->opened_at}};
     reply(Response{200, to_text(j), std::move(r->socket.fd), ""});
   });
 }
@@ -908,8 +910,10 @@ void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
   if (!body) return reply(error_response(body.failure()));
   auto reports = parse_activity(*body);
   if (!reports) return reply(error_response(reports.failure()));
-  node_->activity(*reports);
-  reply(Response{204, "", UniqueFd(), ""});
+  ordered_json asleep = ordered_json::array();
+  for (const AsleepSandbox& a : node_->activity(*reports))
+    asleep.push_back({{"id", a.id}, {"suspended_at", a.suspended_at}});
+  reply(Response{200, to_text(ordered_json{{"asleep", std::move(asleep)}}), UniqueFd(), ""});
 }
 
 }  // namespace sg

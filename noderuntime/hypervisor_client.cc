@@ -395,16 +395,16 @@ Result<UniqueFd> vsock_connect(const std::string& uds_path, uint16_t port, int t
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     pollfd pfd{fd.get(), POLLIN, 0};
     if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) == 0)
-      return fail(Error::kTimeout, "guest port " + std::to_string(port) + ": no answer to CONNECT on " + uds_path);
+      return fail(Error::kUnreachable, "guest port " + std::to_string(port) + ": no answer to CONNECT on " + uds_path);
     char c = 0;
     ssize_t n = ::recv(fd.get(), &c, 1, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0 || line.size() > 64)
-      return fail(Error::kUnavailable, "guest port " + std::to_string(port) + " refused through " + uds_path);
+      return fail(Error::kUnreachable, "guest port " + std::to_string(port) + " refused through " + uds_path);
     line.push_back(c);
   }
   if (line.rfind("OK ", 0) != 0)
-    return fail(Error::kUnavailable, "guest port " + std::to_string(port) + ": unexpected answer '" +
+    return fail(Error::kUnreachable, "guest port " + std::to_string(port) + ": unexpected answer '" +
                                          line.substr(0, line.size() - 1) + "' from " + uds_path);
   int flags = ::fcntl(fd.get(), F_GETFL);
   if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) return fail_errno("fcntl", errno);

@@ -157,11 +157,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   drivers.push_back(std::move(*process_driver));
-  // Always offered: a missing guest image fails each sandbox's start with the reason, not the node.
+  // Always offered: the guest image is built on first use (noderuntime/guest_image.h), and an image that
+  // cannot be had fails each sandbox's start with the reason, not the node.
   drivers.push_back(sg::make_qemu_driver(d.loop, c.node, c.agent_port));
   // The microVM drivers boot the same guest image; they are offered when their binary is configured.
-  const std::string kernel = c.node.guest_kernel.empty() ? c.node.state_dir + "/guest/vmlinuz" : c.node.guest_kernel;
-  const std::string initrd = c.node.guest_initrd.empty() ? c.node.state_dir + "/guest/initrd.img" : c.node.guest_initrd;
+  const std::string kernel = c.node.guest_kernel_file();
+  const std::string initrd = c.node.guest_initrd_file();
   if (!c.node.firecracker_binary.empty()) {
     sg::FirecrackerConfig fc;
     fc.binary = c.node.firecracker_binary;

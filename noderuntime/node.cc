@@ -86,6 +86,7 @@ struct Node::Sandbox {
   std::string new_token;  // the token in clear between create() and its answer, then wiped
   uint64_t connections = 0;
   uint64_t resumes = 0;  // resumes started since this node process adopted or created the sandbox
+  uint64_t suspended_at = 0;  // stamp() of the latest suspend that began
   std::vector<Waiter*> waiters;
   // Set while suspending when something asked for the sandbox (an open, traffic, the API): unless the
   // driver cancels the suspension, it finishes and is then followed by exactly one resume, for this reason.
@@ -382,6 +383,7 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   }
   sb.rec.state = to;
   sb.rec.state_reason = std::move(reason);
+  if (to == S::kSuspending) sb.suspended_at = stamp();  // also for a sandbox adopted paused
   spdlog::info("sandbox {}: {} -> {} ({})", sb.id(), state_name(from), state_name(to), sb.rec.state_reason);
   // One idle clock per sandbox: running -> idle timeout, suspended in memory -> hibernation.
   idle_.remove(sb.id());
@@ -727,17 +729,20 @@ CredentialCheck Node::check_credential(std::string_view id, const std::optional<
   return sandbox_token || operator_token ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
 }
 
-void Node::activity(const std::vector<ActivityReport>& reports) {
+std::vector<AsleepSandbox> Node::activity(const std::vector<ActivityReport>& reports) {
   Clock::time_point now = Clock::now();
+  std::vector<AsleepSandbox> asleep;
   for (const ActivityReport& r : reports) {
     Sandbox* sb = find(r.id);
     if (sb == nullptr || sb->terminating) continue;  // reports may trail a delete; nothing to account
     set_connections(*sb, r.reporter, r.connections, now);
-    if (r.bytes_in == 0 && r.bytes_out == 0) continue;
-    touch(*sb);
-    // Bytes for a sandbox that is (being) suspended: the traffic raced the suspend, so wake it again.
-    wake(*sb, "woken by traffic that raced the suspend");
+    // A report carries bytes moved up to an interval ago, so it cannot tell traffic after a suspend from
+    // traffic before it: it never wakes. Whatever asks for a sleeping sandbox comes through open().
+    if (sb->rec.state == S::kRunning && (r.bytes_in != 0 || r.bytes_out != 0)) touch(*sb);
+    if (sb->rec.state == S::kSuspending || sb->rec.state == S::kSuspended)
+      asleep.push_back(AsleepSandbox{sb->id(), sb->suspended_at});
   }
+  return asleep;
 }
 
 // ---- connections hold sandboxes awake ----
@@ -834,6 +839,7 @@ Result<OpenedPort> Node::open_port(Sandbox& sb, uint16_t port, bool woke, Clock:
     opened.is_public = policy->is_public;
   }
   opened.woke = woke;
+  opened.opened_at = stamp();
   if (woke) opened.wake_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
   opened.socket = std::move(*socket);
   return opened;
@@ -912,6 +918,14 @@ void Node::on_idle_timer() {
     }
   }
   arm_idle_timer();
+}
+
+uint64_t Node::stamp() {
+  auto wall_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                     std::chrono::system_clock::now().time_since_epoch())
+                     .count();
+  last_stamp_ = std::max(last_stamp_ + 1, static_cast<uint64_t>(std::max<int64_t>(wall_us, 0)));
+  return last_stamp_;
 }
 
 // ---- restart and shutdown ----

@@ -111,6 +111,7 @@ struct OpenedPort {
   bool woke = false;     // the sandbox was not running when the open arrived
   double wake_ms = 0;    // time from the open's arrival to the sandbox running again
   GuestSocket socket;    // how the proxy reaches the port (driver.h)
+  uint64_t opened_at = 0;  // Node::stamp() of this open: connections older than a suspend are cut
 };
 
 struct ActivityReport {
@@ -119,6 +120,14 @@ struct ActivityReport {
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
   uint64_t connections = 0;
+};
+
+// In the answer to an activity report: a reported sandbox that is suspending or suspended. The proxy closes
+// its connections opened before `suspended_at` (Node::stamp() values): their traffic can no longer reach
+// the frozen sandbox, and it never wakes it either (only a new connection's open does).
+struct AsleepSandbox {
+  std::string id;
+  uint64_t suspended_at = 0;
 };
 
 class Node {
@@ -153,7 +162,9 @@ class Node {
   // Resolves `ref`, wakes it if needed, and hands back a socket in its network namespace. `done` may run
   // before open() returns (sandbox running, or an error).
   void open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, OpenCallback done);
-  void activity(const std::vector<ActivityReport>& reports);
+  // Applies the proxies' counts: bytes keep a running sandbox's idle clock fresh, but never wake one. The
+  // answer lists the reported sandboxes that are asleep.
+  std::vector<AsleepSandbox> activity(const std::vector<ActivityReport>& reports);
 
   // Resolves `ref` and the policy of `port` without touching the sandbox (no wake, no activity): kNotFound,
   // or kPermissionDenied ("port not exposed") for a port that is neither exposed nor the agent port.
@@ -213,6 +224,9 @@ class Node {
   void on_waiter_timeout(Waiter* w);
 
   Status load_operator_token();
+  // Strictly increasing across calls and (as wall-clock microseconds) across restarts of this node, so a
+  // proxy can order a connection's open against a later suspend without sharing a clock with the node.
+  uint64_t stamp();
   // Applies one worker's connection count, then holds the idle clock while the total is above zero.
   void set_connections(Sandbox& sb, const std::string& reporter, uint64_t count, IdleTracker::TimePoint now);
   void recount(Sandbox& sb, IdleTracker::TimePoint now);
@@ -240,6 +254,7 @@ class Node {
   std::unordered_map<std::string, std::unique_ptr<Sandbox>> sandboxes_;  // by id
   std::unordered_map<std::string, std::string> ids_by_name_;
   size_t terminating_count_ = 0;  // sandboxes with a terminate in flight
+  uint64_t last_stamp_ = 0;
   bool shutting_down_ = false;
   std::function<void()> shutdown_done_;
 };

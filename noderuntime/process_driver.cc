@@ -20,6 +20,7 @@
 
 #include "common/log.h"
 #include "noderuntime/cgroup.h"
+#include "noderuntime/companion_files.h"
 #include "noderuntime/uv_handles.h"
 
 namespace sg {
@@ -137,43 +138,23 @@ Status make_dirs(const std::string& path, mode_t mode) {
   return {};
 }
 
-// The running executable's directory, with a trailing '/'.
-Result<std::string> exe_dir() {
-  char exe[PATH_MAX];
-  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (n < 0) return fail_errno("readlink /proc/self/exe", errno);
-  std::string path(exe, static_cast<size_t>(n));
-  path.erase(path.rfind('/') + 1);
-  return path;
-}
-
 Result<std::string> default_init_path() {
   auto dir = exe_dir();
   if (!dir) return dir.failure();
   return *dir + "sandgate-init";
 }
 
-// sandgate-agent: node.agent_path, else next to this executable (an install), else the build tree's
-// <build>/agent/ beside <build>/noderuntime/. Empty when none is executable: sandboxes then run without an
-// agent, which is said once here rather than at every start.
+// sandgate-agent: node.agent_path, else next to this executable (noderuntime/companion_files.h). Empty when
+// none is executable: sandboxes then run without an agent, which is said once here rather than at every start.
 std::string find_agent(const NodeConfig& cfg) {
-  std::vector<std::string> candidates;
-  if (!cfg.agent_path.empty()) {
-    candidates.push_back(cfg.agent_path);
-  } else if (auto dir = exe_dir()) {
-    candidates = {*dir + "sandgate-agent", *dir + "../agent/sandgate-agent"};
+  CompanionLookup agent = find_agent_binary(cfg.agent_path);
+  if (!agent.path.empty()) {
+    spdlog::info("process driver: sandboxes run sandgate-agent {}", agent.path);
+  } else {
+    spdlog::warn("process driver: no executable sandgate-agent (tried {}); sandboxes run without an agent",
+                 agent.tried_text());
   }
-  for (const std::string& path : candidates) {
-    if (::access(path.c_str(), X_OK) == 0) {
-      spdlog::info("process driver: sandboxes run sandgate-agent {}", path);
-      return path;
-    }
-  }
-  std::string tried;
-  for (const std::string& path : candidates) tried += (tried.empty() ? "" : ", ") + path;
-  spdlog::warn("process driver: no executable sandgate-agent (tried {}); sandboxes run without an agent",
-               tried.empty() ? "nothing: cannot find this executable" : tried);
-  return {};
+  return agent.path;
 }
 
 

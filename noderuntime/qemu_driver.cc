@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "noderuntime/guest_image.h"
 #include "noderuntime/hypervisor_client.h"
 #include "noderuntime/qmp_client.h"
 #include "noderuntime/uv_handles.h"
@@ -33,6 +34,9 @@ namespace {
 constexpr const char* kStateFile = "state_file";  // set only while hibernated
 constexpr const char* kClockPort = "clock_port";
 constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host port
+// What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
+// the SANDGATE-GUEST-AGENT line, which are trusted to have one.
+constexpr const char* kAgentState = "agent";
 constexpr uint64_t kPollMs = 20;                  // console / query-migrate polling
 constexpr size_t kMaxCmdline = 2000;              // x86 COMMAND_LINE_SIZE is 2048
 
@@ -114,11 +118,21 @@ std::string tail_of(const std::string& path, size_t max) {
   return s;
 }
 
-bool file_contains(const std::string& path, std::string_view needle) {
+std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   std::stringstream ss;
   ss << f.rdbuf();
-  return ss.str().find(needle) != std::string::npos;
+  return ss.str();
+}
+
+// The word after "SANDGATE-GUEST-AGENT " on the console, or "" when the guest printed no such line.
+std::string guest_agent_state(const std::string& console) {
+  size_t at = console.find(kGuestAgentMarker);
+  if (at == std::string::npos) return {};
+  at += std::string_view(kGuestAgentMarker).size();
+  while (at < console.size() && console[at] == ' ') ++at;
+  size_t end = console.find_first_of("\r\n ", at);
+  return console.substr(at, end == std::string::npos ? std::string::npos : end - at);
 }
 
 Status fsync_path(const std::string& path, int flags) {
@@ -138,8 +152,9 @@ class QemuDriver final : public VmmDriver {
   QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary)
       : VmmDriver(loop, "qemu", vmm_options(std::move(binary))),
         kvm_(cfg.qemu_accel == "kvm"),
-        kernel_(cfg.guest_kernel.empty() ? cfg.state_dir + "/guest/vmlinuz" : cfg.guest_kernel),
-        initrd_(cfg.guest_initrd.empty() ? cfg.state_dir + "/guest/initrd.img" : cfg.guest_initrd),
+        kernel_(cfg.guest_kernel_file()),
+        initrd_(cfg.guest_initrd_file()),
+        image_(loop, guest_image_options(cfg)),
         boot_timeout_ms_(cfg.qemu_boot_timeout_ms),
         boot_attempts_(std::max<uint32_t>(cfg.qemu_boot_attempts, 1)),
         agent_port_(agent_port),
@@ -218,6 +233,8 @@ class QemuDriver final : public VmmDriver {
   bool kvm_;
   std::string kernel_;
   std::string initrd_;
+  // A member of the subclass, so it is destroyed (dropping its waiters) before VmmDriver's ops they reach.
+  GuestImage image_;
   uint32_t boot_timeout_ms_;
   uint32_t boot_attempts_;
   uint16_t agent_port_;
@@ -225,11 +242,6 @@ class QemuDriver final : public VmmDriver {
 };
 
 Result<RuntimeInfo> QemuDriver::prepare(const SandboxSpec& spec, const std::string& sandbox_dir) const {
-  for (const std::string& f : {kernel_, initrd_}) {
-    if (::access(f.c_str(), R_OK) != 0)
-      return fail(Error::kUnsupported, "guest image file " + f +
-                                           " is missing; build it with deploy/build-guest-image.sh <state_dir>/guest");
-  }
   RuntimeInfo info;
   info.sandbox_dir = sandbox_dir;
   info.driver_data[kApiSocket] = sandbox_dir + "/qmp.sock";
@@ -278,31 +290,28 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
 }
 
 void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
-  auto prepared = prepare(spec, sandbox_dir);
-  auto op = new_op(spec, "starting", prepared ? *prepared : RuntimeInfo{});
+  RuntimeInfo initial;
+  initial.sandbox_dir = sandbox_dir;
+  auto op = new_op(spec, "starting", initial);
   std::vector<Step> steps;
-  if (!prepared) {
-    steps.push_back([f = prepared.failure()](Op*, StepDone d) { d(f); });
-  } else {
-    std::vector<std::string> args = qemu_args(spec, *prepared);
-    size_t append_len = 0;
-    for (size_t i = 0; i + 1 < args.size(); ++i)
-      if (args[i] == "-append") append_len = args[i + 1].size();
-    if (append_len > kMaxCmdline) {
-      steps.push_back([](Op*, StepDone d) {
-        d(fail(Error::kInvalidArgument, "the command and environment are too long for the guest's kernel command line"));
-      });
-    } else {
-      steps.push_back([this, args](Op* o, StepDone d) {
-        auto boot = std::make_shared<Boot>();
-        boot->args = args;
-        boot->console = o->info.sandbox_dir + "/console.log";
-        boot->log = o->info.sandbox_dir + "/qemu.log";
-        boot->done = std::move(d);
-        boot_attempt(o, boot);
-      });
+  // A first QEMU sandbox may wait here for minutes while the image is built; the loop keeps serving.
+  steps.push_back([this](Op*, StepDone d) { image_.ensure(std::move(d)); });
+  steps.push_back([this, spec](Op* o, StepDone d) {
+    auto prepared = prepare(spec, o->info.sandbox_dir);
+    if (!prepared) return d(prepared.failure());
+    o->info = std::move(*prepared);
+    auto boot = std::make_shared<Boot>();
+    boot->args = qemu_args(spec, o->info);
+    for (size_t i = 0; i + 1 < boot->args.size(); ++i) {
+      if (boot->args[i] == "-append" && boot->args[i + 1].size() > kMaxCmdline)
+        return d(fail(Error::kInvalidArgument,
+                      "the command and environment are too long for the guest's kernel command line"));
     }
-  }
+    boot->console = o->info.sandbox_dir + "/console.log";
+    boot->log = o->info.sandbox_dir + "/qemu.log";
+    boot->done = std::move(d);
+    boot_attempt(o, boot);
+  });
   run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
     if (!s) return done(s.failure());
     done(o->info);
@@ -345,8 +354,14 @@ void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
 }
 
 void QemuDriver::poll_boot(Op* op, std::shared_ptr<Boot> boot) {
-  if (file_contains(boot->console, kGuestReadyMarker)) {
+  std::string console = read_file(boot->console);
+  if (console.find(kGuestReadyMarker) != std::string::npos) {
     state(op).exit.reset();
+    if (std::string agent = guest_agent_state(console); !agent.empty()) op->info.driver_data[kAgentState] = agent;
+    else op->info.driver_data.erase(kAgentState);
+    if (op->info.driver_data.count(kAgentState) && op->info.driver_data[kAgentState] != "listening")
+      spdlog::warn("sandbox {}: the guest's agent is {}: the SDK route (exec, files, health) will refuse it",
+                   op->sandbox_id, op->info.driver_data[kAgentState]);
     return boot->done({});
   }
   uv_update_time(loop_);
@@ -587,11 +602,23 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
   return o;
 }
 
-Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) {
+Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec&, const RuntimeInfo& info, uint16_t port) {
   auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
   auto host_port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
   if (!host_port)
-    return fail(Error::kNotFound, "sandbox " + spec.id + ": guest port " + std::to_string(port) + " is not forwarded");
+    return fail(Error::kUnreachable, "guest port " + std::to_string(port) + " is not forwarded");
+  // QEMU accepts every forwarded connection on the host and resets it only once the guest refuses, which the
+  // proxy would see after it sent the request: refuse here, with the reason, instead.
+  if (port == agent_port_) {
+    auto agent = info.driver_data.find(kAgentState);
+    if (agent != info.driver_data.end() && agent->second == "none")
+      return fail(Error::kUnreachable,
+                  "the guest image has no sandgate-agent, so exec, files and health cannot work; rebuild it with "
+                  "deploy/build-guest-image.sh DIR <build>/agent/sandgate-agent");
+    if (agent != info.driver_data.end() && agent->second != "listening")
+      return fail(Error::kUnreachable, "the guest's sandgate-agent did not start (state '" + agent->second +
+                                           "'); see console.log in the sandbox directory");
+  }
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return fail_errno("socket", errno);
   return GuestSocket{.fd = std::move(fd), .connected = false,

@@ -2,8 +2,9 @@
 // the busybox initramfs of deploy/build-guest-image.sh, which runs the sandbox's command. Controlled over QMP
 // (noderuntime/qmp_client.h) on a unix socket in the sandbox directory.
 //
-//   start     = spawn QEMU, wait for "SANDGATE-GUEST-READY" on the serial console (a file in the sandbox
-//               dir) up to node.qemu_boot_timeout_ms; a stalled boot is killed and retried up to
+//   start     = make sure the guest image exists (noderuntime/guest_image.h: built on first use), spawn
+//               QEMU, wait for "SANDGATE-GUEST-READY" on the serial console (a file in the sandbox dir) up to
+//               node.qemu_boot_timeout_ms; a stalled boot is killed and retried up to
 //               node.qemu_boot_attempts times. A QEMU that exits during boot fails the start at once.
 //   pause     = QMP stop;   resume = QMP cont, then the guest clock is set (below)
 //   hibernate = QMP migrate to "exec:cat > <dir>/qemu.state.tmp", query-migrate until it completes; fsync and
@@ -50,9 +51,12 @@ namespace sg {
 inline constexpr uint16_t kClockGuestPort = 1021;
 // The guest prints this line on its serial console once its network is up and the command is started.
 inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
+// Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).
+inline constexpr const char* kGuestAgentMarker = "SANDGATE-GUEST-AGENT";
 
 // `agent_port` is Config::agent_port: forwarded into every guest (the agent listens there when the image
-// has one). Missing kernel/initrd files are not an error here: start() fails each sandbox with the reason.
+// has one). Missing kernel/initrd files are not an error here: start() builds them, or fails each sandbox
+// with the reason.
 std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port);
 
 }  // namespace sg

@@ -40,6 +40,7 @@ enum class TerminationCause {
   kUpstreamConnectFailed,
   kUpstreamConnectTimeout,
   kIdleTimeout,
+  kSandboxSuspended,    // the sandbox was suspended while this connection was open (it can reach it no more)
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
   kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
   kShutdown,

@@ -158,7 +158,14 @@ void Connection::on_client_io(int status, int) {
 
 void Connection::on_upstream_io(int status, int) {
   if (phase_ == Phase::kConnecting) return finish_connect();
-  if (status < 0) return close(TerminationCause::kUpstreamReset, uv_strerror(status));
+  if (status < 0) {
+    // libuv reports POLLERR as UV_EBADF; the socket's own error says what happened.
+    int err = 0;
+    socklen_t len = sizeof err;
+    ::getsockopt(upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    upstream_failed(err != 0 ? std::strerror(err) : uv_strerror(status));
+    return;
+  }
   if (phase_ == Phase::kForwarding) pump();
 }
 
@@ -359,6 +366,7 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
   // 200 itself and the bytes after the head are the tunnel's.
   tunnel_ = method == "CONNECT";
+  answers_request_ = !tunnel_;
   rec_.port = route_.port;
   open_sandbox();
 }
@@ -430,6 +438,12 @@ void Connection::on_open_result(Result<NodeResponse> r) {
                      TerminationCause::kPortNotExposed);
     case 504:
       return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
+    case 502:
+      // Running, but the port cannot be reached (e.g. a guest image without the agent): the node says why.
+      rec_.detail = message;
+      return respond(502, "sandbox " + route_.target + " port " + std::to_string(route_.port) +
+                              " cannot be reached: " + message + "\n",
+                     TerminationCause::kUpstreamConnectFailed);
     default:
       rec_.detail = message;
       return respond(503, "sandbox is not available: " + message + "\n", TerminationCause::kWakeFailed,
@@ -439,6 +453,8 @@ void Connection::on_open_result(Result<NodeResponse> r) {
     return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
   }
   rec_.sandbox_id = json["id"].get<std::string>();
+  if (json.contains("opened_at") && json["opened_at"].is_number_unsigned())
+    opened_at_ = json["opened_at"].get<uint64_t>();
   if (json.contains("woke") && json["woke"].is_boolean()) rec_.woke = json["woke"].get<bool>();
   if (json.contains("wake_ms") && json["wake_ms"].is_number()) rec_.wake_ms = json["wake_ms"].get<double>();
   bool port_public = json.contains("public") && json["public"].is_boolean() && json["public"].get<bool>();
@@ -687,8 +703,7 @@ bool Connection::splice_to_upstream() {
     return true;
   }
   if (errno == EAGAIN || errno == EINTR) return true;
-  close(TerminationCause::kUpstreamReset, std::strerror(errno));
-  return false;
+  return upstream_failed(std::strerror(errno));
 }
 
 bool Connection::splice_from_upstream() {
@@ -700,12 +715,12 @@ bool Connection::splice_from_upstream() {
     return true;
   }
   if (n == 0) {
+    if (awaiting_first_response()) return upstream_failed("the sandbox closed the connection");
     upstream_eof_ = true;
     return true;
   }
   if (errno == EAGAIN || errno == EINTR) return true;
-  close(TerminationCause::kUpstreamReset, std::strerror(errno));
-  return false;
+  return upstream_failed(std::strerror(errno));
 }
 
 bool Connection::splice_to_client() {
@@ -723,8 +738,7 @@ bool Connection::write_upstream() {
     return true;
   }
   if (errno == EAGAIN || errno == EINTR) return true;
-  close(TerminationCause::kUpstreamReset, std::strerror(errno));
-  return false;
+  return upstream_failed(std::strerror(errno));
 }
 
 bool Connection::read_upstream() {
@@ -738,12 +752,12 @@ bool Connection::read_upstream() {
     return true;
   }
   if (n == 0) {
+    if (awaiting_first_response()) return upstream_failed("the sandbox closed the connection");
     upstream_eof_ = true;
     return true;
   }
   if (errno == EAGAIN || errno == EINTR) return true;
-  close(TerminationCause::kUpstreamReset, std::strerror(errno));
-  return false;
+  return upstream_failed(std::strerror(errno));
 }
 
 bool Connection::write_client() {
@@ -781,6 +795,23 @@ bool Connection::handle_half_close() {
     return false;
   }
   return true;
+}
+
+bool Connection::awaiting_first_response() const {
+  return answers_request_ && rec_.bytes_out == 0 && !client_eof_ && !c2u_pipe_;
+}
+
+// A sandbox that resets (or closes) before its first byte leaves the client's request unanswered: on an
+// HTTP route the client gets a 502 that names the cause, as from nginx, instead of a reset of its own.
+bool Connection::upstream_failed(std::string detail) {
+  if (!awaiting_first_response()) {
+    close(TerminationCause::kUpstreamReset, std::move(detail));
+    return false;
+  }
+  rec_.detail = "port " + std::to_string(route_.port) + ": " + detail + ", before any response";
+  u2c_pipe_.reset();  // nothing came from the sandbox, so nothing is buffered there
+  respond(502, "sandbox " + route_.target + ", " + rec_.detail + "\n", TerminationCause::kUpstreamReset);
+  return false;
 }
 
 void Connection::respond(int status, std::string_view body, TerminationCause cause,
@@ -840,6 +871,13 @@ void Connection::linger() {
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return update_interest();
     return close(respond_cause_);  // EOF or error: the client is done
   }
+}
+
+bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t suspended_at) {
+  if (opened_at_ == 0 || opened_at_ >= suspended_at || rec_.sandbox_id != sandbox_id || phase_ == Phase::kClosed)
+    return false;
+  close(TerminationCause::kSandboxSuspended, "the sandbox was suspended while the connection was open");
+  return true;
 }
 
 void Connection::close(TerminationCause cause, std::string detail) {

@@ -69,6 +69,10 @@ class Connection {
   void start();
   void close(TerminationCause cause, std::string detail = {});
 
+  // The node suspended this connection's sandbox at `suspended_at` (its stamp): a connection it opened
+  // before then is cut, since its bytes can no longer reach the frozen sandbox. True when it was cut.
+  bool cut_if_opened_before(const std::string& sandbox_id, uint64_t suspended_at);
+
  private:
   // kLingering: our error response is sent; the client's unread input is drained (and discarded) for a
   // moment so closing does not turn into a TCP reset that destroys the response before it is read.
@@ -116,6 +120,10 @@ class Connection {
   bool splice_from_upstream();
   bool splice_to_client();
   bool handle_half_close();
+  // The request on an HTTP route has had no byte back from the sandbox yet (so a 502 can still answer it).
+  bool awaiting_first_response() const;
+  // The sandbox side failed (detail: how); answers 502 while awaiting_first_response(). Always false.
+  bool upstream_failed(std::string detail);
   void client_finished_sending();
 
   // kTLS: decides per connection which directions can splice and logs why not (once per reason).
@@ -165,6 +173,7 @@ class Connection {
   bool h2_ = false;                        // ALPN h2: the first request arrives as an HTTP/2 HEADERS frame
   uint32_t h2_stream_ = 0;                 // that request's stream, which the proxy's own answers go to
   bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
+  bool answers_request_ = false;           // an HTTP request (not CONNECT, not raw TCP) is being forwarded
   size_t head_bytes_ = 0;                  // length of the HTTP/1.1 head at the front of c2u_
   std::vector<Credential> credentials_;    // tried in order; the node checks each (a 401 never wakes)
   size_t credential_index_ = 0;
@@ -176,6 +185,7 @@ class Connection {
   Route route_;
   std::unique_ptr<NodeRequest> open_request_;
   uint64_t open_started_ms_ = 0;
+  uint64_t opened_at_ = 0;  // the node's stamp of the open that gave the socket (0: not opened)
 
   SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
   bool holds_sandbox_slot_ = false;

@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "common/log.h"
 #include "proxy/connection.h"
 
@@ -105,9 +107,27 @@ void Worker::report_activity() {
                                            if (!r) spdlog::warn("activity report failed: {}", r.message());
                                            else if (r->status >= 300)
                                              spdlog::warn("activity report rejected: {} {}", r->status, r->body);
+                                           else cut_asleep(r->body);
                                            // Freed after this callback returns (see NodeRequest::finish).
                                            auto done = std::move(report_in_flight_);
                                          });
+}
+
+void Worker::cut_asleep(const std::string& answer) {
+  auto json = nlohmann::json::parse(answer, nullptr, false);
+  if (!json.is_object() || !json.contains("asleep") || !json["asleep"].is_array()) return;
+  for (const auto& a : json["asleep"]) {
+    if (!a.is_object() || !a.contains("id") || !a["id"].is_string() || !a.contains("suspended_at") ||
+        !a["suspended_at"].is_number_unsigned())
+      continue;
+    const std::string id = a["id"].get<std::string>();
+    const uint64_t suspended_at = a["suspended_at"].get<uint64_t>();
+    // close() takes the connection out of connections_, so the candidates are copied first.
+    std::vector<Connection*> open(connections_.begin(), connections_.end());
+    size_t cut = 0;
+    for (Connection* c : open) cut += c->cut_if_opened_before(id, suspended_at) ? 1 : 0;
+    if (cut > 0) spdlog::info("sandbox {} is suspended: closed {} connection(s) opened before", id, cut);
+  }
 }
 
 }  // namespace sg

@@ -62,6 +62,8 @@ class Worker {
   void run();
   void on_accept(int listen_fd);
   void report_activity();
+  // The node's answer to a report names the reported sandboxes that are asleep; their older connections go.
+  void cut_asleep(const std::string& answer);
 
   int index_;
   ProxyShared* shared_;

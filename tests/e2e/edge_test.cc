@@ -195,6 +195,23 @@ TEST(Edge, FailedSandboxAnswers503WithRetryAfter) {
   EXPECT_NE(r.out.find("Retry-After:"), std::string::npos) << r.out;
 }
 
+// A backend that resets the connection before answering: the request was read, so the client is owed an
+// answer. It gets a 502 naming the cause (as from nginx), not a reset, and the access log says why.
+TEST(Edge, SandboxResetBeforeAnsweringIs502WithTheCause) {
+  Cluster c;
+  c.create_http_sandbox("flaky", 8080);
+  c.wait_until_serving("flaky", 8080);
+  auto r = c.curl("8080-flaky.sandbox.localhost", "/reset");
+  EXPECT_EQ(Cluster::http_code(r), 502) << r.out << r.err;
+  EXPECT_NE(r.out.find("before any response"), std::string::npos) << r.out;
+  auto entry = c.wait_access_entry([](const nlohmann::json& j) {
+    return j.contains("status") && j["status"] == 502 && j.value("cause", "") == "upstream_reset";
+  });
+  ASSERT_TRUE(entry.is_object()) << c.proxy().log();
+  EXPECT_NE(entry.value("detail", "").find("reset by peer"), std::string::npos) << entry.dump();
+  expect_still_serving(c, "flaky");
+}
+
 TEST(Edge, NodeDownAnswers503) {
   Cluster c;
   c.create_http_sandbox("app", 8080);

@@ -29,10 +29,13 @@ echo ok >/tmp/www/index.html
 exec httpd -f -p 8080 -h /tmp/www
 )SH";
 
-// Builds (or reuses) the guest image under the build dir; "" when the kernel package is unavailable.
-std::string guest_image_dir(std::string* why) {
-  const std::string dir = bin("qemu-guest");
-  auto r = run("bash " + source("deploy/build-guest-image.sh") + " " + dir + " 2>&1", 600);
+// Builds (or reuses) a guest image under the build dir, with the agent or without it; "" when the kernel
+// package is unavailable.
+std::string guest_image_dir(std::string* why, bool with_agent = true) {
+  const std::string dir = bin(with_agent ? "qemu-guest" : "qemu-guest-no-agent");
+  auto r = run("bash " + source("deploy/build-guest-image.sh") + " " + dir + " " +
+                   (with_agent ? bin("agent/sandgate-agent") : std::string()) + " 2>&1",
+               600);
   if (r.exit_code != 0) {
     *why = r.out;
     return "";
@@ -68,9 +71,10 @@ class Qemu : public ::testing::Test {
       GTEST_SKIP() << "guest image cannot be built: " << why;
     }
   }
-  std::string node_config() const {
+  std::string node_config() const { return node_config(image_); }
+  static std::string node_config(const std::string& image) {
     // Boots under TCG on a shared 2-core machine: a generous per-attempt deadline.
-    return "guest_kernel = \"" + image_ + "/vmlinuz\"\nguest_initrd = \"" + image_ +
+    return "guest_kernel = \"" + image + "/vmlinuz\"\nguest_initrd = \"" + image +
            "/initrd.img\"\nqemu_boot_timeout_ms = 90000\nqemu_boot_attempts = 2\n";
   }
   std::string image_;
@@ -129,6 +133,95 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   ASSERT_EQ(c.cli("rm q").exit_code, 0);
   EXPECT_TRUE(eventually([&] { return run("pgrep -f '[s]andgate-" + id + "' || true").out.empty(); },
                          std::chrono::seconds(10)));
+}
+
+std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
+
+// The SDK route (<name>.<domain> -> the agent in the guest) over HTTP/1.1 and HTTP/2: health, a streaming
+// exec whose first event arrives before the command ends, and a 1 MiB file round trip, hash-checked.
+void expect_sdk_works(Cluster& c, const std::string& token, const std::string& when, const std::string& scratch) {
+  SCOPED_TRACE("SDK route, " + when);
+  const std::string host = "vq.sandbox.localhost";
+  for (const std::string proto : {"--http1.1", "--http2"}) {
+    SCOPED_TRACE(proto);
+    auto health = c.curl(host, "/health", proto + " -w '\\n%{http_code} %{http_version}' " + bearer(token), 120);
+    EXPECT_EQ(Cluster::http_code(health), 200) << health.out << health.err << c.proxy().log();
+    EXPECT_NE(health.out.find("\"status\":\"ok\""), std::string::npos) << health.out;
+    EXPECT_NE(health.out.rfind(proto == "--http2" ? " 2" : " 1.1"), std::string::npos) << health.out;
+
+    const std::string body = R"({"command":["sh","-c","echo first; sleep 2; echo second"]})";
+    auto exec = c.curl(host, "/exec",
+                       proto + " -N -X POST -H 'Content-Type: application/json' --data " + shell_quote(body) + " " +
+                           bearer(token) + " -w '\\n%{http_code} ttfb=%{time_starttransfer} total=%{time_total}'",
+                       120);
+    EXPECT_NE(exec.out.find("\"data\":\"first\\n\""), std::string::npos) << exec.out << exec.err;
+    EXPECT_NE(exec.out.find("\"data\":\"second\\n\""), std::string::npos) << exec.out;
+    EXPECT_NE(exec.out.find("\"type\":\"exit\""), std::string::npos) << exec.out;
+    auto ttfb_at = exec.out.find("ttfb="), total_at = exec.out.find("total=");
+    ASSERT_NE(ttfb_at, std::string::npos) << exec.out;
+    double ttfb = std::atof(exec.out.c_str() + ttfb_at + 5), total = std::atof(exec.out.c_str() + total_at + 6);
+    EXPECT_LT(ttfb, total - 1.0) << "the first event waited for the end: " << exec.out;
+
+    const std::string local = scratch + "/upload.bin", back = scratch + "/download.bin";
+    ASSERT_EQ(run("head -c 1048576 /dev/urandom > " + shell_quote(local)).exit_code, 0);
+    const std::string remote = "/files?path=/tmp/roundtrip-" + std::string(proto == "--http2" ? "h2" : "h1");
+    auto put = c.curl(host, remote, proto + " -X PUT --data-binary @" + shell_quote(local) + " " + bearer(token), 120);
+    EXPECT_LT(Cluster::http_code(put), 300) << put.out << put.err;
+    auto get = c.curl(host, remote, proto + " -o " + shell_quote(back) + " " + bearer(token), 120);
+    EXPECT_EQ(Cluster::http_code(get), 200) << get.out << get.err;
+    EXPECT_EQ(sha256_file(back), sha256_file(local));
+  }
+}
+
+// Issue: every SDK request to a QEMU sandbox was reset ("bad file descriptor") when the guest had no agent.
+// With the agent in the image, the SDK works as for a process sandbox, also right after each kind of wake.
+TEST_F(Qemu, SdkRouteWorksOverHttp1AndHttp2AndAfterWakingFromBothTiers) {
+  Cluster c(ClusterOptions::node(node_config()));
+  auto created = c.cli("create --json --name vq --driver qemu --timeout 3 --hibernate-after 3 --memory-mb 128 "
+                       "-- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const std::string token = nlohmann::json::parse(created.out, nullptr, false).value("token", "");
+  ASSERT_FALSE(token.empty()) << created.out;
+  expect_sdk_works(c, token, "running", c.dir());
+
+  ASSERT_TRUE(eventually([&] { return c.get("vq")["tier"] == "memory"; }, std::chrono::seconds(30)));
+  expect_sdk_works(c, token, "woken from the memory tier", c.dir());
+
+  ASSERT_TRUE(eventually([&] {
+    auto j = c.get("vq");
+    return j["tier"] == "disk" && j["state"] == "suspended";
+  }, std::chrono::seconds(60))) << c.get("vq").dump() << c.node().log();
+  expect_sdk_works(c, token, "woken from the disk tier", c.dir());
+  for (const auto& e : c.access_log()) {
+    if (e.value("sandbox_ref", "") != "vq") continue;
+    EXPECT_NE(e.value("cause", ""), "upstream_reset") << e.dump();
+  }
+  ASSERT_EQ(c.cli("rm vq").exit_code, 0);
+}
+
+// A guest image without the agent: the SDK route is refused up front with a 502 that says why, and the
+// access log names the cause; nothing is reset after the request was read.
+TEST_F(Qemu, SdkRouteToAGuestWithoutTheAgentIsRefusedWithTheReason) {
+  std::string why;
+  const std::string image = guest_image_dir(&why, false);
+  if (image.empty()) GTEST_SKIP() << why;
+  // The node would rebuild a stamped image that lacks the agent; this one is meant to lack it.
+  Cluster c(ClusterOptions::node(node_config(image) + "guest_image_autobuild = false\n"));
+  auto created = c.cli("create --json --name vq --driver qemu --timeout 600 --memory-mb 128 -- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const std::string token = nlohmann::json::parse(created.out, nullptr, false).value("token", "");
+  for (const std::string proto : {"--http1.1", "--http2"}) {
+    auto r = c.curl("vq.sandbox.localhost", "/health", proto + " " + bearer(token), 60);
+    EXPECT_EQ(Cluster::http_code(r), 502) << r.out << r.err;
+    EXPECT_NE(r.out.find("no sandgate-agent"), std::string::npos) << r.out;
+  }
+  auto entry = c.wait_access_entry([](const nlohmann::json& e) { return e.contains("status") && e["status"] == 502; });
+  ASSERT_TRUE(entry.is_object()) << c.proxy().log();
+  EXPECT_EQ(entry.value("cause", ""), "upstream_connect_failed");
+  EXPECT_NE(entry.value("detail", "").find("no sandgate-agent"), std::string::npos) << entry.dump();
+  ASSERT_EQ(c.cli("rm vq").exit_code, 0);
 }
 
 // The disk fills up during a hibernation: the migration fails, the VM stays paused in memory with the

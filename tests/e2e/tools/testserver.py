@@ -5,13 +5,15 @@
       GET /            -> "hello from MARKER"
       GET /blob?size=N -> N deterministic bytes (sha256 checkable by the test)
       PUT|POST /hash   -> sha256 hex of the request body
-      GET /slow?secs=S -> body sent in pieces over S seconds (keeps a connection busy)
+      GET /slow?secs=S&steps=N -> body sent in N pieces (default 10) over S seconds (keeps a connection busy)
+      GET /reset       -> no answer: the connection is reset (SO_LINGER 0)
   testserver.py tcp PORT           raw TCP: reads until EOF (the client's half-close), then answers
                                    "<sha256> <bytes>\\n" and closes.
 """
 import hashlib
 import http.server
 import socket
+import struct
 import sys
 import threading
 import time
@@ -53,13 +55,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/plain")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            steps = 10
+            steps = int(q.get("steps", ["10"])[0])
             for i in range(steps):
                 piece = ("tick %d\n" % i).encode()
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                 self.wfile.flush()
                 time.sleep(secs / steps)
             self.wfile.write(b"0\r\n\r\n")
+            return
+        if url.path == "/reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
             return
         self.send_error(404)
 

@@ -69,6 +69,7 @@ TEST(Config, ErrorsNameFileLineAndKey) {
       {"[[proxy.certificates]]\ncert = \"a.pem\"\n", "needs both cert and key"},
       {"[node]\non_shutdown = \"explode\"\n", "t.toml:2: node.on_shutdown"},
       {"[node]\ncgroup_name = \"../escape\"\n", "node.cgroup_name"},
+      {"[node]\nguest_image_autobuild = \"yes\"\n", "t.toml:2: node.guest_image_autobuild: must be true or false"},
       {"domain = \"Bad_Domain\"\n", "t.toml:1: domain"},
       {"log_level = \"loud\"\n", "log_level"},
       {"proxy = 3\n", "proxy: must be a table"},
@@ -80,6 +81,20 @@ TEST(Config, ErrorsNameFileLineAndKey) {
     ASSERT_FALSE(c.ok()) << bc.text;
     EXPECT_NE(c.message().find(bc.expected), std::string::npos) << "got: " << c.message() << "\nwant: " << bc.expected;
   }
+}
+
+TEST(Config, GuestImageKeys) {
+  auto d = load("[node]\nstate_dir = \"/s\"\n");
+  ASSERT_TRUE(d.ok()) << d.message();
+  EXPECT_TRUE((*d)->node.guest_image_autobuild);
+  EXPECT_EQ((*d)->node.guest_image_builder, "");
+  EXPECT_EQ((*d)->node.guest_kernel_file(), "/s/guest/vmlinuz");
+  EXPECT_EQ((*d)->node.guest_initrd_file(), "/s/guest/initrd.img");
+  auto c = load("[node]\nguest_image_autobuild = false\nguest_image_builder = \"b.sh\"\nguest_kernel = \"k\"\n");
+  ASSERT_TRUE(c.ok()) << c.message();
+  EXPECT_FALSE((*c)->node.guest_image_autobuild);
+  EXPECT_EQ((*c)->node.guest_image_builder, "/base/b.sh");
+  EXPECT_EQ((*c)->node.guest_kernel_file(), "/base/k");
 }
 
 TEST(Config, AllErrorsReportedAtOnce) {

@@ -529,10 +529,16 @@ TEST_F(ApiServerTest, Activity) {
                        R"(","bytes_in":10,"bytes_out":20,"connections":2,"reporter":"w1"},)"
                        R"({"id":"sb-unknown00000"}]})";
   Reply ok = c.request("POST", "/v1/internal/activity", report);
-  EXPECT_EQ(ok.status, 204);
-  EXPECT_TRUE(ok.message.body.empty());
-  EXPECT_EQ(*ok.message.header("Content-Length"), "0");
+  EXPECT_EQ(ok.status, 200);
+  EXPECT_EQ(ok.body(), nlohmann::json::parse(R"({"asleep":[]})"));
   EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").body()["connections"], 2);
+  // A suspended sandbox in a report is named with the stamp of its suspend; the bytes do not wake it.
+  ASSERT_EQ(c.request("POST", "/v1/sandboxes/demo/suspend").status, 202);
+  Reply asleep = c.request("POST", "/v1/internal/activity", report);
+  ASSERT_EQ(asleep.status, 200);
+  ASSERT_EQ(asleep.body()["asleep"].size(), 1u) << asleep.message.body;
+  EXPECT_EQ(asleep.body()["asleep"][0]["id"], id);
+  EXPECT_TRUE(asleep.body()["asleep"][0]["suspended_at"].is_number_unsigned());
   expect_error(c.request("POST", "/v1/internal/activity", R"({"sandboxes":[{"bytes_in":1}]})"), 400,
                "invalid_argument", "id is required");
   expect_error(c.request("POST", "/v1/internal/activity", R"({"sandboxes":[{"id":"x","bytes_in":-1}]})"), 400,

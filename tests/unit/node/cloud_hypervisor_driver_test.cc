@@ -235,6 +235,15 @@ TEST_F(CloudHypervisorTest, FullLifecycleConformsToTheSpec) {
   EXPECT_EQ(fake_->requests()[6].body, R"({"destination_url":"file://)" + sandbox_dir_ + R"(/saved-state.new"})");
 }
 
+TEST_F(CloudHypervisorTest, AgentPathGoesThroughTheVsockTheVmmWasGiven) {
+  auto d = make_cloud_hypervisor_driver(loop_.get(), config_);
+  auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto create = json::parse(fake_->requests().at(0).body);
+  testing::expect_agent_path_over_vsock(*d, spec_sb_, *info, create["vsock"].value("socket", ""));
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
+}
+
 TEST_F(CloudHypervisorTest, BootAndRestoreFailuresLeaveNothingRunning) {
   auto d = make_cloud_hypervisor_driver(loop_.get(), config_);
   fake_->inject("PUT /vm.boot", FakeHypervisor::Fault::kErrorStatus, 404, "VM is not created");

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "common/http.h"
+#include "noderuntime/hypervisor_client.h"
 
 namespace sg::testing {
 namespace {
@@ -457,6 +458,92 @@ FakeHypervisor::FakeHypervisor(const ApiSpec& spec, std::string socket_path)
   wake_read_.reset(p[0]);
   wake_write_.reset(p[1]);
   thread_ = std::thread([this] { serve(); });
+}
+
+FakeVsock::FakeVsock(std::string socket_path, std::set<uint16_t> listening)
+    : socket_path_(std::move(socket_path)), listening_(std::move(listening)) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_path_.c_str(), sizeof addr.sun_path - 1);
+  listen_fd_ = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ::unlink(socket_path_.c_str());
+  EXPECT_EQ(::bind(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+  EXPECT_EQ(::listen(listen_fd_.get(), 16), 0);
+  int p[2];
+  EXPECT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  wake_read_ = UniqueFd(p[0]);
+  wake_write_ = UniqueFd(p[1]);
+  thread_ = std::thread([this] { serve(); });
+}
+
+FakeVsock::~FakeVsock() {
+  (void)!::write(wake_write_.get(), "x", 1);
+  thread_.join();
+  ::unlink(socket_path_.c_str());
+}
+
+std::vector<uint16_t> FakeVsock::connects() const {
+  std::lock_guard lock(mu_);
+  return connects_;
+}
+
+void FakeVsock::serve() {
+  std::vector<UniqueFd> streams;
+  while (true) {
+    std::vector<pollfd> fds = {{wake_read_.get(), POLLIN, 0}, {listen_fd_.get(), POLLIN, 0}};
+    for (const auto& s : streams) fds.push_back({s.get(), POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 5000) <= 0 || (fds[0].revents & POLLIN)) return;
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP))) continue;
+      char buf[4096];
+      ssize_t n = ::recv(fds[i].fd, buf, sizeof buf, 0);
+      if (n > 0) (void)!::send(fds[i].fd, buf, static_cast<size_t>(n), MSG_NOSIGNAL);
+    }
+    if (!(fds[1].revents & POLLIN)) continue;
+    UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) continue;
+    std::string line;
+    char c = 0;
+    while (line.size() < 64 && ::recv(conn.get(), &c, 1, 0) == 1 && c != '\n') line += c;
+    uint16_t port = line.rfind("CONNECT ", 0) == 0 ? static_cast<uint16_t>(std::atoi(line.c_str() + 8)) : 0;
+    {
+      std::lock_guard lock(mu_);
+      connects_.push_back(port);
+    }
+    if (!listening_.count(port)) continue;  // conn closes: what the VMM does when the guest refuses
+    const std::string ok = "OK 1073741824\n";
+    (void)!::send(conn.get(), ok.data(), ok.size(), MSG_NOSIGNAL);
+    streams.push_back(std::move(conn));
+  }
+}
+
+void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const RuntimeInfo& info,
+                                  const std::string& vsock_path_sent_to_the_vmm) {
+  constexpr uint16_t kAgentPort = 9501;
+  auto it = info.driver_data.find(VmmDriver::kVsockSocket);
+  ASSERT_NE(it, info.driver_data.end()) << "the driver keeps no vsock socket path";
+  EXPECT_EQ(it->second, vsock_path_sent_to_the_vmm) << "the driver connects where it did not tell the VMM to listen";
+  {
+    FakeVsock vsock(it->second, {kAgentPort});
+    auto agent = driver.open_socket(spec, info, kAgentPort);
+    ASSERT_TRUE(agent.ok()) << agent.message();
+    EXPECT_TRUE(agent->connected) << "a vsock stream is handed over connected";
+    ASSERT_EQ(::send(agent->fd.get(), "ping", 4, MSG_NOSIGNAL), 4);
+    pollfd pfd{agent->fd.get(), POLLIN, 0};
+    ASSERT_EQ(::poll(&pfd, 1, 2000), 1);
+    char buf[8] = {};
+    EXPECT_EQ(::recv(agent->fd.get(), buf, sizeof buf, 0), 4);
+    EXPECT_EQ(std::string(buf), "ping") << "the OK line must not be left in the stream";
+
+    auto refused = driver.open_socket(spec, info, 8080);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.error(), Error::kUnreachable);
+    EXPECT_NE(refused.message().find("8080 refused"), std::string::npos) << refused.message();
+    EXPECT_EQ(vsock.connects(), (std::vector<uint16_t>{kAgentPort, 8080}));
+  }
+  auto gone = driver.open_socket(spec, info, kAgentPort);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.error(), Error::kUnavailable);
 }
 
 FakeHypervisor::~FakeHypervisor() {

@@ -33,6 +33,7 @@
 #include <functional>
 
 #include "common/fd.h"
+#include "noderuntime/driver.h"
 
 namespace sg::testing {
 
@@ -170,5 +171,33 @@ class FakeHypervisor {
   std::vector<std::string> response_problems_;
   std::thread thread_;
 };
+
+// The host side of a hybrid vsock device (Firecracker's protocol, which Cloud Hypervisor implements too): a
+// unix socket where a client writes "CONNECT <port>\n" and gets "OK <host port>\n" when the guest listens on
+// <port>, or a closed connection when nothing does. Accepted streams echo what they receive.
+class FakeVsock {
+ public:
+  FakeVsock(std::string socket_path, std::set<uint16_t> listening);
+  ~FakeVsock();
+  FakeVsock(const FakeVsock&) = delete;
+  FakeVsock& operator=(const FakeVsock&) = delete;
+  std::vector<uint16_t> connects() const;  // the ports asked for, in order
+
+ private:
+  void serve();
+  std::string socket_path_;
+  std::set<uint16_t> listening_;
+  UniqueFd listen_fd_;
+  UniqueFd wake_read_, wake_write_;
+  mutable std::mutex mu_;
+  std::vector<uint16_t> connects_;
+  std::thread thread_;
+};
+
+// The agent path of a VMM driver over its vsock device (what the proxy gets for <name>.<domain>): a guest
+// port that listens gives a connected stream that carries bytes; one that does not is kUnreachable with the
+// reason; a VMM whose vsock socket is gone is kUnavailable. `info` is what the driver's start() returned.
+void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const RuntimeInfo& info,
+                                  const std::string& vsock_path_sent_to_the_vmm);
 
 }  // namespace sg::testing

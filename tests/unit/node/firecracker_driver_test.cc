@@ -383,6 +383,17 @@ TEST_F(FirecrackerDriverTest, FullLifecycleConformsToTheSpec) {
   EXPECT_EQ(json::parse(reqs.back().body)["mem_backend"]["backend_type"], "File");
 }
 
+TEST_F(FirecrackerDriverTest, AgentPathGoesThroughTheVsockTheVmmWasGiven) {
+  auto d = driver();
+  auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
+  ASSERT_TRUE(info.ok()) << info.message();
+  std::string uds_path;
+  for (const auto& r : fake_->requests())
+    if (r.op_key == "PUT /vsock") uds_path = json::parse(r.body).value("uds_path", "");
+  testing::expect_agent_path_over_vsock(*d, spec_sb_, *info, uds_path);
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
+}
+
 TEST_F(FirecrackerDriverTest, BootFailureLeavesNothingRunning) {
   fake_->inject("PUT /actions", FakeHypervisor::Fault::kErrorStatus, 400, "Invalid kernel image");
   auto d = driver();

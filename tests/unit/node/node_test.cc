@@ -373,25 +373,53 @@ TEST_F(NodeTest, IdleWithoutPauseSupportKeepsRunning) {
   EXPECT_EQ(node_->suspend("named").error(), Error::kUnsupported);
 }
 
-TEST_F(NodeTest, TrafficForASuspendedSandboxWakesIt) {
+// A report carries bytes moved up to an interval earlier, so bytes that arrive after a suspend are no
+// evidence of traffic after it: they never wake. The answer names the sleeping sandbox instead.
+TEST_F(NodeTest, TrafficReportedAfterASuspendNeverWakesIt) {
   SandboxInfo info = create("demo");
+  auto before = open("demo");
+  ASSERT_TRUE(before->result.has_value() && before->result->ok());
   suspend_and_wait("demo");
-  node_->activity({ActivityReport{info.spec.id, "w1", 0, 0, 1}});
-  run_for(&loop_, 20);
-  EXPECT_EQ(state("demo"), S::kSuspended) << "no bytes, no wake";
-  node_->activity({ActivityReport{info.spec.id, "w1", 5, 0, 1}});
-  ASSERT_TRUE(wait_state("demo", S::kRunning));
-  EXPECT_EQ(driver_->resumes, 1);
-  EXPECT_EQ(node_->get("demo")->state_reason, "woken by traffic that raced the suspend");
+  std::vector<AsleepSandbox> asleep = node_->activity({ActivityReport{info.spec.id, "w1", 5, 900, 1}});
+  run_for(&loop_, 50);
+  EXPECT_EQ(state("demo"), S::kSuspended);
+  EXPECT_EQ(driver_->resumes, 0);
+  ASSERT_EQ(asleep.size(), 1u);
+  EXPECT_EQ(asleep[0].id, info.spec.id);
+  EXPECT_GT(asleep[0].suspended_at, (*before->result)->opened_at) << "the earlier connection is older";
+  // A new connection still wakes it, and is newer than the suspend.
+  auto after = open("demo");
+  ASSERT_TRUE(run_until(&loop_, [&] { return after->result.has_value(); }));
+  ASSERT_TRUE(after->result->ok()) << after->result->message();
+  EXPECT_GT((*after->result)->opened_at, asleep[0].suspended_at);
+  EXPECT_EQ(state("demo"), S::kRunning);
+  EXPECT_TRUE(node_->activity({ActivityReport{info.spec.id, "w1", 5, 0, 1}}).empty()) << "running: not asleep";
 }
 
-TEST_F(NodeTest, TrafficDuringSuspendResumesAfterIt) {
+TEST_F(NodeTest, TrafficReportedDuringASuspendDoesNotUndoIt) {
   SandboxInfo info = create("demo");
   driver_->can_cancel = false;
   ASSERT_TRUE(node_->suspend("demo")->started);
-  node_->activity({ActivityReport{info.spec.id, "w1", 0, 7, 1}});
-  ASSERT_TRUE(run_until(&loop_, [&] { return driver_->resumes == 1 && state("demo") == S::kRunning; }));
+  EXPECT_EQ(node_->activity({ActivityReport{info.spec.id, "w1", 0, 7, 1}}).size(), 1u) << "suspending is asleep";
+  ASSERT_TRUE(wait_state("demo", S::kSuspended));
+  run_for(&loop_, 50);
+  EXPECT_EQ(state("demo"), S::kSuspended);
+  EXPECT_EQ(driver_->resumes, 0);
   EXPECT_EQ(driver_->pauses, 1);
+}
+
+TEST_F(NodeTest, TrafficKeepsARunningSandboxFromGoingIdle) {
+  create("demo", false, 1);
+  uv_timer_t traffic;
+  uv_timer_init(&loop_, &traffic);
+  traffic.data = node_.get();
+  uv_timer_start(&traffic, [](uv_timer_t* t) {
+    static_cast<Node*>(t->data)->activity({ActivityReport{"demo", "w1", 1, 1, 0}});
+  }, 300, 300);
+  run_for(&loop_, 1600);
+  uv_close(reinterpret_cast<uv_handle_t*>(&traffic), nullptr);
+  EXPECT_EQ(state("demo"), S::kRunning) << "bytes every 300 ms, 1 s timeout";
+  ASSERT_TRUE(wait_state("demo", S::kSuspended, 3000)) << "idle once the bytes stop";
 }
 
 TEST_F(NodeTest, ConnectionsGaugeIsTheSumOfTheLatestPerReporter) {

@@ -22,6 +22,8 @@ using testing::TempDir;
 using testing::TestLoop;
 
 // FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | stall | qmp-error | migrate-die | migrate-fail.
+// FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
+// line, as the guest's init does; unset, no such line (an image older than that line).
 // Every spawn appends its pid to <sandbox dir>/spawns. A saved state is the bytes "SANDGATE-FAKE-STATE".
 constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
 import json, os, socket, subprocess, sys, time
@@ -43,7 +45,10 @@ if mode == "stall":
     time.sleep(3600)
 if not incoming:
     with open(console, "a") as f:
-        f.write("[    1.0] booting\nSANDGATE-GUEST-READY\n")
+        f.write("[    1.0] booting\n")
+        if "FAKE_QEMU_AGENT" in os.environ:
+            f.write("SANDGATE-GUEST-AGENT %s\n" % os.environ["FAKE_QEMU_AGENT"])
+        f.write("SANDGATE-GUEST-READY\n")
 status = "inmigrate" if incoming else "running"
 while True:
     c, _ = srv.accept()
@@ -76,6 +81,23 @@ while True:
         f.write(json.dumps({"return": ret, "id": i}) + "\n"); f.flush()
 )PY";
 
+// The guest image builder (node.guest_image_builder), in place of deploy/build-guest-image.sh: appends its
+// arguments to <its dir>/builder-calls, prints progress, then per FAKE_BUILDER_MODE: ok writes OUT_DIR's
+// vmlinuz, initrd.img and .stamp; fail exits 1 with a reason; no-kernel exits 77 (kernel not downloadable).
+// While <its dir>/gate is absent it holds before finishing, so a test can line up starts behind one build.
+constexpr const char* kFakeBuilder = R"SH(#!/bin/sh
+here=$(dirname "$0")
+echo "$*" >>"$here/builder-calls"
+echo "build-guest-image: resolving linux-image-cloud-amd64 to a kernel package"
+while [ ! -e "$here/gate" ]; do sleep 0.02; done
+case "${FAKE_BUILDER_MODE:-ok}" in
+  fail) echo "build-guest-image: linux-image-fake has no drivers/virtio/virtio.ko" >&2; exit 1 ;;
+  no-kernel) echo "build-guest-image: cannot download linux-image-fake" >&2; exit 77 ;;
+esac
+mkdir -p "$1" && printf built >"$1/vmlinuz" && printf built >"$1/initrd.img" && echo fake >"$1/.stamp"
+echo "build-guest-image: wrote $1/vmlinuz and $1/initrd.img"
+)SH";
+
 std::string read_all(const std::string& path) {
   std::ifstream f(path);
   std::stringstream ss;
@@ -102,10 +124,20 @@ class QemuDriverTest : public ::testing::Test {
     bin_ = dir_.path() + "/fake-qemu";
     std::ofstream(bin_) << kFakeQemu;
     ::chmod(bin_.c_str(), 0755);
+    // Never the real builder (it would download a kernel): every test gets the fake, open by default.
+    builder_ = dir_.path() + "/fake-builder";
+    std::ofstream(builder_) << kFakeBuilder;
+    ::chmod(builder_.c_str(), 0755);
+    std::ofstream(dir_.path() + "/gate") << "";
+    cfg_.guest_image_builder = builder_;
+    cfg_.agent_path = dir_.path() + "/sandgate-agent";
+    std::ofstream(cfg_.agent_path) << "#!/bin/sh\n";
+    ::chmod(cfg_.agent_path.c_str(), 0755);
     std::ofstream(dir_.path() + "/vmlinuz") << "kernel";
     std::ofstream(dir_.path() + "/initrd.img") << "initrd";
     sandbox_dir_ = dir_.path() + "/sb";
     std::filesystem::create_directories(sandbox_dir_);
+    sandbox_dirs_ = {sandbox_dir_};
     cfg_.qemu_binary = bin_;
     cfg_.qemu_accel = "tcg";
     cfg_.guest_kernel = dir_.path() + "/vmlinuz";
@@ -120,8 +152,11 @@ class QemuDriverTest : public ::testing::Test {
   }
   void TearDown() override {
     driver_.reset();
-    for (int pid : spawned_pids(sandbox_dir_)) ::kill(pid, SIGKILL);
+    for (const std::string& d : sandbox_dirs_)
+      for (int pid : spawned_pids(d)) ::kill(pid, SIGKILL);
     ::unsetenv("FAKE_QEMU_MODE");
+    ::unsetenv("FAKE_QEMU_AGENT");
+    ::unsetenv("FAKE_BUILDER_MODE");
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
   Driver& driver() {
@@ -159,10 +194,35 @@ class QemuDriverTest : public ::testing::Test {
     return true;
   }
 
+  // The image in <tmp>/guest, missing: what a fresh node's default <state_dir>/guest looks like.
+  std::string use_missing_image() {
+    const std::string guest = dir_.path() + "/guest";
+    cfg_.guest_kernel = guest + "/vmlinuz";
+    cfg_.guest_initrd = guest + "/initrd.img";
+    return guest;
+  }
+  std::vector<std::string> builder_calls() {
+    std::vector<std::string> calls;
+    std::istringstream in(read_all(dir_.path() + "/builder-calls"));
+    for (std::string line; std::getline(in, line);) calls.push_back(line);
+    return calls;
+  }
+  // A second sandbox beside spec_ / sandbox_dir_.
+  std::pair<SandboxSpec, std::string> other_sandbox() {
+    SandboxSpec spec = spec_;
+    spec.id = "sb-qemutest0002";
+    std::string dir = dir_.path() + "/sb2";
+    std::filesystem::create_directories(dir);
+    sandbox_dirs_.push_back(dir);
+    return {spec, dir};
+  }
+
   TempDir dir_;
   TestLoop loop_;
   std::string bin_;
+  std::string builder_;
   std::string sandbox_dir_;
+  std::vector<std::string> sandbox_dirs_;
   NodeConfig cfg_;
   SandboxSpec spec_;
   std::unique_ptr<Driver> driver_;
@@ -173,8 +233,9 @@ TEST_F(QemuDriverTest, MissingGuestImageFailsTheStartClearly) {
   auto r = start();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error(), Error::kUnsupported);
-  EXPECT_NE(r.message().find("build-guest-image.sh"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("build it with " + builder_), std::string::npos) << r.message();
   EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+  EXPECT_TRUE(builder_calls().empty());  // not the builder's output layout: the node does not build it
 }
 
 TEST_F(QemuDriverTest, QemuDyingDuringBootFailsWithItsMessage) {
@@ -206,7 +267,7 @@ TEST_F(QemuDriverTest, PauseHibernateRestoreTerminate) {
   ASSERT_TRUE(sock.ok());
   EXPECT_FALSE(sock->connected);
   EXPECT_EQ(std::to_string(sock->connect_port), info->driver_data["port:8080"]);
-  EXPECT_EQ(driver().open_socket(spec_, *info, 9999).error(), Error::kNotFound);
+  EXPECT_EQ(driver().open_socket(spec_, *info, 9999).error(), Error::kUnreachable);
 
   ASSERT_TRUE(pause(*info).ok());
   EXPECT_TRUE(driver().observe(spec_, *info).paused);
@@ -290,6 +351,126 @@ TEST_F(QemuDriverTest, TruncatedStateFailsTheRestoreAndIsKept) {
   EXPECT_NE(r.message().find("load of migration failed"), std::string::npos) << r.message();
   EXPECT_EQ(read_all(state), "SANDGATE-FA");
   EXPECT_TRUE(loop_.run_until([&] { return none_alive(); }));
+}
+
+TEST_F(QemuDriverTest, MissingGuestImageIsBuiltOnceForConcurrentStarts) {
+  const std::string guest = use_missing_image();
+  std::filesystem::remove(dir_.path() + "/gate");  // hold the build until both starts wait for it
+  auto [spec2, dir2] = other_sandbox();
+  std::optional<Result<RuntimeInfo>> first, second;
+  driver().start(spec_, sandbox_dir_, [&](Result<RuntimeInfo> r) { first = std::move(r); });
+  ASSERT_TRUE(loop_.run_until([&] { return builder_calls().size() == 1; }, 10000));
+  driver().start(spec2, dir2, [&](Result<RuntimeInfo> r) { second = std::move(r); });
+  // One turn runs the second start's first step (a 0 ms timer): it asks for the image while the build is held,
+  // so a builder that is not single-flight would be invoked twice.
+  uv_run(loop_.get(), UV_RUN_NOWAIT);
+  EXPECT_FALSE(second.has_value());
+  std::ofstream(dir_.path() + "/gate") << "";
+  ASSERT_TRUE(loop_.run_until([&] { return first.has_value() && second.has_value(); }, 20000));
+  ASSERT_TRUE(first->ok()) << first->message();
+  ASSERT_TRUE(second->ok()) << second->message();
+  ASSERT_EQ(builder_calls().size(), 1u);
+  EXPECT_EQ(builder_calls()[0], guest + " " + cfg_.agent_path);  // the agent goes into the image
+  EXPECT_EQ(read_all(guest + "/vmlinuz"), "built");
+  EXPECT_EQ(spawned_pids(sandbox_dir_).size(), 1u);
+  EXPECT_EQ(spawned_pids(dir2).size(), 1u);
+}
+
+TEST_F(QemuDriverTest, FailedGuestImageBuildFailsTheStartWithItsCauseAndIsRetried) {
+  const std::string guest = use_missing_image();
+  ::setenv("FAKE_BUILDER_MODE", "fail", 1);
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kUnavailable);
+  EXPECT_NE(r.message().find("has no drivers/virtio/virtio.ko"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("by hand"), std::string::npos) << r.message();  // the next step
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+
+  ::setenv("FAKE_BUILDER_MODE", "no-kernel", 1);
+  r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.message().find("cannot download linux-image-fake"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("Debian mirrors"), std::string::npos) << r.message();
+
+  ::unsetenv("FAKE_BUILDER_MODE");
+  auto ok = start();
+  ASSERT_TRUE(ok.ok()) << ok.message();
+  EXPECT_EQ(builder_calls().size(), 3u);
+}
+
+TEST_F(QemuDriverTest, ExistingGuestImageIsNotRebuilt) {
+  // The fixture's image has no builder stamp: made by hand, used as it is.
+  auto r = start();
+  ASSERT_TRUE(r.ok()) << r.message();
+  EXPECT_TRUE(builder_calls().empty());
+  EXPECT_EQ(read_all(cfg_.guest_kernel), "kernel");
+
+  // One the builder made gets its inputs checked once per node process (here: a builder that fails, which
+  // keeps the image that is there); later starts do not ask again.
+  driver_.reset();
+  const std::string guest = use_missing_image();
+  std::filesystem::create_directories(guest);
+  for (const char* f : {"/vmlinuz", "/initrd.img", "/.stamp"}) std::ofstream(guest + f) << "old";
+  ::setenv("FAKE_BUILDER_MODE", "fail", 1);
+  auto [spec2, dir2] = other_sandbox();
+  r = start();
+  ASSERT_TRUE(r.ok()) << r.message();
+  auto r2 = wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec2, dir2, std::move(d)); });
+  ASSERT_TRUE(r2.ok()) << r2.message();
+  EXPECT_EQ(builder_calls().size(), 1u);
+  EXPECT_EQ(read_all(guest + "/vmlinuz"), "old");
+}
+
+TEST_F(QemuDriverTest, MissingGuestImageWithoutAutobuildNamesTheCommand) {
+  use_missing_image();
+  cfg_.guest_image_autobuild = false;
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kUnsupported);
+  EXPECT_NE(r.message().find("guest_image_autobuild"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find(builder_ + " " + dir_.path() + "/guest " + cfg_.agent_path), std::string::npos)
+      << r.message();
+  EXPECT_TRUE(builder_calls().empty());
+}
+
+TEST_F(QemuDriverTest, GuestWithoutAgentRefusesTheAgentPortOnly) {
+  ::setenv("FAKE_QEMU_AGENT", "none", 1);
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_EQ(info->driver_data["agent"], "none");
+  auto agent = driver().open_socket(spec_, *info, 9501);
+  ASSERT_FALSE(agent.ok());
+  EXPECT_EQ(agent.error(), Error::kUnreachable);
+  EXPECT_NE(agent.message().find("sandgate-agent"), std::string::npos) << agent.message();
+  EXPECT_TRUE(driver().open_socket(spec_, *info, 8080).ok());  // the command's ports are not affected
+}
+
+TEST_F(QemuDriverTest, GuestWhoseAgentFailedRefusesTheAgentPort) {
+  ::setenv("FAKE_QEMU_AGENT", "failed", 1);
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto agent = driver().open_socket(spec_, *info, 9501);
+  ASSERT_FALSE(agent.ok());
+  EXPECT_EQ(agent.error(), Error::kUnreachable);
+  EXPECT_NE(agent.message().find("sandgate-agent did not start"), std::string::npos) << agent.message();
+}
+
+TEST_F(QemuDriverTest, GuestWithListeningAgentOpensTheAgentPort) {
+  ::setenv("FAKE_QEMU_AGENT", "listening", 1);
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_EQ(info->driver_data["agent"], "listening");
+  auto agent = driver().open_socket(spec_, *info, 9501);
+  ASSERT_TRUE(agent.ok()) << agent.message();
+  EXPECT_EQ(std::to_string(agent->connect_port), info->driver_data["port:9501"]);
+}
+
+TEST_F(QemuDriverTest, GuestWithoutAgentMarkerIsTrustedToHaveOne) {
+  // An image built before the SANDGATE-GUEST-AGENT line: the driver cannot tell, so it lets the proxy try.
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_FALSE(info->driver_data.count("agent"));
+  EXPECT_TRUE(driver().open_socket(spec_, *info, 9501).ok());
 }
 
 }  // namespace
