@@ -77,7 +77,8 @@ Result<ApiResponse> exchange(const Stream& stream, const std::string& req, const
     if (!n) return n.failure();
     if (*n == 0) {
       if (!got_bytes)
-        return fail(Error::kUnavailable, "sandgate-node at " + where + " closed the connection without answering");
+        return fail(Error::kUnavailable, "the server at " + where + " closed the connection without answering: " +
+                                             std::string(kCheckApiHint));
       state = parser.finish();
     } else {
       got_bytes = true;
@@ -85,7 +86,8 @@ Result<ApiResponse> exchange(const Stream& stream, const std::string& req, const
     }
   }
   if (state == HttpParser::State::kError)
-    return fail(Error::kIo, "bad answer from sandgate-node at " + where + ": " + parser.failure().message);
+    return fail(Error::kIo, "bad answer from " + where + " (" + parser.failure().message +
+                                "): " + std::string(kCheckApiHint));
   return ApiResponse{parser.message().status, std::move(parser.message().body)};
 }
 
@@ -181,7 +183,9 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
   const std::string req = build_request(method, target, address_, access_.token, body);
 
   if (address_.kind == ApiAddress::Kind::kHttps) {
-    TlsClientOptions tls{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert};
+    TlsClientOptions tls{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert,
+                         "fix the URL in --api / SANDGATE_API, or dial another address with --connect-to / "
+                         "SANDGATE_INGRESS"};
     auto conn = tls_connect(tls, deadline);
     if (!conn) {
       if (conn.error() != Error::kUnavailable) return worded(conn.failure());
@@ -198,7 +202,7 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
     const std::string prefix = "connect " + address_.endpoint.to_string() + ": ";
     if (reason.starts_with(prefix)) reason.erase(0, prefix.size());
     Error code = fd.error() == Error::kTimeout ? Error::kTimeout : Error::kUnavailable;
-    return fail(code, "cannot reach sandgate-node at " + where + ": " + reason);
+    return fail(code, "cannot reach sandgate-node at " + where + ": " + reason + ". " + std::string(kNodeDownHint));
   }
   auto res = exchange(plain_stream(fd->get(), deadline, where), req, where);
   return res ? res : Result<ApiResponse>(worded(res.failure()));

@@ -18,6 +18,15 @@
 namespace sg::cli {
 
 inline constexpr std::string_view kDefaultApi = "unix:/run/sandgate/node.sock";
+// The next step when nothing answers at the API address.
+inline constexpr std::string_view kNodeDownHint =
+    "Is sandgate-node running? Start it (deploy/quickstart.sh, or systemctl start sandgate-node), or point "
+    "SANDGATE_API (or --api) at the address it serves, e.g. export SANDGATE_API=unix:$PWD/.state/node.sock "
+    "as the quickstart prints";
+// The next step when something answers at the API address, but not as sandgate-node does.
+inline constexpr std::string_view kCheckApiHint =
+    "is that sandgate-node's API? Check --api / SANDGATE_API (unix:/path/to/node.sock, "
+    "http://127.0.0.1:PORT or https://api.DOMAIN[:PORT]; the quickstart prints the value to export)";
 
 struct ApiAddress {
   enum class Kind { kDirect, kHttps } kind = Kind::kDirect;

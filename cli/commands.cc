@@ -6,6 +6,7 @@
 #include <set>
 #include <utility>
 
+#include "cli/api_client.h"
 #include "common/http.h"
 
 namespace sg::cli {
@@ -33,12 +34,6 @@ std::string scalar(const json* v) {
 }
 
 std::string text(const json& obj, const std::string& key) { return scalar(field(obj, key)); }
-
-// Sandboxes are named by their name when they have one; ids are what unnamed ones have.
-std::string label(const json& sandbox) {
-  std::string name = text(sandbox, "name");
-  return name != "-" ? name : text(sandbox, "id");
-}
 
 std::vector<std::string> strings(const json* v) {
   std::vector<std::string> out;
@@ -194,28 +189,70 @@ std::string sandbox_path(std::string_view ref, std::string_view action) {
   return path;
 }
 
-Result<json> parse_object(std::string_view body) {
+Result<json> parse_object(std::string_view body, std::string_view where) {
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded() || !j.is_object())
-    return fail(Error::kIo, "sandgate-node answered something that is not a JSON object: " +
-                                std::string(body.substr(0, 200)));
+    return fail(Error::kIo, "the server at " + std::string(where) + " answered something that is not a JSON object (" +
+                                std::string(body.substr(0, 200)) + "): " + std::string(kCheckApiHint));
   return j;
 }
 
-std::string error_message(int status, std::string_view body) {
+std::string error_message(int status, std::string_view body, const ErrorContext& ctx) {
+  static constexpr std::string_view kOperatorToken =
+      "pass it with --token or SANDGATE_TOKEN (the file the config's operator_token_file names; "
+      "deploy/quickstart.sh keeps it in <state dir>/operator.token)";
+  const std::string where(ctx.where);
   // Only the ingress answers 401 (the node API itself has no tokens), and its body names no CLI flag.
   if (status == 401)
-    return "the ingress refused the operator token (HTTP 401 Unauthorized): pass the right one with --token or "
-           "SANDGATE_TOKEN";
+    return ctx.sent_token
+               ? "the ingress at " + where + " refused the operator token (HTTP 401 Unauthorized): it is not the "
+                 "one this ingress expects; " + std::string(kOperatorToken)
+               : "the ingress at " + where + " wants the operator token (HTTP 401 Unauthorized) and none was "
+                 "given: " + std::string(kOperatorToken);
   json j = json::parse(body, nullptr, false);
-  if (const json* m = field(j, "message"); m != nullptr && m->is_string() && !m->get_ref<const std::string&>().empty())
-    return m->get_ref<const std::string&>();
-  std::string msg = "sandgate-node answered HTTP " + std::to_string(status) + " " + std::string(http_reason(status));
-  if (const json* code = field(j, "error"); code != nullptr && code->is_string())
-    return msg + " (" + code->get_ref<const std::string&>() + ")";
-  std::string_view start = body.substr(0, 200);
-  while (!start.empty() && std::isspace(static_cast<unsigned char>(start.back()))) start.remove_suffix(1);
-  return start.empty() ? msg : msg + ": " + std::string(start);
+  const json* code = field(j, "error");
+  const std::string error_code = code != nullptr && code->is_string() ? code->get<std::string>() : "";
+  std::string cause;
+  const json* m = field(j, "message");
+  if (m != nullptr && m->is_string() && !m->get_ref<const std::string&>().empty()) {
+    cause = m->get<std::string>();
+  } else if (!error_code.empty()) {
+    cause = "sandgate-node answered HTTP " + std::to_string(status) + " " + std::string(http_reason(status)) + " (" +
+            error_code + ")";
+  } else {
+    // No error object at all: whatever answered is not sandgate-node's API.
+    std::string_view start = body.substr(0, 200);
+    while (!start.empty() && std::isspace(static_cast<unsigned char>(start.back()))) start.remove_suffix(1);
+    return "the server at " + where + " answered HTTP " + std::to_string(status) + " " +
+           std::string(http_reason(status)) + (start.empty() ? "" : ": " + std::string(start)) + "; " +
+           std::string(kCheckApiHint);
+  }
+  const std::string ref(ctx.ref);
+  if (error_code == "already_exists")
+    return cause + ": choose another --name, or remove the existing sandbox first with `sandgate rm " + ref + "`";
+  if (error_code == "not_found" && !ref.empty())
+    return cause + ": `sandgate ls` lists the sandboxes on " + where + " (is that the node you meant?)";
+  if (ctx.command == "create" && status >= 500)
+    return cause + ". The sandbox was not created: fix the cause (sandgate-node's log has the details), then run "
+                   "the same create again";
+  return cause;
+}
+
+std::string sandbox_label(const json& sandbox) {
+  std::string name = text(sandbox, "name");
+  return name != "-" ? name : text(sandbox, "id");
+}
+
+std::optional<std::string> failed_message(const json& sandbox, std::string_view attempted) {
+  if (text(sandbox, "state") != "failed") return std::nullopt;
+  const std::string label = sandbox_label(sandbox);
+  std::string reason = text(sandbox, "state_reason");
+  std::string what = attempted.empty() ? "sandbox " + label + " failed as it started (" + reason + ")"
+                                       : "sandbox " + label + " has failed (" + reason +
+                                             "), so it cannot be " + std::string(attempted);
+  return what + ". A failed sandbox does not run again: remove it with `sandgate rm " + label +
+         "` and create it anew (`sandgate get " + label +
+         "` shows its command, which must keep running inside the sandbox)";
 }
 
 std::optional<TimePoint> parse_timestamp(std::string_view t) {
@@ -251,6 +288,13 @@ std::string format_duration(std::chrono::seconds d) {
   if (s < 3600) return std::to_string(s / 60) + "m";
   if (s < 86400) return std::to_string(s / 3600) + "h";
   return std::to_string(s / 86400) + "d";
+}
+
+std::string_view trim(std::string_view s) {
+  constexpr std::string_view kSpace = " \t\r\n\v\f";
+  size_t begin = s.find_first_not_of(kSpace);
+  if (begin == std::string_view::npos) return {};
+  return s.substr(begin, s.find_last_not_of(kSpace) + 1 - begin);
 }
 
 std::string shell_join(const std::vector<std::string>& args) {
@@ -351,6 +395,8 @@ std::string format_sandbox(const json& sandbox, TimePoint now) {
   return key_values(lines);
 }
 
-std::string format_state_change(const json& sandbox) { return label(sandbox) + ": " + text(sandbox, "state") + "\n"; }
+std::string format_state_change(const json& sandbox) {
+  return sandbox_label(sandbox) + ": " + text(sandbox, "state") + "\n";
+}
 
 }  // namespace sg::cli

@@ -53,16 +53,33 @@ Result<nlohmann::json> create_request_body(const CreateOptions& opts);
 // "/v1/sandboxes/<ref>[/<action>]" with ref percent-encoded (it is user input placed in a path).
 std::string sandbox_path(std::string_view ref, std::string_view action = {});
 
-// A 2xx answer's body, which must be a JSON object.
-Result<nlohmann::json> parse_object(std::string_view body);
-// What to tell the user for a non-2xx answer: for a 401 (the ingress's), which token to pass; else the node's
-// "message", else the status line and the body's start.
-std::string error_message(int status, std::string_view body);
+// A 2xx answer's body, which must be a JSON object; `where` (the API address) is named when it is not one.
+Result<nlohmann::json> parse_object(std::string_view body, std::string_view where);
+
+// What the CLI asked when the node said no: enough to name the next step.
+struct ErrorContext {
+  std::string_view command;  // "create", "ls", "get", "suspend", "resume", "rm"
+  std::string_view ref;      // the sandbox the command names (create: --name), "" if none
+  std::string_view where;    // the API address, as api_address_string() writes it
+  bool sent_token = false;   // an operator token went with the request (https API)
+};
+// What to tell the user for a non-2xx answer: the cause (the node's "message", else the status line and the
+// body's start) and what to do next. A 401 is the ingress's: which token to pass. An answer that is not
+// sandgate-node's JSON: check the API address.
+std::string error_message(int status, std::string_view body, const ErrorContext& ctx);
+
+// How a sandbox is named in messages and in the token file: its name, else its id ("-" if neither).
+std::string sandbox_label(const nlohmann::json& sandbox);
+// For a sandbox JSON in state "failed": why, and what to do (remove it, create it again); `attempted` is what
+// could not be done, e.g. "resumed", or "" after create (it failed as it started). nullopt for other states.
+std::optional<std::string> failed_message(const nlohmann::json& sandbox, std::string_view attempted);
 
 // "2026-11-29T10:00:00.000Z" (the node's format; fraction optional). nullopt if malformed.
 std::optional<TimePoint> parse_timestamp(std::string_view text);
 // "42s", "5m", "3h", "2d": the largest whole unit, like `ps`/`kubectl` ages.
 std::string format_duration(std::chrono::seconds d);
+// `s` without leading and trailing whitespace.
+std::string_view trim(std::string_view s);
 // Arguments joined by spaces, each quoted for a POSIX shell only if it needs it.
 std::string shell_join(const std::vector<std::string>& args);
 

@@ -7,11 +7,11 @@
 #include <climits>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 
 #include "cli/api_client.h"
 #include "cli/commands.h"
+#include "cli/settings.h"
 #include "cli/ssh.h"
 
 namespace {
@@ -32,46 +32,71 @@ int error(const std::string& message, int code = kExitError) {
   return code;
 }
 
-// Sends one request and prints the answer: raw JSON with --json, else through `format`.
+// The node API as this run reaches it, and what error messages need to know about it.
+struct Node {
+  ApiClient client;
+  std::string where;        // api_address_string(), for messages
+  bool sent_token = false;  // an operator token goes with every request (https API)
+
+  // One request whose answer must be a 2xx JSON object. Failures are worded for the user: unreachable,
+  // refused (kConflict for a 409: the sandbox's state forbids it) or not sandgate-node's answer.
+  sg::Result<json> send(std::string_view command, std::string_view method, const std::string& path,
+                        const json& body, std::string_view ref, std::string* raw = nullptr) const {
+    auto res = client.request(method, path, body);
+    if (!res) return res.failure();
+    if (res->status < 200 || res->status > 299)
+      return sg::fail(res->status == 409 ? sg::Error::kConflict : sg::Error::kUnavailable,
+                      sg::cli::error_message(res->status, res->body, {command, ref, where, sent_token}));
+    auto parsed = sg::cli::parse_object(res->body, where);
+    if (parsed && raw != nullptr) *raw = std::move(res->body);
+    return parsed;
+  }
+};
+
+// Prints an answer: the node's JSON as it came with --json, else through `format`.
 template <typename Format>
-int call(const ApiClient& client, std::string_view method, const std::string& path, const json& body,
-         bool raw_json, Format format) {
-  auto res = client.request(method, path, body);
-  if (!res) return error(res.message());
-  if (res->status < 200 || res->status > 299) return error(sg::cli::error_message(res->status, res->body));
-  auto parsed = sg::cli::parse_object(res->body);
-  if (!parsed) return error(parsed.message());
+int print(const json& answer, const std::string& raw, bool raw_json, Format format) {
   if (raw_json) {
-    std::cout << res->body;
-    if (res->body.empty() || res->body.back() != '\n') std::cout << "\n";
+    std::cout << raw;
+    if (raw.empty() || raw.back() != '\n') std::cout << "\n";
   } else {
-    std::cout << format(*parsed);
+    std::cout << format(answer);
   }
   std::cout.flush();
   return std::cout ? kExitOk : error("cannot write to stdout");
 }
 
-// `sandgate create`: like call(), and the token in the answer is saved for ssh-proxy and shown this once.
-int create_sandbox(const ApiClient& client, const json& body, bool raw_json) {
-  auto res = client.request("POST", "/v1/sandboxes", body);
-  if (!res) return error(res.message());
-  if (res->status < 200 || res->status > 299) return error(sg::cli::error_message(res->status, res->body));
-  auto parsed = sg::cli::parse_object(res->body);
-  if (!parsed) return error(parsed.message());
-  if (raw_json) {
-    std::cout << res->body;
-    if (res->body.empty() || res->body.back() != '\n') std::cout << "\n";
-  } else {
-    std::cout << sg::cli::format_created(*parsed);
+template <typename Format>
+int call(const Node& node, std::string_view command, std::string_view method, const std::string& path,
+         std::string_view ref, bool raw_json, Format format) {
+  std::string raw;
+  auto answer = node.send(command, method, path, nullptr, ref, &raw);
+  if (!answer) return error(answer.message());
+  return print(*answer, raw, raw_json, format);
+}
+
+// `sandgate suspend/resume`: a refusal because the sandbox has failed says so, with why and what to do; the
+// node's own 409 only names the state.
+int change_state(const Node& node, std::string_view action, std::string_view attempted, const std::string& ref) {
+  auto answer = node.send(action, "POST", sg::cli::sandbox_path(ref, action), nullptr, ref);
+  if (answer) return print(*answer, "", false, sg::cli::format_state_change);
+  if (answer.error() == sg::Error::kConflict) {
+    auto sandbox = node.send("get", "GET", sg::cli::sandbox_path(ref), nullptr, ref);
+    if (sandbox)
+      if (auto failed = sg::cli::failed_message(*sandbox, attempted)) return error(*failed);
   }
-  std::cout.flush();
-  auto token = parsed->find("token");
-  if (token != parsed->end() && token->is_string()) {
-    auto name = parsed->find("name");
-    auto id = parsed->find("id");
-    std::string ref = name != parsed->end() && name->is_string() ? name->get<std::string>()
-                      : id != parsed->end() && id->is_string()   ? id->get<std::string>()
-                                                                 : "";
+  return error(answer.message());
+}
+
+// `sandgate create`: like call(), and the token in the answer is saved for ssh-proxy and shown this once.
+int create_sandbox(const Node& node, const json& body, std::string_view name, bool raw_json) {
+  std::string raw;
+  auto answer = node.send("create", "POST", "/v1/sandboxes", body, name, &raw);
+  if (!answer) return error(answer.message());
+  int printed = print(*answer, raw, raw_json, sg::cli::format_created);
+  auto token = answer->find("token");
+  if (token != answer->end() && token->is_string()) {
+    std::string ref = sg::cli::sandbox_label(*answer);
     auto home = sg::cli::default_config_home();
     sg::Status saved = home ? sg::cli::save_token(*home, ref, token->get<std::string>()) : sg::Status(home.failure());
     if (saved) {
@@ -81,14 +106,23 @@ int create_sandbox(const ApiClient& client, const json& body, bool raw_json) {
                 << "); keep it now\n";
     }
   }
-  return std::cout ? kExitOk : error("cannot write to stdout");
+  // Its command may have ended before the node answered: a sandbox that is already gone is not a success.
+  if (auto failed = sg::cli::failed_message(*answer, "")) return error(*failed);
+  return printed;
 }
 
-// Flag, else environment variable, else default.
-std::string setting(const std::string& flag, const char* env, std::string_view fallback) {
-  if (!flag.empty()) return flag;
-  if (const char* v = std::getenv(env); v != nullptr && v[0] != '\0') return v;
-  return std::string(fallback);
+// `sandgate rm`: the sandbox's saved token goes with it (a later sandbox of that name gets a new one).
+int remove_sandbox(const Node& node, const std::string& ref) {
+  auto answer = node.send("rm", "DELETE", sg::cli::sandbox_path(ref), nullptr, ref);
+  if (!answer) return error(answer.message());
+  std::string label = sg::cli::sandbox_label(*answer);
+  auto home = sg::cli::default_config_home();
+  sg::Status removed = home ? sg::cli::remove_token(*home, label) : sg::Status(home.failure());
+  // The sandbox is gone either way; a token left behind opens nothing, so this is only a warning.
+  if (!removed)
+    std::cerr << "sandgate: warning: " << label << " is removed, but not its saved token (" << removed.message()
+              << "); delete the file by hand\n";
+  return print(*answer, "", false, sg::cli::format_state_change);
 }
 
 std::string self_path() {
@@ -117,8 +151,9 @@ int main(int argc, char** argv) {
   app.add_option("--token", token,
                  "operator token for an https --api; for ssh-proxy, a sandbox or operator token (default: the "
                  "saved one) (env SANDGATE_TOKEN)");
-  app.add_option("--cacert", cacert, "CA file for the ingress's certificate (env SANDGATE_CACERT; default: the "
-                                     "system's trust store)");
+  app.add_option("--cacert", cacert,
+                 "CA file for the ingress's certificate (env SANDGATE_CACERT; for ssh-config and ssh-proxy also the "
+                 "ingress file; default: the system's trust store)");
   app.add_option("--connect-to", connect_to,
                  "HOST:PORT to dial for an https --api instead of the URL's host; the certificate is still "
                  "checked against the URL's host (env SANDGATE_INGRESS)");
@@ -173,15 +208,21 @@ int main(int argc, char** argv) {
   CLI::App* ssh_config = app.add_subcommand("ssh-config", "Print a ~/.ssh/config block for `ssh NAME`");
   ssh_config->add_option("sandbox", ref, "name or id")->required();
   ssh_config->add_option("--user", ssh_user, "user to log in as")->capture_default_str();
-  ssh_config->add_option("--ingress", ingress, "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; 127.0.0.1:8443)");
-  ssh_config->add_option("--domain", domain, "sandbox domain (env SANDGATE_DOMAIN; sandbox.localhost)");
+  ssh_config->add_option("--ingress", ingress,
+                         "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; else the ingress file next to the node "
+                         "socket; else 127.0.0.1:8443)");
+  ssh_config->add_option("--domain", domain,
+                         "sandbox domain (env SANDGATE_DOMAIN; else the ingress file; else sandbox.localhost)");
 
   uint16_t ssh_port = 22;
   CLI::App* ssh_proxy =
       app.add_subcommand("ssh-proxy", "Tunnel stdin/stdout to a sandbox port through the ingress (ssh ProxyCommand)");
   ssh_proxy->add_option("host", ref, "NAME or NAME.DOMAIN")->required();
-  ssh_proxy->add_option("--ingress", ingress, "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; 127.0.0.1:8443)");
-  ssh_proxy->add_option("--domain", domain, "domain when HOST is a bare name (env SANDGATE_DOMAIN)");
+  ssh_proxy->add_option("--ingress", ingress,
+                        "sandgate-proxy HOST:PORT (env SANDGATE_INGRESS; else the ingress file next to the node "
+                        "socket; else 127.0.0.1:8443)");
+  ssh_proxy->add_option("--domain", domain,
+                        "domain when HOST is a bare name (env SANDGATE_DOMAIN; else the ingress file)");
   ssh_proxy->add_option("--port", ssh_port, "sandbox port")->capture_default_str()->check(CLI::Range(1, 65535));
 
   CLI::App* version = app.add_subcommand("version", "Print the CLI version");
@@ -199,32 +240,51 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
 
-  ingress = setting(ingress, "SANDGATE_INGRESS", sg::cli::kDefaultIngress);
-  domain = setting(domain, "SANDGATE_DOMAIN", sg::cli::kDefaultDomain);
-  cacert = setting(cacert, "SANDGATE_CACERT", "");
-  if (ssh_config->parsed()) {
-    sg::cli::SshConfigOptions o{ref, ssh_user, ingress, domain, cacert, self_path()};
-    auto block = sg::cli::ssh_config_block(o);
-    if (!block) return error(block.message(), kExitUsage);
-    std::cout << *block;
-    std::cout.flush();
-    return std::cout ? kExitOk : error("cannot write to stdout");
-  }
-  if (ssh_proxy->parsed()) {
-    auto host = sg::cli::parse_ssh_host(ref, domain);
+  const sg::cli::Environment env = sg::cli::process_environment();
+  auto address = sg::cli::parse_api_address(api);
+  if (!address)
+    return error(address.message() + " (from --api or SANDGATE_API): set it to the address sandgate-node serves, "
+                                     "e.g. export SANDGATE_API=unix:$PWD/.state/node.sock as deploy/quickstart.sh "
+                                     "prints",
+                 kExitUsage);
+
+  if (ssh_config->parsed() || ssh_proxy->parsed()) {
+    // The node's socket directory may say where its ingress is (see cli/settings.h).
+    const std::string ingress_file = sg::cli::ingress_file_path(*address);
+    auto resolved = sg::cli::resolve_ingress({ingress, cacert, domain}, env, ingress_file);
+    if (!resolved) return error(resolved.message(), kExitUsage);
+    const sg::cli::IngressSettings& in = resolved->settings;
+    if (ssh_config->parsed()) {
+      if (resolved->ingress_from.empty())
+        std::cerr << "sandgate: note: no --ingress, no SANDGATE_INGRESS"
+                  << (ingress_file.empty() ? "" : " and no " + ingress_file) << ", so the block uses the default "
+                  << in.ingress << "; if sandgate-proxy listens elsewhere, pass --ingress HOST:PORT\n";
+      sg::cli::SshConfigOptions o{ref, ssh_user, in.ingress, in.domain, in.cacert, self_path()};
+      auto block = sg::cli::ssh_config_block(o);
+      if (!block) return error(block.message(), kExitUsage);
+      std::cout << *block;
+      std::cout.flush();
+      return std::cout ? kExitOk : error("cannot write to stdout");
+    }
+    auto host = sg::cli::parse_ssh_host(ref, in.domain);
     if (!host) return error(host.message(), kExitUsage);
-    auto where = sg::cli::parse_ingress(ingress);
+    auto where = sg::cli::parse_ingress(in.ingress);
     if (!where) return error(where.message(), kExitUsage);
-    token = setting(token, "SANDGATE_TOKEN", "");
+    token = sg::cli::setting(token, env, "SANDGATE_TOKEN", "");
     if (token.empty()) {
       auto home = sg::cli::default_config_home();
       auto saved = home ? sg::cli::load_token(*home, host->name) : sg::Result<std::string>(home.failure());
-      if (!saved) return error("no token: pass --token or SANDGATE_TOKEN (" + saved.message() + ")", kExitUsage);
+      if (!saved)
+        return error("no token for sandbox " + host->name + ": " + saved.message() +
+                         " (`sandgate create` saves it there, for the user who created the sandbox). Pass it with "
+                         "--token or SANDGATE_TOKEN",
+                     kExitUsage);
       token = std::move(*saved);
     }
     sg::cli::SshProxyOptions o;
     o.ingress = *where;
-    o.cacert = cacert;
+    o.ingress_from = resolved->ingress_from;
+    o.cacert = in.cacert;
     o.token = token;
     o.name = host->name;
     o.domain = host->domain;
@@ -234,20 +294,20 @@ int main(int argc, char** argv) {
     return sg::cli::run_ssh_proxy(o, STDIN_FILENO, STDOUT_FILENO);
   }
 
-  auto address = sg::cli::parse_api_address(api);
-  if (!address) return error(address.message() + " (from --api or SANDGATE_API)", kExitUsage);
   sg::cli::IngressAccess access;
   if (address->kind == sg::cli::ApiAddress::Kind::kHttps) {
     // Only the ingress asks for a token: the direct API trusts whoever can reach its socket or loopback port.
-    access.token = setting(token, "SANDGATE_TOKEN", "");
-    access.cacert = cacert;
-    if (std::string dial = setting(connect_to, "SANDGATE_INGRESS", ""); !dial.empty()) {
+    access.token = sg::cli::setting(token, env, "SANDGATE_TOKEN", "");
+    access.cacert = sg::cli::setting(cacert, env, "SANDGATE_CACERT", "");
+    if (std::string dial = sg::cli::setting(connect_to, env, "SANDGATE_INGRESS", ""); !dial.empty()) {
       auto where = sg::cli::parse_ingress(dial);
       if (!where) return error(where.message() + " (from --connect-to or SANDGATE_INGRESS)", kExitUsage);
       access.connect_to = *where;
     }
   }
-  ApiClient client(*address, kRequestTimeoutMs, access);
+  const bool sent_token = !access.token.empty();
+  const Node node{ApiClient(*address, kRequestTimeoutMs, std::move(access)), sg::cli::api_address_string(*address),
+                  sent_token};
   auto now = std::chrono::system_clock::now();
 
   if (create->parsed()) {
@@ -260,21 +320,16 @@ int main(int argc, char** argv) {
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;
     auto body = sg::cli::create_request_body(create_opts);
     if (!body) return error(body.message(), kExitUsage);
-    return create_sandbox(client, *body, raw_json);
+    return create_sandbox(node, *body, name, raw_json);
   }
   if (ls->parsed())
-    return call(client, "GET", "/v1/sandboxes", nullptr, raw_json,
+    return call(node, "ls", "GET", "/v1/sandboxes", "", raw_json,
                 [&](const json& j) { return sg::cli::format_list(j, now); });
   if (get->parsed())
-    return call(client, "GET", sg::cli::sandbox_path(ref), nullptr, raw_json,
+    return call(node, "get", "GET", sg::cli::sandbox_path(ref), ref, raw_json,
                 [&](const json& j) { return sg::cli::format_sandbox(j, now); });
-  if (suspend->parsed())
-    return call(client, "POST", sg::cli::sandbox_path(ref, "suspend"), nullptr, false,
-                sg::cli::format_state_change);
-  if (resume->parsed())
-    return call(client, "POST", sg::cli::sandbox_path(ref, "resume"), nullptr, false,
-                sg::cli::format_state_change);
-  if (rm->parsed())
-    return call(client, "DELETE", sg::cli::sandbox_path(ref), nullptr, false, sg::cli::format_state_change);
+  if (suspend->parsed()) return change_state(node, "suspend", "suspended", ref);
+  if (resume->parsed()) return change_state(node, "resume", "resumed", ref);
+  if (rm->parsed()) return remove_sandbox(node, ref);
   return error("no command given; see sandgate --help", kExitUsage);  // unreachable: require_subcommand(1)
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/settings.h"
 #include "common/fd.h"
 #include "noderuntime/names.h"
 
@@ -39,13 +40,6 @@ bool has_control_char(std::string_view s) {
   return std::any_of(s.begin(), s.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; });
 }
 
-std::string trim(std::string_view s) {
-  const char* ws = " \t\r\n\v\f";
-  size_t begin = s.find_first_not_of(ws);
-  if (begin == std::string_view::npos) return {};
-  return std::string(s.substr(begin, s.find_last_not_of(ws) + 1 - begin));
-}
-
 // The value of Content-Length in an answer head, if it has a well-formed one.
 std::optional<size_t> content_length(std::string_view head) {
   size_t pos = 0;
@@ -57,7 +51,7 @@ std::optional<size_t> content_length(std::string_view head) {
     std::string lower(line.substr(0, kName.size()));
     std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
     if (lower != kName) continue;
-    std::string value = trim(line.substr(kName.size()));
+    std::string value(trim(line.substr(kName.size())));
     size_t n = 0;
     auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
     if (ec == std::errc() && end == value.data() + value.size()) return n;
@@ -328,26 +322,48 @@ Status save_token(const std::string& config_home, std::string_view ref, std::str
 Result<std::string> load_token(const std::string& config_home, std::string_view ref) {
   if (auto s = validate_ref(ref); !s) return s.failure();
   std::string path = token_file(config_home, ref);
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-  if (!fd.valid()) {
-    if (errno == ENOENT) return fail(Error::kNotFound, "no saved token for " + std::string(ref) + " (" + path + ")");
-    return fail_errno("open " + path, errno);
+  auto text = read_small_file(path, kMaxTokenFileBytes);
+  if (!text) {
+    if (text.error() == Error::kNotFound)
+      return fail(Error::kNotFound, "no token saved for " + std::string(ref) + " at " + path);
+    return text.failure();
   }
-  std::string text(kMaxTokenFileBytes + 1, '\0');
-  size_t got = 0;
-  while (got < text.size()) {
-    ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail_errno("read " + path, errno);
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  if (got > kMaxTokenFileBytes) return fail(Error::kInvalidArgument, path + " is too large to be a token");
-  std::string token = trim(std::string_view(text.data(), got));
+  std::string token(trim(*text));
   if (token.empty()) return fail(Error::kNotFound, path + " holds no token");
   if (!token_fits_header(token))
     return fail(Error::kInvalidArgument, path + " does not hold a token (one line, no spaces)");
   return token;
+}
+
+Status remove_token(const std::string& config_home, std::string_view ref) {
+  if (auto s = validate_ref(ref); !s) return s;
+  std::string path = token_file(config_home, ref);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) return fail_errno("remove " + path, errno);
+  return {};
+}
+
+std::string connect_refusal_hint(int status, const SshProxyOptions& opts) {
+  const std::string& name = opts.name;
+  const std::string port = std::to_string(opts.port);
+  switch (status) {
+    case 401:
+      return "pass " + name + "'s own token with --token or SANDGATE_TOKEN (the one `sandgate create` printed); "
+             "a token saved for an earlier sandbox of that name no longer works";
+    case 403:
+      return "port " + port + " is not open to tunnels: connect to a port " + name +
+             " exposes (--port; `sandgate get " + name + "` lists them), or create it with --expose " + port +
+             "/tcp";
+    case 404:
+      return "`sandgate ls` lists the sandboxes; is " + opts.domain + " (--domain) served by this ingress?";
+    case 502:
+      return "nothing in " + name + " accepted the connection on port " + port +
+             ": is its sshd (or whatever should listen there) running? `sandgate get " + name + "` shows the sandbox";
+    case 503:
+      return "`sandgate get " + name + "` shows its state; a failed sandbox must be removed (`sandgate rm " + name +
+             "`) and created again";
+    default:
+      return "";
+  }
 }
 
 std::string tunnel_host(const SshProxyOptions& opts) {
@@ -369,7 +385,9 @@ int run_ssh_proxy(const SshProxyOptions& opts, int in_fd, int out_fd) {
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(opts.connect_timeout_ms);
   const std::string sni = tunnel_host(opts);
 
-  auto conn = tls_connect(TlsClientOptions{opts.ingress, sni, opts.cacert}, deadline);
+  std::string dial_hint = "pass --ingress HOST:PORT or set SANDGATE_INGRESS (this address came from " +
+                          (opts.ingress_from.empty() ? std::string("the built-in default") : opts.ingress_from) + ")";
+  auto conn = tls_connect(TlsClientOptions{opts.ingress, sni, opts.cacert, std::move(dial_hint)}, deadline);
   if (!conn) return failed(conn.message());
   SSL* ssl = conn->ssl.get();
   const int sock = conn->sock.get();
@@ -404,6 +422,10 @@ int run_ssh_proxy(const SshProxyOptions& opts, int in_fd, int out_fd) {
     std::fprintf(stderr, "sandgate ssh-proxy: the ingress refused CONNECT to %s: %s\n", sni.c_str(),
                  status_line.c_str());
     if (!rest.empty()) std::fprintf(stderr, "%s%s", rest.c_str(), rest.back() == '\n' ? "" : "\n");
+    int status = 0;  // stays 0 (no hint) for a status line too short to hold one
+    if (status_line.size() >= 12) std::from_chars(status_line.data() + 9, status_line.data() + 12, status);
+    if (std::string hint = connect_refusal_hint(status, opts); !hint.empty())
+      std::fprintf(stderr, "sandgate ssh-proxy: %s\n", hint.c_str());
     return 1;
   }
   return relay(ssl, sock, in_fd, out_fd, std::move(rest));

@@ -52,9 +52,12 @@ std::string token_file(const std::string& config_home, std::string_view ref);
 Status save_token(const std::string& config_home, std::string_view ref, std::string_view token);
 // The saved token, whitespace-trimmed; kNotFound when there is none.
 Result<std::string> load_token(const std::string& config_home, std::string_view ref);
+// Deletes the saved token (`sandgate rm`: a deleted sandbox's token must not linger); none saved is fine.
+Status remove_token(const std::string& config_home, std::string_view ref);
 
 struct SshProxyOptions {
   Ingress ingress;
+  std::string ingress_from;  // where `ingress` came from (see ResolvedIngress), named when it cannot be reached
   std::string cacert;  // empty: the system's trust store
   std::string token;
   std::string name;
@@ -67,6 +70,9 @@ struct SshProxyOptions {
 std::string tunnel_host(const SshProxyOptions& opts);
 // The exact CONNECT request ssh-proxy sends.
 std::string connect_request(const SshProxyOptions& opts);
+// What to do about the ingress refusing CONNECT with `status` (printed after its answer); "" when there is
+// nothing better to say than the answer itself.
+std::string connect_refusal_hint(int status, const SshProxyOptions& opts);
 
 // Runs the tunnel: relays in_fd -> TLS and TLS -> out_fd until the server closes (after in_fd's EOF, which is
 // sent as close_notify, the server's remaining bytes still arrive). Errors go to stderr. Returns the exit

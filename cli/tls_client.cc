@@ -101,7 +101,12 @@ Result<UniqueFd> connect_tcp(const Ingress& to, Clock::time_point deadline) {
 Result<TlsConnection> tls_connect(const TlsClientOptions& opts, Clock::time_point deadline) {
   auto setup_failed = [] { return fail(Error::kInternal, "TLS setup: " + openssl_errors()); };
   auto sock = connect_tcp(opts.dial, deadline);
-  if (!sock) return sock.failure();
+  if (!sock) {
+    if (sock.error() == Error::kTimeout) return sock.failure();
+    return fail(Error::kUnavailable,
+                "cannot reach sandgate-proxy (" + sock.message() + "). Is it running and listening there?" +
+                    (opts.dial_hint.empty() ? "" : " If it listens elsewhere, " + opts.dial_hint));
+  }
   TlsConnection conn;
   conn.sock = std::move(*sock);
   conn.ctx.reset(SSL_CTX_new(TLS_client_method()));
@@ -128,9 +133,18 @@ Result<TlsConnection> tls_connect(const TlsClientOptions& opts, Clock::time_poin
   for (;;) {
     int ret = SSL_connect(ssl);
     if (ret == 1) return conn;
-    if (long v = SSL_get_verify_result(ssl); v != X509_V_OK)
-      return fail(Error::kUnavailable, "the ingress's certificate for " + opts.host +
-                                           " is not trusted: " + X509_verify_cert_error_string(v));
+    if (long v = SSL_get_verify_result(ssl); v != X509_V_OK) {
+      // Two different fixes: the wrong CA (or none) on this side, or a name the ingress does not serve.
+      if (v == X509_V_ERR_HOSTNAME_MISMATCH)
+        return fail(Error::kUnavailable, "the ingress's certificate is not valid for " + opts.host +
+                                             " (hostname mismatch): is that the domain the ingress serves? Check "
+                                             "--domain / SANDGATE_DOMAIN, or the host in --api");
+      return fail(Error::kUnavailable,
+                  "the ingress's certificate for " + opts.host + " is not trusted (" +
+                      X509_verify_cert_error_string(v) +
+                      "): pass the CA that signed it with --cacert or SANDGATE_CACERT (deploy/quickstart.sh's is "
+                      "<state dir>/tls/ca.pem)");
+    }
     if (auto s = ssl_wait(ssl, conn.sock.get(), ret, deadline, "in the TLS handshake with the ingress"); !s)
       return s.failure();
   }

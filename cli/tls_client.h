@@ -51,13 +51,15 @@ struct TlsConnection {
 };
 
 struct TlsClientOptions {
-  Ingress dial;         // where to connect
-  std::string host;     // SNI and the name the certificate must carry
-  std::string cacert;   // empty: the system's trust store
+  Ingress dial;          // where to connect
+  std::string host;      // SNI and the name the certificate must carry
+  std::string cacert;    // empty: the system's trust store
+  std::string dial_hint; // how to point the caller elsewhere, e.g. "pass --ingress HOST:PORT or set SANDGATE_INGRESS"
 };
 
 // Connects, handshakes (TLS 1.2+, ALPN http/1.1) and verifies the certificate against opts.host; a
-// certificate that does not verify is always an error.
+// certificate that does not verify is always an error. Failing to connect or to verify is kUnavailable with
+// the next step in the message: start the proxy or dial elsewhere (dial_hint), pass the CA, check the domain.
 Result<TlsConnection> tls_connect(const TlsClientOptions& opts, Clock::time_point deadline);
 
 // After an SSL call on a non-blocking socket returned `ret` <= 0: waits for what OpenSSL needs, or fails.

@@ -70,6 +70,11 @@ esac
 DEMO_HOST=8080-demo.$DOMAIN
 DEMO_URL=https://$DEMO_HOST$([[ $PORT == 443 ]] || echo ":$PORT")/
 API_URL=https://api.$DOMAIN$([[ $PORT == 443 ]] || echo ":$PORT")/
+# The same address as the CLI writes it (HOST:PORT, [V6]:PORT), for the ingress file below.
+case $PROBE_HOST in
+  *:*) INGRESS=[$PROBE_HOST]:$PORT ;;
+  *) INGRESS=$PROBE_HOST:$PORT ;;
+esac
 # curl resolves *.localhost to 127.0.0.1/::1 by itself; only another listen address needs --resolve.
 CURL_RESOLVE=()
 case $PROBE_HOST in
@@ -164,6 +169,15 @@ on_shutdown = "terminate"
 cgroup_name = "$CGROUP"
 default_timeout_secs = $DEMO_TIMEOUT
 TOML
+
+# Next to the node socket, where the CLI looks once SANDGATE_API names that socket: `sandgate ssh-config` and
+# `ssh-proxy` take the ingress address, its CA and the domain from here (SANDGATE_INGRESS or flags override).
+cat >"$STATE/ingress" <<INGRESS
+# Written by deploy/quickstart.sh (overwritten on every run): where this node's sandgate-proxy listens.
+ingress=$INGRESS
+cacert=$TLS/ca.pem
+domain=$DOMAIN
+INGRESS
 
 # ---- run ------------------------------------------------------------------------------------------------
 NODE_PID=
@@ -261,6 +275,9 @@ cat <<EOF
     $CLI get demo
     # the node API through the ingress, with the operator token:
     curl --cacert $TLS/ca.pem -H "Authorization: Bearer \$(cat $OPERATOR_TOKEN_FILE)" ${API_URL}v1/sandboxes
+    # ssh to a sandbox NAME running sshd on an --expose'd 22/tcp (the ingress $INGRESS and its CA come from
+    # $STATE/ingress):
+    $CLI ssh-config NAME >> ~/.ssh/config   # then: ssh NAME
 
   The demo sandbox suspends after ${DEMO_TIMEOUT} s without traffic (watch the state in 'sandgate ls') and
   wakes up on the next request: run the curl again.

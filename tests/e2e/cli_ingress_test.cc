@@ -11,8 +11,8 @@ const char* kOperatorToken = "op-cli-e2e-8d3b6e1f";
 
 // "sandgate --api https://api.sandbox.localhost:<port> --cacert <ca> --token <token> <args>".
 CommandResult via_ingress(Cluster& c, const std::string& token, const std::string& args) {
-  return run(shell_quote(bin("cli/sandgate")) + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) +
-             " --cacert " + shell_quote(c.ca()) + " --token " + shell_quote(token) + " " + args);
+  return run(c.sandgate() + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) + " --cacert " +
+             shell_quote(c.ca()) + " --token " + shell_quote(token) + " " + args);
 }
 
 ClusterOptions with_operator_token() {
@@ -64,17 +64,29 @@ TEST(CliIngress, ConnectToAndEnvironment) {
   // certificate must carry.
   auto r = run("SANDGATE_API=https://api.sandbox.localhost:1 SANDGATE_TOKEN=" + shell_quote(kOperatorToken) +
                " SANDGATE_CACERT=" + shell_quote(c.ca()) + " SANDGATE_INGRESS=127.0.0.1:" + std::to_string(c.port()) +
-               " " + shell_quote(bin("cli/sandgate")) + " ls --json");
+               " " + c.sandgate() + " ls --json");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_TRUE(nlohmann::json::parse(r.out, nullptr, false).contains("sandboxes")) << r.out;
 }
 
-TEST(CliIngress, UntrustedCertificateIsAnError) {
+TEST(CliIngress, UntrustedCertificateSaysWhichCaToPass) {
   Cluster c(with_operator_token());
-  auto r = run(shell_quote(bin("cli/sandgate")) + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) +
-               " --token " + shell_quote(kOperatorToken) + " ls");
+  auto r = run(c.sandgate() + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) + " --token " +
+               shell_quote(kOperatorToken) + " ls");
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("not trusted"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pass the CA that signed it with --cacert or SANDGATE_CACERT"), std::string::npos) << r.err;
+}
+
+TEST(CliIngress, MissingOperatorTokenSaysHowToPassIt) {
+  Cluster c(with_operator_token());
+  auto r = run(c.sandgate() + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) + " --cacert " +
+               shell_quote(c.ca()) + " ls");
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("wants the operator token (HTTP 401 Unauthorized) and none was given: pass it with --token "
+                       "or SANDGATE_TOKEN"),
+            std::string::npos)
+      << r.err;
 }
 
 }  // namespace

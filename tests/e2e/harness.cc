@@ -147,6 +147,7 @@ Cluster::Cluster(ClusterOptions opts) : opts_(std::move(opts)) {
   int n = cluster_counter.fetch_add(1);
   cgroup_name_ = "sgtest-" + std::to_string(::getpid()) + "-" + std::to_string(n);
   api_ = "unix:" + dir_ + "/node.sock";
+  ::mkdir(home().c_str(), 0700);
   auto gen = run("bash " + source("deploy/gen-cert.sh") + " " + dir_ + "/tls sandbox.localhost");
   EXPECT_EQ(gen.exit_code, 0) << gen.err;
   ca_ = dir_ + "/tls/ca.pem";
@@ -201,8 +202,14 @@ void Cluster::start_proxy() {
 int Cluster::stop_node(int sig) { return node_.stop(sig); }
 int Cluster::stop_proxy(int sig) { return proxy_.stop(sig); }
 
+std::string Cluster::sandgate() const {
+  // env(1), not "VAR=value cmd": ssh runs a ProxyCommand with "exec", which takes no assignments.
+  return "env HOME=" + shell_quote(home()) + " XDG_CONFIG_HOME=" + shell_quote(home() + "/.config") + " " +
+         shell_quote(bin("cli/sandgate"));
+}
+
 CommandResult Cluster::cli(const std::string& args, int timeout_s) {
-  return run(bin("cli/sandgate") + " --api " + shell_quote(api_) + " " + args, timeout_s);
+  return run(sandgate() + " --api " + shell_quote(api_) + " " + args, timeout_s);
 }
 
 nlohmann::json Cluster::create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags) {

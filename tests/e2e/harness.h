@@ -94,8 +94,13 @@ class Cluster {
   int stop_node(int sig = SIGTERM);
   int stop_proxy(int sig = SIGTERM);
 
-  // The sandgate CLI against this node: "sandgate --api unix:... <args>".
+  // The sandgate CLI against this node: "sandgate --api unix:... <args>", run as sandgate() runs it.
   CommandResult cli(const std::string& args, int timeout_s = 60);
+  // The command that starts the CLI, to prefix arguments with (also in an ssh ProxyCommand): it runs with
+  // HOME and XDG_CONFIG_HOME inside this cluster's dir, so the tokens `create` saves never reach the real home.
+  std::string sandgate() const;
+  // That HOME; the CLI's config (tokens) is under home() + "/.config/sandgate".
+  std::string home() const { return dir_ + "/home"; }
   // Creates a sandbox running tests/e2e/tools/testserver.py; returns its JSON (fails the test on error).
   nlohmann::json create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags = "");
   nlohmann::json get(const std::string& ref);

@@ -2,6 +2,8 @@
 // the quickstart (the README's first command) running twice side by side and cleaning up after itself.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <csignal>
 
 #include "tests/e2e/harness.h"
@@ -89,23 +91,52 @@ TEST(Operations, WakeTimeoutAnswers503WithRetryAfter) {
 }
 
 TEST(Operations, QuickstartTwiceSideBySideThenCleanExit) {
-  std::string base = "/tmp/sg-e2e-qs-" + std::to_string(::getpid());
-  run("rm -rf " + base + "-a " + base + "-b");
+  // Everything in one temp dir: both state dirs, their logs, and a HOME for each (the quickstart's CLI saves
+  // the demo's token there, and the real home must not see it).
+  char tmpl[] = "/tmp/sg-e2e-qs-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string base = tmpl;
   Daemon a, b;
   std::string script = source("deploy/quickstart.sh");
-  auto start = [&](Daemon& d, const std::string& dir, int port) {
-    return d.start({"/usr/bin/env", "SANDGATE_NO_BUILD=1", "BUILD_DIR=" + std::string(SANDGATE_BIN_DIR),
-                    "SANDGATE_STATE_DIR=" + dir, "SANDGATE_LISTEN=127.0.0.1:" + std::to_string(port), "bash", script},
-                   "/tmp/sg-e2e-qs-" + std::to_string(port) + ".log");
+  auto start = [&](Daemon& d, const std::string& name, int port) {
+    const std::string home = base + "/" + name + "-home";
+    ::mkdir(home.c_str(), 0700);
+    return d.start({"/usr/bin/env", "HOME=" + home, "XDG_CONFIG_HOME=" + home + "/.config", "SANDGATE_NO_BUILD=1",
+                    "BUILD_DIR=" + std::string(SANDGATE_BIN_DIR), "SANDGATE_STATE_DIR=" + base + "/" + name,
+                    "SANDGATE_LISTEN=127.0.0.1:" + std::to_string(port), "bash", script},
+                   base + "/" + name + ".log");
   };
-  ASSERT_TRUE(start(a, base + "-a", 18543));
-  ASSERT_TRUE(start(b, base + "-b", 18544));
+  ASSERT_TRUE(start(a, "a", 18543));
+  ASSERT_TRUE(start(b, "b", 18544));
   ASSERT_FALSE(a.wait_for("Press Ctrl-C", 60000).empty()) << a.log();
   ASSERT_FALSE(b.wait_for("Press Ctrl-C", 60000).empty()) << b.log();
-  for (auto [dir, port] : {std::pair{base + "-a", 18543}, std::pair{base + "-b", 18544}}) {
+  for (auto [name, port] : {std::pair{"a", 18543}, std::pair{"b", 18544}}) {
+    const std::string dir = base + "/" + name, home = dir + "-home";
     auto r = run("curl -sS --cacert " + dir + "/tls/ca.pem https://8080-demo.sandbox.localhost:" +
                  std::to_string(port) + "/");
     EXPECT_NE(r.out.find("hello from the demo sandbox"), std::string::npos) << r.err;
+    EXPECT_FALSE(read_file(home + "/.config/sandgate/tokens/demo").empty()) << "the demo's token is saved in HOME";
+
+    // The ssh-config line the quickstart prints, with only the SANDGATE_API it says to export: the block
+    // names this copy's ingress and CA (from <state>/ingress), not the default 127.0.0.1:8443.
+    const std::string log = name == std::string("a") ? a.log() : b.log();
+    EXPECT_NE(log.find("/cli/sandgate ssh-config NAME >> ~/.ssh/config"), std::string::npos) << log;
+    const std::string cli = "env HOME=" + home + " XDG_CONFIG_HOME=" + home + "/.config SANDGATE_API=unix:" + dir +
+                            "/node.sock " + bin("cli/sandgate");
+    auto cfg = run(cli + " ssh-config demo");
+    ASSERT_EQ(cfg.exit_code, 0) << cfg.err;
+    const std::string proxy_command_end =
+        " ssh-proxy --ingress 127.0.0.1:" + std::to_string(port) + " --cacert " + dir + "/tls/ca.pem %h\n";
+    auto pc_end = cfg.out.find(proxy_command_end);
+    ASSERT_NE(pc_end, std::string::npos) << cfg.out;
+    // And it works: that ProxyCommand, as ssh would run it (but to the demo's port 8080, where an HTTP server
+    // answers instead of sshd), tunnels through this copy's ingress with the token create saved.
+    auto pc_start = cfg.out.find("ProxyCommand ") + 13;
+    std::string proxy_command = cfg.out.substr(pc_start, pc_end + proxy_command_end.size() - 4 - pc_start);
+    auto tunnel = run("printf 'GET / HTTP/1.0\\r\\nHost: demo\\r\\n\\r\\n' | env HOME=" + home + " " +
+                      proxy_command + " --port 8080 demo.sandbox.localhost");
+    EXPECT_EQ(tunnel.exit_code, 0) << proxy_command << "\n" << tunnel.err;
+    EXPECT_NE(tunnel.out.find("hello from the demo sandbox"), std::string::npos) << tunnel.out << tunnel.err;
   }
   EXPECT_EQ(WEXITSTATUS(a.stop(SIGINT, 60000)), 0);
   EXPECT_EQ(WEXITSTATUS(b.stop(SIGINT, 60000)), 0);
@@ -113,9 +144,13 @@ TEST(Operations, QuickstartTwiceSideBySideThenCleanExit) {
   // "[/]" keeps pgrep from matching the shell that runs it.
   auto procs = run("pgrep -f '[/]" + base.substr(1) + "' || true");
   EXPECT_EQ(procs.out, "");
-  auto cgroups = run("ls -d /sys/fs/cgroup/*/sandgate-qs-* /sys/fs/cgroup/sandgate-qs-* 2>/dev/null || true");
-  EXPECT_EQ(cgroups.out, "");
-  run("rm -rf " + base + "-a " + base + "-b /tmp/sg-e2e-qs-18543.log /tmp/sg-e2e-qs-18544.log");
+  // Only these two copies' cgroups (named as the quickstart names them): other quickstarts may be running.
+  for (const char* name : {"a", "b"}) {
+    auto cgroups = run("g=sandgate-qs-$(printf '%s' " + shell_quote(base + "/" + name) +
+                       " | sha256sum | cut -c1-10); ls -d /sys/fs/cgroup/*/$g /sys/fs/cgroup/$g 2>/dev/null || true");
+    EXPECT_EQ(cgroups.out, "") << name;
+  }
+  if (!::testing::Test::HasFailure()) run("rm -rf " + shell_quote(base));
 }
 
 }  // namespace

@@ -52,7 +52,7 @@ struct SshFixture {
 };
 
 std::string ssh_proxy_command(Cluster& c, const std::string& token) {
-  return bin("cli/sandgate") + " ssh-proxy --ingress 127.0.0.1:" + std::to_string(c.port()) + " --cacert " + c.ca() +
+  return c.sandgate() + " ssh-proxy --ingress 127.0.0.1:" + std::to_string(c.port()) + " --cacert " + c.ca() +
          " --domain sandbox.localhost --token " + token + " %h";
 }
 
@@ -85,11 +85,12 @@ TEST(Ssh, OpenSshThroughSandgateSshProxyRunsCommandsAndScpBothWays) {
   EXPECT_EQ(sha256_file(c.dir() + "/down.bin"), sha256_file(up));
 
   // A CONNECT to a port the sandbox does not expose is refused (403) before anything is opened.
-  auto unexposed = run("true | " + bin("cli/sandgate") + " ssh-proxy --ingress 127.0.0.1:" + std::to_string(c.port()) +
+  auto unexposed = run("true | " + c.sandgate() + " ssh-proxy --ingress 127.0.0.1:" + std::to_string(c.port()) +
                            " --cacert " + c.ca() + " --domain sandbox.localhost --token " + token + " --port 2222 box",
                        30);
   EXPECT_EQ(unexposed.exit_code, 1);
   EXPECT_NE(unexposed.err.find("403"), std::string::npos) << unexposed.err;
+  EXPECT_NE(unexposed.err.find("or create it with --expose 2222/tcp"), std::string::npos) << unexposed.err;
   auto refused_entry =
       c.wait_access_entry([](const nlohmann::json& e) { return e.value("cause", "") == "port_not_exposed"; });
   ASSERT_TRUE(refused_entry.is_object()) << read_file(c.dir() + "/access.log");

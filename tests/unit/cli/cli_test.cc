@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -182,20 +184,72 @@ TEST(SandboxPath, EncodesRef) {
 
 // ---- answers -> text ----
 
+constexpr const char* kWhere = "unix:/run/sandgate/node.sock";
+
 TEST(ErrorMessage, PrefersNodeMessage) {
-  EXPECT_EQ(error_message(409, R"({"error":"already_exists","message":"name demo is taken"})"),
-            "name demo is taken");
-  EXPECT_EQ(error_message(404, R"({"error":"not_found"})"), "sandgate-node answered HTTP 404 Not Found (not_found)");
-  EXPECT_EQ(error_message(502, "upstream down\n"), "sandgate-node answered HTTP 502 Bad Gateway: upstream down");
-  EXPECT_EQ(error_message(500, ""), "sandgate-node answered HTTP 500 Internal Server Error");
-  EXPECT_EQ(error_message(400, R"({"message": 7})"), "sandgate-node answered HTTP 400 Bad Request: {\"message\": 7}");
+  EXPECT_EQ(error_message(409, R"({"error":"conflict","message":"sandbox sb-1 is creating"})",
+                          {"suspend", "x", kWhere}),
+            "sandbox sb-1 is creating");
+  EXPECT_EQ(error_message(404, R"({"error":"not_found"})", {"ls", "", kWhere}),
+            "sandgate-node answered HTTP 404 Not Found (not_found)");
+  EXPECT_EQ(error_message(400, R"({"error":"invalid_argument","message": 7})", {"ls", "", kWhere}),
+            "sandgate-node answered HTTP 400 Bad Request (invalid_argument)");
 }
 
-TEST(ParseObject, RejectsNonObjects) {
-  EXPECT_TRUE(parse_object(R"({"a":1})"));
-  EXPECT_FALSE(parse_object("[1]"));
-  EXPECT_FALSE(parse_object("not json"));
-  EXPECT_FALSE(parse_object(""));
+TEST(ErrorMessage, NameTakenSaysHowToFreeIt) {
+  EXPECT_EQ(error_message(409, R"({"error":"already_exists","message":"name 'demo' is already used by sb-1"})",
+                          {"create", "demo", kWhere}),
+            "name 'demo' is already used by sb-1: choose another --name, or remove the existing sandbox first with "
+            "`sandgate rm demo`");
+}
+
+TEST(ErrorMessage, UnknownSandboxPointsAtLs) {
+  EXPECT_EQ(error_message(404, R"({"error":"not_found","message":"no sandbox 'demo'"})", {"get", "demo", kWhere}),
+            "no sandbox 'demo': `sandgate ls` lists the sandboxes on unix:/run/sandgate/node.sock (is that the node "
+            "you meant?)");
+}
+
+TEST(ErrorMessage, CreateThatCouldNotStartSaysItWasNotCreated) {
+  EXPECT_EQ(error_message(500, R"({"error":"io","message":"cannot start sandbox: mkdir: No space left on device"})",
+                          {"create", "web", kWhere}),
+            "cannot start sandbox: mkdir: No space left on device. The sandbox was not created: fix the cause "
+            "(sandgate-node's log has the details), then run the same create again");
+  // The same status from another command is only the node's message.
+  EXPECT_EQ(error_message(500, R"({"error":"io","message":"disk"})", {"rm", "web", kWhere}), "disk");
+}
+
+TEST(ErrorMessage, AnswerThatIsNotTheNodesPointsAtTheApiAddress) {
+  const std::string hint = "; " + std::string(kCheckApiHint);
+  EXPECT_EQ(error_message(502, "upstream down\n", {"ls", "", "http://127.0.0.1:8000"}),
+            "the server at http://127.0.0.1:8000 answered HTTP 502 Bad Gateway: upstream down" + hint);
+  EXPECT_EQ(error_message(500, "", {"ls", "", kWhere}),
+            "the server at unix:/run/sandgate/node.sock answered HTTP 500 Internal Server Error" + hint);
+  EXPECT_NE(kCheckApiHint.find("SANDGATE_API"), std::string::npos);
+}
+
+TEST(ErrorMessage, FailedSandboxSaysWhyAndWhatToDo) {
+  json failed = json::parse(R"({"id":"sb-1","name":"bad","state":"failed",
+                                "state_reason":"the sandbox's process exited on its own"})");
+  EXPECT_EQ(failed_message(failed, "resumed"),
+            "sandbox bad has failed (the sandbox's process exited on its own), so it cannot be resumed. A failed "
+            "sandbox does not run again: remove it with `sandgate rm bad` and create it anew (`sandgate get bad` "
+            "shows its command, which must keep running inside the sandbox)");
+  auto at_create = failed_message(failed, "");
+  ASSERT_TRUE(at_create);
+  EXPECT_TRUE(at_create->starts_with("sandbox bad failed as it started (the sandbox's process exited on its own). "))
+      << *at_create;
+  EXPECT_FALSE(failed_message(json::parse(R"({"id":"sb-1","name":"ok","state":"running"})"), "resumed"));
+  EXPECT_EQ(sandbox_label(json::parse(R"({"id":"sb-1","name":null})")), "sb-1");
+}
+
+TEST(ParseObject, RejectsNonObjectsNamingTheAddress) {
+  EXPECT_TRUE(parse_object(R"({"a":1})", kWhere));
+  EXPECT_FALSE(parse_object("[1]", kWhere));
+  EXPECT_FALSE(parse_object("", kWhere));
+  auto r = parse_object("not json", kWhere);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.message(), "the server at unix:/run/sandgate/node.sock answered something that is not a JSON object "
+                         "(not json): " + std::string(kCheckApiHint));
 }
 
 TEST(Timestamp, Parses) {
@@ -396,22 +450,45 @@ TEST_F(FakeNode, AnswerDelimitedByClose) {
   auto res = ApiClient(address_, 5000).request("GET", "/v1/sandboxes/x");
   ASSERT_TRUE(res) << res.message();
   EXPECT_EQ(res->status, 404);
-  EXPECT_EQ(error_message(res->status, res->body), "no such sandbox");
+  EXPECT_EQ(error_message(res->status, res->body, {"get", "", "unix:/x.sock"}), "no such sandbox");
 }
 
-TEST_F(FakeNode, NoSocket) {
-  auto res = ApiClient(address_, 5000).request("GET", "/v1/health");
+// The node is not running: no socket at all, or one left behind that nobody accepts on. The message names
+// the address, the cause, and both ways out (start the node, or point SANDGATE_API elsewhere).
+void expect_node_down(const Result<ApiResponse>& res, const std::string& address, const std::string& cause) {
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kUnavailable);
-  EXPECT_EQ(res.message(), "cannot reach sandgate-node at unix:" + dir_ + "/node.sock: No such file or directory");
+  EXPECT_EQ(res.message(),
+            "cannot reach sandgate-node at " + address + ": " + cause + ". " + std::string(kNodeDownHint));
+  EXPECT_NE(res.message().find("Is sandgate-node running?"), std::string::npos);
+  EXPECT_NE(res.message().find("deploy/quickstart.sh"), std::string::npos);
+  EXPECT_NE(res.message().find("SANDGATE_API"), std::string::npos);
 }
 
-TEST_F(FakeNode, ClosedWithoutAnswer) {
+TEST_F(FakeNode, NoSocketSaysStartTheNodeOrSetTheApi) {
+  expect_node_down(ApiClient(address_, 5000).request("GET", "/v1/health"), "unix:" + dir_ + "/node.sock",
+                   "No such file or directory");
+}
+
+TEST_F(FakeNode, StaleSocketSaysStartTheNodeOrSetTheApi) {
+  // Bound but never listened on: what a node that died leaves behind.
+  UniqueFd stale(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un sun{};
+  sun.sun_family = AF_UNIX;
+  std::string path = dir_ + "/node.sock";
+  std::memcpy(sun.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(stale.get(), reinterpret_cast<sockaddr*>(&sun), sizeof sun), 0);
+  expect_node_down(ApiClient(address_, 5000).request("GET", "/v1/health"), "unix:" + path, "Connection refused");
+}
+
+TEST_F(FakeNode, ClosedWithoutAnswerAsksWhetherThisIsTheNode) {
   serve("");
   auto res = ApiClient(address_, 5000).request("GET", "/v1/health");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kUnavailable);
   EXPECT_NE(res.message().find("closed the connection"), std::string::npos) << res.message();
+  EXPECT_NE(res.message().find("is that sandgate-node's API? Check --api / SANDGATE_API"), std::string::npos)
+      << res.message();
 }
 
 TEST_F(FakeNode, TruncatedAnswer) {
@@ -419,6 +496,18 @@ TEST_F(FakeNode, TruncatedAnswer) {
   auto res = ApiClient(address_, 5000).request("GET", "/v1/health");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kIo);
+  EXPECT_NE(res.message().find("SANDGATE_API"), std::string::npos) << res.message();
+}
+
+// SANDGATE_API names some other HTTP server: its answer is not the node's, and the message says to check it.
+TEST_F(FakeNode, AnotherServerAtTheApiAddressIsNamedAsSuch) {
+  serve("HTTP/1.1 404 Not Found\r\nContent-Type: text/html\r\nContent-Length: 22\r\n\r\n<h1>404 not found</h1>");
+  auto res = ApiClient(address_, 5000).request("GET", "/v1/sandboxes");
+  ASSERT_TRUE(res) << res.message();
+  std::string where = api_address_string(address_);
+  EXPECT_EQ(error_message(res->status, res->body, {"ls", "", where}),
+            "the server at " + where + " answered HTTP 404 Not Found: <h1>404 not found</h1>; " +
+                std::string(kCheckApiHint));
 }
 
 TEST_F(FakeNode, Timeout) {
@@ -477,7 +566,11 @@ TEST_F(HttpsApi, ConnectToDialsElsewhereButChecksTheUrlsHost) {
   auto res = client("https://api.sandbox.example:1", a).request("GET", "/v1/sandboxes");
   ASSERT_FALSE(res);  // the certificate names *.sandbox.localhost only
   EXPECT_EQ(res.error(), Error::kUnavailable);
-  EXPECT_NE(res.message().find("not trusted"), std::string::npos) << res.message();
+  // The CA is right; the name is what to fix.
+  EXPECT_NE(res.message().find("not valid for api.sandbox.example (hostname mismatch)"), std::string::npos)
+      << res.message();
+  EXPECT_NE(res.message().find("--domain / SANDGATE_DOMAIN, or the host in --api"), std::string::npos)
+      << res.message();
 
   FakeIngress ingress2(cert_, kListAnswer, "");
   a.connect_to = Ingress{"127.0.0.1", ingress2.port()};
@@ -494,16 +587,53 @@ TEST_F(HttpsApi, UntrustedCertificateIsRefused) {
   auto res = client("https://api.sandbox.localhost:" + std::to_string(ingress.port()), a).request("GET", "/v1/sandboxes");
   ASSERT_FALSE(res);
   EXPECT_EQ(res.error(), Error::kUnavailable);
-  EXPECT_NE(res.message().find("not trusted"), std::string::npos) << res.message();
+  EXPECT_NE(res.message().find("certificate for api.sandbox.localhost is not trusted (self-signed certificate): "
+                               "pass the CA that signed it with --cacert or SANDGATE_CACERT"),
+            std::string::npos)
+      << res.message();
+  EXPECT_NE(res.message().find("tls/ca.pem"), std::string::npos) << res.message();
 }
 
-TEST_F(HttpsApi, UnauthorizedSaysWhichTokenToPass) {
+TEST_F(HttpsApi, NoIngressListeningSaysStartItOrDialElsewhere) {
+  uint16_t port = 0;
+  {
+    FakeIngress gone(cert_, kListAnswer, "");  // its port, then nothing listens there
+    port = gone.port();
+    auto ok = client("https://api.sandbox.localhost:" + std::to_string(port), access()).request("GET", "/v1/sandboxes");
+    ASSERT_TRUE(ok) << ok.message();
+  }
+  auto res = client("https://api.sandbox.localhost:" + std::to_string(port), access()).request("GET", "/v1/sandboxes");
+  ASSERT_FALSE(res);
+  EXPECT_EQ(res.error(), Error::kUnavailable);
+  EXPECT_NE(res.message().find("Connection refused). Is it running and listening there?"), std::string::npos)
+      << res.message();
+  EXPECT_NE(res.message().find("--connect-to / SANDGATE_INGRESS"), std::string::npos) << res.message();
+}
+
+TEST_F(HttpsApi, WrongOperatorTokenSaysWhichTokenToPass) {
   FakeIngress ingress(cert_, "HTTP/1.1 401 Unauthorized\r\nContent-Length: 5\r\n\r\nnope\n", "");
-  auto res = client("https://api.sandbox.localhost:" + std::to_string(ingress.port()), access("wrong"))
-                 .request("GET", "/v1/sandboxes");
+  std::string url = "https://api.sandbox.localhost:" + std::to_string(ingress.port());
+  auto res = client(url, access("wrong")).request("GET", "/v1/sandboxes");
   ASSERT_TRUE(res) << res.message();
   EXPECT_EQ(res->status, 401);
-  EXPECT_NE(error_message(res->status, res->body).find("--token"), std::string::npos);
+  std::string msg = error_message(res->status, res->body, {"ls", "", url, true});
+  EXPECT_NE(msg.find("refused the operator token"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--token or SANDGATE_TOKEN"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("operator.token"), std::string::npos) << msg;
+}
+
+TEST_F(HttpsApi, MissingOperatorTokenSaysSo) {
+  FakeIngress ingress(cert_, "HTTP/1.1 401 Unauthorized\r\nContent-Length: 5\r\n\r\nnope\n", "");
+  std::string url = "https://api.sandbox.localhost:" + std::to_string(ingress.port());
+  auto res = client(url, access("")).request("GET", "/v1/sandboxes");
+  ASSERT_TRUE(res) << res.message();
+  EXPECT_EQ(res->status, 401);
+  EXPECT_EQ(ingress.head().find("Authorization"), std::string::npos) << ingress.head();
+  std::string msg = error_message(res->status, res->body, {"ls", "", url, false});
+  EXPECT_NE(msg.find("wants the operator token (HTTP 401 Unauthorized) and none was given: pass it with --token or "
+                     "SANDGATE_TOKEN"),
+            std::string::npos)
+      << msg;
 }
 
 TEST_F(HttpsApi, ATokenThatCouldForgeHeadersIsRefused) {

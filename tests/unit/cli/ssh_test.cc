@@ -1,5 +1,6 @@
 // ssh-config, the token files and ssh-proxy against a real TLS server in the test (the ingress's stand-in).
 #include "cli/ssh.h"
+#include "tests/unit/cli/temp_dir.h"
 #include "tests/unit/cli/fake_ingress.h"
 
 #include <gtest/gtest.h>
@@ -24,19 +25,6 @@
 
 namespace sg::cli {
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/sgtest-cli-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 mode_t mode_of(const std::string& path) {
   struct stat st {};
@@ -181,6 +169,19 @@ TEST(TokenFiles, SavedPrivatelyAndLoaded) {
   EXPECT_EQ(*load_token(home, "sb-0123456789ab"), "sgt_id");
 }
 
+TEST(TokenFiles, Removed) {
+  TempDir dir;
+  std::string home = dir.path() + "/config";
+  ASSERT_TRUE(save_token(home, "demo", "sgt_a"));
+  ASSERT_TRUE(save_token(home, "other", "sgt_b"));
+  ASSERT_TRUE(remove_token(home, "demo"));
+  EXPECT_FALSE(std::filesystem::exists(token_file(home, "demo")));
+  EXPECT_EQ(*load_token(home, "other"), "sgt_b");
+  EXPECT_TRUE(remove_token(home, "demo")) << "none saved is not an error";
+  EXPECT_FALSE(remove_token(home, "../other"));
+  EXPECT_EQ(*load_token(home, "other"), "sgt_b");
+}
+
 TEST(TokenFiles, RefusesBadRefsAndBadFiles) {
   TempDir dir;
   std::string home = dir.path();
@@ -310,6 +311,26 @@ TEST_F(SshProxyTest, RefusalPrintsStatusAndBody) {
   EXPECT_EQ(out, "");
   EXPECT_NE(err.find("HTTP/1.1 401 Unauthorized"), std::string::npos) << err;
   EXPECT_NE(err.find("\"message\":\"bad token\""), std::string::npos) << err;
+  EXPECT_NE(err.find("sandgate ssh-proxy: pass demo's own token with --token or SANDGATE_TOKEN"), std::string::npos)
+      << err;
+}
+
+TEST(SshProxy, EachRefusalSaysWhatToDo) {
+  SshProxyOptions o;
+  o.name = "box";
+  o.domain = "sandbox.localhost";
+  o.port = 2222;
+  EXPECT_NE(connect_refusal_hint(401, o).find("box's own token with --token or SANDGATE_TOKEN"), std::string::npos);
+  EXPECT_EQ(connect_refusal_hint(403, o),
+            "port 2222 is not open to tunnels: connect to a port box exposes (--port; `sandgate get box` lists "
+            "them), or create it with --expose 2222/tcp");
+  EXPECT_EQ(connect_refusal_hint(404, o),
+            "`sandgate ls` lists the sandboxes; is sandbox.localhost (--domain) served by this ingress?");
+  EXPECT_NE(connect_refusal_hint(502, o).find("is its sshd (or whatever should listen there) running?"),
+            std::string::npos);
+  EXPECT_NE(connect_refusal_hint(503, o).find("a failed sandbox must be removed (`sandgate rm box`)"),
+            std::string::npos);
+  EXPECT_EQ(connect_refusal_hint(500, o), "");
 }
 
 TEST_F(SshProxyTest, UntrustedCertificateIsRefused) {
@@ -324,6 +345,7 @@ TEST_F(SshProxyTest, UntrustedCertificateIsRefused) {
   std::string err = testing::internal::GetCapturedStderr();
   EXPECT_EQ(code, 1);
   EXPECT_NE(err.find("not trusted"), std::string::npos) << err;
+  EXPECT_NE(err.find("--cacert or SANDGATE_CACERT"), std::string::npos) << err;
   EXPECT_EQ(ingress.head(), "") << "nothing, least of all the token, goes to an unverified server";
 }
 
@@ -352,13 +374,22 @@ uint16_t free_port() {
   return ntohs(addr.sin_port);
 }
 
-TEST_F(SshProxyTest, NoIngressIsAnError) {
-  int code = -1;
-  testing::internal::CaptureStderr();
-  run_with(options(free_port()), "", &code);
-  std::string err = testing::internal::GetCapturedStderr();
-  EXPECT_EQ(code, 1);
-  EXPECT_NE(err.find("connect"), std::string::npos) << err;
+TEST_F(SshProxyTest, NoIngressSaysStartItOrPointElsewhere) {
+  for (const char* from : {"", "/srv/.state/ingress"}) {
+    SshProxyOptions o = options(free_port());
+    o.ingress_from = from;
+    int code = -1;
+    testing::internal::CaptureStderr();
+    run_with(o, "", &code);
+    std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(code, 1);
+    EXPECT_NE(err.find("cannot reach sandgate-proxy (connect to 127.0.0.1:" + std::to_string(o.ingress.port) +
+                       ": Connection refused). Is it running and listening there? If it listens elsewhere, pass "
+                       "--ingress HOST:PORT or set SANDGATE_INGRESS (this address came from " +
+                       (*from ? std::string(from) : "the built-in default") + ")"),
+              std::string::npos)
+        << err;
+  }
 }
 
 TEST_F(SshProxyTest, ATokenThatCouldForgeHeadersIsRefused) {
