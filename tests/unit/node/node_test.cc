@@ -110,6 +110,24 @@ class NodeTest : public ::testing::Test {
     return out;
   }
 
+  // Sends `report` every 300 ms, like a proxy worker, while the loop runs for `ms`.
+  void report_every_300ms_for(int ms, ActivityReport report) {
+    struct Reporter {
+      uv_timer_t timer;
+      Node* node;
+      ActivityReport report;
+    } r{{}, node_.get(), std::move(report)};
+    uv_timer_init(&loop_, &r.timer);
+    r.timer.data = &r;
+    uv_timer_start(&r.timer, [](uv_timer_t* t) {
+      auto* self = static_cast<Reporter*>(t->data);
+      self->node->activity({self->report});
+    }, 300, 300);
+    run_for(&loop_, ms);
+    uv_close(reinterpret_cast<uv_handle_t*>(&r.timer), nullptr);
+    run_for(&loop_, 1);  // the close callback runs before `r` goes out of scope
+  }
+
   std::optional<Result<SandboxInfo>> remove(const std::string& ref) {
     std::optional<Result<SandboxInfo>> out;
     node_->remove(ref, [&out](Result<SandboxInfo> r) { out.emplace(std::move(r)); });
@@ -410,14 +428,7 @@ TEST_F(NodeTest, TrafficReportedDuringASuspendDoesNotUndoIt) {
 
 TEST_F(NodeTest, TrafficKeepsARunningSandboxFromGoingIdle) {
   create("demo", false, 1);
-  uv_timer_t traffic;
-  uv_timer_init(&loop_, &traffic);
-  traffic.data = node_.get();
-  uv_timer_start(&traffic, [](uv_timer_t* t) {
-    static_cast<Node*>(t->data)->activity({ActivityReport{"demo", "w1", 1, 1, 0}});
-  }, 300, 300);
-  run_for(&loop_, 1600);
-  uv_close(reinterpret_cast<uv_handle_t*>(&traffic), nullptr);
+  report_every_300ms_for(1600, ActivityReport{"demo", "w1", 1, 1, 0});
   EXPECT_EQ(state("demo"), S::kRunning) << "bytes every 300 ms, 1 s timeout";
   ASSERT_TRUE(wait_state("demo", S::kSuspended, 3000)) << "idle once the bytes stop";
 }
@@ -438,14 +449,7 @@ TEST_F(NodeTest, OpenConnectionsHoldASandboxAwake) {
   node_->activity({{info.spec.id, "w1", 0, 0, 1}});
   EXPECT_FALSE(node_->get("demo")->idle_deadline_at_ms.has_value()) << "held: no deadline";
   // Re-reported like a proxy worker does, well within the report TTL (10 x 1000 ms by default).
-  uv_timer_t heartbeat;
-  uv_timer_init(&loop_, &heartbeat);
-  heartbeat.data = node_.get();
-  uv_timer_start(&heartbeat, [](uv_timer_t* t) {
-    static_cast<Node*>(t->data)->activity({ActivityReport{"demo", "w1", 0, 0, 1}});
-  }, 300, 300);
-  run_for(&loop_, 1600);
-  uv_close(reinterpret_cast<uv_handle_t*>(&heartbeat), nullptr);
+  report_every_300ms_for(1600, ActivityReport{"demo", "w1", 0, 0, 1});
   EXPECT_EQ(state("demo"), S::kRunning) << "past its 1 s timeout while a connection is open";
   EXPECT_EQ(driver_->pauses, 0);
   // The last connection closes: the idle clock starts from now.
