@@ -18,6 +18,7 @@ struct Request {
   std::string method;
   std::string target;           // path and query, as sent
   int64_t content_length = -1;  // -1: not announced (chunked, or h2 without content-length)
+  std::string content_type;     // as sent; empty when absent
 };
 
 // A response whose queued bytes exceed the high mark asks its handler to stop producing (a handler checks

@@ -165,7 +165,7 @@ class Http1Protocol : public Protocol, private Responder {
 
   void begin_request() {
     HttpMessage& m = parser_.message();
-    Request request{m.method, m.target, -1};
+    Request request{m.method, m.target, -1, {}};
     http10_ = m.http_major == 1 && m.http_minor == 0;
     // Every answer has a body, which a HEAD client would not read; closing keeps it from being taken for
     // the next response.
@@ -187,6 +187,7 @@ class Http1Protocol : public Protocol, private Responder {
     } else {
       body_ = BodyDecoder::fixed(0);
     }
+    if (const std::string* ct = m.header("Content-Type")) request.content_type = *ct;
     phase_ = body_->done() ? Phase::kAwaitResponse : Phase::kBody;
     handler_ = conn_.router().route(request, *this);
     const std::string* expect = m.header("Expect");

@@ -50,6 +50,7 @@ class Http2Protocol : public Protocol {
     int32_t id;
     std::string method, path;
     int64_t content_length = -1;
+    std::string content_type;
     size_t header_bytes = 0;
     bool headers_too_large = false;
     bool request_complete = false;  // END_STREAM received
@@ -170,7 +171,7 @@ void Http2Protocol::dispatch(Stream& s) {
     return s.respond_error(431, Error::kLimitExceeded,
                            "header list exceeds " + std::to_string(conn_.limits().max_head_bytes) + " bytes");
   }
-  s.handler = conn_.router().route(Request{s.method, s.path, s.content_length}, s);
+  s.handler = conn_.router().route(Request{s.method, s.path, s.content_length, s.content_type}, s);
 }
 
 void Http2Protocol::request_complete(Stream& s) {
@@ -205,6 +206,8 @@ int Http2Protocol::on_header(nghttp2_session*, const nghttp2_frame* frame, const
     int64_t length = -1;
     std::from_chars(v.data(), v.data() + v.size(), length);  // nghttp2 has checked it is a number
     s->content_length = length;
+  } else if (n == "content-type") {
+    s->content_type = v;
   }
   return 0;
 }

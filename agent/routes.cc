@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <cctype>
+
 #include <nlohmann/json.hpp>
 
 #include "agent/exec.h"
@@ -78,6 +80,17 @@ class ExecHandler : public Handler, public ExecObserver {
   Utf8Carry carry_[2];              // stdout, stderr
 };
 
+// "application/json", any case, optionally followed by parameters ("; charset=utf-8").
+bool is_json_media_type(std::string_view value) {
+  std::string_view type = value.substr(0, value.find(';'));
+  while (!type.empty() && (type.back() == ' ' || type.back() == '\t')) type.remove_suffix(1);
+  constexpr std::string_view kJson = "application/json";
+  if (type.size() != kJson.size()) return false;
+  for (size_t i = 0; i < type.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(type[i])) != kJson[i]) return false;
+  return true;
+}
+
 mode_t umask_now() {
   mode_t mask = ::umask(0);
   ::umask(mask);
@@ -120,6 +133,13 @@ std::unique_ptr<Handler> Router::route(const Request& request, Responder& out) {
   }
   if (path == "/exec") {
     if (method != "POST") return method_not_allowed("POST");
+    // A browser sends a cross-origin text/plain or form POST without a CORS preflight; one that must be
+    // application/json cannot be sent that way, so a page on another sandbox cannot run commands here.
+    if (!is_json_media_type(request.content_type)) {
+      out.respond_error(415, Error::kInvalidArgument,
+                        "exec needs Content-Type: application/json, got '" + request.content_type + "'");
+      return answered();
+    }
     if (request.content_length > static_cast<int64_t>(limits_.max_exec_body_bytes)) {
       out.respond_error(413, Error::kLimitExceeded,
                         "exec request exceeds " + std::to_string(limits_.max_exec_body_bytes) + " bytes");

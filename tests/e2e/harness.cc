@@ -172,6 +172,7 @@ void Cluster::write_config() {
   std::string top = "domain = \"sandbox.localhost\"\nnode_socket = \"" + api_ + "\"\nlog_level = \"debug\"\n";
   if (!opts_.operator_token.empty()) {
     write_file(dir_ + "/operator.token", opts_.operator_token + "\n");
+    ::chmod((dir_ + "/operator.token").c_str(), 0600);  // the node refuses a token others can read
     top += "operator_token_file = \"" + dir_ + "/operator.token\"\n";
   }
   std::string cfg = top + "\n" +

@@ -121,6 +121,7 @@ TEST(Slice, NodeRestartFindsItsSandboxes) {
   auto a = c.create_http_sandbox("keep-a", 8080);
   auto b = c.create_http_sandbox("keep-b", 8080);
   c.wait_until_serving("keep-a", 8080);
+  c.wait_until_serving("keep-b", 8080);  // frozen before it listens, it could not answer once woken
   ASSERT_EQ(c.cli("suspend keep-b").exit_code, 0);
   ASSERT_TRUE(eventually([&] { return c.get("keep-b")["state"] == "suspended"; }, std::chrono::seconds(5)));
   // A crash (SIGKILL) must not lose the sandboxes: they keep running and the new node adopts them.

@@ -110,10 +110,14 @@ std::string read_until(int fd, std::string_view needle, int timeout_ms, bool* eo
   return got;
 }
 
+// Every POST in these tests carries JSON: /exec refuses anything else (415).
 std::string post(std::string_view path, std::string_view body, std::string_view extra_headers = "") {
-  return "POST " + std::string(path) + " HTTP/1.1\r\nHost: agent\r\nContent-Length: " + std::to_string(body.size()) +
-         "\r\n" + std::string(extra_headers) + "\r\n" + std::string(body);
+  return "POST " + std::string(path) + " HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n" + std::string(extra_headers) + "\r\n" + std::string(body);
 }
+
+// curl's -d / --data-binary default to application/x-www-form-urlencoded, which /exec refuses.
+const std::string kJson = "-H 'Content-Type: application/json' ";
 
 std::string exec_body(const std::string& script) { return json{{"command", {"sh", "-c", script}}}.dump(); }
 
@@ -176,7 +180,7 @@ class AgentTest : public ::testing::Test {
   // Runs an exec through curl and returns its events.
   std::vector<json> exec(const json& body, const char* proto = "") {
     std::string body_path = write_file("exec.json", body.dump());
-    Ran r = run("curl -sS -N " + std::string(proto) + "-X POST --data-binary @" + body_path + " " + url("/exec"));
+    Ran r = run("curl -sS -N " + kJson + std::string(proto) + "-X POST --data-binary @" + body_path + " " + url("/exec"));
     EXPECT_EQ(r.status, 0) << r.out;
     return ndjson(r.out);
   }
@@ -188,8 +192,10 @@ class AgentTest : public ::testing::Test {
 
   // An h2 answer given before the request body was sent (an error) comes with RST_STREAM(NO_ERROR), as
   // RFC 9113 §8.1 allows; curl 7.88 reports that as error 92, so these cases use nghttp2's own client.
-  int h2_status(const std::string& method, const std::string& body_path, const std::string& target) {
-    Ran r = run("nghttp -v -H ':method: " + method + "' -d " + body_path + " '" + target + "' 2>&1");
+  int h2_status(const std::string& method, const std::string& body_path, const std::string& target,
+                const std::string& content_type = "application/json") {
+    Ran r = run("nghttp -v -H ':method: " + method + "' -H 'content-type: " + content_type + "' -d " + body_path + " '" +
+                target + "' 2>&1");
     std::smatch m;
     if (!std::regex_search(r.out, m, std::regex(":status: (\\d+)"))) return 0;
     return std::stoi(m[1]);
@@ -226,7 +232,7 @@ TEST_F(AgentTest, UnknownPathWrongMethodAndBadJson) {
     EXPECT_NE(r.out.find(proto[0] ? "allow: GET, PUT" : "Allow: GET, PUT"), std::string::npos) << r.out;
     r = run("curl -sS -i " + std::string(proto) + url("/exec"));
     EXPECT_NE(r.out.find("llow: POST"), std::string::npos) << r.out;
-    r = run("curl -sS -w ' %{http_code}' -X POST -d '{\"command\": [' " + std::string(proto) + url("/exec"));
+    r = run("curl -sS -w ' %{http_code}' " + kJson + "-X POST -d '{\"command\": [' " + std::string(proto) + url("/exec"));
     EXPECT_NE(r.out.find("\"error\":\"invalid_argument\""), std::string::npos) << r.out;
     EXPECT_NE(r.out.find("not valid JSON"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(" 400"), std::string::npos) << r.out;
@@ -239,7 +245,7 @@ TEST_F(AgentTest, ExecStreamsOutputWhileTheCommandRuns) {
   std::string body_path = write_file("slow.json", exec_body("echo first; sleep 2; echo second"));
   for (const char* proto : {"", kH2}) {
     auto t0 = Clock::now();
-    FILE* f = ::popen(("curl -sS -N " + std::string(proto) + "--data-binary @" + body_path + " " + url("/exec")).c_str(),
+    FILE* f = ::popen(("curl -sS -N " + kJson + std::string(proto) + "--data-binary @" + body_path + " " + url("/exec")).c_str(),
                       "r");
     ASSERT_NE(f, nullptr);
     double first_at = -1, exit_at = -1;
@@ -301,13 +307,27 @@ TEST_F(AgentTest, ExecTimeoutKillsTheGroup) {
   EXPECT_EQ(events.back(), json({{"type", "exit"}, {"signal", 9}, {"timed_out", true}}));
 }
 
+// A page on another sandbox (the same site) can POST text/plain or a form without a CORS preflight, but not
+// application/json: requiring it keeps such a page from running commands with the browser's cookie.
+TEST_F(AgentTest, ExecNeedsAJsonContentType) {
+  const std::string body = "-d '{\"command\":[\"true\"]}' ";
+  Ran r = run("curl -sS -w ' %{http_code}' -H 'Content-Type: text/plain' " + body + url("/exec"));
+  EXPECT_NE(r.out.find(" 415"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("application/json"), std::string::npos) << r.out;
+  EXPECT_EQ(http_status(body + url("/exec")), 415) << "a form post";
+  EXPECT_EQ(http_status("-H 'Content-Type: Application/JSON; charset=utf-8' " + body + url("/exec")), 200);
+  const std::string path = write_file("true.json", R"({"command":["true"]})");
+  EXPECT_EQ(h2_status("POST", path, url("/exec"), "text/plain"), 415);
+  EXPECT_EQ(h2_status("POST", path, url("/exec")), 200);
+}
+
 TEST_F(AgentTest, ExecSpawnFailuresAreAnsweredBeforeStreaming) {
   for (const char* proto : {"", kH2}) {
-    Ran r = run("curl -sS -w ' %{http_code}' " + std::string(proto) + "-d '{\"command\":[\"/no/such/program\"]}' " +
+    Ran r = run("curl -sS -w ' %{http_code}' " + kJson + std::string(proto) + "-d '{\"command\":[\"/no/such/program\"]}' " +
                 url("/exec"));
     EXPECT_NE(r.out.find("\"error\":\"not_found\""), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(" 400"), std::string::npos) << r.out;
-    r = run("curl -sS -w ' %{http_code}' " + std::string(proto) +
+    r = run("curl -sS -w ' %{http_code}' " + kJson + std::string(proto) +
             "-d '{\"command\":[\"true\"],\"cwd\":\"/no/such/dir\"}' " + url("/exec"));
     EXPECT_NE(r.out.find(" 400"), std::string::npos) << r.out;
   }
@@ -316,8 +336,8 @@ TEST_F(AgentTest, ExecSpawnFailuresAreAnsweredBeforeStreaming) {
 TEST_F(AgentTest, ExecBodyOverTheLimitIs413) {
   std::string big = json{{"command", {"echo", std::string(2 * 1024 * 1024, 'x')}}}.dump();
   std::string path = write_file("big.json", big);
-  EXPECT_EQ(http_status("--data-binary @" + path + " " + url("/exec")), 413);
-  EXPECT_EQ(http_status("-H 'Transfer-Encoding: chunked' --data-binary @" + path + " " + url("/exec")), 413);
+  EXPECT_EQ(http_status(kJson + "--data-binary @" + path + " " + url("/exec")), 413);
+  EXPECT_EQ(http_status(kJson + "-H 'Transfer-Encoding: chunked' --data-binary @" + path + " " + url("/exec")), 413);
   EXPECT_EQ(h2_status("POST", path, url("/exec")), 413);
   EXPECT_TRUE(healthy());
 }
@@ -339,7 +359,7 @@ TEST_F(AgentTest, DisconnectKillsTheProcessGroup) {
 
   // h2: curl gives up and closes the connection.
   std::string body_path = write_file("bg.json", exec_body("sleep 30 & echo $!; wait"));
-  Ran r = run("curl -sS -N --max-time 1 " + std::string(kH2) + "--data-binary @" + body_path + " " + url("/exec"));
+  Ran r = run("curl -sS -N --max-time 1 " + kJson + std::string(kH2) + "--data-binary @" + body_path + " " + url("/exec"));
   auto events = ndjson(r.out);
   ASSERT_GE(events.size(), 2u) << r.out;
   leader = events[0]["pid"];
@@ -391,10 +411,10 @@ TEST_F(ExecLimitTest, CommandsBeyondTheLimitGet429) {
     EXPECT_NE(read_until(running.back().get(), "\"start\"", 5000).find("\"start\""), std::string::npos);
   }
   std::string body_path = write_file("true.json", json{{"command", {"true"}}}.dump());
-  EXPECT_EQ(http_status("--data-binary @" + body_path + " " + url("/exec")), 429);
-  EXPECT_EQ(http_status(std::string(kH2) + "--data-binary @" + body_path + " " + url("/exec")), 429);
+  EXPECT_EQ(http_status(kJson + "--data-binary @" + body_path + " " + url("/exec")), 429);
+  EXPECT_EQ(http_status(kJson + std::string(kH2) + "--data-binary @" + body_path + " " + url("/exec")), 429);
   running.clear();  // disconnecting kills them, which frees their slots
-  EXPECT_TRUE(eventually([&] { return http_status("--data-binary @" + body_path + " " + url("/exec")) == 200; }));
+  EXPECT_TRUE(eventually([&] { return http_status(kJson + "--data-binary @" + body_path + " " + url("/exec")) == 200; }));
 }
 
 // ---- h2 ----
@@ -402,7 +422,7 @@ TEST_F(ExecLimitTest, CommandsBeyondTheLimitGet429) {
 TEST_F(AgentTest, H2ConcurrentExecStreamsOnOneConnection) {
   std::string body_path = write_file("sleep.json", exec_body("sleep 1; echo done"));
   auto t0 = Clock::now();
-  Ran r = run("nghttp -m 5 -d " + body_path + " " + url("/exec"));
+  Ran r = run("nghttp -m 5 -H 'content-type: application/json' -d " + body_path + " " + url("/exec"));
   double took = std::chrono::duration<double>(Clock::now() - t0).count();
   ASSERT_EQ(r.status, 0) << r.out;
   size_t exits = 0;
