@@ -149,7 +149,7 @@ int main(int argc, char** argv) {
   // Global because both the https API and ssh-proxy go through the ingress; the environment is read below.
   std::string token, cacert, connect_to;
   app.add_option("--token", token,
-                 "operator token for an https --api; for ssh-proxy, a sandbox or operator token (default: the "
+                 "operator token for an https or http --api; for ssh-proxy, a sandbox or operator token (default: the "
                  "saved one) (env SANDGATE_TOKEN)");
   app.add_option("--cacert", cacert,
                  "CA file for the ingress's certificate (env SANDGATE_CACERT; for ssh-config and ssh-proxy also the "
@@ -295,9 +295,11 @@ int main(int argc, char** argv) {
   }
 
   sg::cli::IngressAccess access;
-  if (address->kind == sg::cli::ApiAddress::Kind::kHttps) {
-    // Only the ingress asks for a token: the direct API trusts whoever can reach its socket or loopback port.
+  // The ingress and the node's TCP listener (node.api_listen) both need the operator token; only the unix
+  // socket trusts whoever can open it.
+  if (address->kind == sg::cli::ApiAddress::Kind::kHttps || address->endpoint.kind == sg::Endpoint::Kind::kTcp)
     access.token = sg::cli::setting(token, env, "SANDGATE_TOKEN", "");
+  if (address->kind == sg::cli::ApiAddress::Kind::kHttps) {
     access.cacert = sg::cli::setting(cacert, env, "SANDGATE_CACERT", "");
     if (std::string dial = sg::cli::setting(connect_to, env, "SANDGATE_INGRESS", ""); !dial.empty()) {
       auto where = sg::cli::parse_ingress(dial);

@@ -1,5 +1,8 @@
 #include "config/config.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -126,6 +129,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.integer("max_request_head_bytes", &out->max_request_head_bytes, 1024, 1024 * 1024);
   r.integer("max_connections", &out->max_connections, 1, 10'000'000);
   r.integer("max_connections_per_sandbox", &out->max_connections_per_sandbox, 1, 10'000'000);
+  r.integer("max_connections_per_client", &out->max_connections_per_client, 1, 10'000'000);
   r.integer("wake_timeout_ms", &out->wake_timeout_ms, 100, 600'000);
   r.integer("idle_timeout_secs", &out->idle_timeout_secs, 1, 7 * 24 * 3600);
   r.integer("connect_timeout_ms", &out->connect_timeout_ms, 10, 600'000);
@@ -160,6 +164,16 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.string("state_dir", &out->state_dir);
   out->state_dir = resolve_path(base_dir, out->state_dir);
   r.endpoints("api_listen", &out->api_listen, false);
+  r.boolean("api_listen_allow_remote", &out->api_listen_allow_remote);
+  if (!out->api_listen_allow_remote) {
+    for (const Endpoint& ep : out->api_listen) {
+      if (!is_loopback(ep))
+        r.error(*t.get("api_listen"), "node.api_listen",
+                ep.to_string() + " is not a loopback address; whoever reaches the node API can run commands as "
+                                 "root in every sandbox, so serving it beyond this host needs "
+                                 "node.api_listen_allow_remote = true");
+    }
+  }
   r.integer("default_timeout_secs", &out->default_timeout_secs, 1, 7 * 24 * 3600);
   r.integer("max_timeout_secs", &out->max_timeout_secs, 1, 365 * 24 * 3600);
   r.integer("max_sandboxes", &out->max_sandboxes, 1, 1'000'000);
@@ -216,6 +230,14 @@ bool valid_domain(std::string_view d) {
 }
 
 }  // namespace
+
+// The endpoint's host is numeric (parse_endpoint checked it).
+bool is_loopback(const Endpoint& ep) {
+  in_addr a4{};
+  if (inet_pton(AF_INET, ep.host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+  in6_addr a6{};
+  return inet_pton(AF_INET6, ep.host.c_str(), &a6) == 1 && IN6_IS_ADDR_LOOPBACK(&a6);
+}
 
 std::string NodeConfig::guest_kernel_file() const {
   return guest_kernel.empty() ? state_dir + "/guest/vmlinuz" : guest_kernel;
@@ -284,6 +306,10 @@ Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, 
     }
   }
   if (cfg->proxy.listen.empty()) errors.push_back(std::string(source_name) + ": proxy.listen: needs at least one address");
+  // The TCP API authenticates with the operator token only; without one it could only refuse everything.
+  if (!cfg->node.api_listen.empty() && cfg->operator_token_file.empty())
+    errors.push_back(std::string(source_name) +
+                     ": node.api_listen: needs operator_token_file (the TCP API requires the operator token)");
   if (!errors.empty()) {
     std::string joined;
     for (auto& e : errors) joined += (joined.empty() ? "" : "\n") + e;

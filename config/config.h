@@ -33,6 +33,7 @@ struct ProxyConfig {
   uint32_t max_request_head_bytes = 16 * 1024;
   uint32_t max_connections = 10'000;
   uint32_t max_connections_per_sandbox = 512;
+  uint32_t max_connections_per_client = 256;  // open connections from one client address (no port)
   uint32_t wake_timeout_ms = 30'000;
   uint32_t idle_timeout_secs = 600;      // a forwarded connection with no bytes either way is closed
   uint32_t connect_timeout_ms = 5'000;   // proxy -> sandbox TCP connect
@@ -43,6 +44,9 @@ struct ProxyConfig {
 struct NodeConfig {
   std::string state_dir = "/var/lib/sandgate";
   std::vector<Endpoint> api_listen;     // extra TCP listeners for the node API (loopback); unix socket always
+  // The TCP API runs commands as root in any sandbox: an address other than loopback is refused at load
+  // unless the operator says, with this, that they mean it.
+  bool api_listen_allow_remote = false;
   uint32_t default_timeout_secs = 300;
   uint32_t default_hibernate_after_secs = 0;  // suspended in memory -> hibernated to disk; 0 = never
   uint32_t max_sandboxes = 1000;
@@ -80,7 +84,7 @@ struct Config {
   std::string log_level = "info";
   uint16_t agent_port = 9501;    // the in-sandbox agent's port: what https://<name>.<domain> reaches
   // A file holding the operator token that api.<domain> (and the node's TCP API) require as a Bearer token.
-  // Empty: api.<domain> refuses every request and the TCP API is unauthenticated (loopback only).
+  // Empty: api.<domain> refuses every request, and node.api_listen is a config error.
   std::string operator_token_file;
   ProxyConfig proxy;
   NodeConfig node;
@@ -89,6 +93,10 @@ struct Config {
   // https://<port>-<name>.<domain>[:port]/
   std::string port_url(uint16_t port, std::string_view name) const;
 };
+
+// 127.0.0.0/8 or ::1: what node.api_listen may use without api_listen_allow_remote, and where the node API
+// also answers to "localhost:PORT".
+bool is_loopback(const Endpoint& ep);
 
 // Parses and validates. Errors name the file, line and key: "conf.toml:12: proxy.workers: must be <= 256".
 Result<std::shared_ptr<const Config>> load_config_file(const std::string& path);

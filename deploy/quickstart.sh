@@ -139,7 +139,9 @@ proxy_answers && die "something already listens on $PROBE_HOST:$PORT; stop it or
 # The operator token api.<domain> requires; kept across runs like the CA.
 OPERATOR_TOKEN_FILE=$STATE/operator.token
 [[ -s $OPERATOR_TOKEN_FILE ]] || (umask 077 && openssl rand -hex 32 >"$OPERATOR_TOKEN_FILE")
-mkdir -p "$STATE/node" "$WWW"
+mkdir -p "$WWW"
+# The node keeps sandbox state and tokens here and tightens only directories it creates itself.
+mkdir -p -m 0700 "$STATE/node"
 cat >"$WWW/index.html" <<'HTML'
 <!doctype html>
 <title>sandgate demo</title>

@@ -6,6 +6,7 @@
 #include <strings.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <charconv>
 #include <ctime>
@@ -69,10 +70,39 @@ Response error_response(const Failure& f) { return error_response(http_status(f.
 
 Response invalid(std::string_view message) { return error_response(400, Error::kInvalidArgument, message); }
 
-// 401 has no place in the shared error vocabulary (common/error.h): only the proxy's credential check makes it.
+// 401 has no place in the shared error vocabulary (common/error.h): only credential checks make it (the
+// proxy's internal/open, and the TCP listeners' operator token).
 Response unauthorized(std::string_view message) {
   ordered_json body = {{"error", "unauthorized"}, {"message", message}};
   return Response{401, to_text(body), UniqueFd(), ""};
+}
+
+// The Host values a request on a TCP connection may carry: the address the client dialed ("127.0.0.1:8081",
+// "[::1]:8081"), and "localhost:8081" on loopback. Any other name is one that resolved to this node without
+// being meant for it: a web page whose own name an attacker pointed at 127.0.0.1 (DNS rebinding) would
+// otherwise reach the API with the browser's help.
+std::vector<std::string> own_hosts(const sockaddr* local) {
+  std::string addr = format_peer(local);
+  std::vector<std::string> out = {addr};
+  std::string port = addr.substr(addr.rfind(':'));
+  if (auto ep = parse_endpoint(addr); ep && is_loopback(*ep)) out.push_back("localhost" + port);
+  // A client may leave out the default port.
+  if (port == ":80")
+    for (size_t i = 0, n = out.size(); i < n; ++i) out.push_back(out[i].substr(0, out[i].size() - port.size()));
+  return out;
+}
+
+// "Bearer <token>" (scheme case-insensitive, RFC 7235), or nullopt.
+std::optional<std::string> bearer_token(const HttpMessage& request) {
+  const std::string* value = request.header("Authorization");
+  if (value == nullptr) return std::nullopt;
+  std::string_view v = *value;
+  constexpr std::string_view kScheme = "bearer ";
+  if (v.size() <= kScheme.size() || strncasecmp(v.data(), kScheme.data(), kScheme.size()) != 0) return std::nullopt;
+  v.remove_prefix(kScheme.size());
+  while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+  while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+  return std::string(v);
 }
 
 // RFC 3339, UTC, milliseconds: 2026-11-29T10:00:00.000Z
@@ -351,8 +381,10 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
     timer_->data = this;
     return {};
   }
-  void start(const std::string& peer) {
+  // `hosts`: own_hosts() of a TCP connection, empty on the unix socket.
+  void start(const std::string& peer, std::vector<std::string> hosts) {
     peer_ = peer;
+    hosts_ = std::move(hosts);
     start_reading();
   }
   void close_now();
@@ -393,6 +425,7 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
   } handle_;
   uv_timer_t* timer_ = nullptr;  // fd-send retry, then linger
   std::string peer_;
+  std::vector<std::string> hosts_;
   HttpParser parser_{HttpParser::Kind::kRequest, kRequestLimits};
   std::unique_ptr<char[]> read_buf_ = std::make_unique<char[]>(kReadBufferBytes);
   std::string unparsed_;  // input held back while backlogged
@@ -491,12 +524,17 @@ void ApiServer::Connection::handle_request(HttpMessage& request) {
   uint64_t seq = next_seq_++;
   Slot& slot = slots_.emplace_back();
   slot.method = request.method;
-  slot.target = request.target;
+  // For the log line only, so without the query: no endpoint takes one, and whatever a client put there
+  // (a token pasted by mistake) must not reach the log.
+  slot.target = request.target.substr(0, request.target.find('?'));
   slot.started = Clock::now();
   // Every answer has a body, which a HEAD client would not read; closing keeps it from being taken
   // for the next response.
   slot.close_after = !request.keep_alive || request.method == "HEAD";
   if (slot.close_after) input_done_ = true;
+  if (!is_unix_) {
+    if (auto refusal = server_->refuse_tcp(request, hosts_)) return respond(seq, std::move(*refusal));
+  }
   std::weak_ptr<Connection> weak = weak_from_this();
   server_->route(request, is_unix_, [weak, seq](Response r) {
     if (auto self = weak.lock(); self && !self->closing_) self->respond(seq, std::move(r));
@@ -645,6 +683,11 @@ Status ApiServer::listen(const Endpoint& ep) {
   bool is_unix = ep.kind == Endpoint::Kind::kUnix;
   // Owner and group only: the socket controls every sandbox on the node.
   if (is_unix && ::chmod(ep.path.c_str(), 0660) != 0) return fail_errno("chmod " + ep.path, errno);
+  // The address as bound, so port 0 in the config logs the port the kernel chose.
+  Endpoint bound = ep;
+  if (!is_unix) {
+    if (auto port = local_port(fd->get())) bound.port = *port;
+  }
   auto* l = new Listener;
   l->server = this;
   l->is_unix = is_unix;
@@ -666,7 +709,7 @@ Status ApiServer::listen(const Endpoint& ep) {
     });
   }
   if (rc < 0) return fail(Error::kIo, "listen " + ep.to_string() + ": " + uv_strerror(rc));
-  spdlog::info("node API listening on {}", ep.to_string());
+  spdlog::info("node API listening on {}", bound.to_string());
   return {};
 }
 
@@ -688,13 +731,19 @@ void ApiServer::on_connection(Listener* listener, int status) {
     return;
   }
   std::string peer = "unix";
+  std::vector<std::string> hosts;
   if (!listener->is_unix) {
+    auto* tcp = reinterpret_cast<uv_tcp_t*>(conn->stream());
     sockaddr_storage ss{};
     int len = sizeof ss;
-    if (uv_tcp_getpeername(reinterpret_cast<uv_tcp_t*>(conn->stream()), reinterpret_cast<sockaddr*>(&ss), &len) == 0)
+    if (uv_tcp_getpeername(tcp, reinterpret_cast<sockaddr*>(&ss), &len) == 0)
       peer = format_peer(reinterpret_cast<sockaddr*>(&ss));
+    len = sizeof ss;
+    // Without its own address the connection accepts no Host at all, which refuses every request on it.
+    if (uv_tcp_getsockname(tcp, reinterpret_cast<sockaddr*>(&ss), &len) == 0)
+      hosts = own_hosts(reinterpret_cast<sockaddr*>(&ss));
   }
-  conn->start(peer);
+  conn->start(peer, std::move(hosts));
 }
 
 void ApiServer::close(std::function<void()> done) {
@@ -725,6 +774,30 @@ void ApiServer::on_handle_closed() {
 }
 
 // ---- routes ----
+
+std::optional<Response> ApiServer::refuse_tcp(const HttpMessage& request, const std::vector<std::string>& hosts) const {
+  const std::string* host = request.header("Host");
+  if (host == nullptr) return invalid("the TCP node API needs a Host header (this listener's address)");
+  bool own = std::any_of(hosts.begin(), hosts.end(),
+                         [&](const std::string& h) { return strcasecmp(h.c_str(), host->c_str()) == 0; });
+  if (!own) {
+    ordered_json body = {{"error", "misdirected_request"},
+                         {"message", "Host '" + *host + "' is not this node API's address (" +
+                                         (hosts.empty() ? std::string("unknown") : hosts.front()) + ")"}};
+    return Response{421, to_text(body), UniqueFd(), ""};
+  }
+  // Browsers send Origin on cross-site requests; nothing legitimate drives the node API from a web page.
+  if (request.header("Origin") != nullptr)
+    return error_response(403, Error::kPermissionDenied,
+                          "requests with an Origin header (from a web page) are refused by the node API");
+  CredentialCheck check = node_->check_operator_token(bearer_token(request));
+  if (check == CredentialCheck::kAccepted) return std::nullopt;
+  Response r = unauthorized(check == CredentialCheck::kMissing
+                                ? "the TCP node API needs the operator token (Authorization: Bearer)"
+                                : "invalid operator token");
+  r.extra_headers = "WWW-Authenticate: Bearer realm=\"sandgate-node\"\r\n";
+  return r;
+}
 
 Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const {
   auto cfg = config_->get();

@@ -1,6 +1,6 @@
 // The node API (docs/node-api.md) over HTTP/1.1 on libuv: the unix socket `node_socket` (what the proxy and
-// the CLI use; the only listener that can pass file descriptors) plus any loopback `node.api_listen` TCP
-// addresses. Keep-alive and pipelining are supported; responses leave in request order even when a later
+// the CLI use; the only listener that can pass file descriptors) plus any `node.api_listen` TCP addresses,
+// which need the operator token and refuse foreign Host and any Origin (refuse_tcp). Keep-alive and pipelining are supported; responses leave in request order even when a later
 // request finishes first. Every body is JSON, parsed without exceptions and type-checked field by field,
 // so malformed input is a 400 and never takes the daemon down.
 #pragma once
@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -55,6 +56,10 @@ class ApiServer {
   // Routes one request; `reply` runs exactly once, possibly before route() returns.
   void route(const HttpMessage& request, bool can_pass_fds, Reply reply);
   Response sandbox_response(int status, const SandboxInfo& info) const;
+  // The TCP listeners' gate, before routing (the unix socket's file mode is its access control): a Host
+  // other than `hosts` (the connection's own address) is 421, an Origin header 403, a request without the
+  // operator token 401. nullopt: let it through.
+  std::optional<Response> refuse_tcp(const HttpMessage& request, const std::vector<std::string>& hosts) const;
 
   void handle_create(const HttpMessage& request, Reply reply);
   void handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply);

@@ -2,8 +2,9 @@
 //
 //   sandgate-node --config /etc/sandgate/sandgate.toml [--state-dir DIR] [--socket unix:/path]
 //
-// SIGINT/SIGTERM: graceful shutdown per node.on_shutdown, exit 0. SIGHUP: reload the config file; limits and
-// defaults apply to the next request, listeners and the state dir stay as they are until a restart.
+// SIGINT/SIGTERM: graceful shutdown per node.on_shutdown, exit 0. SIGHUP: reload the config file and re-read
+// the operator token file (so a rotated token replaces the old one at once); limits and defaults apply to the
+// next request, listeners and the state dir stay as they are until a restart.
 #include <sys/stat.h>
 #include <uv.h>
 
@@ -49,10 +50,13 @@ sg::Result<std::shared_ptr<const sg::Config>> load(const std::string& path, cons
   return std::shared_ptr<const sg::Config>(std::move(cfg));
 }
 
+// `perms` applies only to a directory this call creates: an existing one (say /run, or a state dir the
+// operator prepared) keeps the mode its owner gave it.
 sg::Status make_dir(const std::string& dir, std::filesystem::perms perms) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
+  bool created = std::filesystem::create_directories(dir, ec);
   if (ec) return sg::fail(sg::Error::kIo, "cannot create " + dir + ": " + ec.message());
+  if (!created) return {};
   std::filesystem::permissions(dir, perms, ec);
   if (ec) return sg::fail(sg::Error::kIo, "cannot set permissions of " + dir + ": " + ec.message());
   return {};
@@ -77,6 +81,11 @@ struct Daemon {
       spdlog::error("reload failed, keeping the current config:\n{}", next.message());
       return;
     }
+    // Before the swap, so a token file that became unusable leaves both the old config and token in place.
+    if (auto s = node->load_operator_token(**next); !s) {
+      spdlog::error("reload failed, keeping the current config and operator token:\n{}", s.message());
+      return;
+    }
     auto current = config->get();
     const sg::Config& n = **next;
     bool moved = n.node_socket.to_string() != current->node_socket.to_string() ||
@@ -85,7 +94,7 @@ struct Daemon {
     for (size_t i = 0; !moved && i < n.node.api_listen.size(); ++i)
       moved = n.node.api_listen[i].to_string() != current->node.api_listen[i].to_string();
     config->swap(*next);
-    spdlog::info("reloaded {}: limits and defaults apply from now on", config_path);
+    spdlog::info("reloaded {}: limits, defaults and the operator token apply from now on", config_path);
     if (moved) spdlog::warn("node_socket, node.api_listen and node.state_dir changes take effect only after a restart");
   }
 
@@ -178,6 +187,10 @@ int main(int argc, char** argv) {
     drivers.push_back(sg::make_cloud_hypervisor_driver(d.loop, std::move(ch)));
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
+  if (auto s = d.node->load_operator_token(c); !s) {
+    spdlog::critical("{}", s.message());
+    return 1;
+  }
   if (auto s = d.node->reconcile(); !s) {
     spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());
     return 1;

@@ -1,15 +1,17 @@
 #include "noderuntime/node.h"
 
 #include <spdlog/spdlog.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <set>
 
@@ -729,6 +731,11 @@ CredentialCheck Node::check_credential(std::string_view id, const std::optional<
   return sandbox_token || operator_token ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
 }
 
+CredentialCheck Node::check_operator_token(const std::optional<std::string>& credential) const {
+  if (!credential || credential->empty()) return CredentialCheck::kMissing;
+  return token_matches(*credential, operator_token_sha256_) ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
+}
+
 std::vector<AsleepSandbox> Node::activity(const std::vector<ActivityReport>& reports) {
   Clock::time_point now = Clock::now();
   std::vector<AsleepSandbox> asleep;
@@ -930,16 +937,37 @@ uint64_t Node::stamp() {
 
 // ---- restart and shutdown ----
 
-Status Node::load_operator_token() {
-  const std::string& path = config_->get()->operator_token_file;
-  if (path.empty()) return {};
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return fail_errno("operator_token_file: cannot open " + path, errno);
-  std::string text;
-  text.resize(kMaxOperatorTokenBytes + 1);
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  text.resize(static_cast<size_t>(in.gcount()));
-  if (in.bad()) return fail(Error::kIo, "operator_token_file: cannot read " + path);
+Status Node::load_operator_token(const Config& config) {
+  const std::string& path = config.operator_token_file;
+  if (path.empty()) {
+    operator_token_sha256_.clear();
+    return {};
+  }
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return fail_errno("operator_token_file: cannot open " + path, errno);
+  struct stat st{};
+  if (::fstat(fd.get(), &st) != 0) return fail_errno("operator_token_file: cannot stat " + path, errno);
+  if (!S_ISREG(st.st_mode))
+    return fail(Error::kInvalidArgument, "operator_token_file: " + path + " is not a regular file");
+  // The token opens every sandbox and (over node.api_listen) the whole API: a copy others can read is a leak
+  // waiting to happen, so the node refuses it rather than serve with it.
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return fail(Error::kPermissionDenied, "operator_token_file: " + path + " has mode " + mode +
+                                              ", so group or others can access it; it must be readable by its "
+                                              "owner only: chmod 600 " + path);
+  }
+  std::string text(kMaxOperatorTokenBytes + 1, '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return fail_errno("operator_token_file: cannot read " + path, errno);
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  text.resize(got);
   if (text.size() > kMaxOperatorTokenBytes)
     return fail(Error::kInvalidArgument, "operator_token_file: " + path + " is larger than " +
                                              std::to_string(kMaxOperatorTokenBytes) + " bytes; it must hold one token");
@@ -951,7 +979,6 @@ Status Node::load_operator_token() {
 }
 
 Status Node::reconcile() {
-  if (auto s = load_operator_token(); !s) return s;
   auto rows = store_->load_live();
   if (!rows) return rows.failure();
   size_t adopted = 0, failed = 0;

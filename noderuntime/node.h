@@ -11,8 +11,8 @@
 // 10 report intervals (proxy.activity_report_interval_ms) after its last report, so a proxy that died cannot
 // pin a sandbox awake: workers re-report every non-zero count at least that often.
 // Access: every exposed port is private (sandbox token or operator token) unless public; the agent port is
-// always reachable and private unless allow_unauthenticated_access. Refused credentials never wake a sandbox
-// and never count as activity.
+// always reachable and always private (allow_unauthenticated_access publishes exposed ports only). Refused
+// credentials never wake a sandbox and never count as activity.
 // Wake: opens of a suspended sandbox share one resume or restore (single flight); each waits with its own
 // timeout. An open that arrives while a pause or hibernation is in flight asks the driver to cancel it and
 // waits for the shorter way back (thaw / cont), not for the suspension to finish and be undone.
@@ -144,10 +144,14 @@ class Node {
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
-  // Reads the operator token (Config::operator_token_file; a configured file that is missing, unreadable or
-  // empty is an error), then adopts what the store remembers: asks the driver about each instance and settles
-  // its state, then watches the live ones and restarts their idle clocks from now. Call once, before serving.
+  // Adopts what the store remembers: asks the driver about each instance and settles its state, then
+  // watches the live ones and restarts their idle clocks from now. Call once, before serving.
   Status reconcile();
+  // Makes the token in `config`'s operator_token_file the operator token (none when no file is configured).
+  // A configured file that is missing, unreadable, empty, oversized, not a regular file, or accessible by
+  // group or others is an error, and the current token stays. Called at start (before serving) and by a
+  // config reload before it swaps in the new config, so a rotated token file takes effect on SIGHUP.
+  Status load_operator_token(const Config& config);
 
   // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
   // started it, or the error; it runs before create() returns when validation fails.
@@ -172,6 +176,8 @@ class Node {
   // Whether `credential` opens sandbox `id`'s private ports: its own token or the operator token. An empty
   // credential counts as missing.
   CredentialCheck check_credential(std::string_view id, const std::optional<std::string>& credential) const;
+  // Whether `credential` is the operator token: the only credential the TCP API (node.api_listen) accepts.
+  CredentialCheck check_operator_token(const std::optional<std::string>& credential) const;
 
   // Stops serving: opens in flight fail with kUnavailable; with on_shutdown=terminate every sandbox is
   // terminated (bounded wait), otherwise they keep running to be adopted by the next node. `done` runs
@@ -223,7 +229,6 @@ class Node {
   void finish_waiter(Waiter* w, Result<OpenedPort> result);
   void on_waiter_timeout(Waiter* w);
 
-  Status load_operator_token();
   // Strictly increasing across calls and (as wall-clock microseconds) across restarts of this node, so a
   // proxy can order a connection's open against a later suspend without sharing a clock with the node.
   uint64_t stamp();

@@ -63,7 +63,7 @@ std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port) {
     return out;
   }
   if (spec.agent_port != 0 && port == spec.agent_port)
-    return PortPolicy{port, spec.allow_unauthenticated_access, PortProtocol::kH2c};
+    return PortPolicy{port, false, PortProtocol::kH2c};  // see allow_unauthenticated_access
   return std::nullopt;
 }
 

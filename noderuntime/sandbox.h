@@ -43,7 +43,9 @@ struct SandboxSpec {
   // The policy of each exposed port, in the same order; an exposed port without an entry (a spec built by
   // older code) is private http1.
   std::vector<PortPolicy> ports;
-  bool allow_unauthenticated_access = false;  // every port public, the agent port included
+  // Every exposed port public. Never the agent port: it runs commands as root in the sandbox, so the SDK
+  // route always needs the sandbox's token or the operator token.
+  bool allow_unauthenticated_access = false;
   // SHA-256 (lowercase hex) of the sandbox's access token; the token itself is only ever in create's answer.
   // Empty for sandboxes created before tokens existed: only the operator token opens their private ports.
   std::string token_sha256;
@@ -59,7 +61,7 @@ struct SandboxSpec {
 };
 
 // The effective policy of `port`: an exposed port's own (public when the whole sandbox is), the agent port's
-// (h2c, private unless the whole sandbox is public), or nullopt when the port is not reachable at all.
+// (h2c, always private), or nullopt when the port is not reachable at all.
 std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port);
 
 // Driver-owned facts persisted with the sandbox so a restarted node can find the running instance again.

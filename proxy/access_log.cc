@@ -27,8 +27,10 @@ std::string_view cause_name(TerminationCause c) {
     case TerminationCause::kPortNotExposed: return "port_not_exposed";
     case TerminationCause::kNotServed: return "route_not_served";
     case TerminationCause::kUnauthorized: return "unauthorized";
+    case TerminationCause::kCrossOrigin: return "cross_origin";
     case TerminationCause::kAuthRedirect: return "auth_redirect";
     case TerminationCause::kSandboxConnLimit: return "sandbox_connection_limit";
+    case TerminationCause::kClientConnLimit: return "client_connection_limit";
     case TerminationCause::kTooManyConnections: return "too_many_connections";
     case TerminationCause::kWakeFailed: return "wake_failed";
     case TerminationCause::kWakeTimeout: return "wake_timeout";

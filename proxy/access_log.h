@@ -32,7 +32,9 @@ enum class TerminationCause {
   kNotServed,           // a route kind this ingress does not serve (yet)
   kUnauthorized,        // no valid token for a non-public port or api.<domain>; the sandbox was not woken
   kAuthRedirect,        // a valid ?sandgate_token= was turned into a cookie by a redirect
+  kCrossOrigin,         // a cross-origin request to the SDK route, or one the sandgate cookie would authorize
   kSandboxConnLimit,
+  kClientConnLimit,     // the client's address has max_connections_per_client open; refused at accept
   kTooManyConnections,
   kWakeFailed,
   kWakeTimeout,

@@ -359,9 +359,39 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   route_ = std::move(*route);
   rec_.sandbox = route_.target;
   credentials_ = find_credentials(target, headers);
+  // Each candidate may cost a node call (on_open_result tries the next after a 401): a head full of token
+  // cookies must not turn into hundreds of them.
+  if (credentials_.size() > kMaxCredentialCandidates)
+    return respond(400,
+                   "too many sandgate credentials (" + std::to_string(credentials_.size()) + "): send at most " +
+                       std::to_string(kMaxCredentialCandidates) +
+                       " (Authorization: Bearer headers, __Host-sandgate_token cookies and sandgate_token parameters together)\n",
+                   TerminationCause::kBadRequest);
   request_authority_ = std::string(host);
   request_target_ = std::string(target);
   if (route_.kind == RouteKind::kApi) return open_node_api();
+  // ?sandgate_token= becomes a week-long cookie, and cookies are forwarded to the sandbox's application on
+  // every request: the operator token (which opens every sandbox and api.<domain>) must never be one. Refused
+  // with a 400 that says what to use rather than redirected without the cookie, which would land the browser
+  // on an unexplained 401; and refused here, before the node is asked, so nothing is woken for it.
+  if (const auto op = worker_->shared()->operator_token.load(); op && !op->empty())
+    for (const Credential& c : credentials_)
+      if (c.source == CredentialSource::kQueryParameter && token_matches(c.token, *op))
+        return respond(400,
+                       "the operator token is not accepted in ?sandgate_token= (it would be stored in a cookie "
+                       "that reaches the sandbox): use this sandbox's own token there, or an Authorization: "
+                       "Bearer header\n",
+                       TerminationCause::kBadRequest);
+  // Cross-site request forgery between sandboxes (one site to a browser): the SDK route runs commands, and a
+  // request the sandgate cookie may authorize can change state, so neither is taken from another origin.
+  // Decided before the node is asked; GET and HEAD stay open so links between sandboxes keep working.
+  const bool carries_cookie = std::any_of(credentials_.begin(), credentials_.end(),
+                                          [](const Credential& c) { return c.source == CredentialSource::kCookie; });
+  const bool safe_method = method == "GET" || method == "HEAD";
+  if ((route_.kind == RouteKind::kSdk || (carries_cookie && !safe_method)) && is_cross_origin_request(host, headers))
+    return respond(403, "cross-origin request refused: the sandgate credential is not used for requests from another "
+                        "origin (send Authorization: Bearer from your own code instead)\n",
+                   TerminationCause::kCrossOrigin);
   if (route_.kind == RouteKind::kSdk) route_.port = cfg_->agent_port;
   // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
   // 200 itself and the bytes after the head are the tunnel's.
@@ -888,6 +918,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   open_request_.reset();
   worker_->shared()->access_log->write(rec_);
   if (holds_sandbox_slot_) worker_->shared()->sandbox_limits.release(rec_.sandbox_id);
+  if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
   if (traffic_) worker_->traffic().close_connection(rec_.sandbox_id);
   worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);
   worker_->forget(this);

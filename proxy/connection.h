@@ -68,6 +68,9 @@ class Connection {
 
   void start();
   void close(TerminationCause cause, std::string detail = {});
+  // The connection holds one of its client address's slots in ProxyShared::client_limits; close() gives
+  // it back.
+  void hold_client_slot(std::string address) { client_slot_ = std::move(address); }
 
   // The node suspended this connection's sandbox at `suspended_at` (its stamp): a connection it opened
   // before then is cut, since its bytes can no longer reach the frozen sandbox. True when it was cut.
@@ -189,6 +192,7 @@ class Connection {
 
   SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
   bool holds_sandbox_slot_ = false;
+  std::string client_slot_;  // the address whose slot this connection holds; "" = none
   bool client_eof_ = false;
   bool upstream_eof_ = false;
   bool upstream_shut_ = false;       // FIN sent to the sandbox

@@ -124,7 +124,7 @@ std::vector<Credential> find_credentials(std::string_view target, std::span<cons
       cookies = semicolon == std::string_view::npos ? std::string_view() : cookies.substr(semicolon + 1);
       const size_t equals = pair.find('=');
       // Cookie names are case-sensitive (RFC 6265 §5.4 compares them byte for byte).
-      if (equals == std::string_view::npos || pair.substr(0, equals) != kTokenName) continue;
+      if (equals == std::string_view::npos || pair.substr(0, equals) != kTokenCookieName) continue;
       std::string_view value = pair.substr(equals + 1);
       if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
       add_if_valid(found, CredentialSource::kCookie, value);
@@ -171,12 +171,29 @@ Result<std::string> token_redirect_location(std::string_view authority, std::str
   return "https://" + std::string(authority) + target_without_token(target);
 }
 
+bool is_cross_origin_request(std::string_view authority, std::span<const HttpHeader> headers) {
+  for (const HttpHeader& h : headers) {
+    if (equals_ignore_case(h.name, "origin")) {
+      const std::string_view origin = trim_ows(h.value);
+      // Scheme and host compare case-insensitively; the ingress only speaks https.
+      const std::string_view scheme = "https://";
+      if (origin.size() != scheme.size() + authority.size() || !equals_ignore_case(origin.substr(0, scheme.size()), scheme) ||
+          !equals_ignore_case(origin.substr(scheme.size()), authority))
+        return true;
+    } else if (equals_ignore_case(h.name, "sec-fetch-site")) {
+      const std::string_view site = trim_ows(h.value);
+      if (equals_ignore_case(site, "same-site") || equals_ignore_case(site, "cross-site")) return true;
+    }
+  }
+  return false;
+}
+
 std::string token_cookie(std::string_view token, uint32_t max_age_secs) {
   // No Domain attribute: the cookie is then host-only, so a token given to 8080-a.<domain> is never sent to
   // 8080-b.<domain> or any other sandbox, whose application would otherwise receive it. Secure: TLS only.
   // HttpOnly: scripts of the sandbox's pages cannot read it. SameSite=Lax: still sent when the user follows a
   // link to the sandbox, but not on cross-site subrequests (CSRF against the sandbox's application).
-  return std::string(kTokenName) + "=" + std::string(token) + "; Path=/; Max-Age=" + std::to_string(max_age_secs) +
+  return std::string(kTokenCookieName) + "=" + std::string(token) + "; Path=/; Max-Age=" + std::to_string(max_age_secs) +
          "; HttpOnly; Secure; SameSite=Lax";
 }
 

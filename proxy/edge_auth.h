@@ -16,9 +16,17 @@
 
 namespace sg {
 
-// Name of both the cookie and the query parameter that carry the token.
+// The query parameter that carries a token (a browser's first visit: ?sandgate_token=...).
 inline constexpr std::string_view kTokenName = "sandgate_token";
+// The cookie the edge sets in exchange. The __Host- prefix makes a browser refuse the cookie unless it is
+// Secure, host-only and Path=/, so a page of one sandbox (all share the parent domain) can neither plant one
+// for another sandbox nor widen it with a Domain attribute. Only this name is accepted.
+inline constexpr std::string_view kTokenCookieName = "__Host-sandgate_token";
 inline constexpr size_t kMaxTokenLength = 512;
+// Most credential candidates (find_credentials) one request may carry; more is a 400 (bad_request). Each
+// candidate can cost a node call, and a 16 KiB head holds ~900 token cookies. Four covers a Bearer header of
+// the application's own, a sandgate cookie, a stale cookie on another path and a query parameter.
+inline constexpr size_t kMaxCredentialCandidates = 4;
 // WWW-Authenticate value of a 401 from the edge.
 inline constexpr std::string_view kBearerChallenge = "Bearer realm=\"sandgate\"";
 
@@ -62,11 +70,17 @@ std::string target_without_token(std::string_view target);
 Result<std::string> token_redirect_location(std::string_view authority, std::string_view target);
 
 // Set-Cookie value carrying `token` (which must satisfy is_valid_token):
-// "sandgate_token=<token>; Path=/; Max-Age=<max_age_secs>; HttpOnly; Secure; SameSite=Lax".
+// "__Host-sandgate_token=<token>; Path=/; Max-Age=<max_age_secs>; HttpOnly; Secure; SameSite=Lax".
 std::string token_cookie(std::string_view token, uint32_t max_age_secs);
 // How long a browser keeps the token cookie (a week: long enough for a working session, short enough that a
 // forgotten laptop does not stay signed in to a sandbox for good).
 inline constexpr uint32_t kTokenCookieMaxAgeSecs = 7 * 24 * 3600;
+
+// Every sandbox is a subdomain of one domain, so to a browser they are one site, and SameSite=Lax does not
+// stop a page on 8080-evil.<domain> from POSTing to 8080-victim.<domain> with the victim's cookie. True when
+// the request says it comes from elsewhere: an Origin that is not https://<authority> (incl. "null"), or
+// Sec-Fetch-Site: same-site / cross-site. `authority` is the request's Host / :authority.
+bool is_cross_origin_request(std::string_view authority, std::span<const HttpHeader> headers);
 
 // Constant-time comparison of a presented token with an expected one: both are hashed first, so neither
 // the contents nor the length of the secret leak through timing.

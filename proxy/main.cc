@@ -4,6 +4,7 @@
 #include <uv.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "common/log.h"
 #include "config/config.h"
 #include "proxy/edge_auth.h"
+#include "proxy/fd_limits.h"
 #include "proxy/worker.h"
 
 namespace {
@@ -73,6 +75,16 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   proxy.shared = std::make_unique<sg::ProxyShared>(*cfg, *tls);
+  auto fd_limit = sg::raise_fd_limit();
+  if (!fd_limit) {
+    spdlog::error("{}", fd_limit.message());
+    return 1;
+  }
+  proxy.shared->fd_max_connections = sg::max_connections_for_fd_limit(fd_limit->soft);
+  // max_connections may change on reload; the rlimit does not, so its share is fixed here.
+  spdlog::info("RLIMIT_NOFILE {} (hard {}) carries {} connections at {} fds each; effective max_connections {}",
+               fd_limit->soft, fd_limit->hard, proxy.shared->fd_max_connections, sg::kFdsPerConnection,
+               std::min((*cfg)->proxy.max_connections, proxy.shared->fd_max_connections));
   proxy.shared->operator_token.store(std::make_shared<const std::string>(std::move(*operator_token)));
   auto access_log = sg::AccessLog::open((*cfg)->proxy.access_log);
   if (!access_log) {

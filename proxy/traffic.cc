@@ -40,24 +40,24 @@ std::string WorkerTraffic::take_report(const std::string& reporter) {
   return nlohmann::json{{"sandboxes", std::move(list)}}.dump();
 }
 
-bool SandboxConnectionLimits::try_acquire(const std::string& sandbox_id, uint32_t limit) {
+bool ConnectionLimits::try_acquire(const std::string& key, uint32_t limit) {
   std::lock_guard lock(mu_);
-  uint32_t& n = open_[sandbox_id];
+  uint32_t& n = open_[key];
   if (n >= limit) return false;
   ++n;
   return true;
 }
 
-void SandboxConnectionLimits::release(const std::string& sandbox_id) {
+void ConnectionLimits::release(const std::string& key) {
   std::lock_guard lock(mu_);
-  auto it = open_.find(sandbox_id);
+  auto it = open_.find(key);
   if (it == open_.end()) return;
   if (--it->second == 0) open_.erase(it);
 }
 
-uint32_t SandboxConnectionLimits::count(const std::string& sandbox_id) const {
+uint32_t ConnectionLimits::count(const std::string& key) const {
   std::lock_guard lock(mu_);
-  auto it = open_.find(sandbox_id);
+  auto it = open_.find(key);
   return it == open_.end() ? 0 : it->second;
 }
 

@@ -1,6 +1,6 @@
 // Per-sandbox accounting at the ingress. Bytes are counted on each worker without atomics (one add per
 // read, on the worker's own thread) and reported to the node as deltas about once a second; the
-// per-sandbox connection limit is the one thing shared across workers.
+// connection limits (per sandbox, per client address) are the one thing shared across workers.
 #pragma once
 
 #include <cstdint>
@@ -32,12 +32,14 @@ class WorkerTraffic {
   std::unordered_map<std::string, SandboxTraffic> by_sandbox_;
 };
 
-// Shared by all workers: open connections per sandbox against max_connections_per_sandbox.
-class SandboxConnectionLimits {
+// Shared by all workers: open connections per key against a limit. One instance counts per sandbox id
+// (max_connections_per_sandbox), another per client address (max_connections_per_client). The limit is
+// passed on each acquire, so a reload that changes it applies to the next connection.
+class ConnectionLimits {
  public:
-  bool try_acquire(const std::string& sandbox_id, uint32_t limit);
-  void release(const std::string& sandbox_id);
-  uint32_t count(const std::string& sandbox_id) const;
+  bool try_acquire(const std::string& key, uint32_t limit);
+  void release(const std::string& key);
+  uint32_t count(const std::string& key) const;
 
  private:
   mutable std::mutex mu_;

@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -12,6 +13,16 @@
 #include "proxy/connection.h"
 
 namespace sg {
+namespace {
+
+// How long the listeners rest after accept ran out of descriptors: long enough that a flood held open
+// costs nothing while it lasts, short enough that a client arriving after it ends waits unnoticed.
+constexpr uint64_t kAcceptPauseMs = 100;
+
+// The part of format_peer's "address:port" that identifies the client ("127.0.0.1", "[::1]").
+std::string client_address(const std::string& peer) { return peer.substr(0, peer.rfind(':')); }
+
+}  // namespace
 
 Worker::Worker(int index, ProxyShared* shared)
     : index_(index), shared_(shared), reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
@@ -37,13 +48,12 @@ Status Worker::start(const std::vector<Endpoint>& listen) {
     auto poll = std::make_unique<uv_poll_t>();
     uv_poll_init(&loop_, poll.get(), fd->get());
     poll->data = this;
-    uv_poll_start(poll.get(), UV_READABLE, [](uv_poll_t* p, int status, int) {
-      uv_os_fd_t fd;
-      if (status == 0 && uv_fileno(reinterpret_cast<uv_handle_t*>(p), &fd) == 0) static_cast<Worker*>(p->data)->on_accept(fd);
-    });
     listen_fds_.push_back(std::move(*fd));
     listen_polls_.push_back(std::move(poll));
   }
+  start_listen_polls();
+  uv_timer_init(&loop_, &accept_pause_timer_);
+  accept_pause_timer_.data = this;
   uv_async_init(&loop_, &stop_async_, [](uv_async_t* a) {
     auto* self = static_cast<Worker*>(a->data);
     for (auto& p : self->listen_polls_) uv_close(reinterpret_cast<uv_handle_t*>(p.get()), nullptr);
@@ -52,6 +62,7 @@ Status Worker::start(const std::vector<Endpoint>& listen) {
     std::vector<Connection*> open(self->connections_.begin(), self->connections_.end());
     for (Connection* c : open) c->close(TerminationCause::kShutdown);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->report_timer_), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->accept_pause_timer_), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->stop_async_), nullptr);
     self->report_in_flight_.reset();
   });
@@ -73,6 +84,14 @@ void Worker::join() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Worker::start_listen_polls() {
+  for (auto& poll : listen_polls_)
+    uv_poll_start(poll.get(), UV_READABLE, [](uv_poll_t* p, int status, int) {
+      uv_os_fd_t fd;
+      if (status == 0 && uv_fileno(reinterpret_cast<uv_handle_t*>(p), &fd) == 0) static_cast<Worker*>(p->data)->on_accept(fd);
+    });
+}
+
 void Worker::on_accept(int listen_fd) {
   // Bounded so one busy listener cannot starve this loop's established connections.
   for (int i = 0; i < 64; ++i) {
@@ -80,21 +99,66 @@ void Worker::on_accept(int listen_fd) {
     socklen_t len = sizeof peer;
     int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) return;
-      // EMFILE/ENFILE: the process is out of descriptors; back off until the next readiness event.
-      spdlog::warn("accept: {}", std::strerror(errno));
-      return;
+      switch (errno) {
+        case EAGAIN:
+          end_fd_shortage();
+          return;
+        case EINTR:
+        case ECONNABORTED:
+        // Errors of the connection being accepted (accept(2) passes them on): it is gone, try the next.
+        case EPROTO: case ENETDOWN: case ENOPROTOOPT: case EHOSTDOWN: case ENONET: case EHOSTUNREACH:
+        case EOPNOTSUPP: case ENETUNREACH:
+          continue;
+        default:
+          // EMFILE/ENFILE (out of descriptors), ENOBUFS/ENOMEM, or anything unexpected: the connection stays
+          // queued and the readiness stays, so retrying now would spin.
+          return pause_accepting(errno);
+      }
     }
+    end_fd_shortage();
     auto cfg = shared_->config.get();
     uint32_t open = shared_->open_connections.fetch_add(1, std::memory_order_relaxed);
-    auto* conn = new Connection(this, UniqueFd(fd), format_peer(reinterpret_cast<sockaddr*>(&peer)));
+    std::string client = format_peer(reinterpret_cast<sockaddr*>(&peer));
+    std::string address = client_address(client);
+    auto* conn = new Connection(this, UniqueFd(fd), std::move(client));
     connections_.insert(conn);
-    if (open >= cfg->proxy.max_connections) {
+    if (open >= std::min(cfg->proxy.max_connections, shared_->fd_max_connections)) {
       conn->close(TerminationCause::kTooManyConnections);
       continue;
     }
+    // Refused before the TLS handshake, like the global limit: one address cannot take all of the slots
+    // (nor the handshake CPU) by opening connections and sending nothing.
+    if (!shared_->client_limits.try_acquire(address, cfg->proxy.max_connections_per_client)) {
+      conn->close(TerminationCause::kClientConnLimit);
+      continue;
+    }
+    conn->hold_client_slot(std::move(address));
     conn->start();
   }
+}
+
+void Worker::pause_accepting(int err) {
+  if (fd_shortage_since_ms_ == 0) {
+    fd_shortage_since_ms_ = std::max<uint64_t>(uv_now(&loop_), 1);
+    spdlog::warn("worker {}: accept: {}; pausing accepts for {} ms at a time until they succeed "
+                 "({} connections open, effective max_connections {})",
+                 index_, std::strerror(err), kAcceptPauseMs, shared_->open_connections.load(std::memory_order_relaxed),
+                 std::min(shared_->config.get()->proxy.max_connections, shared_->fd_max_connections));
+  }
+  ++fd_shortage_pauses_;
+  for (auto& poll : listen_polls_) uv_poll_stop(poll.get());
+  uv_timer_start(&accept_pause_timer_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->resume_accepting(); },
+                 kAcceptPauseMs, 0);
+}
+
+void Worker::resume_accepting() { start_listen_polls(); }
+
+void Worker::end_fd_shortage() {
+  if (fd_shortage_since_ms_ == 0) return;
+  spdlog::info("worker {}: accepting again after {} ms ({} pauses)", index_, uv_now(&loop_) - fd_shortage_since_ms_,
+               fd_shortage_pauses_);
+  fd_shortage_since_ms_ = 0;
+  fd_shortage_pauses_ = 0;
 }
 
 void Worker::report_activity() {

@@ -5,6 +5,7 @@
 #include <uv.h>
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,8 +31,12 @@ struct ProxyShared {
   ConfigHolder config;
   std::atomic<std::shared_ptr<TlsContexts>> tls;
   std::unique_ptr<AccessLog> access_log;
-  SandboxConnectionLimits sandbox_limits;
+  ConnectionLimits sandbox_limits;  // by sandbox id, against proxy.max_connections_per_sandbox
+  ConnectionLimits client_limits;   // by client address (no port), against proxy.max_connections_per_client
   std::atomic<uint32_t> open_connections{0};
+  // What RLIMIT_NOFILE carries (max_connections_for_fd_limit); the effective limit is the smaller of this
+  // and proxy.max_connections. Set once before the workers start (the rlimit does not change on reload).
+  uint32_t fd_max_connections = UINT32_MAX;
   // What api.<domain> requires (read_operator_token); swapped with the config on reload.
   std::atomic<std::shared_ptr<const std::string>> operator_token{std::make_shared<const std::string>()};
 };
@@ -61,6 +66,13 @@ class Worker {
  private:
   void run();
   void on_accept(int listen_fd);
+  // Out of descriptors (or kernel memory) at accept: the level-triggered listener polls would fire again at
+  // once and spin, so they are stopped for kAcceptPauseMs and then resumed. An episode (first failure to
+  // next successful accept) logs once when it starts and once when it ends, not per attempt.
+  void pause_accepting(int err);
+  void resume_accepting();
+  void end_fd_shortage();
+  void start_listen_polls();
   void report_activity();
   // The node's answer to a report names the reported sandboxes that are asleep; their older connections go.
   void cut_asleep(const std::string& answer);
@@ -73,6 +85,9 @@ class Worker {
   std::vector<UniqueFd> listen_fds_;
   std::vector<Endpoint> bound_;
   std::vector<std::unique_ptr<uv_poll_t>> listen_polls_;
+  uv_timer_t accept_pause_timer_{};
+  uint64_t fd_shortage_since_ms_ = 0;  // loop time the current episode began; 0 = none
+  uint32_t fd_shortage_pauses_ = 0;
   std::unordered_set<Connection*> connections_;
   WorkerTraffic traffic_;
   std::unique_ptr<NodeRequest> report_in_flight_;

@@ -84,7 +84,7 @@ TEST(Auth, QueryTokenBecomesAHostScopedCookieAndLeavesTheUrl) {
   ASSERT_EQ(Cluster::http_code(r), 302) << r.out;
   std::string expected_location = "Location: " + c.url("8080-web.sandbox.localhost", "/blob?size=3&x=1");
   EXPECT_NE(r.out.find(expected_location), std::string::npos) << r.out;
-  auto cookie_at = r.out.find("Set-Cookie: sandgate_token=" + a.token + ";");
+  auto cookie_at = r.out.find("Set-Cookie: __Host-sandgate_token=" + a.token + ";");
   ASSERT_NE(cookie_at, std::string::npos) << r.out;
   std::string cookie_line = r.out.substr(cookie_at, r.out.find('\n', cookie_at) - cookie_at);
   EXPECT_NE(cookie_line.find("HttpOnly"), std::string::npos);
@@ -102,7 +102,7 @@ TEST(Auth, QueryTokenBecomesAHostScopedCookieAndLeavesTheUrl) {
   EXPECT_EQ(Cluster::http_code(bad), 401);
   EXPECT_EQ(bad.out.find("Set-Cookie"), std::string::npos);
   // An expired (or otherwise stale) cookie is refused like no token.
-  auto stale = c.curl("8080-web.sandbox.localhost", "/", "-H 'Cookie: sandgate_token=sgt_expired'");
+  auto stale = c.curl("8080-web.sandbox.localhost", "/", "-H 'Cookie: __Host-sandgate_token=sgt_expired'");
   EXPECT_EQ(Cluster::http_code(stale), 401);
 }
 
@@ -138,6 +138,44 @@ TEST(Auth, HeaderFloodIsRefusedAndTheProxyKeepsServing) {
   auto r = c.curl("8080-flood.sandbox.localhost", "/", bearer(a.token) + headers);
   EXPECT_EQ(Cluster::http_code(r), 431) << r.err;
   EXPECT_EQ(Cluster::http_code(c.curl("8080-flood.sandbox.localhost", "/", bearer(a.token))), 200);
+}
+
+// All sandboxes are one site to a browser: a page on 8080-evil.<domain> must not drive another sandbox's
+// agent or change state with that sandbox's cookie. The agent wants application/json on /exec, which a
+// cross-origin form or text/plain POST cannot send without a preflight.
+TEST(Auth, CrossOriginRequestsAreRefusedAndExecWantsJson) {
+  Cluster c;
+  Created a = create_private(c, "victim", 8080);
+  wait_serving_with(c, "8080-victim.sandbox.localhost", a.token);
+  const std::string cookie = "-H " + shell_quote("Cookie: __Host-sandgate_token=" + a.token) + " ";
+  const std::string body = "--data " + shell_quote(R"({"command":["sh","-c","echo ran"]})") + " ";
+  const std::string json = "-H 'Content-Type: application/json' ";
+  const std::string evil = "-H 'Origin: https://8080-evil.sandbox.localhost:" + std::to_string(c.port()) + "' ";
+
+  // Cookie-authenticated exec from another sandbox's page: 403 at the edge, over HTTP/1.1 and h2.
+  for (const std::string proto : {"--http1.1 ", "--http2 "}) {
+    auto r = c.curl("victim.sandbox.localhost", "/exec", proto + cookie + json + evil + body);
+    EXPECT_EQ(Cluster::http_code(r), 403) << r.out << r.err;
+    EXPECT_EQ(r.out.find("ran"), std::string::npos) << r.out;
+  }
+  auto fetch_meta = c.curl("victim.sandbox.localhost", "/exec", cookie + json + "-H 'Sec-Fetch-Site: same-site' " + body);
+  EXPECT_EQ(Cluster::http_code(fetch_meta), 403) << fetch_meta.out;
+  // Even with the Bearer token the SDK route takes nothing from another origin.
+  EXPECT_EQ(Cluster::http_code(c.curl("victim.sandbox.localhost", "/health", bearer(a.token) + " " + evil)), 403);
+  // A state-changing request to an exposed port with the cookie, from elsewhere: 403; a GET stays allowed,
+  // so links between sandboxes keep working.
+  EXPECT_EQ(Cluster::http_code(c.curl("8080-victim.sandbox.localhost", "/hash", cookie + evil + "--data x")), 403);
+  EXPECT_EQ(Cluster::http_code(c.curl("8080-victim.sandbox.localhost", "/", cookie + evil)), 200);
+  auto entry = c.wait_access_entry([](const nlohmann::json& e) { return e.value("cause", "") == "cross_origin"; });
+  ASSERT_TRUE(entry.is_object());
+  EXPECT_EQ(entry["status"], 403);
+
+  // Same origin (or no Origin, as from curl or an SDK): exec runs, but only as JSON.
+  auto ok = c.curl("victim.sandbox.localhost", "/exec", cookie + json + body);
+  EXPECT_EQ(Cluster::http_code(ok), 200) << ok.out;
+  EXPECT_NE(ok.out.find("ran"), std::string::npos) << ok.out;
+  auto plain = c.curl("victim.sandbox.localhost", "/exec", bearer(a.token) + " -H 'Content-Type: text/plain' " + body);
+  EXPECT_EQ(Cluster::http_code(plain), 415) << plain.out;
 }
 
 }  // namespace

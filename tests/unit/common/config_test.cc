@@ -14,6 +14,7 @@ TEST(Config, EmptyFileGivesDefaults) {
   ASSERT_EQ((*c)->proxy.listen.size(), 1u);
   EXPECT_EQ((*c)->proxy.listen[0].to_string(), "127.0.0.1:8443");
   EXPECT_EQ((*c)->proxy.wake_timeout_ms, 30000u);
+  EXPECT_EQ((*c)->proxy.max_connections_per_client, 256u);
   EXPECT_EQ((*c)->node.on_shutdown, ShutdownPolicy::kKeep);
 }
 
@@ -62,6 +63,7 @@ TEST(Config, ErrorsNameFileLineAndKey) {
       {"[proxy]\nworkers = \"two\"\n", "t.toml:2: proxy.workers: must be an integer"},
       {"[proxy]\nworkers = 100000\n", "t.toml:2: proxy.workers: must be between 0 and 256"},
       {"[proxy]\nmax_connections = 0\n", "proxy.max_connections: must be between 1"},
+      {"[proxy]\nmax_connections_per_client = 0\n", "t.toml:2: proxy.max_connections_per_client: must be between 1"},
       {"[proxy]\nlisten = \"nonsense\"\n", "t.toml:2: proxy.listen: expected host:port"},
       {"[proxy]\nlisten = \"example.com:443\"\n", "not a numeric IP address"},
       {"[proxy]\nlisten = \"127.0.0.1:99999\"\n", "invalid port"},
@@ -95,6 +97,33 @@ TEST(Config, GuestImageKeys) {
   EXPECT_FALSE((*c)->node.guest_image_autobuild);
   EXPECT_EQ((*c)->node.guest_image_builder, "/base/b.sh");
   EXPECT_EQ((*c)->node.guest_kernel_file(), "/base/k");
+}
+
+TEST(Config, ApiListenIsLoopbackOnlyUnlessAllowedAndNeedsTheOperatorToken) {
+  const std::string token = "operator_token_file = \"op.token\"\n";
+  for (const char* addr : {"127.0.0.1:8081", "127.0.0.2:8081", "[::1]:8081", "localhost:8081"}) {
+    auto c = load(token + "[node]\napi_listen = \"" + addr + "\"\n");
+    ASSERT_TRUE(c.ok()) << addr << ": " << c.message();
+    EXPECT_FALSE((*c)->node.api_listen_allow_remote);
+  }
+  for (const char* addr : {"0.0.0.0:8081", "[::]:8081", "10.1.2.3:8081", "[fe80::1]:8081"}) {
+    auto c = load(token + "[node]\napi_listen = [\"127.0.0.1:8081\", \"" + addr + "\"]\n");
+    ASSERT_FALSE(c.ok()) << addr;
+    EXPECT_NE(c.message().find("t.toml:3: node.api_listen: "), std::string::npos) << c.message();
+    EXPECT_NE(c.message().find("is not a loopback address"), std::string::npos) << c.message();
+    EXPECT_NE(c.message().find("node.api_listen_allow_remote = true"), std::string::npos) << c.message();
+    auto allowed = load(token + "[node]\napi_listen = \"" + addr + "\"\napi_listen_allow_remote = true\n");
+    ASSERT_TRUE(allowed.ok()) << addr << ": " << allowed.message();
+    EXPECT_TRUE((*allowed)->node.api_listen_allow_remote);
+  }
+  auto typo = load(token + "[node]\napi_listen_allow_remote = \"yes\"\n");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.message().find("node.api_listen_allow_remote: must be true or false"), std::string::npos);
+  // The TCP API's only credential is the operator token: without one, listening there is a config error.
+  auto no_token = load("[node]\napi_listen = \"127.0.0.1:8081\"\n");
+  ASSERT_FALSE(no_token.ok());
+  EXPECT_NE(no_token.message().find("node.api_listen: needs operator_token_file"), std::string::npos)
+      << no_token.message();
 }
 
 TEST(Config, AllErrorsReportedAtOnce) {

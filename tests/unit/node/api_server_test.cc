@@ -7,6 +7,7 @@
 
 #include <cctype>
 #include <csignal>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "noderuntime/names.h"
@@ -51,6 +52,7 @@ class Client {
   }
 
   bool connected() const { return connected_; }
+  std::string host = "node";  // the Host header request() sends
 
   // Sends everything, or stops early when the server closed its end (that is what some tests provoke).
   bool send(std::string_view data) {
@@ -103,7 +105,7 @@ class Client {
 
   Reply request(const std::string& method, const std::string& path, const std::string& body = "",
                 const std::string& headers = "") {
-    std::string req = method + " " + path + " HTTP/1.1\r\nHost: node\r\n" + headers;
+    std::string req = method + " " + path + " HTTP/1.1\r\nHost: " + host + "\r\n" + headers;
     if (!body.empty() || method == "POST")
       req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
     req += "\r\n" + body;
@@ -178,6 +180,29 @@ class ApiServerTest : public ::testing::Test {
     EXPECT_EQ(body.value("error", ""), code) << r.message.body;
     EXPECT_NE(body.value("message", "").find(contains), std::string::npos) << r.message.body;
   }
+
+  // Listens on a free loopback port; the node gets kOperatorToken. Returns the endpoint.
+  static constexpr const char* kOperatorToken = "op-unit-7d1e52a9c0";
+  Endpoint listen_tcp() {
+    std::string token_path = dir_.path() + "/operator.token";
+    {
+      std::ofstream out(token_path);
+      out << kOperatorToken << "\n";
+    }
+    EXPECT_EQ(::chmod(token_path.c_str(), 0600), 0);
+    auto cfg = load_config_string("operator_token_file = \"" + token_path + "\"\n", "test.toml");
+    EXPECT_TRUE(cfg.ok() && node_->load_operator_token(**cfg).ok());
+    uint16_t port = 0;
+    {
+      auto probe = listen_on(*parse_endpoint("127.0.0.1:0"), false);  // find a free port
+      EXPECT_TRUE(probe.ok());
+      if (probe) port = *local_port(probe->get());
+    }
+    Endpoint tcp = *parse_endpoint("127.0.0.1:" + std::to_string(port));
+    EXPECT_TRUE(server_->listen(tcp).ok());
+    return tcp;
+  }
+  static std::string bearer(const std::string& token) { return "Authorization: Bearer " + token + "\r\n"; }
 
   uv_loop_t loop_;
   TempDir dir_;
@@ -588,23 +613,69 @@ TEST_F(ApiServerTest, ClientVanishingMidWakeIsHarmless) {
 }
 
 TEST_F(ApiServerTest, TcpListenerServesButCannotPassDescriptors) {
-  uint16_t port = 0;
-  {
-    auto probe = listen_on(*parse_endpoint("127.0.0.1:0"), false);  // find a free port
-    ASSERT_TRUE(probe.ok());
-    port = *local_port(probe->get());
-  }
-  Endpoint tcp = *parse_endpoint("127.0.0.1:" + std::to_string(port));
-  ASSERT_TRUE(server_->listen(tcp).ok());
+  Endpoint tcp = listen_tcp();
   Client c(&loop_, tcp);
   ASSERT_TRUE(c.connected());
-  EXPECT_EQ(c.request("GET", "/v1/health").status, 200);
-  create_demo(c);
-  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})"), 400, "invalid_argument",
-               "unix socket");
-  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"demo","port":8080})"), 400, "invalid_argument",
-               "unix socket");
-  EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").status, 200);
+  c.host = tcp.to_string();
+  const std::string auth = bearer(kOperatorToken);
+  EXPECT_EQ(c.request("GET", "/v1/health", "", auth).status, 200);
+  Reply created = c.request("POST", "/v1/sandboxes", R"({"name":"demo","command":["x"],"exposed_ports":[8080]})", auth);
+  ASSERT_EQ(created.status, 201) << created.message.body;
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080})", auth), 400,
+               "invalid_argument", "unix socket");
+  expect_error(c.request("POST", "/v1/internal/lookup", R"({"sandbox":"demo","port":8080})", auth), 400,
+               "invalid_argument", "unix socket");
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo", "", auth).status, 200);
+}
+
+TEST_F(ApiServerTest, TcpListenerNeedsTheOperatorTokenItsOwnHostAndNoOrigin) {
+  Endpoint tcp = listen_tcp();
+  Client c(&loop_, tcp);
+  ASSERT_TRUE(c.connected());
+  c.host = tcp.to_string();
+  Reply none = c.request("GET", "/v1/health");
+  expect_error(none, 401, "unauthorized", "operator token");
+  ASSERT_NE(none.message.header("WWW-Authenticate"), nullptr);
+  EXPECT_EQ(none.message.header("WWW-Authenticate")->rfind("Bearer", 0), 0u);
+  expect_error(c.request("GET", "/v1/health", "", bearer("op-wrong")), 401, "unauthorized", "invalid");
+  expect_error(c.request("GET", "/v1/health", "", "Authorization: Basic b3A6dW5pdA==\r\n"), 401, "unauthorized");
+  // A sandbox's token opens its ports through the proxy, never the API.
+  Reply created = client().request("POST", "/v1/sandboxes", R"({"name":"s","command":["x"]})");
+  ASSERT_EQ(created.status, 201);
+  expect_error(c.request("GET", "/v1/health", "", bearer(created.body()["token"])), 401, "unauthorized");
+  // A refused create leaves nothing behind.
+  expect_error(c.request("POST", "/v1/sandboxes", R"({"name":"sneaky","command":["x"]})"), 401, "unauthorized");
+  EXPECT_EQ(node_->get("sneaky").error(), Error::kNotFound);
+  // The scheme is case-insensitive; "localhost:<port>" is this address too.
+  EXPECT_EQ(c.request("GET", "/v1/health", "", std::string("Authorization: bearer ") + kOperatorToken + "\r\n").status,
+            200);
+  c.host = "localhost:" + std::to_string(tcp.port);
+  EXPECT_EQ(c.request("GET", "/v1/health", "", bearer(kOperatorToken)).status, 200);
+
+  // DNS rebinding: a name that resolves here but is not this API's address, with or without the token.
+  for (std::string host : {std::string("evil.example:") + std::to_string(tcp.port), std::string("127.0.0.1"),
+                           std::string("127.0.0.1:1")}) {
+    c.host = host;
+    expect_error(c.request("GET", "/v1/health", "", bearer(kOperatorToken)), 421, "misdirected_request", host);
+  }
+  c.host = tcp.to_string();
+  // Anything from a web page, even with the token (a page cannot know it, but it must not matter).
+  for (std::string origin : {std::string("http://evil.example"), std::string("null"), "http://" + tcp.to_string()})
+    expect_error(c.request("GET", "/v1/health", "", bearer(kOperatorToken) + "Origin: " + origin + "\r\n"), 403,
+                 "permission_denied", "Origin");
+  EXPECT_EQ(c.request("GET", "/v1/health", "", bearer(kOperatorToken)).status, 200);
+
+  // No Host at all (HTTP/1.0 allows it) is not this address either.
+  Client bare(&loop_, tcp);
+  ASSERT_TRUE(bare.send("GET /v1/health HTTP/1.0\r\n" + bearer(kOperatorToken) + "\r\n"));
+  auto no_host = bare.read();
+  ASSERT_TRUE(no_host.has_value());
+  expect_error(*no_host, 400, "invalid_argument", "Host header");
+
+  // The unix socket stays as it is: its file mode is the access control.
+  Client u = client();
+  u.host = "evil.example";
+  EXPECT_EQ(u.request("GET", "/v1/health").status, 200);
 }
 
 TEST_F(ApiServerTest, PortPoliciesAreValidatedAndShown) {
@@ -686,11 +757,19 @@ TEST_F(ApiServerTest, OpenOfAPublicPortNeedsNoToken) {
                              R"("allow_unauthenticated_access":true})");
   ASSERT_EQ(open_all.status, 201);
   EXPECT_EQ(open_all.body()["ports"], json::parse(R"([{"port":3000,"public":true,"protocol":"http1"}])"));
-  for (int port : {3000, 9501}) {
-    Reply o = c.request("POST", "/v1/internal/open", R"({"sandbox":"open","port":)" + std::to_string(port) + "}");
-    EXPECT_EQ(o.status, 200) << port << ": " << o.message.body;
-    EXPECT_EQ(o.body()["public"], true);
-  }
+  Reply o = c.request("POST", "/v1/internal/open", R"({"sandbox":"open","port":3000})");
+  EXPECT_EQ(o.status, 200) << o.message.body;
+  EXPECT_EQ(o.body()["public"], true);
+  // Never the agent port: allow_unauthenticated_access publishes exposed ports only.
+  Reply lookup = c.request("POST", "/v1/internal/lookup", R"({"sandbox":"open","port":9501})");
+  EXPECT_EQ(lookup.body()["public"], false) << lookup.message.body;
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"open","port":9501})"), 401, "unauthorized",
+               "missing token");
+  Reply agent = c.request("POST", "/v1/internal/open",
+                          R"({"sandbox":"open","port":9501,"credential":")" + open_all.body()["token"].get<std::string>() +
+                              R"("})");
+  EXPECT_EQ(agent.status, 200) << agent.message.body;
+  EXPECT_EQ(agent.body()["public"], false);
 }
 
 TEST_F(ApiServerTest, LookupAnswersWithoutWakingOrTouching) {

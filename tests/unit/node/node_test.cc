@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -541,7 +543,9 @@ TEST_F(NodeTest, PortPoliciesAndLookup) {
   everything.allow_unauthenticated_access = true;
   ASSERT_TRUE(create_request(everything).ok());
   EXPECT_TRUE(node_->lookup("open", 8080)->is_public);
-  EXPECT_TRUE(node_->lookup("open", 9501)->is_public);
+  // allow_unauthenticated_access publishes exposed ports only: the agent runs commands as root.
+  EXPECT_FALSE(node_->lookup("open", 9501)->is_public);
+  EXPECT_EQ(node_->lookup("open", 9501)->protocol, PortProtocol::kH2c);
 }
 
 TEST_F(NodeTest, PortPoliciesAreValidated) {
@@ -571,30 +575,83 @@ TEST_F(NodeTest, PortPoliciesAreValidated) {
 TEST_F(NodeTest, OperatorTokenOpensEverySandbox) {
   std::string token_path = dir_.path() + "/operator.token";
   std::ofstream(token_path) << "  op-secret-0123456789\n\n";
+  std::filesystem::permissions(token_path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   auto cfg = load_config_string("operator_token_file = \"" + token_path + "\"\n[node]\nstate_dir = \"" +
                                     dir_.path() + "\"\n",
                                 "test.toml");
   ASSERT_TRUE(cfg.ok()) << cfg.message();
   config_->swap(*cfg);
-  ASSERT_TRUE(node_->reconcile().ok());
+  ASSERT_TRUE(node_->load_operator_token(**cfg).ok());
   SandboxInfo info = create("demo");
   EXPECT_EQ(node_->check_credential(info.spec.id, std::string("op-secret-0123456789")), CredentialCheck::kAccepted);
   EXPECT_EQ(node_->check_credential(info.spec.id, std::string("op-secret")), CredentialCheck::kInvalid);
   EXPECT_EQ(node_->check_credential(info.spec.id, std::string("  op-secret-0123456789\n")), CredentialCheck::kInvalid);
 
-  // A configured file that is empty, missing or oversized keeps the node from starting.
+  // A configured file that is empty, missing or oversized keeps the node from starting (main.cc stops).
   for (const std::string& content : {std::string(" \n\t"), std::string(5000, 'a')}) {
     std::ofstream(token_path, std::ios::trunc) << content;
     restart();
-    config_->swap(*cfg);
-    auto s = node_->reconcile();
+    auto s = node_->load_operator_token(**cfg);
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("operator_token_file"), std::string::npos) << s.message();
   }
   std::filesystem::remove(token_path);
   restart();
-  config_->swap(*cfg);
-  EXPECT_FALSE(node_->reconcile().ok());
+  EXPECT_FALSE(node_->load_operator_token(**cfg).ok());
+}
+
+TEST_F(NodeTest, OperatorTokenFileMustBeOwnerOnly) {
+  std::string token_path = dir_.path() + "/operator.token";
+  std::ofstream(token_path) << "op-secret-0123456789\n";
+  auto cfg = load_config_string("operator_token_file = \"" + token_path + "\"\n[node]\nstate_dir = \"" +
+                                    dir_.path() + "\"\n",
+                                "test.toml");
+  ASSERT_TRUE(cfg.ok()) << cfg.message();
+  for (mode_t mode : {0644, 0640, 0604, 0620, 0602}) {
+    ASSERT_EQ(::chmod(token_path.c_str(), mode), 0);
+    auto s = node_->load_operator_token(**cfg);
+    ASSERT_FALSE(s.ok()) << std::oct << mode;
+    EXPECT_EQ(s.error(), Error::kPermissionDenied);
+    EXPECT_NE(s.message().find(token_path), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("chmod 600"), std::string::npos) << s.message();
+  }
+  for (mode_t mode : {0600, 0400}) {
+    ASSERT_EQ(::chmod(token_path.c_str(), mode), 0);
+    EXPECT_TRUE(node_->load_operator_token(**cfg).ok()) << std::oct << mode;
+  }
+  // Not a regular file (a directory, say) is refused too.
+  auto dir_cfg = load_config_string("operator_token_file = \"" + dir_.path() + "\"\n", "test.toml");
+  ASSERT_TRUE(dir_cfg.ok());
+  EXPECT_FALSE(node_->load_operator_token(**dir_cfg).ok());
+}
+
+TEST_F(NodeTest, ReloadingTheOperatorTokenReplacesTheOldOne) {
+  std::string token_path = dir_.path() + "/operator.token";
+  auto write_token = [&](const std::string& token) {
+    std::ofstream(token_path, std::ios::trunc) << token << "\n";
+    std::filesystem::permissions(token_path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  };
+  write_token("op-old-0123456789");
+  auto cfg = load_config_string("operator_token_file = \"" + token_path + "\"\n[node]\nstate_dir = \"" +
+                                    dir_.path() + "\"\n",
+                                "test.toml");
+  ASSERT_TRUE(cfg.ok()) << cfg.message();
+  ASSERT_TRUE(node_->load_operator_token(**cfg).ok());
+  EXPECT_EQ(node_->check_operator_token(std::string("op-old-0123456789")), CredentialCheck::kAccepted);
+
+  write_token("op-new-9876543210");
+  ASSERT_TRUE(node_->load_operator_token(**cfg).ok());
+  EXPECT_EQ(node_->check_operator_token(std::string("op-new-9876543210")), CredentialCheck::kAccepted);
+  EXPECT_EQ(node_->check_operator_token(std::string("op-old-0123456789")), CredentialCheck::kInvalid);
+  EXPECT_EQ(node_->check_operator_token(std::nullopt), CredentialCheck::kMissing);
+
+  // A file that became unusable keeps the token the node has.
+  ASSERT_EQ(::chmod(token_path.c_str(), 0644), 0);
+  EXPECT_FALSE(node_->load_operator_token(**cfg).ok());
+  EXPECT_EQ(node_->check_operator_token(std::string("op-new-9876543210")), CredentialCheck::kAccepted);
+  // A sandbox's own token is not the operator token.
+  SandboxInfo info = create("demo");
+  EXPECT_EQ(node_->check_operator_token(info.token), CredentialCheck::kInvalid);
 }
 
 TEST_F(NodeTest, ExitWatch) {

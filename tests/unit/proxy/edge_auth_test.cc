@@ -42,24 +42,25 @@ TEST(EdgeAuth, BearerHeader) {
 }
 
 TEST(EdgeAuth, Cookies) {
-  const HttpHeader one[] = {{"Cookie", "sandgate_token=tok"}};
+  const HttpHeader one[] = {{"Cookie", "__Host-sandgate_token=tok"}};
   auto found = find_credentials("/", one);
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].source, CredentialSource::kCookie);
   EXPECT_EQ(found[0].token, "tok");
 
-  const HttpHeader many[] = {{"cookie", "theme=dark; sandgate_token=t1;lang=en"},
+  const HttpHeader many[] = {{"cookie", "theme=dark; __Host-sandgate_token=t1;lang=en"},
                              {"X-Other", "sandgate_token=nope"},
-                             {"COOKIE", "  sandgate_token=\"t2\" ; a=b"}};
+                             {"COOKIE", "  __Host-sandgate_token=\"t2\" ; a=b"}};
   EXPECT_EQ(tokens(find_credentials("/", many)), (Tokens{"t1", "t2"}));
 
   // h2 crumbs joined by the scanner, or passed one per field.
-  const HttpHeader crumbs[] = {{"cookie", "a=1"}, {"cookie", "sandgate_token=t3"}, {"cookie", "b=2"}};
+  const HttpHeader crumbs[] = {{"cookie", "a=1"}, {"cookie", "__Host-sandgate_token=t3"}, {"cookie", "b=2"}};
   EXPECT_EQ(tokens(find_credentials("/", crumbs)), (Tokens{"t3"}));
 
   // Names are case-sensitive and must match exactly; values must be tokens.
-  const HttpHeader wrong[] = {{"cookie", "Sandgate_token=x; sandgate_tokens=y; xsandgate_token=z; sandgate_token"},
-                              {"cookie", "sandgate_token=; sandgate_token=a b; sandgate_token=\"q; sandgate_token=%41"},
+  const HttpHeader wrong[] = {{"cookie", "__host-sandgate_token=x; __Host-sandgate_tokens=y; x__Host-sandgate_token=z; __Host-sandgate_token"},
+                              {"cookie", "sandgate_token=legacy-name; Sandgate_token=x"},
+                              {"cookie", "__Host-sandgate_token=; __Host-sandgate_token=a b; __Host-sandgate_token=\"q; __Host-sandgate_token=%41"},
                               {"cookie", ""},
                               {"cookie", ";;; ; ="}};
   EXPECT_TRUE(find_credentials("/", wrong).empty());
@@ -83,9 +84,9 @@ TEST(EdgeAuth, QueryParameter) {
 }
 
 TEST(EdgeAuth, PrecedenceIsHeaderThenCookieThenQuery) {
-  const HttpHeader headers[] = {{"cookie", "sandgate_token=from-cookie"},
+  const HttpHeader headers[] = {{"cookie", "__Host-sandgate_token=from-cookie"},
                                 {"authorization", "Bearer from-header"},
-                                {"cookie", "sandgate_token=second-cookie"}};
+                                {"cookie", "__Host-sandgate_token=second-cookie"}};
   auto found = find_credentials("/?sandgate_token=from-query", headers);
   ASSERT_EQ(found.size(), 4u);
   EXPECT_EQ(found[0].source, CredentialSource::kAuthorizationHeader);
@@ -96,15 +97,28 @@ TEST(EdgeAuth, PrecedenceIsHeaderThenCookieThenQuery) {
   EXPECT_EQ(found[3].source, CredentialSource::kQueryParameter);
 
   // A malformed candidate does not hide a good one behind it.
-  const HttpHeader bad_header[] = {{"authorization", "Bearer bad\x01token"}, {"cookie", "sandgate_token=good"}};
+  const HttpHeader bad_header[] = {{"authorization", "Bearer bad\x01token"}, {"cookie", "__Host-sandgate_token=good"}};
   EXPECT_EQ(tokens(find_credentials("/", bad_header)), (Tokens{"good"}));
+}
+
+TEST(EdgeAuth, EveryCandidateIsCountedSoTheCapCanApply) {
+  // The proxy refuses a request with more than kMaxCredentialCandidates; find_credentials must therefore
+  // report all of them, not stop early at a number that would pass.
+  std::string value;
+  for (int i = 0; i < 100; ++i) value += (i ? "; " : "") + std::string("__Host-sandgate_token=t") + std::to_string(i);
+  const std::vector<HttpHeader> headers = {{"Cookie", value}, {"Authorization", "Bearer b"}};
+  auto found = find_credentials("/?sandgate_token=q", headers);
+  ASSERT_EQ(found.size(), 102u);
+  EXPECT_GT(found.size(), kMaxCredentialCandidates);
+  EXPECT_EQ(found.front().source, CredentialSource::kAuthorizationHeader);
+  EXPECT_EQ(found.back().source, CredentialSource::kQueryParameter);
 }
 
 TEST(EdgeAuth, VeryLongInputs) {
   const std::string long_token(kMaxTokenLength + 1, 'a');
   const HttpHeader headers[] = {{"authorization", "Bearer " + long_token},
-                                {"cookie", std::string(100000, ';') + "sandgate_token=" + long_token},
-                                {"cookie", std::string(50000, 'x') + "=y; sandgate_token=ok"}};
+                                {"cookie", std::string(100000, ';') + "__Host-sandgate_token=" + long_token},
+                                {"cookie", std::string(50000, 'x') + "=y; __Host-sandgate_token=ok"}};
   EXPECT_EQ(tokens(find_credentials("/?" + std::string(100000, '&') + "sandgate_token=" + long_token, headers)),
             (Tokens{"ok"}));
   const std::string max_token(kMaxTokenLength, 'b');
@@ -147,11 +161,27 @@ TEST(EdgeAuth, RedirectLocationStaysOnTheHost) {
 }
 
 TEST(EdgeAuth, TokenCookieIsHostScoped) {
-  EXPECT_EQ(token_cookie("dG9r", 3600), "sandgate_token=dG9r; Path=/; Max-Age=3600; HttpOnly; Secure; SameSite=Lax");
+  EXPECT_EQ(token_cookie("dG9r", 3600), "__Host-sandgate_token=dG9r; Path=/; Max-Age=3600; HttpOnly; Secure; SameSite=Lax");
   EXPECT_EQ(token_cookie("t", 0).find("Domain"), std::string::npos);
   // What it sets is what find_credentials reads back.
-  const HttpHeader headers[] = {{"cookie", "sandgate_token=dG9r"}};
+  const HttpHeader headers[] = {{"cookie", "__Host-sandgate_token=dG9r"}};
   EXPECT_EQ(tokens(find_credentials("/", headers)), (Tokens{"dG9r"}));
+}
+
+TEST(EdgeAuth, CrossOriginRequests) {
+  const std::string host = "8080-a.sandbox.localhost:8443";
+  auto cross = [&](std::vector<HttpHeader> h) { return is_cross_origin_request(host, h); };
+  EXPECT_FALSE(cross({}));  // curl, an SDK: no Origin, no Sec-Fetch-Site
+  EXPECT_FALSE(cross({{"Origin", "https://8080-a.sandbox.localhost:8443"}}));
+  EXPECT_FALSE(cross({{"origin", "HTTPS://8080-A.sandbox.localhost:8443"}}));
+  EXPECT_FALSE(cross({{"Sec-Fetch-Site", "same-origin"}}));
+  EXPECT_FALSE(cross({{"Sec-Fetch-Site", "none"}}));  // typed into the address bar
+  EXPECT_TRUE(cross({{"Origin", "https://8080-b.sandbox.localhost:8443"}}));
+  EXPECT_TRUE(cross({{"Origin", "https://8080-a.sandbox.localhost"}}));  // another port is another origin
+  EXPECT_TRUE(cross({{"Origin", "http://8080-a.sandbox.localhost:8443"}}));
+  EXPECT_TRUE(cross({{"Origin", "null"}}));
+  EXPECT_TRUE(cross({{"Sec-Fetch-Site", "same-site"}}));
+  EXPECT_TRUE(cross({{"sec-fetch-site", "Cross-Site"}}));
 }
 
 TEST(EdgeAuth, Http1Refusal) {

@@ -45,8 +45,8 @@ TEST(WorkerTraffic, PointerStaysValidWhileConnectionsOpen) {
   EXPECT_EQ(a->connections, 1u);
 }
 
-TEST(SandboxConnectionLimits, EnforcedAcrossThreads) {
-  SandboxConnectionLimits limits;
+TEST(ConnectionLimits, EnforcedAcrossThreads) {
+  ConnectionLimits limits;
   std::atomic<int> granted{0};
   std::vector<std::thread> threads;
   for (int i = 0; i < 4; ++i)
@@ -61,6 +61,20 @@ TEST(SandboxConnectionLimits, EnforcedAcrossThreads) {
   EXPECT_TRUE(limits.try_acquire("sb-x", 50));
   EXPECT_FALSE(limits.try_acquire("sb-x", 50));
   EXPECT_TRUE(limits.try_acquire("sb-y", 50));
+}
+
+TEST(ConnectionLimits, ReleaseForgetsEmptyKeysAndIgnoresUnknownOnes) {
+  // The per-client instance sees one key per address that ever connected: a key must not outlive its
+  // last connection, and a stray release must not underflow another key's count.
+  ConnectionLimits limits;
+  ASSERT_TRUE(limits.try_acquire("127.0.0.1", 1));
+  EXPECT_FALSE(limits.try_acquire("127.0.0.1", 1));
+  limits.release("10.0.0.1");
+  EXPECT_EQ(limits.count("127.0.0.1"), 1u);
+  limits.release("127.0.0.1");
+  limits.release("127.0.0.1");
+  EXPECT_EQ(limits.count("127.0.0.1"), 0u);
+  EXPECT_TRUE(limits.try_acquire("127.0.0.1", 1));
 }
 
 }  // namespace

@@ -1,0 +1,27 @@
+#include "proxy/fd_limits.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cerrno>
+
+namespace sg {
+
+uint32_t max_connections_for_fd_limit(uint64_t nofile) {
+  if (nofile <= kReservedFds + kFdsPerConnection) return 1;
+  return static_cast<uint32_t>(std::min<uint64_t>((nofile - kReservedFds) / kFdsPerConnection, UINT32_MAX));
+}
+
+Result<FdLimit> raise_fd_limit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return fail_errno("getrlimit(RLIMIT_NOFILE)", errno);
+  if (lim.rlim_cur < lim.rlim_max && lim.rlim_max != RLIM_INFINITY) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    // Failure is not fatal: the proxy runs within the current limit, which the caller logs.
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  return FdLimit{static_cast<uint64_t>(lim.rlim_cur), static_cast<uint64_t>(lim.rlim_max)};
+}
+
+}  // namespace sg

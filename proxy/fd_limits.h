@@ -1,0 +1,37 @@
+// How many client connections the process's descriptor limit (RLIMIT_NOFILE) can carry. A connection that
+// outgrows the limit fails somewhere in the middle (accept, the node's socket, a splice pipe) with EMFILE;
+// refusing it at accept instead gives it a recorded cause (too_many_connections) and leaves headroom for the
+// connections already open.
+#pragma once
+
+#include <cstdint>
+
+#include "common/error.h"
+
+namespace sg {
+
+// Descriptors one connection can hold at its peak: the client socket, the sandbox socket, and on the kTLS
+// path two splice pipes (one per direction) of two ends each. While the node opens the sandbox there is a
+// third socket (the node request), but the pipes are made only after it is gone, so 6 bounds both phases.
+inline constexpr uint64_t kFdsPerConnection = 6;
+// Descriptors the process needs besides connections: stdio, the access log, per worker its listeners, loop
+// (epoll, eventfds) and activity report socket, and files opened on reload (config, certificates, token).
+inline constexpr uint64_t kReservedFds = 64;
+
+// Connections a soft RLIMIT_NOFILE of `nofile` carries: (nofile - kReservedFds) / kFdsPerConnection, at
+// least 1 (a proxy that starts must be able to serve something; a tiny limit then fails at accept, which
+// backs off). 1024 -> 160.
+uint32_t max_connections_for_fd_limit(uint64_t nofile);
+
+struct FdLimit {
+  uint64_t soft = 0;
+  uint64_t hard = 0;
+};
+
+// Raises the soft RLIMIT_NOFILE to the hard one (the default soft limit, 1024, is far below what a busy
+// ingress needs, and a process may raise it up to the hard limit itself) and returns the limit in force.
+// A hard limit of "unlimited" cannot be a soft NOFILE limit (the kernel caps it at fs.nr_open): the soft one
+// then stays. Errors only when the limit cannot even be read.
+Result<FdLimit> raise_fd_limit();
+
+}  // namespace sg

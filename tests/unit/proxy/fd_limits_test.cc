@@ -1,0 +1,34 @@
+#include "proxy/fd_limits.h"
+
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+namespace sg {
+namespace {
+
+TEST(FdLimits, ConnectionsFollowTheDescriptorLimit) {
+  // (nofile - kReservedFds) / kFdsPerConnection, never 0.
+  EXPECT_EQ(max_connections_for_fd_limit(1024), (1024u - 64u) / 6u);
+  EXPECT_EQ(max_connections_for_fd_limit(1024), 160u);
+  EXPECT_EQ(max_connections_for_fd_limit(65536), 10912u);
+  EXPECT_EQ(max_connections_for_fd_limit(0), 1u);
+  EXPECT_EQ(max_connections_for_fd_limit(kReservedFds), 1u);
+  EXPECT_EQ(max_connections_for_fd_limit(kReservedFds + 2 * kFdsPerConnection), 2u);
+  // An unlimited soft limit saturates instead of wrapping.
+  EXPECT_EQ(max_connections_for_fd_limit(RLIM_INFINITY), UINT32_MAX);
+}
+
+TEST(FdLimits, RaiseReachesTheHardLimit) {
+  auto lim = raise_fd_limit();
+  ASSERT_TRUE(lim.ok()) << lim.message();
+  rlimit now{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &now), 0);
+  EXPECT_EQ(lim->soft, now.rlim_cur);
+  EXPECT_EQ(lim->hard, now.rlim_max);
+  if (now.rlim_max != RLIM_INFINITY) {
+    EXPECT_EQ(now.rlim_cur, now.rlim_max);
+  }
+}
+
+}  // namespace
+}  // namespace sg
