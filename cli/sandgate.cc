@@ -88,27 +88,47 @@ int change_state(const Node& node, std::string_view action, std::string_view att
   return error(answer.message());
 }
 
+// The token in a create or rotate answer is shown this once: it is saved for ssh-proxy (replacing any
+// older one of that sandbox).
+void save_shown_token(const json& answer) {
+  auto token = answer.find("token");
+  if (token == answer.end() || !token->is_string()) return;
+  std::string ref = sg::cli::sandbox_label(answer);
+  auto home = sg::cli::default_config_home();
+  sg::Status saved = home ? sg::cli::save_token(*home, ref, token->get<std::string>()) : sg::Status(home.failure());
+  if (saved) {
+    std::cerr << "sandgate: the token is shown only once; saved to " << sg::cli::token_file(*home, ref) << "\n";
+  } else {
+    std::cerr << "sandgate: the token is shown only once and could not be saved (" << saved.message()
+              << "); keep it now\n";
+  }
+}
+
 // `sandgate create`: like call(), and the token in the answer is saved for ssh-proxy and shown this once.
 int create_sandbox(const Node& node, const json& body, std::string_view name, bool raw_json) {
   std::string raw;
   auto answer = node.send("create", "POST", "/v1/sandboxes", body, name, &raw);
   if (!answer) return error(answer.message());
   int printed = print(*answer, raw, raw_json, sg::cli::format_created);
-  auto token = answer->find("token");
-  if (token != answer->end() && token->is_string()) {
-    std::string ref = sg::cli::sandbox_label(*answer);
-    auto home = sg::cli::default_config_home();
-    sg::Status saved = home ? sg::cli::save_token(*home, ref, token->get<std::string>()) : sg::Status(home.failure());
-    if (saved) {
-      std::cerr << "sandgate: the token is shown only once; saved to " << sg::cli::token_file(*home, ref) << "\n";
-    } else {
-      std::cerr << "sandgate: the token is shown only once and could not be saved (" << saved.message()
-                << "); keep it now\n";
-    }
-  }
+  save_shown_token(*answer);
   // Its command may have ended before the node answered: a sandbox that is already gone is not a success.
   if (auto failed = sg::cli::failed_message(*answer, "")) return error(*failed);
   return printed;
+}
+
+// `sandgate token rotate`: a new token replaces the old one at once (the node refuses the old one, and the
+// proxies close the connections it opened); the new one is printed and saved.
+int rotate_token(const Node& node, const std::string& ref, bool raw_json) {
+  std::string raw;
+  auto answer = node.send("token rotate", "POST", sg::cli::sandbox_path(ref, "token"), nullptr, ref, &raw);
+  if (!answer) return error(answer.message());
+  if (raw_json) {
+    std::cout << raw << "\n";
+  } else {
+    std::cout << answer->value("token", "") << "\n";
+  }
+  save_shown_token(*answer);
+  return 0;
 }
 
 // `sandgate rm`: the sandbox's saved token goes with it (a later sandbox of that name gets a new one).
@@ -203,6 +223,12 @@ int main(int argc, char** argv) {
   resume->add_option("sandbox", ref, "name or id")->required();
   CLI::App* rm = app.add_subcommand("rm", "Terminate and remove a sandbox");
   rm->add_option("sandbox", ref, "name or id")->required();
+  CLI::App* token_cmd = app.add_subcommand("token", "Manage a sandbox's access token");
+  token_cmd->require_subcommand(1);
+  CLI::App* rotate = token_cmd->add_subcommand(
+      "rotate", "Replace a sandbox's token: the old one is refused at once and its open connections are closed");
+  rotate->add_option("sandbox", ref, "name or id")->required();
+  rotate->add_flag("--json", raw_json, "print the node's JSON answer");
 
   std::string ingress, domain, ssh_user = "root";
   CLI::App* ssh_config = app.add_subcommand("ssh-config", "Print a ~/.ssh/config block for `ssh NAME`");
@@ -333,5 +359,6 @@ int main(int argc, char** argv) {
   if (suspend->parsed()) return change_state(node, "suspend", "suspended", ref);
   if (resume->parsed()) return change_state(node, "resume", "resumed", ref);
   if (rm->parsed()) return remove_sandbox(node, ref);
+  if (rotate->parsed()) return rotate_token(node, ref, raw_json);
   return error("no command given; see sandgate --help", kExitUsage);  // unreachable: require_subcommand(1)
 }

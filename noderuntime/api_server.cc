@@ -907,6 +907,11 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
         reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
       });
     }
+    if (!ref.empty() && action == "token") {
+      if (method != "POST") return method_not_allowed("POST");
+      auto info = node_->rotate_token(ref);
+      return reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
+    }
     if (!ref.empty() && (action == "suspend" || action == "resume")) {
       if (method != "POST") return method_not_allowed("POST");
       auto outcome = action == "suspend" ? node_->suspend(ref) : node_->resume(ref);
@@ -983,10 +988,12 @@ void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
   if (!body) return reply(error_response(body.failure()));
   auto reports = parse_activity(*body);
   if (!reports) return reply(error_response(reports.failure()));
-  ordered_json asleep = ordered_json::array();
-  for (const AsleepSandbox& a : node_->activity(*reports))
-    asleep.push_back({{"id", a.id}, {"suspended_at", a.suspended_at}});
-  reply(Response{200, to_text(ordered_json{{"asleep", std::move(asleep)}}), UniqueFd(), ""});
+  ActivityAnswer answer = node_->activity(*reports);
+  ordered_json asleep = ordered_json::array(), revoked = ordered_json::array();
+  for (const AsleepSandbox& a : answer.asleep) asleep.push_back({{"id", a.id}, {"suspended_at", a.suspended_at}});
+  for (const RevokedToken& r : answer.revoked) revoked.push_back({{"id", r.id}, {"rotated_at", r.rotated_at}});
+  reply(Response{200, to_text(ordered_json{{"asleep", std::move(asleep)}, {"revoked", std::move(revoked)}}), UniqueFd(),
+                 ""});
 }
 
 }  // namespace sg

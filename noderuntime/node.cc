@@ -89,6 +89,8 @@ struct Node::Sandbox {
   uint64_t connections = 0;
   uint64_t resumes = 0;  // resumes started since this node process adopted or created the sandbox
   uint64_t suspended_at = 0;  // stamp() of the latest suspend that began
+  uint64_t token_rotated_at = 0;  // stamp() of the latest token rotation (0: none since this node started)
+  IdleTracker::TimePoint token_rotated_clock{};  // when, to stop announcing it after the report TTL
   std::vector<Waiter*> waiters;
   // Set while suspending when something asked for the sandbox (an open, traffic, the API): unless the
   // driver cancels the suspension, it finishes and is then followed by exactly one resume, for this reason.
@@ -736,9 +738,9 @@ CredentialCheck Node::check_operator_token(const std::optional<std::string>& cre
   return token_matches(*credential, operator_token_sha256_) ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
 }
 
-std::vector<AsleepSandbox> Node::activity(const std::vector<ActivityReport>& reports) {
+ActivityAnswer Node::activity(const std::vector<ActivityReport>& reports) {
   Clock::time_point now = Clock::now();
-  std::vector<AsleepSandbox> asleep;
+  ActivityAnswer answer;
   for (const ActivityReport& r : reports) {
     Sandbox* sb = find(r.id);
     if (sb == nullptr || sb->terminating) continue;  // reports may trail a delete; nothing to account
@@ -747,9 +749,29 @@ std::vector<AsleepSandbox> Node::activity(const std::vector<ActivityReport>& rep
     // traffic before it: it never wakes. Whatever asks for a sleeping sandbox comes through open().
     if (sb->rec.state == S::kRunning && (r.bytes_in != 0 || r.bytes_out != 0)) touch(*sb);
     if (sb->rec.state == S::kSuspending || sb->rec.state == S::kSuspended)
-      asleep.push_back(AsleepSandbox{sb->id(), sb->suspended_at});
+      answer.asleep.push_back(AsleepSandbox{sb->id(), sb->suspended_at});
+    // Announced for as long as a live proxy must have reported once (the report TTL); cutting is idempotent.
+    if (sb->token_rotated_at != 0 && now - sb->token_rotated_clock < report_ttl())
+      answer.revoked.push_back(RevokedToken{sb->id(), sb->token_rotated_at});
   }
-  return asleep;
+  return answer;
+}
+
+Result<SandboxInfo> Node::rotate_token(std::string_view ref) {
+  auto found = find_usable(ref);
+  if (!found) return found.failure();
+  Sandbox& sb = **found;
+  std::string token = generate_token();
+  sb.rec.spec.token_sha256 = token_digest(token);
+  // Persisted before anyone sees the new token: a node restart must not bring the old one back.
+  if (auto s = store_->upsert(sb.rec); !s)
+    return fail(Error::kIo, "sandbox " + sb.id() + ": cannot store the new token: " + s.message());
+  sb.token_rotated_at = stamp();
+  sb.token_rotated_clock = Clock::now();
+  spdlog::info("sandbox {}: token rotated", sb.id());
+  SandboxInfo info = snapshot(sb);
+  info.token = std::move(token);
+  return info;
 }
 
 // ---- connections hold sandboxes awake ----

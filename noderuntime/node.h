@@ -130,6 +130,18 @@ struct AsleepSandbox {
   uint64_t suspended_at = 0;
 };
 
+// Also in that answer: a reported sandbox whose token was rotated at `rotated_at` (a Node::stamp()). The
+// proxy closes its connections to it opened before then: they were authorized by a token that is gone.
+struct RevokedToken {
+  std::string id;
+  uint64_t rotated_at = 0;
+};
+
+struct ActivityAnswer {
+  std::vector<AsleepSandbox> asleep;
+  std::vector<RevokedToken> revoked;
+};
+
 class Node {
  public:
   using OpenCallback = std::function<void(Result<OpenedPort>)>;
@@ -168,7 +180,10 @@ class Node {
   void open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, OpenCallback done);
   // Applies the proxies' counts: bytes keep a running sandbox's idle clock fresh, but never wake one. The
   // answer lists the reported sandboxes that are asleep.
-  std::vector<AsleepSandbox> activity(const std::vector<ActivityReport>& reports);
+  ActivityAnswer activity(const std::vector<ActivityReport>& reports);
+  // A new token for the sandbox (in the answer's `token`, shown this once): the old one is refused from now
+  // on, and connections it opened are closed once their proxy next reports (activity()).
+  Result<SandboxInfo> rotate_token(std::string_view ref);
 
   // Resolves `ref` and the policy of `port` without touching the sandbox (no wake, no activity): kNotFound,
   // or kPermissionDenied ("port not exposed") for a port that is neither exposed nor the agent port.

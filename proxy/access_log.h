@@ -43,6 +43,7 @@ enum class TerminationCause {
   kUpstreamConnectTimeout,
   kIdleTimeout,
   kSandboxSuspended,    // the sandbox was suspended while this connection was open (it can reach it no more)
+  kTokenRevoked,        // the sandbox's token was rotated while this connection (authorized by it) was open
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
   kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
   kShutdown,

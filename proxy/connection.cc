@@ -488,6 +488,7 @@ void Connection::on_open_result(Result<NodeResponse> r) {
   if (json.contains("woke") && json["woke"].is_boolean()) rec_.woke = json["woke"].get<bool>();
   if (json.contains("wake_ms") && json["wake_ms"].is_number()) rec_.wake_ms = json["wake_ms"].get<double>();
   bool port_public = json.contains("public") && json["public"].is_boolean() && json["public"].get<bool>();
+  opened_public_ = port_public;
   // A browser's one-time ?sandgate_token=: now verified, it becomes a cookie and leaves the URL. Not on a
   // public port, where the node verified nothing.
   if (!port_public && credential_index_ < credentials_.size() &&
@@ -903,10 +904,15 @@ void Connection::linger() {
   }
 }
 
-bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t suspended_at) {
-  if (opened_at_ == 0 || opened_at_ >= suspended_at || rec_.sandbox_id != sandbox_id || phase_ == Phase::kClosed)
+bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why) {
+  if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase_ == Phase::kClosed)
     return false;
-  close(TerminationCause::kSandboxSuspended, "the sandbox was suspended while the connection was open");
+  if (why == Cut::kTokenRevoked) {
+    if (opened_public_) return false;
+    close(TerminationCause::kTokenRevoked, "the sandbox's token was rotated while the connection was open");
+  } else {
+    close(TerminationCause::kSandboxSuspended, "the sandbox was suspended while the connection was open");
+  }
   return true;
 }
 

@@ -72,9 +72,14 @@ class Connection {
   // it back.
   void hold_client_slot(std::string address) { client_slot_ = std::move(address); }
 
-  // The node suspended this connection's sandbox at `suspended_at` (its stamp): a connection it opened
-  // before then is cut, since its bytes can no longer reach the frozen sandbox. True when it was cut.
-  bool cut_if_opened_before(const std::string& sandbox_id, uint64_t suspended_at);
+  // Why the node wants older connections of a sandbox gone (its answer to an activity report).
+  enum class Cut {
+    kSuspended,     // frozen: their bytes can no longer reach it
+    kTokenRevoked,  // its token was rotated: they were authorized by the old one (public ports are kept)
+  };
+  // Closes this connection if it belongs to `sandbox_id` and was opened before `stamp` (the node's stamps).
+  // True when it was closed.
+  bool cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why);
 
  private:
   // kLingering: our error response is sent; the client's unread input is drained (and discarded) for a
@@ -189,6 +194,7 @@ class Connection {
   std::unique_ptr<NodeRequest> open_request_;
   uint64_t open_started_ms_ = 0;
   uint64_t opened_at_ = 0;  // the node's stamp of the open that gave the socket (0: not opened)
+  bool opened_public_ = false;  // the port needed no token
 
   SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
   bool holds_sandbox_slot_ = false;

@@ -171,27 +171,32 @@ void Worker::report_activity() {
                                            if (!r) spdlog::warn("activity report failed: {}", r.message());
                                            else if (r->status >= 300)
                                              spdlog::warn("activity report rejected: {} {}", r->status, r->body);
-                                           else cut_asleep(r->body);
+                                           else cut_connections(r->body);
                                            // Freed after this callback returns (see NodeRequest::finish).
                                            auto done = std::move(report_in_flight_);
                                          });
 }
 
-void Worker::cut_asleep(const std::string& answer) {
+void Worker::cut_connections(const std::string& answer) {
   auto json = nlohmann::json::parse(answer, nullptr, false);
-  if (!json.is_object() || !json.contains("asleep") || !json["asleep"].is_array()) return;
-  for (const auto& a : json["asleep"]) {
-    if (!a.is_object() || !a.contains("id") || !a["id"].is_string() || !a.contains("suspended_at") ||
-        !a["suspended_at"].is_number_unsigned())
-      continue;
-    const std::string id = a["id"].get<std::string>();
-    const uint64_t suspended_at = a["suspended_at"].get<uint64_t>();
-    // close() takes the connection out of connections_, so the candidates are copied first.
-    std::vector<Connection*> open(connections_.begin(), connections_.end());
-    size_t cut = 0;
-    for (Connection* c : open) cut += c->cut_if_opened_before(id, suspended_at) ? 1 : 0;
-    if (cut > 0) spdlog::info("sandbox {} is suspended: closed {} connection(s) opened before", id, cut);
-  }
+  if (!json.is_object()) return;
+  auto cut = [&](const char* list, const char* stamp_key, Connection::Cut why, const char* what) {
+    if (!json.contains(list) || !json[list].is_array()) return;
+    for (const auto& a : json[list]) {
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_string() || !a.contains(stamp_key) ||
+          !a[stamp_key].is_number_unsigned())
+        continue;
+      const std::string id = a["id"].get<std::string>();
+      const uint64_t stamp = a[stamp_key].get<uint64_t>();
+      // close() takes the connection out of connections_, so the candidates are copied first.
+      std::vector<Connection*> open(connections_.begin(), connections_.end());
+      size_t n = 0;
+      for (Connection* c : open) n += c->cut_if_opened_before(id, stamp, why) ? 1 : 0;
+      if (n > 0) spdlog::info("sandbox {} {}: closed {} connection(s) opened before", id, what, n);
+    }
+  };
+  cut("asleep", "suspended_at", Connection::Cut::kSuspended, "is suspended");
+  cut("revoked", "rotated_at", Connection::Cut::kTokenRevoked, "has a new token");
 }
 
 }  // namespace sg

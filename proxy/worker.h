@@ -74,8 +74,9 @@ class Worker {
   void end_fd_shortage();
   void start_listen_polls();
   void report_activity();
-  // The node's answer to a report names the reported sandboxes that are asleep; their older connections go.
-  void cut_asleep(const std::string& answer);
+  // The node's answer to a report names the reported sandboxes that are asleep or have a new token: their
+  // connections opened before that go.
+  void cut_connections(const std::string& answer);
 
   int index_;
   ProxyShared* shared_;

@@ -547,6 +547,17 @@ TEST_F(ApiServerTest, ManyPipelinedRequestsAreAllAnswered) {
   }
 }
 
+TEST_F(ApiServerTest, TokenRotation) {
+  Client c = client();
+  create_demo(c);
+  Reply rotated = c.request("POST", "/v1/sandboxes/demo/token");
+  ASSERT_EQ(rotated.status, 200) << rotated.message.body;
+  EXPECT_TRUE(rotated.body().value("token", "").starts_with("sgt_")) << rotated.message.body;
+  EXPECT_EQ(rotated.body()["name"], "demo");
+  EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo/token").status, 405);
+  expect_error(c.request("POST", "/v1/sandboxes/nope/token"), 404, "not_found");
+}
+
 TEST_F(ApiServerTest, Activity) {
   Client c = client();
   std::string id = create_demo(c);
@@ -555,7 +566,7 @@ TEST_F(ApiServerTest, Activity) {
                        R"({"id":"sb-unknown00000"}]})";
   Reply ok = c.request("POST", "/v1/internal/activity", report);
   EXPECT_EQ(ok.status, 200);
-  EXPECT_EQ(ok.body(), nlohmann::json::parse(R"({"asleep":[]})"));
+  EXPECT_EQ(ok.body(), nlohmann::json::parse(R"({"asleep":[],"revoked":[]})"));
   EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").body()["connections"], 2);
   // A suspended sandbox in a report is named with the stamp of its suspend; the bytes do not wake it.
   ASSERT_EQ(c.request("POST", "/v1/sandboxes/demo/suspend").status, 202);

@@ -400,7 +400,7 @@ TEST_F(NodeTest, TrafficReportedAfterASuspendNeverWakesIt) {
   auto before = open("demo");
   ASSERT_TRUE(before->result.has_value() && before->result->ok());
   suspend_and_wait("demo");
-  std::vector<AsleepSandbox> asleep = node_->activity({ActivityReport{info.spec.id, "w1", 5, 900, 1}});
+  std::vector<AsleepSandbox> asleep = node_->activity({ActivityReport{info.spec.id, "w1", 5, 900, 1}}).asleep;
   run_for(&loop_, 50);
   EXPECT_EQ(state("demo"), S::kSuspended);
   EXPECT_EQ(driver_->resumes, 0);
@@ -413,14 +413,33 @@ TEST_F(NodeTest, TrafficReportedAfterASuspendNeverWakesIt) {
   ASSERT_TRUE(after->result->ok()) << after->result->message();
   EXPECT_GT((*after->result)->opened_at, asleep[0].suspended_at);
   EXPECT_EQ(state("demo"), S::kRunning);
-  EXPECT_TRUE(node_->activity({ActivityReport{info.spec.id, "w1", 5, 0, 1}}).empty()) << "running: not asleep";
+  EXPECT_TRUE(node_->activity({ActivityReport{info.spec.id, "w1", 5, 0, 1}}).asleep.empty()) << "running: not asleep";
+}
+
+TEST_F(NodeTest, RotatingTheTokenRefusesTheOldOneAndRevokesItsConnections) {
+  SandboxInfo info = create("demo");
+  auto before = open("demo");
+  ASSERT_TRUE(before->result.has_value() && before->result->ok());
+  EXPECT_TRUE(node_->activity({ActivityReport{info.spec.id, "w1", 0, 0, 1}}).revoked.empty()) << "nothing rotated";
+  auto rotated = node_->rotate_token("demo");
+  ASSERT_TRUE(rotated.ok()) << rotated.message();
+  ASSERT_TRUE(rotated->token.starts_with("sgt_"));
+  EXPECT_NE(rotated->token, info.token);
+  EXPECT_EQ(node_->check_credential(info.spec.id, info.token), CredentialCheck::kInvalid);
+  EXPECT_EQ(node_->check_credential(info.spec.id, rotated->token), CredentialCheck::kAccepted);
+  auto answer = node_->activity({ActivityReport{info.spec.id, "w1", 0, 0, 1}});
+  ASSERT_EQ(answer.revoked.size(), 1u);
+  EXPECT_EQ(answer.revoked[0].id, info.spec.id);
+  EXPECT_GT(answer.revoked[0].rotated_at, (*before->result)->opened_at);
+  EXPECT_EQ(state("demo"), S::kRunning) << "a rotation changes nothing else";
+  EXPECT_EQ(node_->rotate_token("nope").error(), Error::kNotFound);
 }
 
 TEST_F(NodeTest, TrafficReportedDuringASuspendDoesNotUndoIt) {
   SandboxInfo info = create("demo");
   driver_->can_cancel = false;
   ASSERT_TRUE(node_->suspend("demo")->started);
-  EXPECT_EQ(node_->activity({ActivityReport{info.spec.id, "w1", 0, 7, 1}}).size(), 1u) << "suspending is asleep";
+  EXPECT_EQ(node_->activity({ActivityReport{info.spec.id, "w1", 0, 7, 1}}).asleep.size(), 1u) << "suspending is asleep";
   ASSERT_TRUE(wait_state("demo", S::kSuspended));
   run_for(&loop_, 50);
   EXPECT_EQ(state("demo"), S::kSuspended);
