@@ -224,7 +224,7 @@ TEST(H2Head, FirstRequestOfARealClientInEverySplit) {
   fields.push_back({"authorization", "Bearer abc.def"});
   fields.push_back({"cookie", "theme=dark"});
   fields.push_back({"accept", "*/*"});
-  fields.push_back({"cookie", "sandgate_token=tok123"});
+  fields.push_back({"cookie", "__Host-sandgate_token=tok123"});
   const int32_t stream = client.submit(fields);
   ASSERT_EQ(stream, 1);
   const std::string bytes = client.take_output();
@@ -243,7 +243,7 @@ TEST(H2Head, FirstRequestOfARealClientInEverySplit) {
   // Crumbs joined into one field where the first crumb was (RFC 9113 §8.2.3).
   ASSERT_EQ(request.headers.size(), 4u);
   EXPECT_EQ(request.headers[2].name, "cookie");
-  EXPECT_EQ(request.headers[2].value, "theme=dark; sandgate_token=tok123");
+  EXPECT_EQ(request.headers[2].value, "theme=dark; __Host-sandgate_token=tok123");
 
   // The decoded request feeds edge authentication directly.
   auto credentials = find_credentials(request.path, request.headers);
@@ -583,7 +583,7 @@ TEST(H2Head, FuzzedInputNeverCrashes) {
   Nghttp2Client client;
   std::vector<HttpHeader> fields = get_request("/fuzz?sandgate_token=abc");
   fields.push_back({"cookie", "a=b"});
-  fields.push_back({"cookie", "sandgate_token=xyz"});
+  fields.push_back({"cookie", "__Host-sandgate_token=xyz"});
   client.submit(fields);
   const std::string block = hpack(get_request());
   const std::vector<std::string> seeds = {
