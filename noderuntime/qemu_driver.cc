@@ -346,7 +346,11 @@ void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
       return boot->done(fail(Error::kTimeout, "the guest did not boot within " + std::to_string(boot_timeout_ms_) +
                                                   " ms, " + std::to_string(boot->attempt) + " attempts"));
     }
-    boot->done(fail(Error::kUnavailable, "qemu exited during boot: " + tail_of(boot->log, 600)));
+    // QEMU's own log is empty when the guest ended itself (a kernel panic, e.g. an initramfs too large for
+    // the guest's memory): then the console's last lines say why.
+    std::string why = tail_of(boot->log, 600);
+    if (why.empty()) why = "the guest stopped; its console ended with: " + tail_of(boot->console, 600);
+    boot->done(fail(Error::kUnavailable, "qemu exited during boot: " + why));
   });
   if (!w) return boot->done(w.failure());
   state(op).exit = std::move(*w);

@@ -204,6 +204,11 @@ TEST(FdLimits, RlimitCapsConnectionsAndAFloodDoesNotSpin) {
 }
 
 TEST(FdLimits, AcceptBacksOffWhenOutOfDescriptors) {
+#if defined(__SANITIZE_ADDRESS__)
+  // UBSan's vptr check tests memory with a pipe; a process without a spare descriptor then reports false
+  // "invalid vptr" errors (seen in fmt), so a sanitizer build of the proxy cannot be run out of descriptors.
+  GTEST_SKIP() << "a sanitizer build cannot run at its descriptor limit (UBSan needs a pipe per vptr check)";
+#endif
   raise_own_fd_limit();
   Cluster c(options(false, "handshake_timeout_ms = 60000\n"));
   LimitedProxy p;

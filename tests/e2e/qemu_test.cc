@@ -166,7 +166,8 @@ void expect_sdk_works(Cluster& c, const std::string& token, const std::string& w
     ASSERT_EQ(run("head -c 1048576 /dev/urandom > " + shell_quote(local)).exit_code, 0);
     const std::string remote = "/files?path=/tmp/roundtrip-" + std::string(proto == "--http2" ? "h2" : "h1");
     auto put = c.curl(host, remote, proto + " -X PUT --data-binary @" + shell_quote(local) + " " + bearer(token), 120);
-    EXPECT_LT(Cluster::http_code(put), 300) << put.out << put.err;
+    const int put_code = Cluster::http_code(put);
+    EXPECT_TRUE(put_code == 201 || put_code == 204) << put.out << put.err;  // created, or replaced
     auto get = c.curl(host, remote, proto + " -o " + shell_quote(back) + " " + bearer(token), 120);
     EXPECT_EQ(Cluster::http_code(get), 200) << get.out << get.err;
     EXPECT_EQ(sha256_file(back), sha256_file(local));
@@ -177,7 +178,9 @@ void expect_sdk_works(Cluster& c, const std::string& token, const std::string& w
 // With the agent in the image, the SDK works as for a process sandbox, also right after each kind of wake.
 TEST_F(Qemu, SdkRouteWorksOverHttp1AndHttp2AndAfterWakingFromBothTiers) {
   Cluster c(ClusterOptions::node(node_config()));
-  auto created = c.cli("create --json --name vq --driver qemu --timeout 3 --hibernate-after 3 --memory-mb 128 "
+  // 256 MiB: the initramfs, the files written to /tmp (tmpfs) and a sanitizer build's agent all live in guest
+  // RAM; at 128 MiB the guest's OOM killer ends an ASan agent (seen on its console).
+  auto created = c.cli("create --json --name vq --driver qemu --timeout 3 --hibernate-after 3 --memory-mb 256 "
                        "-- /bin/sh -c 'exec sleep 100000'",
                        180);
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();

@@ -12,7 +12,7 @@ namespace {
 
 std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
 
-TEST(Token, RotateRefusesTheOldTokenAndClosesItsConnections) {
+TEST(TokenRotation, RefusesTheOldTokenAndClosesItsConnections) {
   Cluster c(ClusterOptions::proxy("activity_report_interval_ms = 200\n"));
   auto created = c.cli("create --json --name rot --expose 8080 --public 8081 -- /bin/sh -c " +
                        shell_quote("/usr/bin/python3 " + source("tests/e2e/tools/testserver.py") +
