@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -38,11 +39,36 @@ void write_file(const std::string& path, const std::string& data) {
   out << data;
 }
 
+namespace {
+
+// One directory per test process for the commands' captured output, so nothing is written to /tmp itself;
+// removed when the process exits. Initialised once, also when the first run() comes from another thread.
+struct CaptureDir {
+  std::string path = "/tmp";  // only if no directory can be made
+  bool made = false;
+  CaptureDir() {
+    char tmpl[] = "/tmp/sg-e2e-run-XXXXXX";
+    made = ::mkdtemp(tmpl) != nullptr;
+    if (made) path = tmpl;
+  }
+  ~CaptureDir() {
+    std::error_code ec;
+    if (made) std::filesystem::remove_all(path, ec);
+  }
+};
+
+const std::string& capture_dir() {
+  static const CaptureDir dir;
+  return dir.path;
+}
+
+}  // namespace
+
 CommandResult run(const std::string& cmd, int timeout_s) {
-  char out_path[] = "/tmp/sg-e2e-out-XXXXXX";
-  char err_path[] = "/tmp/sg-e2e-err-XXXXXX";
-  int out_fd = mkstemp(out_path);
-  int err_fd = mkstemp(err_path);
+  std::string out_path = capture_dir() + "/out-XXXXXX";
+  std::string err_path = capture_dir() + "/err-XXXXXX";
+  int out_fd = mkstemp(out_path.data());
+  int err_fd = mkstemp(err_path.data());
   ::close(out_fd);
   ::close(err_fd);
   std::string full = "timeout -s KILL " + std::to_string(timeout_s) + " sh -c " + shell_quote(cmd) + " >" +
@@ -52,8 +78,8 @@ CommandResult run(const std::string& cmd, int timeout_s) {
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   r.out = read_file(out_path);
   r.err = read_file(err_path);
-  ::unlink(out_path);
-  ::unlink(err_path);
+  ::unlink(out_path.c_str());
+  ::unlink(err_path.c_str());
   return r;
 }
 
