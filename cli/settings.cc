@@ -37,18 +37,9 @@ Result<std::string> read_small_file(const std::string& path, size_t max_bytes) {
     if (errno == ENOENT) return fail(Error::kNotFound, path + " does not exist");
     return fail_errno("open " + path, errno);
   }
-  std::string text(max_bytes + 1, '\0');
-  size_t got = 0;
-  while (got < text.size()) {
-    ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail_errno("read " + path, errno);
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  if (got > max_bytes)
+  auto text = read_at_most(fd.get(), max_bytes, "read " + path);
+  if (text && text->size() > max_bytes)
     return fail(Error::kInvalidArgument, path + " is larger than " + std::to_string(max_bytes) + " bytes");
-  text.resize(got);
   return text;
 }
 

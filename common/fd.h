@@ -3,7 +3,12 @@
 
 #include <unistd.h>
 
+#include <cstddef>
+#include <string>
+#include <string_view>
 #include <utility>
+
+#include "common/error.h"
 
 namespace sg {
 
@@ -31,5 +36,9 @@ class UniqueFd {
  private:
   int fd_ = -1;
 };
+
+// Reads `fd` to its end, but never more than max_bytes + 1 bytes: a result longer than max_bytes means the
+// file is over the caller's limit. Errors are fail_errno(what, errno).
+Result<std::string> read_at_most(int fd, size_t max_bytes, std::string_view what);
 
 }  // namespace sg

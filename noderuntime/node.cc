@@ -980,20 +980,12 @@ Status Node::load_operator_token(const Config& config) {
                                               ", so group or others can access it; it must be readable by its "
                                               "owner only: chmod 600 " + path);
   }
-  std::string text(kMaxOperatorTokenBytes + 1, '\0');
-  size_t got = 0;
-  while (got < text.size()) {
-    ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail_errno("operator_token_file: cannot read " + path, errno);
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  text.resize(got);
-  if (text.size() > kMaxOperatorTokenBytes)
+  auto text = read_at_most(fd.get(), kMaxOperatorTokenBytes, "operator_token_file: cannot read " + path);
+  if (!text) return text.failure();
+  if (text->size() > kMaxOperatorTokenBytes)
     return fail(Error::kInvalidArgument, "operator_token_file: " + path + " is larger than " +
                                              std::to_string(kMaxOperatorTokenBytes) + " bytes; it must hold one token");
-  std::string token = trim(std::move(text));
+  std::string token = trim(std::move(*text));
   if (token.empty()) return fail(Error::kInvalidArgument, "operator_token_file: " + path + " holds no token");
   operator_token_sha256_ = token_digest(token);
   spdlog::info("operator token loaded from {}", path);

@@ -108,21 +108,18 @@ Result<uint16_t> free_loopback_port() {
   return ntohs(a.sin_port);
 }
 
-std::string tail_of(const std::string& path, size_t max) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  std::string s = ss.str();
-  if (s.size() > max) s = s.substr(s.size() - max);
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-  return s;
-}
-
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+std::string tail_of(const std::string& path, size_t max) {
+  std::string s = read_file(path);
+  if (s.size() > max) s = s.substr(s.size() - max);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
 }
 
 // The word after "SANDGATE-GUEST-AGENT " on the console, or "" when the guest printed no such line.

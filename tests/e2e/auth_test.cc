@@ -10,13 +10,6 @@ namespace {
 
 const char* kOperatorToken = "op-e2e-4f1c9a7d2b";
 
-// A cluster whose node and proxy share an operator token file.
-ClusterOptions with_operator_token() {
-  ClusterOptions o;
-  o.operator_token = kOperatorToken;
-  return o;
-}
-
 struct Created {
   std::string id;
   std::string token;
@@ -31,8 +24,6 @@ Created create_private(Cluster& c, const std::string& name, uint16_t port) {
   if (!j.is_object() || !j.contains("token")) return {};
   return {j["id"].get<std::string>(), j["token"].get<std::string>()};
 }
-
-std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
 
 void wait_serving_with(Cluster& c, const std::string& host, const std::string& token) {
   ASSERT_TRUE(eventually([&] { return Cluster::http_code(c.curl(host, "/", bearer(token))) == 200; },
@@ -116,7 +107,7 @@ TEST(Auth, PublicPortsAndOpenSandboxesNeedNoToken) {
 }
 
 TEST(Auth, ApiNeedsTheOperatorToken) {
-  Cluster c(with_operator_token());
+  Cluster c(ClusterOptions::with_operator_token(kOperatorToken));
   ASSERT_EQ(c.cli("create --name listed -- /bin/sleep 600").exit_code, 0);
   auto none = c.curl("api.sandbox.localhost", "/v1/sandboxes");
   EXPECT_EQ(Cluster::http_code(none), 401) << none.out;

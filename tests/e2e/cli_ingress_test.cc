@@ -15,14 +15,8 @@ CommandResult via_ingress(Cluster& c, const std::string& token, const std::strin
              shell_quote(c.ca()) + " --token " + shell_quote(token) + " " + args);
 }
 
-ClusterOptions with_operator_token() {
-  ClusterOptions o;
-  o.operator_token = kOperatorToken;
-  return o;
-}
-
 TEST(CliIngress, EveryCommandWorksThroughTheIngress) {
-  Cluster c(with_operator_token());
+  Cluster c(ClusterOptions::with_operator_token(kOperatorToken));
   auto created = via_ingress(c, kOperatorToken, "create --name x -- /bin/sleep 600");
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err;
   EXPECT_NE(created.out.find("x"), std::string::npos) << created.out;
@@ -50,7 +44,7 @@ TEST(CliIngress, EveryCommandWorksThroughTheIngress) {
 }
 
 TEST(CliIngress, WrongTokenIsRefusedWithAClearMessage) {
-  Cluster c(with_operator_token());
+  Cluster c(ClusterOptions::with_operator_token(kOperatorToken));
   auto r = via_ingress(c, "op-wrong", "ls");
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("401"), std::string::npos) << r.err;
@@ -59,7 +53,7 @@ TEST(CliIngress, WrongTokenIsRefusedWithAClearMessage) {
 }
 
 TEST(CliIngress, ConnectToAndEnvironment) {
-  Cluster c(with_operator_token());
+  Cluster c(ClusterOptions::with_operator_token(kOperatorToken));
   // The URL names a host that does not resolve; SANDGATE_INGRESS says where to dial, the URL's host is what the
   // certificate must carry.
   auto r = run("SANDGATE_API=https://api.sandbox.localhost:1 SANDGATE_TOKEN=" + shell_quote(kOperatorToken) +
@@ -70,7 +64,7 @@ TEST(CliIngress, ConnectToAndEnvironment) {
 }
 
 TEST(CliIngress, UntrustedCertificateSaysWhichCaToPass) {
-  Cluster c(with_operator_token());
+  Cluster c(ClusterOptions::with_operator_token(kOperatorToken));
   auto r = run(c.sandgate() + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) + " --token " +
                shell_quote(kOperatorToken) + " ls");
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
@@ -79,7 +73,7 @@ TEST(CliIngress, UntrustedCertificateSaysWhichCaToPass) {
 }
 
 TEST(CliIngress, MissingOperatorTokenSaysHowToPassIt) {
-  Cluster c(with_operator_token());
+  Cluster c(ClusterOptions::with_operator_token(kOperatorToken));
   auto r = run(c.sandgate() + " --api https://api.sandbox.localhost:" + std::to_string(c.port()) + " --cacert " +
                shell_quote(c.ca()) + " ls");
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;

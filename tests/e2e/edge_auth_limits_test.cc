@@ -11,8 +11,6 @@ namespace {
 
 const char* kOperatorToken = "op-e2e-limits-93b7e0";
 
-std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
-
 // A sandbox whose port 8080 needs its token; returns that token once the port serves.
 std::string create_private_serving(Cluster& c, const std::string& name) {
   auto r = c.cli("create --json --name " + name + " --expose 8080 -- /usr/bin/python3 " +

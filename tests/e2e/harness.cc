@@ -64,6 +64,8 @@ const std::string& capture_dir() {
 
 }  // namespace
 
+std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
+
 CommandResult run(const std::string& cmd, int timeout_s) {
   std::string out_path = capture_dir() + "/out-XXXXXX";
   std::string err_path = capture_dir() + "/err-XXXXXX";

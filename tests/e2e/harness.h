@@ -24,6 +24,8 @@ struct CommandResult {
 // Runs `cmd` with /bin/sh; stdout and stderr captured separately. Killed after timeout_s.
 CommandResult run(const std::string& cmd, int timeout_s = 120);
 std::string shell_quote(const std::string& s);
+// curl arguments for an `Authorization: Bearer <token>` header.
+std::string bearer(const std::string& token);
 std::string read_file(const std::string& path);
 void write_file(const std::string& path, const std::string& data);
 std::string sha256_file(const std::string& path);
@@ -75,6 +77,12 @@ struct ClusterOptions {
   static ClusterOptions node(std::string extra) {
     ClusterOptions o;
     o.node_extra = std::move(extra);
+    return o;
+  }
+  // Node and proxy share an operator token file holding `token`.
+  static ClusterOptions with_operator_token(std::string token) {
+    ClusterOptions o;
+    o.operator_token = std::move(token);
     return o;
   }
   static ClusterOptions node_only() {

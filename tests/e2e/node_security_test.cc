@@ -15,14 +15,11 @@ namespace {
 const char* kOperatorToken = "op-e2e-node-5b2c8e1f07";
 
 ClusterOptions with_tcp_api() {
-  ClusterOptions o;
-  o.operator_token = kOperatorToken;
+  ClusterOptions o = ClusterOptions::with_operator_token(kOperatorToken);
   o.node_extra = "api_listen = \"127.0.0.1:0\"\n";
   o.start_proxy = false;
   return o;
 }
-
-std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
 
 // "host:port" of the node's TCP API, from its "node API listening on 127.0.0.1:PORT" line.
 std::string tcp_api_address(Cluster& c) {

@@ -9,8 +9,6 @@
 namespace sg::e2e {
 namespace {
 
-std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
-
 nlohmann::json create_json(Cluster& c, const std::string& args) {
   auto r = c.cli("create --json " + args);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;

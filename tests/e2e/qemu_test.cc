@@ -135,8 +135,6 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
                          std::chrono::seconds(10)));
 }
 
-std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
-
 // The SDK route (<name>.<domain> -> the agent in the guest) over HTTP/1.1 and HTTP/2: health, a streaming
 // exec whose first event arrives before the command ends, and a 1 MiB file round trip, hash-checked.
 void expect_sdk_works(Cluster& c, const std::string& token, const std::string& when, const std::string& scratch) {

@@ -10,8 +10,6 @@
 namespace sg::e2e {
 namespace {
 
-std::string bearer(const std::string& token) { return "-H " + shell_quote("Authorization: Bearer " + token); }
-
 TEST(TokenRotation, RefusesTheOldTokenAndClosesItsConnections) {
   Cluster c(ClusterOptions::proxy("activity_report_interval_ms = 200\n"));
   auto created = c.cli("create --json --name rot --expose 8080 --public 8081 -- /bin/sh -c " +
