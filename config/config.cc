@@ -12,6 +12,8 @@
 #define TOML_HEADER_ONLY 1
 #include <toml++/toml.h>
 
+#include "common/accounts.h"
+
 namespace sg {
 namespace {
 
@@ -107,6 +109,30 @@ class TableReader {
   std::set<std::string> seen_;
 };
 
+// proxy.user, proxy.group and node.socket_group must exist on the machine that loads the config, so a typo
+// is a config error at load, not a failure after the proxy has bound its listeners.
+void check_user(TableReader& r, const toml::table& t, std::string_view key, const std::string& name) {
+  auto user = find_user(name);
+  if (!user) return r.error(*t.get(key), r.full(key), user.message());
+  if (!*user)
+    return r.error(*t.get(key), r.full(key),
+                   "no user named \"" + name + "\" (create it, e.g. useradd --system --no-create-home --shell "
+                   "/usr/sbin/nologin " + name + ", or leave the key empty to keep running as started)");
+  // Switching to root would drop nothing while the config claims least privilege.
+  if ((*user)->uid == 0)
+    r.error(*t.get(key), r.full(key), "\"" + name + "\" is root (uid 0); name an unprivileged user, or leave it empty");
+}
+
+// `unprivileged`: gid 0 is refused too (proxy.group: root's group would give back access to root's files).
+void check_group(TableReader& r, const toml::table& t, std::string_view key, const std::string& name,
+                 bool unprivileged) {
+  auto id = find_group(name);
+  if (!id) return r.error(*t.get(key), r.full(key), id.message());
+  if (!*id) return r.error(*t.get(key), r.full(key), "no group named \"" + name + "\" (create it with groupadd)");
+  if (unprivileged && **id == 0)
+    r.error(*t.get(key), r.full(key), "\"" + name + "\" is the root group (gid 0); name an unprivileged group");
+}
+
 std::string resolve_path(const std::string& base_dir, const std::string& p) {
   if (p.empty() || p[0] == '/' || p == "-") return p;
   return base_dir + "/" + p;
@@ -136,6 +162,13 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.integer("activity_report_interval_ms", &out->activity_report_interval_ms, 50, 1'000);
   r.string("access_log", &out->access_log);
   out->access_log = resolve_path(base_dir, out->access_log);
+  r.string("user", &out->user);
+  r.string("group", &out->group);
+  if (!out->user.empty()) check_user(r, t, "user", out->user);
+  if (!out->group.empty()) {
+    if (out->user.empty()) r.error(*t.get("group"), "proxy.group", "needs proxy.user (the user to switch to)");
+    else check_group(r, t, "group", out->group, /*unprivileged=*/true);
+  }
   if (const toml::node* certs = r.find("certificates")) {
     const toml::array* arr = certs->as_array();
     if (!arr || !arr->is_array_of_tables()) {
@@ -183,6 +216,9 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   if (policy == "keep") out->on_shutdown = ShutdownPolicy::kKeep;
   else if (policy == "terminate") out->on_shutdown = ShutdownPolicy::kTerminate;
   else r.error(*t.get("on_shutdown"), "node.on_shutdown", "must be keep or terminate");
+  r.string("socket_group", &out->socket_group);
+  // Root's own group is allowed: it is what the socket has when the key is left out.
+  if (!out->socket_group.empty()) check_group(r, t, "socket_group", out->socket_group, /*unprivileged=*/false);
   r.string("cgroup_name", &out->cgroup_name);
   bool cgroup_ok = !out->cgroup_name.empty() && out->cgroup_name.size() <= 64;
   for (char c : out->cgroup_name)

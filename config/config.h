@@ -39,6 +39,12 @@ struct ProxyConfig {
   uint32_t connect_timeout_ms = 5'000;   // proxy -> sandbox TCP connect
   uint32_t activity_report_interval_ms = 1'000;
   std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
+  // Least privilege: once its listeners are bound, the access log opened and the certificates and operator
+  // token read, a proxy started as root switches to this user for good (proxy/privileges.h). "" = keep
+  // running as started. It must exist and not be root (checked at load).
+  std::string user;
+  // The group to switch to with it; "" = the user's primary group. Needs `user`.
+  std::string group;
 };
 
 struct NodeConfig {
@@ -52,6 +58,9 @@ struct NodeConfig {
   uint32_t max_sandboxes = 1000;
   uint32_t max_timeout_secs = 7 * 24 * 3600;
   ShutdownPolicy on_shutdown = ShutdownPolicy::kKeep;
+  // Group of the node_socket file (mode 0660), so a proxy that dropped root (proxy.user) can still connect.
+  // "" = the node's own group. It must exist (checked at load).
+  std::string socket_group;
   std::string cgroup_name = "sandgate";  // parent cgroup under each hierarchy; differs per node copy
   std::string init_path;                 // sandgate-init; empty = next to the sandgate-node binary
   uint32_t suspend_timeout_ms = 10'000;  // a freeze that does not complete by then fails the transition

@@ -149,6 +149,9 @@ cat >"$WWW/index.html" <<'HTML'
 <p>Served by <code>python3 -m http.server</code> inside a sandgate sandbox.</p>
 HTML
 # Regenerated on every run so it always matches this script; see deploy/sandgate.example.toml for all keys.
+# No proxy.user: the proxy keeps the privileges it was started with. Everything here lives in the state
+# directory under the caller's working directory (often in /root, mode 0700), which a system user could not
+# even reach, and the files belong to the caller. deploy/install.sh is where the proxy drops root.
 cat >"$CONF" <<TOML
 # Written by deploy/quickstart.sh (overwritten on every run).
 domain = "$DOMAIN"

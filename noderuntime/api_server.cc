@@ -1,10 +1,12 @@
 #include "noderuntime/api_server.h"
 #include "noderuntime/uv_handles.h"
+#include "common/accounts.h"
 
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -292,13 +294,17 @@ Result<std::vector<ActivityReport>> parse_activity(const json& body) {
   return reports;
 }
 
-// The body of internal/open and internal/lookup: {"sandbox": "<ref>", "port": N} and, for open only, an
-// optional "credential".
+// The body of internal/open and internal/lookup: {"sandbox": "<ref>", "port": N} and, for open only,
+// "credentials": every token candidate the request carried, so one open settles auth (the first that verifies
+// wins), whatever the number of candidates.
 struct PortRequest {
   std::string ref;
   uint16_t port = 0;
-  std::optional<std::string> credential;
+  std::vector<std::string> credentials;
 };
+
+// The edge sends at most this many (proxy/edge_auth.h kMaxCredentialCandidates); each costs a SHA-256.
+constexpr size_t kMaxCredentialsPerOpen = 4;
 
 Result<PortRequest> parse_port_request(const json& body, bool allow_credential) {
   PortRequest out;
@@ -311,11 +317,17 @@ Result<PortRequest> parse_port_request(const json& body, bool allow_credential) 
     } else if (it.key() == "port") {
       if (!v.is_number_integer()) return wrong_type("port", "an integer", v);
       port = as_int64(v);
-    } else if (it.key() == "credential" && allow_credential) {
-      if (!v.is_string()) return wrong_type("credential", "a string", v);
-      out.credential = v.get<std::string>();
+    } else if (it.key() == "credentials" && allow_credential) {
+      if (!v.is_array()) return wrong_type("credentials", "an array of strings", v);
+      if (v.size() > kMaxCredentialsPerOpen)
+        return fail(Error::kInvalidArgument,
+                    "credentials: at most " + std::to_string(kMaxCredentialsPerOpen) + " candidates");
+      for (const json& c : v) {
+        if (!c.is_string()) return wrong_type("credentials[]", "a string", c);
+        out.credentials.push_back(c.get<std::string>());
+      }
     } else {
-      return unknown_field(it.key(), allow_credential ? "sandbox, port, credential" : "sandbox, port");
+      return unknown_field(it.key(), allow_credential ? "sandbox, port, credentials" : "sandbox, port");
     }
   }
   if (out.ref.empty()) return fail(Error::kInvalidArgument, "sandbox is required (an id or a name)");
@@ -683,6 +695,15 @@ Status ApiServer::listen(const Endpoint& ep) {
   bool is_unix = ep.kind == Endpoint::Kind::kUnix;
   // Owner and group only: the socket controls every sandbox on the node.
   if (is_unix && ::chmod(ep.path.c_str(), 0660) != 0) return fail_errno("chmod " + ep.path, errno);
+  // node.socket_group: the group that may use it besides root, such as the one of a proxy that dropped root
+  // (proxy.user). Looked up again here, not only at config load: the group may have gone since.
+  if (const std::string& group = config_->get()->node.socket_group; is_unix && !group.empty()) {
+    auto gid = find_group(group);
+    if (!gid) return fail(gid.error(), "node.socket_group: " + gid.message());
+    if (!*gid) return fail(Error::kNotFound, "node.socket_group: no group named \"" + group + "\"");
+    if (::chown(ep.path.c_str(), static_cast<uid_t>(-1), **gid) != 0)
+      return fail_errno("chown " + ep.path + " to group " + group, errno);
+  }
   // The address as bound, so port 0 in the config logs the port the kernel chose.
   Endpoint bound = ep;
   if (!is_unix) {
@@ -945,12 +966,16 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
   // activity, or anyone could keep every sandbox awake.
   auto access = node_->lookup(req->ref, req->port);
   if (!access) return reply(error_response(access.failure()));
+  // The candidate that verified (the proxy strips it and, for a query parameter, turns it into a cookie).
+  std::optional<size_t> accepted;
   if (!access->is_public) {
-    CredentialCheck check = node_->check_credential(access->id, req->credential);
-    if (check != CredentialCheck::kAccepted)
-      return reply(unauthorized(check == CredentialCheck::kMissing ? "missing token" : "invalid token"));
+    for (size_t i = 0; i < req->credentials.size() && !accepted; ++i)
+      if (node_->check_credential(access->id, req->credentials[i]) == CredentialCheck::kAccepted) accepted = i;
+    const bool none = std::all_of(req->credentials.begin(), req->credentials.end(),
+                                  [](const std::string& c) { return c.empty(); });
+    if (!accepted) return reply(unauthorized(none ? "missing token" : "invalid token"));
   }
-  node_->open(req->ref, req->port, *wake_timeout, [reply = std::move(reply)](Result<OpenedPort> r) {
+  node_->open(req->ref, req->port, *wake_timeout, [reply = std::move(reply), accepted](Result<OpenedPort> r) {
     if (!r) return reply(error_response(r.failure()));
     ordered_json j = {{"id", r->id},
                       {"name", r->name.empty() ? ordered_json(nullptr) : ordered_json(r->name)},
@@ -961,7 +986,9 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
                       {"wake_ms", r->wake_ms},
                       {"connect_port", r->socket.connect_port},
                       {"connected", r->socket.connected},
-                      {"opened_at", r->opened_at}};
+                      {"opened_at", r->opened_at},
+                      {"token_sha256", r->token_sha256},
+                      {"credential", accepted ? ordered_json(*accepted) : ordered_json(nullptr)}};
     reply(Response{200, to_text(j), std::move(r->socket.fd), ""});
   });
 }

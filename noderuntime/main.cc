@@ -89,13 +89,15 @@ struct Daemon {
     auto current = config->get();
     const sg::Config& n = **next;
     bool moved = n.node_socket.to_string() != current->node_socket.to_string() ||
-                 n.node.state_dir != current->node.state_dir ||
+                 n.node.socket_group != current->node.socket_group || n.node.state_dir != current->node.state_dir ||
                  n.node.api_listen.size() != current->node.api_listen.size();
     for (size_t i = 0; !moved && i < n.node.api_listen.size(); ++i)
       moved = n.node.api_listen[i].to_string() != current->node.api_listen[i].to_string();
     config->swap(*next);
     spdlog::info("reloaded {}: limits, defaults and the operator token apply from now on", config_path);
-    if (moved) spdlog::warn("node_socket, node.api_listen and node.state_dir changes take effect only after a restart");
+    if (moved)
+      spdlog::warn("node_socket, node.socket_group, node.api_listen and node.state_dir changes take effect only "
+                   "after a restart");
   }
 
   void stop(int signum) {

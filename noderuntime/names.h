@@ -19,13 +19,6 @@ std::string generate_id();
 // A sandbox access token: "sgt_" + 32 random bytes (getrandom) in unpadded base64url (43 characters).
 std::string generate_token();
 
-// SHA-256 of `token` as 64 lowercase hex digits: what is stored instead of the token.
-std::string token_digest(std::string_view token);
-
-// Whether `token` hashes to `digest_hex`, compared in constant time (CRYPTO_memcmp) so the time taken says
-// nothing about how much of a guess was right. False for an empty digest (no token was ever set).
-bool token_matches(std::string_view token, std::string_view digest_hex);
-
 // True for strings shaped like an id ("sb-" + 12 of [a-z0-9]), whether or not such a sandbox exists.
 bool looks_like_id(std::string_view s);
 

@@ -15,6 +15,8 @@
 #include <iterator>
 #include <set>
 
+#include "common/operator_token.h"
+#include "common/token_digest.h"
 #include "noderuntime/names.h"
 #include "noderuntime/state_machine.h"
 #include "noderuntime/uv_handles.h"
@@ -35,8 +37,6 @@ constexpr size_t kMaxExposedPorts = 64;
 // A worker's connection count lives this many report intervals past its last report (a few missed reports
 // are a slow proxy, not a dead one).
 constexpr int kReportTtlIntervals = 10;
-// The operator token file holds one token; anything larger is not what the operator meant to configure.
-constexpr size_t kMaxOperatorTokenBytes = 4096;
 
 int64_t wall_now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -56,13 +56,6 @@ std::string describe_ports(const SandboxSpec& spec) {
   for (uint16_t p : spec.exposed_ports) out += (out.empty() ? "" : ", ") + std::to_string(p);
   if (spec.agent_port != 0) out += (out.empty() ? "" : ", ") + std::to_string(spec.agent_port) + " (agent)";
   return out.empty() ? "none" : out;
-}
-
-std::string trim(std::string s) {
-  const char* ws = " \t\r\n\v\f";
-  size_t end = s.find_last_not_of(ws);
-  if (end == std::string::npos) return {};
-  return s.substr(s.find_first_not_of(ws), end + 1 - s.find_first_not_of(ws));
 }
 
 }  // namespace
@@ -728,14 +721,14 @@ CredentialCheck Node::check_credential(std::string_view id, const std::optional<
   if (!credential || credential->empty()) return CredentialCheck::kMissing;
   Sandbox* sb = find(id);
   // Both digests are always compared, so the answer's timing does not tell which of the two a guess matched.
-  bool sandbox_token = sb != nullptr && token_matches(*credential, sb->rec.spec.token_sha256);
-  bool operator_token = token_matches(*credential, operator_token_sha256_);
+  bool sandbox_token = sb != nullptr && token_matches_digest(*credential, sb->rec.spec.token_sha256);
+  bool operator_token = token_matches_digest(*credential, operator_token_sha256_);
   return sandbox_token || operator_token ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
 }
 
 CredentialCheck Node::check_operator_token(const std::optional<std::string>& credential) const {
   if (!credential || credential->empty()) return CredentialCheck::kMissing;
-  return token_matches(*credential, operator_token_sha256_) ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
+  return token_matches_digest(*credential, operator_token_sha256_) ? CredentialCheck::kAccepted : CredentialCheck::kInvalid;
 }
 
 ActivityAnswer Node::activity(const std::vector<ActivityReport>& reports) {
@@ -869,6 +862,7 @@ Result<OpenedPort> Node::open_port(Sandbox& sb, uint16_t port, bool woke, Clock:
   }
   opened.woke = woke;
   opened.opened_at = stamp();
+  opened.token_sha256 = sb.rec.spec.token_sha256;
   if (woke) opened.wake_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
   opened.socket = std::move(*socket);
   return opened;
@@ -960,35 +954,15 @@ uint64_t Node::stamp() {
 // ---- restart and shutdown ----
 
 Status Node::load_operator_token(const Config& config) {
-  const std::string& path = config.operator_token_file;
-  if (path.empty()) {
+  // The same reader (and so the same owner-only rule) as the proxy's: common/operator_token.h.
+  auto token = read_operator_token(config.operator_token_file);
+  if (!token) return token.failure();
+  if (token->empty()) {
     operator_token_sha256_.clear();
     return {};
   }
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return fail_errno("operator_token_file: cannot open " + path, errno);
-  struct stat st{};
-  if (::fstat(fd.get(), &st) != 0) return fail_errno("operator_token_file: cannot stat " + path, errno);
-  if (!S_ISREG(st.st_mode))
-    return fail(Error::kInvalidArgument, "operator_token_file: " + path + " is not a regular file");
-  // The token opens every sandbox and (over node.api_listen) the whole API: a copy others can read is a leak
-  // waiting to happen, so the node refuses it rather than serve with it.
-  if ((st.st_mode & 077) != 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    return fail(Error::kPermissionDenied, "operator_token_file: " + path + " has mode " + mode +
-                                              ", so group or others can access it; it must be readable by its "
-                                              "owner only: chmod 600 " + path);
-  }
-  auto text = read_at_most(fd.get(), kMaxOperatorTokenBytes, "operator_token_file: cannot read " + path);
-  if (!text) return text.failure();
-  if (text->size() > kMaxOperatorTokenBytes)
-    return fail(Error::kInvalidArgument, "operator_token_file: " + path + " is larger than " +
-                                             std::to_string(kMaxOperatorTokenBytes) + " bytes; it must hold one token");
-  std::string token = trim(std::move(*text));
-  if (token.empty()) return fail(Error::kInvalidArgument, "operator_token_file: " + path + " holds no token");
-  operator_token_sha256_ = token_digest(token);
-  spdlog::info("operator token loaded from {}", path);
+  operator_token_sha256_ = token_digest(*token);
+  spdlog::info("operator token loaded from {}", config.operator_token_file);
   return {};
 }
 

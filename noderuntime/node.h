@@ -112,6 +112,9 @@ struct OpenedPort {
   double wake_ms = 0;    // time from the open's arrival to the sandbox running again
   GuestSocket socket;    // how the proxy reaches the port (driver.h)
   uint64_t opened_at = 0;  // Node::stamp() of this open: connections older than a suspend are cut
+  // The digest of the sandbox's token, so the proxy recognises that token in any later request of the
+  // connection (public ports included, where nothing was verified) and removes it before it is forwarded.
+  std::string token_sha256;
 };
 
 struct ActivityReport {

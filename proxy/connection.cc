@@ -6,6 +6,7 @@
 #include <sys/un.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -197,6 +198,13 @@ void Connection::look_up_port_policy() {
     return do_handshake();
   }
   uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
+  // A port seen within the cache's bound needs no node round trip here: the open is the connection's only one.
+  if (auto known = worker_->port_policies().find(route->target, port, now_ms(worker_->loop()))) {
+    hello_.policy_known = true;
+    hello_.port_protocol = known->protocol;
+    hello_.port_public = known->is_public;
+    return do_handshake();
+  }
   nlohmann::json body = {{"sandbox", route->target}, {"port", port}};
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
@@ -218,10 +226,26 @@ void Connection::on_lookup_result(Result<NodeResponse> r) {
       hello_.port_protocol = json["protocol"].get<std::string>();
     hello_.port_public = json.is_object() && json.contains("public") && json["public"].is_boolean() &&
                          json["public"].get<bool>();
+    remember_port_policy(json);
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
   do_handshake();
+}
+
+// From a lookup or open answer ({"id", "port", "protocol", "public"}), for the next connection's ClientHello.
+void Connection::remember_port_policy(const nlohmann::json& answer) {
+  if (!answer.is_object() || !answer.contains("id") || !answer["id"].is_string() || !answer.contains("port") ||
+      !answer["port"].is_number_unsigned() || answer["port"].get<uint64_t>() > 65535 ||
+      !answer.contains("protocol") || !answer["protocol"].is_string())
+    return;
+  auto route = parse_route(rec_.sni, cfg_->domain);
+  if (!route || route->kind == RouteKind::kApi) return;
+  const bool is_public = answer.contains("public") && answer["public"].is_boolean() && answer["public"].get<bool>();
+  worker_->port_policies().store(route->target, static_cast<uint16_t>(answer["port"].get<uint64_t>()),
+                                 PortPolicy{answer["id"].get<std::string>(), answer["protocol"].get<std::string>(),
+                                            is_public},
+                                 now_ms(worker_->loop()));
 }
 
 void Connection::after_handshake() {
@@ -359,8 +383,8 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   route_ = std::move(*route);
   rec_.sandbox = route_.target;
   credentials_ = find_credentials(target, headers);
-  // Each candidate may cost a node call (on_open_result tries the next after a 401): a head full of token
-  // cookies must not turn into hundreds of them.
+  // Each candidate costs the node a digest check (all go in the one open): a head full of token cookies
+  // must not turn into hundreds of them.
   if (credentials_.size() > kMaxCredentialCandidates)
     return respond(400,
                    "too many sandgate credentials (" + std::to_string(credentials_.size()) + "): send at most " +
@@ -382,16 +406,9 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
                        "that reaches the sandbox): use this sandbox's own token there, or an Authorization: "
                        "Bearer header\n",
                        TerminationCause::kBadRequest);
-  // Cross-site request forgery between sandboxes (one site to a browser): the SDK route runs commands, and a
-  // request the sandgate cookie may authorize can change state, so neither is taken from another origin.
-  // Decided before the node is asked; GET and HEAD stay open so links between sandboxes keep working.
-  const bool carries_cookie = std::any_of(credentials_.begin(), credentials_.end(),
-                                          [](const Credential& c) { return c.source == CredentialSource::kCookie; });
-  const bool safe_method = method == "GET" || method == "HEAD";
-  if ((route_.kind == RouteKind::kSdk || (carries_cookie && !safe_method)) && is_cross_origin_request(host, headers))
-    return respond(403, "cross-origin request refused: the sandgate credential is not used for requests from another "
-                        "origin (send Authorization: Bearer from your own code instead)\n",
-                   TerminationCause::kCrossOrigin);
+  // Decided before the node is asked.
+  if (auto refusal = cross_origin_refusal(host, method, credentials_, headers))
+    return respond(refusal->status, refusal->message, refusal->cause);
   if (route_.kind == RouteKind::kSdk) route_.port = cfg_->agent_port;
   // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
   // 200 itself and the bytes after the head are the tunnel's.
@@ -401,6 +418,155 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   open_sandbox();
 }
 
+// Cross-site request forgery between sandboxes (one site to a browser): the SDK route runs commands, and a
+// request the sandgate cookie may authorize can change state, so neither is taken from another origin. GET
+// and HEAD stay open so links between sandboxes keep working.
+std::optional<Connection::RequestRefusal> Connection::cross_origin_refusal(std::string_view host,
+                                                                           std::string_view method,
+                                                                           std::span<const Credential> credentials,
+                                                                           std::span<const HttpHeader> headers) const {
+  const bool carries_cookie = std::any_of(credentials.begin(), credentials.end(),
+                                          [](const Credential& c) { return c.source == CredentialSource::kCookie; });
+  const bool safe_method = method == "GET" || method == "HEAD";
+  if ((route_.kind == RouteKind::kSdk || (carries_cookie && !safe_method)) && is_cross_origin_request(host, headers))
+    return RequestRefusal{403, TerminationCause::kCrossOrigin,
+                          "cross-origin request refused: the sandgate credential is not used for requests from "
+                          "another origin (send Authorization: Bearer from your own code instead)\n"};
+  return std::nullopt;
+}
+
+std::optional<Connection::RequestRefusal> Connection::later_request_refusal(std::string_view authority,
+                                                                            std::string_view method,
+                                                                            std::string_view target,
+                                                                            std::span<const HttpHeader> headers) const {
+  // Browsers reuse a connection for every host the wildcard certificate covers (h2 coalescing), and any
+  // client may send another Host on a keep-alive connection: the connection is bound to its first request's
+  // route, so a request naming another goes nowhere. An absolute-form target names its host too.
+  const std::string bound = normalize_host(rec_.host);
+  std::string_view named = authority;
+  for (std::string_view scheme : {"http://", "https://"}) {
+    if (target.size() > scheme.size() &&
+        std::equal(scheme.begin(), scheme.end(), target.begin(), [](char a, char b) { return a == std::tolower(static_cast<unsigned char>(b)); })) {
+      std::string_view rest = target.substr(scheme.size());
+      std::string_view target_authority = rest.substr(0, rest.find_first_of("/?#"));
+      if (normalize_host(target_authority) != bound) named = target_authority;
+    }
+  }
+  if (named.empty() || normalize_host(named) != bound)
+    return RequestRefusal{421, TerminationCause::kMisdirected,
+                          "this connection was opened for " + rec_.host + ", not " + std::string(named) +
+                              ": send the request on a connection of its own\n"};
+  return cross_origin_refusal(authority, method, find_credentials(target, headers), headers);
+}
+
+Http1Verdict Connection::check_http1_request(Http1Request& r) {
+  // HTTP/1.0 may omit Host: such a request is for the connection's own route.
+  const std::string* host = r.header("host");
+  if (auto refusal = later_request_refusal(host ? std::string_view(*host) : rec_.host, r.method, r.target, r.headers)) {
+    Http1Verdict verdict{refusal->status, refusal->message};
+    pending_refusal_ = std::move(refusal);
+    return verdict;
+  }
+  strip_credentials(r.target, r.headers, consumed_);
+  return {};
+}
+
+H2Verdict Connection::check_h2_request(H2Request& r) {
+  if (auto refusal = later_request_refusal(r.authority, r.method, r.path, r.headers)) {
+    log_refused_stream(r.stream_id, r.authority, *refusal);
+    return {refusal->status};
+  }
+  strip_credentials(r.path, r.headers, consumed_);
+  return {};
+}
+
+void Connection::log_refused_stream(uint32_t stream_id, std::string_view authority, const RequestRefusal& refusal) {
+  AccessRecord line = rec_;
+  line.host = std::string(authority);
+  line.status = refusal.status;
+  line.cause = refusal.cause;
+  line.bytes_in = line.bytes_out = 0;
+  line.detail = "h2 stream " + std::to_string(stream_id) + ": " + refusal.message;
+  if (!line.detail.empty() && line.detail.back() == '\n') line.detail.pop_back();
+  worker_->shared()->access_log->write(line);
+}
+
+void Connection::start_request_filters() {
+  // What the edge consumed is recognised in every request and taken out: the credential the node accepted
+  // (none on a public port), the operator token, and the sandbox's own token whatever the port.
+  consumed_ = ConsumedCredentials{};
+  if (const auto op = worker_->shared()->operator_token.load(); op && !op->empty()) consumed_.tokens.push_back(*op);
+  if (!opened_public_ && credential_index_ < credentials_.size())
+    consumed_.tokens.push_back(credentials_[credential_index_].token);
+  consumed_.sandbox_token_sha256 = sandbox_token_sha256_;
+  if (h2_) {
+    h2_filter_ = std::make_unique<H2ClientFilter>(
+        H2FilterLimits{.max_header_list_bytes = cfg_->proxy.max_request_head_bytes},
+        [this](H2Request& r) { return check_h2_request(r); });
+    h2_frames_ = std::make_unique<H2ServerFrames>();
+  } else {
+    h1_filter_ = std::make_unique<Http1RequestFilter>(cfg_->proxy.max_request_head_bytes,
+                                                      [this](Http1Request& r) { return check_http1_request(r); });
+  }
+}
+
+bool Connection::filter_client_bytes() {
+  if (!filtered() || c2u_.readable() == 0) return true;
+  std::string_view in(c2u_.read_ptr(), c2u_.readable());
+  if (c2u_out_sent_ > 0 && c2u_out_sent_ == c2u_out_.size()) {
+    c2u_out_.clear();
+    c2u_out_sent_ = 0;
+  }
+  if (h1_filter_) {
+    const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
+    const auto state = h1_filter_->feed(in, c2u_out_);
+    c2u_.consumed(in.size());
+    if (was_reading && state == Http1RequestFilter::State::kRefused) {
+      if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
+        const auto& r = h1_filter_->refusal();
+        pending_refusal_ = RequestRefusal{r.status, r.status == 431 ? TerminationCause::kHeadTooLarge
+                                                                    : TerminationCause::kBadRequest,
+                                          r.reason + "\n"};
+      }
+      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
+      // answers them, closes, and then the refusal is answered (handle_half_close).
+      client_eof_ = true;
+    }
+    return true;
+  }
+  to_client_frames_.clear();
+  Status st = h2_filter_->feed(in, c2u_out_, to_client_frames_);
+  c2u_.consumed(in.size());
+  if (!st) {
+    close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
+          "HTTP/2 from the client: " + st.message());
+    return false;
+  }
+  if (to_client_frames_.empty()) return true;
+  if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
+    close(TerminationCause::kBadRequest, "HTTP/2: too many refused streams waiting: " + queued.message());
+    return false;
+  }
+  return frame_upstream_bytes();
+}
+
+bool Connection::frame_upstream_bytes() {
+  if (!h2_frames_) return true;
+  if (u2c_out_sent_ > 0 && u2c_out_sent_ == u2c_out_.size()) {
+    u2c_out_.clear();
+    u2c_out_sent_ = 0;
+  }
+  std::string_view in(u2c_->read_ptr(), u2c_->readable());
+  auto announced = h2_frames_->feed(in, u2c_out_);
+  u2c_->consumed(in.size());
+  if (!announced) {
+    close(TerminationCause::kUpstreamReset, "HTTP/2 from the sandbox: " + announced.message());
+    return false;
+  }
+  if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
+  return true;
+}
+
 void Connection::open_sandbox() {
   phase_ = Phase::kOpening;
   update_interest();
@@ -408,7 +574,10 @@ void Connection::open_sandbox() {
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
   if (open_started_ms_ == 0) open_started_ms_ = now_ms(worker_->loop());
   nlohmann::json body = {{"sandbox", route_.target}, {"port", route_.port}};
-  if (credential_index_ < credentials_.size()) body["credential"] = credentials_[credential_index_].token;
+  // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
+  nlohmann::json candidates = nlohmann::json::array();
+  for (const Credential& c : credentials_) candidates.push_back(c.token);
+  if (!candidates.empty()) body["credentials"] = std::move(candidates);
   open_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/open", body.dump(),
                                      wake_ms + 1000,
                                      "X-Sandgate-Wake-Timeout-Ms: " + std::to_string(wake_ms) + "\r\n",
@@ -453,15 +622,11 @@ void Connection::on_open_result(Result<NodeResponse> r) {
     case 200:
       break;
     case 401:
-      // Several candidates (an app's own Authorization header next to the sandgate cookie): try the next.
-      if (credential_index_ + 1 < credentials_.size()) {
-        ++credential_index_;
-        return open_sandbox();
-      }
       rec_.detail = message;
       return respond(401, "this sandbox port needs its token: Authorization: Bearer <token>\n",
                      TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
     case 404:
+      worker_->port_policies().erase(route_.target, route_.port);
       return respond(404, "no sandbox named " + route_.target + "\n", TerminationCause::kUnknownSandbox);
     case 403:
       return respond(403, "port " + std::to_string(route_.port) + " is not exposed by sandbox " + route_.target + "\n",
@@ -483,12 +648,19 @@ void Connection::on_open_result(Result<NodeResponse> r) {
     return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
   }
   rec_.sandbox_id = json["id"].get<std::string>();
+  remember_port_policy(json);
   if (json.contains("opened_at") && json["opened_at"].is_number_unsigned())
     opened_at_ = json["opened_at"].get<uint64_t>();
   if (json.contains("woke") && json["woke"].is_boolean()) rec_.woke = json["woke"].get<bool>();
   if (json.contains("wake_ms") && json["wake_ms"].is_number()) rec_.wake_ms = json["wake_ms"].get<double>();
   bool port_public = json.contains("public") && json["public"].is_boolean() && json["public"].get<bool>();
+  credential_index_ = credentials_.size();  // none verified (a public port checks none)
+  if (json.contains("credential") && json["credential"].is_number_unsigned() &&
+      json["credential"].get<uint64_t>() < credentials_.size())
+    credential_index_ = static_cast<size_t>(json["credential"].get<uint64_t>());
   opened_public_ = port_public;
+  if (json.contains("token_sha256") && json["token_sha256"].is_string())
+    sandbox_token_sha256_ = json["token_sha256"].get<std::string>();
   // A browser's one-time ?sandgate_token=: now verified, it becomes a cookie and leaves the URL. Not on a
   // public port, where the node verified nothing.
   if (!port_public && credential_index_ < credentials_.size() &&
@@ -568,7 +740,9 @@ void Connection::begin_forwarding() {
       return close(TerminationCause::kClientReset, "CONNECT answer: " + take_ssl_error());
     rec_.status = 200;
   }
-  if (ktls_tx_) {
+  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) start_request_filters();
+  // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
+  if (ktls_tx_ && !h2_frames_) {
     auto pipe = SplicePipe::create(kSplicePipeBytes);
     if (pipe) u2c_pipe_ = std::move(*pipe);
     else if (!ktls_downgrade("no pipe to splice into the kTLS socket: " + pipe.message())) return;
@@ -580,6 +754,7 @@ void Connection::begin_forwarding() {
   last_activity_ms_ = now_ms(worker_->loop());
   uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
                  uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);
+  if (!filter_client_bytes()) return;
   pump();
 }
 
@@ -590,9 +765,11 @@ void Connection::pump() {
     uint64_t before = rec_.bytes_in + rec_.bytes_out;
     size_t pending_before = c2u_pending() + u2c_pending();
     if (!client_eof_ && c2u_room() && !(c2u_pipe_ ? splice_from_client() : read_client())) return;
-    if (c2u_.readable() > 0 && !write_upstream()) return;
+    if (!filter_client_bytes()) return;
+    if (c2u_queued() > 0 && !write_upstream()) return;
     if (c2u_pipe_ && c2u_pipe_->buffered() > 0 && !splice_to_upstream()) return;
     if (!upstream_eof_ && u2c_room() && !(u2c_pipe_ ? splice_from_upstream() : read_upstream())) return;
+    if (!frame_upstream_bytes()) return;
     if (u2c_pending() > 0 && !(u2c_pipe_ ? splice_to_client() : write_client())) return;
     if (!handle_half_close()) return;
     if (rec_.bytes_in + rec_.bytes_out == before && c2u_pending() + u2c_pending() == pending_before) break;
@@ -610,7 +787,9 @@ void Connection::pump() {
 }
 
 bool Connection::read_client() {
-  if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_)) return take_over_client_receive();
+  // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
+  if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_) && !requests_are_read())
+    return take_over_client_receive();
   c2u_.make_room();
   // SSL_read returns one record at a time: keep reading until the buffer is full or the socket is dry, so
   // the sandbox gets one large send instead of one per record.
@@ -763,9 +942,11 @@ bool Connection::splice_to_client() {
 }
 
 bool Connection::write_upstream() {
-  ssize_t n = ::send(upstream_fd_.get(), c2u_.read_ptr(), c2u_.readable(), MSG_NOSIGNAL);
+  const char* data = filtered() ? c2u_out_.data() + c2u_out_sent_ : c2u_.read_ptr();
+  ssize_t n = ::send(upstream_fd_.get(), data, c2u_queued(), MSG_NOSIGNAL);
   if (n >= 0) {
-    c2u_.consumed(static_cast<size_t>(n));
+    if (filtered()) c2u_out_sent_ += static_cast<size_t>(n);
+    else c2u_.consumed(static_cast<size_t>(n));
     return true;
   }
   if (errno == EAGAIN || errno == EINTR) return true;
@@ -793,9 +974,11 @@ bool Connection::read_upstream() {
 
 bool Connection::write_client() {
   ERR_clear_error();
-  int n = SSL_write(ssl_, u2c_->read_ptr(), static_cast<int>(u2c_->readable()));
+  const char* data = h2_frames_ ? u2c_out_.data() + u2c_out_sent_ : u2c_->read_ptr();
+  int n = SSL_write(ssl_, data, static_cast<int>(u2c_queued()));
   if (n > 0) {
-    u2c_->consumed(static_cast<size_t>(n));
+    if (h2_frames_) u2c_out_sent_ += static_cast<size_t>(n);
+    else u2c_->consumed(static_cast<size_t>(n));
     return true;
   }
   int err = SSL_get_error(ssl_, n);
@@ -810,6 +993,15 @@ bool Connection::handle_half_close() {
   if (client_eof_ && c2u_pending() == 0 && !upstream_shut_) {
     ::shutdown(upstream_fd_.get(), SHUT_WR);
     upstream_shut_ = true;
+  }
+  if (upstream_eof_ && u2c_pending() == 0 && pending_refusal_) {
+    // The sandbox answered the requests before the refused one: now the refusal, then the connection ends.
+    RequestRefusal refusal = std::move(*pending_refusal_);
+    pending_refusal_.reset();
+    u2c_pipe_.reset();
+    rec_.detail = refusal.message.substr(0, refusal.message.find_last_not_of('\n') + 1);
+    respond(refusal.status, refusal.message, refusal.cause);
+    return false;
   }
   if (upstream_eof_ && u2c_pending() == 0 && !client_shut_) {
     ERR_clear_error();
@@ -829,7 +1021,7 @@ bool Connection::handle_half_close() {
 }
 
 bool Connection::awaiting_first_response() const {
-  return answers_request_ && rec_.bytes_out == 0 && !client_eof_ && !c2u_pipe_;
+  return answers_request_ && rec_.bytes_out == 0 && !client_eof_ && !c2u_pipe_ && !pending_refusal_;
 }
 
 // A sandbox that resets (or closes) before its first byte leaves the client's request unanswered: on an

@@ -10,13 +10,18 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "common/fd.h"
 #include "common/http.h"
 #include "proxy/access_log.h"
 #include "proxy/edge_auth.h"
+#include "proxy/h2_filter.h"
 #include "proxy/h2_head.h"
+#include "proxy/http1_filter.h"
 #include "proxy/ktls.h"
 #include "proxy/node_client.h"
 #include "proxy/route.h"
@@ -94,12 +99,40 @@ class Connection {
   void do_handshake();
   void look_up_port_policy();
   void on_lookup_result(Result<NodeResponse> r);
+  void remember_port_policy(const nlohmann::json& answer);
   void after_handshake();
   void read_head();
   void on_head();
   // Route + authenticate the connection's first request (HTTP/1.1 head or HTTP/2 HEADERS), then open.
   void on_request(std::string_view host, std::string_view method, std::string_view target,
                   std::span<const HttpHeader> headers);
+  // Why the connection's check refuses a request (first or later).
+  struct RequestRefusal {
+    int status = 0;
+    TerminationCause cause = TerminationCause::kBadRequest;
+    std::string message;
+  };
+  // Requests from another origin that the sandgate credential must not serve (cross-sandbox CSRF).
+  std::optional<RequestRefusal> cross_origin_refusal(std::string_view host, std::string_view method,
+                                                     std::span<const Credential> credentials,
+                                                     std::span<const HttpHeader> headers) const;
+  // Every request after the connection is open (the first one again included): it must name the route the
+  // connection is bound to, and it passes the cross-origin check; then the edge's credentials are taken out.
+  std::optional<RequestRefusal> later_request_refusal(std::string_view authority, std::string_view method,
+                                                      std::string_view target,
+                                                      std::span<const HttpHeader> headers) const;
+  Http1Verdict check_http1_request(Http1Request& r);
+  H2Verdict check_h2_request(H2Request& r);
+  // An h2 stream the proxy answered itself: its own access-log line (the connection goes on).
+  void log_refused_stream(uint32_t stream_id, std::string_view authority, const RequestRefusal& refusal);
+  // HTTP routes: every client byte goes through the request filter of the connection's protocol.
+  void start_request_filters();
+  bool filtered() const { return h1_filter_ || h2_filter_; }
+  // Moves what c2u_ holds through the filter into c2u_out_ (and the proxy's own h2 frames toward the
+  // client); false when the connection was closed.
+  bool filter_client_bytes();
+  // h2: moves the sandbox's frames from u2c_ into u2c_out_, with the proxy's own frames inserted.
+  bool frame_upstream_bytes();
   void open_sandbox();
   void open_node_api();
   void on_open_result(Result<NodeResponse> r);
@@ -142,15 +175,29 @@ class Connection {
   // A direction planned for splice cannot; false when that closed the connection (ktls = on).
   bool ktls_downgrade(std::string why);
 
-  // What is waiting to go each way, and whether reading the source can make progress.
-  size_t c2u_pending() const { return c2u_.readable() + (c2u_pipe_ ? c2u_pipe_->buffered() : 0); }
-  size_t u2c_pending() const { return u2c_pipe_ ? u2c_pipe_->buffered() : u2c_->readable(); }
+  // What is waiting to go each way, and whether reading the source can make progress. On a filtered
+  // direction the source's bytes (c2u_, u2c_) are moved at once into what goes out (c2u_out_, u2c_out_).
+  size_t c2u_out_pending() const { return c2u_out_.size() - c2u_out_sent_; }
+  size_t u2c_out_pending() const { return u2c_out_.size() - u2c_out_sent_; }
+  size_t c2u_queued() const { return filtered() ? c2u_out_pending() : c2u_.readable(); }
+  size_t u2c_queued() const { return h2_frames_ ? u2c_out_pending() : u2c_->readable(); }
+  size_t c2u_pending() const { return c2u_.readable() + c2u_out_pending() + (c2u_pipe_ ? c2u_pipe_->buffered() : 0); }
+  size_t u2c_pending() const { return u2c_pipe_ ? u2c_pipe_->buffered() : u2c_->readable() + u2c_out_pending(); }
   bool c2u_room() const {
     // Spliced bytes go out only after what c2u_ holds (the request head), so the pipe fills once it is empty.
-    return c2u_pipe_ ? c2u_.readable() == 0 && c2u_pipe_->accepts_more() && !control_record_waits_
-                     : c2u_.space() > 0;
+    return c2u_pipe_ ? c2u_.readable() == 0 && c2u_out_pending() == 0 && c2u_pipe_->accepts_more() &&
+                           !control_record_waits_
+                     : c2u_.space() > 0 && c2u_out_pending() < kMaxFilteredBytes;
   }
-  bool u2c_room() const { return u2c_pipe_ ? u2c_pipe_->accepts_more() : u2c_->space() > 0; }
+  bool u2c_room() const {
+    return u2c_pipe_ ? u2c_pipe_->accepts_more() : u2c_->space() > 0 && u2c_out_pending() < kMaxFilteredBytes;
+  }
+  // Filtered bytes waiting to be sent, per direction, before the source is read again.
+  static constexpr size_t kMaxFilteredBytes = 64 * 1024;
+  // The client's input must go through the HTTP/1.1 or h2 filter (not be spliced past it).
+  bool requests_are_read() const {
+    return h2_filter_ || (h1_filter_ && h1_filter_->state() == Http1RequestFilter::State::kRequests);
+  }
 
   Worker* worker_;
   std::shared_ptr<const Config> cfg_;
@@ -183,8 +230,8 @@ class Connection {
   bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
   bool answers_request_ = false;           // an HTTP request (not CONNECT, not raw TCP) is being forwarded
   size_t head_bytes_ = 0;                  // length of the HTTP/1.1 head at the front of c2u_
-  std::vector<Credential> credentials_;    // tried in order; the node checks each (a 401 never wakes)
-  size_t credential_index_ = 0;
+  std::vector<Credential> credentials_;    // all sent in one open; the node checks them (a 401 never wakes)
+  size_t credential_index_ = 0;            // the one the node accepted; credentials_.size() for none
   std::string request_authority_;          // for the redirect that takes a query-parameter token out of the URL
   std::string request_target_;
   SandboxTraffic node_api_traffic_;        // api.<domain> bytes belong to no sandbox
@@ -195,6 +242,21 @@ class Connection {
   uint64_t open_started_ms_ = 0;
   uint64_t opened_at_ = 0;  // the node's stamp of the open that gave the socket (0: not opened)
   bool opened_public_ = false;  // the port needed no token
+  std::string sandbox_token_sha256_;  // from the node's open: recognised (and removed) in every request
+
+  // HTTP routes (not CONNECT, not raw TCP): every request is checked and its credentials removed.
+  std::unique_ptr<Http1RequestFilter> h1_filter_;
+  std::unique_ptr<H2ClientFilter> h2_filter_;
+  std::unique_ptr<H2ServerFrames> h2_frames_;  // h2: the sandbox's frames, with the proxy's answers inserted
+  ConsumedCredentials consumed_;
+  std::string c2u_out_;  // filtered client bytes for the sandbox
+  size_t c2u_out_sent_ = 0;
+  std::string u2c_out_;  // h2: the sandbox's frames and the proxy's own for the client
+  size_t u2c_out_sent_ = 0;
+  std::string to_client_frames_;  // scratch: what the h2 filter answers itself
+  // An HTTP/1.1 request after the first was refused: nothing more goes to the sandbox, and the refusal is
+  // answered once the sandbox has answered (and closed) the requests before it.
+  std::optional<RequestRefusal> pending_refusal_;
 
   SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
   bool holds_sandbox_slot_ = false;

@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <cctype>
-#include <fstream>
-#include <sstream>
 
 #include <optional>
+
+#include "common/token_digest.h"
 
 namespace sg {
 namespace {
@@ -140,6 +140,58 @@ std::vector<Credential> find_credentials(std::string_view target, std::span<cons
   return found;
 }
 
+bool ConsumedCredentials::matches(std::string_view token) const {
+  for (const std::string& t : tokens)
+    if (!t.empty() && token_matches(token, t)) return true;
+  return token_matches_digest(token, sandbox_token_sha256);
+}
+
+size_t strip_credentials(std::string& target, std::vector<HttpHeader>& headers, const ConsumedCredentials& consumed) {
+  size_t removed = 0;
+  std::vector<HttpHeader> kept;
+  kept.reserve(headers.size());
+  for (HttpHeader& h : headers) {
+    if (equals_ignore_case(h.name, "authorization")) {
+      const std::string_view value = trim_ows(h.value);
+      const size_t space = value.find_first_of(" \t");
+      if (space != std::string_view::npos && equals_ignore_case(value.substr(0, space), "bearer") &&
+          consumed.matches(trim_ows(value.substr(space)))) {
+        ++removed;
+        continue;
+      }
+    } else if (equals_ignore_case(h.name, "cookie")) {
+      std::string rebuilt;
+      size_t taken = 0;
+      std::string_view cookies = h.value;
+      while (!cookies.empty()) {
+        const size_t semicolon = cookies.find(';');
+        const std::string_view pair = trim_ows(cookies.substr(0, semicolon));
+        cookies = semicolon == std::string_view::npos ? std::string_view() : cookies.substr(semicolon + 1);
+        if (pair.empty()) continue;
+        // Any value, well-formed or not: the name is the edge's, never the application's.
+        if (pair.substr(0, pair.find('=')) == kTokenCookieName) {
+          ++taken;
+          continue;
+        }
+        if (!rebuilt.empty()) rebuilt += "; ";
+        rebuilt += pair;
+      }
+      removed += taken;
+      if (taken > 0 && rebuilt.empty()) continue;
+      if (taken > 0) h.value = std::move(rebuilt);
+    }
+    kept.push_back(std::move(h));
+  }
+  headers = std::move(kept);
+  size_t parameters = 0;
+  for_each_parameter(query_of(target), [&](std::string_view parameter) { parameters += is_token_parameter(parameter); });
+  if (parameters > 0) {
+    target = target_without_token(target);
+    removed += parameters;
+  }
+  return removed;
+}
+
 std::string target_without_token(std::string_view target) {
   const size_t q = target.find('?');
   if (q == std::string_view::npos) return std::string(target);
@@ -228,21 +280,6 @@ bool token_matches(std::string_view presented, std::string_view expected) {
   SHA256(reinterpret_cast<const unsigned char*>(presented.data()), presented.size(), a);
   SHA256(reinterpret_cast<const unsigned char*>(expected.data()), expected.size(), b);
   return CRYPTO_memcmp(a, b, sizeof a) == 0;
-}
-
-Result<std::string> read_operator_token(const std::string& path) {
-  if (path.empty()) return std::string();
-  std::ifstream in(path);
-  if (!in) return fail(Error::kNotFound, "operator_token_file " + path + ": cannot read it");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string token = ss.str();
-  if (token.size() > 4096) return fail(Error::kInvalidArgument, "operator_token_file " + path + ": over 4 KiB");
-  auto not_space = [](unsigned char c) { return !std::isspace(c); };
-  token.erase(token.begin(), std::find_if(token.begin(), token.end(), not_space));
-  token.erase(std::find_if(token.rbegin(), token.rend(), not_space).base(), token.end());
-  if (token.empty()) return fail(Error::kInvalidArgument, "operator_token_file " + path + ": empty");
-  return token;
 }
 
 }  // namespace sg

@@ -24,7 +24,7 @@ inline constexpr std::string_view kTokenName = "sandgate_token";
 inline constexpr std::string_view kTokenCookieName = "__Host-sandgate_token";
 inline constexpr size_t kMaxTokenLength = 512;
 // Most credential candidates (find_credentials) one request may carry; more is a 400 (bad_request). Each
-// candidate can cost a node call, and a 16 KiB head holds ~900 token cookies. Four covers a Bearer header of
+// candidate costs a digest check in the node (all go in one open), and a 16 KiB head holds ~900 token cookies. Four covers a Bearer header of
 // the application's own, a sandgate cookie, a stale cookie on another path and a query parameter.
 inline constexpr size_t kMaxCredentialCandidates = 4;
 // WWW-Authenticate value of a 401 from the edge.
@@ -57,6 +57,20 @@ bool is_valid_token(std::string_view token);
 // left out, so an empty result means "no credential": answer 401.
 std::vector<Credential> find_credentials(std::string_view target, std::span<const HttpHeader> headers);
 
+// The credentials the edge consumed on a connection, recognised in each request it forwards.
+struct ConsumedCredentials {
+  std::vector<std::string> tokens;  // plaintext: the credential the node accepted, the operator token
+  std::string sandbox_token_sha256; // the sandbox's own token (the node's internal/open answer); "" unknown
+  bool matches(std::string_view token) const;
+};
+
+// Takes the edge's credentials out of a request before it is forwarded, so sandbox code never sees one (its
+// own sandbox's token included): every __Host-sandgate_token cookie (a Cookie field left empty goes), every
+// sandgate_token query parameter of `target`, and every Authorization: Bearer field whose token `consumed`
+// matches. An Authorization of the application's own (another scheme, another token) stays. Returns how
+// many credentials were removed.
+size_t strip_credentials(std::string& target, std::vector<HttpHeader>& headers, const ConsumedCredentials& consumed);
+
 // `target` without its sandgate_token parameters (matched after percent-decoding the name, as
 // find_credentials does). Other parameters keep their order and their encoding; no '?' is left behind if
 // nothing remains. A target without such a parameter is returned as is.
@@ -85,10 +99,6 @@ bool is_cross_origin_request(std::string_view authority, std::span<const HttpHea
 // Constant-time comparison of a presented token with an expected one: both are hashed first, so neither
 // the contents nor the length of the secret leak through timing.
 bool token_matches(std::string_view presented, std::string_view expected);
-
-// The operator token api.<domain> requires: the contents of Config::operator_token_file, surrounding
-// whitespace trimmed. "" when no file is configured. Errors: unreadable, empty, or over 4 KiB.
-Result<std::string> read_operator_token(const std::string& path);
 
 // A complete HTTP/1.1 response from the edge itself: status line, Server, Content-Type, Content-Length,
 // Cache-Control: no-store, Connection: close, then `extra_headers` in order (e.g. WWW-Authenticate with

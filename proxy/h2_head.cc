@@ -6,47 +6,26 @@
 #include <memory>
 
 namespace sg {
+namespace h2 {
+
 namespace {
 
-constexpr std::string_view kClientPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-constexpr size_t kFrameHeaderBytes = 9;
-// SETTINGS_MAX_FRAME_SIZE's initial value. The client cannot have learnt a larger one: the backend's
-// SETTINGS only reach it after the scan, and the proxy sends none of its own before forwarding.
-constexpr size_t kMaxFrameBytes = 16384;
-// RFC 9113 §6.5.2 / RFC 7541 §4.1: every field costs its name, its value and 32 bytes of overhead.
-constexpr size_t kFieldOverheadBytes = 32;
-// HPACK dynamic table size both ends start with (SETTINGS_HEADER_TABLE_SIZE's initial value).
-constexpr size_t kDefaultHpackTableBytes = 4096;
-constexpr size_t kMaxGoawayDebugBytes = 1024;
-constexpr uint32_t kMaxStreamId = 0x7fffffff;
-
-enum FrameType : uint8_t {
-  kData = 0x0,
-  kHeaders = 0x1,
-  kPriority = 0x2,
-  kRstStream = 0x3,
-  kSettings = 0x4,
-  kPushPromise = 0x5,
-  kPing = 0x6,
-  kGoaway = 0x7,
-  kWindowUpdate = 0x8,
-  kContinuation = 0x9,
-};
-
-constexpr uint8_t kFlagEndStream = 0x1;
-constexpr uint8_t kFlagAck = 0x1;
-constexpr uint8_t kFlagEndHeaders = 0x4;
-constexpr uint8_t kFlagPadded = 0x8;
-constexpr uint8_t kFlagPriority = 0x20;
-
-struct FrameHeader {
-  uint32_t length = 0;
-  uint8_t type = 0;
-  uint8_t flags = 0;
-  uint32_t stream_id = 0;
-};
-
 uint8_t byte_at(std::string_view s, size_t i) { return static_cast<uint8_t>(s[i]); }
+
+// RFC 9110 tchar, lowercase only: HTTP/2 field names must not contain uppercase letters (RFC 9113 §8.2.1).
+bool is_lower_token_char(char c) {
+  if ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')) return true;
+  return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+bool equals_ignore_case(std::string_view a, std::string_view b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](char x, char y) {
+    auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+    return lower(x) == lower(y);
+  });
+}
+
+}  // namespace
 
 FrameHeader read_frame_header(std::string_view s) {
   FrameHeader h;
@@ -77,6 +56,22 @@ void append_frame(std::string& out, uint8_t type, uint8_t flags, uint32_t stream
   out.append(payload);
 }
 
+void append_header_block(std::string& out, uint32_t stream_id, bool end_stream, std::string_view block) {
+  bool first = true;
+  do {
+    const std::string_view fragment = block.substr(0, kDefaultMaxFrameBytes);
+    block.remove_prefix(fragment.size());
+    const uint8_t end_headers = block.empty() ? kFlagEndHeaders : 0;
+    if (first) {
+      append_frame(out, kHeaders, static_cast<uint8_t>((end_stream ? kFlagEndStream : 0) | end_headers), stream_id,
+                   fragment);
+    } else {
+      append_frame(out, kContinuation, end_headers, stream_id, fragment);
+    }
+    first = false;
+  } while (!block.empty());
+}
+
 std::string_view frame_name(uint8_t type) {
   switch (type) {
     case kData: return "DATA";
@@ -95,10 +90,11 @@ std::string_view frame_name(uint8_t type) {
 
 Failure protocol_error(std::string message) { return fail(Error::kInvalidArgument, "HTTP/2: " + std::move(message)); }
 
-// RFC 9110 tchar, lowercase only: HTTP/2 field names must not contain uppercase letters (RFC 9113 §8.2.1).
-bool is_lower_token_char(char c) {
-  if ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')) return true;
-  return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+Failure not_a_preface(char first_byte) {
+  // An uppercase letter first is most likely an HTTP/1 method from a client that ignored the ALPN result.
+  const bool looks_like_http1 = first_byte >= 'A' && first_byte <= 'Z';
+  return protocol_error(std::string("not an HTTP/2 connection preface") +
+                        (looks_like_http1 ? " (an HTTP/1 request on a connection that negotiated h2?)" : ""));
 }
 
 Status check_field_name(std::string_view name) {
@@ -128,108 +124,78 @@ bool is_connection_specific(std::string_view lowercase_name) {
   return false;
 }
 
-bool equals_ignore_case(std::string_view a, std::string_view b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](char x, char y) {
-    auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
-    return lower(x) == lower(y);
-  });
+void InflaterDeleter::operator()(nghttp2_hd_inflater* p) const { nghttp2_hd_inflate_del(p); }
+void DeflaterDeleter::operator()(nghttp2_hd_deflater* p) const { nghttp2_hd_deflate_del(p); }
+
+Status RequestBuilder::add(std::string_view name, std::string_view value) {
+  if (!name.empty() && name.front() == ':') return add_pseudo(name, value);
+  regular_seen_ = true;
+  if (Status s = check_field_name(name); !s) return s;
+  if (Status s = check_field_value(name, value); !s) return s;
+  if (is_connection_specific(name))
+    return protocol_error("connection-specific field '" + std::string(name) + "' is not allowed");
+  if (name == "te" && value != "trailers") return protocol_error("te may only be \"trailers\"");
+  if (name == "host") host_values_.emplace_back(value);
+  if (name == "cookie") {
+    if (cookie_index_) {
+      request_.headers[*cookie_index_].value.append("; ").append(value);
+      return {};
+    }
+    cookie_index_ = request_.headers.size();
+  }
+  request_.headers.push_back({std::string(name), std::string(value)});
+  return {};
 }
 
-struct InflaterDeleter {
-  void operator()(nghttp2_hd_inflater* p) const { nghttp2_hd_inflate_del(p); }
-};
-struct DeflaterDeleter {
-  void operator()(nghttp2_hd_deflater* p) const { nghttp2_hd_deflate_del(p); }
-};
-
-// Collects the fields of one request header block and checks them against RFC 9113 §8.2 and §8.3.1.
-class RequestBuilder {
- public:
-  explicit RequestBuilder(uint32_t stream_id) { request_.stream_id = stream_id; }
-
-  Status add(std::string_view name, std::string_view value) {
-    if (!name.empty() && name.front() == ':') return add_pseudo(name, value);
-    regular_seen_ = true;
-    if (Status s = check_field_name(name); !s) return s;
-    if (Status s = check_field_value(name, value); !s) return s;
-    if (is_connection_specific(name))
-      return protocol_error("connection-specific field '" + std::string(name) + "' is not allowed");
-    if (name == "te" && value != "trailers") return protocol_error("te may only be \"trailers\"");
-    if (name == "host") host_values_.emplace_back(value);
-    if (name == "cookie") {
-      if (cookie_index_) {
-        request_.headers[*cookie_index_].value.append("; ").append(value);
-        return {};
-      }
-      cookie_index_ = request_.headers.size();
-    }
-    request_.headers.push_back({std::string(name), std::string(value)});
-    return {};
+Result<H2Request> RequestBuilder::finish() && {
+  if (!method_seen_) return protocol_error("request has no :method");
+  if (request_.method == "CONNECT") return protocol_error("CONNECT requests are not served");
+  if (!scheme_seen_) return protocol_error("request has no :scheme");
+  if (!path_seen_) return protocol_error("request has no :path");
+  if (request_.path.front() != '/' && !(request_.path == "*" && request_.method == "OPTIONS"))
+    return protocol_error(":path must start with '/'");
+  if (!authority_seen_) {
+    return protocol_error(host_values_.empty() ? "request has no :authority"
+                                               : "request names its host in Host, not :authority");
   }
+  // The proxy routes on :authority while the application may read Host: both must name the same host.
+  for (const std::string& host : host_values_)
+    if (!equals_ignore_case(host, request_.authority)) return protocol_error("Host differs from :authority");
+  return std::move(request_);
+}
 
-  Result<H2Request> finish() && {
-    if (!method_seen_) return protocol_error("request has no :method");
-    if (request_.method == "CONNECT") return protocol_error("CONNECT requests are not served");
-    if (!scheme_seen_) return protocol_error("request has no :scheme");
-    if (!path_seen_) return protocol_error("request has no :path");
-    if (request_.path.front() != '/' && !(request_.path == "*" && request_.method == "OPTIONS"))
-      return protocol_error(":path must start with '/'");
-    if (!authority_seen_) {
-      return protocol_error(host_values_.empty() ? "request has no :authority"
-                                                 : "request names its host in Host, not :authority");
-    }
-    // The proxy routes on :authority while the application may read Host: both must name the same host.
-    for (const std::string& host : host_values_)
-      if (!equals_ignore_case(host, request_.authority)) return protocol_error("Host differs from :authority");
-    return std::move(request_);
-  }
+Status RequestBuilder::add_pseudo(std::string_view name, std::string_view value) {
+  if (regular_seen_) return protocol_error("pseudo-header " + std::string(name) + " after a regular field");
+  std::string* target = nullptr;
+  bool* seen = nullptr;
+  if (name == ":method") target = &request_.method, seen = &method_seen_;
+  else if (name == ":scheme") target = &request_.scheme, seen = &scheme_seen_;
+  else if (name == ":authority") target = &request_.authority, seen = &authority_seen_;
+  else if (name == ":path") target = &request_.path, seen = &path_seen_;
+  // :status belongs to responses. :protocol (extended CONNECT, RFC 8441) is refused like CONNECT itself: the
+  // proxy routes and authenticates plain requests only.
+  else return protocol_error("pseudo-header " + std::string(name) + " is not allowed in a request");
+  if (*seen) return protocol_error("duplicate " + std::string(name));
+  if (value.empty()) return protocol_error(std::string(name) + " is empty");
+  if (Status s = check_field_value(name, value); !s) return s;
+  if (name == ":method" && !std::all_of(value.begin(), value.end(), [](char c) {
+        return is_lower_token_char(c) || (c >= 'A' && c <= 'Z');
+      }))
+    return protocol_error(":method is not a token");
+  *seen = true;
+  target->assign(value);
+  return {};
+}
 
- private:
-  Status add_pseudo(std::string_view name, std::string_view value) {
-    if (regular_seen_) return protocol_error("pseudo-header " + std::string(name) + " after a regular field");
-    std::string* target = nullptr;
-    bool* seen = nullptr;
-    if (name == ":method") target = &request_.method, seen = &method_seen_;
-    else if (name == ":scheme") target = &request_.scheme, seen = &scheme_seen_;
-    else if (name == ":authority") target = &request_.authority, seen = &authority_seen_;
-    else if (name == ":path") target = &request_.path, seen = &path_seen_;
-    // :status belongs to responses; :protocol needs SETTINGS_ENABLE_CONNECT_PROTOCOL, which the client
-    // cannot have received before its first request.
-    else return protocol_error("pseudo-header " + std::string(name) + " is not allowed in a request");
-    if (*seen) return protocol_error("duplicate " + std::string(name));
-    if (value.empty()) return protocol_error(std::string(name) + " is empty");
-    if (Status s = check_field_value(name, value); !s) return s;
-    if (name == ":method" && !std::all_of(value.begin(), value.end(), [](char c) {
-          return is_lower_token_char(c) || (c >= 'A' && c <= 'Z');
-        }))
-      return protocol_error(":method is not a token");
-    *seen = true;
-    target->assign(value);
-    return {};
-  }
-
-  H2Request request_;
-  bool method_seen_ = false, scheme_seen_ = false, authority_seen_ = false, path_seen_ = false;
-  bool regular_seen_ = false;
-  std::optional<size_t> cookie_index_;
-  std::vector<std::string> host_values_;
-};
-
-// A fresh inflater per request: the first header block of a connection is decoded from an empty dynamic
-// table, exactly as the backend will decode it.
-Result<H2Request> decode_header_block(uint32_t stream_id, std::string_view block, const H2ScanLimits& limits) {
-  nghttp2_hd_inflater* raw = nullptr;
-  if (nghttp2_hd_inflate_new(&raw) != 0) return fail(Error::kInternal, "HPACK decoder: out of memory");
-  std::unique_ptr<nghttp2_hd_inflater, InflaterDeleter> inflater(raw);
-
-  RequestBuilder builder(stream_id);
+Status inflate_header_block(nghttp2_hd_inflater* inflater, std::string_view block, size_t max_list_bytes,
+                            const FieldSink& on_field) {
   const auto* in = reinterpret_cast<const uint8_t*>(block.data());
   size_t left = block.size();
   size_t list_bytes = 0;
   for (;;) {
     nghttp2_nv nv{};
     int flags = 0;
-    ssize_t used = nghttp2_hd_inflate_hd2(inflater.get(), &nv, &flags, in, left, /*in_final=*/1);
+    ssize_t used = nghttp2_hd_inflate_hd2(inflater, &nv, &flags, in, left, /*in_final=*/1);
     if (used < 0) {
       if (used == NGHTTP2_ERR_NOMEM) return fail(Error::kInternal, "HPACK decoder: out of memory");
       return protocol_error("HPACK decoding failed: " + std::string(nghttp2_strerror(static_cast<int>(used))));
@@ -238,20 +204,21 @@ Result<H2Request> decode_header_block(uint32_t stream_id, std::string_view block
     left -= static_cast<size_t>(used);
     if (flags & NGHTTP2_HD_INFLATE_EMIT) {
       list_bytes += nv.namelen + nv.valuelen + kFieldOverheadBytes;
-      if (list_bytes > limits.max_header_list_bytes)
-        return fail(Error::kLimitExceeded, "HTTP/2: header list exceeds " +
-                                               std::to_string(limits.max_header_list_bytes) + " bytes");
-      Status added = builder.add(std::string_view(reinterpret_cast<const char*>(nv.name), nv.namelen),
-                                 std::string_view(reinterpret_cast<const char*>(nv.value), nv.valuelen));
-      if (!added) return added.failure();
+      if (list_bytes > max_list_bytes)
+        return fail(Error::kLimitExceeded,
+                    "HTTP/2: header list exceeds " + std::to_string(max_list_bytes) + " bytes");
+      Status added = on_field(std::string_view(reinterpret_cast<const char*>(nv.name), nv.namelen),
+                              std::string_view(reinterpret_cast<const char*>(nv.value), nv.valuelen));
+      if (!added) return added;
     }
     if (flags & NGHTTP2_HD_INFLATE_FINAL) break;
     if (!(flags & NGHTTP2_HD_INFLATE_EMIT) && left == 0) return protocol_error("HPACK block ends mid-field");
   }
-  return std::move(builder).finish();
+  // Resets the per-block decoding state; the dynamic table stays for the next block.
+  nghttp2_hd_inflate_end_headers(inflater);
+  return {};
 }
 
-// The header block fragment of a HEADERS frame: without the pad length, the priority fields and the padding.
 Result<std::string_view> headers_fragment(const FrameHeader& h, std::string_view payload) {
   size_t prefix = 0;
   size_t padding = 0;
@@ -263,6 +230,32 @@ Result<std::string_view> headers_fragment(const FrameHeader& h, std::string_view
   if (h.flags & kFlagPriority) prefix += 5;
   if (prefix + padding > payload.size()) return protocol_error("HEADERS padding and priority fields are longer than its payload");
   return payload.substr(prefix, payload.size() - prefix - padding);
+}
+
+}  // namespace h2
+
+using namespace h2;  // NOLINT(google-build-using-namespace): the wire vocabulary of this file
+
+namespace {
+
+// SETTINGS_MAX_FRAME_SIZE's initial value. The client cannot have learnt a larger one: the backend's
+// SETTINGS only reach it after the scan, and the proxy sends none of its own before forwarding.
+constexpr size_t kMaxFrameBytes = kDefaultMaxFrameBytes;
+constexpr size_t kMaxGoawayDebugBytes = 1024;
+
+// A fresh inflater per request: the first header block of a connection is decoded from an empty dynamic
+// table, exactly as the backend will decode it.
+Result<H2Request> decode_header_block(uint32_t stream_id, std::string_view block, const H2ScanLimits& limits) {
+  nghttp2_hd_inflater* raw = nullptr;
+  if (nghttp2_hd_inflate_new(&raw) != 0) return fail(Error::kInternal, "HPACK decoder: out of memory");
+  InflaterPtr inflater(raw);
+  RequestBuilder builder(stream_id);
+  Status decoded = inflate_header_block(inflater.get(), block, limits.max_header_list_bytes,
+                                        [&](std::string_view name, std::string_view value) {
+                                          return builder.add(name, value);
+                                        });
+  if (!decoded) return decoded.failure();
+  return std::move(builder).finish();
 }
 
 // Checks a frame that may precede the first request; only its shape matters, its content is the backend's.
@@ -313,7 +306,7 @@ Result<std::string> hpack_encode(const std::vector<HttpHeader>& fields) {
   nghttp2_hd_deflater* raw = nullptr;
   if (nghttp2_hd_deflate_new(&raw, kDefaultHpackTableBytes) != 0)
     return fail(Error::kInternal, "HPACK encoder: out of memory");
-  std::unique_ptr<nghttp2_hd_deflater, DeflaterDeleter> deflater(raw);
+  DeflaterPtr deflater(raw);
   std::vector<nghttp2_nv> nva;
   nva.reserve(fields.size());
   for (const HttpHeader& f : fields) nva.push_back(make_nv(f.name, f.value));
@@ -331,12 +324,7 @@ Result<std::optional<H2Request>> H2RequestScanner::scan(std::string_view receive
   if (received.size() < next_frame_) return fail(Error::kInternal, "h2 scan: received bytes shrank");
   if (next_frame_ == 0) {
     const size_t n = std::min(received.size(), kClientPreface.size());
-    if (received.substr(0, n) != kClientPreface.substr(0, n)) {
-      // An uppercase letter first is most likely an HTTP/1 method from a client that ignored the ALPN result.
-      const bool looks_like_http1 = received.front() >= 'A' && received.front() <= 'Z';
-      return protocol_error(std::string("not an HTTP/2 connection preface") +
-                            (looks_like_http1 ? " (an HTTP/1 request on a connection that negotiated h2?)" : ""));
-    }
+    if (received.substr(0, n) != kClientPreface.substr(0, n)) return not_a_preface(received.front());
     if (received.size() < kClientPreface.size()) return std::optional<H2Request>();
     next_frame_ = kClientPreface.size();
   }
@@ -415,17 +403,7 @@ Result<std::string> h2_refusal(uint32_t stream_id, int status, std::string_view 
   std::string out;
   append_frame(out, kSettings, 0, 0, {});
   append_frame(out, kSettings, kFlagAck, 0, {});
-  std::string_view rest = *block;
-  const uint8_t end_stream = body.empty() ? kFlagEndStream : 0;
-  bool first = true;
-  do {
-    const std::string_view fragment = rest.substr(0, kMaxFrameBytes);
-    rest.remove_prefix(fragment.size());
-    const uint8_t end_headers = rest.empty() ? kFlagEndHeaders : 0;
-    if (first) append_frame(out, kHeaders, static_cast<uint8_t>(end_stream | end_headers), stream_id, fragment);
-    else append_frame(out, kContinuation, end_headers, stream_id, fragment);
-    first = false;
-  } while (!rest.empty());
+  append_header_block(out, stream_id, /*end_stream=*/body.empty(), *block);
   while (!body.empty()) {
     const std::string_view chunk = body.substr(0, kMaxFrameBytes);
     body.remove_prefix(chunk.size());

@@ -2,14 +2,18 @@
 // request (HEADERS [+ CONTINUATION]) so the proxy can route and authenticate it, and build the few HTTP/2
 // answers the proxy sends itself when it refuses a connection.
 //
-// The scanner never consumes or alters bytes: the proxy keeps everything it received and replays it
-// unchanged to the sandbox's h2c server, so the backend decodes exactly the bytes that were inspected (HPACK
-// state included: both start from an empty dynamic table). Later requests on the connection go to the same
-// sandbox whatever they say, as for HTTP/1.1 keep-alive.
+// The scanner never consumes or alters bytes: the proxy keeps everything it received, and once the sandbox
+// is open, every byte from the preface on goes through H2ClientFilter (h2_filter.h), which checks every
+// request, the first one again included, and re-encodes what it forwards.
+//
+// The `h2` namespace at the end holds the wire-level building blocks (frame layout, request validation, HPACK
+// block decoding) that the scanner shares with the connection-long filter in h2_filter.h.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -18,6 +22,10 @@
 
 #include "common/error.h"
 #include "common/http.h"
+
+// nghttp2's HPACK coder types (nghttp2/nghttp2.h), named here without pulling the whole C API into every user.
+struct nghttp2_hd_inflater;
+struct nghttp2_hd_deflater;
 
 namespace sg {
 
@@ -96,4 +104,109 @@ Result<std::string> h2_refusal(uint32_t stream_id, int status, std::string_view 
 // curl and nghttp show to the user.
 std::string h2_goaway(H2ErrorCode code, std::string_view debug);
 
+// Building blocks shared by H2RequestScanner and H2ClientFilter / H2ServerFrames (h2_filter.h). Not meant for
+// other callers: they encode RFC 9113 / RFC 7541 details, not proxy policy.
+namespace h2 {
+
+inline constexpr std::string_view kClientPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+inline constexpr size_t kFrameHeaderBytes = 9;
+// SETTINGS_MAX_FRAME_SIZE's initial value, which every peer accepts whatever it announced later.
+inline constexpr size_t kDefaultMaxFrameBytes = 16384;
+// The 24-bit length field cannot say more (RFC 9113 §4.1).
+inline constexpr size_t kMaxFrameLength = (size_t{1} << 24) - 1;
+// RFC 9113 §6.5.2 / RFC 7541 §4.1: every field costs its name, its value and 32 bytes of overhead.
+inline constexpr size_t kFieldOverheadBytes = 32;
+// HPACK dynamic table size both ends start with (SETTINGS_HEADER_TABLE_SIZE's initial value).
+inline constexpr size_t kDefaultHpackTableBytes = 4096;
+inline constexpr uint32_t kMaxStreamId = 0x7fffffff;
+inline constexpr size_t kSettingsEntryBytes = 6;
+inline constexpr uint16_t kSettingsHeaderTableSize = 0x1;
+
+enum FrameType : uint8_t {
+  kData = 0x0,
+  kHeaders = 0x1,
+  kPriority = 0x2,
+  kRstStream = 0x3,
+  kSettings = 0x4,
+  kPushPromise = 0x5,
+  kPing = 0x6,
+  kGoaway = 0x7,
+  kWindowUpdate = 0x8,
+  kContinuation = 0x9,
+};
+
+inline constexpr uint8_t kFlagEndStream = 0x1;
+inline constexpr uint8_t kFlagAck = 0x1;
+inline constexpr uint8_t kFlagEndHeaders = 0x4;
+inline constexpr uint8_t kFlagPadded = 0x8;
+inline constexpr uint8_t kFlagPriority = 0x20;
+
+struct FrameHeader {
+  uint32_t length = 0;
+  uint8_t type = 0;
+  uint8_t flags = 0;
+  uint32_t stream_id = 0;  // reserved bit cleared
+};
+
+// `s` holds at least kFrameHeaderBytes bytes.
+FrameHeader read_frame_header(std::string_view s);
+void append_u32(std::string& out, uint32_t v);
+void append_frame(std::string& out, uint8_t type, uint8_t flags, uint32_t stream_id, std::string_view payload);
+// HEADERS then as many CONTINUATION frames as `block` needs, each at most kDefaultMaxFrameBytes, END_HEADERS on
+// the last, END_STREAM (on the HEADERS) if asked. An empty block still makes one HEADERS frame.
+void append_header_block(std::string& out, uint32_t stream_id, bool end_stream, std::string_view block);
+std::string_view frame_name(uint8_t type);
+
+// kInvalidArgument with an "HTTP/2: " prefix.
+Failure protocol_error(std::string message);
+// The bytes received where the client preface was expected differ from it; `first_byte` is the first one.
+Failure not_a_preface(char first_byte);
+
+// The header block fragment of a complete HEADERS frame payload: without the pad length, priority fields and
+// padding.
+Result<std::string_view> headers_fragment(const FrameHeader& h, std::string_view payload);
+
+// RFC 9113 §8.2.1 / §8.2.2 checks on one field of a request (or its trailers).
+Status check_field_name(std::string_view name);
+Status check_field_value(std::string_view name, std::string_view value);
+bool is_connection_specific(std::string_view lowercase_name);
+
+struct InflaterDeleter {
+  void operator()(nghttp2_hd_inflater* p) const;
+};
+struct DeflaterDeleter {
+  void operator()(nghttp2_hd_deflater* p) const;
+};
+using InflaterPtr = std::unique_ptr<nghttp2_hd_inflater, InflaterDeleter>;
+using DeflaterPtr = std::unique_ptr<nghttp2_hd_deflater, DeflaterDeleter>;
+
+// Decodes one complete header block with `inflater`, whose dynamic table carries over from block to block
+// (call it for every block of the connection, in order). Calls on_field for each field as soon as it is
+// decoded and stops with kLimitExceeded once the list exceeds max_list_bytes (counted as
+// SETTINGS_MAX_HEADER_LIST_SIZE counts), so a small block that expands into megabytes is never built.
+// kInvalidArgument on an HPACK error (the inflater is then unusable: the connection must end), kInternal if
+// out of memory, or on_field's own failure.
+using FieldSink = std::function<Status(std::string_view name, std::string_view value)>;
+Status inflate_header_block(nghttp2_hd_inflater* inflater, std::string_view block, size_t max_list_bytes,
+                            const FieldSink& on_field);
+
+// Collects the fields of one request header block and checks them against RFC 9113 §8.2 and §8.3.1 (the
+// rules listed at H2RequestScanner). add() each field in order, then finish().
+class RequestBuilder {
+ public:
+  explicit RequestBuilder(uint32_t stream_id) { request_.stream_id = stream_id; }
+  Status add(std::string_view name, std::string_view value);
+  Result<H2Request> finish() &&;
+
+ private:
+  Status add_pseudo(std::string_view name, std::string_view value);
+
+  H2Request request_;
+  bool method_seen_ = false, scheme_seen_ = false, authority_seen_ = false, path_seen_ = false;
+  bool regular_seen_ = false;
+  std::optional<size_t> cookie_index_;
+  std::vector<std::string> host_values_;
+};
+
+}  // namespace h2
 }  // namespace sg

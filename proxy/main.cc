@@ -1,18 +1,23 @@
 // sandgate-proxy: the TLS ingress. Loads the config, binds one SO_REUSEPORT listener per worker thread,
-// and runs until SIGINT/SIGTERM. SIGHUP reloads the config file and the certificates as one snapshot.
+// switches to proxy.user if one is set, and runs until SIGINT/SIGTERM. SIGHUP reloads the config file, the
+// certificates and the operator token as one snapshot.
 #include <signal.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
 #include "common/log.h"
+#include "common/operator_token.h"
 #include "config/config.h"
-#include "proxy/edge_auth.h"
 #include "proxy/fd_limits.h"
+#include "proxy/privileges.h"
 #include "proxy/worker.h"
 
 namespace {
@@ -21,21 +26,59 @@ struct Proxy {
   std::string config_path;
   std::unique_ptr<sg::ProxyShared> shared;
   std::vector<std::unique_ptr<sg::Worker>> workers;
+  // proxy.user and proxy.group as applied at start ("" = none): a reload cannot change them.
+  std::string user;
+  std::string group;
 };
 
+// Appended to a failure to read a file after the switch to proxy.user: the file is most likely fine but
+// readable by root only.
+std::string as_user_hint(const Proxy* p) {
+  if (p->user.empty()) return "";
+  return " (sandgate-proxy runs as user " + p->user + ", which must be able to read the config file, the "
+         "certificates and keys, and the operator token file; docs/security.md#least-privilege)";
+}
+
 void reload(Proxy* p) {
+  const std::string hint = as_user_hint(p);
   auto cfg = sg::load_config_file(p->config_path);
-  if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}", cfg.message());
+  if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}{}", cfg.message(), hint);
   auto tls = sg::TlsContexts::create(**cfg);
-  if (!tls) return spdlog::error("reload failed, keeping the running config: {}", tls.message());
+  if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
-  if (!token) return spdlog::error("reload failed, keeping the running config: {}", token.message());
+  if (!token) return spdlog::error("reload failed, keeping the running config: {}{}", token.message(), hint);
   p->shared->operator_token.store(std::make_shared<const std::string>(std::move(*token)));
-  // Listeners, workers and the access log stay as they were; limits, timeouts, routes and certificates
-  // apply to connections accepted from now on.
+  // Listeners, workers, the access log and the user the proxy runs as stay as they were; limits, timeouts,
+  // routes and certificates apply to connections accepted from now on.
   p->shared->tls.store(*tls);
+  if ((*cfg)->proxy.user != p->user || (*cfg)->proxy.group != p->group)
+    spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
   p->shared->config.swap(*cfg);
   spdlog::info("config reloaded from {}", p->config_path);
+}
+
+// Once the proxy runs as proxy.user: what every reload re-reads (config, certificates and keys, operator
+// token) and what every connection opens (the node socket), tried as that user. A file only root can read
+// was fine a moment ago, since it was read before the switch, but would make every SIGHUP fail; a socket the
+// user may not connect to fails every request. The operator hears of both now rather than at the first
+// reload or request. Not fatal: the node may be about to come back with the socket's group fixed.
+void check_access_as_user(const Proxy& p, const sg::Config& running) {
+  auto cfg = sg::load_config_file(p.config_path);
+  if (!cfg) {
+    spdlog::warn("a reload will fail: {}{}", cfg.message(), as_user_hint(&p));
+  } else {
+    if (auto tls = sg::TlsContexts::create(**cfg); !tls)
+      spdlog::warn("a reload will fail: {}{}", tls.message(), as_user_hint(&p));
+    if (auto token = sg::read_operator_token((*cfg)->operator_token_file); !token)
+      spdlog::warn("a reload will fail: {}{}", token.message(), as_user_hint(&p));
+  }
+  // Connecting to a unix socket needs write permission on it (and search permission on its directories).
+  // A socket that is not there yet (the node is still starting) says nothing either way.
+  const std::string& socket = running.node_socket.path;
+  if (::access(socket.c_str(), W_OK) != 0 && errno != ENOENT)
+    spdlog::error("user {} cannot connect to the node socket {}: {}; every request will fail until the node "
+                  "serves it with node.socket_group set to a group of {}",
+                  p.user, socket, std::strerror(errno), p.user);
 }
 
 }  // namespace
@@ -98,15 +141,33 @@ int main(int argc, char** argv) {
   std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;
   for (unsigned i = 0; i < n; ++i) {
     auto w = std::make_unique<sg::Worker>(static_cast<int>(i), proxy.shared.get());
-    auto st = w->start(listen);
+    auto st = w->bind(listen);
     if (st && i == 0) listen = w->bound();
     if (!st) {
       spdlog::error("cannot start worker {}: {}", i, st.message());
-      for (auto& started : proxy.workers) started->stop();
       return 1;
     }
     proxy.workers.push_back(std::move(w));
   }
+
+  // Least privilege: everything only root can get (privileged ports, root-only keys and token, the access
+  // log) is held now, so root goes, before any worker thread runs: no connection is ever handled as root, and
+  // the switch has one thread to apply to (glibc's set*id would reach every thread anyway, via nptl's setxid).
+  if (const sg::ProxyConfig& pc = (*cfg)->proxy; !pc.user.empty()) {
+    auto dropped = sg::drop_privileges(pc.user, pc.group);
+    if (!dropped) {
+      spdlog::error("cannot switch to proxy.user {}: {}", pc.user, dropped.message());
+      return 1;
+    }
+    if (dropped->switched)
+      spdlog::info("dropped root: running as {}, with no capabilities and no way back", sg::describe(*dropped));
+    else
+      spdlog::info("already running as proxy.user: {}", sg::describe(*dropped));
+    proxy.user = pc.user;
+    proxy.group = pc.group;
+    check_access_as_user(proxy, **cfg);
+  }
+  for (auto& w : proxy.workers) w->start();
   std::string listening;
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
   spdlog::info("sandgate-proxy ready on {} ({} workers, domain {})", listening, n, (*cfg)->domain);

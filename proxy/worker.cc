@@ -30,12 +30,21 @@ Worker::Worker(int index, ProxyShared* shared)
 }
 
 Worker::~Worker() {
+  // Bound but never started (the proxy stopped before its workers ran, e.g. it could not drop root): the
+  // loop's handles are closed here, on this thread, so the loop can be closed.
+  if (loop_ready_ && !thread_.joinable()) {
+    stop();
+    uv_run(&loop_, UV_RUN_DEFAULT);
+  }
   join();
   uv_loop_close(&loop_);
 }
 
-Status Worker::start(const std::vector<Endpoint>& listen) {
+Status Worker::bind(const std::vector<Endpoint>& listen) {
   auto cfg = shared_->config.get();
+  // Every address first: a failure leaves nothing in the loop (the descriptors close with `fds`).
+  std::vector<UniqueFd> fds;
+  std::vector<Endpoint> bound;
   for (Endpoint ep : listen) {
     auto fd = listen_on(ep, /*reuse_port=*/true);
     if (!fd) return fd.failure();
@@ -44,11 +53,15 @@ Status Worker::start(const std::vector<Endpoint>& listen) {
       if (!port) return port.failure();
       ep.port = *port;
     }
-    bound_.push_back(ep);
+    bound.push_back(ep);
+    fds.push_back(std::move(*fd));
+  }
+  bound_ = std::move(bound);
+  for (UniqueFd& fd : fds) {
     auto poll = std::make_unique<uv_poll_t>();
-    uv_poll_init(&loop_, poll.get(), fd->get());
+    uv_poll_init(&loop_, poll.get(), fd.get());
     poll->data = this;
-    listen_fds_.push_back(std::move(*fd));
+    listen_fds_.push_back(std::move(fd));
     listen_polls_.push_back(std::move(poll));
   }
   start_listen_polls();
@@ -72,9 +85,11 @@ Status Worker::start(const std::vector<Endpoint>& listen) {
   uint32_t interval = cfg->proxy.activity_report_interval_ms;
   uv_timer_start(&report_timer_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->report_activity(); }, interval,
                  interval);
-  thread_ = std::thread([this] { run(); });
+  loop_ready_ = true;
   return {};
 }
+
+void Worker::start() { thread_ = std::thread([this] { run(); }); }
 
 void Worker::run() { uv_run(&loop_, UV_RUN_DEFAULT); }
 

@@ -16,6 +16,7 @@
 #include "config/config.h"
 #include "proxy/access_log.h"
 #include "proxy/node_client.h"
+#include "proxy/port_policy_cache.h"
 #include "proxy/tls.h"
 #include "proxy/traffic.h"
 
@@ -43,14 +44,22 @@ struct ProxyShared {
 
 class Worker {
  public:
+  // A port's policy is fixed for its sandbox's life; the bound only limits how long a name given to a new
+  // sandbox can be offered the old one's ALPN. Entries are ~100 bytes.
+  static constexpr uint64_t kPortPolicyTtlMs = 10'000;
+  static constexpr size_t kMaxPortPolicies = 100'000;
+
   Worker(int index, ProxyShared* shared);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  // Binds this worker's listeners (synchronously, so bind errors surface at startup) and starts the thread.
+  // Binds this worker's listeners (synchronously, so bind errors surface at startup) and sets up its loop.
   // `listen` is the list to bind (port 0 already resolved by the first worker: all workers share ports).
-  Status start(const std::vector<Endpoint>& listen);
+  Status bind(const std::vector<Endpoint>& listen);
+  // Starts the thread that runs the loop: after bind(), and after the proxy dropped root (proxy.user), so
+  // that no connection is ever handled with root's privileges.
+  void start();
   // The addresses this worker actually bound (port 0 resolved), in config order.
   const std::vector<Endpoint>& bound() const { return bound_; }
   // Asks the loop to close listeners and connections and return; join() waits for that.
@@ -60,6 +69,7 @@ class Worker {
   uv_loop_t* loop() { return &loop_; }
   ProxyShared* shared() { return shared_; }
   WorkerTraffic& traffic() { return traffic_; }
+  PortPolicyCache& port_policies() { return port_policies_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
 
@@ -91,9 +101,11 @@ class Worker {
   uint32_t fd_shortage_pauses_ = 0;
   std::unordered_set<Connection*> connections_;
   WorkerTraffic traffic_;
+  PortPolicyCache port_policies_{kPortPolicyTtlMs, kMaxPortPolicies};
   std::unique_ptr<NodeRequest> report_in_flight_;
   std::string reporter_id_;
   std::thread thread_;
+  bool loop_ready_ = false;  // bind() set up every handle: the destructor can close them without the thread
 };
 
 }  // namespace sg

@@ -91,8 +91,8 @@ HalfCloseResult tls_send_then_half_close(const Cluster& c, const std::string& ho
     if (SSL_connect(ssl) != 1) {
       res.error = "handshake";
     } else {
-      // The first bytes must be an HTTP request head for routing; the raw TCP backend hashes all of it.
-      std::string all = "GET / HTTP/1.1\r\nHost: " + host + "\r\n\r\n" + payload;
+      // A public tcp port is routed by the SNI alone: every byte is the backend's.
+      std::string all = payload;
       size_t off = 0;
       while (off < all.size()) {
         int n = SSL_write(ssl, all.data() + off, static_cast<int>(std::min<size_t>(all.size() - off, 1 << 20)));
@@ -119,7 +119,7 @@ HalfCloseResult tls_send_then_half_close(const Cluster& c, const std::string& ho
 
 TEST(Data, HalfCloseIsCarriedToTheSandbox) {
   Cluster c;
-  auto r = c.cli("create --json --name tcp --public 5000 -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") +
+  auto r = c.cli("create --json --name tcp --public 5000/tcp -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") +
                  " tcp 5000");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::string payload;

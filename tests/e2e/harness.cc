@@ -204,7 +204,10 @@ void Cluster::write_config() {
     top += "operator_token_file = \"" + dir_ + "/operator.token\"\n";
   }
   std::string cfg = top + "\n" +
-                    "[proxy]\nlisten = \"127.0.0.1:0\"\nworkers = 2\naccess_log = \"" + dir_ +
+                    "[proxy]\nlisten = \"127.0.0.1:0\"\n" +
+                    // Two workers unless the test chose: connections then spread over both, as in production.
+                    (opts_.proxy_extra.find("workers =") == std::string::npos ? "workers = 2\n" : "") +
+                    "access_log = \"" + dir_ +
                     "/access.log\"\n" + opts_.proxy_extra + "\n[[proxy.certificates]]\ncert = \"" + dir_ +
                     "/tls/server.pem\"\nkey = \"" + dir_ + "/tls/server.key\"\n\n[node]\nstate_dir = \"" + dir_ +
                     "/node\"\non_shutdown = \"terminate\"\ncgroup_name = \"" + cgroup_name_ + "\"\ninit_path = \"" +

@@ -7,6 +7,8 @@
       PUT|POST /hash   -> sha256 hex of the request body
       GET /slow?secs=S&steps=N -> body sent in N pieces (default 10) over S seconds (keeps a connection busy)
       GET /reset       -> no answer: the connection is reset (SO_LINGER 0)
+      GET /seen        -> every request head this server has received so far (this one included), as it
+                          parsed them: what the sandbox's code was given, and what it never saw
   testserver.py tcp PORT           raw TCP: reads until EOF (the client's half-close), then answers
                                    "<sha256> <bytes>\\n" and closes.
 """
@@ -28,9 +30,20 @@ def blob(size):
     return bytes(out[:size])
 
 
+SEEN = []
+SEEN_LOCK = threading.Lock()
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     marker = "?"
+
+    def parse_request(self):
+        ok = super().parse_request()
+        if ok:
+            with SEEN_LOCK:
+                SEEN.append(self.raw_requestline.decode("latin-1") + str(self.headers))
+        return ok
 
     def log_message(self, *args):
         pass
@@ -47,6 +60,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         q = urllib.parse.parse_qs(url.query)
         if url.path == "/":
             return self.send_body(("hello from %s\n" % Handler.marker).encode())
+        if url.path == "/seen":
+            with SEEN_LOCK:
+                return self.send_body("".join(SEEN).encode("latin-1"))
         if url.path == "/blob":
             return self.send_body(blob(int(q.get("size", ["0"])[0])), "application/octet-stream")
         if url.path == "/slow":

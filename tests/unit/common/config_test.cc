@@ -1,6 +1,8 @@
 #include "config/config.h"
 
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <pwd.h>
 
 namespace sg {
 namespace {
@@ -124,6 +126,61 @@ TEST(Config, ApiListenIsLoopbackOnlyUnlessAllowedAndNeedsTheOperatorToken) {
   ASSERT_FALSE(no_token.ok());
   EXPECT_NE(no_token.message().find("node.api_listen: needs operator_token_file"), std::string::npos)
       << no_token.message();
+}
+
+// Some user of this machine that is not root and whose primary group is not root's, and that group's name
+// (Debian: nobody / nogroup); empty if there is none.
+std::pair<std::string, std::string> unprivileged_account() {
+  std::pair<std::string, std::string> found;
+  ::setpwent();
+  while (passwd* pw = ::getpwent()) {
+    group* gr = pw->pw_uid != 0 && pw->pw_gid != 0 ? ::getgrgid(pw->pw_gid) : nullptr;
+    if (gr) {
+      found = {pw->pw_name, gr->gr_name};
+      break;
+    }
+  }
+  ::endpwent();
+  return found;
+}
+
+TEST(Config, ProxyUserGroupAndSocketGroupMustExist) {
+  auto [user, group] = unprivileged_account();
+  ASSERT_FALSE(user.empty()) << "no unprivileged user in the passwd database";
+  const std::string missing = "sg-no-such-account-3f9c";
+  ASSERT_EQ(::getpwnam(missing.c_str()), nullptr);
+  ASSERT_EQ(::getgrnam(missing.c_str()), nullptr);
+
+  auto defaults = load("");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ((*defaults)->proxy.user, "") << "dropping root is opt-in: the quickstart runs as whoever starts it";
+  EXPECT_EQ((*defaults)->proxy.group, "");
+  EXPECT_EQ((*defaults)->node.socket_group, "");
+
+  auto ok = load("[proxy]\nuser = \"" + user + "\"\ngroup = \"" + group + "\"\n[node]\nsocket_group = \"" + group +
+                 "\"\n");
+  ASSERT_TRUE(ok.ok()) << ok.message();
+  EXPECT_EQ((*ok)->proxy.user, user);
+  EXPECT_EQ((*ok)->proxy.group, group);
+  EXPECT_EQ((*ok)->node.socket_group, group);
+  // Root's group is what the socket has without the key, so naming it is allowed.
+  EXPECT_TRUE(load("[node]\nsocket_group = \"root\"\n").ok());
+
+  const std::pair<std::string, std::string> bad[] = {
+      {"[proxy]\nuser = \"" + missing + "\"\n", "t.toml:2: proxy.user: no user named \"" + missing + "\""},
+      {"[proxy]\nuser = \"root\"\n", "t.toml:2: proxy.user: \"root\" is root (uid 0)"},
+      {"[proxy]\nuser = 65534\n", "t.toml:2: proxy.user: must be a string"},
+      {"[proxy]\nuser = \"" + user + "\"\ngroup = \"" + missing + "\"\n",
+       "t.toml:3: proxy.group: no group named \"" + missing + "\""},
+      {"[proxy]\nuser = \"" + user + "\"\ngroup = \"root\"\n", "t.toml:3: proxy.group: \"root\" is the root group"},
+      {"[proxy]\ngroup = \"" + group + "\"\n", "t.toml:2: proxy.group: needs proxy.user"},
+      {"[node]\nsocket_group = \"" + missing + "\"\n", "t.toml:2: node.socket_group: no group named"},
+  };
+  for (const auto& [text, expected] : bad) {
+    auto c = load(text);
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_NE(c.message().find(expected), std::string::npos) << "got: " << c.message() << "\nwant: " << expected;
+  }
 }
 
 TEST(Config, AllErrorsReportedAtOnce) {

@@ -720,18 +720,20 @@ TEST_F(ApiServerTest, OpenOfAPrivatePortNeedsTheToken) {
 
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080})"), 401, "unauthorized",
                "missing token");
-  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":""})"), 401,
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credentials":[""]})"), 401,
                "unauthorized", "missing token");
-  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":"sgt_nope"})"),
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credentials":["sgt_nope"]})"),
                401, "unauthorized", "invalid token");
   // Another sandbox's token opens nothing here.
   Reply other = c.request("POST", "/v1/sandboxes", R"({"name":"other","command":["x"]})");
   expect_error(c.request("POST", "/v1/internal/open",
-                         R"({"sandbox":"priv","port":8080,"credential":")" + other.body()["token"].get<std::string>() +
-                             R"("})"),
+                         R"({"sandbox":"priv","port":8080,"credentials":[")" + other.body()["token"].get<std::string>() + R"("]})"),
                401, "unauthorized", "invalid token");
-  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":5})"), 400,
-               "invalid_argument", "credential: must be a string");
+  expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credentials":[5]})"), 400,
+               "invalid_argument", "credentials[]: must be a string");
+  expect_error(c.request("POST", "/v1/internal/open",
+                         R"({"sandbox":"priv","port":8080,"credentials":["a","b","c","d","e"]})"),
+               400, "invalid_argument", "at most 4 candidates");
   // The order: an unknown sandbox or port is told before the credential is looked at.
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"nope","port":8080})"), 404, "not_found");
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9090})"), 403, "permission_denied",
@@ -741,15 +743,21 @@ TEST_F(ApiServerTest, OpenOfAPrivatePortNeedsTheToken) {
   EXPECT_EQ(driver_->resumes, 0);
   EXPECT_EQ(node_->get("priv")->last_activity_at_ms, activity) << "nor count as activity";
 
-  Reply ok = c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credential":")" + token + R"("})");
+  Reply ok = c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":8080,"credentials":[")" + token + R"("]})");
   ASSERT_EQ(ok.status, 200) << ok.message.body;
   EXPECT_EQ(ok.body()["woke"], true);
   EXPECT_EQ(ok.body()["protocol"], "http1");
   EXPECT_EQ(ok.body()["public"], false);
+  EXPECT_EQ(ok.body()["credential"], 0);
   EXPECT_TRUE(ok.fd.valid());
+  // Every candidate in one open: the one that verifies is named.
+  Reply second = c.request("POST", "/v1/internal/open",
+                           R"({"sandbox":"priv","port":8080,"credentials":["sgt_apps_own",")" + token + R"("]})");
+  ASSERT_EQ(second.status, 200) << second.message.body;
+  EXPECT_EQ(second.body()["credential"], 1);
   // The agent port: always reachable with the token, never without.
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9501})"), 401, "unauthorized");
-  Reply agent = c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9501,"credential":")" + token + R"("})");
+  Reply agent = c.request("POST", "/v1/internal/open", R"({"sandbox":"priv","port":9501,"credentials":[")" + token + R"("]})");
   ASSERT_EQ(agent.status, 200) << agent.message.body;
   EXPECT_EQ(agent.body()["protocol"], "h2c");
   EXPECT_EQ(agent.body()["public"], false);
@@ -758,7 +766,7 @@ TEST_F(ApiServerTest, OpenOfAPrivatePortNeedsTheToken) {
 TEST_F(ApiServerTest, OpenOfAPublicPortNeedsNoToken) {
   Client c = client();
   create_demo(c);
-  Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080,"credential":"whatever"})");
+  Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080,"credentials":["whatever"]})");
   ASSERT_EQ(r.status, 200) << r.message.body;
   EXPECT_EQ(r.body()["public"], true);
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":9501})"), 401, "unauthorized");
@@ -777,8 +785,7 @@ TEST_F(ApiServerTest, OpenOfAPublicPortNeedsNoToken) {
   expect_error(c.request("POST", "/v1/internal/open", R"({"sandbox":"open","port":9501})"), 401, "unauthorized",
                "missing token");
   Reply agent = c.request("POST", "/v1/internal/open",
-                          R"({"sandbox":"open","port":9501,"credential":")" + open_all.body()["token"].get<std::string>() +
-                              R"("})");
+                          R"({"sandbox":"open","port":9501,"credentials":[")" + open_all.body()["token"].get<std::string>() + R"("]})");
   EXPECT_EQ(agent.status, 200) << agent.message.body;
   EXPECT_EQ(agent.body()["public"], false);
 }

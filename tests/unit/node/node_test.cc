@@ -1,3 +1,4 @@
+#include "common/token_digest.h"
 #include "noderuntime/node.h"
 
 #include <gtest/gtest.h>

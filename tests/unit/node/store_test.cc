@@ -1,3 +1,4 @@
+#include "common/token_digest.h"
 #include "noderuntime/store.h"
 
 #include <gtest/gtest.h>
@@ -151,7 +152,7 @@ TEST(Store, MigratesSchemaTwoRows) {
     EXPECT_FALSE(policy->is_public);
     EXPECT_EQ(policy->protocol, PortProtocol::kHttp1);
     EXPECT_FALSE(port_policy(old, 9501).has_value());
-    EXPECT_FALSE(token_matches("anything", old.token_sha256));
+    EXPECT_FALSE(token_matches_digest("anything", old.token_sha256));
     ASSERT_TRUE((*store)->upsert(sample("sb-newnewnewnew")).ok());
   }
   EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
@@ -160,7 +161,7 @@ TEST(Store, MigratesSchemaTwoRows) {
   auto rows = (*store)->load_live();
   ASSERT_TRUE(rows.ok());
   ASSERT_EQ(rows->size(), 2u);
-  EXPECT_TRUE(token_matches("sgt_sample-sb-newnewnewnew", (*rows)[1].spec.token_sha256));
+  EXPECT_TRUE(token_matches_digest("sgt_sample-sb-newnewnewnew", (*rows)[1].spec.token_sha256));
 }
 
 TEST(Store, RejectsDamagedPortPolicies) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/token_digest.h"
+
 namespace sg {
 namespace {
 
@@ -222,6 +224,40 @@ TEST(EdgeAuth, Http1RefusalRejectsInjection) {
   EXPECT_FALSE(http1_refusal(400, "text/plain\r\nX: y", "", {}).ok());
   EXPECT_FALSE(http1_refusal(99, "text/plain", "", {}).ok());
   EXPECT_FALSE(http1_refusal(600, "text/plain", "", {}).ok());
+}
+
+TEST(EdgeAuth, StripCredentialsTakesOutWhatTheEdgeConsumed) {
+  const std::string sandbox_token = "sgt_sandbox";
+  ConsumedCredentials consumed{{"verified-one", "operator-token"}, token_digest(sandbox_token)};
+  std::string target = "/p?a=1&sandgate_token=verified-one&sandgate%5Ftoken=x&b=2";
+  std::vector<HttpHeader> headers = {
+      {"Host", "8080-a.example"},
+      {"Authorization", "Bearer verified-one"},
+      {"authorization", "bearer   operator-token "},
+      {"Authorization", "Bearer sgt_sandbox"},
+      {"Authorization", "Bearer the-apps-own"},
+      {"Authorization", "Basic dXNlcjpwYXNz"},
+      {"Cookie", "a=1; __Host-sandgate_token=anything; b=2"},
+      {"Cookie", "__Host-sandgate_token=x;__Host-sandgate_token"},
+      {"Cookie", "sandgate_token=not-ours-by-name"},
+  };
+  EXPECT_EQ(strip_credentials(target, headers, consumed), 8u);
+  EXPECT_EQ(target, "/p?a=1&b=2");
+  std::vector<std::pair<std::string, std::string>> left;
+  for (const HttpHeader& h : headers) left.emplace_back(h.name, h.value);
+  EXPECT_EQ(left, (std::vector<std::pair<std::string, std::string>>{
+                      {"Host", "8080-a.example"},
+                      {"Authorization", "Bearer the-apps-own"},
+                      {"Authorization", "Basic dXNlcjpwYXNz"},
+                      {"Cookie", "a=1; b=2"},
+                      {"Cookie", "sandgate_token=not-ours-by-name"},
+                  }));
+  // Nothing to take out: the request is left exactly as it was.
+  std::string plain = "/x?y=1";
+  std::vector<HttpHeader> none = {{"Cookie", "a=1;b=2"}};
+  EXPECT_EQ(strip_credentials(plain, none, ConsumedCredentials{}), 0u);
+  EXPECT_EQ(plain, "/x?y=1");
+  EXPECT_EQ(none[0].value, "a=1;b=2");
 }
 
 }  // namespace

@@ -1,0 +1,157 @@
+#include "proxy/http1_filter.h"
+
+#include <llhttp.h>
+#include <strings.h>
+
+#include <algorithm>
+
+namespace sg {
+
+const std::string* Http1Request::header(std::string_view name) const {
+  for (const HttpHeader& h : headers)
+    if (h.name.size() == name.size() && strncasecmp(h.name.data(), name.data(), name.size()) == 0) return &h.value;
+  return nullptr;
+}
+
+struct Http1RequestFilter::Parser {
+  llhttp_t parser{};
+  llhttp_settings_t settings{};
+  Http1Request request;
+  bool in_head = true;
+  bool last_was_value = false;
+  bool upgrade = false;  // the request being forwarded asks to switch protocols (Upgrade, CONNECT)
+  size_t head_bytes = 0;
+
+  static Parser* of(llhttp_t* p) { return static_cast<Parser*>(p->data); }
+
+  Parser() {
+    llhttp_settings_init(&settings);
+    settings.on_method = [](llhttp_t* p, const char* at, size_t len) {
+      of(p)->request.method.append(at, len);
+      return 0;
+    };
+    settings.on_url = [](llhttp_t* p, const char* at, size_t len) {
+      of(p)->request.target.append(at, len);
+      return 0;
+    };
+    settings.on_header_field = [](llhttp_t* p, const char* at, size_t len) {
+      Parser* self = of(p);
+      if (self->last_was_value || self->request.headers.empty()) self->request.headers.push_back({});
+      self->last_was_value = false;
+      self->request.headers.back().name.append(at, len);
+      return 0;
+    };
+    settings.on_header_value = [](llhttp_t* p, const char* at, size_t len) {
+      Parser* self = of(p);
+      self->last_was_value = true;
+      self->request.headers.back().value.append(at, len);
+      return 0;
+    };
+    // Pauses so feed() sees where the head ends: the head is judged (and rewritten) before a byte of it or
+    // of its body is forwarded.
+    settings.on_headers_complete = [](llhttp_t* p) {
+      Parser* self = of(p);
+      self->request.http_major = llhttp_get_http_major(p);
+      self->request.http_minor = llhttp_get_http_minor(p);
+      self->upgrade = llhttp_get_upgrade(p) != 0;
+      return static_cast<int>(HPE_PAUSED);
+    };
+    // Pauses so feed() knows where the next head begins.
+    settings.on_message_complete = [](llhttp_t*) { return static_cast<int>(HPE_PAUSED); };
+    llhttp_init(&parser, HTTP_REQUEST, &settings);
+    parser.data = this;
+  }
+
+  void next_message() {
+    request = Http1Request{};
+    in_head = true;
+    last_was_value = false;
+    upgrade = false;
+    head_bytes = 0;
+  }
+};
+
+Http1RequestFilter::Http1RequestFilter(size_t max_head_bytes, OnRequest on_request)
+    : parser_(std::make_unique<Parser>()), on_request_(std::move(on_request)), max_head_bytes_(max_head_bytes) {}
+
+Http1RequestFilter::~Http1RequestFilter() = default;
+
+namespace {
+
+size_t count_fields(const Http1Request& r, std::string_view name) {
+  return static_cast<size_t>(std::count_if(r.headers.begin(), r.headers.end(), [&](const HttpHeader& h) {
+    return h.name.size() == name.size() && strncasecmp(h.name.data(), name.data(), name.size()) == 0;
+  }));
+}
+
+}  // namespace
+
+Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::string& out) {
+  Parser& p = *parser_;
+  auto refuse = [&](int status, std::string reason) {
+    state_ = State::kRefused;
+    refusal_ = {status, std::move(reason)};
+    return state_;
+  };
+  while (!in.empty() && state_ == State::kRequests) {
+    // Only as much as can still be head goes to llhttp while in a head, so an endless head is cut off at
+    // the limit rather than buffered.
+    const size_t take = p.in_head ? std::min(in.size(), max_head_bytes_ + 1 - p.head_bytes) : in.size();
+    const llhttp_errno_t err = llhttp_execute(&p.parser, in.data(), take);
+    const size_t used =
+        err == HPE_OK ? take : static_cast<size_t>(llhttp_get_error_pos(&p.parser) - in.data());
+    if (err != HPE_OK && err != HPE_PAUSED && err != HPE_PAUSED_UPGRADE)
+      return refuse(400, std::string("malformed HTTP request: ") + llhttp_get_error_reason(&p.parser));
+    if (p.in_head) {
+      p.head_bytes += used;
+      in.remove_prefix(used);
+      if (err == HPE_OK) {
+        if (p.head_bytes > max_head_bytes_)
+          return refuse(431, "request head exceeds " + std::to_string(max_head_bytes_) + " bytes");
+        continue;
+      }
+      // The head is complete (HPE_PAUSED from on_headers_complete).
+      llhttp_resume(&p.parser);
+      p.in_head = false;
+      // RFC 9112 §3.2: an HTTP/1.1 request has exactly one Host; two would let the edge and the sandbox's
+      // server each believe a different one.
+      const size_t hosts = count_fields(p.request, "host");
+      if (hosts > 1 || (hosts == 0 && p.request.http_minor >= 1))
+        return refuse(400, hosts > 1 ? "more than one Host header" : "missing Host header");
+      Http1Verdict verdict = on_request_(p.request);
+      if (verdict.refuse_status != 0) return refuse(verdict.refuse_status, std::move(verdict.reason));
+      out += serialize_request_head(p.request);
+      ++forwarded_;
+      continue;
+    }
+    // Body bytes, chunk framing included, go as they came.
+    out.append(in.data(), used);
+    in.remove_prefix(used);
+    if (err == HPE_PAUSED_UPGRADE || (err == HPE_PAUSED && p.upgrade)) {
+      if (err == HPE_PAUSED) llhttp_resume_after_upgrade(&p.parser);
+      state_ = State::kTunnel;
+      break;
+    }
+    if (err == HPE_PAUSED) {  // the message is complete: a new head follows
+      llhttp_resume(&p.parser);
+      p.next_message();
+    }
+  }
+  if (state_ == State::kTunnel) out.append(in.data(), in.size());
+  return state_;
+}
+
+std::string serialize_request_head(const Http1Request& r) {
+  std::string out;
+  size_t size = r.method.size() + r.target.size() + 16;
+  for (const HttpHeader& h : r.headers) size += h.name.size() + h.value.size() + 4;
+  out.reserve(size);
+  out.append(r.method).append(" ").append(r.target);
+  out.append(" HTTP/").append(std::to_string(r.http_major)).append(".").append(std::to_string(r.http_minor));
+  out.append("\r\n");
+  for (const HttpHeader& h : r.headers) out.append(h.name).append(": ").append(h.value).append("\r\n");
+  out.append("\r\n");
+  return out;
+}
+
+}  // namespace sg
