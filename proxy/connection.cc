@@ -33,8 +33,9 @@ uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
 
 Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
     : worker_(worker),
-      cfg_(worker->shared()->config.get()),
-      tls_(worker->shared()->tls.load()),
+      snapshot_(worker->shared()->snapshot()),
+      cfg_(snapshot_->config.get()),
+      tls_(snapshot_->tls.get()),
       client_fd_(std::move(client)),
       // The head must fit in the buffer that later forwards it; one byte more detects "too large".
       c2u_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
@@ -398,9 +399,9 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   // every request: the operator token (which opens every sandbox and api.<domain>) must never be one. Refused
   // with a 400 that says what to use rather than redirected without the cookie, which would land the browser
   // on an unexplained 401; and refused here, before the node is asked, so nothing is woken for it.
-  if (const auto op = worker_->shared()->operator_token.load(); op && !op->empty())
+  if (const std::string& op = snapshot_->operator_token; !op.empty())
     for (const Credential& c : credentials_)
-      if (c.source == CredentialSource::kQueryParameter && token_matches(c.token, *op))
+      if (c.source == CredentialSource::kQueryParameter && token_matches(c.token, op))
         return respond(400,
                        "the operator token is not accepted in ?sandgate_token= (it would be stored in a cookie "
                        "that reaches the sandbox): use this sandbox's own token there, or an Authorization: "
@@ -495,7 +496,7 @@ void Connection::start_request_filters() {
   // What the edge consumed is recognised in every request and taken out: the credential the node accepted
   // (none on a public port), the operator token, and the sandbox's own token whatever the port.
   consumed_ = ConsumedCredentials{};
-  if (const auto op = worker_->shared()->operator_token.load(); op && !op->empty()) consumed_.tokens.push_back(*op);
+  if (!snapshot_->operator_token.empty()) consumed_.tokens.push_back(snapshot_->operator_token);
   if (!opened_public_ && credential_index_ < credentials_.size())
     consumed_.tokens.push_back(credentials_[credential_index_].token);
   consumed_.sandbox_token_sha256 = sandbox_token_sha256_;
@@ -586,9 +587,9 @@ void Connection::open_sandbox() {
 
 // api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
 void Connection::open_node_api() {
-  auto token = worker_->shared()->operator_token.load();
+  const std::string& token = snapshot_->operator_token;
   bool allowed = false;
-  for (const auto& c : credentials_) allowed = allowed || (token && !token->empty() && token_matches(c.token, *token));
+  for (const auto& c : credentials_) allowed = allowed || (!token.empty() && token_matches(c.token, token));
   if (!allowed) {
     return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
                    TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});

@@ -33,6 +33,7 @@ namespace sg {
 
 class Worker;
 struct Config;
+struct ProxySnapshot;
 
 // A fixed-size byte buffer filled at the end and drained from the front; never reallocated.
 class ByteBuffer {
@@ -200,8 +201,9 @@ class Connection {
   }
 
   Worker* worker_;
-  std::shared_ptr<const Config> cfg_;
-  std::shared_ptr<TlsContexts> tls_;
+  std::shared_ptr<const ProxySnapshot> snapshot_;  // the reload this connection was accepted under
+  const Config* cfg_;                               // snapshot_'s parts
+  TlsContexts* tls_;
   Phase phase_ = Phase::kHandshake;
   UniqueFd client_fd_;
   UniqueFd upstream_fd_;

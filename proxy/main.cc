@@ -47,13 +47,11 @@ void reload(Proxy* p) {
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
   if (!token) return spdlog::error("reload failed, keeping the running config: {}{}", token.message(), hint);
-  p->shared->operator_token.store(std::make_shared<const std::string>(std::move(*token)));
   // Listeners, workers, the access log and the user the proxy runs as stay as they were; limits, timeouts,
-  // routes and certificates apply to connections accepted from now on.
-  p->shared->tls.store(*tls);
+  // routes, certificates and the operator token apply together to connections accepted from now on.
   if ((*cfg)->proxy.user != p->user || (*cfg)->proxy.group != p->group)
     spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
-  p->shared->config.swap(*cfg);
+  p->shared->replace(std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*token)}));
   spdlog::info("config reloaded from {}", p->config_path);
 }
 
@@ -117,7 +115,8 @@ int main(int argc, char** argv) {
   }
   signal(SIGPIPE, SIG_IGN);
 
-  proxy.shared = std::make_unique<sg::ProxyShared>(*cfg, *tls);
+  proxy.shared = std::make_unique<sg::ProxyShared>(
+      std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*operator_token)}));
   auto fd_limit = sg::raise_fd_limit();
   if (!fd_limit) {
     spdlog::error("{}", fd_limit.message());
@@ -128,7 +127,6 @@ int main(int argc, char** argv) {
   spdlog::info("RLIMIT_NOFILE {} (hard {}) carries {} connections at {} fds each; effective max_connections {}",
                fd_limit->soft, fd_limit->hard, proxy.shared->fd_max_connections, sg::kFdsPerConnection,
                std::min((*cfg)->proxy.max_connections, proxy.shared->fd_max_connections));
-  proxy.shared->operator_token.store(std::make_shared<const std::string>(std::move(*operator_token)));
   auto access_log = sg::AccessLog::open((*cfg)->proxy.access_log);
   if (!access_log) {
     spdlog::error("{}", access_log.message());

@@ -41,7 +41,7 @@ Worker::~Worker() {
 }
 
 Status Worker::bind(const std::vector<Endpoint>& listen) {
-  auto cfg = shared_->config.get();
+  auto cfg = shared_->snapshot()->config;
   // Every address first: a failure leaves nothing in the loop (the descriptors close with `fds`).
   std::vector<UniqueFd> fds;
   std::vector<Endpoint> bound;
@@ -131,7 +131,7 @@ void Worker::on_accept(int listen_fd) {
       }
     }
     end_fd_shortage();
-    auto cfg = shared_->config.get();
+    auto cfg = shared_->snapshot()->config;
     uint32_t open = shared_->open_connections.fetch_add(1, std::memory_order_relaxed);
     std::string client = format_peer(reinterpret_cast<sockaddr*>(&peer));
     std::string address = client_address(client);
@@ -158,7 +158,7 @@ void Worker::pause_accepting(int err) {
     spdlog::warn("worker {}: accept: {}; pausing accepts for {} ms at a time until they succeed "
                  "({} connections open, effective max_connections {})",
                  index_, std::strerror(err), kAcceptPauseMs, shared_->open_connections.load(std::memory_order_relaxed),
-                 std::min(shared_->config.get()->proxy.max_connections, shared_->fd_max_connections));
+                 std::min(shared_->snapshot()->config->proxy.max_connections, shared_->fd_max_connections));
   }
   ++fd_shortage_pauses_;
   for (auto& poll : listen_polls_) uv_poll_stop(poll.get());
@@ -180,7 +180,7 @@ void Worker::report_activity() {
   if (report_in_flight_) return;  // the node is slow; the next report carries the accumulated deltas
   std::string body = traffic_.take_report(reporter_id_);
   if (body.empty()) return;
-  auto cfg = shared_->config.get();
+  auto cfg = shared_->snapshot()->config;
   report_in_flight_ = NodeRequest::start(&loop_, cfg->node_socket, "POST", "/v1/internal/activity", std::move(body),
                                          5000, {}, [this](Result<NodeResponse> r) {
                                            if (!r) spdlog::warn("activity report failed: {}", r.message());

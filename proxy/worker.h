@@ -24,13 +24,22 @@ namespace sg {
 
 class Connection;
 
-// State every worker reads. Config and TLS contexts are immutable snapshots swapped whole on reload; a
-// connection keeps the snapshot it started with.
+// Everything a reload replaces, as one immutable value: the config, the TLS contexts made from it and the
+// operator token it names. A connection takes the current one at accept and keeps it, so its limits, its
+// certificate and the token it checks always come from the same reload.
+struct ProxySnapshot {
+  std::shared_ptr<const Config> config;
+  std::shared_ptr<TlsContexts> tls;
+  std::string operator_token;  // "" when operator_token_file is not set (read_operator_token)
+};
+
+// State every worker reads.
 struct ProxyShared {
-  explicit ProxyShared(std::shared_ptr<const Config> cfg, std::shared_ptr<TlsContexts> tls)
-      : config(std::move(cfg)), tls(std::move(tls)) {}
-  ConfigHolder config;
-  std::atomic<std::shared_ptr<TlsContexts>> tls;
+  explicit ProxyShared(std::shared_ptr<const ProxySnapshot> initial) : snapshot_(std::move(initial)) {}
+  std::shared_ptr<const ProxySnapshot> snapshot() const { return snapshot_.load(std::memory_order_acquire); }
+  // SIGHUP: connections accepted from now on see `next`; open ones keep theirs.
+  void replace(std::shared_ptr<const ProxySnapshot> next) { snapshot_.store(std::move(next), std::memory_order_release); }
+
   std::unique_ptr<AccessLog> access_log;
   ConnectionLimits sandbox_limits;  // by sandbox id, against proxy.max_connections_per_sandbox
   ConnectionLimits client_limits;   // by client address (no port), against proxy.max_connections_per_client
@@ -38,8 +47,9 @@ struct ProxyShared {
   // What RLIMIT_NOFILE carries (max_connections_for_fd_limit); the effective limit is the smaller of this
   // and proxy.max_connections. Set once before the workers start (the rlimit does not change on reload).
   uint32_t fd_max_connections = UINT32_MAX;
-  // What api.<domain> requires (read_operator_token); swapped with the config on reload.
-  std::atomic<std::shared_ptr<const std::string>> operator_token{std::make_shared<const std::string>()};
+
+ private:
+  std::atomic<std::shared_ptr<const ProxySnapshot>> snapshot_;
 };
 
 class Worker {
