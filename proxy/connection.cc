@@ -9,7 +9,6 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
-#include <nlohmann/json.hpp>
 
 #include "common/log.h"
 #include "proxy/worker.h"
@@ -100,7 +99,7 @@ void Connection::update_interest() {
   int want_upstream = 0;
   switch (phase_) {
     case Phase::kHandshake:
-      if (!lookup_request_) want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
+      if (!node_call_) want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
       break;
     case Phase::kReadHead:
       want_client = UV_READABLE;
@@ -206,47 +205,34 @@ void Connection::look_up_port_policy() {
     hello_.port_public = known->is_public;
     return do_handshake();
   }
-  nlohmann::json body = {{"sandbox", route->target}, {"port", port}};
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
   uint32_t lookup_ms = std::min(cfg_->proxy.wake_timeout_ms, cfg_->proxy.handshake_timeout_ms / 2);
-  lookup_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/lookup", body.dump(),
-                                       lookup_ms, "",
-                                       [this](Result<NodeResponse> r) { on_lookup_result(std::move(r)); });
+  node_call_ = worker_->node().lookup(route->target, port, lookup_ms,
+                                      [this](Result<LookupAnswer> r) { on_lookup_result(std::move(r)); });
   update_interest();
 }
 
-void Connection::on_lookup_result(Result<NodeResponse> r) {
-  auto request = std::move(lookup_request_);  // destroyed when this function returns, after its callback
+void Connection::on_lookup_result(Result<LookupAnswer> r) {
+  auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
   // Whatever the answer, the handshake goes on: an unknown sandbox or port is answered (404/403) over
   // HTTP once the head names it, which a client can show, unlike a failed handshake.
   hello_.policy_known = true;
   if (r && r->status == 200) {
-    auto json = nlohmann::json::parse(r->body, nullptr, false);
-    if (json.is_object() && json.contains("protocol") && json["protocol"].is_string())
-      hello_.port_protocol = json["protocol"].get<std::string>();
-    hello_.port_public = json.is_object() && json.contains("public") && json["public"].is_boolean() &&
-                         json["public"].get<bool>();
-    remember_port_policy(json);
+    hello_.port_protocol = r->policy.protocol;
+    hello_.port_public = r->policy.is_public;
+    remember_port_policy(r->port, r->policy);
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
   do_handshake();
 }
 
-// From a lookup or open answer ({"id", "port", "protocol", "public"}), for the next connection's ClientHello.
-void Connection::remember_port_policy(const nlohmann::json& answer) {
-  if (!answer.is_object() || !answer.contains("id") || !answer["id"].is_string() || !answer.contains("port") ||
-      !answer["port"].is_number_unsigned() || answer["port"].get<uint64_t>() > 65535 ||
-      !answer.contains("protocol") || !answer["protocol"].is_string())
-    return;
+// For the next connection's ClientHello, under the name its SNI uses.
+void Connection::remember_port_policy(uint16_t port, const PortPolicy& policy) {
   auto route = parse_route(rec_.sni, cfg_->domain);
   if (!route || route->kind == RouteKind::kApi) return;
-  const bool is_public = answer.contains("public") && answer["public"].is_boolean() && answer["public"].get<bool>();
-  worker_->port_policies().store(route->target, static_cast<uint16_t>(answer["port"].get<uint64_t>()),
-                                 PortPolicy{answer["id"].get<std::string>(), answer["protocol"].get<std::string>(),
-                                            is_public},
-                                 now_ms(worker_->loop()));
+  worker_->port_policies().store(route->target, port, policy, now_ms(worker_->loop()));
 }
 
 void Connection::after_handshake() {
@@ -574,15 +560,11 @@ void Connection::open_sandbox() {
   uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
   if (open_started_ms_ == 0) open_started_ms_ = now_ms(worker_->loop());
-  nlohmann::json body = {{"sandbox", route_.target}, {"port", route_.port}};
   // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
-  nlohmann::json candidates = nlohmann::json::array();
+  std::vector<std::string> candidates;
   for (const Credential& c : credentials_) candidates.push_back(c.token);
-  if (!candidates.empty()) body["credentials"] = std::move(candidates);
-  open_request_ = NodeRequest::start(worker_->loop(), cfg_->node_socket, "POST", "/v1/internal/open", body.dump(),
-                                     wake_ms + 1000,
-                                     "X-Sandgate-Wake-Timeout-Ms: " + std::to_string(wake_ms) + "\r\n",
-                                     [this](Result<NodeResponse> r) { on_open_result(std::move(r)); });
+  node_call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms,
+                                    [this](Result<OpenAnswer> r) { on_open_result(std::move(r)); });
 }
 
 // api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
@@ -606,20 +588,18 @@ void Connection::open_node_api() {
   start_connect(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, false);
 }
 
-void Connection::on_open_result(Result<NodeResponse> r) {
-  auto request = std::move(open_request_);  // destroyed when this function returns, after its callback
+void Connection::on_open_result(Result<OpenAnswer> r) {
+  auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
   if (!r) {
     if (r.error() == Error::kTimeout)
       return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
     spdlog::warn("node request failed: {}", r.message());
+    if (r.error() == Error::kInternal)
+      return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
     return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
   }
-  NodeResponse& resp = *r;
-  auto json = nlohmann::json::parse(resp.body, nullptr, false);
-  std::string message = json.is_object() && json.contains("message") && json["message"].is_string()
-                            ? json["message"].get<std::string>()
-                            : std::string();
-  switch (resp.status) {
+  const std::string& message = r->message;
+  switch (r->status) {
     case 200:
       break;
     case 401:
@@ -645,23 +625,18 @@ void Connection::on_open_result(Result<NodeResponse> r) {
       return respond(503, "sandbox is not available: " + message + "\n", TerminationCause::kWakeFailed,
                      {{"Retry-After", "5"}});
   }
-  if (!json.is_object() || !json.contains("id") || !json["id"].is_string() || !resp.passed_fd.valid()) {
-    return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
-  }
-  rec_.sandbox_id = json["id"].get<std::string>();
-  remember_port_policy(json);
-  if (json.contains("opened_at") && json["opened_at"].is_number_unsigned())
-    opened_at_ = json["opened_at"].get<uint64_t>();
-  if (json.contains("woke") && json["woke"].is_boolean()) rec_.woke = json["woke"].get<bool>();
-  if (json.contains("wake_ms") && json["wake_ms"].is_number()) rec_.wake_ms = json["wake_ms"].get<double>();
-  bool port_public = json.contains("public") && json["public"].is_boolean() && json["public"].get<bool>();
-  credential_index_ = credentials_.size();  // none verified (a public port checks none)
-  if (json.contains("credential") && json["credential"].is_number_unsigned() &&
-      json["credential"].get<uint64_t>() < credentials_.size())
-    credential_index_ = static_cast<size_t>(json["credential"].get<uint64_t>());
+  OpenedSocket& opened = r->opened;
+  rec_.sandbox_id = opened.id;
+  remember_port_policy(opened.port, opened.policy);
+  opened_at_ = opened.opened_at;
+  rec_.woke = opened.woke;
+  rec_.wake_ms = opened.wake_ms;
+  const bool port_public = opened.policy.is_public;
   opened_public_ = port_public;
-  if (json.contains("token_sha256") && json["token_sha256"].is_string())
-    sandbox_token_sha256_ = json["token_sha256"].get<std::string>();
+  // none verified (a public port checks none)
+  credential_index_ = opened.credential && *opened.credential < credentials_.size() ? *opened.credential
+                                                                                   : credentials_.size();
+  sandbox_token_sha256_ = opened.token_sha256;
   // A browser's one-time ?sandgate_token=: now verified, it becomes a cookie and leaves the URL. Not on a
   // public port, where the node verified nothing.
   if (!port_public && credential_index_ < credentials_.size() &&
@@ -682,16 +657,13 @@ void Connection::on_open_result(Result<NodeResponse> r) {
   traffic_ = worker_->traffic().open_connection(rec_.sandbox_id);
   // How to use the socket depends on the driver: connect it to the sandbox-side port (normally the routed
   // port), or take it as it is when the driver already connected it (e.g. a vsock stream).
-  uint16_t connect_port = route_.port;
-  if (json.contains("connect_port") && json["connect_port"].is_number_unsigned() &&
-      json["connect_port"].get<uint64_t>() >= 1 && json["connect_port"].get<uint64_t>() <= 65535)
-    connect_port = static_cast<uint16_t>(json["connect_port"].get<uint64_t>());
-  bool connected = json.contains("connected") && json["connected"].is_boolean() && json["connected"].get<bool>();
+  const uint16_t connect_port = opened.connect_port;
+  const bool connected = opened.connected;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(connect_port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  start_connect(std::move(resp.passed_fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, connected);
+  start_connect(std::move(opened.socket), reinterpret_cast<sockaddr*>(&addr), sizeof addr, connected);
 }
 
 void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected) {
@@ -1053,7 +1025,7 @@ void Connection::respond(int status, std::string_view body, TerminationCause cau
 void Connection::respond_bytes(std::string out, TerminationCause cause) {
   respond_cause_ = cause;
   uv_timer_stop(&deadline_);
-  open_request_.reset();
+  node_call_.reset();
   u2c_ = std::make_unique<ByteBuffer>(out.size());
   std::memcpy(u2c_->write_ptr(), out.data(), out.size());
   u2c_->produced(out.size());
@@ -1114,7 +1086,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   phase_ = Phase::kClosed;
   rec_.cause = cause;
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
-  open_request_.reset();
+  node_call_.reset();
   worker_->shared()->access_log->write(rec_);
   if (holds_sandbox_slot_) worker_->shared()->sandbox_limits.release(rec_.sandbox_id);
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);

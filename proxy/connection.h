@@ -13,8 +13,6 @@
 #include <optional>
 #include <string>
 
-#include <nlohmann/json_fwd.hpp>
-
 #include "common/fd.h"
 #include "common/http.h"
 #include "proxy/access_log.h"
@@ -23,7 +21,7 @@
 #include "proxy/h2_head.h"
 #include "proxy/http1_filter.h"
 #include "proxy/ktls.h"
-#include "proxy/node_client.h"
+#include "proxy/node_api.h"
 #include "proxy/route.h"
 #include "proxy/splice_pipe.h"
 #include "proxy/tls.h"
@@ -99,8 +97,8 @@ class Connection {
 
   void do_handshake();
   void look_up_port_policy();
-  void on_lookup_result(Result<NodeResponse> r);
-  void remember_port_policy(const nlohmann::json& answer);
+  void on_lookup_result(Result<LookupAnswer> r);
+  void remember_port_policy(uint16_t port, const PortPolicy& policy);
   void after_handshake();
   void read_head();
   void on_head();
@@ -136,7 +134,7 @@ class Connection {
   bool frame_upstream_bytes();
   void open_sandbox();
   void open_node_api();
-  void on_open_result(Result<NodeResponse> r);
+  void on_open_result(Result<OpenAnswer> r);
   void start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected);
   void finish_connect();
   void begin_forwarding();
@@ -226,7 +224,7 @@ class Connection {
   std::unique_ptr<HttpParser> head_parser_;
   std::unique_ptr<H2RequestScanner> h2_scanner_;
   HelloState hello_;                       // SNI and the routed port's policy, filled during the handshake
-  std::unique_ptr<NodeRequest> lookup_request_;
+  std::unique_ptr<NodeCall> node_call_;  // the lookup at the ClientHello or the open; one at a time
   bool h2_ = false;                        // ALPN h2: the first request arrives as an HTTP/2 HEADERS frame
   uint32_t h2_stream_ = 0;                 // that request's stream, which the proxy's own answers go to
   bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
@@ -240,7 +238,6 @@ class Connection {
   ByteBuffer c2u_;                  // client -> upstream; also holds the request head until forwarded
   std::unique_ptr<ByteBuffer> u2c_; // upstream -> client (or the proxy's own response)
   Route route_;
-  std::unique_ptr<NodeRequest> open_request_;
   uint64_t open_started_ms_ = 0;
   uint64_t opened_at_ = 0;  // the node's stamp of the open that gave the socket (0: not opened)
   bool opened_public_ = false;  // the port needed no token

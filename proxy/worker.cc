@@ -7,10 +7,9 @@
 #include <cerrno>
 #include <cstring>
 
-#include <nlohmann/json.hpp>
-
 #include "common/log.h"
 #include "proxy/connection.h"
+#include "proxy/unix_node_client.h"
 
 namespace sg {
 namespace {
@@ -24,9 +23,10 @@ std::string client_address(const std::string& peer) { return peer.substr(0, peer
 
 }  // namespace
 
-Worker::Worker(int index, ProxyShared* shared)
+Worker::Worker(int index, ProxyShared* shared, std::unique_ptr<NodeClient> node)
     : index_(index), shared_(shared), reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
   uv_loop_init(&loop_);
+  node_ = node ? std::move(node) : std::make_unique<UnixNodeClient>(&loop_, shared_);
 }
 
 Worker::~Worker() {
@@ -180,38 +180,25 @@ void Worker::report_activity() {
   if (report_in_flight_) return;  // the node is slow; the next report carries the accumulated deltas
   std::string body = traffic_.take_report(reporter_id_);
   if (body.empty()) return;
-  auto cfg = shared_->snapshot()->config;
-  report_in_flight_ = NodeRequest::start(&loop_, cfg->node_socket, "POST", "/v1/internal/activity", std::move(body),
-                                         5000, {}, [this](Result<NodeResponse> r) {
-                                           if (!r) spdlog::warn("activity report failed: {}", r.message());
-                                           else if (r->status >= 300)
-                                             spdlog::warn("activity report rejected: {} {}", r->status, r->body);
-                                           else cut_connections(r->body);
-                                           // Freed after this callback returns (see NodeRequest::finish).
-                                           auto done = std::move(report_in_flight_);
-                                         });
+  report_in_flight_ = node_->report_activity(std::move(body), [this](Result<ActivityCuts> r) {
+    auto done = std::move(report_in_flight_);  // freed when this callback returns
+    if (!r) return spdlog::warn("activity report failed: {}", r.message());
+    cut_connections(*r);
+  });
 }
 
-void Worker::cut_connections(const std::string& answer) {
-  auto json = nlohmann::json::parse(answer, nullptr, false);
-  if (!json.is_object()) return;
-  auto cut = [&](const char* list, const char* stamp_key, Connection::Cut why, const char* what) {
-    if (!json.contains(list) || !json[list].is_array()) return;
-    for (const auto& a : json[list]) {
-      if (!a.is_object() || !a.contains("id") || !a["id"].is_string() || !a.contains(stamp_key) ||
-          !a[stamp_key].is_number_unsigned())
-        continue;
-      const std::string id = a["id"].get<std::string>();
-      const uint64_t stamp = a[stamp_key].get<uint64_t>();
+void Worker::cut_connections(const ActivityCuts& cuts) {
+  auto cut = [&](const std::vector<ActivityCuts::Cut>& list, Connection::Cut why, const char* what) {
+    for (const ActivityCuts::Cut& c : list) {
       // close() takes the connection out of connections_, so the candidates are copied first.
       std::vector<Connection*> open(connections_.begin(), connections_.end());
       size_t n = 0;
-      for (Connection* c : open) n += c->cut_if_opened_before(id, stamp, why) ? 1 : 0;
-      if (n > 0) spdlog::info("sandbox {} {}: closed {} connection(s) opened before", id, what, n);
+      for (Connection* conn : open) n += conn->cut_if_opened_before(c.id, c.stamp, why) ? 1 : 0;
+      if (n > 0) spdlog::info("sandbox {} {}: closed {} connection(s) opened before", c.id, what, n);
     }
   };
-  cut("asleep", "suspended_at", Connection::Cut::kSuspended, "is suspended");
-  cut("revoked", "rotated_at", Connection::Cut::kTokenRevoked, "has a new token");
+  cut(cuts.asleep, Connection::Cut::kSuspended, "is suspended");
+  cut(cuts.revoked, Connection::Cut::kTokenRevoked, "has a new token");
 }
 
 }  // namespace sg

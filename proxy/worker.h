@@ -15,7 +15,7 @@
 #include "common/fd.h"
 #include "config/config.h"
 #include "proxy/access_log.h"
-#include "proxy/node_client.h"
+#include "proxy/node_api.h"
 #include "proxy/port_policy_cache.h"
 #include "proxy/tls.h"
 #include "proxy/traffic.h"
@@ -59,7 +59,9 @@ class Worker {
   static constexpr uint64_t kPortPolicyTtlMs = 10'000;
   static constexpr size_t kMaxPortPolicies = 100'000;
 
-  Worker(int index, ProxyShared* shared);
+  // `node`: how this worker reaches its node; null = the node's unix socket (UnixNodeClient). Tests pass a
+  // fake.
+  Worker(int index, ProxyShared* shared, std::unique_ptr<NodeClient> node = nullptr);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -80,6 +82,7 @@ class Worker {
   ProxyShared* shared() { return shared_; }
   WorkerTraffic& traffic() { return traffic_; }
   PortPolicyCache& port_policies() { return port_policies_; }
+  NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
 
@@ -96,7 +99,7 @@ class Worker {
   void report_activity();
   // The node's answer to a report names the reported sandboxes that are asleep or have a new token: their
   // connections opened before that go.
-  void cut_connections(const std::string& answer);
+  void cut_connections(const ActivityCuts& cuts);
 
   int index_;
   ProxyShared* shared_;
@@ -112,7 +115,8 @@ class Worker {
   std::unordered_set<Connection*> connections_;
   WorkerTraffic traffic_;
   PortPolicyCache port_policies_{kPortPolicyTtlMs, kMaxPortPolicies};
-  std::unique_ptr<NodeRequest> report_in_flight_;
+  std::unique_ptr<NodeClient> node_;
+  std::unique_ptr<NodeCall> report_in_flight_;
   std::string reporter_id_;
   std::thread thread_;
   bool loop_ready_ = false;  // bind() set up every handle: the destructor can close them without the thread

@@ -1,0 +1,81 @@
+// What a proxy asks its node, with typed answers: the port policy at a ClientHello, the open of a sandbox
+// port (auth + wake + a socket), and the activity report. Connection and Worker talk to this interface only,
+// so their phases are unit-tested against a fake node (tests/unit/proxy/connection_test.cc); the real one
+// speaks the node API's JSON over its unix socket (unix_node_client.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fd.h"
+#include "proxy/port_policy_cache.h"
+
+namespace sg {
+
+// A request in flight. Destroying it cancels it: its callback never runs. Destroying it from inside its own
+// callback is allowed.
+class NodeCall {
+ public:
+  virtual ~NodeCall() = default;
+};
+
+struct LookupAnswer {
+  int status = 0;       // the node's HTTP status; 200: `policy` and `port` are set
+  std::string message;  // the node's message otherwise
+  uint16_t port = 0;
+  PortPolicy policy;
+};
+
+struct OpenedSocket {
+  std::string id;
+  uint16_t port = 0;
+  PortPolicy policy;
+  bool woke = false;
+  double wake_ms = 0;
+  uint16_t connect_port = 0;  // where to connect the socket (127.0.0.1), unless `connected`
+  bool connected = false;     // the socket is already connected to the port (a vsock stream)
+  uint64_t opened_at = 0;     // the node's stamp of this open (suspends and rotations cut older connections)
+  std::string token_sha256;   // the sandbox's token, recognised and removed in every request
+  std::optional<size_t> credential;  // which candidate verified; none on a public port
+  UniqueFd socket;
+};
+
+struct OpenAnswer {
+  int status = 0;       // the node's HTTP status: 200 opened, 401, 403, 404, 502, 503, 504, ...
+  std::string message;  // the node's message when status != 200
+  OpenedSocket opened;  // status 200
+};
+
+// The node's answer to an activity report: the reported sandboxes whose older connections must go.
+struct ActivityCuts {
+  struct Cut {
+    std::string id;
+    uint64_t stamp = 0;  // connections opened before it go
+  };
+  std::vector<Cut> asleep;   // suspending or suspended
+  std::vector<Cut> revoked;  // token rotated
+};
+
+class NodeClient {
+ public:
+  virtual ~NodeClient() = default;
+  // Failures (the callback's Result): the node did not answer in `timeout_ms` (kTimeout), could not be
+  // reached (kUnavailable), or answered something that is not its API (kInternal).
+  virtual std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, uint32_t timeout_ms,
+                                           std::function<void(Result<LookupAnswer>)> done) = 0;
+  // Checks `credentials` (the first that verifies is used) unless the port is public, wakes the sandbox
+  // within `wake_timeout_ms`, and hands over a socket to the port.
+  virtual std::unique_ptr<NodeCall> open(const std::string& sandbox, uint16_t port,
+                                         std::span<const std::string> credentials, uint32_t wake_timeout_ms,
+                                         std::function<void(Result<OpenAnswer>)> done) = 0;
+  virtual std::unique_ptr<NodeCall> report_activity(std::string report_json,
+                                                    std::function<void(Result<ActivityCuts>)> done) = 0;
+};
+
+}  // namespace sg

@@ -1,0 +1,326 @@
+// A connection's phases against a fake node: a real Worker (its own loop thread, a listener on 127.0.0.1),
+// a real TLS client, and a FakeNode that answers lookups and opens as each test scripts them. An open that
+// succeeds hands over one end of a socketpair ("connected"), whose other end is the test's sandbox: it
+// reads what the edge forwarded and writes the answers.
+#include "proxy/connection.h"
+
+#include <gtest/gtest.h>
+#include <openssl/err.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "proxy/worker.h"
+#include "tests/unit/test_cert.h"
+
+namespace sg {
+namespace {
+
+struct OpenRequest {
+  std::string sandbox;
+  uint16_t port = 0;
+  std::vector<std::string> credentials;
+};
+
+// Answers on the worker's loop (never inside the call, as the real client promises), from the script the
+// test set. Calls are counted; the lists are read by the test thread under the mutex.
+class FakeNode : public NodeClient {
+ public:
+  // What an open is answered with; nullopt: never answered (the connection's deadline must end it).
+  std::function<std::optional<Result<OpenAnswer>>(const OpenRequest&)> on_open;
+  PortPolicy policy{"sb-demo", "http1", false};
+
+  void attach(uv_loop_t* loop) { loop_ = loop; }
+
+  std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, uint32_t,
+                                   std::function<void(Result<LookupAnswer>)> done) override {
+    {
+      std::lock_guard lock(mu);
+      ++lookups;
+    }
+    (void)sandbox;
+    LookupAnswer a{200, "", port, policy};
+    return later([done = std::move(done), a]() mutable { done(std::move(a)); });
+  }
+
+  std::unique_ptr<NodeCall> open(const std::string& sandbox, uint16_t port, std::span<const std::string> credentials,
+                                 uint32_t, std::function<void(Result<OpenAnswer>)> done) override {
+    OpenRequest req{sandbox, port, {credentials.begin(), credentials.end()}};
+    {
+      std::lock_guard lock(mu);
+      opens.push_back(req);
+    }
+    auto answer = on_open(req);
+    if (!answer) return std::make_unique<Pending>(loop_, nullptr);
+    // std::function needs a copyable callable; the answer holds a socket.
+    auto held = std::make_shared<Result<OpenAnswer>>(std::move(*answer));
+    return later([done = std::move(done), held] { done(std::move(*held)); });
+  }
+
+  std::unique_ptr<NodeCall> report_activity(std::string, std::function<void(Result<ActivityCuts>)> done) override {
+    return later([done = std::move(done)] { done(ActivityCuts{}); });
+  }
+
+  std::mutex mu;
+  int lookups = 0;
+  std::vector<OpenRequest> opens;
+
+ private:
+  // A timer 0 on the loop runs the answer; destroying the call first cancels it.
+  class Pending : public NodeCall {
+   public:
+    Pending(uv_loop_t* loop, std::function<void()> fire) : fire_(std::move(fire)) {
+      if (!fire_) return;
+      timer_ = new uv_timer_t;
+      uv_timer_init(loop, timer_);
+      timer_->data = this;
+      uv_timer_start(timer_, [](uv_timer_t* t) {
+        auto* self = static_cast<Pending*>(t->data);
+        auto fire = std::move(self->fire_);
+        fire();  // may destroy self
+      }, 0, 0);
+    }
+    ~Pending() override {
+      if (timer_) uv_close(reinterpret_cast<uv_handle_t*>(timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+    }
+
+   private:
+    std::function<void()> fire_;
+    uv_timer_t* timer_ = nullptr;
+  };
+  std::unique_ptr<NodeCall> later(std::function<void()> fire) { return std::make_unique<Pending>(loop_, std::move(fire)); }
+
+  uv_loop_t* loop_ = nullptr;
+};
+
+// Opened, with the connection's socket end; `sandbox` keeps the other end.
+Result<OpenAnswer> opened(UniqueFd* sandbox, std::optional<size_t> credential, bool is_public = false) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) != 0)
+    return fail(Error::kIo, "socketpair");
+  *sandbox = UniqueFd(sv[1]);
+  OpenAnswer a;
+  a.status = 200;
+  a.opened.id = "sb-demo";
+  a.opened.port = 8080;
+  a.opened.policy = PortPolicy{"sb-demo", "http1", is_public};
+  a.opened.connected = true;
+  a.opened.opened_at = 1;
+  a.opened.credential = credential;
+  a.opened.socket = UniqueFd(sv[0]);
+  return a;
+}
+
+// Reads what the edge forwarded to the sandbox until `until` appears (or EOF, or 5 s).
+std::string sandbox_reads(int fd, std::string_view until) {
+  std::string got;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (got.find(until) == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    char buf[4096];
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n > 0) got.append(buf, static_cast<size_t>(n));
+    else if (n == 0) break;
+    else ::usleep(2000);
+  }
+  return got;
+}
+
+class ConnectionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("sg-conn-" + std::to_string(::getpid()) + "-" +
+                                                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+    cert_.write_pem(dir_ / "cert.pem");
+    cert_.write_key_pem(dir_ / "key.pem");
+  }
+  void TearDown() override {
+    if (worker_) {
+      worker_->stop();
+      worker_->join();
+      worker_.reset();
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  void start(std::string extra_proxy = "") {
+    std::string toml = "domain = \"sandbox.localhost\"\n[proxy]\nlisten = \"127.0.0.1:0\"\nworkers = 1\nktls = \"off\"\n"
+                       "access_log = \"" + (dir_ / "access.log").string() + "\"\n" + extra_proxy +
+                       "\n[[proxy.certificates]]\ncert = \"" + (dir_ / "cert.pem").string() + "\"\nkey = \"" +
+                       (dir_ / "key.pem").string() + "\"\n";
+    auto cfg = load_config_string(toml, "test.toml");
+    ASSERT_TRUE(cfg) << cfg.message();
+    auto tls = TlsContexts::create(**cfg);
+    ASSERT_TRUE(tls) << tls.message();
+    shared_ = std::make_unique<ProxyShared>(std::make_shared<const ProxySnapshot>(ProxySnapshot{*cfg, *tls, ""}));
+    auto log = AccessLog::open((*cfg)->proxy.access_log);
+    ASSERT_TRUE(log) << log.message();
+    shared_->access_log = std::move(*log);
+    auto fake = std::make_unique<FakeNode>();
+    node_ = fake.get();
+    worker_ = std::make_unique<Worker>(0, shared_.get(), std::move(fake));
+    node_->attach(worker_->loop());
+    ASSERT_TRUE(worker_->bind((*cfg)->proxy.listen));
+    worker_->start();
+  }
+
+  // One TLS connection to the worker: sends `request`, reads until the edge closes (or 5 s).
+  // `offer_alpn` false: no ALPN, which makes the edge ask for the port's policy at the ClientHello.
+  std::string exchange(const std::string& sni, const std::string& request, bool offer_alpn = true) {
+    SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+    static const unsigned char kAlpn[] = "\x08http/1.1";
+    if (offer_alpn) SSL_CTX_set_alpn_protos(ctx, kAlpn, sizeof kAlpn - 1);
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(worker_->bound()[0].port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::string out;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      SSL* ssl = SSL_new(ctx);
+      SSL_set_fd(ssl, fd);
+      SSL_set_tlsext_host_name(ssl, sni.c_str());
+      if (SSL_connect(ssl) == 1) {
+        SSL_write(ssl, request.data(), static_cast<int>(request.size()));
+        if (on_sent) on_sent();
+        char buf[4096];
+        for (;;) {
+          int n = SSL_read(ssl, buf, sizeof buf);
+          if (n <= 0) break;
+          out.append(buf, static_cast<size_t>(n));
+        }
+      } else {
+        out = "[handshake failed]";
+      }
+      SSL_free(ssl);
+    }
+    ::close(fd);
+    SSL_CTX_free(ctx);
+    return out;
+  }
+
+  // The access log's lines so far (each connection writes one when it ends, on the worker's thread).
+  std::string access_log_when(std::string_view needle) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    std::string text;
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::ifstream in(dir_ / "access.log");
+      std::stringstream ss;
+      ss << in.rdbuf();
+      text = ss.str();
+      if (text.find(needle) != std::string::npos) break;
+      ::usleep(5000);
+    }
+    return text;
+  }
+
+  std::function<void()> on_sent;
+  std::filesystem::path dir_;
+  test_support::TestCert cert_;
+  std::unique_ptr<ProxyShared> shared_;
+  std::unique_ptr<Worker> worker_;
+  FakeNode* node_ = nullptr;
+};
+
+const std::string kHost = "8080-demo.sandbox.localhost";
+
+TEST_F(ConnectionTest, RefusedCredentialsAre401AndAllCandidatesGoInOneOpen) {
+  start();
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{401, "invalid token", {}});
+  };
+  std::string r = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost +
+                                      "\r\nAuthorization: Bearer apps-own\r\nCookie: __Host-sandgate_token=tok\r\n\r\n");
+  EXPECT_NE(r.find("HTTP/1.1 401"), std::string::npos) << r;
+  EXPECT_NE(r.find("WWW-Authenticate: Bearer realm=\"sandgate\""), std::string::npos) << r;
+  std::lock_guard lock(node_->mu);
+  ASSERT_EQ(node_->opens.size(), 1u);
+  EXPECT_EQ(node_->opens[0].credentials, (std::vector<std::string>{"apps-own", "tok"}));
+  EXPECT_EQ(node_->opens[0].sandbox, "demo");
+  EXPECT_EQ(node_->opens[0].port, 8080);
+}
+
+TEST_F(ConnectionTest, NodeFailuresAreAnsweredWithTheirStatus) {
+  start("wake_timeout_ms = 300\nhandshake_timeout_ms = 2000\n");
+  struct Case {
+    int status;                  // the node's answer, or 0 for `failure`
+    std::optional<Error> failure;  // the node not answering properly; neither: never answered at all
+    std::string status_line;
+    std::string cause;
+  };
+  const std::vector<Case> cases = {
+      {404, {}, "HTTP/1.1 404", "unknown_sandbox"},
+      {403, {}, "HTTP/1.1 403", "port_not_exposed"},
+      {504, {}, "HTTP/1.1 503", "wake_timeout"},
+      {0, Error::kUnavailable, "HTTP/1.1 503", "node_unavailable"},
+      {0, Error::kInternal, "HTTP/1.1 502", "node_unavailable"},
+      {0, {}, "HTTP/1.1 503", "wake_timeout"},  // never answered: the connection's deadline
+  };
+  for (const Case& c : cases) {
+    node_->on_open = [c](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+      if (c.status != 0) return Result<OpenAnswer>(OpenAnswer{c.status, "from the fake", {}});
+      if (c.failure) return Result<OpenAnswer>(fail(*c.failure, "from the fake"));
+      return std::nullopt;
+    };
+    std::string r = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n");
+    EXPECT_EQ(r.rfind(c.status_line, 0), 0u) << c.cause << ": " << r;
+    EXPECT_NE(access_log_when("\"" + c.cause + "\"").find("\"" + c.cause + "\""), std::string::npos) << c.cause;
+  }
+}
+
+TEST_F(ConnectionTest, ForwardsWithoutTheCredentialAndRefusesAnotherHostOnTheConnection) {
+  start();
+  UniqueFd sandbox;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return opened(&sandbox, 0); };
+  std::string seen;
+  on_sent = [&] {
+    // The sandbox answers the first request; the edge then gives it a FIN for the refused second one.
+    for (int i = 0; i < 500 && !sandbox.valid(); ++i) ::usleep(2000);
+    seen = sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string answer = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+    ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+    seen += sandbox_reads(sandbox.get(), "never");  // until the edge's FIN
+    sandbox.reset();
+  };
+  std::string r = exchange(kHost, "GET /one HTTP/1.1\r\nHost: " + kHost + "\r\nAuthorization: Bearer tok\r\n\r\n" +
+                                      "GET /two HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n");
+  EXPECT_EQ(seen, "GET /one HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n");
+  const size_t ok = r.find("HTTP/1.1 200 OK");
+  const size_t misdirected = r.find("HTTP/1.1 421");
+  EXPECT_NE(ok, std::string::npos) << r;
+  EXPECT_NE(misdirected, std::string::npos) << r;
+  EXPECT_LT(ok, misdirected) << r;
+  EXPECT_NE(access_log_when("misdirected").find("\"misdirected\""), std::string::npos);
+}
+
+TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {
+  start();
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{401, "missing token", {}});
+  };
+  const std::string request = "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n";
+  exchange(kHost, request, /*offer_alpn=*/false);
+  exchange(kHost, request, /*offer_alpn=*/false);
+  {
+    std::lock_guard lock(node_->mu);
+    EXPECT_EQ(node_->lookups, 1) << "the second ClientHello found the policy in the cache";
+  }
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{404, "no such sandbox", {}});
+  };
+  exchange(kHost, request, /*offer_alpn=*/false);
+  exchange(kHost, request, /*offer_alpn=*/false);
+  std::lock_guard lock(node_->mu);
+  EXPECT_EQ(node_->lookups, 2) << "after a 404 the next connection asks again";
+}
+
+}  // namespace
+}  // namespace sg

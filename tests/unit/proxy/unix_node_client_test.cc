@@ -1,0 +1,80 @@
+#include "proxy/unix_node_client.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace sg {
+namespace {
+
+UniqueFd some_fd() {
+  int sv[2];
+  EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  ::close(sv[1]);
+  return UniqueFd(sv[0]);
+}
+
+TEST(UnixNodeClient, ParsesAnOpenAnswer) {
+  auto a = parse_open_answer(200,
+                             R"({"id":"sb-1","name":"demo","port":8080,"protocol":"h2c","public":true,"woke":true,)"
+                             R"("wake_ms":1.5,"connect_port":18080,"connected":false,"opened_at":42,)"
+                             R"("token_sha256":"abc","credential":1})",
+                             some_fd());
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_EQ(a->status, 200);
+  const OpenedSocket& o = a->opened;
+  EXPECT_EQ(o.id, "sb-1");
+  EXPECT_EQ(o.port, 8080);
+  EXPECT_EQ(o.policy.protocol, "h2c");
+  EXPECT_TRUE(o.policy.is_public);
+  EXPECT_TRUE(o.woke);
+  EXPECT_EQ(o.wake_ms, 1.5);
+  EXPECT_EQ(o.connect_port, 18080);
+  EXPECT_FALSE(o.connected);
+  EXPECT_EQ(o.opened_at, 42u);
+  EXPECT_EQ(o.token_sha256, "abc");
+  EXPECT_EQ(o.credential, std::optional<size_t>(1));
+  EXPECT_TRUE(o.socket.valid());
+  // Without connect_port, the routed port; credential null on a public port.
+  auto old = parse_open_answer(200, R"({"id":"sb-1","port":8080,"protocol":"http1","credential":null})", some_fd());
+  ASSERT_TRUE(old);
+  EXPECT_EQ(old->opened.connect_port, 8080);
+  EXPECT_FALSE(old->opened.credential);
+}
+
+TEST(UnixNodeClient, RefusalsCarryTheNodesMessage) {
+  auto a = parse_open_answer(401, R"({"error":"unauthorized","message":"invalid token"})", UniqueFd());
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->status, 401);
+  EXPECT_EQ(a->message, "invalid token");
+  auto garbage = parse_open_answer(503, "not json", UniqueFd());
+  ASSERT_TRUE(garbage);
+  EXPECT_EQ(garbage->status, 503);
+  EXPECT_EQ(garbage->message, "");
+}
+
+TEST(UnixNodeClient, GarbageFromTheNodeIsAnErrorNotACrash) {
+  for (std::string_view body : {"", "null", "[]", R"({"id":5,"port":8080,"protocol":"http1"})",
+                                R"({"id":"sb","port":70000,"protocol":"http1"})", R"({"id":"sb","port":8080})"}) {
+    EXPECT_FALSE(parse_open_answer(200, body, some_fd())) << body;
+    EXPECT_FALSE(parse_lookup_answer(200, body)) << body;
+  }
+  // A 200 without the socket is no open.
+  EXPECT_FALSE(parse_open_answer(200, R"({"id":"sb","port":8080,"protocol":"http1"})", UniqueFd()));
+  EXPECT_FALSE(parse_activity_answer(200, "nope"));
+  EXPECT_FALSE(parse_activity_answer(400, "{}"));
+}
+
+TEST(UnixNodeClient, ActivityAnswerListsTheCuts) {
+  auto a = parse_activity_answer(
+      200, R"({"asleep":[{"id":"sb-1","suspended_at":7},{"id":5},{"id":"sb-x"}],"revoked":[{"id":"sb-2","rotated_at":9}]})");
+  ASSERT_TRUE(a) << a.message();
+  ASSERT_EQ(a->asleep.size(), 1u) << "malformed entries are skipped";
+  EXPECT_EQ(a->asleep[0].id, "sb-1");
+  EXPECT_EQ(a->asleep[0].stamp, 7u);
+  ASSERT_EQ(a->revoked.size(), 1u);
+  EXPECT_EQ(a->revoked[0].stamp, 9u);
+}
+
+}  // namespace
+}  // namespace sg
