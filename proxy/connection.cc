@@ -28,6 +28,22 @@ constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
 
 uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
 
+// A filtered direction's queue (c2u_out_, u2c_out_): what was sent leaves the front, so the queue never grows
+// with the bytes a connection moves, and an emptied queue gives back memory beyond one buffer's worth, so an
+// idle connection after an upload does not keep it.
+void compact(std::string& queue, size_t& sent) {
+  if (sent == 0) return;
+  if (sent == queue.size()) {
+    if (queue.capacity() > kForwardBufferBytes) std::string().swap(queue);
+    else queue.clear();
+  } else if (sent >= kForwardBufferBytes) {
+    queue.erase(0, sent);  // moves less than kMaxFilteredBytes
+  } else {
+    return;
+  }
+  sent = 0;
+}
+
 }  // namespace
 
 Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
@@ -500,10 +516,7 @@ void Connection::start_request_filters() {
 bool Connection::filter_client_bytes() {
   if (!filtered() || c2u_.readable() == 0) return true;
   std::string_view in(c2u_.read_ptr(), c2u_.readable());
-  if (c2u_out_sent_ > 0 && c2u_out_sent_ == c2u_out_.size()) {
-    c2u_out_.clear();
-    c2u_out_sent_ = 0;
-  }
+  compact(c2u_out_, c2u_out_sent_);
   if (h1_filter_) {
     const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
     const auto state = h1_filter_->feed(in, c2u_out_);
@@ -539,10 +552,7 @@ bool Connection::filter_client_bytes() {
 
 bool Connection::frame_upstream_bytes() {
   if (!h2_frames_) return true;
-  if (u2c_out_sent_ > 0 && u2c_out_sent_ == u2c_out_.size()) {
-    u2c_out_.clear();
-    u2c_out_sent_ = 0;
-  }
+  compact(u2c_out_, u2c_out_sent_);
   std::string_view in(u2c_->read_ptr(), u2c_->readable());
   auto announced = h2_frames_->feed(in, u2c_out_);
   u2c_->consumed(in.size());
@@ -918,8 +928,12 @@ bool Connection::write_upstream() {
   const char* data = filtered() ? c2u_out_.data() + c2u_out_sent_ : c2u_.read_ptr();
   ssize_t n = ::send(upstream_fd_.get(), data, c2u_queued(), MSG_NOSIGNAL);
   if (n >= 0) {
-    if (filtered()) c2u_out_sent_ += static_cast<size_t>(n);
-    else c2u_.consumed(static_cast<size_t>(n));
+    if (filtered()) {
+      c2u_out_sent_ += static_cast<size_t>(n);
+      compact(c2u_out_, c2u_out_sent_);
+    } else {
+      c2u_.consumed(static_cast<size_t>(n));
+    }
     return true;
   }
   if (errno == EAGAIN || errno == EINTR) return true;
@@ -950,8 +964,12 @@ bool Connection::write_client() {
   const char* data = h2_frames_ ? u2c_out_.data() + u2c_out_sent_ : u2c_->read_ptr();
   int n = SSL_write(ssl_, data, static_cast<int>(u2c_queued()));
   if (n > 0) {
-    if (h2_frames_) u2c_out_sent_ += static_cast<size_t>(n);
-    else u2c_->consumed(static_cast<size_t>(n));
+    if (h2_frames_) {
+      u2c_out_sent_ += static_cast<size_t>(n);
+      compact(u2c_out_, u2c_out_sent_);
+    } else {
+      u2c_->consumed(static_cast<size_t>(n));
+    }
     return true;
   }
   int err = SSL_get_error(ssl_, n);
