@@ -322,5 +322,78 @@ TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {
   EXPECT_EQ(node_->lookups, 2) << "after a 404 the next connection asks again";
 }
 
+TEST_F(ConnectionTest, HandshakePhase) {
+  start("handshake_timeout_ms = 300\n");
+  // An SNI outside the domain and every certificate: refused in the handshake, before any node call.
+  EXPECT_EQ(exchange("x.example.com", "GET / HTTP/1.1\r\n\r\n"), "[handshake failed]");
+  EXPECT_NE(access_log_when("unknown_sni").find("\"unknown_sni\""), std::string::npos);
+  // A client that connects and says nothing: the handshake deadline ends it.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(worker_->bound()[0].port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  EXPECT_NE(access_log_when("handshake_timeout").find("\"handshake_timeout\""), std::string::npos);
+  ::close(fd);
+  std::lock_guard lock(node_->mu);
+  EXPECT_TRUE(node_->opens.empty());
+}
+
+TEST_F(ConnectionTest, HeadPhase) {
+  start("request_head_timeout_ms = 300\nmax_request_head_bytes = 1024\n");
+  std::string slow = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n");  // never finished
+  EXPECT_EQ(slow.rfind("HTTP/1.1 408", 0), 0u) << slow;
+  std::string large = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\nX: " + std::string(2000, 'x') + "\r\n\r\n");
+  EXPECT_EQ(large.rfind("HTTP/1.1 431", 0), 0u) << large;
+  std::string other = exchange(kHost, "GET / HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n");
+  EXPECT_EQ(other.rfind("HTTP/1.1 421", 0), 0u) << "Host must match the SNI: " << other;
+  std::lock_guard lock(node_->mu);
+  EXPECT_TRUE(node_->opens.empty()) << "nothing was asked of the node";
+}
+
+TEST_F(ConnectionTest, ConnectPhaseRefusedPortIs502) {
+  start();
+  // A port nobody listens on: bound, then closed.
+  int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(probe, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(probe);
+  const uint16_t closed_port = ntohs(addr.sin_port);
+  node_->on_open = [closed_port](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    UniqueFd unused;
+    Result<OpenAnswer> a = opened(&unused, std::nullopt, /*is_public=*/true);
+    a->opened.connected = false;
+    a->opened.connect_port = closed_port;
+    a->opened.socket = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    return a;
+  };
+  std::string r = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n");
+  EXPECT_EQ(r.rfind("HTTP/1.1 502", 0), 0u) << r;
+  EXPECT_NE(access_log_when("upstream_connect_failed").find("\"upstream_connect_failed\""), std::string::npos);
+}
+
+TEST_F(ConnectionTest, ForwardPhaseEndsWhenTheSandboxCloses) {
+  start();
+  UniqueFd sandbox;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return opened(&sandbox, std::nullopt, /*is_public=*/true);
+  };
+  on_sent = [&] {
+    for (int i = 0; i < 500 && !sandbox.valid(); ++i) ::usleep(2000);
+    sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string answer = "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it";
+    ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+    sandbox.reset();  // EOF after the body: the edge sends close_notify and the connection ends
+  };
+  std::string r = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n");
+  EXPECT_EQ(r, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it");
+  EXPECT_NE(access_log_when("upstream_closed").find("\"upstream_closed\""), std::string::npos);
+}
+
 }  // namespace
 }  // namespace sg
