@@ -1,15 +1,9 @@
 #include "cli/api_client.h"
 
-#include <poll.h>
-#include <sys/socket.h>
-
-#include <cerrno>
 #include <chrono>
-#include <cstring>
-#include <functional>
 
 #include "cli/ssh.h"
-#include "common/http.h"
+#include "common/http_client.h"
 
 namespace sg::cli {
 namespace {
@@ -18,42 +12,8 @@ namespace {
 constexpr size_t kMaxResponseBody = 256u * 1024 * 1024;
 constexpr uint16_t kHttpsPort = 443;
 
-// One connection's bytes, plain or TLS, so that exchange() below is the only HTTP code. Both functions
-// honour the request's deadline (kTimeout past it); read_some returns 0 at the end of the stream.
-struct Stream {
-  std::function<Status(std::string_view)> write_all;
-  std::function<Result<size_t>(char*, size_t)> read_some;
-};
-
-Stream plain_stream(int fd, Clock::time_point deadline, const std::string& where) {
-  Stream s;
-  s.write_all = [=](std::string_view data) -> Status {
-    while (!data.empty()) {
-      if (auto ready = wait_fd(fd, POLLOUT, deadline, "sending"); !ready) return ready;
-      // MSG_NOSIGNAL: a node that went away must produce an error message, not kill the CLI with SIGPIPE.
-      ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n < 0) {
-        if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-        return fail(Error::kUnavailable, "sending to sandgate-node at " + where + " failed: " + std::strerror(errno));
-      }
-      data.remove_prefix(static_cast<size_t>(n));
-    }
-    return {};
-  };
-  s.read_some = [=](char* buf, size_t cap) -> Result<size_t> {
-    for (;;) {
-      if (auto ready = wait_fd(fd, POLLIN, deadline, "reading"); !ready) return ready.failure();
-      ssize_t n = ::recv(fd, buf, cap, MSG_DONTWAIT);
-      if (n >= 0) return static_cast<size_t>(n);
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return fail(Error::kUnavailable, "reading from sandgate-node at " + where + " failed: " + std::strerror(errno));
-    }
-  };
-  return s;
-}
-
-Stream tls_stream(SSL* ssl, int fd, Clock::time_point deadline) {
-  Stream s;
+HttpByteStream tls_stream(SSL* ssl, int fd, Clock::time_point deadline) {
+  HttpByteStream s;
   s.write_all = [=](std::string_view data) {
     return ssl_write_all(ssl, fd, data, deadline, "sending the request to the ingress");
   };
@@ -63,32 +23,22 @@ Stream tls_stream(SSL* ssl, int fd, Clock::time_point deadline) {
   return s;
 }
 
-// Sends `req` and reads one HTTP/1.1 answer. Timeouts come back as they are, for the caller to word.
-Result<ApiResponse> exchange(const Stream& stream, const std::string& req, const std::string& where) {
-  if (auto s = stream.write_all(req); !s) return s.failure();
-  HttpParser parser(HttpParser::Kind::kResponse, HttpLimits{.max_head_bytes = 64 * 1024,
-                                                            .max_body_bytes = kMaxResponseBody,
-                                                            .stop_after_head = false});
-  std::string buf(64 * 1024, '\0');
-  HttpParser::State state = HttpParser::State::kNeedMore;
-  bool got_bytes = false;
-  while (state == HttpParser::State::kNeedMore) {
-    auto n = stream.read_some(buf.data(), buf.size());
-    if (!n) return n.failure();
-    if (*n == 0) {
-      if (!got_bytes)
-        return fail(Error::kUnavailable, "the server at " + where + " closed the connection without answering: " +
-                                             std::string(kCheckApiHint));
-      state = parser.finish();
-    } else {
-      got_bytes = true;
-      state = parser.feed(buf.data(), *n);
-    }
+// Sends `req` and reads one HTTP/1.1 answer, worded for the CLI's user. Timeouts come back as they are, for
+// the caller to word.
+Result<ApiResponse> exchange(const HttpByteStream& stream, const std::string& req, const std::string& where) {
+  HttpResponseReader reader({.max_head_bytes = 64 * 1024, .max_body_bytes = kMaxResponseBody});
+  if (http_exchange(stream, req, reader)) return ApiResponse{reader.message().status, std::move(reader.message().body)};
+  const Failure& f = reader.failure();
+  switch (reader.error()) {
+    case HttpResponseError::kTimeout: return f;
+    case HttpResponseError::kClosedBeforeResponse:
+      return fail(Error::kUnavailable, "the server at " + where + " closed the connection without answering: " +
+                                           std::string(kCheckApiHint));
+    case HttpResponseError::kIo:
+      return fail(Error::kUnavailable, "talking to sandgate-node at " + where + " failed: " + f.message);
+    default:
+      return fail(Error::kIo, "bad answer from " + where + " (" + f.message + "): " + std::string(kCheckApiHint));
   }
-  if (state == HttpParser::State::kError)
-    return fail(Error::kIo, "bad answer from " + where + " (" + parser.failure().message +
-                                "): " + std::string(kCheckApiHint));
-  return ApiResponse{parser.message().status, std::move(parser.message().body)};
 }
 
 }  // namespace
@@ -142,8 +92,8 @@ std::string api_address_string(const ApiAddress& address) {
   return ep.kind == Endpoint::Kind::kUnix ? ep.to_string() : "http://" + ep.to_string();
 }
 
-std::string build_request(std::string_view method, std::string_view target, const ApiAddress& address,
-                          std::string_view token, const nlohmann::json& body) {
+Result<std::string> build_request(std::string_view method, std::string_view target, const ApiAddress& address,
+                                  std::string_view token, const nlohmann::json& body) {
   std::string payload;
   // replace: a non-UTF-8 argument (an env value, say) must not make dump() throw.
   if (!body.is_null()) payload = body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -154,17 +104,14 @@ std::string build_request(std::string_view method, std::string_view target, cons
   } else {
     host = address.endpoint.kind == Endpoint::Kind::kUnix ? "localhost" : address.endpoint.to_string();
   }
-  std::string req;
-  req.reserve(256 + payload.size());
-  req.append(method).append(" ").append(target).append(" HTTP/1.1\r\n");
-  req.append("Host: ").append(host).append("\r\n");
-  if (!token.empty()) req.append("Authorization: Bearer ").append(token).append("\r\n");
-  req.append("User-Agent: sandgate-cli\r\nAccept: application/json\r\nConnection: close\r\n");
-  if (!body.is_null()) req.append("Content-Type: application/json\r\n");
-  // Always sent, even when 0: a POST without a length is ambiguous to some servers.
-  req.append("Content-Length: ").append(std::to_string(payload.size())).append("\r\n\r\n");
-  req.append(payload);
-  return req;
+  HttpRequest req{.method = method, .target = target, .host = host, .headers = {}, .body = payload};
+  if (!token.empty()) req.headers.push_back({"Authorization", "Bearer " + std::string(token)});
+  req.headers.push_back({"User-Agent", "sandgate-cli"});
+  req.headers.push_back({"Accept", "application/json"});
+  req.headers.push_back({"Connection", "close"});
+  if (!body.is_null()) req.headers.push_back({"Content-Type", "application/json"});
+  // Content-Length always goes, even when 0: a POST without a length is ambiguous to some servers.
+  return build_http_request(req);
 }
 
 Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view target,
@@ -180,7 +127,8 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
   };
   if (!access_.token.empty() && !token_fits_header(access_.token))
     return fail(Error::kInvalidArgument, "the token is malformed (one line, no spaces)");
-  const std::string req = build_request(method, target, address_, access_.token, body);
+  auto req = build_request(method, target, address_, access_.token, body);
+  if (!req) return req.failure();
 
   if (address_.kind == ApiAddress::Kind::kHttps) {
     TlsClientOptions tls{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert,
@@ -191,7 +139,7 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
       if (conn.error() != Error::kUnavailable) return worded(conn.failure());
       return fail(conn.error(), "cannot reach sandgate-node at " + where + ": " + conn.message());
     }
-    auto res = exchange(tls_stream(conn->ssl.get(), conn->sock.get(), deadline), req, where);
+    auto res = exchange(tls_stream(conn->ssl.get(), conn->sock.get(), deadline), *req, where);
     return res ? res : Result<ApiResponse>(worded(res.failure()));
   }
 
@@ -204,7 +152,7 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
     Error code = fd.error() == Error::kTimeout ? Error::kTimeout : Error::kUnavailable;
     return fail(code, "cannot reach sandgate-node at " + where + ": " + reason + ". " + std::string(kNodeDownHint));
   }
-  auto res = exchange(plain_stream(fd->get(), deadline, where), req, where);
+  auto res = exchange(http_fd_stream(fd->get(), deadline), *req, where);
   return res ? res : Result<ApiResponse>(worded(res.failure()));
 }
 

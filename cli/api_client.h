@@ -54,9 +54,10 @@ struct ApiResponse {
 };
 
 // The exact bytes sent for one request. A null `body` sends no body (Content-Length: 0 for POST); an empty
-// `token` sends no Authorization header.
-std::string build_request(std::string_view method, std::string_view target, const ApiAddress& address,
-                          std::string_view token, const nlohmann::json& body);
+// `token` sends no Authorization header. kInvalidArgument for a target or token that could split a line,
+// kLimitExceeded for a body over the node's 1 MiB (build_http_request's limits).
+Result<std::string> build_request(std::string_view method, std::string_view target, const ApiAddress& address,
+                                  std::string_view token, const nlohmann::json& body);
 
 class ApiClient {
  public:
@@ -66,7 +67,8 @@ class ApiClient {
 
   // Any HTTP status is a success here; failures are only about reaching the node and reading its answer:
   // kUnavailable (cannot connect, connection dropped, certificate not trusted), kTimeout, kIo (malformed
-  // answer), kInvalidArgument (a token that cannot go in a header, an unreadable CA file).
+  // answer), kInvalidArgument (a token or target that cannot go in a request line or header, an unreadable CA
+  // file), kLimitExceeded (a body over the node's 1 MiB).
   Result<ApiResponse> request(std::string_view method, std::string_view target,
                               const nlohmann::json& body = nullptr) const;
 

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
-#include <climits>
 
 namespace sg::cli {
 namespace {
@@ -24,21 +23,6 @@ bool is_localhost_name(std::string_view host) {
 }
 
 }  // namespace
-
-int remaining_ms(Clock::time_point deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left > 0 ? static_cast<int>(std::min<long long>(left, INT_MAX)) : 0;
-}
-
-Status wait_fd(int fd, short events, Clock::time_point deadline, std::string_view what) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int n = ::poll(&p, 1, remaining_ms(deadline));
-    if (n > 0) return {};
-    if (n == 0) return fail(Error::kTimeout, "timed out " + std::string(what));
-    if (errno != EINTR) return fail_errno("poll", errno);
-  }
-}
 
 std::string openssl_errors() {
   std::string out;

@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/fd.h"
+#include "common/http_client.h"
 
 namespace sg::cli {
 
@@ -23,10 +24,8 @@ struct Ingress {
   uint16_t port = 0;
 };
 
-// Milliseconds left until `deadline`, 0 once it passed.
-int remaining_ms(Clock::time_point deadline);
-// Waits until `fd` has `events` or the deadline passes (kTimeout, "timed out <what>").
-Status wait_fd(int fd, short events, Clock::time_point deadline, std::string_view what);
+// remaining_ms() and wait_fd() (the deadline-bound poll every step here uses) are sg's, from
+// common/http_client.h.
 // Drains OpenSSL's error queue into one line.
 std::string openssl_errors();
 

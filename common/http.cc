@@ -3,6 +3,8 @@
 #include <llhttp.h>
 #include <strings.h>
 
+#include <algorithm>
+
 namespace sg {
 
 const std::string* HttpMessage::header(std::string_view name) const {
@@ -95,35 +97,44 @@ void HttpParser::reset() {
 HttpParser::State HttpParser::feed(const char* data, size_t len) {
   consumed_ = 0;
   if (state_ == State::kError || state_ == State::kMessageComplete || state_ == State::kHeadComplete) return state_;
-  // Bound the head before llhttp sees it: only the part of this chunk that can still be head counts.
-  size_t to_parse = len;
-  if (in_head_ && head_bytes_ + len > limits_.max_head_bytes) to_parse = limits_.max_head_bytes - head_bytes_ + 1;
-  llhttp_errno_t err = llhttp_execute(&impl_->parser, data, to_parse);
-  const char* stop = err == HPE_OK ? data + to_parse : llhttp_get_error_pos(&impl_->parser);
-  consumed_ = static_cast<size_t>(stop - data);
-  if (in_head_) head_bytes_ += consumed_;
-  if (err == HPE_PAUSED) {
-    llhttp_resume(&impl_->parser);
-    if (state_ != State::kMessageComplete) state_ = State::kHeadComplete;
-    return state_;
-  }
-  if (err == HPE_PAUSED_UPGRADE) {
-    llhttp_resume_after_upgrade(&impl_->parser);
-    state_ = State::kMessageComplete;
-    return state_;
-  }
-  if (err != HPE_OK) {
-    if (err != HPE_USER)
-      failure_ = fail(Error::kInvalidArgument,
-                      std::string("malformed HTTP: ") + llhttp_get_error_reason(&impl_->parser));
-    state_ = State::kError;
-    return state_;
-  }
-  if (in_head_ && head_bytes_ > limits_.max_head_bytes) {
+  auto head_too_large = [this] {
     failure_ = fail(Error::kLimitExceeded, "head exceeds " + std::to_string(limits_.max_head_bytes) + " bytes");
     state_ = State::kError;
+    return state_;
+  };
+  for (;;) {
+    const char* at = data + consumed_;
+    const size_t rest = len - consumed_;
+    // Bound the head before llhttp sees it: while in the head, only what is left of max_head_bytes is parsed,
+    // so a head of exactly the limit passes and one byte more is refused, however the bytes are split.
+    const size_t to_parse = in_head_ ? std::min(rest, limits_.max_head_bytes - head_bytes_) : rest;
+    if (to_parse == 0) return head_too_large();  // still in the head, the limit used up, and more bytes came
+    llhttp_errno_t err = llhttp_execute(&impl_->parser, at, to_parse);
+    const char* stop = err == HPE_OK ? at + to_parse : llhttp_get_error_pos(&impl_->parser);
+    const size_t used = static_cast<size_t>(stop - at);
+    consumed_ += used;
+    if (in_head_) head_bytes_ += used;
+    if (err == HPE_PAUSED) {
+      llhttp_resume(&impl_->parser);
+      if (state_ != State::kMessageComplete) state_ = State::kHeadComplete;
+      return state_;
+    }
+    if (err == HPE_PAUSED_UPGRADE) {
+      llhttp_resume_after_upgrade(&impl_->parser);
+      state_ = State::kMessageComplete;
+      return state_;
+    }
+    if (err != HPE_OK) {
+      if (err != HPE_USER)
+        failure_ = fail(Error::kInvalidArgument,
+                        std::string("malformed HTTP: ") + llhttp_get_error_reason(&impl_->parser));
+      state_ = State::kError;
+      return state_;
+    }
+    if (consumed_ == len) return state_;
+    // Only the head bound stops short of the chunk's end. If the head ended inside the bounded part, the rest
+    // of the chunk is body (or the next message) and is parsed too; otherwise the loop refuses the head.
   }
-  return state_;
 }
 
 HttpParser::State HttpParser::finish() {

@@ -60,6 +60,8 @@ class HttpParser {
   HttpMessage& message() { return msg_; }
   // Valid in kError: kLimitExceeded for a head or body over its limit, kInvalidArgument for bad syntax.
   const Failure& failure() const { return failure_; }
+  // The head has been parsed: a kLimitExceeded failure is then about the body.
+  bool head_done() const { return !in_head_; }
   // Ready for the next message on the same connection.
   void reset();
 

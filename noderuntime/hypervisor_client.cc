@@ -19,7 +19,7 @@
 #include <optional>
 #include <sstream>
 
-#include "common/http.h"
+#include "common/http_client.h"
 #include "noderuntime/uv_handles.h"
 
 namespace sg {
@@ -82,7 +82,7 @@ class HypervisorClient::Request {
   Request(HypervisorClient* client, Callback done)
       : client_(client),
         done_(std::move(done)),
-        parser_(HttpParser::Kind::kResponse, HttpLimits{16 * 1024, client->options_.max_response_bytes, false}) {
+        reader_({.max_head_bytes = 16 * 1024, .max_body_bytes = client->options_.max_response_bytes}) {
     deadline_ = new uv_timer_t;
     uv_timer_init(client->loop_, deadline_);
     deadline_->data = this;
@@ -179,17 +179,21 @@ class HypervisorClient::Request {
           return finish(fail(Error::kUnavailable, what() + " reset the connection before a complete answer"));
         return finish(fail_errno("recv from " + what(), errno));
       }
-      HttpParser::State st = n == 0 ? parser_.finish() : parser_.feed(buf, static_cast<size_t>(n));
-      if (st == HttpParser::State::kMessageComplete) {
+      HttpResponseReader::State st = n == 0 ? reader_.finish() : reader_.feed(buf, static_cast<size_t>(n));
+      if (st == HttpResponseReader::State::kComplete) {
         HypervisorResponse r;
-        r.status = parser_.message().status;
-        r.body = std::move(parser_.message().body);
+        r.status = reader_.message().status;
+        r.body = std::move(reader_.message().body);
         return finish(std::move(r));
       }
-      if (n == 0)
-        return finish(fail(Error::kUnavailable, what() + " closed the connection before a complete answer"));
-      if (st == HttpParser::State::kError)
-        return finish(fail(Error::kUnavailable, "malformed answer from " + what() + ": " + parser_.failure().message));
+      if (st == HttpResponseReader::State::kError) {
+        HttpResponseError e = reader_.error();
+        if (e == HttpResponseError::kClosedBeforeResponse || e == HttpResponseError::kClosedMidResponse)
+          return finish(fail(Error::kUnavailable, what() + " closed the connection before a complete answer"));
+        const char* kind = e == HttpResponseError::kMalformed ? "malformed" : "oversized";
+        return finish(fail(Error::kUnavailable, std::string(kind) + " answer from " + what() + ": " +
+                                                   reader_.failure().message));
+      }
     }
   }
 
@@ -209,7 +213,7 @@ class HypervisorClient::Request {
   HypervisorClient* client_;
   Callback done_;
   friend class HypervisorClient;
-  HttpParser parser_;
+  HttpResponseReader reader_;
   std::string out_;
   size_t out_off_ = 0;
   UniqueFd fd_;
@@ -228,15 +232,16 @@ HypervisorClient::HypervisorClient(uv_loop_t* loop, std::string socket_path, std
 HypervisorClient::~HypervisorClient() = default;
 
 void HypervisorClient::request(std::string_view method, std::string_view path, std::string body, Callback done) {
-  std::string wire;
-  wire.reserve(128 + body.size());
-  wire.append(method).append(" ").append(path).append(" HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
-  wire.append("Accept: application/json\r\n");
-  if (!body.empty()) wire.append("Content-Type: application/json\r\n");
-  // Both VMMs' HTTP servers want a Content-Length on PUT/PATCH even when there is no body.
-  wire.append("Content-Length: ").append(std::to_string(body.size())).append("\r\n\r\n").append(body);
+  HttpRequest req{.method = method, .target = path, .host = "localhost", .headers = {}, .body = body};
+  req.headers = {{"Connection", "close"}, {"Accept", "application/json"}};
+  if (!body.empty()) req.headers.push_back({"Content-Type", "application/json"});
+  // Both VMMs' HTTP servers want a Content-Length on PUT/PATCH even when there is no body (the builder's
+  // default).
+  auto wire = build_http_request(req);
+  if (!wire) return reject(fail(wire.error(), peer_ + " API request " + std::string(path) + ": " + wire.message()),
+                           std::move(done));
   requests_.push_back(std::make_unique<Request>(this, std::move(done)));
-  requests_.back()->start(std::move(wire));
+  requests_.back()->start(std::move(*wire));
 }
 
 void HypervisorClient::reject(Failure failure, Callback done) {

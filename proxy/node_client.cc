@@ -4,6 +4,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string_view>
+#include <vector>
+
+#include "common/http_client.h"
 
 namespace sg {
 namespace {
@@ -14,6 +18,37 @@ void close_and_free(Handle* h) {
   uv_close(reinterpret_cast<uv_handle_t*>(h), [](uv_handle_t* handle) { delete reinterpret_cast<Handle*>(handle); });
 }
 
+// `extra_headers` arrives as raw "Name: value\r\n" lines (node_client.h); split, they go through the request
+// builder's checks like every other header, so a malformed one is refused instead of sent.
+Result<std::vector<HttpHeader>> split_header_lines(std::string_view raw) {
+  std::vector<HttpHeader> out;
+  while (!raw.empty()) {
+    size_t eol = raw.find("\r\n");
+    if (eol == std::string_view::npos) return fail(Error::kInvalidArgument, "extra header without CRLF");
+    std::string_view line = raw.substr(0, eol);
+    raw.remove_prefix(eol + 2);
+    size_t colon = line.find(':');
+    if (colon == std::string_view::npos) return fail(Error::kInvalidArgument, "extra header without a colon");
+    std::string_view value = line.substr(colon + 1);
+    while (value.starts_with(' ')) value.remove_prefix(1);
+    out.push_back({std::string(line.substr(0, colon)), std::string(value)});
+  }
+  return out;
+}
+
+// The node calls are POSTs of JSON; a POST carries a Content-Length even when empty (the node wants one).
+Result<std::string> request_bytes(const std::string& method, const std::string& path, const std::string& body,
+                                  const std::string& extra_headers) {
+  auto extra = split_header_lines(extra_headers);
+  if (!extra) return extra.failure();
+  const bool post = method == "POST";
+  HttpRequest r{.method = method, .target = path, .host = "sandgate-node", .headers = {{"Connection", "close"}},
+                .body = body, .content_length_when_empty = post};
+  r.headers.insert(r.headers.end(), extra->begin(), extra->end());
+  if (!body.empty() || post) r.headers.push_back({"Content-Type", "application/json"});
+  return build_http_request(r);
+}
+
 }  // namespace
 
 std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, const Endpoint& node, std::string method,
@@ -22,18 +57,21 @@ std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, const Endpoint&
   std::unique_ptr<NodeRequest> req(new NodeRequest());
   req->loop_ = loop;
   req->done_ = std::move(done);
-  req->out_ = method + " " + path + " HTTP/1.1\r\nHost: sandgate-node\r\nConnection: close\r\n" + extra_headers;
-  if (!body.empty() || method == "POST")
-    req->out_ += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
-  req->out_ += "\r\n" + body;
+  Result<std::string> wire = request_bytes(method, path, body, extra_headers);
+  if (wire) req->out_ = std::move(*wire);
 
   req->timer_ = new uv_timer_t;
   uv_timer_init(loop, req->timer_);
   req->timer_->data = req.get();
 
   auto sa = to_sockaddr(node);
-  int fd = sa ? ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0) : -1;
-  if (fd < 0 || ::connect(fd, sa->get(), sa->len) != 0) {
+  int fd = -1;
+  if (!wire) {
+    // A request we refuse to send: reported from the loop like a connect failure, as promised.
+    req->connect_failure_ = fail(wire.error(), "request to sandgate-node " + path + ": " + wire.message());
+    timeout_ms = 0;
+  } else if (fd = sa ? ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0) : -1;
+             fd < 0 || ::connect(fd, sa->get(), sa->len) != 0) {
     int err = errno;
     if (fd >= 0) ::close(fd);
     // Delivered from the loop (timer 0), as promised, not from inside start().

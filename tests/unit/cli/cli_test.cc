@@ -68,7 +68,9 @@ TEST(ApiAddress, Https) {
 TEST(ApiAddress, RequestCarriesTheTokenAndTheUrlsHost) {
   auto a = parse_api_address("https://api.sandbox.localhost:8443");
   ASSERT_TRUE(a) << a.message();
-  EXPECT_EQ(build_request("GET", "/v1/sandboxes", *a, "op-secret", nullptr),
+  auto req = build_request("GET", "/v1/sandboxes", *a, "op-secret", nullptr);
+  ASSERT_TRUE(req) << req.message();
+  EXPECT_EQ(*req,
             "GET /v1/sandboxes HTTP/1.1\r\nHost: api.sandbox.localhost:8443\r\nAuthorization: Bearer op-secret\r\n"
             "User-Agent: sandgate-cli\r\nAccept: application/json\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
 }

@@ -46,6 +46,32 @@ TEST(HttpParser, HeadLimitAcrossChunks) {
   EXPECT_EQ(p.failure().code, Error::kLimitExceeded);
 }
 
+// A head of exactly max_head_bytes passes and one byte more is refused, in one chunk or byte by byte.
+TEST(HttpParser, HeadLimitIsExact) {
+  const std::string head = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+  for (bool split : {false, true}) {
+    HttpParser fits(HttpParser::Kind::kRequest, HttpLimits{head.size(), 0, true});
+    HttpParser over(HttpParser::Kind::kRequest, HttpLimits{head.size() - 1, 0, true});
+    HttpParser::State a = HttpParser::State::kNeedMore, b = HttpParser::State::kNeedMore;
+    for (size_t i = 0; i < head.size(); i += split ? 1 : head.size()) {
+      std::string_view part = std::string_view(head).substr(i, split ? 1 : head.size());
+      a = fits.feed(part);
+      b = over.feed(part);
+    }
+    EXPECT_EQ(a, HttpParser::State::kHeadComplete) << split;
+    EXPECT_EQ(b, HttpParser::State::kError) << split;
+    EXPECT_EQ(over.failure().code, Error::kLimitExceeded);
+  }
+}
+
+// The head bound applies to the head only: a body in the same chunk, longer than the head limit, is parsed.
+TEST(HttpParser, BodyInTheHeadsChunkIsParsedPastTheHeadLimit) {
+  HttpParser p(HttpParser::Kind::kResponse, HttpLimits{64, 4096, false});
+  const std::string body(3000, 'b');
+  EXPECT_EQ(p.feed("HTTP/1.1 200 OK\r\nContent-Length: 3000\r\n\r\n" + body), HttpParser::State::kMessageComplete);
+  EXPECT_EQ(p.message().body, body);
+}
+
 TEST(HttpParser, GarbageIsMalformed) {
   for (std::string bad : {std::string("\x16\x03\x01\x02\x00", 5), std::string("HELLO WORLD\r\n\r\n"),
                           std::string("GET / HTTP/1.1\r\nBad Header\r\n\r\n"), std::string("GET / HTTP/9.9\r\n\r\n")}) {
