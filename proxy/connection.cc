@@ -506,6 +506,9 @@ void Connection::start_request_filters() {
     h2_filter_ = std::make_unique<H2ClientFilter>(
         H2FilterLimits{.max_header_list_bytes = cfg_->proxy.max_request_head_bytes},
         [this](H2Request& r) { return check_h2_request(r); });
+    h2_filter_->set_on_malformed([this](uint32_t stream, std::string_view why) {
+      log_refused_stream(stream, "", RequestRefusal{400, TerminationCause::kBadRequest, std::string(why)});
+    });
     h2_frames_ = std::make_unique<H2ServerFrames>();
   } else {
     h1_filter_ = std::make_unique<Http1RequestFilter>(cfg_->proxy.max_request_head_bytes,

@@ -266,13 +266,22 @@ Status H2ClientFilter::finish_block(std::string& to_sandbox, std::string& to_cli
   switch (block_kind_) {
     case BlockKind::kRequest: {
       RequestBuilder builder(stream);
+      // A malformed request is an error of its stream only (RFC 9113 §8.1.1): the block is still decoded to
+      // its end, so the inflater keeps following the client's encoder, and the stream is answered 400.
+      std::optional<Failure> malformed;
       Status decoded = inflate_header_block(inflater_.get(), block_, limits_.max_header_list_bytes,
                                             [&](std::string_view name, std::string_view value) {
-                                              return builder.add(name, value);
+                                              if (malformed) return Status();
+                                              if (Status added = builder.add(name, value); !added)
+                                                malformed = added.failure();
+                                              return Status();
                                             });
       if (!decoded) return decoded;
-      Result<H2Request> request = std::move(builder).finish();
-      if (!request) return request.failure();
+      Result<H2Request> request = malformed ? Result<H2Request>(*malformed) : std::move(builder).finish();
+      if (!request) {
+        if (on_malformed_) on_malformed_(stream, request.message());
+        return refuse(stream, 400, block_end_stream_, to_client);
+      }
       const H2Verdict verdict = on_request_(*request);
       if (verdict.refuse_status != 0) return refuse(stream, verdict.refuse_status, block_end_stream_, to_client);
       return forward_block(stream, &*request, request->headers, block_end_stream_, to_sandbox);

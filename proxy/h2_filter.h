@@ -75,13 +75,17 @@ class H2ClientFilter {
   H2ClientFilter(const H2ClientFilter&) = delete;
   H2ClientFilter& operator=(const H2ClientFilter&) = delete;
 
+  // A request that breaks RFC 9113 §8 (the checks listed at H2RequestScanner) is refused with 400 on its
+  // stream, the connection going on; this is told which stream and why (for the access log).
+  void set_on_malformed(std::function<void(uint32_t stream_id, std::string_view why)> fn) { on_malformed_ = std::move(fn); }
+
   // Consumes all of `in`, which may end anywhere (mid-frame, mid-preface). Appends what goes to the sandbox to
   // `to_sandbox` and the proxy's own frames for the client to `to_client`.
   // Errors (the message says what was wrong), after which every call fails the same way:
   //   kInvalidArgument: a protocol error (not the preface, first frame not SETTINGS, PUSH_PROMISE, HEADERS on
   //     stream 0 or an even stream, a frame inside a header block, CONTINUATION without HEADERS, bad padding,
-  //     HPACK decoding failure, a malformed request as H2RequestScanner lists, trailers with pseudo-headers or
-  //     without END_STREAM).
+  //     HPACK decoding failure, trailers with pseudo-headers or without END_STREAM). A malformed request is
+  //     not one of them: its stream gets 400 (set_on_malformed).
   //   kLimitExceeded: a header block or a decoded header list over the limits.
   //   kInternal: out of memory, or the callback refused with a status outside 200..599.
   // The caller then answers with h2_goaway(...) and closes.
@@ -110,6 +114,7 @@ class H2ClientFilter {
 
   H2FilterLimits limits_;
   OnRequest on_request_;
+  std::function<void(uint32_t, std::string_view)> on_malformed_;
   h2::InflaterPtr inflater_;
   h2::DeflaterPtr deflater_;
   std::optional<Failure> failed_;   // sticky: the first error, returned by every later feed

@@ -8,21 +8,16 @@
 #include <map>
 #include <random>
 
+#include "tests/unit/proxy/nghttp2_test_session.h"
+
 namespace sg {
 namespace {
 
-constexpr std::string_view kPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+using namespace test_support;  // NOLINT(google-build-using-namespace)
+using Session = Nghttp2Session;
+
 constexpr std::string_view kDemo = "8080-demo.sandbox.localhost";
 constexpr std::string_view kOther = "8080-other.sandbox.localhost";
-
-uint8_t* bytes_of(const std::string& s) { return reinterpret_cast<uint8_t*>(const_cast<char*>(s.data())); }
-
-std::vector<nghttp2_nv> to_nva(const std::vector<HttpHeader>& fields) {
-  std::vector<nghttp2_nv> nva;
-  for (const HttpHeader& f : fields)
-    nva.push_back({bytes_of(f.name), bytes_of(f.value), f.name.size(), f.value.size(), NGHTTP2_NV_FLAG_NONE});
-  return nva;
-}
 
 std::vector<HttpHeader> request_fields(std::string_view authority, std::string path = "/", std::string method = "GET") {
   return {{":method", std::move(method)},
@@ -42,153 +37,6 @@ std::vector<HttpHeader> browser_request(std::string_view authority, std::string 
   fields.push_back({"authorization", "Bearer tok-secret-0123456789"});
   return fields;
 }
-
-const std::string* field(const std::vector<HttpHeader>& fields, std::string_view name) {
-  for (const HttpHeader& f : fields)
-    if (f.name == name) return &f.value;
-  return nullptr;
-}
-
-// Serves `*body` to nghttp2 as a request or response body; with `trailers`, ends the stream with them.
-struct BodySource {
-  std::string_view rest;
-  std::vector<HttpHeader> trailers;
-};
-
-nghttp2_data_provider body_provider(BodySource* source) {
-  nghttp2_data_provider provider{};
-  provider.source.ptr = source;
-  provider.read_callback = [](nghttp2_session* session, int32_t stream_id, uint8_t* buf, size_t length,
-                              uint32_t* flags, nghttp2_data_source* src, void*) -> ssize_t {
-    auto* body = static_cast<BodySource*>(src->ptr);
-    const size_t n = std::min(length, body->rest.size());
-    std::copy_n(body->rest.data(), n, buf);
-    body->rest.remove_prefix(n);
-    if (body->rest.empty()) {
-      *flags |= NGHTTP2_DATA_FLAG_EOF;
-      if (!body->trailers.empty()) {
-        *flags |= NGHTTP2_DATA_FLAG_NO_END_STREAM;
-        std::vector<nghttp2_nv> nva = to_nva(body->trailers);
-        if (nghttp2_submit_trailer(session, stream_id, nva.data(), nva.size()) != 0) return NGHTTP2_ERR_CALLBACK_FAILURE;
-      }
-    }
-    return static_cast<ssize_t>(n);
-  };
-  return provider;
-}
-
-const std::vector<HttpHeader> kResponseFields = {
-    {":status", "200"},
-    {"content-type", "text/plain; charset=utf-8"},
-    {"x-sandbox-trace", "sandbox-response-trace-value-that-the-encoder-indexes"},
-    {"set-cookie", "app_session=0123456789abcdef; Path=/; Secure; HttpOnly"}};
-
-// A real nghttp2 session, client or server. The server answers every complete request with 200, a body
-// naming the path, and fields it repeats on every response (so the client's HPACK decoder depends on the
-// server's dynamic table: a proxy frame that disturbed that table would break the next response).
-class Session {
- public:
-  enum class Role { kClient, kServer };
-  struct Stream {
-    std::vector<HttpHeader> headers;
-    std::vector<HttpHeader> trailers;
-    std::string data;
-    bool headers_done = false;
-    bool end_stream = false;
-    bool closed = false;
-    uint32_t close_error = 0;
-    BodySource response;
-    std::string response_body;
-  };
-
-  explicit Session(Role role, std::vector<nghttp2_settings_entry> settings = {}) : role_(role) {
-    nghttp2_session_callbacks* callbacks = nullptr;
-    nghttp2_session_callbacks_new(&callbacks);
-    nghttp2_session_callbacks_set_on_header_callback(callbacks, on_header);
-    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, on_data_chunk);
-    nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, on_frame);
-    nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, on_stream_close);
-    if (role == Role::kClient) nghttp2_session_client_new(&session_, callbacks, this);
-    else nghttp2_session_server_new(&session_, callbacks, this);
-    nghttp2_session_callbacks_del(callbacks);
-    nghttp2_submit_settings(session_, NGHTTP2_FLAG_NONE, settings.data(), settings.size());
-  }
-  ~Session() { nghttp2_session_del(session_); }
-  Session(const Session&) = delete;
-  Session& operator=(const Session&) = delete;
-
-  nghttp2_session* get() { return session_; }
-
-  int32_t submit(const std::vector<HttpHeader>& fields, BodySource* body = nullptr) {
-    std::vector<nghttp2_nv> nva = to_nva(fields);
-    nghttp2_data_provider provider = body ? body_provider(body) : nghttp2_data_provider{};
-    return nghttp2_submit_request(session_, nullptr, nva.data(), nva.size(), body ? &provider : nullptr, nullptr);
-  }
-
-  std::string take_output() {
-    std::string out;
-    for (;;) {
-      const uint8_t* data = nullptr;
-      const ssize_t n = nghttp2_session_mem_send(session_, &data);
-      EXPECT_GE(n, 0);
-      if (n <= 0) return out;
-      out.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
-    }
-  }
-
-  ssize_t receive(std::string_view bytes) {
-    return nghttp2_session_mem_recv(session_, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-  }
-
-  std::map<int32_t, Stream> streams;
-  bool goaway = false;
-  uint32_t goaway_error = 0;
-
- private:
-  static Session* self(void* p) { return static_cast<Session*>(p); }
-  static int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name, size_t namelen,
-                       const uint8_t* value, size_t valuelen, uint8_t, void* user) {
-    Stream& s = self(user)->streams[frame->hd.stream_id];
-    (s.headers_done ? s.trailers : s.headers)
-        .push_back({std::string(reinterpret_cast<const char*>(name), namelen),
-                    std::string(reinterpret_cast<const char*>(value), valuelen)});
-    return 0;
-  }
-  static int on_data_chunk(nghttp2_session*, uint8_t, int32_t stream_id, const uint8_t* data, size_t len, void* user) {
-    self(user)->streams[stream_id].data.append(reinterpret_cast<const char*>(data), len);
-    return 0;
-  }
-  static int on_frame(nghttp2_session* session, const nghttp2_frame* frame, void* user) {
-    Session* me = self(user);
-    if (frame->hd.type == NGHTTP2_GOAWAY) {
-      me->goaway = true;
-      me->goaway_error = frame->goaway.error_code;
-    }
-    if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
-    Stream& s = me->streams[frame->hd.stream_id];
-    if (frame->hd.type == NGHTTP2_HEADERS) s.headers_done = true;
-    if (!(frame->hd.flags & NGHTTP2_FLAG_END_STREAM)) return 0;
-    s.end_stream = true;
-    if (me->role_ == Role::kServer) {
-      const std::string* path = field(s.headers, ":path");
-      s.response_body = "served " + (path ? *path : std::string("?"));
-      s.response.rest = s.response_body;
-      std::vector<nghttp2_nv> nva = to_nva(kResponseFields);
-      nghttp2_data_provider provider = body_provider(&s.response);
-      if (nghttp2_submit_response(session, frame->hd.stream_id, nva.data(), nva.size(), &provider) != 0)
-        return NGHTTP2_ERR_CALLBACK_FAILURE;
-    }
-    return 0;
-  }
-  static int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* user) {
-    self(user)->streams[stream_id].closed = true;
-    self(user)->streams[stream_id].close_error = error_code;
-    return 0;
-  }
-
-  Role role_;
-  nghttp2_session* session_ = nullptr;
-};
 
 // Client <-> H2ClientFilter / H2ServerFrames <-> server, all in memory.
 class Link {
@@ -268,18 +116,6 @@ void expect_refused(Session& client, int32_t stream, std::string_view status) {
 
 // --- hand-built input ---
 
-std::string frame(uint8_t type, uint8_t flags, uint32_t stream_id, std::string_view payload) {
-  std::string out;
-  const auto length = static_cast<uint32_t>(payload.size());
-  for (int shift : {16, 8, 0}) out.push_back(static_cast<char>(length >> shift));
-  out.push_back(static_cast<char>(type));
-  out.push_back(static_cast<char>(flags));
-  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>(stream_id >> shift));
-  out.append(payload);
-  return out;
-}
-
-std::string settings_frame() { return frame(NGHTTP2_SETTINGS, 0, 0, {}); }
 std::string u32(uint32_t v) {
   std::string out;
   for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>(v >> shift));
@@ -804,17 +640,39 @@ TEST(H2Filter, ProtocolErrors) {
   // A table size update beyond what the sandbox allows.
   expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, std::string("\x3f\xe1\x3f", 3) + block),
                Error::kInvalidArgument, "HPACK");
-  // Malformed requests are refused as the first-request scanner refuses them (shared validation).
+}
+
+// A malformed request (the first-request scanner's rules, shared) is an error of its stream only: 400 on it,
+// the sandbox never sees it, and the next request on the connection is served, its HPACK references intact.
+TEST(H2Filter, MalformedRequestIs400OnItsStreamAndTheConnectionGoesOn) {
   std::vector<HttpHeader> no_path = request_fields(kDemo);
   no_path.pop_back();
-  Hpack fresh;
-  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, fresh.encode(no_path)), Error::kInvalidArgument,
-               "no :path");
-  std::vector<HttpHeader> host = request_fields(kDemo);
-  host.push_back({"host", std::string(kOther)});
-  Hpack fresh2;
-  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, fresh2.encode(host)), Error::kInvalidArgument,
-               "Host differs");
+  std::vector<HttpHeader> two_hosts = request_fields(kDemo);
+  two_hosts.push_back({"host", std::string(kOther)});
+  for (const auto& [fields, why] : {std::pair{no_path, "no :path"}, std::pair{two_hosts, "Host differs"}}) {
+    Hpack hpack;
+    std::vector<std::pair<uint32_t, std::string>> malformed;
+    H2ClientFilter filter({}, [](H2Request&) { return H2Verdict{}; });
+    filter.set_on_malformed([&](uint32_t stream, std::string_view message) { malformed.emplace_back(stream, message); });
+    const std::string bad = frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS | NGHTTP2_FLAG_END_STREAM, 1, hpack.encode(fields));
+    const std::string good =
+        frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS | NGHTTP2_FLAG_END_STREAM, 3, hpack.encode(request_fields(kDemo)));
+    Fed fed = feed_once(filter, std::string(kPreface) + settings_frame() + bad + good);
+    ASSERT_TRUE(fed.status.ok()) << why << ": " << fed.status.message();
+    ASSERT_EQ(malformed.size(), 1u) << why;
+    EXPECT_EQ(malformed[0].first, 1u);
+    EXPECT_NE(malformed[0].second.find(why), std::string::npos) << malformed[0].second;
+    // To the client: a response HEADERS on stream 1 (`:status: 400` is static-table entry 12: 0x8c).
+    ASSERT_GE(fed.to_client.size(), 10u) << why;
+    EXPECT_EQ(static_cast<uint8_t>(fed.to_client[3]), NGHTTP2_HEADERS);
+    EXPECT_EQ(fed.to_client.substr(5, 4), std::string("\0\0\0\1", 4));
+    EXPECT_EQ(static_cast<uint8_t>(fed.to_client[9]), 0x8c);
+    // To the sandbox: the preface and SETTINGS, then stream 3 only.
+    Session server(Session::Role::kServer);
+    ASSERT_GE(server.receive(fed.to_sandbox), 0) << why;
+    EXPECT_EQ(server.streams.count(1), 0u) << why;
+    EXPECT_EQ(server.streams.count(3), 1u) << why;
+  }
 }
 
 TEST(H2Filter, TrailerErrors) {

@@ -9,150 +9,25 @@
 #include <random>
 
 #include "proxy/edge_auth.h"
+#include "tests/unit/proxy/nghttp2_test_session.h"
 
 namespace sg {
 namespace {
 
-constexpr std::string_view kPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+using namespace test_support;  // NOLINT(google-build-using-namespace)
+
 constexpr std::string_view kAuthority = "8080-demo.sandbox.localhost";
-
-uint8_t* bytes_of(const std::string& s) { return reinterpret_cast<uint8_t*>(const_cast<char*>(s.data())); }
-
-std::vector<nghttp2_nv> to_nva(const std::vector<HttpHeader>& fields) {
-  std::vector<nghttp2_nv> nva;
-  for (const HttpHeader& f : fields)
-    nva.push_back({bytes_of(f.name), bytes_of(f.value), f.name.size(), f.value.size(), NGHTTP2_NV_FLAG_NONE});
-  return nva;
-}
 
 std::vector<HttpHeader> get_request(std::string path = "/") {
   return {{":method", "GET"}, {":scheme", "https"}, {":authority", std::string(kAuthority)}, {":path", path}};
 }
 
-// A real HTTP/2 client: nghttp2's client session produces the bytes the scanner reads and parses the bytes
+// A real HTTP/2 client (an nghttp2 client session) produces the bytes the scanner reads and parses the bytes
 // the proxy answers with.
-class Nghttp2Client {
- public:
-  struct Response {
-    std::vector<HttpHeader> headers;
-    std::string body;
-    bool closed = false;
-    uint32_t close_error = 0;
-  };
-
-  Nghttp2Client() {
-    nghttp2_session_callbacks* callbacks = nullptr;
-    nghttp2_session_callbacks_new(&callbacks);
-    nghttp2_session_callbacks_set_on_header_callback(callbacks, on_header);
-    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, on_data_chunk);
-    nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, on_frame);
-    nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, on_stream_close);
-    nghttp2_session_client_new(&session_, callbacks, this);
-    nghttp2_session_callbacks_del(callbacks);
-    const nghttp2_settings_entry settings[] = {{NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, 100},
-                                               {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20}};
-    nghttp2_submit_settings(session_, NGHTTP2_FLAG_NONE, settings, 2);
-  }
-  ~Nghttp2Client() { nghttp2_session_del(session_); }
-  Nghttp2Client(const Nghttp2Client&) = delete;
-  Nghttp2Client& operator=(const Nghttp2Client&) = delete;
-
-  nghttp2_session* session() { return session_; }
-
-  int32_t submit(const std::vector<HttpHeader>& fields, const nghttp2_data_provider* body = nullptr) {
-    std::vector<nghttp2_nv> nva = to_nva(fields);
-    return nghttp2_submit_request(session_, nullptr, nva.data(), nva.size(), body, nullptr);
-  }
-
-  std::string take_output() {
-    std::string out;
-    for (;;) {
-      const uint8_t* data = nullptr;
-      ssize_t n = nghttp2_session_mem_send(session_, &data);
-      EXPECT_GE(n, 0);
-      if (n <= 0) return out;
-      out.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
-    }
-  }
-
-  ssize_t receive(std::string_view bytes) {
-    return nghttp2_session_mem_recv(session_, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-  }
-
-  std::map<int32_t, Response> responses;
-  bool goaway = false;
-  int32_t goaway_last_stream = -1;
-  uint32_t goaway_error = 0;
-  std::string goaway_debug;
-
- private:
-  static Nghttp2Client* self(void* p) { return static_cast<Nghttp2Client*>(p); }
-  static int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name, size_t namelen,
-                       const uint8_t* value, size_t valuelen, uint8_t, void* user) {
-    self(user)->responses[frame->hd.stream_id].headers.push_back(
-        {std::string(reinterpret_cast<const char*>(name), namelen),
-         std::string(reinterpret_cast<const char*>(value), valuelen)});
-    return 0;
-  }
-  static int on_data_chunk(nghttp2_session*, uint8_t, int32_t stream_id, const uint8_t* data, size_t len, void* user) {
-    self(user)->responses[stream_id].body.append(reinterpret_cast<const char*>(data), len);
-    return 0;
-  }
-  static int on_frame(nghttp2_session*, const nghttp2_frame* frame, void* user) {
-    if (frame->hd.type == NGHTTP2_GOAWAY) {
-      self(user)->goaway = true;
-      self(user)->goaway_last_stream = frame->goaway.last_stream_id;
-      self(user)->goaway_error = frame->goaway.error_code;
-      self(user)->goaway_debug.assign(reinterpret_cast<const char*>(frame->goaway.opaque_data),
-                                      frame->goaway.opaque_data_len);
-    }
-    return 0;
-  }
-  static int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* user) {
-    self(user)->responses[stream_id].closed = true;
-    self(user)->responses[stream_id].close_error = error_code;
-    return 0;
-  }
-
-  nghttp2_session* session_ = nullptr;
-};
-
-// Serves `body` to nghttp2 as a request body.
-nghttp2_data_provider body_provider(std::string_view* body) {
-  nghttp2_data_provider provider{};
-  provider.source.ptr = body;
-  provider.read_callback = [](nghttp2_session*, int32_t, uint8_t* buf, size_t length, uint32_t* flags,
-                              nghttp2_data_source* source, void*) -> ssize_t {
-    auto* rest = static_cast<std::string_view*>(source->ptr);
-    const size_t n = std::min(length, rest->size());
-    std::copy_n(rest->data(), n, buf);
-    rest->remove_prefix(n);
-    if (rest->empty()) *flags |= NGHTTP2_DATA_FLAG_EOF;
-    return static_cast<ssize_t>(n);
-  };
-  return provider;
-}
-
-const std::string* field(const std::vector<HttpHeader>& fields, std::string_view name) {
-  for (const HttpHeader& f : fields)
-    if (f.name == name) return &f.value;
-  return nullptr;
-}
+const std::vector<nghttp2_settings_entry> kClientSettings = {{NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, 100},
+                                                             {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20}};
 
 // --- hand-built frames, for what a well-behaved client never sends ---
-
-std::string frame(uint8_t type, uint8_t flags, uint32_t stream_id, std::string_view payload) {
-  std::string out;
-  const auto length = static_cast<uint32_t>(payload.size());
-  for (int shift : {16, 8, 0}) out.push_back(static_cast<char>(length >> shift));
-  out.push_back(static_cast<char>(type));
-  out.push_back(static_cast<char>(flags));
-  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>(stream_id >> shift));
-  out.append(payload);
-  return out;
-}
-
-std::string settings_frame() { return frame(NGHTTP2_SETTINGS, 0, 0, {}); }
 
 // HPACK-encodes fields with nghttp2's encoder, which (unlike the scanner) does not judge them.
 std::string hpack(const std::vector<HttpHeader>& fields) {
@@ -216,9 +91,9 @@ Result<std::optional<H2Request>> scan_in_every_split(std::string_view bytes, H2S
 }
 
 TEST(H2Head, FirstRequestOfARealClientInEverySplit) {
-  Nghttp2Client client;
-  nghttp2_submit_window_update(client.session(), NGHTTP2_FLAG_NONE, 0, 1 << 24);
-  nghttp2_submit_ping(client.session(), NGHTTP2_FLAG_NONE, nullptr);
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
+  nghttp2_submit_window_update(client.get(), NGHTTP2_FLAG_NONE, 0, 1 << 24);
+  nghttp2_submit_ping(client.get(), NGHTTP2_FLAG_NONE, nullptr);
   std::vector<HttpHeader> fields = get_request("/files?x=1");
   fields.push_back({"user-agent", "nghttp2-test"});
   fields.push_back({"authorization", "Bearer abc.def"});
@@ -253,12 +128,11 @@ TEST(H2Head, FirstRequestOfARealClientInEverySplit) {
 }
 
 TEST(H2Head, BodyAndLaterRequestsAreNotPartOfTheScan) {
-  Nghttp2Client client;
-  std::string_view body = "name=value&x=y";
-  nghttp2_data_provider provider = body_provider(&body);
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
+  BodySource body{"name=value&x=y", {}};
   std::vector<HttpHeader> post = get_request("/submit");
   post[0].value = "POST";
-  ASSERT_EQ(client.submit(post, &provider), 1);
+  ASSERT_EQ(client.submit(post, &body), 1);
   std::vector<HttpHeader> other = get_request("/other");
   other[2].value = "8080-other.sandbox.localhost";
   ASSERT_EQ(client.submit(other), 3);
@@ -273,7 +147,7 @@ TEST(H2Head, BodyAndLaterRequestsAreNotPartOfTheScan) {
 }
 
 TEST(H2Head, LargeHeaderBlockInContinuationFromARealClient) {
-  Nghttp2Client client;
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
   std::vector<HttpHeader> fields = get_request();
   fields.push_back({"x-large", std::string(40000, 'v')});
   ASSERT_EQ(client.submit(fields), 1);
@@ -498,7 +372,7 @@ TEST(H2Head, ReceivedBytesMustOnlyGrow) {
 
 // Scans the client's bytes, answers with h2_refusal, and lets the client parse the answer.
 void refuse_and_check(int status, std::string_view body, const std::vector<HttpHeader>& extra) {
-  Nghttp2Client client;
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
   std::vector<HttpHeader> fields = get_request("/private?sandgate_token=abc");
   const int32_t stream = client.submit(fields);
   auto scan = scan_once(client.take_output());
@@ -510,7 +384,7 @@ void refuse_and_check(int status, std::string_view body, const std::vector<HttpH
   ASSERT_TRUE(refusal.ok()) << refusal.message();
   // nghttp2 accepts every byte: a protocol error would make it return a negative value.
   ASSERT_EQ(client.receive(*refusal), static_cast<ssize_t>(refusal->size()));
-  const Nghttp2Client::Response& response = client.responses[stream];
+  const Nghttp2Session::Stream& response = client.streams[stream];
   ASSERT_NE(field(response.headers, ":status"), nullptr);
   EXPECT_EQ(*field(response.headers, ":status"), std::to_string(status));
   EXPECT_EQ(*field(response.headers, "content-length"), std::to_string(body.size()));
@@ -521,7 +395,7 @@ void refuse_and_check(int status, std::string_view body, const std::vector<HttpH
     ASSERT_NE(field(response.headers, name), nullptr) << name;
     EXPECT_EQ(*field(response.headers, name), h.value);
   }
-  EXPECT_EQ(response.body, body);
+  EXPECT_EQ(response.data, body);
   EXPECT_TRUE(response.closed);
   EXPECT_EQ(response.close_error, 0u);
   EXPECT_TRUE(client.goaway);
@@ -561,7 +435,7 @@ TEST(H2Head, RefusalRejectsWhatHttp2CannotCarry) {
 }
 
 TEST(H2Head, GoawayForAnUnscannableConnection) {
-  Nghttp2Client client;
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
   client.take_output();
   const std::string goaway = h2_goaway(H2ErrorCode::kProtocolError, "HTTP/2: not an HTTP/2 connection preface");
   ASSERT_EQ(client.receive(goaway), static_cast<ssize_t>(goaway.size()));
@@ -570,7 +444,7 @@ TEST(H2Head, GoawayForAnUnscannableConnection) {
   EXPECT_EQ(client.goaway_error, static_cast<uint32_t>(NGHTTP2_PROTOCOL_ERROR));
   EXPECT_EQ(client.goaway_debug, "HTTP/2: not an HTTP/2 connection preface");
 
-  Nghttp2Client calm;
+  Nghttp2Session calm(Nghttp2Session::Role::kClient, kClientSettings);
   calm.take_output();
   const std::string long_debug = h2_goaway(H2ErrorCode::kEnhanceYourCalm, std::string(5000, 'd'));
   ASSERT_EQ(calm.receive(long_debug), static_cast<ssize_t>(long_debug.size()));
@@ -580,7 +454,7 @@ TEST(H2Head, GoawayForAnUnscannableConnection) {
 
 TEST(H2Head, FuzzedInputNeverCrashes) {
   // Seeds: a real client's bytes and the hand-built padded/CONTINUATION request.
-  Nghttp2Client client;
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
   std::vector<HttpHeader> fields = get_request("/fuzz?sandgate_token=abc");
   fields.push_back({"cookie", "a=b"});
   fields.push_back({"cookie", "__Host-sandgate_token=xyz"});
