@@ -7,11 +7,13 @@
 
 namespace sg {
 
-const std::string* HttpMessage::header(std::string_view name) const {
+const std::string* find_header(std::span<const HttpHeader> headers, std::string_view name) {
   for (const auto& h : headers)
     if (h.name.size() == name.size() && strncasecmp(h.name.data(), name.data(), name.size()) == 0) return &h.value;
   return nullptr;
 }
+
+const std::string* HttpMessage::header(std::string_view name) const { return find_header(headers, name); }
 
 struct HttpParser::Impl {
   llhttp_t parser;

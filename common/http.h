@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,6 +17,9 @@ struct HttpHeader {
   std::string name;
   std::string value;
 };
+
+// First header with this name (case-insensitive), or nullptr.
+const std::string* find_header(std::span<const HttpHeader> headers, std::string_view name);
 
 struct HttpMessage {
   std::string method;  // requests

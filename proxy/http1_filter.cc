@@ -7,11 +7,7 @@
 
 namespace sg {
 
-const std::string* Http1Request::header(std::string_view name) const {
-  for (const HttpHeader& h : headers)
-    if (h.name.size() == name.size() && strncasecmp(h.name.data(), name.data(), name.size()) == 0) return &h.value;
-  return nullptr;
-}
+const std::string* Http1Request::header(std::string_view name) const { return find_header(headers, name); }
 
 struct Http1RequestFilter::Parser {
   llhttp_t parser{};
