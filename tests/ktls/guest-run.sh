@@ -83,7 +83,9 @@ write_config on
 "$SG/sandgate-node" --config "$RUN/sandgate.toml" >"$RUN/node.log" 2>&1 &
 wait_for_line "$RUN/node.log" "sandgate-node ready" || { echo "node did not start:"; cat "$RUN/node.log"; exit 1; }
 start_proxy on
-"$SG/sandgate" --api "unix:$RUN/node.sock" create --name kt --public 9000 -- "$SG/ktls_backend" 9000 >/dev/null ||
+# A raw TCP port: its bytes are spliced both ways. On an HTTP port every request head is read by the edge, so
+# client -> sandbox is copied there (and the upload after the client's "head" would be a malformed request).
+"$SG/sandgate" --api "unix:$RUN/node.sock" create --name kt --public 9000/tcp -- "$SG/ktls_backend" 9000 >/dev/null ||
   { echo "sandbox create failed"; cat "$RUN/node.log"; exit 1; }
 i=0
 until client 1.3 TLS_AES_128_GCM_SHA256 1 1 >/dev/null 2>&1; do

@@ -1,5 +1,5 @@
-/* Backend for the kTLS guest test; runs in a sandbox. For each connection: skips the HTTP request head
- * ("GET /?down=N ..."), reads the client's bytes until EOF (the proxy's half-close), then answers
+/* Backend for the kTLS guest test; runs in a sandbox behind a raw TCP port. For each connection: skips the
+ * client's HTTP-like head ("GET /?down=N ...", the test's own framing: the edge does not read it), reads the client's bytes until EOF (the proxy's half-close), then answers
  * "<sha256 hex of those bytes> <count>\n" followed by N bytes of the test stream, and closes.
  *   ktls_backend PORT */
 #define _GNU_SOURCE
