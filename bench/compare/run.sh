@@ -73,6 +73,8 @@ die() {
   exit 1
 }
 want() { [[ " $PROXIES " == *" $1 "* ]]; }
+# shellcheck source=bench/compare/lib.sh
+source "$here/lib.sh"
 
 # ---------------------------------------------------------------------------------------------- cleanup
 tmp=""
@@ -81,121 +83,18 @@ node_up=0
 cg_name="sandgate-bench-$$"
 cli=()
 
-stop_pid() {  # TERM, wait up to 10 s, then KILL; only the given pid
-  local pid=$1 i
-  kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 100; i++)); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
-  wait "$pid" 2>/dev/null || true
-}
-
+# shellcheck disable=SC2317  # invoked by the EXIT trap (set_traps in lib.sh)
 cleanup() {
-  local rc=$? i d p
+  local rc=$?
   set +e
   trap - EXIT INT TERM
   if ((node_up)) && ((${#cli[@]})); then timeout 15 "${cli[@]}" rm bench >/dev/null 2>&1; fi
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do stop_pid "${pids[i]}"; done
-  # Anything left in this run's (uniquely named) sandbox cgroups: kill it, then remove the cgroups.
-  for d in /sys/fs/cgroup/*/"$cg_name" /sys/fs/cgroup/"$cg_name"; do
-    [[ -d $d ]] || continue
-    for p in $(cat "$d"/*/cgroup.procs 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
-    for p in "$d"/*/cgroup.freeze; do [[ -f $p ]] && echo 0 >"$p"; done
-    for p in "$d"/*/freezer.state; do [[ -f $p ]] && echo THAWED >"$p"; done
-    sleep 0.2
-    rmdir "$d"/* "$d" 2>/dev/null
-  done
-  if [[ -n $tmp && -d $tmp ]]; then
-    if [[ $KEEP_TMP == 1 ]]; then log "kept $tmp"; else rm -rf "$tmp"; fi
-  fi
+  stop_started
+  remove_cgroup "$cg_name"
+  remove_tmp
   exit "$rc"
 }
-trap cleanup EXIT
-trap 'log "interrupted"; exit 130' INT
-trap 'log "terminated"; exit 143' TERM
-
-# ---------------------------------------------------------------------------------------------- helpers
-port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-used_ports=" "
-pick_port() {  # VAR: a free, not yet handed out port into VAR
-  local p i
-  for ((i = 0; i < 200; i++)); do
-    p=$((20000 + RANDOM % 30000))
-    if port_free "$p" && [[ $used_ports != *" $p "* ]]; then
-      used_ports+="$p "
-      printf -v "$1" '%s' "$p"
-      return 0
-    fi
-  done
-  die "no free port found"
-}
-wait_port() {  # PORT PID NAME: up to 15 s for a listener, failing early if PID died
-  local i
-  for ((i = 0; i < 150; i++)); do
-    if ! port_free "$1"; then return 0; fi
-    kill -0 "$2" 2>/dev/null || die "$3 exited during startup (log: $tmp/$3.log): $(tail -5 "$tmp/$3.log" 2>/dev/null)"
-    sleep 0.1
-  done
-  die "$3 did not listen on 127.0.0.1:$1 within 15 s: $(tail -5 "$tmp/$3.log" 2>/dev/null)"
-}
-wait_log() {  # FILE PATTERN PID NAME: up to 15 s for a line
-  local i
-  for ((i = 0; i < 150; i++)); do
-    if grep -q "$2" "$1" 2>/dev/null; then return 0; fi
-    kill -0 "$3" 2>/dev/null || die "$4 exited during startup: $(tail -5 "$1" 2>/dev/null)"
-    sleep 0.1
-  done
-  die "$4 not ready within 15 s: $(tail -5 "$1" 2>/dev/null)"
-}
-start() {  # NAME CMD...: background, output to $tmp/NAME.log; sets $started
-  local name=$1
-  shift
-  "$@" >"$tmp/$name.log" 2>&1 &
-  started=$!
-  pids+=("$started")
-}
-
-clk_tck=$(getconf CLK_TCK)
-# "utime stime" (ticks) of the given pids and their direct children (nginx: master + worker).
-cpu_ticks() {
-  local pid c all=()
-  for pid in "$@"; do
-    all+=("$pid")
-    for c in $(cat /proc/"$pid"/task/*/children 2>/dev/null); do all+=("$c"); done
-  done
-  # Fields after the ")" of comm: state is $1, so utime ($14) and stime ($15) are $12 and $13.
-  for pid in "${all[@]}"; do [[ -r /proc/$pid/stat ]] && sed 's/^.*) //' "/proc/$pid/stat"; done |
-    awk '{ u += $12; s += $13 } END { print u + 0, s + 0 }'
-}
-
-machine_ticks() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat; }
-# Cores busy over the next second (all processes; ours are idle between transfers).
-busy_cores() {
-  local a b
-  a=$(awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6 }' /proc/stat)
-  sleep 1
-  b=$(awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6 }' /proc/stat)
-  awk -v a="$a" -v b="$b" -v n="$(nproc)" 'BEGIN { split(a, x, " "); split(b, y, " ")
-    busy = y[1] - x[1]; all = busy + y[2] - x[2]; printf "%.2f\n", (all > 0 ? n * busy / all : 0) }'
-}
-wait_quiet() {  # up to QUIET_WAIT s (within the run's WAIT_BUDGET) until other processes are nearly idle
-  local deadline=$((SECONDS + QUIET_WAIT)) quiet said=0
-  ((deadline < wait_deadline)) || deadline=$wait_deadline
-  ((SECONDS < deadline)) || return 0
-  while :; do
-    quiet=$(busy_cores)
-    awk -v b="$quiet" 'BEGIN { exit !(b < 0.2) }' && return 0
-    if ((SECONDS >= deadline)); then
-      log "machine still busy (${quiet} cores used by other processes); measuring anyway"
-      return 0
-    fi
-    ((said++)) || log "machine busy (${quiet} cores used by other processes); waiting up to $((deadline - SECONDS))s"
-    sleep 2
-  done
-}
+set_traps
 
 # ---------------------------------------------------------------------------------------------- deps
 need_install=()
@@ -205,18 +104,7 @@ if want nginx; then
 fi
 if want haproxy; then command -v haproxy >/dev/null || need_install+=(haproxy); fi
 if ((${#need_install[@]})); then
-  log "installing benchmark-only packages: ${need_install[*]}"
-  had_policy=0
-  [[ -e /usr/sbin/policy-rc.d ]] && had_policy=1
-  export DEBIAN_FRONTEND=noninteractive
-  timeout 600 apt-get install -y --no-install-recommends "${need_install[@]}" >&2 ||
-    { timeout 300 apt-get update >&2 && timeout 600 apt-get install -y --no-install-recommends "${need_install[@]}" >&2; } ||
-    die "apt-get install ${need_install[*]} failed"
-  if ((!had_policy)); then  # the packages' services may have been started: stop them, this script runs its own
-    for svc in nginx haproxy; do
-      [[ " ${need_install[*]} " == *" $svc "* ]] && timeout 30 invoke-rc.d "$svc" stop >/dev/null 2>&1 || true
-    done
-  fi
+  apt_install "${need_install[@]}"
 fi
 command -v curl >/dev/null || die "curl is required"
 command -v cc >/dev/null || die "a C compiler (cc) is required"
@@ -227,12 +115,8 @@ if want sandgate; then
 fi
 
 # ---------------------------------------------------------------------------------------------- setup
-tmp=$(mktemp -d /tmp/sandgate-compare.XXXXXX)
-chmod 755 "$tmp"
-log "temp dir $tmp"
-cc -O2 -Wall -o "$tmp/backend" "$here/backend.c"
+make_tmp sandgate-compare
 want splice && cc -O2 -Wall -pthread -o "$tmp/splice_forward" "$here/splice_forward.c"
-"$root/deploy/gen-cert.sh" "$tmp/tls" sandbox.localhost 2>/dev/null
 cat "$tmp/tls/server.pem" "$tmp/tls/server.key" >"$tmp/tls/haproxy.pem"
 truncate -s "$bytes" "$tmp/upload.bin"  # sparse: reading it costs the client little
 cat "$tmp/upload.bin" >/dev/null          # ...once its (zero) pages are cached: the first run must not pay that
@@ -308,38 +192,11 @@ EOF
 fi
 
 if want sandgate; then
-  mkdir -p "$tmp/sg/state"
-  cat >"$tmp/sg/sandgate.toml" <<EOF
-domain = "sandbox.localhost"
-node_socket = "unix:$tmp/sg/node.sock"
-log_level = "info"
-
-[proxy]
-listen = "127.0.0.1:0"
-workers = 1
-ktls = "off"
-access_log = "$tmp/sg/access.log"
-
-[[proxy.certificates]]
-cert = "$tmp/tls/server.pem"
-key = "$tmp/tls/server.key"
-
-[node]
-state_dir = "$tmp/sg/state"
-on_shutdown = "terminate"
-cgroup_name = "$cg_name"
-init_path = "$BUILD_DIR/noderuntime/sandgate-init"
-EOF
-  start node "$BUILD_DIR/noderuntime/sandgate-node" --config "$tmp/sg/sandgate.toml"
-  node_pid=$started
-  wait_log "$tmp/node.log" "sandgate-node ready" "$node_pid" sandgate-node
+  start_node "$BUILD_DIR" "$tmp/sg" "$cg_name" ""
   node_up=1
   cli=("$BUILD_DIR/cli/sandgate" --api "unix:$tmp/sg/node.sock")
-  start proxy "$BUILD_DIR/proxy/sandgate-proxy" --config "$tmp/sg/sandgate.toml"
-  proxy_pid=$started
-  wait_log "$tmp/proxy.log" "sandgate-proxy ready on" "$proxy_pid" sandgate-proxy
-  port[sandgate]=$(sed -n 's/.*sandgate-proxy ready on 127\.0\.0\.1:\([0-9]*\).*/\1/p' "$tmp/proxy.log" | head -1)
-  [[ -n ${port[sandgate]} ]] || die "cannot parse the proxy port: $(grep ready "$tmp/proxy.log")"
+  start_proxy "$BUILD_DIR" "$tmp/sg" ""
+  port[sandgate]=$proxy_port
   timeout 60 "${cli[@]}" create --name bench --public 9000 --cpus 2 --timeout 86400 -- \
     "$tmp/backend" 127.0.0.1 9000 >"$tmp/create.out" 2>&1 || die "sandgate create failed: $(cat "$tmp/create.out")"
   ppids[sandgate]=$proxy_pid scheme[sandgate]=https
@@ -364,19 +221,12 @@ url() {  # PROXY PATH
 # Readiness (the sandbox backend comes up asynchronously) and what TLS was negotiated.
 declare -A negotiated
 order=()
+probe() { "${curl_base[@]}" "${topts[@]}" -v -o /dev/null --fail "$(url "$1" /dl/16)" 2>"$tmp/probe-$1.txt"; }  # PROXY
 for p in sandgate nginx haproxy splice direct; do
   want "$p" || continue
   order+=("$p")
   mapfile -t topts < <(tls_opts "$p")
-  ok=0
-  for ((i = 0; i < 100; i++)); do
-    if "${curl_base[@]}" "${topts[@]}" -v -o /dev/null --fail "$(url "$p" /dl/16)" 2>"$tmp/probe-$p.txt"; then
-      ok=1
-      break
-    fi
-    sleep 0.2
-  done
-  ((ok)) || die "$p never served a probe request: $(tail -5 "$tmp/probe-$p.txt")"
+  poll probe "$p" || die "$p never served a probe request: $(tail -5 "$tmp/probe-$p.txt")"
   negotiated[$p]=$(sed -n 's/^\* SSL connection using //p' "$tmp/probe-$p.txt" | head -1)
   [[ -n ${negotiated[$p]} ]] || negotiated[$p]="plain TCP"
   log "$p ready on port ${port[$p]}: ${negotiated[$p]}"
@@ -428,18 +278,8 @@ transfer_once() {  # PROXY DIRECTION
              printf "%.3f %.3f %.3f %.3f %.3f\n", w, proxy, cu + cs, (b[2] - a[2]) / t, others }'
 }
 transfer() {  # PROXY DIRECTION: the least disturbed of up to 1 + RETRIES attempts
-  local r best="" attempt
-  for ((attempt = 0; attempt <= RETRIES; attempt++)); do
-    wait_quiet
-    r=$(transfer_once "$1" "$2")
-    if [[ -z $best ]] || awk -v a="$r" -v b="$best" 'BEGIN { split(a, x, " "); split(b, y, " "); exit !(x[5] < y[5]) }'; then
-      best=$r
-    fi
-    awk -v r="$best" 'BEGIN { split(r, x, " "); exit !(x[5] <= 0.1 * x[1]) }' && break
-    ((SECONDS < wait_deadline)) || break
-    log "$1 $2: other processes used $(cut -d' ' -f5 <<<"$r") CPU s during the transfer; repeating"
-  done
-  echo "$best"
+  # shellcheck disable=SC2016  # $1: field 1 (wall s) of each result, expanded by least_disturbed
+  least_disturbed 5 '$1' "$1 $2" transfer transfer_once "$1" "$2"
 }
 
 if ((ATTACH_WAIT > 0)); then
