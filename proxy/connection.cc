@@ -224,12 +224,13 @@ void Connection::look_up_port_policy() {
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
   uint32_t lookup_ms = std::min(cfg_->proxy.wake_timeout_ms, cfg_->proxy.handshake_timeout_ms / 2);
-  node_call_ = worker_->node().lookup(route->target, port, lookup_ms,
-                                      [this](Result<LookupAnswer> r) { on_lookup_result(std::move(r)); });
+  node_call_ = worker_->node().lookup(route->target, port, lookup_ms, [this, target = route->target](Result<LookupAnswer> r) {
+    on_lookup_result(target, std::move(r));
+  });
   update_interest();
 }
 
-void Connection::on_lookup_result(Result<LookupAnswer> r) {
+void Connection::on_lookup_result(const std::string& target, Result<LookupAnswer> r) {
   auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
   // Whatever the answer, the handshake goes on: an unknown sandbox or port is answered (404/403) over
   // HTTP once the head names it, which a client can show, unlike a failed handshake.
@@ -237,18 +238,11 @@ void Connection::on_lookup_result(Result<LookupAnswer> r) {
   if (r && r->status == 200) {
     hello_.port_protocol = r->policy.protocol;
     hello_.port_public = r->policy.is_public;
-    remember_port_policy(r->port, r->policy);
+    worker_->port_policies().store(target, r->port, r->policy, now_ms(worker_->loop()));
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
   do_handshake();
-}
-
-// For the next connection's ClientHello, under the name its SNI uses.
-void Connection::remember_port_policy(uint16_t port, const PortPolicy& policy) {
-  auto route = parse_route(rec_.sni, cfg_->domain);
-  if (!route || route->kind == RouteKind::kApi) return;
-  worker_->port_policies().store(route->target, port, policy, now_ms(worker_->loop()));
 }
 
 void Connection::after_handshake() {
@@ -410,7 +404,7 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
                        "Bearer header\n",
                        TerminationCause::kBadRequest);
   // Decided before the node is asked.
-  if (auto refusal = cross_origin_refusal(host, method, credentials_, headers))
+  if (auto refusal = cross_origin_refusal(host, method, target, headers))
     return respond(refusal->status, refusal->message, refusal->cause);
   if (route_.kind == RouteKind::kSdk) route_.port = cfg_->agent_port;
   // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
@@ -426,12 +420,16 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
 // and HEAD stay open so links between sandboxes keep working.
 std::optional<Connection::RequestRefusal> Connection::cross_origin_refusal(std::string_view host,
                                                                            std::string_view method,
-                                                                           std::span<const Credential> credentials,
+                                                                           std::string_view target,
                                                                            std::span<const HttpHeader> headers) const {
+  // The origin first: most requests come from their own, and then no credential needs scanning.
+  if (!is_cross_origin_request(host, headers)) return std::nullopt;
+  const bool safe_method = method == "GET" || method == "HEAD";
+  const auto credentials = route_.kind == RouteKind::kSdk || safe_method ? std::vector<Credential>()
+                                                                          : find_credentials(target, headers);
   const bool carries_cookie = std::any_of(credentials.begin(), credentials.end(),
                                           [](const Credential& c) { return c.source == CredentialSource::kCookie; });
-  const bool safe_method = method == "GET" || method == "HEAD";
-  if ((route_.kind == RouteKind::kSdk || (carries_cookie && !safe_method)) && is_cross_origin_request(host, headers))
+  if (route_.kind == RouteKind::kSdk || carries_cookie)
     return RequestRefusal{403, TerminationCause::kCrossOrigin,
                           "cross-origin request refused: the sandgate credential is not used for requests from "
                           "another origin (send Authorization: Bearer from your own code instead)\n"};
@@ -459,7 +457,7 @@ std::optional<Connection::RequestRefusal> Connection::later_request_refusal(std:
     return RequestRefusal{421, TerminationCause::kMisdirected,
                           "this connection was opened for " + rec_.host + ", not " + std::string(named) +
                               ": send the request on a connection of its own\n"};
-  return cross_origin_refusal(authority, method, find_credentials(target, headers), headers);
+  return cross_origin_refusal(authority, method, target, headers);
 }
 
 Http1Verdict Connection::check_http1_request(Http1Request& r) {
@@ -640,7 +638,8 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
   }
   OpenedSocket& opened = r->opened;
   rec_.sandbox_id = opened.id;
-  remember_port_policy(opened.port, opened.policy);
+  // For the next connection's ClientHello (the route's target is the SNI's: Host must equal it).
+  worker_->port_policies().store(route_.target, opened.port, opened.policy, now_ms(worker_->loop()));
   opened_at_ = opened.opened_at;
   rec_.woke = opened.woke;
   rec_.wake_ms = opened.wake_ms;

@@ -97,8 +97,7 @@ class Connection {
 
   void do_handshake();
   void look_up_port_policy();
-  void on_lookup_result(Result<LookupAnswer> r);
-  void remember_port_policy(uint16_t port, const PortPolicy& policy);
+  void on_lookup_result(const std::string& target, Result<LookupAnswer> r);
   void after_handshake();
   void read_head();
   void on_head();
@@ -113,7 +112,7 @@ class Connection {
   };
   // Requests from another origin that the sandgate credential must not serve (cross-sandbox CSRF).
   std::optional<RequestRefusal> cross_origin_refusal(std::string_view host, std::string_view method,
-                                                     std::span<const Credential> credentials,
+                                                     std::string_view target,
                                                      std::span<const HttpHeader> headers) const;
   // Every request after the connection is open (the first one again included): it must name the route the
   // connection is bound to, and it passes the cross-origin check; then the edge's credentials are taken out.

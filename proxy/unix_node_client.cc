@@ -61,28 +61,29 @@ std::unique_ptr<NodeCall> start(uv_loop_t* loop, const ProxyShared* shared, std:
   return call;
 }
 
+// Status and, for a refusal (anything but 200), the node's message: all a refusal carries.
+template <typename Answer>
+Answer answer_head(int status, const json& j) {
+  Answer a;
+  a.status = status;
+  if (status != 200) a.message = message_of(j);
+  return a;
+}
+
 }  // namespace
 
 Result<LookupAnswer> parse_lookup_answer(int status, std::string_view body) {
   auto j = json::parse(body, nullptr, false);
-  LookupAnswer a;
-  a.status = status;
-  if (status != 200) {
-    a.message = message_of(j);
-    return a;
-  }
+  LookupAnswer a = answer_head<LookupAnswer>(status, j);
+  if (status != 200) return a;
   if (!j.is_object() || !get_policy(j, &a.port, &a.policy)) return not_the_api("internal/lookup");
   return a;
 }
 
 Result<OpenAnswer> parse_open_answer(int status, std::string_view body, UniqueFd fd) {
   auto j = json::parse(body, nullptr, false);
-  OpenAnswer a;
-  a.status = status;
-  if (status != 200) {
-    a.message = message_of(j);
-    return a;
-  }
+  OpenAnswer a = answer_head<OpenAnswer>(status, j);
+  if (status != 200) return a;
   OpenedSocket& o = a.opened;
   if (!j.is_object() || !get_policy(j, &o.port, &o.policy) || !fd.valid()) return not_the_api("internal/open");
   o.id = o.policy.sandbox_id;

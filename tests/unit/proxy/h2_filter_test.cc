@@ -920,28 +920,9 @@ TEST(H2Filter, FuzzedInputNeverCrashes) {
 
   std::mt19937 rng(20240611);
   auto pick = [&](size_t n) { return n == 0 ? 0 : std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
-  auto mutate = [&](std::string input) {
-    const size_t mutations = 1 + pick(4);
-    for (size_t m = 0; m < mutations && !input.empty(); ++m) {
-      const size_t at = pick(input.size());
-      switch (pick(6)) {
-        case 0: input[at] = static_cast<char>(pick(256)); break;
-        case 1: input[at] = static_cast<char>(input[at] ^ (1 << pick(8))); break;
-        case 2: input.insert(at, std::string(1 + pick(16), static_cast<char>(pick(256)))); break;
-        case 3: input.erase(at, 1 + pick(16)); break;
-        case 4: input.resize(pick(input.size() + 1)); break;
-        default: {  // duplicate a slice: repeated frames, replayed HPACK
-          const size_t len = 1 + pick(64);
-          input.insert(at, input.substr(pick(input.size()), len));
-          break;
-        }
-      }
-    }
-    return input;
-  };
   size_t ok = 0, errors = 0, requests = 0;
   for (int iteration = 0; iteration < 4000; ++iteration) {
-    std::string input = mutate(client_seeds[pick(client_seeds.size())]);
+    std::string input = mutate(rng, client_seeds[pick(client_seeds.size())], /*duplicate_slices=*/true);
     if (pick(2) == 0 && input.size() >= kPreface.size()) input.replace(0, kPreface.size(), kPreface);
     H2FilterLimits limits;
     if (pick(4) == 0) {
@@ -981,7 +962,7 @@ TEST(H2Filter, FuzzedInputNeverCrashes) {
     else ++errors;
 
     // The sandbox side: mutated frames, random splits, random injections.
-    std::string sandbox = mutate(server_seed);
+    std::string sandbox = mutate(rng, server_seed, /*duplicate_slices=*/true);
     H2ServerFrames frames(pick(2) ? 64 : 1 << 16);
     std::string out;
     std::string_view srest = sandbox;

@@ -471,18 +471,7 @@ TEST(H2Head, FuzzedInputNeverCrashes) {
   auto pick = [&](size_t n) { return n == 0 ? 0 : std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
   size_t requests = 0, errors = 0;
   for (int iteration = 0; iteration < 20000; ++iteration) {
-    std::string input = seeds[pick(seeds.size())];
-    const size_t mutations = 1 + pick(4);
-    for (size_t m = 0; m < mutations && !input.empty(); ++m) {
-      const size_t at = pick(input.size());
-      switch (pick(5)) {
-        case 0: input[at] = static_cast<char>(pick(256)); break;
-        case 1: input[at] = static_cast<char>(input[at] ^ (1 << pick(8))); break;
-        case 2: input.insert(at, std::string(1 + pick(16), static_cast<char>(pick(256)))); break;
-        case 3: input.erase(at, 1 + pick(16)); break;
-        default: input.resize(pick(input.size() + 1)); break;
-      }
-    }
+    std::string input = mutate(rng, seeds[pick(seeds.size())], /*duplicate_slices=*/false);
     // Sometimes keep the preface intact so the mutations reach the frames and HPACK.
     if (pick(2) == 0 && input.size() >= kPreface.size()) input.replace(0, kPreface.size(), kPreface);
     H2RequestScanner scanner;

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <random>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -201,5 +202,29 @@ class Nghttp2Session {
   Role role_;
   nghttp2_session* session_ = nullptr;
 };
+
+// The fuzz tests' mutations of a seed: 1 to 4 random edits (set a byte, flip a bit, insert, erase, truncate,
+// and with `duplicate_slices` also repeat a slice: replayed frames and HPACK), all drawn from `rng`, so a
+// fixed seed replays the same inputs.
+inline std::string mutate(std::mt19937& rng, std::string input, bool duplicate_slices) {
+  auto pick = [&](size_t n) { return n == 0 ? 0 : std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  const size_t mutations = 1 + pick(4);
+  for (size_t m = 0; m < mutations && !input.empty(); ++m) {
+    const size_t at = pick(input.size());
+    switch (pick(duplicate_slices ? 6 : 5)) {
+      case 0: input[at] = static_cast<char>(pick(256)); break;
+      case 1: input[at] = static_cast<char>(input[at] ^ (1 << pick(8))); break;
+      case 2: input.insert(at, std::string(1 + pick(16), static_cast<char>(pick(256)))); break;
+      case 3: input.erase(at, 1 + pick(16)); break;
+      case 4: input.resize(pick(input.size() + 1)); break;
+      default: {
+        const size_t len = 1 + pick(64);
+        input.insert(at, input.substr(pick(input.size()), len));
+        break;
+      }
+    }
+  }
+  return input;
+}
 
 }  // namespace sg::test_support
