@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <openssl/err.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -117,16 +118,46 @@ Result<OpenAnswer> opened(UniqueFd* sandbox, std::optional<size_t> credential, b
   return a;
 }
 
+// The test's end of an opened socketpair, handed from the worker's thread (the fake's open) to the test's.
+class SandboxEnd {
+ public:
+  void put(UniqueFd fd) {
+    std::lock_guard lock(mu_);
+    fd_ = std::move(fd);
+    cv_.notify_all();
+  }
+  // Waits (up to 5 s) for the open to have handed it over.
+  UniqueFd take() {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(5), [&] { return fd_.valid(); });
+    return std::move(fd_);
+  }
+  // For the fake's open: a socket whose other end goes to put().
+  Result<OpenAnswer> open(std::optional<size_t> credential, bool is_public = false) {
+    UniqueFd end;
+    Result<OpenAnswer> a = opened(&end, credential, is_public);
+    put(std::move(end));
+    return a;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  UniqueFd fd_;
+};
+
 // Reads what the edge forwarded to the sandbox until `until` appears (or EOF, or 5 s).
 std::string sandbox_reads(int fd, std::string_view until) {
   std::string got;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (got.find(until) == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0))) <= 0) break;
     char buf[4096];
     ssize_t n = ::recv(fd, buf, sizeof buf, 0);
     if (n > 0) got.append(buf, static_cast<size_t>(n));
-    else if (n == 0) break;
-    else ::usleep(2000);
+    else if (n == 0 || (errno != EAGAIN && errno != EINTR)) break;
   }
   return got;
 }
@@ -278,12 +309,12 @@ TEST_F(ConnectionTest, NodeFailuresAreAnsweredWithTheirStatus) {
 
 TEST_F(ConnectionTest, ForwardsWithoutTheCredentialAndRefusesAnotherHostOnTheConnection) {
   start();
-  UniqueFd sandbox;
-  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return opened(&sandbox, 0); };
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
   std::string seen;
   on_sent = [&] {
     // The sandbox answers the first request; the edge then gives it a FIN for the refused second one.
-    for (int i = 0; i < 500 && !sandbox.valid(); ++i) ::usleep(2000);
+    UniqueFd sandbox = end.take();
     seen = sandbox_reads(sandbox.get(), "\r\n\r\n");
     const std::string answer = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
     ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
@@ -379,12 +410,12 @@ TEST_F(ConnectionTest, ConnectPhaseRefusedPortIs502) {
 
 TEST_F(ConnectionTest, ForwardPhaseEndsWhenTheSandboxCloses) {
   start();
-  UniqueFd sandbox;
+  SandboxEnd end;
   node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
-    return opened(&sandbox, std::nullopt, /*is_public=*/true);
+    return end.open(std::nullopt, /*is_public=*/true);
   };
   on_sent = [&] {
-    for (int i = 0; i < 500 && !sandbox.valid(); ++i) ::usleep(2000);
+    UniqueFd sandbox = end.take();
     sandbox_reads(sandbox.get(), "\r\n\r\n");
     const std::string answer = "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it";
     ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
