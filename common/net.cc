@@ -147,20 +147,21 @@ Result<uint16_t> local_port(int fd) {
   return fail(Error::kInvalidArgument, "not an IP socket");
 }
 
-Result<size_t> send_with_fd(int sock, const void* data, size_t len, int fd_to_pass) {
+Result<size_t> send_with_fds(int sock, const void* data, size_t len, std::span<const int> fds) {
+  if (fds.size() > kMaxPassedFds) return fail(Error::kInvalidArgument, "too many descriptors for one message");
   iovec iov{const_cast<void*>(data), len};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPassedFds)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  if (fd_to_pass >= 0) {
+  if (!fds.empty()) {
     msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
     cmsghdr* c = CMSG_FIRSTHDR(&msg);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &fd_to_pass, sizeof(int));
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   }
   ssize_t n;
   do {
@@ -170,10 +171,10 @@ Result<size_t> send_with_fd(int sock, const void* data, size_t len, int fd_to_pa
   return static_cast<size_t>(n);
 }
 
-Result<size_t> recv_with_fd(int sock, void* buf, size_t len, UniqueFd* received, bool* would_block) {
+Result<size_t> recv_with_fds(int sock, void* buf, size_t len, std::vector<UniqueFd>* received, bool* would_block) {
   *would_block = false;
   iovec iov{buf, len};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPassedFds)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -196,7 +197,8 @@ Result<size_t> recv_with_fd(int sock, void* buf, size_t len, UniqueFd* received,
     for (size_t i = 0; i < count; ++i) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      received->reset(fd);  // keep the last one; a well-behaved peer sends exactly one
+      UniqueFd owned(fd);
+      if (received->size() < kMaxPassedFds) received->push_back(std::move(owned));
     }
   }
   return static_cast<size_t>(n);

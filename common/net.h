@@ -6,8 +6,10 @@
 #include <sys/un.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/error.h"
 #include "common/fd.h"
@@ -42,10 +44,14 @@ Result<UniqueFd> connect_blocking(const Endpoint& ep, int timeout_ms);
 // The port a bound socket ended up on (for port 0 in tests).
 Result<uint16_t> local_port(int fd);
 
-// sendmsg() of `data` with `fd_to_pass` attached via SCM_RIGHTS. Returns bytes written (may be short).
-Result<size_t> send_with_fd(int sock, const void* data, size_t len, int fd_to_pass);
-// recvmsg() into buf; a passed descriptor, if any, is stored in *received (closed if one was already held).
-// Returns 0 at EOF; Error::kIo with EAGAIN in the message is never returned: *would_block is set instead.
-Result<size_t> recv_with_fd(int sock, void* buf, size_t len, UniqueFd* received, bool* would_block);
+// The most descriptors one message carries (an open's socket plus its spares, node_api.h).
+inline constexpr size_t kMaxPassedFds = 16;
+// sendmsg() of `data` with `fds` (at most kMaxPassedFds) attached via SCM_RIGHTS. Returns bytes written (may
+// be short; the descriptors travel with the first byte).
+Result<size_t> send_with_fds(int sock, const void* data, size_t len, std::span<const int> fds);
+// recvmsg() into buf; passed descriptors, if any, are appended to *received, at most kMaxPassedFds in all
+// (more are closed: a peer cannot make us hold an unbounded number). Returns 0 at EOF; Error::kIo with
+// EAGAIN in the message is never returned: *would_block is set instead.
+Result<size_t> recv_with_fds(int sock, void* buf, size_t len, std::vector<UniqueFd>* received, bool* would_block);
 
 }  // namespace sg

@@ -160,6 +160,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.integer("idle_timeout_secs", &out->idle_timeout_secs, 1, 7 * 24 * 3600);
   r.integer("connect_timeout_ms", &out->connect_timeout_ms, 10, 600'000);
   r.integer("activity_report_interval_ms", &out->activity_report_interval_ms, 50, 1'000);
+  r.boolean("route_cache", &out->route_cache);
   r.string("access_log", &out->access_log);
   out->access_log = resolve_path(base_dir, out->access_log);
   r.string("user", &out->user);

@@ -38,6 +38,9 @@ struct ProxyConfig {
   uint32_t idle_timeout_secs = 600;      // a forwarded connection with no bytes either way is closed
   uint32_t connect_timeout_ms = 5'000;   // proxy -> sandbox TCP connect
   uint32_t activity_report_interval_ms = 1'000;
+  // Each worker routes new connections to a running sandbox it reached recently without asking the node
+  // (proxy/route_cache.h). Read at start; off: every connection's open goes to the node.
+  bool route_cache = true;
   std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
   // Least privilege: once its listeners are bound, the access log opened and the certificates and operator
   // token read, a proxy started as root switches to this user for good (proxy/privileges.h). "" = keep

@@ -65,7 +65,7 @@ std::string to_text(const Json& j) {
 
 Response error_response(int status, Error code, std::string_view message) {
   ordered_json body = {{"error", error_name(code)}, {"message", message}};
-  return Response{status, to_text(body), UniqueFd(), ""};
+  return Response{status, to_text(body), {}, ""};
 }
 
 Response error_response(const Failure& f) { return error_response(http_status(f.code), f.code, f.message); }
@@ -76,7 +76,7 @@ Response invalid(std::string_view message) { return error_response(400, Error::k
 // proxy's internal/open, and the TCP listeners' operator token).
 Response unauthorized(std::string_view message) {
   ordered_json body = {{"error", "unauthorized"}, {"message", message}};
-  return Response{401, to_text(body), UniqueFd(), ""};
+  return Response{401, to_text(body), {}, ""};
 }
 
 // The Host values a request on a TCP connection may carry: the address the client dialed ("127.0.0.1:8081",
@@ -301,12 +301,21 @@ struct PortRequest {
   std::string ref;
   uint16_t port = 0;
   std::vector<std::string> credentials;
+  size_t sockets = 0;  // open: spare sockets for the route cache; internal/sockets: how many
+};
+
+// Which fields a port request may carry besides sandbox and port.
+enum class PortRequestKind {
+  kLookup,   // none
+  kOpen,     // credentials, spare_sockets
+  kSockets,  // count
 };
 
 // The edge sends at most this many (proxy/edge_auth.h kMaxCredentialCandidates); each costs a SHA-256.
 constexpr size_t kMaxCredentialsPerOpen = 4;
 
-Result<PortRequest> parse_port_request(const json& body, bool allow_credential) {
+Result<PortRequest> parse_port_request(const json& body, PortRequestKind kind) {
+  const bool open = kind == PortRequestKind::kOpen;
   PortRequest out;
   int64_t port = -1;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -317,7 +326,12 @@ Result<PortRequest> parse_port_request(const json& body, bool allow_credential) 
     } else if (it.key() == "port") {
       if (!v.is_number_integer()) return wrong_type("port", "an integer", v);
       port = as_int64(v);
-    } else if (it.key() == "credentials" && allow_credential) {
+    } else if ((it.key() == "spare_sockets" && open) || (it.key() == "count" && kind == PortRequestKind::kSockets)) {
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > Node::kMaxSpareSockets)
+        return fail(Error::kInvalidArgument,
+                    it.key() + ": an integer from 0 to " + std::to_string(Node::kMaxSpareSockets));
+      out.sockets = v.get<size_t>();
+    } else if (it.key() == "credentials" && open) {
       if (!v.is_array()) return wrong_type("credentials", "an array of strings", v);
       if (v.size() > kMaxCredentialsPerOpen)
         return fail(Error::kInvalidArgument,
@@ -327,7 +341,9 @@ Result<PortRequest> parse_port_request(const json& body, bool allow_credential) 
         out.credentials.push_back(c.get<std::string>());
       }
     } else {
-      return unknown_field(it.key(), allow_credential ? "sandbox, port, credentials" : "sandbox, port");
+      return unknown_field(it.key(), open                                 ? "sandbox, port, credentials, spare_sockets"
+                                     : kind == PortRequestKind::kSockets ? "sandbox, port, count"
+                                                                         : "sandbox, port");
     }
   }
   if (out.ref.empty()) return fail(Error::kInvalidArgument, "sandbox is required (an id or a name)");
@@ -406,7 +422,8 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
     bool ready = false;
     bool close_after = false;
     std::string bytes;
-    UniqueFd fd;
+    std::vector<UniqueFd> fds;
+    bool route_events = false;
     std::string method, target;  // for the request log line
     Clock::time_point started;
   };
@@ -427,6 +444,7 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
   void write(std::string data);
   void begin_close();
   void maybe_send_continue();
+  void stream_route_events();
 
   ApiServer* server_;
   bool is_unix_;
@@ -452,6 +470,8 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
   bool draining_ = false;  // after shutdown: discard input until EOF or the linger timer
   bool closing_ = false;
   bool continue_sent_ = false;
+  bool streaming_ = false;     // internal/events: the connection carries RouteEvents now
+  uint64_t subscription_ = 0;  // Node::subscribe's id while streaming
 };
 
 void ApiServer::Connection::start_reading() {
@@ -558,7 +578,15 @@ void ApiServer::Connection::respond(uint64_t seq, Response response) {
   Slot& slot = slots_[seq - first_seq_];
   slot.ready = true;
   slot.bytes = serialize(response, slot.close_after);
-  slot.fd = std::move(response.fd);
+  slot.fds = std::move(response.fds);
+  slot.route_events = response.route_events;
+  if (slot.route_events) {
+    // A close-delimited body of JSON lines (no Content-Length: it never ends on its own).
+    slot.bytes = "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nCache-Control: no-store\r\n"
+                 "Connection: close\r\n\r\n";
+    slot.close_after = true;
+    input_done_ = true;
+  }
   spdlog::debug("{} {} {} -> {} ({:.1f} ms)", peer_, slot.method, slot.target, response.status,
                 std::chrono::duration<double, std::milli>(Clock::now() - slot.started).count());
   if (!in_process_) flush();
@@ -578,10 +606,10 @@ void ApiServer::Connection::answer_parse_error() {
 }
 
 void ApiServer::Connection::flush() {
-  if (closing_) return;
+  if (closing_ || streaming_) return;  // a stream's lines are written as events come
   while (!slots_.empty() && slots_.front().ready) {
     Slot& slot = slots_.front();
-    if (slot.fd.valid()) {
+    if (!slot.fds.empty()) {
       // The descriptor must ride on these exact bytes, so everything before them has to be in the kernel.
       if (uv_stream_get_write_queue_size(stream()) > 0) return;  // the write callback flushes again
       if (!send_with_descriptor(slot)) return;
@@ -589,6 +617,11 @@ void ApiServer::Connection::flush() {
       write(std::move(slot.bytes));
     }
     if (closing_) return;
+    if (slot.route_events) {
+      slots_.pop_front();
+      ++first_seq_;
+      return stream_route_events();
+    }
     bool close_after = slot.close_after;
     slots_.pop_front();
     ++first_seq_;
@@ -616,13 +649,15 @@ bool ApiServer::Connection::send_with_descriptor(Slot& slot) {
     uv_timer_start(timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->flush(); }, kFdRetryMs, 0);
     return false;
   }
-  auto sent = send_with_fd(fd, slot.bytes.data(), slot.bytes.size(), slot.fd.get());
+  std::vector<int> raw;
+  for (const UniqueFd& f : slot.fds) raw.push_back(f.get());
+  auto sent = send_with_fds(fd, slot.bytes.data(), slot.bytes.size(), raw);
   if (!sent) {
     spdlog::debug("{}: cannot pass descriptor: {}", peer_, sent.message());
     close_now();
     return false;
   }
-  slot.fd.reset();  // the peer holds its own copy now
+  slot.fds.clear();  // the peer holds its own copies now
   if (*sent < slot.bytes.size()) write(slot.bytes.substr(*sent));
   return true;
 }
@@ -669,9 +704,34 @@ void ApiServer::Connection::begin_close() {
   }
 }
 
+// The proxy's route cache listens here: the first line gives the stamp from which it saw every event, then
+// one line per RouteEvent, written before the call that caused it is answered. A proxy that reads too
+// slowly is cut off (it drops its whole cache when the stream breaks), so a stuck one costs bounded memory.
+void ApiServer::Connection::stream_route_events() {
+  streaming_ = true;
+  Node* node = server_->node_;
+  write(to_text(ordered_json{{"event", "hello"}, {"stamp", node->current_stamp()}}) + "\n");
+  std::weak_ptr<Connection> weak = weak_from_this();
+  subscription_ = node->subscribe([weak](const RouteEvent& e) {
+    auto self = weak.lock();
+    if (!self || self->closing_) return;
+    if (uv_stream_get_write_queue_size(self->stream()) >= kMaxQueuedWriteBytes) return self->close_now();
+    ordered_json j = {{"event", e.id.empty() ? "flush" : "invalidate"},
+                      {"id", e.id},
+                      {"name", e.name.empty() ? ordered_json(nullptr) : ordered_json(e.name)},
+                      {"reason", e.reason},
+                      {"stamp", e.stamp}};
+    self->write(to_text(j) + "\n");
+  });
+  // Reading goes on only to see the proxy close its end.
+  draining_ = true;
+  start_reading();
+}
+
 void ApiServer::Connection::close_now() {
   if (closing_) return;
   closing_ = true;
+  if (subscription_ != 0) server_->node_->unsubscribe(subscription_);
   slots_.clear();  // closes descriptors that were never sent
   uv_timer_stop(timer_);
   close_and_free(timer_);
@@ -805,7 +865,7 @@ std::optional<Response> ApiServer::refuse_tcp(const HttpMessage& request, const 
     ordered_json body = {{"error", "misdirected_request"},
                          {"message", "Host '" + *host + "' is not this node API's address (" +
                                          (hosts.empty() ? std::string("unknown") : hosts.front()) + ")"}};
-    return Response{421, to_text(body), UniqueFd(), ""};
+    return Response{421, to_text(body), {}, ""};
   }
   // Browsers send Origin on cross-site requests; nothing legitimate drives the node API from a web page.
   if (request.header("Origin") != nullptr)
@@ -865,7 +925,7 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
   };
   // Only create's answer has it: the node keeps nothing it could show again.
   if (!info.token.empty()) j["token"] = info.token;
-  return Response{status, to_text(j), UniqueFd(), ""};
+  return Response{status, to_text(j), {}, ""};
 }
 
 void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply) {
@@ -885,7 +945,7 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
                       {"sandboxes", node_->sandbox_count()},
                       {"driver", node_->default_driver_name()},
                       {"drivers", node_->driver_names()}};
-    return reply(Response{200, to_text(j), UniqueFd(), ""});
+    return reply(Response{200, to_text(j), {}, ""});
   }
   if (path == "/v1/sandboxes") {
     if (method == "POST") return handle_create(request, std::move(reply));
@@ -899,7 +959,7 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
       first = false;
     }
     body += "]}";
-    return reply(Response{200, std::move(body), UniqueFd(), ""});
+    return reply(Response{200, std::move(body), {}, ""});
   }
   if (path == "/v1/internal/open") {
     if (method != "POST") return method_not_allowed("POST");
@@ -908,6 +968,18 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
   if (path == "/v1/internal/lookup") {
     if (method != "POST") return method_not_allowed("POST");
     return handle_lookup(request, can_pass_fds, reply);
+  }
+  if (path == "/v1/internal/sockets") {
+    if (method != "POST") return method_not_allowed("POST");
+    return handle_sockets(request, can_pass_fds, reply);
+  }
+  if (path == "/v1/internal/events") {
+    if (method != "GET") return method_not_allowed("GET");
+    // Tells which sandboxes a proxy may route to from its cache: the proxy's business only.
+    if (!can_pass_fds) return reply(invalid("internal/events is served on the unix socket only"));
+    Response r{200, "", {}, ""};
+    r.route_events = true;
+    return reply(std::move(r));
   }
   if (path == "/v1/internal/activity") {
     if (method != "POST") return method_not_allowed("POST");
@@ -960,7 +1032,7 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
   if (!wake_timeout) return reply(error_response(wake_timeout.failure()));
   auto body = parse_object(request.body);
   if (!body) return reply(error_response(body.failure()));
-  auto req = parse_port_request(*body, true);
+  auto req = parse_port_request(*body, PortRequestKind::kOpen);
   if (!req) return reply(error_response(req.failure()));
   // Checked before anything touches the sandbox: a refused credential must neither wake it nor count as
   // activity, or anyone could keep every sandbox awake.
@@ -975,7 +1047,8 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
                                   [](const std::string& c) { return c.empty(); });
     if (!accepted) return reply(unauthorized(none ? "missing token" : "invalid token"));
   }
-  node_->open(req->ref, req->port, *wake_timeout, [reply = std::move(reply), accepted](Result<OpenedPort> r) {
+  node_->open(req->ref, req->port, *wake_timeout,
+              [this, reply = std::move(reply), accepted, spares = req->sockets](Result<OpenedPort> r) {
     if (!r) return reply(error_response(r.failure()));
     ordered_json j = {{"id", r->id},
                       {"name", r->name.empty() ? ordered_json(nullptr) : ordered_json(r->name)},
@@ -989,8 +1062,42 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
                       {"opened_at", r->opened_at},
                       {"token_sha256", r->token_sha256},
                       {"credential", accepted ? ordered_json(*accepted) : ordered_json(nullptr)}};
-    reply(Response{200, to_text(j), std::move(r->socket.fd), ""});
+    std::vector<UniqueFd> fds;
+    fds.push_back(std::move(r->socket.fd));
+    // The proxy's route cache: with these it routes the next connections itself, so the verdict it needs
+    // (the digests, how long it may) travels along. A connected socket (vsock) cannot be reused that way.
+    if (spares > 0 && !r->socket.connected) {
+      if (auto more = node_->spare_sockets(r->id, r->port, spares)) {
+        for (UniqueFd& fd : more->fds) fds.push_back(std::move(fd));
+        j["spare_sockets"] = more->fds.size();
+        j["cache_ms"] = more->cache_ms;
+        j["operator_token_sha256"] = node_->operator_token_sha256();
+      }
+    }
+    reply(Response{200, to_text(j), std::move(fds), ""});
   });
+}
+
+void ApiServer::handle_sockets(const HttpMessage& request, bool can_pass_fds, Reply& reply) {
+  if (!can_pass_fds)
+    return reply(invalid("internal/sockets passes file descriptors, so it only works on the unix socket"));
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  auto req = parse_port_request(*body, PortRequestKind::kSockets);
+  if (!req) return reply(error_response(req.failure()));
+  // Only for a route the proxy already opened (and so authorized): by id, never by name, so a name given
+  // to a new sandbox cannot refill an old entry.
+  auto spares = node_->spare_sockets(req->ref, req->port, req->sockets);
+  if (!spares) return reply(error_response(spares.failure()));
+  ordered_json j = {{"id", req->ref},
+                    {"port", req->port},
+                    {"count", spares->fds.size()},
+                    {"connect_port", spares->connect_port},
+                    {"opened_at", spares->opened_at},
+                    {"cache_ms", spares->cache_ms},
+                    {"token_sha256", spares->token_sha256},
+                    {"operator_token_sha256", node_->operator_token_sha256()}};
+  reply(Response{200, to_text(j), std::move(spares->fds), ""});
 }
 
 void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& reply) {
@@ -998,7 +1105,7 @@ void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& r
   if (!is_unix) return reply(invalid("internal/lookup is served on the unix socket only"));
   auto body = parse_object(request.body);
   if (!body) return reply(error_response(body.failure()));
-  auto req = parse_port_request(*body, false);
+  auto req = parse_port_request(*body, PortRequestKind::kLookup);
   if (!req) return reply(error_response(req.failure()));
   auto access = node_->lookup(req->ref, req->port);
   if (!access) return reply(error_response(access.failure()));
@@ -1007,7 +1114,7 @@ void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& r
                     {"port", access->port},
                     {"protocol", protocol_name(access->protocol)},
                     {"public", access->is_public}};
-  reply(Response{200, to_text(j), UniqueFd(), ""});
+  reply(Response{200, to_text(j), {}, ""});
 }
 
 void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
@@ -1019,7 +1126,7 @@ void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
   ordered_json asleep = ordered_json::array(), revoked = ordered_json::array();
   for (const AsleepSandbox& a : answer.asleep) asleep.push_back({{"id", a.id}, {"suspended_at", a.suspended_at}});
   for (const RevokedToken& r : answer.revoked) revoked.push_back({{"id", r.id}, {"rotated_at", r.rotated_at}});
-  reply(Response{200, to_text(ordered_json{{"asleep", std::move(asleep)}, {"revoked", std::move(revoked)}}), UniqueFd(),
+  reply(Response{200, to_text(ordered_json{{"asleep", std::move(asleep)}, {"revoked", std::move(revoked)}}), {},
                  ""});
 }
 

@@ -38,12 +38,16 @@ class ApiServer {
   // every handle is closed.
   void close(std::function<void()> done);
 
-  // One complete answer: status, JSON body, and for internal/open the descriptor that travels with it.
+  // One complete answer: status, JSON body, and for internal/open and internal/sockets the descriptors
+  // that travel with it.
   struct Response {
     int status = 200;
     std::string body;
-    UniqueFd fd;
+    std::vector<UniqueFd> fds;
     std::string extra_headers;  // "Name: value\r\n" lines
+    // internal/events: the connection becomes a stream of RouteEvents (one JSON line each) until either
+    // side closes it; no request after it is read.
+    bool route_events = false;
   };
   using Reply = std::function<void(Response)>;
 
@@ -64,6 +68,7 @@ class ApiServer {
   void handle_create(const HttpMessage& request, Reply reply);
   void handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply);
   void handle_lookup(const HttpMessage& request, bool is_unix, Reply& reply);
+  void handle_sockets(const HttpMessage& request, bool can_pass_fds, Reply& reply);
   void handle_activity(const HttpMessage& request, Reply& reply);
 
   uv_loop_t* loop_;

@@ -381,6 +381,8 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   sb.rec.state = to;
   sb.rec.state_reason = std::move(reason);
   if (to == S::kSuspending) sb.suspended_at = stamp();  // also for a sandbox adopted paused
+  // Proxies route to running sandboxes from their caches; anything else must go through open() again.
+  if (from == S::kRunning && to != S::kRunning) publish(&sb, std::string(state_name(to)));
   spdlog::info("sandbox {}: {} -> {} ({})", sb.id(), state_name(from), state_name(to), sb.rec.state_reason);
   // One idle clock per sandbox: running -> idle timeout, suspended in memory -> hibernation.
   idle_.remove(sb.id());
@@ -545,6 +547,7 @@ void Node::begin_terminate(Sandbox& sb, std::string reason) {
     sb.watched = false;
   }
   fail_waiters(sb, fail(Error::kNotFound, "sandbox " + sb.id() + " is being terminated"));
+  publish(&sb, "terminating");
   spdlog::info("sandbox {}: terminating ({})", sb.id(), sb.terminate_reason);
   if (sb.starting) return;  // on_started terminates it once the driver has answered
   driver(sb).terminate(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_terminated(id, std::move(s)); });
@@ -761,6 +764,7 @@ Result<SandboxInfo> Node::rotate_token(std::string_view ref) {
     return fail(Error::kIo, "sandbox " + sb.id() + ": cannot store the new token: " + s.message());
   sb.token_rotated_at = stamp();
   sb.token_rotated_clock = Clock::now();
+  publish(&sb, "token");
   spdlog::info("sandbox {}: token rotated", sb.id());
   SandboxInfo info = snapshot(sb);
   info.token = std::move(token);
@@ -951,18 +955,68 @@ uint64_t Node::stamp() {
   return last_stamp_;
 }
 
+// ---- route caches of the proxies ----
+
+uint64_t Node::subscribe(std::function<void(const RouteEvent&)> listener) {
+  uint64_t id = next_subscription_++;
+  route_listeners_.emplace(id, std::move(listener));
+  return id;
+}
+
+void Node::unsubscribe(uint64_t subscription) { route_listeners_.erase(subscription); }
+
+void Node::publish(const Sandbox* sb, std::string reason) {
+  if (route_listeners_.empty()) return;
+  RouteEvent event{sb ? sb->id() : std::string(), sb ? sb->rec.spec.name : std::string(), std::move(reason), stamp()};
+  // A listener may unsubscribe others (a stream that failed to write closes), so ids are taken first.
+  std::vector<uint64_t> ids;
+  for (const auto& [id, listener] : route_listeners_) ids.push_back(id);
+  for (uint64_t id : ids)
+    if (auto it = route_listeners_.find(id); it != route_listeners_.end()) it->second(event);
+}
+
+Result<SpareSockets> Node::spare_sockets(std::string_view id, uint16_t port, size_t count) {
+  Sandbox* sb = find(id);
+  if (sb == nullptr || sb->terminating) return fail(Error::kNotFound, "no sandbox " + std::string(id));
+  if (sb->rec.state != S::kRunning || shutting_down_)
+    return fail(Error::kUnavailable, "sandbox " + sb->id() + " is " + std::string(state_name(sb->rec.state)));
+  if (!port_policy(sb->rec.spec, port)) return fail(Error::kPermissionDenied, "port not exposed");
+  SpareSockets spares;
+  for (size_t i = 0; i < std::min(count, kMaxSpareSockets); ++i) {
+    auto socket = driver(*sb).open_socket(sb->rec.spec, sb->rec.runtime, port);
+    if (!socket) return fail(socket.error(), "cannot open a socket in sandbox " + sb->id() + ": " + socket.message());
+    if (socket->connected) return fail(Error::kUnsupported, "the driver's sockets are one connected stream each");
+    spares.connect_port = socket->connect_port;
+    spares.fds.push_back(std::move(socket->fd));
+  }
+  spares.opened_at = stamp();
+  spares.cache_ms = route_cache_ms(sb->id());
+  spares.token_sha256 = sb->rec.spec.token_sha256;
+  return spares;
+}
+
+uint32_t Node::route_cache_ms(std::string_view id) const {
+  Sandbox* sb = find(id);
+  if (sb == nullptr) return 0;
+  // A connection routed from a cache reaches the node in the next activity report, one interval later
+  // (plus one in flight); a second's slack covers a slow proxy loop.
+  int64_t margin_ms = 2 * static_cast<int64_t>(config_->get()->proxy.activity_report_interval_ms) + 1000;
+  int64_t ms = static_cast<int64_t>(sb->rec.spec.timeout_secs) * 1000 - margin_ms;
+  return static_cast<uint32_t>(std::clamp<int64_t>(ms, 0, kMaxRouteCacheMs));
+}
+
 // ---- restart and shutdown ----
 
 Status Node::load_operator_token(const Config& config) {
   // The same reader (and so the same owner-only rule) as the proxy's: common/operator_token.h.
   auto token = read_operator_token(config.operator_token_file);
   if (!token) return token.failure();
-  if (token->empty()) {
-    operator_token_sha256_.clear();
-    return {};
+  std::string digest = token->empty() ? std::string() : token_digest(*token);
+  if (digest != operator_token_sha256_) {
+    operator_token_sha256_ = std::move(digest);
+    publish(nullptr, "operator_token");  // every cached verdict may rest on the old one
   }
-  operator_token_sha256_ = token_digest(*token);
-  spdlog::info("operator token loaded from {}", config.operator_token_file);
+  if (!token->empty()) spdlog::info("operator token loaded from {}", config.operator_token_file);
   return {};
 }
 

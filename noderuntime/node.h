@@ -140,6 +140,26 @@ struct RevokedToken {
   uint64_t rotated_at = 0;
 };
 
+// What a proxy's route cache must forget (Node::subscribe): a sandbox that stops running or gets a new token
+// (`id` set), or the operator token changed (`id` empty: every entry). `stamp` orders it against opens: an
+// open answered before it (opened_at < stamp) must not be cached after it.
+struct RouteEvent {
+  std::string id;
+  std::string name;    // empty for unnamed sandboxes
+  std::string reason;  // "suspending", "terminating", "failed", "token", "operator_token"
+  uint64_t stamp = 0;
+};
+
+// More unconnected sockets to a port of a running sandbox (Node::spare_sockets), for a proxy's route cache:
+// each lets one later connection start without asking the node.
+struct SpareSockets {
+  std::vector<UniqueFd> fds;
+  uint16_t connect_port = 0;
+  uint64_t opened_at = 0;   // Node::stamp() when they were made
+  uint32_t cache_ms = 0;    // how long the proxy may use them (route_cache_ms)
+  std::string token_sha256; // the sandbox's token now (a proxy drops a route whose digest changed)
+};
+
 struct ActivityAnswer {
   std::vector<AsleepSandbox> asleep;
   std::vector<RevokedToken> revoked;
@@ -187,6 +207,26 @@ class Node {
   // A new token for the sandbox (in the answer's `token`, shown this once): the old one is refused from now
   // on, and connections it opened are closed once their proxy next reports (activity()).
   Result<SandboxInfo> rotate_token(std::string_view ref);
+
+  // Route-cache invalidations (RouteEvent), delivered synchronously on the loop, before the call that caused
+  // them returns: a rotation's answer leaves after every subscriber was told. Returns the id unsubscribe()
+  // takes. A listener may unsubscribe (itself or others) while it runs.
+  uint64_t subscribe(std::function<void(const RouteEvent&)> listener);
+  void unsubscribe(uint64_t subscription);
+  // The current stamp (for a subscriber's first line: events before it were not seen).
+  uint64_t current_stamp() { return stamp(); }
+  // `count` (at most kMaxSpareSockets) more sockets to `port` of sandbox `id` while it is running; never
+  // wakes it and is not activity (the connections that use them are reported). kUnavailable when it is not
+  // running, kUnsupported for a driver whose sockets come connected (a vsock stream per connection).
+  Result<SpareSockets> spare_sockets(std::string_view id, uint16_t port, size_t count);
+  static constexpr size_t kMaxSpareSockets = 8;
+  // How long a proxy may route new connections to sandbox `id` from its cache without asking: short enough
+  // that the connections it lets through are reported (activity) well before the idle timeout could
+  // suspend it, and at most kMaxRouteCacheMs. 0: do not cache.
+  uint32_t route_cache_ms(std::string_view id) const;
+  static constexpr uint32_t kMaxRouteCacheMs = 30'000;
+  // The operator token's digest ("" when none), which a proxy's cache checks a credential against.
+  const std::string& operator_token_sha256() const { return operator_token_sha256_; }
 
   // Resolves `ref` and the policy of `port` without touching the sandbox (no wake, no activity): kNotFound,
   // or kPermissionDenied ("port not exposed") for a port that is neither exposed nor the agent port.
@@ -250,6 +290,7 @@ class Node {
   // Strictly increasing across calls and (as wall-clock microseconds) across restarts of this node, so a
   // proxy can order a connection's open against a later suspend without sharing a clock with the node.
   uint64_t stamp();
+  void publish(const Sandbox* sb, std::string reason);
   // Applies one worker's connection count, then holds the idle clock while the total is above zero.
   void set_connections(Sandbox& sb, const std::string& reporter, uint64_t count, IdleTracker::TimePoint now);
   void recount(Sandbox& sb, IdleTracker::TimePoint now);
@@ -278,6 +319,8 @@ class Node {
   std::unordered_map<std::string, std::string> ids_by_name_;
   size_t terminating_count_ = 0;  // sandboxes with a terminate in flight
   uint64_t last_stamp_ = 0;
+  std::map<uint64_t, std::function<void(const RouteEvent&)>> route_listeners_;
+  uint64_t next_subscription_ = 1;
   bool shutting_down_ = false;
   std::function<void()> shutdown_done_;
 };

@@ -65,6 +65,7 @@ struct AccessRecord {
   uint64_t bytes_out = 0;  // sandbox -> client
   bool woke = false;
   double wake_ms = 0;
+  bool route_cached = false;  // routed from the worker's route cache: no node round trip
   std::string tls_version;
   std::string data_path;  // "userspace", "ktls-tx-only", "ktls-splice"
   TerminationCause cause = TerminationCause::kClientClosed;

@@ -215,7 +215,7 @@ void Connection::look_up_port_policy() {
   }
   uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
   // A port seen within the cache's bound needs no node round trip here: the open is the connection's only one.
-  if (auto known = worker_->port_policies().find(route->target, port, now_ms(worker_->loop()))) {
+  if (auto known = worker_->routes().find(route->target, port, now_ms(worker_->loop()))) {
     hello_.policy_known = true;
     hello_.port_protocol = known->protocol;
     hello_.port_public = known->is_public;
@@ -238,7 +238,7 @@ void Connection::on_lookup_result(const std::string& target, Result<LookupAnswer
   if (r && r->status == 200) {
     hello_.port_protocol = r->policy.protocol;
     hello_.port_public = r->policy.is_public;
-    worker_->port_policies().store(target, r->port, r->policy, now_ms(worker_->loop()));
+    worker_->routes().store(target, r->port, r->policy, now_ms(worker_->loop()));
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
@@ -574,9 +574,29 @@ void Connection::open_sandbox() {
   // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
   std::vector<std::string> candidates;
   for (const Credential& c : credentials_) candidates.push_back(c.token);
+  // A running sandbox this worker reached recently: the cached route answers what the node would have.
+  if (!cached_route_failed_) {
+    if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
+      rec_.route_cached = true;
+      if (cached->wants_refill) worker_->refill_route(cached->sandbox_id, cached->port);
+      OpenAnswer a;
+      a.status = 200;
+      OpenedSocket& o = a.opened;
+      o.id = cached->sandbox_id;
+      o.port = cached->port;
+      o.policy = std::move(cached->policy);
+      o.connect_port = cached->connect_port;
+      o.opened_at = cached->opened_at;
+      o.token_sha256 = std::move(cached->token_sha256);
+      o.credential = cached->credential;
+      o.socket = std::move(cached->socket);
+      return on_open_result(std::move(a));
+    }
+  }
   node_call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms,
                                     [this](Result<OpenAnswer> r) { on_open_result(std::move(r)); });
 }
+
 
 // api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
 void Connection::open_node_api() {
@@ -618,7 +638,7 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
       return respond(401, "this sandbox port needs its token: Authorization: Bearer <token>\n",
                      TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
     case 404:
-      worker_->port_policies().erase(route_.target, route_.port);
+      worker_->routes().erase(route_.target, route_.port);
       return respond(404, "no sandbox named " + route_.target + "\n", TerminationCause::kUnknownSandbox);
     case 403:
       return respond(403, "port " + std::to_string(route_.port) + " is not exposed by sandbox " + route_.target + "\n",
@@ -638,8 +658,21 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
   }
   OpenedSocket& opened = r->opened;
   rec_.sandbox_id = opened.id;
-  // For the next connection's ClientHello (the route's target is the SNI's: Host must equal it).
-  worker_->port_policies().store(route_.target, opened.port, opened.policy, now_ms(worker_->loop()));
+  // For the next connection's ClientHello (the route's target is the SNI's: Host must equal it), and with
+  // spares, for the next connections' opens.
+  worker_->routes().store(route_.target, opened.port, opened.policy, now_ms(worker_->loop()));
+  if (!opened.spares.empty())
+    worker_->routes().grant(route_.target,
+                            RouteGrant{.sandbox_id = opened.id,
+                                       .port = opened.port,
+                                       .policy = opened.policy,
+                                       .connect_port = opened.connect_port,
+                                       .opened_at = opened.opened_at,
+                                       .token_sha256 = opened.token_sha256,
+                                       .operator_token_sha256 = std::move(opened.operator_token_sha256),
+                                       .cache_ms = opened.cache_ms,
+                                       .spares = std::move(opened.spares)},
+                            now_ms(worker_->loop()));
   opened_at_ = opened.opened_at;
   rec_.woke = opened.woke;
   rec_.wake_ms = opened.wake_ms;
@@ -679,19 +712,31 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
 }
 
 void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected) {
-  upstream_fd_ = std::move(socket);
   int one = 1;
-  ::setsockopt(upstream_fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  ::setsockopt(socket.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  bool connected = already_connected || ::connect(socket.get(), addr, addr_len) == 0;
+  if (!connected && errno != EINPROGRESS) {
+    rec_.detail = std::strerror(errno);
+    if (rec_.route_cached) {
+      // The cached route is stale (its sandbox changed before the node's event came): nothing was sent,
+      // so the node is asked as if the cache had missed.
+      spdlog::info("sandbox {}: cached route did not connect ({}); asking the node", route_.target, rec_.detail);
+      worker_->routes().erase(route_.target, route_.port);
+      release_sandbox_slot();
+      rec_.route_cached = false;
+      rec_.detail.clear();
+      cached_route_failed_ = true;
+      return open_sandbox();
+    }
+    return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
+                   TerminationCause::kUpstreamConnectFailed);
+  }
+  upstream_fd_ = std::move(socket);
   uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
   upstream_poll_started_ = true;
   ++handles_open_;
   phase_ = Phase::kConnecting;
-  if (already_connected) return begin_forwarding();
-  if (::connect(upstream_fd_.get(), addr, addr_len) == 0) return begin_forwarding();
-  if (errno != EINPROGRESS) {
-    return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
-                   TerminationCause::kUpstreamConnectFailed);
-  }
+  if (connected) return begin_forwarding();
   arm_deadline(cfg_->proxy.connect_timeout_ms, TerminationCause::kUpstreamConnectTimeout);
   update_interest();
 }
@@ -1101,6 +1146,13 @@ bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t st
   return true;
 }
 
+void Connection::release_sandbox_slot() {
+  if (holds_sandbox_slot_) worker_->shared()->sandbox_limits.release(rec_.sandbox_id);
+  holds_sandbox_slot_ = false;
+  if (traffic_) worker_->traffic().close_connection(rec_.sandbox_id);
+  traffic_ = nullptr;
+}
+
 void Connection::close(TerminationCause cause, std::string detail) {
   if (phase_ == Phase::kClosed) return;
   phase_ = Phase::kClosed;
@@ -1108,9 +1160,8 @@ void Connection::close(TerminationCause cause, std::string detail) {
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
   node_call_.reset();
   worker_->shared()->access_log->write(rec_);
-  if (holds_sandbox_slot_) worker_->shared()->sandbox_limits.release(rec_.sandbox_id);
+  release_sandbox_slot();
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
-  if (traffic_) worker_->traffic().close_connection(rec_.sandbox_id);
   worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);
   worker_->forget(this);
 

@@ -135,6 +135,8 @@ class Connection {
   void open_node_api();
   void on_open_result(Result<OpenAnswer> r);
   void start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected);
+  // Gives back the per-sandbox slot and traffic count an open took (close, or a cached route that failed).
+  void release_sandbox_slot();
   void finish_connect();
   void begin_forwarding();
   void pump();
@@ -240,6 +242,7 @@ class Connection {
   uint64_t open_started_ms_ = 0;
   uint64_t opened_at_ = 0;  // the node's stamp of the open that gave the socket (0: not opened)
   bool opened_public_ = false;  // the port needed no token
+  bool cached_route_failed_ = false;  // the route cache's socket did not connect: this open asks the node
   std::string sandbox_token_sha256_;  // from the node's open: recognised (and removed) in every request
 
   // HTTP routes (not CONNECT, not raw TCP): every request is checked and its credentials removed.

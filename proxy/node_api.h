@@ -14,7 +14,7 @@
 
 #include "common/error.h"
 #include "common/fd.h"
-#include "proxy/port_policy_cache.h"
+#include "proxy/route_cache.h"
 
 namespace sg {
 
@@ -44,6 +44,11 @@ struct OpenedSocket {
   std::string token_sha256;   // the sandbox's token, recognised and removed in every request
   std::optional<size_t> credential;  // which candidate verified; none on a public port
   UniqueFd socket;
+  // For the worker's route cache (route_cache.h): more unconnected sockets like `socket`, how long they may
+  // be used without asking, and the operator token's digest the node checked against. None: do not cache.
+  std::vector<UniqueFd> spares;
+  uint32_t cache_ms = 0;
+  std::string operator_token_sha256;
 };
 
 struct OpenAnswer {
@@ -62,6 +67,19 @@ struct ActivityCuts {
   std::vector<Cut> revoked;  // token rotated
 };
 
+// A line of the node's route event stream (internal/events).
+struct RouteStreamEvent {
+  enum class Kind {
+    kHello,       // the stream is up: events from `stamp` on will follow
+    kInvalidate,  // sandbox `id` stopped running or got a new token
+    kFlush,       // the operator token changed: every route
+  };
+  Kind kind = Kind::kHello;
+  std::string id;
+  std::string reason;
+  uint64_t stamp = 0;
+};
+
 class NodeClient {
  public:
   virtual ~NodeClient() = default;
@@ -76,6 +94,18 @@ class NodeClient {
                                          std::function<void(Result<OpenAnswer>)> done) = 0;
   virtual std::unique_ptr<NodeCall> report_activity(std::string report_json,
                                                     std::function<void(Result<ActivityCuts>)> done) = 0;
+  // The route cache's two calls. A client without them (nullptr) leaves the cache without routes: every
+  // connection then asks the node, as before.
+  // `count` more sockets to a port of a running sandbox (by id), without waking it.
+  virtual std::unique_ptr<NodeCall> spare_sockets(const std::string& /*sandbox_id*/, uint16_t /*port*/,
+                                                  size_t /*count*/, std::function<void(Result<RouteGrant>)> /*done*/) {
+    return nullptr;
+  }
+  // The node's route events, until the stream ends (`ended`, once; then the caller reconnects).
+  virtual std::unique_ptr<NodeCall> watch_routes(std::function<void(const RouteStreamEvent&)> /*on_event*/,
+                                                 std::function<void(Failure)> /*ended*/) {
+    return nullptr;
+  }
 };
 
 }  // namespace sg

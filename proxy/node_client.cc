@@ -96,7 +96,41 @@ std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, const Endpoint&
   return req;
 }
 
+std::unique_ptr<NodeRequest> NodeRequest::stream(uv_loop_t* loop, const Endpoint& node, std::string path,
+                                                 uint32_t head_timeout_ms, LineCallback on_line, Callback ended) {
+  auto req = start(loop, node, "GET", std::move(path), "", head_timeout_ms, "", std::move(ended));
+  req->on_line_ = std::move(on_line);
+  req->parser_ = std::make_unique<HttpParser>(HttpParser::Kind::kResponse, HttpLimits{16 * 1024, 0, true});
+  return req;
+}
+
+bool NodeRequest::deliver_lines(std::string_view bytes) {
+  while (!bytes.empty()) {
+    size_t eol = bytes.find('\n');
+    if (eol == std::string_view::npos) {
+      partial_line_.append(bytes);
+      if (partial_line_.size() > kMaxStreamLineBytes) {
+        finish(fail(Error::kLimitExceeded, "sandgate-node sent an event line over the limit"));
+        return false;
+      }
+      return true;
+    }
+    partial_line_.append(bytes.substr(0, eol));
+    bytes.remove_prefix(eol + 1);
+    std::string line = std::move(partial_line_);
+    partial_line_.clear();
+    bool alive = true;
+    alive_ = &alive;
+    on_line_(line);  // may destroy *this
+    if (!alive) return false;
+    alive_ = nullptr;
+    if (finished_) return false;
+  }
+  return true;
+}
+
 NodeRequest::~NodeRequest() {
+  if (alive_ != nullptr) *alive_ = false;
   close_and_free(poll_);
   close_and_free(timer_);
 }
@@ -120,17 +154,35 @@ void NodeRequest::on_io(int status, int events) {
   char buf[8192];
   for (;;) {
     bool would_block = false;
-    auto n = recv_with_fd(fd_.get(), buf, sizeof buf, &passed_fd_, &would_block);
+    auto n = recv_with_fds(fd_.get(), buf, sizeof buf, &passed_fds_, &would_block);
     if (!n) return finish(n.failure());
     if (would_block) return;
-    HttpParser::State st = *n == 0 ? parser_.finish() : parser_.feed(buf, *n);
+    if (streaming_) {
+      if (*n == 0) return finish(fail(Error::kUnavailable, "sandgate-node closed the event stream"));
+      if (!deliver_lines(std::string_view(buf, *n))) return;
+      continue;
+    }
+    HttpParser::State st = *n == 0 ? parser_->finish() : parser_->feed(buf, *n);
+    if (on_line_ && st == HttpParser::State::kHeadComplete) {
+      if (parser_->message().status != 200) {
+        NodeResponse r;
+        r.status = parser_->message().status;
+        r.body.assign(buf + parser_->consumed(), *n - parser_->consumed());
+        return finish(std::move(r));
+      }
+      // Up: the head's deadline no longer applies; the stream lasts until either side ends it.
+      streaming_ = true;
+      uv_timer_stop(timer_);
+      if (!deliver_lines(std::string_view(buf + parser_->consumed(), *n - parser_->consumed()))) return;
+      continue;
+    }
     if (st == HttpParser::State::kError)
-      return finish(fail(Error::kUnavailable, "bad answer from sandgate-node: " + parser_.failure().message));
+      return finish(fail(Error::kUnavailable, "bad answer from sandgate-node: " + parser_->failure().message));
     if (st == HttpParser::State::kMessageComplete) {
       NodeResponse r;
-      r.status = parser_.message().status;
-      r.body = std::move(parser_.message().body);
-      r.passed_fd = std::move(passed_fd_);
+      r.status = parser_->message().status;
+      r.body = std::move(parser_->message().body);
+      r.passed_fds = std::move(passed_fds_);
       return finish(std::move(r));
     }
   }

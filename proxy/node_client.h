@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "common/fd.h"
@@ -20,7 +21,7 @@ namespace sg {
 struct NodeResponse {
   int status = 0;
   std::string body;
-  UniqueFd passed_fd;  // a descriptor that arrived with the response (internal/open), if any
+  std::vector<UniqueFd> passed_fds;  // descriptors that arrived with the response (internal/open, sockets)
 };
 
 class NodeRequest {
@@ -32,6 +33,14 @@ class NodeRequest {
   static std::unique_ptr<NodeRequest> start(uv_loop_t* loop, const Endpoint& node, std::string method,
                                             std::string path, std::string body, uint32_t timeout_ms,
                                             std::string extra_headers, Callback done);
+  // A GET whose 200 answer never ends (internal/events): each line of its body goes to `on_line` (without
+  // the newline) as it arrives; `ended` runs once when the stream ends: the node closed it, a read failed,
+  // a line was longer than kMaxStreamLineBytes, or the answer did not start within `head_timeout_ms` or was
+  // not a 200 (its status is then in NodeResponse, with the body read so far).
+  using LineCallback = std::function<void(std::string_view line)>;
+  static std::unique_ptr<NodeRequest> stream(uv_loop_t* loop, const Endpoint& node, std::string path,
+                                             uint32_t head_timeout_ms, LineCallback on_line, Callback ended);
+  static constexpr size_t kMaxStreamLineBytes = 64 * 1024;
   ~NodeRequest();
   NodeRequest(const NodeRequest&) = delete;
   NodeRequest& operator=(const NodeRequest&) = delete;
@@ -41,6 +50,8 @@ class NodeRequest {
   void on_io(int status, int events);
   void finish(Result<NodeResponse> r);
   void arm(int events);
+  // Stream mode: splits what follows the head into lines; false once finish() ran.
+  bool deliver_lines(std::string_view bytes);
 
   uv_loop_t* loop_ = nullptr;
   UniqueFd fd_;
@@ -49,11 +60,16 @@ class NodeRequest {
   uv_timer_t* timer_ = nullptr;
   std::string out_;
   size_t out_off_ = 0;
-  HttpParser parser_{HttpParser::Kind::kResponse, HttpLimits{16 * 1024, 1024 * 1024, false}};
-  UniqueFd passed_fd_;
+  std::unique_ptr<HttpParser> parser_ =
+      std::make_unique<HttpParser>(HttpParser::Kind::kResponse, HttpLimits{16 * 1024, 1024 * 1024, false});
+  std::vector<UniqueFd> passed_fds_;
   Callback done_;
+  LineCallback on_line_;  // set: stream mode
+  bool streaming_ = false;  // stream mode, after a 200 head
+  std::string partial_line_;
   std::optional<Failure> connect_failure_;
   bool finished_ = false;
+  bool* alive_ = nullptr;  // set while a line callback runs: cleared if that callback destroyed us
 };
 
 }  // namespace sg

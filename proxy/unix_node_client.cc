@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+
 #include "proxy/worker.h"
 
 namespace sg {
@@ -80,12 +82,13 @@ Result<LookupAnswer> parse_lookup_answer(int status, std::string_view body) {
   return a;
 }
 
-Result<OpenAnswer> parse_open_answer(int status, std::string_view body, UniqueFd fd) {
+Result<OpenAnswer> parse_open_answer(int status, std::string_view body, std::vector<UniqueFd> fds) {
   auto j = json::parse(body, nullptr, false);
   OpenAnswer a = answer_head<OpenAnswer>(status, j);
   if (status != 200) return a;
   OpenedSocket& o = a.opened;
-  if (!j.is_object() || !get_policy(j, &o.port, &o.policy) || !fd.valid()) return not_the_api("internal/open");
+  if (!j.is_object() || !get_policy(j, &o.port, &o.policy) || fds.empty() || !fds.front().valid())
+    return not_the_api("internal/open");
   o.id = o.policy.sandbox_id;
   o.woke = get_bool(j, "woke");
   if (j.contains("wake_ms") && j["wake_ms"].is_number()) o.wake_ms = j["wake_ms"].get<double>();
@@ -96,8 +99,53 @@ Result<OpenAnswer> parse_open_answer(int status, std::string_view body, UniqueFd
   get_string(j, "token_sha256", &o.token_sha256);
   if (j.contains("credential") && j["credential"].is_number_unsigned())
     o.credential = static_cast<size_t>(j["credential"].get<uint64_t>());
-  o.socket = std::move(fd);
+  o.socket = std::move(fds.front());
+  // Spares only when the answer accounts for each one (the rest were closed with `fds`).
+  uint64_t spares = j.contains("spare_sockets") && j["spare_sockets"].is_number_unsigned() ? j["spare_sockets"].get<uint64_t>() : 0;
+  if (spares > 0 && spares == fds.size() - 1) {
+    for (size_t i = 1; i < fds.size(); ++i) o.spares.push_back(std::move(fds[i]));
+    if (j.contains("cache_ms") && j["cache_ms"].is_number_unsigned())
+      o.cache_ms = static_cast<uint32_t>(std::min<uint64_t>(j["cache_ms"].get<uint64_t>(), RouteCache::kMaxRouteMs));
+    get_string(j, "operator_token_sha256", &o.operator_token_sha256);
+  }
   return a;
+}
+
+Result<RouteGrant> parse_sockets_answer(int status, std::string_view body, std::vector<UniqueFd> fds) {
+  auto j = json::parse(body, nullptr, false);
+  if (status != 200) return fail(Error::kUnavailable, "internal/sockets: " + std::to_string(status) + " " + message_of(j));
+  RouteGrant g;
+  if (!j.is_object() || !get_string(j, "id", &g.sandbox_id) || !get_port(j, "port", &g.port) ||
+      !get_port(j, "connect_port", &g.connect_port) || !j.contains("count") || !j["count"].is_number_unsigned() ||
+      j["count"].get<uint64_t>() != fds.size() || !j.contains("opened_at") || !j["opened_at"].is_number_unsigned())
+    return not_the_api("internal/sockets");
+  g.opened_at = j["opened_at"].get<uint64_t>();
+  if (j.contains("cache_ms") && j["cache_ms"].is_number_unsigned())
+    g.cache_ms = static_cast<uint32_t>(std::min<uint64_t>(j["cache_ms"].get<uint64_t>(), RouteCache::kMaxRouteMs));
+  get_string(j, "token_sha256", &g.token_sha256);
+  get_string(j, "operator_token_sha256", &g.operator_token_sha256);
+  g.spares = std::move(fds);
+  return g;
+}
+
+Result<RouteStreamEvent> parse_route_event(std::string_view line) {
+  auto j = json::parse(line, nullptr, false);
+  RouteStreamEvent e;
+  std::string kind;
+  if (!j.is_object() || !get_string(j, "event", &kind) || !j.contains("stamp") || !j["stamp"].is_number_unsigned())
+    return not_the_api("internal/events");
+  e.stamp = j["stamp"].get<uint64_t>();
+  get_string(j, "reason", &e.reason);
+  if (kind == "hello") {
+    e.kind = RouteStreamEvent::Kind::kHello;
+  } else if (kind == "flush") {
+    e.kind = RouteStreamEvent::Kind::kFlush;
+  } else if (kind == "invalidate" && get_string(j, "id", &e.id) && !e.id.empty()) {
+    e.kind = RouteStreamEvent::Kind::kInvalidate;
+  } else {
+    return not_the_api("internal/events");
+  }
+  return e;
 }
 
 Result<ActivityCuts> parse_activity_answer(int status, std::string_view body) {
@@ -130,17 +178,49 @@ std::unique_ptr<NodeCall> UnixNodeClient::open(const std::string& sandbox, uint1
                                                std::span<const std::string> credentials, uint32_t wake_timeout_ms,
                                                std::function<void(Result<OpenAnswer>)> done) {
   json body = {{"sandbox", sandbox}, {"port", port}};
+  if (shared_->snapshot()->config->proxy.route_cache) body["spare_sockets"] = RouteCache::kSparesPerGrant;
   if (!credentials.empty()) body["credentials"] = json(std::vector<std::string>(credentials.begin(), credentials.end()));
   // The node bounds the wake; the exchange gets a second more so its 504 arrives before our own timeout.
   return start<OpenAnswer>(loop_, shared_, "/v1/internal/open", body.dump(), wake_timeout_ms + 1000,
                            "X-Sandgate-Wake-Timeout-Ms: " + std::to_string(wake_timeout_ms) + "\r\n", std::move(done),
-                           [](NodeResponse& r) { return parse_open_answer(r.status, r.body, std::move(r.passed_fd)); });
+                           [](NodeResponse& r) { return parse_open_answer(r.status, r.body, std::move(r.passed_fds)); });
 }
 
 std::unique_ptr<NodeCall> UnixNodeClient::report_activity(std::string report_json,
                                                           std::function<void(Result<ActivityCuts>)> done) {
   return start<ActivityCuts>(loop_, shared_, "/v1/internal/activity", std::move(report_json), 5000, "",
                              std::move(done), [](NodeResponse& r) { return parse_activity_answer(r.status, r.body); });
+}
+
+std::unique_ptr<NodeCall> UnixNodeClient::spare_sockets(const std::string& sandbox_id, uint16_t port, size_t count,
+                                                        std::function<void(Result<RouteGrant>)> done) {
+  json body = {{"sandbox", sandbox_id}, {"port", port}, {"count", count}};
+  return start<RouteGrant>(loop_, shared_, "/v1/internal/sockets", body.dump(), 5000, "", std::move(done),
+                           [](NodeResponse& r) { return parse_sockets_answer(r.status, r.body, std::move(r.passed_fds)); });
+}
+
+std::unique_ptr<NodeCall> UnixNodeClient::watch_routes(std::function<void(const RouteStreamEvent&)> on_event,
+                                                       std::function<void(Failure)> ended) {
+  auto call = std::make_unique<RequestCall>();
+  // A line that is not the API ends the stream: an event that cannot be read may be an invalidation.
+  auto failed = std::make_shared<std::optional<Failure>>();
+  call->request = NodeRequest::stream(
+      loop_, shared_->snapshot()->config->node_socket, "/v1/internal/events", 5000,
+      [on_event, failed](std::string_view line) {
+        if (*failed) return;
+        auto e = parse_route_event(line);
+        if (!e) {
+          *failed = e.failure();
+          return;
+        }
+        on_event(*e);
+      },
+      [ended, failed](Result<NodeResponse> r) {
+        if (*failed) return ended(**failed);
+        if (!r) return ended(r.failure());
+        ended(fail(Error::kUnavailable, "internal/events answered " + std::to_string(r->status)));
+      });
+  return call;
 }
 
 }  // namespace sg

@@ -75,6 +75,10 @@ Status Worker::bind(const std::vector<Endpoint>& listen) {
     std::vector<Connection*> open(self->connections_.begin(), self->connections_.end());
     for (Connection* c : open) c->close(TerminationCause::kShutdown);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->report_timer_), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->route_stream_retry_), nullptr);
+    self->route_stream_.reset();
+    self->refills_.clear();
+    self->routes_.stream_down();
     uv_close(reinterpret_cast<uv_handle_t*>(&self->accept_pause_timer_), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->stop_async_), nullptr);
     self->report_in_flight_.reset();
@@ -85,6 +89,9 @@ Status Worker::bind(const std::vector<Endpoint>& listen) {
   uint32_t interval = cfg->proxy.activity_report_interval_ms;
   uv_timer_start(&report_timer_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->report_activity(); }, interval,
                  interval);
+  uv_timer_init(&loop_, &route_stream_retry_);
+  route_stream_retry_.data = this;
+  if (cfg->proxy.route_cache) watch_routes();
   loop_ready_ = true;
   return {};
 }
@@ -177,6 +184,7 @@ void Worker::end_fd_shortage() {
 }
 
 void Worker::report_activity() {
+  routes_.sweep(uv_now(&loop_));  // each spare holds a sandbox's network namespace; expired ones go now
   if (report_in_flight_) return;  // the node is slow; the next report carries the accumulated deltas
   std::string body = traffic_.take_report(reporter_id_);
   if (body.empty()) return;
@@ -199,6 +207,54 @@ void Worker::cut_connections(const ActivityCuts& cuts) {
   };
   cut(cuts.asleep, Connection::Cut::kSuspended, "is suspended");
   cut(cuts.revoked, Connection::Cut::kTokenRevoked, "has a new token");
+}
+
+void Worker::watch_routes() {
+  route_stream_ = node_->watch_routes([this](const RouteStreamEvent& e) { on_route_event(e); },
+                                      [this](Failure why) { on_route_stream_end(why); });
+  // A node client without the stream (a test's fake): the cache never routes, every open asks the node.
+}
+
+void Worker::on_route_event(const RouteStreamEvent& e) {
+  switch (e.kind) {
+    case RouteStreamEvent::Kind::kHello:
+      if (route_stream_warned_) spdlog::info("worker {}: route events from sandgate-node again", index_);
+      route_stream_warned_ = false;
+      routes_.stream_up(e.stamp);
+      return;
+    case RouteStreamEvent::Kind::kInvalidate:
+      routes_.invalidate(e.id, e.stamp);
+      return;
+    case RouteStreamEvent::Kind::kFlush:
+      routes_.flush(e.stamp);
+      return;
+  }
+}
+
+void Worker::on_route_stream_end(const Failure& why) {
+  // Called from inside the stream's own callback: the call object is released after it returns.
+  auto ended = std::move(route_stream_);
+  routes_.stream_down();
+  if (!route_stream_warned_)
+    spdlog::warn("worker {}: route events from sandgate-node stopped ({}); every connection asks the node "
+                 "until they are back", index_, why.message);
+  route_stream_warned_ = true;
+  uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
+                 kRouteStreamRetryMs, 0);
+}
+
+void Worker::refill_route(const std::string& sandbox_id, uint16_t port) {
+  std::string key = sandbox_id + ":" + std::to_string(port);
+  if (refills_.contains(key)) return;
+  auto call = node_->spare_sockets(sandbox_id, port, RouteCache::kSparesPerGrant,
+                                   [this, key, sandbox_id, port](Result<RouteGrant> r) {
+                                     auto done = std::move(refills_[key]);  // freed when this returns
+                                     refills_.erase(key);
+                                     if (!r) return routes_.refill_failed(sandbox_id, port);
+                                     routes_.refill(std::move(*r), uv_now(&loop_));
+                                   });
+  if (!call) return routes_.refill_failed(sandbox_id, port);
+  refills_.emplace(std::move(key), std::move(call));
 }
 
 }  // namespace sg

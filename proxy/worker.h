@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -16,7 +17,7 @@
 #include "config/config.h"
 #include "proxy/access_log.h"
 #include "proxy/node_api.h"
-#include "proxy/port_policy_cache.h"
+#include "proxy/route_cache.h"
 #include "proxy/tls.h"
 #include "proxy/traffic.h"
 
@@ -81,7 +82,9 @@ class Worker {
   uv_loop_t* loop() { return &loop_; }
   ProxyShared* shared() { return shared_; }
   WorkerTraffic& traffic() { return traffic_; }
-  PortPolicyCache& port_policies() { return port_policies_; }
+  RouteCache& routes() { return routes_; }
+  // A connection took one of the last spares of a cached route: ask the node for more in the background.
+  void refill_route(const std::string& sandbox_id, uint16_t port);
   NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
@@ -100,6 +103,11 @@ class Worker {
   // The node's answer to a report names the reported sandboxes that are asleep or have a new token: their
   // connections opened before that go.
   void cut_connections(const ActivityCuts& cuts);
+  // The node's route events keep routes_ honest; while the stream is down routes_ serves no route, and it
+  // is reconnected after kRouteStreamRetryMs.
+  void watch_routes();
+  void on_route_event(const RouteStreamEvent& e);
+  void on_route_stream_end(const Failure& why);
 
   int index_;
   ProxyShared* shared_;
@@ -114,8 +122,14 @@ class Worker {
   uint32_t fd_shortage_pauses_ = 0;
   std::unordered_set<Connection*> connections_;
   WorkerTraffic traffic_;
-  PortPolicyCache port_policies_{kPortPolicyTtlMs, kMaxPortPolicies};
+  RouteCache routes_{kPortPolicyTtlMs, kMaxPortPolicies};
   std::unique_ptr<NodeClient> node_;
+  std::unique_ptr<NodeCall> route_stream_;
+  uv_timer_t route_stream_retry_{};
+  bool route_stream_warned_ = false;  // one warning per outage, not one per retry
+  static constexpr uint64_t kRouteStreamRetryMs = 1000;
+  // Background refills by "id:port": one in flight per route.
+  std::unordered_map<std::string, std::unique_ptr<NodeCall>> refills_;
   std::unique_ptr<NodeCall> report_in_flight_;
   std::string reporter_id_;
   std::thread thread_;

@@ -296,6 +296,15 @@ CommandResult Cluster::api_raw(const std::string& method, const std::string& pat
              " -w '\\n%{http_code}' http://node" + path);
 }
 
+size_t Cluster::node_calls(const std::string& path) {
+  std::string log = node_.log();
+  // The log line is "<peer> <method> <path> -> <status>": the trailing space keeps /open from matching /open2.
+  const std::string needle = " " + path + " ";
+  size_t n = 0;
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++n;
+  return n;
+}
+
 std::vector<nlohmann::json> Cluster::access_log() const {
   std::vector<nlohmann::json> out;
   std::istringstream in(read_file(dir_ + "/access.log"));

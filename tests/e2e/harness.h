@@ -127,6 +127,9 @@ class Cluster {
   // Raw HTTP to the node API socket (for bad-input tests).
   CommandResult api_raw(const std::string& method, const std::string& path, const std::string& body);
 
+  // How many requests for `path` (e.g. "/v1/internal/open") the node served: it logs each API request at
+  // debug level, which the harness sets.
+  size_t node_calls(const std::string& path);
   std::vector<nlohmann::json> access_log() const;
   // Polls the access log until an entry satisfies pred.
   nlohmann::json wait_access_entry(const std::function<bool(const nlohmann::json&)>& pred, int timeout_ms = 10000);

@@ -34,7 +34,8 @@ bool is_rfc3339_utc_ms(const std::string& s) {
 struct Reply {
   int status = 0;
   HttpMessage message;
-  UniqueFd fd;
+  UniqueFd fd;                  // the first descriptor that came with it
+  std::vector<UniqueFd> spares;  // the others (an open's spare sockets, internal/sockets)
   json body() const { return json::parse(message.body, nullptr, false); }
 };
 
@@ -52,7 +53,25 @@ class Client {
   }
 
   bool connected() const { return connected_; }
+  int raw_fd() const { return fd_.get(); }
   std::string host = "node";  // the Host header request() sends
+
+  // Raw bytes (a stream that never ends, internal/events): reads until what arrived so far contains
+  // `needle`, and returns all of it.
+  std::string read_until(const std::string& needle, int timeout_ms = 3000) {
+    run_until(
+        loop_,
+        [&] {
+          if (buffer_.find(needle) != std::string::npos) return true;
+          char buf[4096];
+          ssize_t n = ::recv(fd_.get(), buf, sizeof buf, 0);
+          if (n == 0) eof_ = true;
+          if (n > 0) buffer_.append(buf, static_cast<size_t>(n));
+          return eof_ || buffer_.find(needle) != std::string::npos;
+        },
+        timeout_ms);
+    return buffer_;
+  }
 
   // Sends everything, or stops early when the server closed its end (that is what some tests provoke).
   bool send(std::string_view data) {
@@ -78,7 +97,11 @@ class Client {
         out.emplace();
         out->status = parser.message().status;
         out->message = parser.message();
-        out->fd = std::move(pending_fd_);
+        if (!pending_fds_.empty()) {
+          out->fd = std::move(pending_fds_.front());
+          for (size_t i = 1; i < pending_fds_.size(); ++i) out->spares.push_back(std::move(pending_fds_[i]));
+          pending_fds_.clear();
+        }
         return true;
       }
       return st == HttpParser::State::kError;
@@ -89,7 +112,7 @@ class Client {
           if (parse_buffered()) return true;
           char buf[64 * 1024];
           bool would_block = false;
-          auto n = recv_with_fd(fd_.get(), buf, sizeof buf, &pending_fd_, &would_block);
+          auto n = recv_with_fds(fd_.get(), buf, sizeof buf, &pending_fds_, &would_block);
           if (!n) return true;
           if (would_block) return false;
           if (*n == 0) {
@@ -126,7 +149,7 @@ class Client {
   UniqueFd fd_;
   bool connected_ = false;
   std::string buffer_;
-  UniqueFd pending_fd_;
+  std::vector<UniqueFd> pending_fds_;
   bool eof_ = false;
 };
 
@@ -439,6 +462,94 @@ TEST_F(ApiServerTest, OpenPassesTheSocket) {
   ASSERT_EQ(::getsockopt(r.fd.get(), SOL_SOCKET, SO_DOMAIN, &domain, &len), 0);
   EXPECT_EQ(domain, AF_INET);
   EXPECT_EQ(c.request("GET", "/v1/health").status, 200) << "keep-alive after a passed descriptor";
+}
+
+TEST_F(ApiServerTest, OpenHandsOverSparesAndTheVerdictForTheRouteCache) {
+  Client c = client();
+  std::string id = create_demo(c);
+  Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080,"spare_sockets":3})");
+  ASSERT_EQ(r.status, 200) << r.message.body;
+  EXPECT_TRUE(r.fd.valid());
+  EXPECT_EQ(r.spares.size(), 3u) << "every spare travels with the answer";
+  json body = r.body();
+  EXPECT_EQ(body["spare_sockets"], 3);
+  // default_timeout_secs 300: capped at the most a proxy may cache a route.
+  EXPECT_EQ(body["cache_ms"], Node::kMaxRouteCacheMs);
+  EXPECT_EQ(body["operator_token_sha256"], "");
+  for (const char* bad : {R"({"sandbox":"demo","port":8080,"spare_sockets":9})",
+                          R"({"sandbox":"demo","port":8080,"spare_sockets":-1})",
+                          R"({"sandbox":"demo","port":8080,"spare_sockets":"2"})"})
+    expect_error(c.request("POST", "/v1/internal/open", bad), 400, "invalid_argument", "spare_sockets");
+  // A short idle timeout leaves no room to cache: the proxy must report a connection before it expires.
+  Reply shorter = c.request("POST", "/v1/sandboxes",
+                            R"({"name":"brief","command":["sleep","inf"],"timeout_secs":2,"ports":[{"port":8080,"public":true}]})");
+  ASSERT_EQ(shorter.status, 201);
+  Reply brief = c.request("POST", "/v1/internal/open", R"({"sandbox":"brief","port":8080,"spare_sockets":2})");
+  ASSERT_EQ(brief.status, 200);
+  EXPECT_EQ(brief.body()["cache_ms"], 0);
+}
+
+TEST_F(ApiServerTest, SocketsRefillsARunningSandboxOnlyAndNeverWakesIt) {
+  Client c = client();
+  std::string id = create_demo(c);
+  Reply r = c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"count":2})");
+  ASSERT_EQ(r.status, 200) << r.message.body;
+  EXPECT_TRUE(r.fd.valid());
+  EXPECT_EQ(r.spares.size(), 1u);
+  EXPECT_EQ(r.body()["count"], 2);
+  EXPECT_GT(r.body()["opened_at"].get<uint64_t>(), 0u);
+  EXPECT_EQ(r.body()["token_sha256"], node_->get("demo")->spec.token_sha256);
+  expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":9999,"count":2})"), 403,
+               "permission_denied");
+  expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"credentials":[]})"),
+               400, "invalid_argument");
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"count":2})"), 503,
+               "unavailable");
+  EXPECT_EQ(node_->get("demo")->state, SandboxState::kSuspended) << "a refill never wakes";
+}
+
+TEST_F(ApiServerTest, RouteEventsAreWrittenBeforeTheCallThatCausedThemIsAnswered) {
+  Client c = client();
+  std::string id = create_demo(c);
+  Client events = client();
+  ASSERT_TRUE(events.send("GET /v1/internal/events HTTP/1.1\r\nHost: node\r\n\r\n"));
+  std::string got = events.read_until("\"hello\"");
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 200 OK\r\n")) << got;
+  EXPECT_NE(got.find("application/x-ndjson"), std::string::npos) << got;
+  EXPECT_EQ(got.find("Content-Length"), std::string::npos) << "it never ends on its own";
+
+  // The rotation's answer is read first; the event must already be waiting on the stream.
+  Reply rotated = c.request("POST", "/v1/sandboxes/demo/token");
+  ASSERT_EQ(rotated.status, 200);
+  char buf[4096];
+  ssize_t n = ::recv(events.raw_fd(), buf, sizeof buf, MSG_DONTWAIT);
+  ASSERT_GT(n, 0) << "no event was written before the rotation was answered";
+  std::string line(buf, static_cast<size_t>(n));
+  EXPECT_NE(line.find(R"("event":"invalidate","id":")" + id + R"(","name":"demo","reason":"token")"), std::string::npos)
+      << line;
+
+  c.request("POST", "/v1/sandboxes/demo/suspend");
+  got = events.read_until(R"("reason":"suspending")");
+  EXPECT_NE(got.find(R"("reason":"suspending")"), std::string::npos) << got;
+  EXPECT_EQ(c.request("DELETE", "/v1/sandboxes/demo").status, 200);
+  got = events.read_until(R"("reason":"terminating")");
+  EXPECT_NE(got.find(R"("reason":"terminating")"), std::string::npos) << got;
+
+  // The operator token changed: every route at once.
+  listen_tcp();
+  got = events.read_until(R"("event":"flush")");
+  EXPECT_NE(got.find(R"("event":"flush","id":"","name":null,"reason":"operator_token")"), std::string::npos) << got;
+  EXPECT_EQ(c.request("GET", "/v1/health").status, 200) << "the stream holds nothing up";
+}
+
+TEST_F(ApiServerTest, RouteEventsAreOnlyOnTheUnixSocket) {
+  Endpoint tcp = listen_tcp();
+  Client c(&loop_, tcp);
+  c.host = tcp.to_string();
+  Reply r = c.request("GET", "/v1/internal/events", "", std::string("Authorization: Bearer ") + kOperatorToken + "\r\n");
+  expect_error(r, 400, "invalid_argument", "unix socket");
 }
 
 TEST_F(ApiServerTest, OpenWakesASuspendedSandbox) {

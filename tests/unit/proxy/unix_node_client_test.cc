@@ -7,12 +7,20 @@
 namespace sg {
 namespace {
 
-UniqueFd some_fd() {
+UniqueFd one_fd() {
   int sv[2];
   EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
   ::close(sv[1]);
   return UniqueFd(sv[0]);
 }
+
+std::vector<UniqueFd> fds(size_t n) {
+  std::vector<UniqueFd> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(one_fd());
+  return out;
+}
+
+std::vector<UniqueFd> some_fd() { return fds(1); }
 
 TEST(UnixNodeClient, ParsesAnOpenAnswer) {
   auto a = parse_open_answer(200,
@@ -43,11 +51,11 @@ TEST(UnixNodeClient, ParsesAnOpenAnswer) {
 }
 
 TEST(UnixNodeClient, RefusalsCarryTheNodesMessage) {
-  auto a = parse_open_answer(401, R"({"error":"unauthorized","message":"invalid token"})", UniqueFd());
+  auto a = parse_open_answer(401, R"({"error":"unauthorized","message":"invalid token"})", std::vector<UniqueFd>());
   ASSERT_TRUE(a);
   EXPECT_EQ(a->status, 401);
   EXPECT_EQ(a->message, "invalid token");
-  auto garbage = parse_open_answer(503, "not json", UniqueFd());
+  auto garbage = parse_open_answer(503, "not json", std::vector<UniqueFd>());
   ASSERT_TRUE(garbage);
   EXPECT_EQ(garbage->status, 503);
   EXPECT_EQ(garbage->message, "");
@@ -60,9 +68,58 @@ TEST(UnixNodeClient, GarbageFromTheNodeIsAnErrorNotACrash) {
     EXPECT_FALSE(parse_lookup_answer(200, body)) << body;
   }
   // A 200 without the socket is no open.
-  EXPECT_FALSE(parse_open_answer(200, R"({"id":"sb","port":8080,"protocol":"http1"})", UniqueFd()));
+  EXPECT_FALSE(parse_open_answer(200, R"({"id":"sb","port":8080,"protocol":"http1"})", std::vector<UniqueFd>()));
   EXPECT_FALSE(parse_activity_answer(200, "nope"));
   EXPECT_FALSE(parse_activity_answer(400, "{}"));
+}
+
+TEST(UnixNodeClient, AnOpenAnswerCarriesSparesForTheRouteCache) {
+  constexpr std::string_view kBody =
+      R"({"id":"sb-1","port":8080,"protocol":"http1","connect_port":8080,"opened_at":42,"token_sha256":"abc",)"
+      R"("spare_sockets":3,"cache_ms":99999,"operator_token_sha256":"def"})";
+  auto a = parse_open_answer(200, kBody, fds(4));
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_TRUE(a->opened.socket.valid());
+  EXPECT_EQ(a->opened.spares.size(), 3u);
+  EXPECT_EQ(a->opened.cache_ms, RouteCache::kMaxRouteMs) << "bounded by the proxy too";
+  EXPECT_EQ(a->opened.operator_token_sha256, "def");
+  // Descriptors the answer does not account for are no spares (they are closed).
+  auto mismatch = parse_open_answer(200, kBody, fds(2));
+  ASSERT_TRUE(mismatch);
+  EXPECT_TRUE(mismatch->opened.spares.empty());
+  EXPECT_EQ(mismatch->opened.cache_ms, 0u);
+}
+
+TEST(UnixNodeClient, ParsesSocketsAnswersAndRouteEvents) {
+  auto g = parse_sockets_answer(200,
+                                R"({"id":"sb-1","port":8080,"count":2,"connect_port":8080,"opened_at":7,)"
+                                R"("cache_ms":1000,"token_sha256":"abc","operator_token_sha256":""})",
+                                fds(2));
+  ASSERT_TRUE(g) << g.message();
+  EXPECT_EQ(g->sandbox_id, "sb-1");
+  EXPECT_EQ(g->spares.size(), 2u);
+  EXPECT_EQ(g->opened_at, 7u);
+  EXPECT_EQ(g->token_sha256, "abc");
+  EXPECT_FALSE(parse_sockets_answer(200, R"({"id":"sb-1","port":8080,"count":3,"connect_port":8080,"opened_at":7})",
+                                    fds(2)))
+      << "count must match the descriptors";
+  EXPECT_FALSE(parse_sockets_answer(409, R"({"message":"sandbox sb-1 is suspended"})", {}));
+
+  auto hello = parse_route_event(R"({"event":"hello","stamp":5})");
+  ASSERT_TRUE(hello);
+  EXPECT_EQ(hello->kind, RouteStreamEvent::Kind::kHello);
+  EXPECT_EQ(hello->stamp, 5u);
+  auto inv = parse_route_event(R"({"event":"invalidate","id":"sb-1","name":"demo","reason":"token","stamp":6})");
+  ASSERT_TRUE(inv);
+  EXPECT_EQ(inv->kind, RouteStreamEvent::Kind::kInvalidate);
+  EXPECT_EQ(inv->id, "sb-1");
+  EXPECT_EQ(inv->reason, "token");
+  auto flush = parse_route_event(R"({"event":"flush","id":"","reason":"operator_token","stamp":7})");
+  ASSERT_TRUE(flush);
+  EXPECT_EQ(flush->kind, RouteStreamEvent::Kind::kFlush);
+  for (std::string_view bad : {"", "{}", R"({"event":"invalidate","stamp":1})", R"({"event":"nope","stamp":1})",
+                               R"({"event":"hello"})", "[1]"})
+    EXPECT_FALSE(parse_route_event(bad)) << bad;
 }
 
 TEST(UnixNodeClient, ActivityAnswerListsTheCuts) {

@@ -1,0 +1,210 @@
+#include "proxy/route_cache.h"
+
+#include <algorithm>
+#include <iterator>
+
+#include "common/token_digest.h"
+
+namespace sg {
+
+std::string RouteCache::key(std::string_view sandbox_ref, uint16_t port) {
+  std::string k(sandbox_ref);
+  k += ':';
+  k += std::to_string(port);
+  return k;
+}
+
+void RouteCache::drop_route(Entry& e) {
+  if (e.route) spares_held_ -= e.route->spares.size();
+  e.route.reset();
+}
+
+std::optional<PortPolicy> RouteCache::find(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
+  auto it = entries_.find(key(sandbox_ref, port));
+  if (it == entries_.end()) return std::nullopt;
+  Entry& e = it->second;
+  if (e.route && now_ms >= e.route->expires_ms) drop_route(e);
+  if (now_ms >= e.policy_expires_ms && !e.route) {
+    entries_.erase(it);
+    return std::nullopt;
+  }
+  return e.policy;
+}
+
+RouteCache::Entry* RouteCache::slot(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
+  if (policy_ttl_ms_ == 0 || max_entries_ == 0) return nullptr;
+  std::string k = key(sandbox_ref, port);
+  if (entries_.size() >= max_entries_ && !entries_.contains(k)) {
+    entries_.clear();
+    spares_held_ = 0;
+  }
+  Entry& e = entries_[std::move(k)];
+  e.policy_expires_ms = now_ms + policy_ttl_ms_;
+  return &e;
+}
+
+void RouteCache::store(std::string_view sandbox_ref, uint16_t port, PortPolicy policy, uint64_t now_ms) {
+  Entry* e = slot(sandbox_ref, port, now_ms);
+  if (e == nullptr) return;
+  // The ref names another sandbox now: what was routed to the old one must not serve the new one.
+  if (e->route && e->policy.sandbox_id != policy.sandbox_id) drop_route(*e);
+  e->policy = std::move(policy);
+}
+
+void RouteCache::erase(std::string_view sandbox_ref, uint16_t port) {
+  auto it = entries_.find(key(sandbox_ref, port));
+  if (it == entries_.end()) return;
+  drop_route(it->second);
+  entries_.erase(it);
+}
+
+void RouteCache::erase_sandbox(std::string_view sandbox_id) {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.policy.sandbox_id != sandbox_id) {
+      ++it;
+      continue;
+    }
+    drop_route(it->second);
+    it = entries_.erase(it);
+  }
+}
+
+std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
+                                           std::span<const std::string> credentials, uint64_t now_ms) {
+  if (!stream_up_) return std::nullopt;
+  auto it = entries_.find(key(sandbox_ref, port));
+  if (it == entries_.end() || !it->second.route) return std::nullopt;
+  Entry& e = it->second;
+  Route& r = *e.route;
+  if (now_ms >= r.expires_ms) {
+    drop_route(e);
+    return std::nullopt;
+  }
+  if (r.spares.empty()) return std::nullopt;
+  std::optional<size_t> credential;
+  if (!e.policy.is_public) {
+    // The node's check (Node::check_credential): the sandbox's token or the operator token, both digests
+    // compared for each candidate so the time taken does not tell which one a guess matched.
+    for (size_t i = 0; i < credentials.size() && !credential; ++i) {
+      if (credentials[i].empty()) continue;
+      bool own = token_matches_digest(credentials[i], r.token_sha256);
+      bool op = token_matches_digest(credentials[i], r.operator_token_sha256);
+      if (own || op) credential = i;
+    }
+    if (!credential) return std::nullopt;
+  }
+  CachedOpen out;
+  out.sandbox_id = e.policy.sandbox_id;
+  out.port = port;
+  out.policy = e.policy;
+  out.connect_port = r.connect_port;
+  out.opened_at = r.opened_at;
+  out.token_sha256 = r.token_sha256;
+  out.credential = credential;
+  out.socket = std::move(r.spares.back());
+  r.spares.pop_back();
+  --spares_held_;
+  if (r.spares.size() < kRefillBelow && !r.refill_asked) {
+    r.refill_asked = true;
+    out.wants_refill = true;
+  }
+  return out;
+}
+
+bool RouteCache::stale(const std::string& sandbox_id, uint64_t opened_at) const {
+  if (!stream_up_ || opened_at < floor_stamp_) return true;
+  auto it = invalidated_at_.find(sandbox_id);
+  return it != invalidated_at_.end() && opened_at < it->second;
+}
+
+void RouteCache::grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms) {
+  if (grant.spares.empty() || grant.cache_ms == 0 || stale(grant.sandbox_id, grant.opened_at)) return;
+  auto existing = entries_.find(key(sandbox_ref, grant.port));
+  size_t replaced = existing != entries_.end() && existing->second.route ? existing->second.route->spares.size() : 0;
+  if (spares_held_ - replaced + grant.spares.size() > max_spares_) return;  // the descriptor budget is spent
+  Entry* e = slot(sandbox_ref, grant.port, now_ms);
+  if (e == nullptr) return;
+  drop_route(*e);
+  e->policy = std::move(grant.policy);
+  Route r;
+  r.token_sha256 = std::move(grant.token_sha256);
+  r.operator_token_sha256 = std::move(grant.operator_token_sha256);
+  r.connect_port = grant.connect_port;
+  r.opened_at = grant.opened_at;
+  r.expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
+  r.spares = std::move(grant.spares);
+  spares_held_ += r.spares.size();
+  e->route = std::move(r);
+}
+
+void RouteCache::refill(RouteGrant grant, uint64_t now_ms) {
+  if (stale(grant.sandbox_id, grant.opened_at)) return;
+  for (auto& [k, e] : entries_) {
+    if (e.policy.sandbox_id != grant.sandbox_id || !e.route || !k.ends_with(":" + std::to_string(grant.port)))
+      continue;
+    Route& r = *e.route;
+    r.refill_asked = false;
+    // A new digest means the route changed under us (the token was rotated): the stream's invalidation
+    // is on its way; keep nothing until a full open.
+    if (r.token_sha256 != grant.token_sha256 || grant.cache_ms == 0) {
+      drop_route(e);
+      continue;
+    }
+    r.operator_token_sha256 = grant.operator_token_sha256;
+    r.connect_port = grant.connect_port;
+    r.opened_at = grant.opened_at;
+    r.expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
+    if (spares_held_ + grant.spares.size() > max_spares_) continue;  // over budget: they are closed
+    spares_held_ += grant.spares.size();
+    std::move(grant.spares.begin(), grant.spares.end(), std::back_inserter(r.spares));
+    grant.spares.clear();  // one entry gets them; refs of the same port share nothing else
+  }
+}
+
+void RouteCache::refill_failed(std::string_view sandbox_id, uint16_t port) {
+  for (auto& [k, e] : entries_)
+    if (e.policy.sandbox_id == sandbox_id && e.route && k.ends_with(":" + std::to_string(port)))
+      e.route->refill_asked = false;
+}
+
+void RouteCache::stream_up(uint64_t stamp) {
+  stream_up_ = true;
+  floor_stamp_ = stamp;
+  invalidated_at_.clear();
+}
+
+void RouteCache::stream_down() {
+  stream_up_ = false;
+  floor_stamp_ = UINT64_MAX;
+  for (auto& [k, e] : entries_) drop_route(e);
+}
+
+void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {
+  for (auto& [k, e] : entries_)
+    if (e.policy.sandbox_id == sandbox_id) drop_route(e);
+  std::string id(sandbox_id);
+  if (invalidated_at_.size() >= kMaxInvalidations && !invalidated_at_.contains(id)) {
+    // Forgetting them must not let an old grant in: the floor rises to the newest forgotten stamp.
+    for (const auto& [i, s] : invalidated_at_) floor_stamp_ = std::max(floor_stamp_, s);
+    invalidated_at_.clear();
+  }
+  uint64_t& at = invalidated_at_[id];
+  at = std::max(at, stamp);
+}
+
+void RouteCache::flush(uint64_t stamp) {
+  for (auto& [k, e] : entries_) drop_route(e);
+  floor_stamp_ = std::max(floor_stamp_, stamp);
+  invalidated_at_.clear();
+}
+
+void RouteCache::sweep(uint64_t now_ms) {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    Entry& e = it->second;
+    if (e.route && now_ms >= e.route->expires_ms) drop_route(e);
+    it = !e.route && now_ms >= e.policy_expires_ms ? entries_.erase(it) : std::next(it);
+  }
+}
+
+
+}  // namespace sg

@@ -1,0 +1,152 @@
+// What a proxy worker knows about a sandbox port between connections, so most connections never wait for
+// the node:
+// - the port policy (protocol, public or not), which the ClientHello needs (the ALPN offer, raw TCP mode)
+//   before any request head; kept `policy_ttl_ms`, and replaced by every open's answer;
+// - for a running sandbox, the route itself: the digests a credential is checked against (the sandbox's
+//   token and the node's operator token, the node's own check), where to connect, and spare sockets the
+//   node made in the sandbox's network namespace. A new connection then takes a spare and connects: no node
+//   round trip. Kept for the `cache_ms` the node gave (short enough that the connections it lets through
+//   are reported before the idle timeout could suspend the sandbox), and dropped at once when the node's
+//   event stream says the sandbox stopped running or got a new token (invalidate), or the operator token
+//   changed (flush). While that stream is down nothing is routed from the cache.
+//
+// Ordering: an open answered before an invalidation may arrive after it (two sockets). Every answer
+// carries the node's stamp of the open, every event the stamp it happened at; an answer older than the
+// latest invalidation of its sandbox (or than the stream's start) is not cached.
+//
+// One per worker (no locking). Only positive verdicts are cached: a credential that matches no digest goes
+// to the node, which answers the 401 (and never wakes the sandbox for it).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/fd.h"
+
+namespace sg {
+
+struct PortPolicy {
+  std::string sandbox_id;
+  std::string protocol;  // "http1", "h2c", "tcp"
+  bool is_public = false;
+};
+
+// A route the node authorized, as an open or an internal/sockets answer describes it.
+struct RouteGrant {
+  std::string sandbox_id;
+  uint16_t port = 0;
+  PortPolicy policy;
+  uint16_t connect_port = 0;          // spares connect to 127.0.0.1:connect_port
+  uint64_t opened_at = 0;             // the node's stamp when the spares were made
+  std::string token_sha256;           // the sandbox's token
+  std::string operator_token_sha256;  // the node's operator token ("" = none)
+  uint32_t cache_ms = 0;
+  std::vector<UniqueFd> spares;
+};
+
+// A connection routed from the cache: what the node's open would have answered.
+struct CachedOpen {
+  std::string sandbox_id;
+  uint16_t port = 0;
+  PortPolicy policy;
+  uint16_t connect_port = 0;
+  uint64_t opened_at = 0;
+  std::string token_sha256;
+  std::optional<size_t> credential;  // the candidate that matched; none on a public port
+  UniqueFd socket;
+  bool wants_refill = false;  // few spares left and no refill asked for yet: the caller asks the node
+};
+
+class RouteCache {
+ public:
+  // policy_ttl_ms 0 disables the cache. At most `max_entries` are kept: a full cache is cleared rather than
+  // tracked for recency (refilling costs one node call per port). At most `max_spares` descriptors are held
+  // (they count against RLIMIT_NOFILE like connections); a grant beyond that is not cached.
+  RouteCache(uint64_t policy_ttl_ms, size_t max_entries, size_t max_spares = kDefaultMaxSpares)
+      : policy_ttl_ms_(policy_ttl_ms), max_entries_(max_entries), max_spares_(max_spares) {}
+  static constexpr size_t kDefaultMaxSpares = 512;
+  ~RouteCache() = default;
+  RouteCache(const RouteCache&) = delete;
+  RouteCache& operator=(const RouteCache&) = delete;
+
+  // Spares asked for with each open, and the level at which more are asked for in the background.
+  static constexpr size_t kSparesPerGrant = 4;
+  static constexpr size_t kRefillBelow = 2;
+  static constexpr uint32_t kMaxRouteMs = 30'000;
+
+  // ---- port policies (the ClientHello) ----
+  std::optional<PortPolicy> find(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
+  void store(std::string_view sandbox_ref, uint16_t port, PortPolicy policy, uint64_t now_ms);
+  // The port is gone or the name names another sandbox now: policy and route.
+  void erase(std::string_view sandbox_ref, uint16_t port);
+  // Every entry of a sandbox, whatever ref it was stored under.
+  void erase_sandbox(std::string_view sandbox_id);
+
+  // ---- routes ----
+  // A socket for a new connection to `sandbox_ref`:`port`, if a live route is cached and the port is
+  // public or one of `credentials` matches a digest. nullopt: ask the node.
+  std::optional<CachedOpen> open(std::string_view sandbox_ref, uint16_t port, std::span<const std::string> credentials,
+                                 uint64_t now_ms);
+  // Caches what an open answered (under the ref the client used). Ignored while the event stream is down,
+  // when the grant predates an invalidation of its sandbox, or without spares.
+  void grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms);
+  // Spares from a background refill (internal/sockets), for every ref of the sandbox's port.
+  void refill(RouteGrant grant, uint64_t now_ms);
+  // The refill asked for by open() failed or was cancelled: a later open may ask again.
+  void refill_failed(std::string_view sandbox_id, uint16_t port);
+
+  // ---- the node's event stream ----
+  // Connected: events from `stamp` on will be seen, so grants stamped from then on may be cached.
+  void stream_up(uint64_t stamp);
+  // Broken: every route is dropped (events may be missed until it is back) and none is cached.
+  void stream_down();
+  bool stream_is_up() const { return stream_up_; }
+  void invalidate(std::string_view sandbox_id, uint64_t stamp);
+  void flush(uint64_t stamp);
+
+  // Closes the spares of expired routes (each holds a sandbox's network namespace alive).
+  void sweep(uint64_t now_ms);
+
+  size_t size() const { return entries_.size(); }
+  size_t spare_count() const { return spares_held_; }
+  void set_ttl_ms(uint64_t ttl_ms) { policy_ttl_ms_ = ttl_ms; }
+
+ private:
+  struct Route {
+    std::string token_sha256;
+    std::string operator_token_sha256;
+    uint16_t connect_port = 0;
+    uint64_t opened_at = 0;
+    uint64_t expires_ms = 0;
+    std::vector<UniqueFd> spares;
+    bool refill_asked = false;
+  };
+  struct Entry {
+    PortPolicy policy;
+    uint64_t policy_expires_ms = 0;
+    std::optional<Route> route;
+  };
+  static std::string key(std::string_view sandbox_ref, uint16_t port);
+  bool stale(const std::string& sandbox_id, uint64_t opened_at) const;
+  Entry* slot(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
+  void drop_route(Entry& e);
+
+  uint64_t policy_ttl_ms_;
+  size_t max_entries_;
+  size_t max_spares_;
+  size_t spares_held_ = 0;
+  std::unordered_map<std::string, Entry> entries_;
+  bool stream_up_ = false;
+  // Grants stamped before this are never cached: the stream's start, or the latest invalidation forgotten
+  // when the map below was full.
+  uint64_t floor_stamp_ = UINT64_MAX;
+  std::unordered_map<std::string, uint64_t> invalidated_at_;  // by sandbox id
+  static constexpr size_t kMaxInvalidations = 10'000;
+};
+
+}  // namespace sg

@@ -1,0 +1,116 @@
+// The proxy's route cache through the real daemons with curl: new connections to a running sandbox cost no
+// node round trip (the node's own request log is the witness), and whatever changes what the node would
+// answer (suspend, token rotation, delete, operator token) reaches the cache before the call that made the
+// change returns.
+#include <gtest/gtest.h>
+
+#include "tests/e2e/harness.h"
+
+namespace sg::e2e {
+namespace {
+
+// One worker, so every connection meets the same cache.
+ClusterOptions one_worker(std::string extra = {}) { return ClusterOptions::proxy("workers = 1\n" + extra); }
+
+std::string create_private(Cluster& c, const std::string& name, const std::string& flags = "") {
+  auto r = c.cli("create --json --name " + name + " --expose 8080 " + flags + " -- /usr/bin/python3 " +
+                 source("tests/e2e/tools/testserver.py") + " http 8080 " + name);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  if (!j.is_object() || !j.contains("token")) {
+    ADD_FAILURE() << r.out;
+    return {};
+  }
+  std::string token = j["token"].get<std::string>();
+  const std::string host = "8080-" + name + ".sandbox.localhost";
+  EXPECT_TRUE(eventually([&] { return Cluster::http_code(c.curl(host, "/", bearer(token), 10)) == 200; },
+                         std::chrono::seconds(20)));
+  return token;
+}
+
+size_t opens(Cluster& c) { return c.node_calls("/v1/internal/open"); }
+
+size_t cached_entries(Cluster& c, const std::string& ref) {
+  size_t n = 0;
+  for (const auto& e : c.access_log()) n += e.value("sandbox_ref", "") == ref && e.value("route_cached", false) ? 1 : 0;
+  return n;
+}
+
+TEST(RouteCache, ConnectionsToARunningSandboxDoNotAskTheNode) {
+  Cluster c(one_worker());
+  const std::string token = create_private(c, "warm");
+  ASSERT_FALSE(token.empty());
+  const std::string host = "8080-warm.sandbox.localhost";
+  // The serving check above made the open that filled the cache.
+  size_t before = opens(c);
+  for (int i = 0; i < 12; ++i) ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200) << i;
+  EXPECT_EQ(opens(c), before) << "12 new TLS connections, no open: every one was routed from the cache\n"
+                              << c.node().log();
+  EXPECT_TRUE(eventually([&] { return cached_entries(c, "warm") >= 12; }, std::chrono::seconds(5)));
+  EXPECT_GE(c.node_calls("/v1/internal/sockets"), 1u) << "spares were refilled in the background";
+  // The sandbox's code never sees the token, cached route or not (/seen: every head the testserver got).
+  auto echo = c.curl(host, "/seen", bearer(token));
+  EXPECT_EQ(Cluster::http_code(echo), 200);
+  EXPECT_EQ(Cluster::body(echo).find(token), std::string::npos) << Cluster::body(echo);
+  // Only positive verdicts are cached: a wrong token is the node's 401.
+  before = opens(c);
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer("sgt_wrong"))), 401);
+  EXPECT_EQ(opens(c), before + 1);
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/")), 401) << "no token at all";
+}
+
+TEST(RouteCache, SuspendRotationAndDeleteReachTheCacheBeforeTheyAnswer) {
+  Cluster c(one_worker());
+  const std::string token = create_private(c, "moving");
+  ASSERT_FALSE(token.empty());
+  const std::string host = "8080-moving.sandbox.localhost";
+  ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+
+  // Suspended: the next connection must go through the node, which wakes it (not to the frozen one).
+  auto s = c.cli("suspend moving");
+  ASSERT_EQ(s.exit_code, 0) << s.err;
+  ASSERT_TRUE(eventually([&] { return c.get("moving")["state"] == "suspended"; }, std::chrono::seconds(10)));
+  size_t before = opens(c);
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);
+  EXPECT_EQ(opens(c), before + 1);
+  auto woke = c.wait_access_entry([](const nlohmann::json& e) { return e.value("woke", false); });
+  EXPECT_TRUE(woke.is_object()) << "the request after the suspend did not wake it";
+
+  // Rotated: the old token is refused by the very next connection.
+  ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+  auto r = c.cli("token rotate moving");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string fresh = r.out.substr(0, r.out.find('\n'));
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 401) << "the cache still had the old token";
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(fresh))), 200) << r.out;
+
+  // Deleted: gone for the next connection too.
+  ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(fresh))), 200);
+  ASSERT_EQ(c.cli("rm moving").exit_code, 0);
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(fresh))), 404);
+}
+
+TEST(RouteCache, ANodeRestartStopsCachedRoutingUntilTheStreamIsBack) {
+  Cluster c(one_worker());
+  const std::string token = create_private(c, "steady");
+  ASSERT_FALSE(token.empty());
+  const std::string host = "8080-steady.sandbox.localhost";
+  c.stop_node(SIGKILL);  // a crash: the sandbox keeps running and the next node adopts it
+  // Without the node's events the cache cannot know what changed: nothing is routed from it, so this is
+  // the node's 503, not a connection to a sandbox the cache only believes is running.
+  EXPECT_TRUE(eventually([&] { return c.proxy().log().find("route events from sandgate-node stopped") != std::string::npos; },
+                         std::chrono::seconds(5)))
+      << c.proxy().log();
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 503);
+  c.start_node();
+  EXPECT_TRUE(eventually([&] { return c.proxy().log().find("route events from sandgate-node again") != std::string::npos; },
+                         std::chrono::seconds(10)))
+      << c.proxy().log();
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+  size_t before = opens(c);
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+  EXPECT_EQ(opens(c), before) << "cached again";
+}
+
+}  // namespace
+}  // namespace sg::e2e

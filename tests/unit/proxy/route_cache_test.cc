@@ -1,0 +1,223 @@
+#include "proxy/route_cache.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include "common/token_digest.h"
+
+namespace sg {
+namespace {
+
+PortPolicy policy(std::string id, std::string protocol, bool is_public) {
+  return PortPolicy{std::move(id), std::move(protocol), is_public};
+}
+
+TEST(RouteCache, RemembersUntilTheTtl) {
+  RouteCache cache(1000, 100);
+  EXPECT_FALSE(cache.find("demo", 8080, 0));
+  cache.store("demo", 8080, policy("sb-1", "h2c", true), 10);
+  auto hit = cache.find("demo", 8080, 500);
+  ASSERT_TRUE(hit);
+  EXPECT_EQ(hit->sandbox_id, "sb-1");
+  EXPECT_EQ(hit->protocol, "h2c");
+  EXPECT_TRUE(hit->is_public);
+  EXPECT_FALSE(cache.find("demo", 8081, 500)) << "per port";
+  EXPECT_FALSE(cache.find("other", 8080, 500)) << "per sandbox";
+  EXPECT_FALSE(cache.find("demo", 8080, 1010)) << "expired";
+  EXPECT_EQ(cache.size(), 0u) << "an expired entry is dropped when found";
+}
+
+TEST(RouteCache, ErasesByPortAndBySandbox) {
+  RouteCache cache(1000, 100);
+  cache.store("demo", 8080, policy("sb-1", "http1", false), 0);
+  cache.store("sb-1", 22, policy("sb-1", "tcp", true), 0);
+  cache.store("other", 8080, policy("sb-2", "http1", false), 0);
+  cache.erase("demo", 8080);
+  EXPECT_FALSE(cache.find("demo", 8080, 1));
+  EXPECT_TRUE(cache.find("sb-1", 22, 1));
+  cache.erase_sandbox("sb-1");
+  EXPECT_FALSE(cache.find("sb-1", 22, 1));
+  EXPECT_TRUE(cache.find("other", 8080, 1));
+}
+
+TEST(RouteCache, BoundedAndDisabledByAZeroTtl) {
+  RouteCache cache(1000, 3);
+  for (int i = 0; i < 3; ++i) cache.store("s" + std::to_string(i), 80, policy("id", "http1", false), 0);
+  EXPECT_EQ(cache.size(), 3u);
+  cache.store("s0", 80, policy("id", "h2c", false), 0);  // replacing keeps the size
+  EXPECT_EQ(cache.size(), 3u);
+  cache.store("s9", 80, policy("id", "http1", false), 0);
+  EXPECT_EQ(cache.size(), 1u) << "full: cleared, then the new entry";
+  RouteCache off(0, 100);
+  off.store("demo", 8080, policy("sb-1", "http1", false), 0);
+  EXPECT_FALSE(off.find("demo", 8080, 0));
+}
+
+std::vector<UniqueFd> sockets(size_t n) {
+  std::vector<UniqueFd> out;
+  for (size_t i = 0; i < n; ++i) out.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  return out;
+}
+
+RouteGrant grant(std::string id, bool is_public, uint64_t opened_at, size_t spares, uint32_t cache_ms = 5000) {
+  RouteGrant g;
+  g.sandbox_id = id;
+  g.port = 8080;
+  g.policy = PortPolicy{std::move(id), "http1", is_public};
+  g.connect_port = 8080;
+  g.opened_at = opened_at;
+  g.token_sha256 = token_digest("sandbox-token");
+  g.operator_token_sha256 = token_digest("operator-token");
+  g.cache_ms = cache_ms;
+  g.spares = sockets(spares);
+  return g;
+}
+
+const std::vector<std::string> kOwnToken{"sandbox-token"};
+
+TEST(RouteCache, RoutesFromSparesWithTheNodesCredentialCheck) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 3), 0);
+  EXPECT_EQ(cache.spare_count(), 3u);
+  EXPECT_FALSE(cache.open("demo", 8080, {}, 1)) << "no credential: the node answers the 401";
+  std::vector<std::string> wrong{"guess"};
+  EXPECT_FALSE(cache.open("demo", 8080, wrong, 1)) << "a wrong one too";
+  EXPECT_EQ(cache.spare_count(), 3u) << "a refusal takes no spare";
+  std::vector<std::string> two{"app-bearer", "operator-token"};
+  auto hit = cache.open("demo", 8080, two, 1);
+  ASSERT_TRUE(hit);
+  EXPECT_EQ(hit->credential, std::optional<size_t>(1)) << "which candidate matched, as the node says";
+  EXPECT_EQ(hit->sandbox_id, "sb-1");
+  EXPECT_EQ(hit->opened_at, 20u);
+  EXPECT_TRUE(hit->socket.valid());
+  EXPECT_FALSE(hit->wants_refill) << "two left";
+  auto second = cache.open("demo", 8080, kOwnToken, 1);
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->credential, std::optional<size_t>(0));
+  EXPECT_TRUE(second->wants_refill) << "one left: ask for more, once";
+  auto third = cache.open("demo", 8080, kOwnToken, 1);
+  ASSERT_TRUE(third);
+  EXPECT_FALSE(third->wants_refill) << "already asked";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "out of spares: the node";
+  EXPECT_FALSE(cache.open("other", 8080, kOwnToken, 1)) << "per ref";
+  EXPECT_TRUE(cache.find("demo", 8080, 1)) << "the policy stays";
+}
+
+TEST(RouteCache, PublicPortsNeedNoCredential) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", true, 20, 1), 0);
+  auto hit = cache.open("demo", 8080, {}, 1);
+  ASSERT_TRUE(hit);
+  EXPECT_FALSE(hit->credential);
+}
+
+TEST(RouteCache, NothingIsRoutedWithoutTheEventStream) {
+  RouteCache cache(1000, 100);
+  cache.grant("demo", grant("sb-1", false, 20, 2), 0);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "never up: not cached";
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 5, 2), 0);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "an open from before the stream started";
+  cache.grant("demo", grant("sb-1", false, 20, 2), 0);
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 1));
+  cache.stream_down();
+  EXPECT_EQ(cache.spare_count(), 0u) << "down: every route goes";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1));
+  cache.grant("demo", grant("sb-1", false, 30, 2), 0);
+  EXPECT_EQ(cache.spare_count(), 0u) << "and none is cached while down";
+}
+
+TEST(RouteCache, AnInvalidationWinsOverAnOpenAnsweredBeforeIt) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 2), 0);
+  cache.grant("sb-1", grant("sb-1", false, 20, 2), 0);
+  cache.grant("keep", grant("sb-2", false, 20, 2), 0);
+  cache.invalidate("sb-1", 30);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "every ref of the sandbox";
+  EXPECT_FALSE(cache.open("sb-1", 8080, kOwnToken, 1));
+  EXPECT_TRUE(cache.open("keep", 8080, kOwnToken, 1)) << "other sandboxes keep theirs";
+  // The answer to an open the node handled before the suspend arrives after the event.
+  cache.grant("demo", grant("sb-1", false, 25, 2), 0);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1));
+  cache.grant("demo", grant("sb-1", false, 35, 2), 0);
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 1)) << "an open after it (resumed) is cached";
+  cache.flush(40);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "operator token changed: everything";
+  EXPECT_FALSE(cache.open("keep", 8080, kOwnToken, 1));
+  cache.grant("keep", grant("sb-2", false, 39, 2), 0);
+  EXPECT_FALSE(cache.open("keep", 8080, kOwnToken, 1)) << "older than the flush";
+}
+
+TEST(RouteCache, ForgottenInvalidationsRaiseTheFloor) {
+  RouteCache cache(1000, 1'000'000);
+  cache.stream_up(1);
+  for (uint64_t i = 0; i < 10'001; ++i) cache.invalidate("sb-" + std::to_string(i), 100 + i);
+  // sb-0's invalidation (stamp 100) was forgotten when the map was full: an older grant must still lose.
+  cache.grant("demo", grant("sb-0", false, 99, 1), 0);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1));
+}
+
+TEST(RouteCache, RoutesExpireAndSweepClosesTheirSpares) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 3, 500), 0);
+  cache.grant("zero", grant("sb-2", false, 20, 3, 0), 0);
+  EXPECT_EQ(cache.spare_count(), 3u) << "cache_ms 0: the node said not to";
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 499));
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 500)) << "expired";
+  cache.grant("demo", grant("sb-1", false, 30, 3, 500), 600);
+  cache.sweep(1100);
+  EXPECT_EQ(cache.spare_count(), 0u) << "expired spares are closed by the sweep";
+  cache.sweep(5000);
+  EXPECT_EQ(cache.size(), 0u) << "and the policy after its own ttl";
+}
+
+TEST(RouteCache, RefillsTopUpEveryRefOfThePort) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 1), 0);
+  auto hit = cache.open("demo", 8080, kOwnToken, 1);
+  ASSERT_TRUE(hit);
+  EXPECT_TRUE(hit->wants_refill);
+  cache.refill(grant("sb-1", false, 30, 4), 2);
+  EXPECT_EQ(cache.spare_count(), 4u);
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 3));
+  // A refill that shows a new token digest drops the route (the rotation's event is on its way).
+  RouteGrant rotated = grant("sb-1", false, 40, 4);
+  rotated.token_sha256 = token_digest("new-token");
+  cache.refill(std::move(rotated), 4);
+  EXPECT_EQ(cache.spare_count(), 0u);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5));
+}
+
+TEST(RouteCache, HoldsNoMoreSparesThanItsBudget) {
+  RouteCache cache(1000, 100, 5);
+  cache.stream_up(10);
+  cache.grant("a", grant("sb-1", false, 20, 3), 0);
+  cache.grant("b", grant("sb-2", false, 20, 3), 0);
+  EXPECT_EQ(cache.spare_count(), 3u) << "the second grant would pass the budget";
+  EXPECT_FALSE(cache.open("b", 8080, kOwnToken, 1));
+  cache.grant("a", grant("sb-1", false, 21, 2), 0);
+  EXPECT_EQ(cache.spare_count(), 2u) << "a new grant replaces the entry's spares";
+  cache.refill(grant("sb-1", false, 22, 3), 1);
+  EXPECT_EQ(cache.spare_count(), 5u);
+  cache.refill(grant("sb-1", false, 23, 1), 1);
+  EXPECT_EQ(cache.spare_count(), 5u) << "full";
+  cache.erase("a", 8080);
+  EXPECT_EQ(cache.spare_count(), 0u);
+}
+
+TEST(RouteCache, ANameGivenToANewSandboxDropsTheOldRoute) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 2), 0);
+  cache.store("demo", 8080, policy("sb-2", "http1", false), 1);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 2));
+  EXPECT_EQ(cache.find("demo", 8080, 2)->sandbox_id, "sb-2");
+}
+
+}  // namespace
+}  // namespace sg
