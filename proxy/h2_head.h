@@ -109,11 +109,12 @@ class H2RequestScanner {
   std::string header_block_;        // HPACK fragments of that block so far
 };
 
-// What the proxy sends instead of forwarding, after a successful scan: the server preface (an empty SETTINGS
-// frame and the ACK of the client's SETTINGS), the response on `stream_id` (HEADERS with :status,
-// content-type, content-length, cache-control: no-store, server, then `extra_headers`, whose names are
-// lowercased; DATA carrying `body` with END_STREAM), then GOAWAY(last_stream_id = stream_id, NO_ERROR)
-// so the client knows nothing else on the connection was or will be processed.
+// What the proxy sends instead of forwarding, after a successful scan or one that named a malformed_stream()
+// (then with 400): the server preface (an empty SETTINGS frame and the ACK of the client's SETTINGS), the
+// response on `stream_id` (HEADERS with :status, content-type, content-length, cache-control: no-store,
+// server, then `extra_headers`, whose names are lowercased; DATA carrying `body` with END_STREAM), then
+// GOAWAY(last_stream_id = stream_id, NO_ERROR) so the client knows nothing else on the connection was or
+// will be processed.
 // Pass an empty body for a HEAD request: a client rejects content on a response to HEAD.
 // kInvalidArgument for a stream id or status out of range, or a field name or value that HTTP/2 cannot carry
 // (CR/LF/NUL, uppercase is fine, connection-specific fields are not).

@@ -143,6 +143,7 @@ TEST(EdgeRequests, Http2MalformedFirstRequestGetsAReadable400) {
   EXPECT_EQ(Cluster::http_code(r), 400) << r.out << r.err;
   EXPECT_NE(Cluster::body(r).find("'authorization' starts or ends with whitespace"), std::string::npos) << r.out;
   auto entry = c.wait_access_entry([](const nlohmann::json& e) { return status_of(e) == 400; });
+  ASSERT_TRUE(entry.is_object()) << "no access log line for the 400";
   EXPECT_EQ(entry.value("cause", ""), "bad_request") << entry.dump();
   EXPECT_NE(entry.value("detail", "").find("whitespace"), std::string::npos) << entry.dump();
   // The sandbox never saw it (the recorder answers with everything it decoded so far).
