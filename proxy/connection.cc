@@ -334,8 +334,13 @@ void Connection::read_head() {
       if (!scanned) {
         bool too_large = scanned.error() == Error::kLimitExceeded;
         rec_.detail = scanned.message();
-        return respond_bytes(h2_goaway(too_large ? H2ErrorCode::kEnhanceYourCalm : H2ErrorCode::kProtocolError,
-                                       scanned.message()),
+        // A malformed request is an error of its stream only (RFC 9113 §8.1.1): a 400 the client can read on
+        // it, then GOAWAY(NO_ERROR). A broken connection gets GOAWAY with the error code.
+        if (const uint32_t stream = h2_scanner_->malformed_stream(); stream != 0) {
+          h2_stream_ = stream;
+          return respond(400, scanned.message() + "\n", TerminationCause::kBadRequest);
+        }
+        return respond_bytes(h2_goaway(h2_scanner_->goaway_code(), scanned.message()),
                              too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
       }
       if (!*scanned) continue;
@@ -409,7 +414,8 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   if (route_.kind == RouteKind::kSdk) route_.port = cfg_->agent_port;
   // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
   // 200 itself and the bytes after the head are the tunnel's.
-  tunnel_ = method == "CONNECT";
+  // An HTTP/2 CONNECT here is an extended CONNECT (RFC 8441, e.g. a WebSocket): a request for the sandbox.
+  tunnel_ = !h2_ && method == "CONNECT";
   answers_request_ = !tunnel_;
   rec_.port = route_.port;
   open_sandbox();

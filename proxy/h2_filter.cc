@@ -265,19 +265,10 @@ Status H2ClientFilter::finish_block(std::string& to_sandbox, std::string& to_cli
   const uint32_t stream = block_stream_;
   switch (block_kind_) {
     case BlockKind::kRequest: {
-      RequestBuilder builder(stream);
-      // A malformed request is an error of its stream only (RFC 9113 §8.1.1): the block is still decoded to
-      // its end, so the inflater keeps following the client's encoder, and the stream is answered 400.
-      std::optional<Failure> malformed;
-      Status decoded = inflate_header_block(inflater_.get(), block_, limits_.max_header_list_bytes,
-                                            [&](std::string_view name, std::string_view value) {
-                                              if (malformed) return Status();
-                                              if (Status added = builder.add(name, value); !added)
-                                                malformed = added.failure();
-                                              return Status();
-                                            });
-      if (!decoded) return decoded;
-      Result<H2Request> request = malformed ? Result<H2Request>(*malformed) : std::move(builder).finish();
+      // A malformed request is an error of its stream only (RFC 9113 §8.1.1): the stream is answered 400.
+      auto decoded = decode_request(inflater_.get(), stream, block_, limits_.max_header_list_bytes);
+      if (!decoded) return decoded.failure();
+      Result<H2Request>& request = *decoded;
       if (!request) {
         if (on_malformed_) on_malformed_(stream, request.message());
         return refuse(stream, 400, block_end_stream_, to_client);
@@ -309,13 +300,15 @@ Status H2ClientFilter::forward_block(uint32_t stream_id, const H2Request* reques
                                      const std::vector<HttpHeader>& fields, bool end_stream,
                                      std::string& to_sandbox) {
   std::vector<nghttp2_nv> nva;
-  nva.reserve(fields.size() + 4);
+  nva.reserve(fields.size() + 5);
   if (request) {
     // Pseudo-headers first (RFC 9113 §8.3), in the customary order.
     nva.push_back(make_nv(":method", request->method, NGHTTP2_NV_FLAG_NONE));
     nva.push_back(make_nv(":scheme", request->scheme, NGHTTP2_NV_FLAG_NONE));
     nva.push_back(make_nv(":authority", request->authority, NGHTTP2_NV_FLAG_NONE));
     nva.push_back(make_nv(":path", request->path, NGHTTP2_NV_FLAG_NONE));
+    // Extended CONNECT (RFC 8441): without it the sandbox would see a plain CONNECT, which it must refuse.
+    if (!request->protocol.empty()) nva.push_back(make_nv(":protocol", request->protocol, NGHTTP2_NV_FLAG_NONE));
   }
   // "Never indexed" for every regular field: our table is empty anyway, and it keeps the marks a client put on
   // sensitive fields (RFC 7541 §7.1.3 asks intermediaries to) without tracking which ones it marked.

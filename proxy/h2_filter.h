@@ -55,7 +55,8 @@ struct H2Verdict {
 // Client -> sandbox. Fed every byte the client sends, from the very first (the 24-byte client preface) on.
 //
 // What goes to the sandbox: the preface and every frame unchanged, except
-//   - HEADERS (+ CONTINUATION): decoded, then re-encoded as HEADERS (+ CONTINUATION) with the same END_STREAM,
+//   - HEADERS (+ CONTINUATION): decoded, then re-encoded as HEADERS (+ CONTINUATION) with the same END_STREAM
+//     (a request's pseudo-headers :method, :scheme, :authority, :path, and :protocol for an extended CONNECT),
 //     without padding or priority fields (RFC 9113 deprecates the latter), in frames of at most 16384 bytes
 //     (within any peer's SETTINGS_MAX_FRAME_SIZE); regular fields are sent "never indexed".
 //   - frames of a refused stream: dropped (DATA, HEADERS, CONTINUATION, WINDOW_UPDATE, RST_STREAM, PRIORITY).

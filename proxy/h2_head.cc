@@ -99,11 +99,14 @@ Failure not_a_preface(char first_byte) {
 
 Status check_field_name(std::string_view name) {
   if (name.empty()) return protocol_error("empty field name");
+  bool uppercase = false;
   for (char c : name) {
-    if (c >= 'A' && c <= 'Z')
-      return protocol_error("field name '" + std::string(name) + "' has uppercase letters, which HTTP/2 forbids");
-    if (!is_lower_token_char(c)) return protocol_error("field name has a character HTTP/2 forbids");
+    if (c >= 'A' && c <= 'Z') uppercase = true;
+    else if (!is_lower_token_char(c)) return protocol_error("field name has a character HTTP/2 forbids");
   }
+  // Named only once it is known to be a token: the message reaches the client in a 400 and the access log.
+  if (uppercase)
+    return protocol_error("field name '" + std::string(name) + "' has uppercase letters, which HTTP/2 forbids");
   return {};
 }
 
@@ -149,7 +152,13 @@ Status RequestBuilder::add(std::string_view name, std::string_view value) {
 
 Result<H2Request> RequestBuilder::finish() && {
   if (!method_seen_) return protocol_error("request has no :method");
-  if (request_.method == "CONNECT") return protocol_error("CONNECT requests are not served");
+  // A plain CONNECT asks for a tunnel to its :authority, which the proxy does not offer over HTTP/2. The
+  // extended CONNECT of RFC 8441 (WebSockets over HTTP/2) names a resource like any request (:scheme and :path
+  // are required, §4), so it is routed, authenticated and checked like one.
+  if (request_.method == "CONNECT" && !protocol_seen_) return protocol_error("CONNECT requests are not served");
+  if (protocol_seen_ && request_.method != "CONNECT")
+    return protocol_error(":protocol is only allowed in an extended CONNECT (RFC 8441), not with :method " +
+                          request_.method);
   if (!scheme_seen_) return protocol_error("request has no :scheme");
   if (!path_seen_) return protocol_error("request has no :path");
   if (request_.path.front() != '/' && !(request_.path == "*" && request_.method == "OPTIONS"))
@@ -172,16 +181,17 @@ Status RequestBuilder::add_pseudo(std::string_view name, std::string_view value)
   else if (name == ":scheme") target = &request_.scheme, seen = &scheme_seen_;
   else if (name == ":authority") target = &request_.authority, seen = &authority_seen_;
   else if (name == ":path") target = &request_.path, seen = &path_seen_;
-  // :status belongs to responses. :protocol (extended CONNECT, RFC 8441) is refused like CONNECT itself: the
-  // proxy routes and authenticates plain requests only.
+  else if (name == ":protocol") target = &request_.protocol, seen = &protocol_seen_;
+  // :status belongs to responses.
   else return protocol_error("pseudo-header " + std::string(name) + " is not allowed in a request");
   if (*seen) return protocol_error("duplicate " + std::string(name));
   if (value.empty()) return protocol_error(std::string(name) + " is empty");
   if (Status s = check_field_value(name, value); !s) return s;
-  if (name == ":method" && !std::all_of(value.begin(), value.end(), [](char c) {
+  // Both are tokens: a method (RFC 9110 §9.1) and an Upgrade protocol name (RFC 8441 §4, RFC 9110 §7.8).
+  if ((name == ":method" || name == ":protocol") && !std::all_of(value.begin(), value.end(), [](char c) {
         return is_lower_token_char(c) || (c >= 'A' && c <= 'Z');
       }))
-    return protocol_error(":method is not a token");
+    return protocol_error(std::string(name) + " is not a token");
   *seen = true;
   target->assign(value);
   return {};
@@ -219,6 +229,20 @@ Status inflate_header_block(nghttp2_hd_inflater* inflater, std::string_view bloc
   return {};
 }
 
+Result<Result<H2Request>> decode_request(nghttp2_hd_inflater* inflater, uint32_t stream_id, std::string_view block,
+                                         size_t max_list_bytes) {
+  RequestBuilder builder(stream_id);
+  std::optional<Failure> malformed;
+  Status decoded = inflate_header_block(inflater, block, max_list_bytes, [&](std::string_view name, std::string_view value) {
+    if (malformed) return Status();
+    if (Status added = builder.add(name, value); !added) malformed = added.failure();
+    return Status();
+  });
+  if (!decoded) return decoded.failure();
+  if (malformed) return Result<H2Request>(*malformed);
+  return std::move(builder).finish();
+}
+
 Result<std::string_view> headers_fragment(const FrameHeader& h, std::string_view payload) {
   size_t prefix = 0;
   size_t padding = 0;
@@ -245,17 +269,11 @@ constexpr size_t kMaxGoawayDebugBytes = 1024;
 
 // A fresh inflater per request: the first header block of a connection is decoded from an empty dynamic
 // table, exactly as the backend will decode it.
-Result<H2Request> decode_header_block(uint32_t stream_id, std::string_view block, const H2ScanLimits& limits) {
+Result<Result<H2Request>> decode_header_block(uint32_t stream_id, std::string_view block, const H2ScanLimits& limits) {
   nghttp2_hd_inflater* raw = nullptr;
   if (nghttp2_hd_inflate_new(&raw) != 0) return fail(Error::kInternal, "HPACK decoder: out of memory");
   InflaterPtr inflater(raw);
-  RequestBuilder builder(stream_id);
-  Status decoded = inflate_header_block(inflater.get(), block, limits.max_header_list_bytes,
-                                        [&](std::string_view name, std::string_view value) {
-                                          return builder.add(name, value);
-                                        });
-  if (!decoded) return decoded.failure();
-  return std::move(builder).finish();
+  return decode_request(inflater.get(), stream_id, block, limits.max_header_list_bytes);
 }
 
 // Checks a frame that may precede the first request; only its shape matters, its content is the backend's.
@@ -321,6 +339,16 @@ Result<std::string> hpack_encode(const std::vector<HttpHeader>& fields) {
 }  // namespace
 
 Result<std::optional<H2Request>> H2RequestScanner::scan(std::string_view received) {
+  auto scanned = scan_frames(received);
+  if (!scanned && malformed_stream_ == 0 && goaway_code_ == H2ErrorCode::kNoError) {
+    goaway_code_ = scanned.error() == Error::kLimitExceeded ? H2ErrorCode::kEnhanceYourCalm
+                   : scanned.error() == Error::kInternal    ? H2ErrorCode::kInternalError
+                                                            : H2ErrorCode::kProtocolError;
+  }
+  return scanned;
+}
+
+Result<std::optional<H2Request>> H2RequestScanner::scan_frames(std::string_view received) {
   if (received.size() < next_frame_) return fail(Error::kInternal, "h2 scan: received bytes shrank");
   if (next_frame_ == 0) {
     const size_t n = std::min(received.size(), kClientPreface.size());
@@ -366,9 +394,17 @@ Result<std::optional<H2Request>> H2RequestScanner::scan(std::string_view receive
       continue;
     }
     if (h.flags & kFlagEndHeaders) {
-      auto request = decode_header_block(open_block_stream_, header_block_, limits_);
-      if (!request) return request.failure();
-      return std::optional<H2Request>(std::move(*request));
+      auto decoded = decode_header_block(open_block_stream_, header_block_, limits_);
+      if (!decoded) {
+        // HPACK state is connection state (RFC 9113 §4.3): a block that cannot be decoded ends the connection.
+        if (decoded.error() == Error::kInvalidArgument) goaway_code_ = H2ErrorCode::kCompressionError;
+        return decoded.failure();
+      }
+      if (!*decoded) {
+        malformed_stream_ = open_block_stream_;
+        return decoded->failure();
+      }
+      return std::optional<H2Request>(std::move(**decoded));
     }
   }
 }

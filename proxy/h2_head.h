@@ -44,9 +44,22 @@ struct H2Request {
   std::string scheme;
   std::string authority;
   std::string path;
+  // :protocol of an extended CONNECT (RFC 8441, e.g. "websocket"), empty for every other request. Such a
+  // CONNECT carries :scheme and :path like any request and is routed and authenticated like one; whether the
+  // sandbox offers it (SETTINGS_ENABLE_CONNECT_PROTOCOL) is the sandbox's to judge.
+  std::string protocol;
   // Regular fields in arrival order, names lowercase (HTTP/2 forbids anything else). Cookie crumbs are
   // joined into one "cookie" field with "; " (RFC 9113 §8.2.3), placed where the first crumb was.
   std::vector<HttpHeader> headers;
+};
+
+// HTTP/2 error codes (RFC 9113 §7) for h2_goaway.
+enum class H2ErrorCode : uint32_t {
+  kNoError = 0x0,
+  kProtocolError = 0x1,     // a scan failed with kInvalidArgument
+  kInternalError = 0x2,     // a scan failed with kInternal
+  kCompressionError = 0x9,  // the first header block is not valid HPACK (RFC 9113 §4.3)
+  kEnhanceYourCalm = 0xb,   // a scan failed with kLimitExceeded
 };
 
 // Finds the first request of an HTTP/2 connection in the bytes received so far.
@@ -61,9 +74,11 @@ struct H2Request {
 //   kInvalidArgument: not an HTTP/2 preface (e.g. HTTP/1.1 on an h2 connection), first frame not SETTINGS,
 //     a malformed or oversized frame, a frame that cannot precede the first request (DATA, RST_STREAM,
 //     PUSH_PROMISE, GOAWAY), HEADERS on stream 0 or an even stream, a header block interleaved with other
-//     frames, bad padding, HPACK decoding failure, a malformed request (missing or duplicate :method /
-//     :scheme / :path / :authority, a Host that differs from :authority, CONNECT, uppercase or invalid field
-//     names, CR/LF/NUL in values, connection-specific fields).
+//     frames, bad padding, HPACK decoding failure; or a malformed request (missing or duplicate :method /
+//     :scheme / :path / :authority, a Host that differs from :authority, a CONNECT without :protocol,
+//     :protocol without CONNECT, uppercase or invalid field names, CR/LF/NUL or whitespace at either end in
+//     values, connection-specific fields). Only the malformed request is an error of its stream alone
+//     (RFC 9113 §8.1.1): malformed_stream() tells the two apart.
 //   kLimitExceeded: more than max_bytes_before_request before the request is complete, or a decoded header
 //     list over max_header_list_bytes.
 //   kInternal: out of memory in the HPACK decoder, or `received` shorter than on the previous call.
@@ -73,26 +88,33 @@ class H2RequestScanner {
 
   Result<std::optional<H2Request>> scan(std::string_view received);
 
+  // After scan() failed: the stream whose request was malformed (its header block decoded fine, the fields
+  // break RFC 9113 §8), which is answered with h2_refusal(stream, 400, ...) while the connection is ended
+  // gracefully; 0 when the connection itself is broken and gets h2_goaway(goaway_code(), ...).
+  uint32_t malformed_stream() const { return malformed_stream_; }
+  // After scan() failed with malformed_stream() == 0: the GOAWAY error code the failure calls for
+  // (COMPRESSION_ERROR for HPACK, ENHANCE_YOUR_CALM for a limit, INTERNAL_ERROR for kInternal,
+  // PROTOCOL_ERROR otherwise).
+  H2ErrorCode goaway_code() const { return goaway_code_; }
+
  private:
+  Result<std::optional<H2Request>> scan_frames(std::string_view received);
+
   H2ScanLimits limits_;
+  uint32_t malformed_stream_ = 0;
+  H2ErrorCode goaway_code_ = H2ErrorCode::kNoError;  // set with the failure
   size_t next_frame_ = 0;           // offset of the first frame not examined yet; 0 until the preface is seen
   bool settings_seen_ = false;      // the first frame after the preface must be SETTINGS
   uint32_t open_block_stream_ = 0;  // stream whose header block awaits CONTINUATION, 0 if none
   std::string header_block_;        // HPACK fragments of that block so far
 };
 
-// HTTP/2 error codes (RFC 9113 §7) for h2_goaway.
-enum class H2ErrorCode : uint32_t {
-  kNoError = 0x0,
-  kProtocolError = 0x1,    // a scan failed with kInvalidArgument
-  kEnhanceYourCalm = 0xb,  // a scan failed with kLimitExceeded
-};
-
-// What the proxy sends instead of forwarding, after a successful scan: the server preface (an empty SETTINGS
-// frame and the ACK of the client's SETTINGS), the response on `stream_id` (HEADERS with :status,
-// content-type, content-length, cache-control: no-store, server, then `extra_headers`, whose names are
-// lowercased; DATA carrying `body` with END_STREAM), then GOAWAY(last_stream_id = stream_id, NO_ERROR)
-// so the client knows nothing else on the connection was or will be processed.
+// What the proxy sends instead of forwarding, after a successful scan or one that named a malformed_stream()
+// (then with 400): the server preface (an empty SETTINGS frame and the ACK of the client's SETTINGS), the
+// response on `stream_id` (HEADERS with :status, content-type, content-length, cache-control: no-store,
+// server, then `extra_headers`, whose names are lowercased; DATA carrying `body` with END_STREAM), then
+// GOAWAY(last_stream_id = stream_id, NO_ERROR) so the client knows nothing else on the connection was or
+// will be processed.
 // Pass an empty body for a HEAD request: a client rejects content on a response to HEAD.
 // kInvalidArgument for a stream id or status out of range, or a field name or value that HTTP/2 cannot carry
 // (CR/LF/NUL, uppercase is fine, connection-specific fields are not).
@@ -190,6 +212,13 @@ using FieldSink = std::function<Status(std::string_view name, std::string_view v
 Status inflate_header_block(nghttp2_hd_inflater* inflater, std::string_view block, size_t max_list_bytes,
                             const FieldSink& on_field);
 
+// Decodes one request header block with `inflater` (as inflate_header_block) and checks it (RequestBuilder).
+// A malformed request is an error of its stream only (RFC 9113 §8.1.1): the block is still decoded to its
+// end, so the inflater keeps following the client's encoder, and the inner Result carries why (kInvalidArgument).
+// The outer Result fails only for the connection: HPACK error (kInvalidArgument), limit, out of memory.
+Result<Result<H2Request>> decode_request(nghttp2_hd_inflater* inflater, uint32_t stream_id, std::string_view block,
+                                         size_t max_list_bytes);
+
 // Collects the fields of one request header block and checks them against RFC 9113 §8.2 and §8.3.1 (the
 // rules listed at H2RequestScanner). add() each field in order, then finish().
 class RequestBuilder {
@@ -203,6 +232,7 @@ class RequestBuilder {
 
   H2Request request_;
   bool method_seen_ = false, scheme_seen_ = false, authority_seen_ = false, path_seen_ = false;
+  bool protocol_seen_ = false;
   bool regular_seen_ = false;
   std::optional<size_t> cookie_index_;
   std::vector<std::string> host_values_;

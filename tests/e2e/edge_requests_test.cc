@@ -130,6 +130,63 @@ TEST(EdgeRequests, Http2StreamForAnotherSandboxIs421AndNeverReachesTheFirst) {
   EXPECT_NE(entry.value("detail", "").find("h2 stream 3"), std::string::npos) << entry.dump();
 }
 
+// RFC 9113 §8.1.1: a malformed request is an error of its stream, the first one of a connection included. A
+// trailing space in a field value (§8.2.1) gets a 400 curl reads, not a connection error.
+TEST(EdgeRequests, Http2MalformedFirstRequestGetsAReadable400) {
+  Cluster c;
+  create(c, "--name alpha --public 7000/h2c -- " + bin("tests/h2_recorder") + " 7000");
+  const std::string host = "7000-alpha.sandbox.localhost";
+  wait_serving(c, host, "--http2");
+
+  auto r = c.curl(host, "/malformed-first", "--http2 -H 'Authorization: Bearer '");
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(Cluster::http_code(r), 400) << r.out << r.err;
+  EXPECT_NE(Cluster::body(r).find("'authorization' starts or ends with whitespace"), std::string::npos) << r.out;
+  auto entry = c.wait_access_entry([](const nlohmann::json& e) { return status_of(e) == 400; });
+  ASSERT_TRUE(entry.is_object()) << "no access log line for the 400";
+  EXPECT_EQ(entry.value("cause", ""), "bad_request") << entry.dump();
+  EXPECT_NE(entry.value("detail", "").find("whitespace"), std::string::npos) << entry.dump();
+  // The sandbox never saw it (the recorder answers with everything it decoded so far).
+  auto seen = c.curl(host, "/after", "--http2");
+  EXPECT_EQ(Cluster::http_code(seen), 200) << seen.out << seen.err;
+  EXPECT_NE(seen.out.find(":path: /after"), std::string::npos) << seen.out;
+  EXPECT_EQ(seen.out.find("/malformed-first"), std::string::npos) << seen.out;
+}
+
+// RFC 8441: WebSockets over HTTP/2 to a sandbox that enables extended CONNECT. The CONNECT reaches it with its
+// :protocol and without the sandgate credential, as a later request and as the first one of a connection.
+TEST(EdgeRequests, Http2ExtendedConnectReachesASandboxThatEnablesIt) {
+  Cluster c;
+  Created ws = create(c, "--name ws --expose 7000/h2c -- " + bin("tests/h2_recorder") + " 7000 --extended-connect");
+  const std::string host = "7000-ws.sandbox.localhost";
+  wait_serving(c, host, "--http2 " + bearer(ws.token));
+  const std::string auth = "|authorization: Bearer " + ws.token;
+  const std::string websocket = "|:method: CONNECT|:protocol: websocket|sec-websocket-version: 13";
+
+  // A page first: the client has the sandbox's SETTINGS (ENABLE_CONNECT_PROTOCOL) before it sends the CONNECT.
+  auto r = h2_requests(c, host, {host + "|/page" + auth, host + "|/chat?room=1" + websocket + auth});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  const size_t answer = r.out.find("--- stream 3 status 200");
+  ASSERT_NE(answer, std::string::npos) << r.out;
+  std::string seen = r.out.substr(answer);
+  EXPECT_NE(seen.find("stream 3 :method: CONNECT"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("stream 3 :protocol: websocket"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("stream 3 :path: /chat?room=1"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("stream 3 sec-websocket-version: 13"), std::string::npos) << seen;
+  EXPECT_EQ(r.out.find(ws.token), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("authorization"), std::string::npos) << r.out;
+
+  // As the first request: the proxy routes and authenticates it before the sandbox is reached, then lets the
+  // sandbox judge it.
+  auto first = h2_requests(c, host, {host + "|/chat-first" + websocket + auth});
+  EXPECT_EQ(first.exit_code, 0) << first.out << first.err;
+  ASSERT_NE(first.out.find("--- stream 1 status 200"), std::string::npos) << first.out;
+  EXPECT_NE(first.out.find("stream 1 :path: /chat-first"), std::string::npos) << first.out;
+  EXPECT_NE(first.out.find("stream 1 :protocol: websocket"), std::string::npos) << first.out;
+  EXPECT_EQ(first.out.find(ws.token), std::string::npos) << first.out;
+  EXPECT_EQ(first.out.find("authorization"), std::string::npos) << first.out;
+}
+
 TEST(EdgeRequests, NoCredentialReachesAPortBackend) {
   Cluster c;
   Created p = create(c, "--name priv --expose 8080 -- " + testserver(8080, "priv"));

@@ -2,7 +2,10 @@
 // requests, each with an :authority of its own, on ONE TLS connection (ALPN h2), one after the other.
 //   h2_client CONNECT_ADDR PORT SNI CA_FILE REQUEST...
 // REQUEST is "<authority>|<path>[|<name>: <value>]..."; for each, in order, the output has
-// "--- stream <id> status <code>" and then the response body.
+// "--- stream <id> status <code>" and then the response body. A field named :method or :protocol replaces
+// the default GET / adds the pseudo-header: "|:method: CONNECT|:protocol: websocket" is an extended CONNECT
+// (RFC 8441), whose stream the client keeps open as a WebSocket client does (no END_STREAM); it is done once
+// the response has ended.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <nghttp2/nghttp2.h>
@@ -23,6 +26,7 @@ struct Stream {
   std::string status = "none";
   std::string body;
   bool closed = false;
+  bool response_ended = false;  // END_STREAM from the server
 };
 
 struct Client {
@@ -45,6 +49,17 @@ int header_cb(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
 int data_cb(nghttp2_session*, uint8_t, int32_t stream_id, const uint8_t* data, size_t len, void* user) {
   static_cast<Client*>(user)->streams[stream_id].body.append(reinterpret_cast<const char*>(data), len);
   return 0;
+}
+
+int frame_recv_cb(nghttp2_session*, const nghttp2_frame* frame, void* user) {
+  if ((frame->hd.type == NGHTTP2_HEADERS || frame->hd.type == NGHTTP2_DATA) && (frame->hd.flags & NGHTTP2_FLAG_END_STREAM))
+    static_cast<Client*>(user)->streams[frame->hd.stream_id].response_ended = true;
+  return 0;
+}
+
+// The body of a CONNECT stream: nothing yet, so HEADERS goes without END_STREAM and the stream stays open.
+ssize_t no_body_yet(nghttp2_session*, int32_t, uint8_t*, size_t, uint32_t*, nghttp2_data_source*, void*) {
+  return NGHTTP2_ERR_DEFERRED;
 }
 
 int close_cb(nghttp2_session*, int32_t stream_id, uint32_t, void* user) {
@@ -110,6 +125,7 @@ int main(int argc, char** argv) {
   nghttp2_session_callbacks_set_on_header_callback(cbs, header_cb);
   nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, data_cb);
   nghttp2_session_callbacks_set_on_stream_close_callback(cbs, close_cb);
+  nghttp2_session_callbacks_set_on_frame_recv_callback(cbs, frame_recv_cb);
   nghttp2_session* session;
   nghttp2_session_client_new(&session, cbs, &client);
   nghttp2_session_callbacks_del(cbs);
@@ -120,16 +136,32 @@ int main(int argc, char** argv) {
     std::vector<std::string> names = {":method", ":scheme", ":authority", ":path"};
     std::vector<std::string> values = {"GET", "https", parts[0], parts.size() > 1 ? parts[1] : "/"};
     for (size_t p = 2; p < parts.size(); ++p) {
-      size_t colon = parts[p].find(':');
-      names.push_back(parts[p].substr(0, colon));
-      values.push_back(parts[p].substr(colon + 2));
+      size_t colon = parts[p].find(':', parts[p][0] == ':' ? 1 : 0);
+      std::string name = parts[p].substr(0, colon);
+      std::string value = parts[p].substr(colon + 2);
+      if (name == ":method") {
+        values[0] = value;
+      } else if (name == ":protocol") {
+        names.insert(names.begin() + 4, name);  // with the other pseudo-headers, before the regular fields
+        values.insert(values.begin() + 4, value);
+      } else {
+        names.push_back(name);
+        values.push_back(value);
+      }
     }
     std::vector<nghttp2_nv> nva;
     for (size_t f = 0; f < names.size(); ++f) nva.push_back(field(names[f], values[f]));
-    int32_t id = nghttp2_submit_request(session, nullptr, nva.data(), nva.size(), nullptr, nullptr);
+    const bool connect = values[0] == "CONNECT";
+    nghttp2_data_provider open_stream{};
+    open_stream.read_callback = no_body_yet;
+    int32_t id = nghttp2_submit_request(session, nullptr, nva.data(), nva.size(), connect ? &open_stream : nullptr, nullptr);
+    if (id < 0) {
+      fprintf(stderr, "cannot submit request %d: %s\n", i - 4, nghttp2_strerror(id));
+      return 1;
+    }
     if (nghttp2_session_send(session) != 0) return 1;
     // One request at a time, so the sandbox sees them in order and each answer is known before the next.
-    while (!client.streams[id].closed) {
+    while (!client.streams[id].closed && !client.streams[id].response_ended) {
       uint8_t buf[16384];
       int n = SSL_read(client.ssl, buf, sizeof buf);
       if (n <= 0) {

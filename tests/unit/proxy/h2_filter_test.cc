@@ -307,6 +307,60 @@ TEST(H2Filter, CallbackRemovesCredentialsBeforeTheSandboxSeesThem) {
   expect_served(link.client, 3, "/again");
 }
 
+std::vector<HttpHeader> websocket_request(std::string_view authority, std::string path) {
+  std::vector<HttpHeader> fields = request_fields(authority, std::move(path), "CONNECT");
+  fields.insert(fields.begin() + 1, {":protocol", "websocket"});
+  fields.push_back({"sec-websocket-version", "13"});
+  fields.push_back({"authorization", "Bearer tok-secret-0123456789"});
+  return fields;
+}
+
+// Extended CONNECT (RFC 8441, WebSockets over HTTP/2) to a sandbox that enables it: checked by the callback
+// like any request (credential removed) and re-encoded with its :protocol, first request or later.
+TEST(H2Filter, ExtendedConnectIsForwardedWithItsProtocol) {
+  for (bool first : {true, false}) {
+    Link link({}, {{NGHTTP2_SETTINGS_ENABLE_CONNECT_PROTOCOL, 1}});
+    link.policy = [](H2Request& r) {
+      std::erase_if(r.headers, [](const HttpHeader& f) { return f.name == "authorization"; });
+      return demo_only(r);
+    };
+    int32_t stream = 1;
+    if (!first) {
+      ASSERT_EQ(link.client.submit(browser_request(kDemo, "/page")), 1);
+      link.pump();  // the client has the sandbox's SETTINGS now, as RFC 8441 §3 wants before a CONNECT
+      stream = 3;
+    }
+    ASSERT_EQ(link.client.submit(websocket_request(kDemo, "/chat?room=1")), stream) << first;
+    link.pump();
+
+    ASSERT_EQ(link.requests.size(), first ? 1u : 2u);
+    EXPECT_EQ(link.requests.back().method, "CONNECT");
+    EXPECT_EQ(link.requests.back().protocol, "websocket");
+    const Session::Stream& seen = link.server.streams[stream];
+    ASSERT_GE(seen.headers.size(), 5u) << first;
+    EXPECT_EQ(*field(seen.headers, ":method"), "CONNECT");
+    ASSERT_NE(field(seen.headers, ":protocol"), nullptr) << first;
+    EXPECT_EQ(*field(seen.headers, ":protocol"), "websocket");
+    EXPECT_EQ(*field(seen.headers, ":authority"), kDemo);
+    EXPECT_EQ(*field(seen.headers, ":path"), "/chat?room=1");
+    EXPECT_EQ(*field(seen.headers, "sec-websocket-version"), "13");
+    EXPECT_EQ(field(seen.headers, "authorization"), nullptr);
+    expect_served(link.client, stream, "/chat?room=1");
+    EXPECT_FALSE(link.server.goaway);
+    EXPECT_FALSE(link.client.goaway);
+  }
+
+  // For another sandbox it is refused like any request.
+  Link link({}, {{NGHTTP2_SETTINGS_ENABLE_CONNECT_PROTOCOL, 1}});
+  link.policy = demo_only;
+  ASSERT_EQ(link.client.submit(browser_request(kDemo, "/page")), 1);
+  link.pump();
+  ASSERT_EQ(link.client.submit(websocket_request(kOther, "/chat")), 3);
+  link.pump();
+  expect_refused(link.client, 3, "421");
+  EXPECT_EQ(link.server.streams.count(3), 0u);
+}
+
 TEST(H2Filter, TrailersAreReencodedWithoutTheCallback) {
   Link link;
   BodySource body{std::string_view("chunk-of-body"), {{"x-checksum", "abc123"}, {"x-more", "trailing"}}};
@@ -649,7 +703,13 @@ TEST(H2Filter, MalformedRequestIs400OnItsStreamAndTheConnectionGoesOn) {
   no_path.pop_back();
   std::vector<HttpHeader> two_hosts = request_fields(kDemo);
   two_hosts.push_back({"host", std::string(kOther)});
-  for (const auto& [fields, why] : {std::pair{no_path, "no :path"}, std::pair{two_hosts, "Host differs"}}) {
+  std::vector<HttpHeader> protocol_on_get = request_fields(kDemo);
+  protocol_on_get.push_back({":protocol", "websocket"});
+  const std::vector<HttpHeader> plain_connect = {{":method", "CONNECT"}, {":authority", std::string(kDemo)}};
+  for (const auto& [fields, why] :
+       {std::pair{no_path, "no :path"}, std::pair{two_hosts, "Host differs"},
+        std::pair{protocol_on_get, ":protocol is only allowed in an extended CONNECT"},
+        std::pair{plain_connect, "CONNECT requests are not served"}}) {
     Hpack hpack;
     std::vector<std::pair<uint32_t, std::string>> malformed;
     H2ClientFilter filter({}, [](H2Request&) { return H2Verdict{}; });

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "proxy/edge_auth.h"
@@ -202,11 +203,29 @@ TEST(H2Head, TruncatedInputNeedsMoreBytes) {
   }
 }
 
-void expect_error(std::string_view bytes, Error code, std::string_view message_part) {
-  auto r = scan_once(bytes);
+// A connection error: the scan fails, no stream is named, and the GOAWAY code fits the failure.
+void expect_error(std::string_view bytes, Error code, std::string_view message_part,
+                  std::optional<H2ErrorCode> goaway = std::nullopt) {
+  H2RequestScanner scanner;
+  auto r = scanner.scan(bytes);
   ASSERT_FALSE(r.ok()) << "accepted: " << message_part;
   EXPECT_EQ(r.error(), code) << r.message();
   EXPECT_NE(r.message().find(message_part), std::string::npos) << r.message();
+  EXPECT_EQ(scanner.malformed_stream(), 0u) << message_part << ": " << r.message();
+  const H2ErrorCode expected = goaway ? *goaway
+                               : code == Error::kLimitExceeded ? H2ErrorCode::kEnhanceYourCalm
+                                                                : H2ErrorCode::kProtocolError;
+  EXPECT_EQ(scanner.goaway_code(), expected) << message_part << ": " << r.message();
+}
+
+// A malformed request: an error of its stream only, which the scanner names (RFC 9113 §8.1.1).
+void expect_malformed(std::string_view bytes, std::string_view message_part, uint32_t stream = 1) {
+  H2RequestScanner scanner;
+  auto r = scanner.scan(bytes);
+  ASSERT_FALSE(r.ok()) << "accepted: " << message_part;
+  EXPECT_EQ(r.error(), Error::kInvalidArgument) << r.message();
+  EXPECT_NE(r.message().find(message_part), std::string::npos) << r.message();
+  EXPECT_EQ(scanner.malformed_stream(), stream) << message_part << ": " << r.message();
 }
 
 TEST(H2Head, NotAnHttp2Preface) {
@@ -256,12 +275,18 @@ TEST(H2Head, FramingErrors) {
   expect_error(s + frame(NGHTTP2_PING, 0, 0, "1234"), Error::kInvalidArgument, "PING");
   expect_error(s + frame(NGHTTP2_WINDOW_UPDATE, 0, 0, "12"), Error::kInvalidArgument, "WINDOW_UPDATE");
   expect_error(s + frame(NGHTTP2_PRIORITY, 0, 0, "12345"), Error::kInvalidArgument, "PRIORITY");
-  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, "\x80"), Error::kInvalidArgument, "HPACK");
+  // HPACK failures are COMPRESSION_ERROR (RFC 9113 §4.3), even after a field that already made the request
+  // malformed: the block cannot be trusted, so neither can anything the stream's 400 would be based on.
+  constexpr H2ErrorCode kHpack = H2ErrorCode::kCompressionError;
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, "\x80"), Error::kInvalidArgument, "HPACK", kHpack);
   expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, "\xff\xff\xff\xff\xff\xff"),
-               Error::kInvalidArgument, "HPACK");
+               Error::kInvalidArgument, "HPACK", kHpack);
   const std::string literal = hpack({{"x-literal", "abcdefgh"}});
   expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, block + literal.substr(0, literal.size() - 3)),
-               Error::kInvalidArgument, "HPACK");
+               Error::kInvalidArgument, "HPACK", kHpack);
+  const std::string uppercase = hpack({{"X-Upper", "1"}});
+  expect_error(s + frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, uppercase + block + "\x80"),
+               Error::kInvalidArgument, "HPACK", kHpack);
 }
 
 TEST(H2Head, MalformedRequests) {
@@ -275,40 +300,40 @@ TEST(H2Head, MalformedRequests) {
     fields.insert(fields.end(), extra.begin(), extra.end());
     return fields;
   };
-  expect_error(request_bytes(without(":method")), Error::kInvalidArgument, "no :method");
-  expect_error(request_bytes(without(":path")), Error::kInvalidArgument, "no :path");
-  expect_error(request_bytes(without(":scheme")), Error::kInvalidArgument, "no :scheme");
-  expect_error(request_bytes(without(":authority")), Error::kInvalidArgument, "no :authority");
+  expect_malformed(request_bytes(without(":method")), "no :method");
+  expect_malformed(request_bytes(without(":path")), "no :path");
+  expect_malformed(request_bytes(without(":scheme")), "no :scheme");
+  expect_malformed(request_bytes(without(":authority")), "no :authority");
   std::vector<HttpHeader> host_instead = without(":authority");
   host_instead.push_back({"host", std::string(kAuthority)});
-  expect_error(request_bytes(host_instead), Error::kInvalidArgument, "Host, not :authority");
-  expect_error(request_bytes(with({{"host", "8080-other.sandbox.localhost"}})), Error::kInvalidArgument,
-               "Host differs");
-  expect_error(request_bytes(with({{"X-Token", "a"}})), Error::kInvalidArgument, "uppercase");
-  expect_error(request_bytes(with({{"x token", "a"}})), Error::kInvalidArgument, "forbids");
-  expect_error(request_bytes(with({{"x-a", "a\r\nx-b: b"}})), Error::kInvalidArgument, "CR or LF");
-  expect_error(request_bytes(with({{"x-a", std::string("a\0b", 3)}})), Error::kInvalidArgument, "NUL");
-  expect_error(request_bytes(with({{"authorization", "Bearer t "}})), Error::kInvalidArgument, "whitespace");
-  expect_error(request_bytes(with({{"connection", "keep-alive"}})), Error::kInvalidArgument, "connection-specific");
-  expect_error(request_bytes(with({{"transfer-encoding", "chunked"}})), Error::kInvalidArgument, "connection-specific");
-  expect_error(request_bytes(with({{"te", "gzip"}})), Error::kInvalidArgument, "te may only");
-  expect_error(request_bytes(with({{"accept", "*/*"}, {":path", "/again"}})), Error::kInvalidArgument, "after a regular");
+  expect_malformed(request_bytes(host_instead), "Host, not :authority");
+  expect_malformed(request_bytes(with({{"host", "8080-other.sandbox.localhost"}})), "Host differs");
+  expect_malformed(request_bytes(with({{"X-Token", "a"}})), "uppercase");
+  expect_malformed(request_bytes(with({{"x token", "a"}})), "forbids");
+  expect_malformed(request_bytes(with({{"x-a", "a\r\nx-b: b"}})), "CR or LF");
+  expect_malformed(request_bytes(with({{"x-a", std::string("a\0b", 3)}})), "NUL");
+  expect_malformed(request_bytes(with({{"authorization", "Bearer t "}})), "whitespace");
+  expect_malformed(request_bytes(with({{"connection", "keep-alive"}})), "connection-specific");
+  expect_malformed(request_bytes(with({{"transfer-encoding", "chunked"}})), "connection-specific");
+  expect_malformed(request_bytes(with({{"te", "gzip"}})), "te may only");
+  expect_malformed(request_bytes(with({{"accept", "*/*"}, {":path", "/again"}})), "after a regular");
   std::vector<HttpHeader> duplicate = get_request();
   duplicate.insert(duplicate.begin(), {":authority", "8080-other.sandbox.localhost"});
-  expect_error(request_bytes(duplicate), Error::kInvalidArgument, "duplicate :authority");
+  expect_malformed(request_bytes(duplicate), "duplicate :authority");
   std::vector<HttpHeader> status = get_request();
   status.insert(status.begin(), {":status", "200"});
-  expect_error(request_bytes(status), Error::kInvalidArgument, ":status is not allowed");
+  expect_malformed(request_bytes(status), ":status is not allowed");
   std::vector<HttpHeader> protocol = get_request();
   protocol.insert(protocol.begin(), {":protocol", "websocket"});
-  expect_error(request_bytes(protocol), Error::kInvalidArgument, ":protocol is not allowed");
-  expect_error(request_bytes({{":method", "CONNECT"}, {":authority", std::string(kAuthority)}}),
-               Error::kInvalidArgument, "CONNECT");
-  expect_error(request_bytes(get_request("relative")), Error::kInvalidArgument, "must start with '/'");
-  expect_error(request_bytes(get_request("")), Error::kInvalidArgument, ":path is empty");
+  expect_malformed(request_bytes(protocol), ":protocol is only allowed in an extended CONNECT");
+  // A plain CONNECT (a tunnel to :authority) is still not served, now on its stream.
+  expect_malformed(request_bytes({{":method", "CONNECT"}, {":authority", std::string(kAuthority)}}),
+                   "CONNECT requests are not served");
+  expect_malformed(request_bytes(get_request("relative")), "must start with '/'");
+  expect_malformed(request_bytes(get_request("")), ":path is empty");
   std::vector<HttpHeader> bad_method = get_request();
   bad_method[0].value = "GE T";
-  expect_error(request_bytes(bad_method), Error::kInvalidArgument, ":method");
+  expect_malformed(request_bytes(bad_method), ":method");
 
   // What is allowed: a Host naming the same host (any case), te: trailers, OPTIONS *.
   auto ok = scan_once(request_bytes(with({{"host", "8080-DEMO.sandbox.localhost"}, {"te", "trailers"}})));
@@ -319,6 +344,111 @@ TEST(H2Head, MalformedRequests) {
   auto star = scan_once(request_bytes(options));
   ASSERT_TRUE(star.ok()) << star.message();
   EXPECT_TRUE(star->has_value());
+}
+
+std::vector<HttpHeader> extended_connect(std::string path = "/chat") {
+  return {{":method", "CONNECT"},
+          {":protocol", "websocket"},
+          {":scheme", "https"},
+          {":authority", std::string(kAuthority)},
+          {":path", std::move(path)},
+          {"sec-websocket-version", "13"},
+          {"authorization", "Bearer abc.def"}};
+}
+
+// RFC 8441: a CONNECT with :protocol (WebSockets over HTTP/2) is a request like any other: routed on
+// :authority, its credential found like any request's. Whether the sandbox offers it is the sandbox's call.
+TEST(H2Head, ExtendedConnectIsARequest) {
+  auto r = scan_in_every_split(request_bytes(extended_connect()));
+  ASSERT_TRUE(r.ok()) << r.message();
+  ASSERT_TRUE(r->has_value());
+  const H2Request& request = **r;
+  EXPECT_EQ(request.method, "CONNECT");
+  EXPECT_EQ(request.protocol, "websocket");
+  EXPECT_EQ(request.scheme, "https");
+  EXPECT_EQ(request.authority, kAuthority);
+  EXPECT_EQ(request.path, "/chat");
+  ASSERT_EQ(request.headers.size(), 2u);
+  auto credentials = find_credentials(request.path, request.headers);
+  ASSERT_EQ(credentials.size(), 1u);
+  EXPECT_EQ(credentials[0].token, "abc.def");
+
+  // Every other request has no :protocol.
+  auto plain = scan_once(request_bytes(get_request()));
+  ASSERT_TRUE(plain.ok()) << plain.message();
+  ASSERT_TRUE(plain->has_value());
+  EXPECT_EQ((*plain)->protocol, "");
+}
+
+TEST(H2Head, MalformedExtendedConnect) {
+  auto without = [](std::string_view name) {
+    std::vector<HttpHeader> fields = extended_connect();
+    std::erase_if(fields, [&](const HttpHeader& f) { return f.name == name; });
+    return fields;
+  };
+  // RFC 8441 §4: :scheme and :path are required; :authority as for every request here.
+  expect_malformed(request_bytes(without(":path")), "no :path");
+  expect_malformed(request_bytes(without(":scheme")), "no :scheme");
+  expect_malformed(request_bytes(without(":authority")), "no :authority");
+  expect_malformed(request_bytes(extended_connect("chat")), "must start with '/'");
+  std::vector<HttpHeader> twice = extended_connect();
+  twice.insert(twice.begin() + 1, {":protocol", "h2c"});
+  expect_malformed(request_bytes(twice), "duplicate :protocol");
+  std::vector<HttpHeader> not_a_token = extended_connect();
+  not_a_token[1].value = "web socket";
+  expect_malformed(request_bytes(not_a_token), ":protocol is not a token");
+  std::vector<HttpHeader> empty = extended_connect();
+  empty[1].value = "";
+  expect_malformed(request_bytes(empty), ":protocol is empty");
+  std::vector<HttpHeader> post = extended_connect();
+  post[0].value = "POST";
+  expect_malformed(request_bytes(post), ":protocol is only allowed in an extended CONNECT");
+  std::vector<HttpHeader> late = without(":protocol");
+  late.push_back({":protocol", "websocket"});
+  expect_malformed(request_bytes(late), "after a regular");
+}
+
+// The first request of a connection malformed (a trailing space in Authorization, RFC 9113 §8.2.1): the
+// scanner names its stream, and the proxy's 400 on it is a response a real client reads, followed by a
+// graceful GOAWAY, instead of a connection error.
+// Lets `client` parse `answer` (an h2_refusal): a complete response with `status` and `body` on `stream`, then
+// a graceful GOAWAY naming that stream, and nothing the client would complain about.
+void expect_complete_answer(Nghttp2Session& client, int32_t stream, const std::string& answer, int status,
+                            std::string_view body) {
+  // nghttp2 accepts every byte: a protocol error would make it return a negative value.
+  ASSERT_EQ(client.receive(answer), static_cast<ssize_t>(answer.size()));
+  const Nghttp2Session::Stream& response = client.streams[stream];
+  ASSERT_NE(field(response.headers, ":status"), nullptr);
+  EXPECT_EQ(*field(response.headers, ":status"), std::to_string(status));
+  EXPECT_EQ(*field(response.headers, "content-length"), std::to_string(body.size()));
+  EXPECT_EQ(response.data, body);
+  EXPECT_TRUE(response.closed);
+  EXPECT_EQ(response.close_error, 0u);
+  EXPECT_TRUE(client.goaway);
+  EXPECT_EQ(client.goaway_last_stream, stream);
+  EXPECT_EQ(client.goaway_error, static_cast<uint32_t>(NGHTTP2_NO_ERROR));
+  // No RST_STREAM, no GOAWAY from the client: at most it acknowledges SETTINGS.
+  const std::string reply = client.take_output();
+  EXPECT_TRUE(reply.empty() || reply == frame(NGHTTP2_SETTINGS, NGHTTP2_FLAG_ACK, 0, "")) << reply.size();
+}
+
+TEST(H2Head, MalformedFirstRequestGetsA400ARealClientReads) {
+  Nghttp2Session client(Nghttp2Session::Role::kClient, kClientSettings);
+  std::vector<HttpHeader> fields = get_request("/private");
+  fields.push_back({"authorization", "Bearer "});
+  const int32_t stream = client.submit(fields);
+  ASSERT_EQ(stream, 1);
+
+  H2RequestScanner scanner;
+  auto r = scanner.scan(client.take_output());
+  ASSERT_FALSE(r.ok());
+  ASSERT_EQ(scanner.malformed_stream(), 1u) << r.message();
+  EXPECT_NE(r.message().find("'authorization' starts or ends with whitespace"), std::string::npos) << r.message();
+
+  const std::string body = r.message() + "\n";
+  auto answer = h2_refusal(scanner.malformed_stream(), 400, "text/plain; charset=utf-8", body, {});
+  ASSERT_TRUE(answer.ok()) << answer.message();
+  expect_complete_answer(client, stream, *answer, 400, body);
 }
 
 TEST(H2Head, HeaderListBombIsStoppedWhileDecoding) {
@@ -382,12 +512,8 @@ void refuse_and_check(int status, std::string_view body, const std::vector<HttpH
 
   auto refusal = h2_refusal((*scan)->stream_id, status, "text/plain; charset=utf-8", body, extra);
   ASSERT_TRUE(refusal.ok()) << refusal.message();
-  // nghttp2 accepts every byte: a protocol error would make it return a negative value.
-  ASSERT_EQ(client.receive(*refusal), static_cast<ssize_t>(refusal->size()));
+  expect_complete_answer(client, stream, *refusal, status, body);
   const Nghttp2Session::Stream& response = client.streams[stream];
-  ASSERT_NE(field(response.headers, ":status"), nullptr);
-  EXPECT_EQ(*field(response.headers, ":status"), std::to_string(status));
-  EXPECT_EQ(*field(response.headers, "content-length"), std::to_string(body.size()));
   EXPECT_EQ(*field(response.headers, "cache-control"), "no-store");
   for (const HttpHeader& h : extra) {
     std::string name = h.name;
@@ -395,15 +521,6 @@ void refuse_and_check(int status, std::string_view body, const std::vector<HttpH
     ASSERT_NE(field(response.headers, name), nullptr) << name;
     EXPECT_EQ(*field(response.headers, name), h.value);
   }
-  EXPECT_EQ(response.data, body);
-  EXPECT_TRUE(response.closed);
-  EXPECT_EQ(response.close_error, 0u);
-  EXPECT_TRUE(client.goaway);
-  EXPECT_EQ(client.goaway_last_stream, stream);
-  EXPECT_EQ(client.goaway_error, static_cast<uint32_t>(NGHTTP2_NO_ERROR));
-  // The client has nothing to complain about (no RST_STREAM, no GOAWAY): at most it acknowledges SETTINGS.
-  const std::string reply = client.take_output();
-  EXPECT_TRUE(reply.empty() || reply == frame(NGHTTP2_SETTINGS, NGHTTP2_FLAG_ACK, 0, "")) << reply.size();
 }
 
 TEST(H2Head, RefusalIsUnderstoodByARealClient) {
