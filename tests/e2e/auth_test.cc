@@ -166,7 +166,7 @@ TEST(Auth, CrossOriginRequestsAreRefusedAndExecWantsJson) {
   EXPECT_EQ(Cluster::http_code(ok), 200) << ok.out;
   EXPECT_NE(ok.out.find("ran"), std::string::npos) << ok.out;
   auto plain = c.curl("victim.sandbox.localhost", "/exec", bearer(a.token) + " -H 'Content-Type: text/plain' " + body);
-  EXPECT_EQ(Cluster::http_code(plain), 415) << plain.out;
+  EXPECT_EQ(Cluster::http_code(plain), 415) << plain.out << plain.err;
 }
 
 }  // namespace
