@@ -11,23 +11,6 @@ namespace {
 
 const char* kOperatorToken = "op-e2e-limits-93b7e0";
 
-// A sandbox whose port 8080 needs its token; returns that token once the port serves.
-std::string create_private_serving(Cluster& c, const std::string& name) {
-  auto r = c.cli("create --json --name " + name + " --expose 8080 -- /usr/bin/python3 " +
-                 source("tests/e2e/tools/testserver.py") + " http 8080 " + name);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  auto j = nlohmann::json::parse(r.out, nullptr, false);
-  if (!j.is_object() || !j.contains("token")) {
-    ADD_FAILURE() << r.out;
-    return {};
-  }
-  std::string token = j["token"].get<std::string>();
-  std::string host = "8080-" + name + ".sandbox.localhost";
-  EXPECT_TRUE(eventually([&] { return Cluster::http_code(c.curl(host, "/", bearer(token), 10)) == 200; },
-                         std::chrono::seconds(20)));
-  return token;
-}
-
 size_t node_open_calls(Cluster& c) { return c.node_calls("/v1/internal/open"); }
 
 // "status" is null for forwarded connections.
@@ -43,7 +26,7 @@ std::string cookies(int n, const std::string& last = "") {
 TEST(EdgeAuthLimits, TooManyCredentialCandidatesIsABadRequest) {
   // Counts opens: without the route cache every connection makes one.
   Cluster c(ClusterOptions::proxy("route_cache = false\n"));
-  const std::string token = create_private_serving(c, "many");
+  const std::string token = c.create_private_serving("many");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-many.sandbox.localhost";
 
@@ -71,7 +54,7 @@ TEST(EdgeAuthLimits, OperatorTokenNeverBecomesACookie) {
   ClusterOptions o;
   o.operator_token = kOperatorToken;
   Cluster c(o);
-  const std::string token = create_private_serving(c, "opq");
+  const std::string token = c.create_private_serving("opq");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-opq.sandbox.localhost";
 

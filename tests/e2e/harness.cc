@@ -296,6 +296,22 @@ CommandResult Cluster::api_raw(const std::string& method, const std::string& pat
              " -w '\\n%{http_code}' http://node" + path);
 }
 
+std::string Cluster::create_private_serving(const std::string& name) {
+  auto r = cli("create --json --name " + name + " --expose 8080 -- /usr/bin/python3 " +
+               source("tests/e2e/tools/testserver.py") + " http 8080 " + name);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  if (!j.is_object() || !j.contains("token")) {
+    ADD_FAILURE() << r.out;
+    return {};
+  }
+  std::string token = j["token"].get<std::string>();
+  std::string host = "8080-" + name + ".sandbox.localhost";
+  EXPECT_TRUE(eventually([&] { return http_code(curl(host, "/", bearer(token), 10)) == 200; },
+                         std::chrono::seconds(20)));
+  return token;
+}
+
 size_t Cluster::node_calls(const std::string& path) {
   std::string log = node_.log();
   // The log line is "<peer> <method> <path> -> <status>": the trailing space keeps /open from matching /open2.

@@ -12,22 +12,6 @@ namespace {
 // One worker, so every connection meets the same cache.
 ClusterOptions one_worker(std::string extra = {}) { return ClusterOptions::proxy("workers = 1\n" + extra); }
 
-std::string create_private(Cluster& c, const std::string& name, const std::string& flags = "") {
-  auto r = c.cli("create --json --name " + name + " --expose 8080 " + flags + " -- /usr/bin/python3 " +
-                 source("tests/e2e/tools/testserver.py") + " http 8080 " + name);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  auto j = nlohmann::json::parse(r.out, nullptr, false);
-  if (!j.is_object() || !j.contains("token")) {
-    ADD_FAILURE() << r.out;
-    return {};
-  }
-  std::string token = j["token"].get<std::string>();
-  const std::string host = "8080-" + name + ".sandbox.localhost";
-  EXPECT_TRUE(eventually([&] { return Cluster::http_code(c.curl(host, "/", bearer(token), 10)) == 200; },
-                         std::chrono::seconds(20)));
-  return token;
-}
-
 size_t opens(Cluster& c) { return c.node_calls("/v1/internal/open"); }
 
 size_t cached_entries(Cluster& c, const std::string& ref) {
@@ -38,7 +22,7 @@ size_t cached_entries(Cluster& c, const std::string& ref) {
 
 TEST(RouteCache, ConnectionsToARunningSandboxDoNotAskTheNode) {
   Cluster c(one_worker());
-  const std::string token = create_private(c, "warm");
+  const std::string token = c.create_private_serving("warm");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-warm.sandbox.localhost";
   // The serving check above made the open that filled the cache.
@@ -61,7 +45,7 @@ TEST(RouteCache, ConnectionsToARunningSandboxDoNotAskTheNode) {
 
 TEST(RouteCache, SuspendRotationAndDeleteReachTheCacheBeforeTheyAnswer) {
   Cluster c(one_worker());
-  const std::string token = create_private(c, "moving");
+  const std::string token = c.create_private_serving("moving");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-moving.sandbox.localhost";
   ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
@@ -92,7 +76,7 @@ TEST(RouteCache, SuspendRotationAndDeleteReachTheCacheBeforeTheyAnswer) {
 
 TEST(RouteCache, ANodeRestartStopsCachedRoutingUntilTheStreamIsBack) {
   Cluster c(one_worker());
-  const std::string token = create_private(c, "steady");
+  const std::string token = c.create_private_serving("steady");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-steady.sandbox.localhost";
   c.stop_node(SIGKILL);  // a crash: the sandbox keeps running and the next node adopts it
