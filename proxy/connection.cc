@@ -18,31 +18,11 @@ namespace {
 
 // Per direction. A TLS record carries at most 16 KiB; two records per read keeps syscalls per byte low.
 constexpr size_t kForwardBufferBytes = 32 * 1024;
-// Per spliced direction. Pages in a pipe are pinned only while in flight, but a stalled reader keeps the
-// whole pipe full: 128 KiB (32 slots) moves eight TLS records per splice without letting 10k stalled
-// connections pin more than ~2.5 GiB.
-constexpr size_t kSplicePipeBytes = 128 * 1024;
 // After an error response: how long and how much unread client input we drain before closing.
 constexpr uint32_t kLingerMs = 2000;
 constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
 
 uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
-
-// A filtered direction's queue (c2u_out_, u2c_out_): what was sent leaves the front, so the queue never grows
-// with the bytes a connection moves, and an emptied queue gives back memory beyond one buffer's worth, so an
-// idle connection after an upload does not keep it.
-void compact(std::string& queue, size_t& sent) {
-  if (sent == 0) return;
-  if (sent == queue.size()) {
-    if (queue.capacity() > kForwardBufferBytes) std::string().swap(queue);
-    else queue.clear();
-  } else if (sent >= kForwardBufferBytes) {
-    queue.erase(0, sent);  // moves less than kMaxFilteredBytes
-  } else {
-    return;
-  }
-  sent = 0;
-}
 
 }  // namespace
 
@@ -53,7 +33,7 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
       tls_(snapshot_->tls.get()),
       client_fd_(std::move(client)),
       // The head must fit in the buffer that later forwards it; one byte more detects "too large".
-      c2u_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
+      request_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
   rec_.started_at = std::chrono::system_clock::now();
   rec_.started_steady = std::chrono::steady_clock::now();
   rec_.client = std::move(peer);
@@ -66,17 +46,16 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
   handles_open_ = 4;
 }
 
-Connection::~Connection() {
-  if (ssl_) SSL_free(ssl_);
-}
+Connection::~Connection() = default;
 
 void Connection::start() {
-  ssl_ = SSL_new(tls_->default_ctx());
-  if (!ssl_) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
-  SSL_set_fd(ssl_, client_fd_.get());
-  SSL_set_accept_state(ssl_);
-  SSL_set_ex_data(ssl_, hello_ex_index(), &hello_);
-  if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl_);
+  SSL* ssl = SSL_new(tls_->default_ctx());
+  if (!ssl) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
+  client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), &ktls_rx_tracker_);
+  SSL_set_fd(ssl, client_fd_.get());
+  SSL_set_accept_state(ssl);
+  SSL_set_ex_data(ssl, hello_ex_index(), &hello_);
+  if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl);
   arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
   do_handshake();
 }
@@ -132,10 +111,10 @@ void Connection::update_interest() {
       want_client = UV_READABLE;
       break;
     case Phase::kForwarding:
-      if (!client_eof_ && c2u_room()) want_client |= UV_READABLE;
-      if (u2c_pending() > 0 || (upstream_eof_ && !client_shut_)) want_client |= UV_WRITABLE;
-      if (!upstream_eof_ && u2c_room()) want_upstream |= UV_READABLE;
-      if (c2u_pending() > 0) want_upstream |= UV_WRITABLE;
+      if (c2u_->wants_source_readable()) want_client |= UV_READABLE;
+      if (u2c_->wants_sink_writable()) want_client |= UV_WRITABLE;
+      if (u2c_->wants_source_readable()) want_upstream |= UV_READABLE;
+      if (c2u_->wants_sink_writable()) want_upstream |= UV_WRITABLE;
       break;
     case Phase::kClosed:
       return;
@@ -188,10 +167,10 @@ void Connection::on_upstream_io(int status, int) {
 
 void Connection::do_handshake() {
   ERR_clear_error();
-  int r = SSL_do_handshake(ssl_);
+  int r = SSL_do_handshake(client_->ssl());
   rec_.sni = hello_.sni;
   if (r == 1) return after_handshake();
-  int err = SSL_get_error(ssl_, r);
+  int err = SSL_get_error(client_->ssl(), r);
   if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) return look_up_port_policy();
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
     handshake_wants_write_ = err == SSL_ERROR_WANT_WRITE;
@@ -249,11 +228,11 @@ void Connection::after_handshake() {
   ktls_rx_tracker_.handshake_finished();
   const unsigned char* alpn = nullptr;
   unsigned alpn_len = 0;
-  SSL_get0_alpn_selected(ssl_, &alpn, &alpn_len);
+  SSL_get0_alpn_selected(client_->ssl(), &alpn, &alpn_len);
   h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
-  rec_.tls_version = SSL_get_version(ssl_);
-  plan_data_path(BIO_get_ktls_send(SSL_get_wbio(ssl_)), BIO_get_ktls_recv(SSL_get_rbio(ssl_)));
-  if (cfg_->proxy.ktls == KtlsMode::kOn && (!ktls_tx_ || rx_handover_ == RxHandover::kNone))
+  rec_.tls_version = SSL_get_version(client_->ssl());
+  plan_data_path();
+  if (cfg_->proxy.ktls == KtlsMode::kOn && (!client_->ktls_tx() || !client_->ktls_rx_planned()))
     return close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
   if (hello_.policy_known && hello_.port_protocol == "tcp" && hello_.port_public) {
@@ -268,9 +247,9 @@ void Connection::after_handshake() {
   }
   phase_ = Phase::kReadHead;
   if (h2_) {
-    // Everything scanned stays in c2u_ to be forwarded, so the scan may not outgrow it.
+    // Everything scanned stays in request_ to be forwarded, so the scan may not outgrow it.
     h2_scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
-        .max_bytes_before_request = c2u_.space() - 1, .max_header_list_bytes = cfg_->proxy.max_request_head_bytes});
+        .max_bytes_before_request = request_.space() - 1, .max_header_list_bytes = cfg_->proxy.max_request_head_bytes});
   } else {
     head_parser_ = std::make_unique<HttpParser>(
         HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
@@ -282,19 +261,20 @@ void Connection::after_handshake() {
 // Transmit is the kernel's when OpenSSL offloaded it; bytes from the sandbox then splice into the socket.
 // Receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3 (proxy/ktls.h);
 // either way the client socket is spliced only after the request head, once OpenSSL holds no input.
-void Connection::plan_data_path(bool ktls_tx, bool ktls_rx) {
-  ktls_tx_ = ktls_tx;
-  if (ktls_rx) rx_handover_ = RxHandover::kOffloadedByOpenSsl;
-  else if (ktls_tx && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
-  set_data_path_label(ktls_tx_, rx_handover_ != RxHandover::kNone);
+void Connection::plan_data_path() {
+  client_->plan_ktls();
+  const bool tx = client_->ktls_tx();
+  const bool rx = client_->ktls_rx_planned();
+  set_data_path_label(tx, rx);
   std::string why;
   if (cfg_->proxy.ktls == KtlsMode::kOff) {
     why = "ktls = off in the config";
   } else if (!tls_->ktls_kernel_reason().empty()) {
     why = tls_->ktls_kernel_reason();
-  } else if (!ktls_tx || rx_handover_ == RxHandover::kNone) {
-    why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", ktls_tx ? "receive" : "transmit",
-                      SSL_get_version(ssl_), SSL_get_cipher_name(ssl_));
+  } else if (!tx || !rx) {
+    SSL* ssl = client_->ssl();
+    why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", tx ? "receive" : "transmit",
+                      SSL_get_version(ssl), SSL_get_cipher_name(ssl));
   }
   if (!why.empty()) log_ktls_fallback_once(why);
 }
@@ -310,7 +290,7 @@ void Connection::set_data_path_label(bool tx_spliced, bool rx_spliced) {
 // otherwise it carries on through SSL_read/SSL_write (OpenSSL still uses whatever the kernel took over).
 bool Connection::ktls_downgrade(std::string why) {
   log_ktls_fallback_once(why);
-  set_data_path_label(u2c_pipe_ != nullptr, c2u_pipe_ != nullptr || rx_handover_ != RxHandover::kNone);
+  set_data_path_label(u2c_ && u2c_->spliced(), (c2u_ && c2u_->spliced()) || client_->ktls_rx_planned());
   if (cfg_->proxy.ktls != KtlsMode::kOn) return true;
   close(TerminationCause::kKtlsRequired, std::move(why));
   return false;
@@ -318,42 +298,49 @@ bool Connection::ktls_downgrade(std::string why) {
 
 void Connection::read_head() {
   for (;;) {
-    ERR_clear_error();
-    int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
-    if (n <= 0) {
-      int err = SSL_get_error(ssl_, n);
-      if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return update_interest();
-      if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
-        return close(TerminationCause::kClientClosed, "closed before a request head");
-      return close(TerminationCause::kClientReset, take_ssl_error());
-    }
-    const char* fresh = c2u_.write_ptr();
-    c2u_.produced(static_cast<size_t>(n));
-    if (h2_) {
-      auto scanned = h2_scanner_->scan(std::string_view(c2u_.read_ptr(), c2u_.readable()));
-      if (!scanned) {
-        bool too_large = scanned.error() == Error::kLimitExceeded;
-        rec_.detail = scanned.message();
-        return respond_bytes(h2_goaway(too_large ? H2ErrorCode::kEnhanceYourCalm : H2ErrorCode::kProtocolError,
-                                       scanned.message()),
-                             too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
+    IoResult r = client_->read(std::span<char>(request_.write_ptr(), request_.space()));
+    if (r.bytes > 0) {
+      const char* fresh = request_.write_ptr();
+      request_.produced(r.bytes);
+      if (h2_) {
+        auto scanned = h2_scanner_->scan(std::string_view(request_.read_ptr(), request_.readable()));
+        if (!scanned) {
+          bool too_large = scanned.error() == Error::kLimitExceeded;
+          rec_.detail = scanned.message();
+          return respond_bytes(h2_goaway(too_large ? H2ErrorCode::kEnhanceYourCalm : H2ErrorCode::kProtocolError,
+                                         scanned.message()),
+                               too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
+        }
+        if (*scanned) {
+          H2Request& req = **scanned;
+          h2_stream_ = req.stream_id;
+          return on_request(req.authority, req.method, req.path, req.headers);
+        }
+      } else {
+        switch (head_parser_->feed(fresh, r.bytes)) {
+          case HttpParser::State::kNeedMore:
+            break;
+          case HttpParser::State::kHeadComplete:
+          case HttpParser::State::kMessageComplete:
+            head_bytes_ = request_.readable() - r.bytes + head_parser_->consumed();
+            return on_head();
+          case HttpParser::State::kError:
+            if (head_parser_->failure().code == Error::kLimitExceeded)
+              return respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
+            return respond(400, head_parser_->failure().message + "\n", TerminationCause::kBadRequest);
+        }
       }
-      if (!*scanned) continue;
-      H2Request& req = **scanned;
-      h2_stream_ = req.stream_id;
-      return on_request(req.authority, req.method, req.path, req.headers);
     }
-    switch (head_parser_->feed(fresh, static_cast<size_t>(n))) {
-      case HttpParser::State::kNeedMore:
+    switch (r.status) {
+      case IoResult::Status::kOk:
         continue;
-      case HttpParser::State::kHeadComplete:
-      case HttpParser::State::kMessageComplete:
-        head_bytes_ = c2u_.readable() - static_cast<size_t>(n) + head_parser_->consumed();
-        return on_head();
-      case HttpParser::State::kError:
-        if (head_parser_->failure().code == Error::kLimitExceeded)
-          return respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
-        return respond(400, head_parser_->failure().message + "\n", TerminationCause::kBadRequest);
+      case IoResult::Status::kWouldBlock:
+        return update_interest();
+      case IoResult::Status::kEof:
+        return close(TerminationCause::kClientClosed, "closed before a request head");
+      case IoResult::Status::kError:
+      case IoResult::Status::kNotData:
+        return close(TerminationCause::kClientReset, r.detail);
     }
   }
 }
@@ -514,14 +501,11 @@ void Connection::start_request_filters() {
   }
 }
 
-bool Connection::filter_client_bytes() {
-  if (!filtered() || c2u_.readable() == 0) return true;
-  std::string_view in(c2u_.read_ptr(), c2u_.readable());
-  compact(c2u_out_, c2u_out_sent_);
+bool Connection::filter_client_bytes(std::string_view in, std::string& out) {
+  if (in.empty()) return true;
   if (h1_filter_) {
     const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
-    const auto state = h1_filter_->feed(in, c2u_out_);
-    c2u_.consumed(in.size());
+    const auto state = h1_filter_->feed(in, out);
     if (was_reading && state == Http1RequestFilter::State::kRefused) {
       if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
         const auto& r = h1_filter_->refusal();
@@ -531,13 +515,12 @@ bool Connection::filter_client_bytes() {
       }
       // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
       // answers them, closes, and then the refusal is answered (handle_half_close).
-      client_eof_ = true;
+      c2u_->stop_reading();
     }
     return true;
   }
   to_client_frames_.clear();
-  Status st = h2_filter_->feed(in, c2u_out_, to_client_frames_);
-  c2u_.consumed(in.size());
+  Status st = h2_filter_->feed(in, out, to_client_frames_);
   if (!st) {
     close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
           "HTTP/2 from the client: " + st.message());
@@ -548,15 +531,11 @@ bool Connection::filter_client_bytes() {
     close(TerminationCause::kBadRequest, "HTTP/2: too many refused streams waiting: " + queued.message());
     return false;
   }
-  return frame_upstream_bytes();
+  return u2c_->run_stage();
 }
 
-bool Connection::frame_upstream_bytes() {
-  if (!h2_frames_) return true;
-  compact(u2c_out_, u2c_out_sent_);
-  std::string_view in(u2c_->read_ptr(), u2c_->readable());
-  auto announced = h2_frames_->feed(in, u2c_out_);
-  u2c_->consumed(in.size());
+bool Connection::frame_upstream_bytes(std::string_view in, std::string& out) {
+  auto announced = h2_frames_->feed(in, out);
   if (!announced) {
     close(TerminationCause::kUpstreamReset, "HTTP/2 from the sandbox: " + announced.message());
     return false;
@@ -680,6 +659,7 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
 
 void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected) {
   upstream_fd_ = std::move(socket);
+  upstream_ = std::make_unique<TcpTransport>(upstream_fd_.get());
   int one = 1;
   ::setsockopt(upstream_fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
@@ -717,30 +697,72 @@ void Connection::begin_forwarding() {
     // The head was for the proxy. A fresh socket has room for these few bytes, so one write does it.
     rec_.bytes_in += head_bytes_;
     traffic_->bytes_in += head_bytes_;
-    c2u_.consumed(head_bytes_);
+    request_.consumed(head_bytes_);
     static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
-    ERR_clear_error();
-    if (SSL_write(ssl_, kEstablished.data(), static_cast<int>(kEstablished.size())) !=
-        static_cast<int>(kEstablished.size()))
-      return close(TerminationCause::kClientReset, "CONNECT answer: " + take_ssl_error());
+    if (IoResult r = client_->write(kEstablished); r.bytes != kEstablished.size())
+      return close(TerminationCause::kClientReset, "CONNECT answer: " + r.detail);
     rec_.status = 200;
   }
-  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) start_request_filters();
-  // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
-  if (ktls_tx_ && !h2_frames_) {
-    auto pipe = SplicePipe::create(kSplicePipeBytes);
-    if (pipe) u2c_pipe_ = std::move(*pipe);
-    else if (!ktls_downgrade("no pipe to splice into the kTLS socket: " + pipe.message())) return;
+  // The request head and anything after it are already in request_: they count as client bytes.
+  rec_.bytes_in += request_.readable();
+  traffic_->bytes_in += request_.readable();
+  start_directions();
+  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) {
+    start_request_filters();
+    c2u_->set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
+    if (h2_frames_)
+      u2c_->set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
   }
-  if (!u2c_pipe_) u2c_ = std::make_unique<ByteBuffer>(kForwardBufferBytes);
-  // The request head and anything after it are already in c2u_: they count as client bytes.
-  rec_.bytes_in += c2u_.readable();
-  traffic_->bytes_in += c2u_.readable();
   last_activity_ms_ = now_ms(worker_->loop());
   uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
                  uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);
-  if (!filter_client_bytes()) return;
+  if (!c2u_->run_stage()) return;
   pump();
+}
+
+void Connection::start_directions() {
+  auto client_failed = [this](IoResult r) {
+    close(r.cause.value_or(TerminationCause::kClientReset), std::move(r.detail));
+    return false;
+  };
+  auto sandbox_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); };
+  auto downgrade = [this](std::string why) { return ktls_downgrade(std::move(why)); };
+  Direction::Hooks to_sandbox{
+      .received =
+          [this](size_t n) {
+            rec_.bytes_in += n;
+            traffic_->bytes_in += n;
+            last_activity_ms_ = now_ms(worker_->loop());
+          },
+      .source_finished =
+          [this] {
+            if (!u2c_->source_done()) client_closed_first_ = true;
+            return true;
+          },
+      .source_failed = client_failed,
+      .sink_failed = sandbox_failed,
+      // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
+      .may_splice = [this] { return !requests_are_read(); },
+      .splice_refused = downgrade,
+  };
+  Direction::Hooks to_client{
+      .received =
+          [this](size_t n) {
+            rec_.bytes_out += n;
+            traffic_->bytes_out += n;
+            last_activity_ms_ = now_ms(worker_->loop());
+          },
+      .source_finished =
+          [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
+      .source_failed = sandbox_failed,
+      .sink_failed = client_failed,
+      // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
+      .may_splice = [this] { return !h2_frames_; },
+      .splice_refused = downgrade,
+  };
+  c2u_ = std::make_unique<Direction>(client_.get(), upstream_.get(), std::move(request_), std::move(to_sandbox));
+  u2c_ = std::make_unique<Direction>(upstream_.get(), client_.get(), ByteBuffer(kForwardBufferBytes),
+                                     std::move(to_client));
 }
 
 // Moves bytes until every side would block, a side finished, or the budget is spent. Polling is
@@ -748,21 +770,16 @@ void Connection::begin_forwarding() {
 void Connection::pump() {
   for (int round = 0; round < 8; ++round) {
     uint64_t before = rec_.bytes_in + rec_.bytes_out;
-    size_t pending_before = c2u_pending() + u2c_pending();
-    if (!client_eof_ && c2u_room() && !(c2u_pipe_ ? splice_from_client() : read_client())) return;
-    if (!filter_client_bytes()) return;
-    if (c2u_queued() > 0 && !write_upstream()) return;
-    if (c2u_pipe_ && c2u_pipe_->buffered() > 0 && !splice_to_upstream()) return;
-    if (!upstream_eof_ && u2c_room() && !(u2c_pipe_ ? splice_from_upstream() : read_upstream())) return;
-    if (!frame_upstream_bytes()) return;
-    if (u2c_pending() > 0 && !(u2c_pipe_ ? splice_to_client() : write_client())) return;
+    size_t pending_before = c2u_->pending() + u2c_->pending();
+    if (!c2u_->move()) return;
+    if (!u2c_->move()) return;
     if (!handle_half_close()) return;
-    if (rec_.bytes_in + rec_.bytes_out == before && c2u_pending() + u2c_pending() == pending_before) break;
+    if (rec_.bytes_in + rec_.bytes_out == before && c2u_->pending() + u2c_->pending() == pending_before) break;
   }
   update_interest();
   // Only after a read that stopped for room: one that stopped at WANT_READ left at most a partial record,
   // whose remainder makes the socket readable.
-  if (client_read_filled_buffer_ && !client_eof_ && !c2u_pipe_ && c2u_room() && SSL_has_pending(ssl_)) {
+  if (c2u_->hidden_input() || u2c_->hidden_input()) {
     uv_idle_start(&buffered_input_, [](uv_idle_t* h) {
       uv_idle_stop(h);
       auto* self = static_cast<Connection*>(h->data);
@@ -771,242 +788,20 @@ void Connection::pump() {
   }
 }
 
-bool Connection::read_client() {
-  // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
-  if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_) && !requests_are_read())
-    return take_over_client_receive();
-  c2u_.make_room();
-  // SSL_read returns one record at a time: keep reading until the buffer is full or the socket is dry, so
-  // the sandbox gets one large send instead of one per record.
-  int n = 0;
-  size_t got = 0;
-  while (c2u_.space() > 0) {
-    ERR_clear_error();
-    n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
-    if (n <= 0) break;
-    c2u_.produced(static_cast<size_t>(n));
-    got += static_cast<size_t>(n);
-    if (rx_handover_ != RxHandover::kNone) break;  // the kernel takes over at the next record boundary
-  }
-  client_read_filled_buffer_ = n > 0;
-  if (got > 0) {
-    rec_.bytes_in += got;
-    traffic_->bytes_in += got;
-    last_activity_ms_ = now_ms(worker_->loop());
-    if (n > 0) return true;  // buffer full; an EOF or error behind the data is seen on the next read
-  }
-  int err = SSL_get_error(ssl_, n);
-  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return true;
-  if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)) {
-    client_finished_sending();
-    return true;
-  }
-  close(TerminationCause::kClientReset, take_ssl_error());
-  return false;
-}
-
-void Connection::client_finished_sending() {
-  client_eof_ = true;
-  if (!upstream_eof_) client_closed_first_ = true;
-}
-
-// OpenSSL has handed out every byte it read, so the socket is at a record boundary: from here the kernel
-// decrypts and the client's bytes are spliced (the next pump round; c2u_ is delivered first).
-bool Connection::take_over_client_receive() {
-  RxHandover how = std::exchange(rx_handover_, RxHandover::kNone);
-  auto pipe = SplicePipe::create(kSplicePipeBytes);
-  if (!pipe) return ktls_downgrade("no pipe to splice from the kTLS socket: " + pipe.message());
-  if (how == RxHandover::kInstallTls13Key) {
-    if (auto st = ktls_rx_tracker_.install_tls13_rx(ssl_, client_fd_.get()); !st)
-      return ktls_downgrade("TLS 1.3 receive not handed to the kernel: " + st.message());
-  }
-  c2u_pipe_ = std::move(*pipe);
-  return true;
-}
-
-bool Connection::splice_from_client() {
-  ssize_t n = c2u_pipe_->fill(client_fd_.get());
-  if (n > 0) {
-    rec_.bytes_in += static_cast<uint64_t>(n);
-    traffic_->bytes_in += static_cast<uint64_t>(n);
-    last_activity_ms_ = now_ms(worker_->loop());
-    return true;
-  }
-  if (n == 0) {
-    client_finished_sending();
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  // The next record is not application data (an alert, a post-handshake message): splice cannot carry
-  // it. It is read once the pipe has delivered what came before it.
-  if (errno == EINVAL) {
-    if (c2u_pipe_->buffered() == 0) return read_client_control_record();
-    control_record_waits_ = true;
-    return true;
-  }
-  close(TerminationCause::kClientReset, std::strerror(errno));
-  return false;
-}
-
-bool Connection::read_client_control_record() {
-  uint8_t type = 0;
-  // c2u_ is empty while splicing (c2u_room), so a whole record (at most 16 KiB) fits.
-  ssize_t n = recv_tls_record(client_fd_.get(), c2u_.write_ptr(), c2u_.space(), &type);
-  if (n < 0) {
-    if (errno == EAGAIN || errno == EINTR) return true;
-    close(TerminationCause::kClientReset, std::string("kTLS receive: ") + std::strerror(errno));
-    return false;
-  }
-  if (n == 0) {
-    client_finished_sending();
-    return true;
-  }
-  const auto* record = reinterpret_cast<const unsigned char*>(c2u_.write_ptr());
-  switch (type) {
-    case SSL3_RT_APPLICATION_DATA:
-      c2u_.produced(static_cast<size_t>(n));
-      rec_.bytes_in += static_cast<uint64_t>(n);
-      traffic_->bytes_in += static_cast<uint64_t>(n);
-      last_activity_ms_ = now_ms(worker_->loop());
-      return true;
-    case SSL3_RT_ALERT:
-      if (n >= 2 && record[1] == SSL_AD_CLOSE_NOTIFY) {
-        client_finished_sending();
-        return true;
-      }
-      if (n >= 2 && record[1] == SSL_AD_USER_CANCELLED) return true;  // a close_notify follows
-      close(TerminationCause::kClientClosed,
-            std::string("TLS alert from the client: ") + SSL_alert_desc_string_long(n >= 2 ? record[1] : 0));
-      return false;
-    case SSL3_RT_HANDSHAKE:
-      if (record[0] == SSL3_MT_KEY_UPDATE) {
-        close(TerminationCause::kKtlsKeyUpdate, "the client sent a TLS 1.3 KeyUpdate; this kernel cannot rekey kTLS");
-        return false;
-      }
-      close(TerminationCause::kClientReset, fmt::format("unexpected TLS handshake message {} after the handshake", record[0]));
-      return false;
-    default:
-      close(TerminationCause::kClientReset, fmt::format("unexpected TLS record type {}", type));
-      return false;
-  }
-}
-
-bool Connection::splice_to_upstream() {
-  ssize_t n = c2u_pipe_->drain(upstream_fd_.get());
-  if (n >= 0) {
-    if (c2u_pipe_->buffered() == 0) control_record_waits_ = false;
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::splice_from_upstream() {
-  ssize_t n = u2c_pipe_->fill(upstream_fd_.get());
-  if (n > 0) {
-    rec_.bytes_out += static_cast<uint64_t>(n);
-    traffic_->bytes_out += static_cast<uint64_t>(n);
-    last_activity_ms_ = now_ms(worker_->loop());
-    return true;
-  }
-  if (n == 0) {
-    if (awaiting_first_response()) return upstream_failed("the sandbox closed the connection");
-    upstream_eof_ = true;
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::splice_to_client() {
-  // The kernel cuts the spliced bytes into TLS records as it sends them.
-  ssize_t n = u2c_pipe_->drain(client_fd_.get());
-  if (n >= 0 || errno == EAGAIN || errno == EINTR) return true;
-  close(TerminationCause::kClientReset, std::strerror(errno));
-  return false;
-}
-
-bool Connection::write_upstream() {
-  const char* data = filtered() ? c2u_out_.data() + c2u_out_sent_ : c2u_.read_ptr();
-  ssize_t n = ::send(upstream_fd_.get(), data, c2u_queued(), MSG_NOSIGNAL);
-  if (n >= 0) {
-    if (filtered()) {
-      c2u_out_sent_ += static_cast<size_t>(n);
-      compact(c2u_out_, c2u_out_sent_);
-    } else {
-      c2u_.consumed(static_cast<size_t>(n));
-    }
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::read_upstream() {
-  u2c_->make_room();
-  ssize_t n = ::recv(upstream_fd_.get(), u2c_->write_ptr(), u2c_->space(), 0);
-  if (n > 0) {
-    u2c_->produced(static_cast<size_t>(n));
-    rec_.bytes_out += static_cast<uint64_t>(n);
-    traffic_->bytes_out += static_cast<uint64_t>(n);
-    last_activity_ms_ = now_ms(worker_->loop());
-    return true;
-  }
-  if (n == 0) {
-    if (awaiting_first_response()) return upstream_failed("the sandbox closed the connection");
-    upstream_eof_ = true;
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::write_client() {
-  ERR_clear_error();
-  const char* data = h2_frames_ ? u2c_out_.data() + u2c_out_sent_ : u2c_->read_ptr();
-  int n = SSL_write(ssl_, data, static_cast<int>(u2c_queued()));
-  if (n > 0) {
-    if (h2_frames_) {
-      u2c_out_sent_ += static_cast<size_t>(n);
-      compact(u2c_out_, u2c_out_sent_);
-    } else {
-      u2c_->consumed(static_cast<size_t>(n));
-    }
-    return true;
-  }
-  int err = SSL_get_error(ssl_, n);
-  if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return true;
-  close(TerminationCause::kClientReset, err == SSL_ERROR_SYSCALL ? std::strerror(errno) : take_ssl_error());
-  return false;
-}
-
 // A side that finished sending is told so once its buffered bytes are delivered: FIN to the sandbox,
 // close_notify (then FIN) to the client. The connection ends when both directions are done.
 bool Connection::handle_half_close() {
-  if (client_eof_ && c2u_pending() == 0 && !upstream_shut_) {
-    ::shutdown(upstream_fd_.get(), SHUT_WR);
-    upstream_shut_ = true;
-  }
-  if (upstream_eof_ && u2c_pending() == 0 && pending_refusal_) {
+  c2u_->shut_sink_when_done();
+  if (u2c_->source_done() && u2c_->pending() == 0 && pending_refusal_) {
     // The sandbox answered the requests before the refused one: now the refusal, then the connection ends.
     RequestRefusal refusal = std::move(*pending_refusal_);
     pending_refusal_.reset();
-    u2c_pipe_.reset();
     rec_.detail = refusal.message.substr(0, refusal.message.find_last_not_of('\n') + 1);
     respond(refusal.status, refusal.message, refusal.cause);
     return false;
   }
-  if (upstream_eof_ && u2c_pending() == 0 && !client_shut_) {
-    ERR_clear_error();
-    int r = SSL_shutdown(ssl_);
-    if (r < 0) {
-      int err = SSL_get_error(ssl_, r);
-      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return true;  // retried when writable
-    }
-    ::shutdown(client_fd_.get(), SHUT_WR);
-    client_shut_ = true;
-  }
-  if (upstream_shut_ && client_shut_) {
+  u2c_->shut_sink_when_done();
+  if (c2u_->sink_shut() && u2c_->sink_shut()) {
     close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
     return false;
   }
@@ -1014,7 +809,7 @@ bool Connection::handle_half_close() {
 }
 
 bool Connection::awaiting_first_response() const {
-  return answers_request_ && rec_.bytes_out == 0 && !client_eof_ && !c2u_pipe_ && !pending_refusal_;
+  return answers_request_ && rec_.bytes_out == 0 && c2u_ && !c2u_->source_done() && !c2u_->spliced() && !pending_refusal_;
 }
 
 // A sandbox that resets (or closes) before its first byte leaves the client's request unanswered: on an
@@ -1025,7 +820,6 @@ bool Connection::upstream_failed(std::string detail) {
     return false;
   }
   rec_.detail = "port " + std::to_string(route_.port) + ": " + detail + ", before any response";
-  u2c_pipe_.reset();  // nothing came from the sandbox, so nothing is buffered there
   respond(502, "sandbox " + route_.target + ", " + rec_.detail + "\n", TerminationCause::kUpstreamReset);
   return false;
 }
@@ -1046,9 +840,9 @@ void Connection::respond_bytes(std::string out, TerminationCause cause) {
   respond_cause_ = cause;
   uv_timer_stop(&deadline_);
   node_call_.reset();
-  u2c_ = std::make_unique<ByteBuffer>(out.size());
-  std::memcpy(u2c_->write_ptr(), out.data(), out.size());
-  u2c_->produced(out.size());
+  response_ = std::make_unique<ByteBuffer>(out.size());
+  std::memcpy(response_->write_ptr(), out.data(), out.size());
+  response_->produced(out.size());
   phase_ = Phase::kResponding;
   // A response must not wait forever on a client that does not read.
   arm_deadline(cfg_->proxy.request_head_timeout_ms, cause);
@@ -1056,19 +850,14 @@ void Connection::respond_bytes(std::string out, TerminationCause cause) {
 }
 
 void Connection::flush_response() {
-  while (u2c_->readable() > 0) {
-    ERR_clear_error();
-    int n = SSL_write(ssl_, u2c_->read_ptr(), static_cast<int>(u2c_->readable()));
-    if (n <= 0) {
-      int err = SSL_get_error(ssl_, n);
-      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return update_interest();
-      return close(respond_cause_, take_ssl_error());
-    }
-    u2c_->consumed(static_cast<size_t>(n));
+  while (response_->readable() > 0) {
+    IoResult r = client_->write(std::span<const char>(response_->read_ptr(), response_->readable()));
+    if (r.status == IoResult::Status::kWouldBlock) return update_interest();
+    if (r.status == IoResult::Status::kError) return close(respond_cause_, std::move(r.detail));
+    response_->consumed(r.bytes);
   }
-  ERR_clear_error();
-  SSL_shutdown(ssl_);
-  ::shutdown(client_fd_.get(), SHUT_WR);
+  // Once: a close_notify that cannot be sent now is not waited for (the client has its answer).
+  if (!client_->shutdown_write()) ::shutdown(client_fd_.get(), SHUT_WR);
   phase_ = Phase::kLingering;
   lingered_bytes_ = 0;
   arm_deadline(kLingerMs, respond_cause_);
@@ -1124,14 +913,9 @@ void Connection::close(TerminationCause cause, std::string detail) {
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&buffered_input_), on_closed);
-  if (ssl_) {
-    SSL_free(ssl_);
-    ssl_ = nullptr;
-  }
+  // The directions and transports stay until the handles are closed: close() may run inside one of them.
   client_fd_.reset();
   upstream_fd_.reset();
-  c2u_pipe_.reset();
-  u2c_pipe_.reset();
 }
 
 }  // namespace sg
