@@ -11,6 +11,10 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "proxy/h2_filter.h"
+#include "proxy/h2_head.h"
+#include "proxy/http1_filter.h"
+#include "proxy/ktls.h"
 #include "proxy/worker.h"
 
 namespace sg {
@@ -25,6 +29,217 @@ constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
 uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
 
 }  // namespace
+
+// ---- The phases ----------------------------------------------------------------------------------------
+
+// What every phase answers to. The defaults are "nothing to do here": a phase overrides the events it
+// waits for.
+class Connection::Phase {
+ public:
+  explicit Phase(Connection& c) : c_(c) {}
+  virtual ~Phase() = default;
+  Phase(const Phase&) = delete;
+  Phase& operator=(const Phase&) = delete;
+
+  virtual PhaseKind kind() const = 0;
+  // What it waits for on each socket (UV_READABLE / UV_WRITABLE).
+  virtual int client_interest() const { return 0; }
+  virtual int upstream_interest() const { return 0; }
+  virtual void on_client() {}
+  virtual void on_upstream(int /*status*/) {}
+  // Its deadline passed (arm_deadline).
+  virtual void on_deadline() { c_.close(c_.deadline_cause_); }
+  // Why the connection ended when the client's socket fails while this phase polls it.
+  virtual TerminationCause client_failure_cause() const { return TerminationCause::kClientClosed; }
+  // The phase is left (or the connection closed): what it started must not call back.
+  virtual void stop() {}
+
+ protected:
+  Connection& c_;
+};
+
+// TLS handshake, paused at the ClientHello while the node is asked for the routed port's policy.
+class Connection::HandshakePhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kHandshake; }
+  int client_interest() const override { return lookup_ ? 0 : wants_write_ ? UV_WRITABLE : UV_READABLE; }
+  void on_client() override { run(); }
+  void stop() override { lookup_.reset(); }
+
+  void run();
+
+ private:
+  void look_up_port_policy();
+  void on_lookup_result(const std::string& target, Result<LookupAnswer> r);
+  void finished();
+
+  bool wants_write_ = false;
+  std::unique_ptr<NodeCall> lookup_;
+};
+
+// The first request: an HTTP/1.1 head, or on h2 the first HEADERS; it routes the connection.
+class Connection::HeadPhase final : public Phase {
+ public:
+  explicit HeadPhase(Connection& c);
+  PhaseKind kind() const override { return PhaseKind::kHead; }
+  int client_interest() const override { return UV_READABLE; }
+  void on_client() override { read(); }
+  void on_deadline() override {
+    c_.respond(408, "request head not received in time\n", TerminationCause::kHeadTimeout);
+  }
+
+  void read();
+
+ private:
+  std::unique_ptr<HttpParser> parser_;        // HTTP/1.1
+  std::unique_ptr<H2RequestScanner> scanner_;  // h2
+};
+
+// The node opens the sandbox port, waking the sandbox if needed. Nothing is read meanwhile.
+class Connection::OpenPhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kOpen; }
+  void on_deadline() override {
+    c_.respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
+  }
+  void stop() override { call_.reset(); }
+
+  std::unique_ptr<NodeCall> call_;
+};
+
+// A non-blocking connect to the sandbox port (or to the node's socket for api.<domain>).
+class Connection::ConnectPhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kConnect; }
+  int upstream_interest() const override { return UV_WRITABLE; }
+  void on_upstream(int) override;
+  void on_deadline() override {
+    c_.respond(504, "sandbox port did not accept the connection in time\n", TerminationCause::kUpstreamConnectTimeout);
+  }
+};
+
+// Both directions, each a Direction between the two transports; on HTTP routes every request goes
+// through the request filter (checked, its credentials taken out), and on h2 the proxy's own answers to
+// refused streams go between the sandbox's frames.
+class Connection::ForwardPhase final : public Phase {
+ public:
+  explicit ForwardPhase(Connection& c);
+  PhaseKind kind() const override { return PhaseKind::kForward; }
+  int client_interest() const override {
+    return (c2u_.wants_source_readable() ? UV_READABLE : 0) | (u2c_.wants_sink_writable() ? UV_WRITABLE : 0);
+  }
+  int upstream_interest() const override {
+    return (u2c_.wants_source_readable() ? UV_READABLE : 0) | (c2u_.wants_sink_writable() ? UV_WRITABLE : 0);
+  }
+  void on_client() override { pump(); }
+  void on_upstream(int status) override;
+  TerminationCause client_failure_cause() const override { return TerminationCause::kClientReset; }
+
+  // HTTP routes: every client byte goes through the request filter of the connection's protocol.
+  void start_request_filters();
+  void pump();
+  bool spliced_to_client() const { return u2c_.spliced(); }
+  bool spliced_from_client() const { return c2u_.spliced(); }
+  bool start() { return c2u_.run_stage(); }
+
+ private:
+  Direction::Hooks client_to_sandbox_hooks();
+  Direction::Hooks sandbox_to_client_hooks();
+  // The client -> sandbox stage: the client's bytes through the filter (and the proxy's own h2 frames
+  // toward the client); false when the connection was closed.
+  bool filter_client_bytes(std::string_view in, std::string& out);
+  // The sandbox -> client stage on h2: the sandbox's frames, with the proxy's own inserted.
+  bool frame_upstream_bytes(std::string_view in, std::string& out);
+  Http1Verdict check_http1_request(Http1Request& r);
+  H2Verdict check_h2_request(H2Request& r);
+  // The client's input must go through the HTTP/1.1 or h2 filter (not be spliced past it).
+  bool requests_are_read() const {
+    return h2_filter_ || (h1_filter_ && h1_filter_->state() == Http1RequestFilter::State::kRequests);
+  }
+  // Each side that finished sending is told so once its bytes are delivered; false when closed.
+  bool handle_half_close();
+  // The request on an HTTP route has had no byte back from the sandbox yet (so a 502 can still answer it).
+  bool awaiting_first_response() const;
+  // The sandbox side failed (detail: how); answers 502 while awaiting_first_response(). Always false.
+  bool upstream_failed(std::string detail);
+  void count(uint64_t& record, uint64_t& traffic, size_t n);
+
+  Direction c2u_;  // client -> sandbox
+  Direction u2c_;  // sandbox -> client
+  std::unique_ptr<Http1RequestFilter> h1_filter_;
+  std::unique_ptr<H2ClientFilter> h2_filter_;
+  std::unique_ptr<H2ServerFrames> h2_frames_;  // h2: the sandbox's frames, with the proxy's answers inserted
+  ConsumedCredentials consumed_;
+  std::string to_client_frames_;  // scratch: what the h2 filter answers itself
+  // An HTTP/1.1 request after the first was refused: nothing more goes to the sandbox, and the refusal is
+  // answered once the sandbox has answered (and closed) the requests before it.
+  std::optional<RequestRefusal> pending_refusal_;
+  bool client_closed_first_ = false;
+};
+
+// The proxy's own answer going out; a client that does not read it is bounded by the deadline.
+class Connection::RespondPhase final : public Phase {
+ public:
+  RespondPhase(Connection& c, std::string bytes, TerminationCause cause)
+      : Phase(c), out_(std::move(bytes)), cause_(cause) {}
+  PhaseKind kind() const override { return PhaseKind::kRespond; }
+  int client_interest() const override { return UV_WRITABLE; }
+  void on_client() override { flush(); }
+  TerminationCause client_failure_cause() const override { return TerminationCause::kClientReset; }
+
+  void flush();
+
+ private:
+  std::string out_;
+  size_t sent_ = 0;
+  TerminationCause cause_;
+};
+
+// The answer is out: the client's unread input is drained (and dropped) for a moment, so closing does not
+// turn into a TCP reset that destroys the answer before it is read.
+class Connection::LingerPhase final : public Phase {
+ public:
+  LingerPhase(Connection& c, TerminationCause cause) : Phase(c), cause_(cause) {}
+  PhaseKind kind() const override { return PhaseKind::kLinger; }
+  int client_interest() const override { return UV_READABLE; }
+  void on_client() override { drain(); }
+  // The client reset while we drained: the connection still ended for the reason we answered.
+  TerminationCause client_failure_cause() const override { return cause_; }
+
+  void drain();
+
+ private:
+  TerminationCause cause_;
+  size_t drained_ = 0;
+};
+
+class Connection::ClosedPhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kClosed; }
+  void on_deadline() override {}
+};
+
+template <class P, class... Args>
+P& Connection::enter(Args&&... args) {
+  if (phase_) {
+    phase_->stop();
+    left_phases_.push_back(std::move(phase_));
+  }
+  auto next = std::make_unique<P>(*this, std::forward<Args>(args)...);
+  P& p = *next;
+  phase_ = std::move(next);
+  return p;
+}
+
+Connection::PhaseKind Connection::phase() const { return phase_->kind(); }
+
+void Connection::drop_left_phases() { left_phases_.clear(); }
+
+// ---- The connection ------------------------------------------------------------------------------------
 
 Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
     : worker_(worker),
@@ -44,11 +259,13 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
   uv_idle_init(loop, &buffered_input_);
   client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = buffered_input_.data = this;
   handles_open_ = 4;
+  enter<HandshakePhase>();
 }
 
 Connection::~Connection() = default;
 
 void Connection::start() {
+  auto& handshake = static_cast<HandshakePhase&>(*phase_);
   SSL* ssl = SSL_new(tls_->default_ctx());
   if (!ssl) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
   client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), &ktls_rx_tracker_);
@@ -57,7 +274,7 @@ void Connection::start() {
   SSL_set_ex_data(ssl, hello_ex_index(), &hello_);
   if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl);
   arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
-  do_handshake();
+  handshake.run();
 }
 
 void Connection::arm_deadline(uint32_t ms, TerminationCause cause) {
@@ -66,17 +283,8 @@ void Connection::arm_deadline(uint32_t ms, TerminationCause cause) {
 }
 
 void Connection::on_deadline() {
-  switch (phase_) {
-    case Phase::kReadHead:
-      return respond(408, "request head not received in time\n", TerminationCause::kHeadTimeout);
-    case Phase::kOpening:
-      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
-    case Phase::kConnecting:
-      return respond(504, "sandbox port did not accept the connection in time\n",
-                     TerminationCause::kUpstreamConnectTimeout);
-    default:
-      return close(deadline_cause_);
-  }
+  drop_left_phases();
+  phase_->on_deadline();
 }
 
 void Connection::on_idle_timer() {
@@ -89,38 +297,11 @@ void Connection::on_idle_timer() {
 }
 
 void Connection::update_interest() {
-  if (phase_ == Phase::kClosed) return;
-  int want_client = 0;
-  int want_upstream = 0;
-  switch (phase_) {
-    case Phase::kHandshake:
-      if (!node_call_) want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
-      break;
-    case Phase::kReadHead:
-      want_client = UV_READABLE;
-      break;
-    case Phase::kOpening:
-      break;  // nothing to read until the sandbox is there; the deadline bounds the wait
-    case Phase::kConnecting:
-      want_upstream = UV_WRITABLE;
-      break;
-    case Phase::kResponding:
-      want_client = UV_WRITABLE;
-      break;
-    case Phase::kLingering:
-      want_client = UV_READABLE;
-      break;
-    case Phase::kForwarding:
-      if (c2u_->wants_source_readable()) want_client |= UV_READABLE;
-      if (u2c_->wants_sink_writable()) want_client |= UV_WRITABLE;
-      if (u2c_->wants_source_readable()) want_upstream |= UV_READABLE;
-      if (c2u_->wants_sink_writable()) want_upstream |= UV_WRITABLE;
-      break;
-    case Phase::kClosed:
-      return;
-  }
-  auto client_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_client_io(st, ev); };
-  auto upstream_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_upstream_io(st, ev); };
+  if (phase() == PhaseKind::kClosed) return;
+  const int want_client = phase_->client_interest();
+  const int want_upstream = phase_->upstream_interest();
+  auto client_cb = [](uv_poll_t* p, int st, int) { static_cast<Connection*>(p->data)->on_client_io(st); };
+  auto upstream_cb = [](uv_poll_t* p, int st, int) { static_cast<Connection*>(p->data)->on_upstream_io(st); };
   if (want_client != client_events_) {
     client_events_ = want_client;
     if (want_client) uv_poll_start(&client_poll_, want_client, client_cb);
@@ -133,129 +314,105 @@ void Connection::update_interest() {
   }
 }
 
-void Connection::on_client_io(int status, int) {
-  if (status < 0) {
-    // Our answer is out and the client reset while we drained it: the connection still ended for the
-    // reason we answered (a 401, a 403, ...).
-    if (phase_ == Phase::kLingering) return close(respond_cause_, uv_strerror(status));
-    if (phase_ == Phase::kForwarding || phase_ == Phase::kResponding)
-      return close(TerminationCause::kClientReset, uv_strerror(status));
-    return close(TerminationCause::kClientClosed, uv_strerror(status));
-  }
-  switch (phase_) {
-    case Phase::kHandshake: return do_handshake();
-    case Phase::kReadHead: return read_head();
-    case Phase::kResponding: return flush_response();
-    case Phase::kLingering: return linger();
-    case Phase::kForwarding: return pump();
-    default: return;
-  }
+void Connection::on_client_io(int status) {
+  drop_left_phases();
+  if (status < 0) return close(phase_->client_failure_cause(), uv_strerror(status));
+  phase_->on_client();
 }
 
-void Connection::on_upstream_io(int status, int) {
-  if (phase_ == Phase::kConnecting) return finish_connect();
-  if (status < 0) {
-    // libuv reports POLLERR as UV_EBADF; the socket's own error says what happened.
-    int err = 0;
-    socklen_t len = sizeof err;
-    ::getsockopt(upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    upstream_failed(err != 0 ? std::strerror(err) : uv_strerror(status));
-    return;
-  }
-  if (phase_ == Phase::kForwarding) pump();
+void Connection::on_upstream_io(int status) {
+  drop_left_phases();
+  phase_->on_upstream(status);
 }
 
-void Connection::do_handshake() {
+// ---- Handshake ----
+
+void Connection::HandshakePhase::run() {
   ERR_clear_error();
-  int r = SSL_do_handshake(client_->ssl());
-  rec_.sni = hello_.sni;
-  if (r == 1) return after_handshake();
-  int err = SSL_get_error(client_->ssl(), r);
+  int r = SSL_do_handshake(c_.client_->ssl());
+  c_.rec_.sni = c_.hello_.sni;
+  if (r == 1) return finished();
+  int err = SSL_get_error(c_.client_->ssl(), r);
   if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) return look_up_port_policy();
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
-    handshake_wants_write_ = err == SSL_ERROR_WANT_WRITE;
-    return update_interest();
+    wants_write_ = err == SSL_ERROR_WANT_WRITE;
+    return c_.update_interest();
   }
-  if (!rec_.sni.empty() && tls_->select(rec_.sni) == nullptr)
-    return close(TerminationCause::kUnknownSni, "no certificate for " + rec_.sni);
+  if (!c_.rec_.sni.empty() && c_.tls_->select(c_.rec_.sni) == nullptr)
+    return c_.close(TerminationCause::kUnknownSni, "no certificate for " + c_.rec_.sni);
   // A peer that connects and leaves (health checks, port scans) did not fail a handshake.
   if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
-    return close(TerminationCause::kClientClosed, "closed during the TLS handshake");
-  close(TerminationCause::kHandshakeFailed, take_ssl_error());
+    return c_.close(TerminationCause::kClientClosed, "closed during the TLS handshake");
+  c_.close(TerminationCause::kHandshakeFailed, take_ssl_error());
 }
 
 // The ClientHello callback paused the handshake: the ALPN choice and the connection's mode depend on the
 // routed port's policy (tls.cc). The node answers from memory, without waking the sandbox.
-void Connection::look_up_port_policy() {
-  auto route = parse_route(hello_.sni, cfg_->domain);
+void Connection::HandshakePhase::look_up_port_policy() {
+  HelloState& hello = c_.hello_;
+  auto route = parse_route(hello.sni, c_.cfg_->domain);
   if (!route || route->kind == RouteKind::kApi) {
-    hello_.policy_known = true;  // nothing to look up; the request head decides
-    return do_handshake();
+    hello.policy_known = true;  // nothing to look up; the request head decides
+    return run();
   }
-  uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
+  uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
   // A port seen within the cache's bound needs no node round trip here: the open is the connection's only one.
-  if (auto known = worker_->port_policies().find(route->target, port, now_ms(worker_->loop()))) {
-    hello_.policy_known = true;
-    hello_.port_protocol = known->protocol;
-    hello_.port_public = known->is_public;
-    return do_handshake();
+  if (auto known = c_.worker_->port_policies().find(route->target, port, now_ms(c_.worker_->loop()))) {
+    hello.policy_known = true;
+    hello.port_protocol = known->protocol;
+    hello.port_public = known->is_public;
+    return run();
   }
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
-  uint32_t lookup_ms = std::min(cfg_->proxy.wake_timeout_ms, cfg_->proxy.handshake_timeout_ms / 2);
-  node_call_ = worker_->node().lookup(route->target, port, lookup_ms, [this, target = route->target](Result<LookupAnswer> r) {
-    on_lookup_result(target, std::move(r));
-  });
-  update_interest();
+  uint32_t lookup_ms = std::min(c_.cfg_->proxy.wake_timeout_ms, c_.cfg_->proxy.handshake_timeout_ms / 2);
+  lookup_ = c_.worker_->node().lookup(route->target, port, lookup_ms,
+                                      [this, target = route->target](Result<LookupAnswer> r) {
+                                        c_.drop_left_phases();
+                                        on_lookup_result(target, std::move(r));
+                                      });
+  c_.update_interest();
 }
 
-void Connection::on_lookup_result(const std::string& target, Result<LookupAnswer> r) {
-  auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
+void Connection::HandshakePhase::on_lookup_result(const std::string& target, Result<LookupAnswer> r) {
+  auto call = std::move(lookup_);  // destroyed when this function returns, after its callback
   // Whatever the answer, the handshake goes on: an unknown sandbox or port is answered (404/403) over
   // HTTP once the head names it, which a client can show, unlike a failed handshake.
-  hello_.policy_known = true;
+  HelloState& hello = c_.hello_;
+  hello.policy_known = true;
   if (r && r->status == 200) {
-    hello_.port_protocol = r->policy.protocol;
-    hello_.port_public = r->policy.is_public;
-    worker_->port_policies().store(target, r->port, r->policy, now_ms(worker_->loop()));
+    hello.port_protocol = r->policy.protocol;
+    hello.port_public = r->policy.is_public;
+    c_.worker_->port_policies().store(target, r->port, r->policy, now_ms(c_.worker_->loop()));
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
-  do_handshake();
+  run();
 }
 
-void Connection::after_handshake() {
-  ktls_rx_tracker_.handshake_finished();
+void Connection::HandshakePhase::finished() {
+  Connection& c = c_;  // this phase is left below
+  c.ktls_rx_tracker_.handshake_finished();
   const unsigned char* alpn = nullptr;
   unsigned alpn_len = 0;
-  SSL_get0_alpn_selected(client_->ssl(), &alpn, &alpn_len);
-  h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
-  rec_.tls_version = SSL_get_version(client_->ssl());
-  plan_data_path();
-  if (cfg_->proxy.ktls == KtlsMode::kOn && (!client_->ktls_tx() || !client_->ktls_rx_planned()))
-    return close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
+  SSL_get0_alpn_selected(c.client_->ssl(), &alpn, &alpn_len);
+  c.h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
+  c.rec_.tls_version = SSL_get_version(c.client_->ssl());
+  c.plan_data_path();
+  if (c.cfg_->proxy.ktls == KtlsMode::kOn && (!c.client_->ktls_tx() || !c.client_->ktls_rx_planned()))
+    return c.close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
-  if (hello_.policy_known && hello_.port_protocol == "tcp" && hello_.port_public) {
-    auto route = parse_route(rec_.sni, cfg_->domain);
+  if (c.hello_.policy_known && c.hello_.port_protocol == "tcp" && c.hello_.port_public) {
+    auto route = parse_route(c.rec_.sni, c.cfg_->domain);
     if (route && route->kind == RouteKind::kPort) {
-      rec_.host = rec_.sni;
-      route_ = std::move(*route);
-      rec_.sandbox = route_.target;
-      rec_.port = route_.port;
-      return open_sandbox();
+      c.rec_.host = c.rec_.sni;
+      c.route_ = std::move(*route);
+      c.rec_.sandbox = c.route_.target;
+      c.rec_.port = c.route_.port;
+      return c.open_sandbox();
     }
   }
-  phase_ = Phase::kReadHead;
-  if (h2_) {
-    // Everything scanned stays in request_ to be forwarded, so the scan may not outgrow it.
-    h2_scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
-        .max_bytes_before_request = request_.space() - 1, .max_header_list_bytes = cfg_->proxy.max_request_head_bytes});
-  } else {
-    head_parser_ = std::make_unique<HttpParser>(
-        HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
-  }
-  arm_deadline(cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
-  read_head();
+  c.enter<HeadPhase>().read();
 }
 
 // Transmit is the kernel's when OpenSSL offloaded it; bytes from the sandbox then splice into the socket.
@@ -290,44 +447,64 @@ void Connection::set_data_path_label(bool tx_spliced, bool rx_spliced) {
 // otherwise it carries on through SSL_read/SSL_write (OpenSSL still uses whatever the kernel took over).
 bool Connection::ktls_downgrade(std::string why) {
   log_ktls_fallback_once(why);
-  set_data_path_label(u2c_ && u2c_->spliced(), (c2u_ && c2u_->spliced()) || client_->ktls_rx_planned());
+  auto* forward = phase() == PhaseKind::kForward ? static_cast<ForwardPhase*>(phase_.get()) : nullptr;
+  set_data_path_label(forward && forward->spliced_to_client(),
+                      (forward && forward->spliced_from_client()) || client_->ktls_rx_planned());
   if (cfg_->proxy.ktls != KtlsMode::kOn) return true;
   close(TerminationCause::kKtlsRequired, std::move(why));
   return false;
 }
 
-void Connection::read_head() {
+// ---- Head ----
+
+Connection::HeadPhase::HeadPhase(Connection& c) : Phase(c) {
+  if (c.h2_) {
+    // Everything scanned stays in request_ to be forwarded, so the scan may not outgrow it.
+    scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
+        .max_bytes_before_request = c.request_.space() - 1, .max_header_list_bytes = c.cfg_->proxy.max_request_head_bytes});
+  } else {
+    parser_ = std::make_unique<HttpParser>(
+        HttpParser::Kind::kRequest, HttpLimits{c.cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
+  }
+  c.arm_deadline(c.cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
+}
+
+void Connection::HeadPhase::read() {
+  ByteBuffer& buf = c_.request_;
   for (;;) {
-    IoResult r = client_->read(std::span<char>(request_.write_ptr(), request_.space()));
+    IoResult r = c_.client_->read(std::span<char>(buf.write_ptr(), buf.space()));
     if (r.bytes > 0) {
-      const char* fresh = request_.write_ptr();
-      request_.produced(r.bytes);
-      if (h2_) {
-        auto scanned = h2_scanner_->scan(std::string_view(request_.read_ptr(), request_.readable()));
+      const char* fresh = buf.write_ptr();
+      buf.produced(r.bytes);
+      if (scanner_) {
+        auto scanned = scanner_->scan(std::string_view(buf.read_ptr(), buf.readable()));
         if (!scanned) {
           bool too_large = scanned.error() == Error::kLimitExceeded;
-          rec_.detail = scanned.message();
-          return respond_bytes(h2_goaway(too_large ? H2ErrorCode::kEnhanceYourCalm : H2ErrorCode::kProtocolError,
-                                         scanned.message()),
-                               too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
+          c_.rec_.detail = scanned.message();
+          return c_.respond_bytes(h2_goaway(too_large ? H2ErrorCode::kEnhanceYourCalm : H2ErrorCode::kProtocolError,
+                                            scanned.message()),
+                                  too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
         }
         if (*scanned) {
           H2Request& req = **scanned;
-          h2_stream_ = req.stream_id;
-          return on_request(req.authority, req.method, req.path, req.headers);
+          c_.h2_stream_ = req.stream_id;
+          return c_.on_request(req.authority, req.method, req.path, req.headers);
         }
       } else {
-        switch (head_parser_->feed(fresh, r.bytes)) {
+        switch (parser_->feed(fresh, r.bytes)) {
           case HttpParser::State::kNeedMore:
             break;
           case HttpParser::State::kHeadComplete:
-          case HttpParser::State::kMessageComplete:
-            head_bytes_ = request_.readable() - r.bytes + head_parser_->consumed();
-            return on_head();
+          case HttpParser::State::kMessageComplete: {
+            c_.head_bytes_ = buf.readable() - r.bytes + parser_->consumed();
+            const HttpMessage& msg = parser_->message();
+            const std::string* host_header = msg.header("host");
+            return c_.on_request(host_header ? *host_header : c_.rec_.sni, msg.method, msg.target, msg.headers);
+          }
           case HttpParser::State::kError:
-            if (head_parser_->failure().code == Error::kLimitExceeded)
-              return respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
-            return respond(400, head_parser_->failure().message + "\n", TerminationCause::kBadRequest);
+            if (parser_->failure().code == Error::kLimitExceeded)
+              return c_.respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
+            return c_.respond(400, parser_->failure().message + "\n", TerminationCause::kBadRequest);
         }
       }
     }
@@ -335,20 +512,14 @@ void Connection::read_head() {
       case IoResult::Status::kOk:
         continue;
       case IoResult::Status::kWouldBlock:
-        return update_interest();
+        return c_.update_interest();
       case IoResult::Status::kEof:
-        return close(TerminationCause::kClientClosed, "closed before a request head");
+        return c_.close(TerminationCause::kClientClosed, "closed before a request head");
       case IoResult::Status::kError:
       case IoResult::Status::kNotData:
-        return close(TerminationCause::kClientReset, r.detail);
+        return c_.close(TerminationCause::kClientReset, r.detail);
     }
   }
-}
-
-void Connection::on_head() {
-  const HttpMessage& msg = head_parser_->message();
-  const std::string* host_header = msg.header("host");
-  on_request(host_header ? *host_header : rec_.sni, msg.method, msg.target, msg.headers);
 }
 
 void Connection::on_request(std::string_view host, std::string_view method, std::string_view target,
@@ -447,27 +618,6 @@ std::optional<Connection::RequestRefusal> Connection::later_request_refusal(std:
   return cross_origin_refusal(authority, method, target, headers);
 }
 
-Http1Verdict Connection::check_http1_request(Http1Request& r) {
-  // HTTP/1.0 may omit Host: such a request is for the connection's own route.
-  const std::string* host = r.header("host");
-  if (auto refusal = later_request_refusal(host ? std::string_view(*host) : rec_.host, r.method, r.target, r.headers)) {
-    Http1Verdict verdict{refusal->status, refusal->message};
-    pending_refusal_ = std::move(refusal);
-    return verdict;
-  }
-  strip_credentials(r.target, r.headers, consumed_);
-  return {};
-}
-
-H2Verdict Connection::check_h2_request(H2Request& r) {
-  if (auto refusal = later_request_refusal(r.authority, r.method, r.path, r.headers)) {
-    log_refused_stream(r.stream_id, r.authority, *refusal);
-    return {refusal->status};
-  }
-  strip_credentials(r.path, r.headers, consumed_);
-  return {};
-}
-
 void Connection::log_refused_stream(uint32_t stream_id, std::string_view authority, const RequestRefusal& refusal) {
   AccessRecord line = rec_;
   line.host = std::string(authority);
@@ -479,107 +629,24 @@ void Connection::log_refused_stream(uint32_t stream_id, std::string_view authori
   worker_->shared()->access_log->write(line);
 }
 
-void Connection::start_request_filters() {
-  // What the edge consumed is recognised in every request and taken out: the credential the node accepted
-  // (none on a public port), the operator token, and the sandbox's own token whatever the port.
-  consumed_ = ConsumedCredentials{};
-  if (!snapshot_->operator_token.empty()) consumed_.tokens.push_back(snapshot_->operator_token);
-  if (!opened_public_ && credential_index_ < credentials_.size())
-    consumed_.tokens.push_back(credentials_[credential_index_].token);
-  consumed_.sandbox_token_sha256 = sandbox_token_sha256_;
-  if (h2_) {
-    h2_filter_ = std::make_unique<H2ClientFilter>(
-        H2FilterLimits{.max_header_list_bytes = cfg_->proxy.max_request_head_bytes},
-        [this](H2Request& r) { return check_h2_request(r); });
-    h2_filter_->set_on_malformed([this](uint32_t stream, std::string_view why) {
-      log_refused_stream(stream, "", RequestRefusal{400, TerminationCause::kBadRequest, std::string(why)});
-    });
-    h2_frames_ = std::make_unique<H2ServerFrames>();
-  } else {
-    h1_filter_ = std::make_unique<Http1RequestFilter>(cfg_->proxy.max_request_head_bytes,
-                                                      [this](Http1Request& r) { return check_http1_request(r); });
-  }
-}
-
-bool Connection::filter_client_bytes(std::string_view in, std::string& out) {
-  if (in.empty()) return true;
-  if (h1_filter_) {
-    const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
-    const auto state = h1_filter_->feed(in, out);
-    if (was_reading && state == Http1RequestFilter::State::kRefused) {
-      if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
-        const auto& r = h1_filter_->refusal();
-        pending_refusal_ = RequestRefusal{r.status, r.status == 431 ? TerminationCause::kHeadTooLarge
-                                                                    : TerminationCause::kBadRequest,
-                                          r.reason + "\n"};
-      }
-      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
-      // answers them, closes, and then the refusal is answered (handle_half_close).
-      c2u_->stop_reading();
-    }
-    return true;
-  }
-  to_client_frames_.clear();
-  Status st = h2_filter_->feed(in, out, to_client_frames_);
-  if (!st) {
-    close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
-          "HTTP/2 from the client: " + st.message());
-    return false;
-  }
-  if (to_client_frames_.empty()) return true;
-  if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
-    close(TerminationCause::kBadRequest, "HTTP/2: too many refused streams waiting: " + queued.message());
-    return false;
-  }
-  return u2c_->run_stage();
-}
-
-bool Connection::frame_upstream_bytes(std::string_view in, std::string& out) {
-  auto announced = h2_frames_->feed(in, out);
-  if (!announced) {
-    close(TerminationCause::kUpstreamReset, "HTTP/2 from the sandbox: " + announced.message());
-    return false;
-  }
-  if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
-  return true;
-}
+// ---- Open ----
 
 void Connection::open_sandbox() {
-  phase_ = Phase::kOpening;
+  auto& open = enter<OpenPhase>();
   update_interest();
   uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
-  if (open_started_ms_ == 0) open_started_ms_ = now_ms(worker_->loop());
   // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
   std::vector<std::string> candidates;
   for (const Credential& c : credentials_) candidates.push_back(c.token);
-  node_call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms,
-                                    [this](Result<OpenAnswer> r) { on_open_result(std::move(r)); });
-}
-
-// api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
-void Connection::open_node_api() {
-  const std::string& token = snapshot_->operator_token;
-  bool allowed = false;
-  for (const auto& c : credentials_) allowed = allowed || (!token.empty() && token_matches(c.token, token));
-  if (!allowed) {
-    return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
-                   TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
-  }
-  rec_.sandbox = "api";
-  traffic_ = &node_api_traffic_;
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string& path = cfg_->node_socket.path;
-  if (!fd.valid() || path.size() >= sizeof addr.sun_path)
-    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  start_connect(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, false);
+  open.call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms, [this, &open](Result<OpenAnswer> r) {
+    drop_left_phases();
+    auto call = std::move(open.call_);  // destroyed when this function returns, after its callback
+    on_open_result(std::move(r));
+  });
 }
 
 void Connection::on_open_result(Result<OpenAnswer> r) {
-  auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
   if (!r) {
     if (r.error() == Error::kTimeout)
       return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
@@ -591,7 +658,7 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
   const std::string& message = r->message;
   switch (r->status) {
     case 200:
-      break;
+      return use_opened(std::move(r->opened));
     case 401:
       rec_.detail = message;
       return respond(401, "this sandbox port needs its token: Authorization: Bearer <token>\n",
@@ -615,7 +682,9 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
       return respond(503, "sandbox is not available: " + message + "\n", TerminationCause::kWakeFailed,
                      {{"Retry-After", "5"}});
   }
-  OpenedSocket& opened = r->opened;
+}
+
+void Connection::use_opened(OpenedSocket opened) {
   rec_.sandbox_id = opened.id;
   // For the next connection's ClientHello (the route's target is the SNI's: Host must equal it).
   worker_->port_policies().store(route_.target, opened.port, opened.policy, now_ms(worker_->loop()));
@@ -648,14 +717,35 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
   traffic_ = worker_->traffic().open_connection(rec_.sandbox_id);
   // How to use the socket depends on the driver: connect it to the sandbox-side port (normally the routed
   // port), or take it as it is when the driver already connected it (e.g. a vsock stream).
-  const uint16_t connect_port = opened.connect_port;
-  const bool connected = opened.connected;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(connect_port);
+  addr.sin_port = htons(opened.connect_port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  start_connect(std::move(opened.socket), reinterpret_cast<sockaddr*>(&addr), sizeof addr, connected);
+  start_connect(std::move(opened.socket), reinterpret_cast<sockaddr*>(&addr), sizeof addr, opened.connected);
 }
+
+// api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
+void Connection::open_node_api() {
+  const std::string& token = snapshot_->operator_token;
+  bool allowed = false;
+  for (const auto& c : credentials_) allowed = allowed || (!token.empty() && token_matches(c.token, token));
+  if (!allowed) {
+    return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
+                   TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
+  }
+  rec_.sandbox = "api";
+  traffic_ = &node_api_traffic_;
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string& path = cfg_->node_socket.path;
+  if (!fd.valid() || path.size() >= sizeof addr.sun_path)
+    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  start_connect(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, false);
+}
+
+// ---- Connect ----
 
 void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected) {
   upstream_fd_ = std::move(socket);
@@ -665,7 +755,7 @@ void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t 
   uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
   upstream_poll_started_ = true;
   ++handles_open_;
-  phase_ = Phase::kConnecting;
+  enter<ConnectPhase>();
   if (already_connected) return begin_forwarding();
   if (::connect(upstream_fd_.get(), addr, addr_len) == 0) return begin_forwarding();
   if (errno != EINPROGRESS) {
@@ -676,23 +766,22 @@ void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t 
   update_interest();
 }
 
-void Connection::finish_connect() {
+void Connection::ConnectPhase::on_upstream(int) {
   int err = 0;
   socklen_t len = sizeof err;
-  ::getsockopt(upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+  ::getsockopt(c_.upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
   if (err != 0) {
-    rec_.detail = std::strerror(err);
-    return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
-                   TerminationCause::kUpstreamConnectFailed);
+    c_.rec_.detail = std::strerror(err);
+    return c_.respond(502, "sandbox is not accepting connections on port " + std::to_string(c_.route_.port) + "\n",
+                      TerminationCause::kUpstreamConnectFailed);
   }
-  begin_forwarding();
+  c_.begin_forwarding();
 }
+
+// ---- Forward ----
 
 void Connection::begin_forwarding() {
   uv_timer_stop(&deadline_);
-  phase_ = Phase::kForwarding;
-  head_parser_.reset();
-  h2_scanner_.reset();
   if (tunnel_) {
     // The head was for the proxy. A fresh socket has room for these few bytes, so one write does it.
     rec_.bytes_in += head_bytes_;
@@ -706,123 +795,226 @@ void Connection::begin_forwarding() {
   // The request head and anything after it are already in request_: they count as client bytes.
   rec_.bytes_in += request_.readable();
   traffic_->bytes_in += request_.readable();
-  start_directions();
-  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) {
-    start_request_filters();
-    c2u_->set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
-    if (h2_frames_)
-      u2c_->set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
-  }
+  auto& forward = enter<ForwardPhase>();
+  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) forward.start_request_filters();
   last_activity_ms_ = now_ms(worker_->loop());
   uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
                  uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);
-  if (!c2u_->run_stage()) return;
-  pump();
+  if (!forward.start()) return;
+  forward.pump();
 }
 
-void Connection::start_directions() {
-  auto client_failed = [this](IoResult r) {
-    close(r.cause.value_or(TerminationCause::kClientReset), std::move(r.detail));
-    return false;
-  };
-  auto sandbox_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); };
-  auto downgrade = [this](std::string why) { return ktls_downgrade(std::move(why)); };
-  Direction::Hooks to_sandbox{
-      .received =
-          [this](size_t n) {
-            rec_.bytes_in += n;
-            traffic_->bytes_in += n;
-            last_activity_ms_ = now_ms(worker_->loop());
-          },
+Connection::ForwardPhase::ForwardPhase(Connection& c)
+    : Phase(c),
+      c2u_(c.client_.get(), c.upstream_.get(), std::move(c.request_), client_to_sandbox_hooks()),
+      u2c_(c.upstream_.get(), c.client_.get(), ByteBuffer(kForwardBufferBytes), sandbox_to_client_hooks()) {}
+
+void Connection::ForwardPhase::count(uint64_t& record, uint64_t& traffic, size_t n) {
+  record += n;
+  traffic += n;
+  c_.last_activity_ms_ = now_ms(c_.worker_->loop());
+}
+
+Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
+  return {
+      .received = [this](size_t n) { count(c_.rec_.bytes_in, c_.traffic_->bytes_in, n); },
       .source_finished =
           [this] {
-            if (!u2c_->source_done()) client_closed_first_ = true;
+            if (!u2c_.source_done()) client_closed_first_ = true;
             return true;
           },
-      .source_failed = client_failed,
-      .sink_failed = sandbox_failed,
+      .source_failed =
+          [this](IoResult r) {
+            c_.close(r.cause.value_or(TerminationCause::kClientReset), std::move(r.detail));
+            return false;
+          },
+      .sink_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
       // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
       .may_splice = [this] { return !requests_are_read(); },
-      .splice_refused = downgrade,
+      .splice_refused = [this](std::string why) { return c_.ktls_downgrade(std::move(why)); },
   };
-  Direction::Hooks to_client{
-      .received =
-          [this](size_t n) {
-            rec_.bytes_out += n;
-            traffic_->bytes_out += n;
-            last_activity_ms_ = now_ms(worker_->loop());
-          },
+}
+
+Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
+  return {
+      .received = [this](size_t n) { count(c_.rec_.bytes_out, c_.traffic_->bytes_out, n); },
       .source_finished =
           [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
-      .source_failed = sandbox_failed,
-      .sink_failed = client_failed,
+      .source_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
+      .sink_failed =
+          [this](IoResult r) {
+            c_.close(TerminationCause::kClientReset, std::move(r.detail));
+            return false;
+          },
       // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
       .may_splice = [this] { return !h2_frames_; },
-      .splice_refused = downgrade,
+      .splice_refused = [this](std::string why) { return c_.ktls_downgrade(std::move(why)); },
   };
-  c2u_ = std::make_unique<Direction>(client_.get(), upstream_.get(), std::move(request_), std::move(to_sandbox));
-  u2c_ = std::make_unique<Direction>(upstream_.get(), client_.get(), ByteBuffer(kForwardBufferBytes),
-                                     std::move(to_client));
+}
+
+void Connection::ForwardPhase::start_request_filters() {
+  // What the edge consumed is recognised in every request and taken out: the credential the node accepted
+  // (none on a public port), the operator token, and the sandbox's own token whatever the port.
+  if (!c_.snapshot_->operator_token.empty()) consumed_.tokens.push_back(c_.snapshot_->operator_token);
+  if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size())
+    consumed_.tokens.push_back(c_.credentials_[c_.credential_index_].token);
+  consumed_.sandbox_token_sha256 = c_.sandbox_token_sha256_;
+  const size_t max_head = c_.cfg_->proxy.max_request_head_bytes;
+  if (c_.h2_) {
+    h2_filter_ = std::make_unique<H2ClientFilter>(H2FilterLimits{.max_header_list_bytes = max_head},
+                                                  [this](H2Request& r) { return check_h2_request(r); });
+    h2_filter_->set_on_malformed([this](uint32_t stream, std::string_view why) {
+      c_.log_refused_stream(stream, "", RequestRefusal{400, TerminationCause::kBadRequest, std::string(why)});
+    });
+    h2_frames_ = std::make_unique<H2ServerFrames>();
+    u2c_.set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
+  } else {
+    h1_filter_ =
+        std::make_unique<Http1RequestFilter>(max_head, [this](Http1Request& r) { return check_http1_request(r); });
+  }
+  c2u_.set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
+}
+
+Http1Verdict Connection::ForwardPhase::check_http1_request(Http1Request& r) {
+  // HTTP/1.0 may omit Host: such a request is for the connection's own route.
+  const std::string* host = r.header("host");
+  if (auto refusal =
+          c_.later_request_refusal(host ? std::string_view(*host) : c_.rec_.host, r.method, r.target, r.headers)) {
+    Http1Verdict verdict{refusal->status, refusal->message};
+    pending_refusal_ = std::move(refusal);
+    return verdict;
+  }
+  strip_credentials(r.target, r.headers, consumed_);
+  return {};
+}
+
+H2Verdict Connection::ForwardPhase::check_h2_request(H2Request& r) {
+  if (auto refusal = c_.later_request_refusal(r.authority, r.method, r.path, r.headers)) {
+    c_.log_refused_stream(r.stream_id, r.authority, *refusal);
+    return {refusal->status};
+  }
+  strip_credentials(r.path, r.headers, consumed_);
+  return {};
+}
+
+bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::string& out) {
+  if (in.empty()) return true;
+  if (h1_filter_) {
+    const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
+    const auto state = h1_filter_->feed(in, out);
+    if (was_reading && state == Http1RequestFilter::State::kRefused) {
+      if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
+        const auto& r = h1_filter_->refusal();
+        pending_refusal_ = RequestRefusal{r.status, r.status == 431 ? TerminationCause::kHeadTooLarge
+                                                                    : TerminationCause::kBadRequest,
+                                          r.reason + "\n"};
+      }
+      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
+      // answers them, closes, and then the refusal is answered (handle_half_close).
+      c2u_.stop_reading();
+    }
+    return true;
+  }
+  to_client_frames_.clear();
+  Status st = h2_filter_->feed(in, out, to_client_frames_);
+  if (!st) {
+    c_.close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
+             "HTTP/2 from the client: " + st.message());
+    return false;
+  }
+  if (to_client_frames_.empty()) return true;
+  if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
+    c_.close(TerminationCause::kBadRequest, "HTTP/2: too many refused streams waiting: " + queued.message());
+    return false;
+  }
+  return u2c_.run_stage();
+}
+
+bool Connection::ForwardPhase::frame_upstream_bytes(std::string_view in, std::string& out) {
+  auto announced = h2_frames_->feed(in, out);
+  if (!announced) {
+    c_.close(TerminationCause::kUpstreamReset, "HTTP/2 from the sandbox: " + announced.message());
+    return false;
+  }
+  if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
+  return true;
+}
+
+void Connection::ForwardPhase::on_upstream(int status) {
+  if (status < 0) {
+    // libuv reports POLLERR as UV_EBADF; the socket's own error says what happened.
+    int err = 0;
+    socklen_t len = sizeof err;
+    ::getsockopt(c_.upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    upstream_failed(err != 0 ? std::strerror(err) : uv_strerror(status));
+    return;
+  }
+  pump();
 }
 
 // Moves bytes until every side would block, a side finished, or the budget is spent. Polling is
 // level-triggered, so stopping early only yields the loop to other connections; nothing is lost.
-void Connection::pump() {
+void Connection::ForwardPhase::pump() {
+  AccessRecord& rec = c_.rec_;
   for (int round = 0; round < 8; ++round) {
-    uint64_t before = rec_.bytes_in + rec_.bytes_out;
-    size_t pending_before = c2u_->pending() + u2c_->pending();
-    if (!c2u_->move()) return;
-    if (!u2c_->move()) return;
+    uint64_t before = rec.bytes_in + rec.bytes_out;
+    size_t pending_before = c2u_.pending() + u2c_.pending();
+    if (!c2u_.move()) return;
+    if (!u2c_.move()) return;
     if (!handle_half_close()) return;
-    if (rec_.bytes_in + rec_.bytes_out == before && c2u_->pending() + u2c_->pending() == pending_before) break;
+    if (rec.bytes_in + rec.bytes_out == before && c2u_.pending() + u2c_.pending() == pending_before) break;
   }
-  update_interest();
+  c_.update_interest();
   // Only after a read that stopped for room: one that stopped at WANT_READ left at most a partial record,
   // whose remainder makes the socket readable.
-  if (c2u_->hidden_input() || u2c_->hidden_input()) {
-    uv_idle_start(&buffered_input_, [](uv_idle_t* h) {
+  if (c2u_.hidden_input() || u2c_.hidden_input()) {
+    uv_idle_start(&c_.buffered_input_, [](uv_idle_t* h) {
       uv_idle_stop(h);
       auto* self = static_cast<Connection*>(h->data);
-      if (self->phase_ == Phase::kForwarding) self->pump();
+      self->drop_left_phases();
+      if (self->phase() == PhaseKind::kForward) static_cast<ForwardPhase*>(self->phase_.get())->pump();
     });
   }
 }
 
 // A side that finished sending is told so once its buffered bytes are delivered: FIN to the sandbox,
 // close_notify (then FIN) to the client. The connection ends when both directions are done.
-bool Connection::handle_half_close() {
-  c2u_->shut_sink_when_done();
-  if (u2c_->source_done() && u2c_->pending() == 0 && pending_refusal_) {
+bool Connection::ForwardPhase::handle_half_close() {
+  c2u_.shut_sink_when_done();
+  if (u2c_.source_done() && u2c_.pending() == 0 && pending_refusal_) {
     // The sandbox answered the requests before the refused one: now the refusal, then the connection ends.
     RequestRefusal refusal = std::move(*pending_refusal_);
     pending_refusal_.reset();
-    rec_.detail = refusal.message.substr(0, refusal.message.find_last_not_of('\n') + 1);
-    respond(refusal.status, refusal.message, refusal.cause);
+    c_.rec_.detail = refusal.message.substr(0, refusal.message.find_last_not_of('\n') + 1);
+    c_.respond(refusal.status, refusal.message, refusal.cause);
     return false;
   }
-  u2c_->shut_sink_when_done();
-  if (c2u_->sink_shut() && u2c_->sink_shut()) {
-    close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
+  u2c_.shut_sink_when_done();
+  if (c2u_.sink_shut() && u2c_.sink_shut()) {
+    c_.close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
     return false;
   }
   return true;
 }
 
-bool Connection::awaiting_first_response() const {
-  return answers_request_ && rec_.bytes_out == 0 && c2u_ && !c2u_->source_done() && !c2u_->spliced() && !pending_refusal_;
+bool Connection::ForwardPhase::awaiting_first_response() const {
+  return c_.answers_request_ && c_.rec_.bytes_out == 0 && !c2u_.source_done() && !c2u_.spliced() &&
+         !pending_refusal_;
 }
 
 // A sandbox that resets (or closes) before its first byte leaves the client's request unanswered: on an
 // HTTP route the client gets a 502 that names the cause, as from nginx, instead of a reset of its own.
-bool Connection::upstream_failed(std::string detail) {
+bool Connection::ForwardPhase::upstream_failed(std::string detail) {
   if (!awaiting_first_response()) {
-    close(TerminationCause::kUpstreamReset, std::move(detail));
+    c_.close(TerminationCause::kUpstreamReset, std::move(detail));
     return false;
   }
-  rec_.detail = "port " + std::to_string(route_.port) + ": " + detail + ", before any response";
-  respond(502, "sandbox " + route_.target + ", " + rec_.detail + "\n", TerminationCause::kUpstreamReset);
+  c_.rec_.detail = "port " + std::to_string(c_.route_.port) + ": " + detail + ", before any response";
+  c_.respond(502, "sandbox " + c_.route_.target + ", " + c_.rec_.detail + "\n", TerminationCause::kUpstreamReset);
   return false;
 }
+
+// ---- Respond, linger ----
 
 void Connection::respond(int status, std::string_view body, TerminationCause cause,
                          std::vector<HttpHeader> extra_headers) {
@@ -837,49 +1029,46 @@ void Connection::respond(int status, std::string_view body, TerminationCause cau
 }
 
 void Connection::respond_bytes(std::string out, TerminationCause cause) {
-  respond_cause_ = cause;
   uv_timer_stop(&deadline_);
-  node_call_.reset();
-  response_ = std::make_unique<ByteBuffer>(out.size());
-  std::memcpy(response_->write_ptr(), out.data(), out.size());
-  response_->produced(out.size());
-  phase_ = Phase::kResponding;
+  auto& respond = enter<RespondPhase>(std::move(out), cause);
   // A response must not wait forever on a client that does not read.
   arm_deadline(cfg_->proxy.request_head_timeout_ms, cause);
-  flush_response();
+  respond.flush();
 }
 
-void Connection::flush_response() {
-  while (response_->readable() > 0) {
-    IoResult r = client_->write(std::span<const char>(response_->read_ptr(), response_->readable()));
-    if (r.status == IoResult::Status::kWouldBlock) return update_interest();
-    if (r.status == IoResult::Status::kError) return close(respond_cause_, std::move(r.detail));
-    response_->consumed(r.bytes);
+void Connection::RespondPhase::flush() {
+  while (sent_ < out_.size()) {
+    IoResult r = c_.client_->write(std::span<const char>(out_.data() + sent_, out_.size() - sent_));
+    if (r.status == IoResult::Status::kWouldBlock) return c_.update_interest();
+    if (r.status == IoResult::Status::kError) return c_.close(cause_, std::move(r.detail));
+    sent_ += r.bytes;
   }
   // Once: a close_notify that cannot be sent now is not waited for (the client has its answer).
-  if (!client_->shutdown_write()) ::shutdown(client_fd_.get(), SHUT_WR);
-  phase_ = Phase::kLingering;
-  lingered_bytes_ = 0;
-  arm_deadline(kLingerMs, respond_cause_);
-  linger();
+  if (!c_.client_->shutdown_write()) ::shutdown(c_.client_fd_.get(), SHUT_WR);
+  Connection& c = c_;  // this phase is left below
+  auto& linger = c.enter<LingerPhase>(cause_);
+  c.arm_deadline(kLingerMs, cause_);
+  linger.drain();
 }
 
-void Connection::linger() {
+void Connection::LingerPhase::drain() {
   char scratch[16 * 1024];
   for (;;) {
-    ssize_t n = ::recv(client_fd_.get(), scratch, sizeof scratch, 0);
+    ssize_t n = ::recv(c_.client_fd_.get(), scratch, sizeof scratch, 0);
     if (n > 0) {
-      lingered_bytes_ += static_cast<size_t>(n);
-      if (lingered_bytes_ > kMaxLingerBytes) return close(respond_cause_);
+      drained_ += static_cast<size_t>(n);
+      if (drained_ > kMaxLingerBytes) return c_.close(cause_);
       continue;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return update_interest();
-    return close(respond_cause_);  // EOF or error: the client is done
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return c_.update_interest();
+    return c_.close(cause_);  // EOF or error: the client is done
   }
 }
 
+// ---- The end ----
+
 bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why) {
-  if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase_ == Phase::kClosed)
+  if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase() == PhaseKind::kClosed)
     return false;
   if (why == Cut::kTokenRevoked) {
     if (opened_public_) return false;
@@ -891,11 +1080,10 @@ bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t st
 }
 
 void Connection::close(TerminationCause cause, std::string detail) {
-  if (phase_ == Phase::kClosed) return;
-  phase_ = Phase::kClosed;
+  if (phase() == PhaseKind::kClosed) return;
+  enter<ClosedPhase>();
   rec_.cause = cause;
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
-  node_call_.reset();
   worker_->shared()->access_log->write(rec_);
   if (holds_sandbox_slot_) worker_->shared()->sandbox_limits.release(rec_.sandbox_id);
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
@@ -913,7 +1101,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&buffered_input_), on_closed);
-  // The directions and transports stay until the handles are closed: close() may run inside one of them.
+  // The phases and transports stay until the handles are closed: close() may run inside one of them.
   client_fd_.reset();
   upstream_fd_.reset();
 }
