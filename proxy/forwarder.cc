@@ -34,7 +34,7 @@ bool Direction::has_room() const {
 
 // Moves bytes one step each way it can; polling is level-triggered, so a step that stops early loses nothing.
 bool Direction::move() {
-  if (!source_done_ && has_room() && !fill()) return false;
+  if (state_ == State::kMoving && has_room() && !fill()) return false;
   if (!run_stage()) return false;
   if (queued() > 0 && !write_sink()) return false;
   if (pipe_ && pipe_->buffered() > 0 && !splice_to_sink()) return false;
@@ -53,13 +53,13 @@ bool Direction::run_stage() {
 
 bool Direction::start_splice_if_possible(bool* started) {
   *started = false;
-  if (splice_declined_ || source_->splice_in_state() == Transport::SpliceIn::kNever || !sink_->can_splice_out() ||
+  if (splice_ != Splice::kCopying || source_->splice_in_state() == Transport::SpliceIn::kNever || !sink_->can_splice_out() ||
       !hooks_.may_splice())
     return true;
   const bool handover = source_->splice_in_state() == Transport::SpliceIn::kNotYet;
   auto pipe = SplicePipe::create(kSplicePipeBytes);
   if (!pipe) {
-    splice_declined_ = true;
+    splice_ = Splice::kRefused;
     source_->give_up_splice_in();
     return hooks_.splice_refused(std::string(handover ? "no pipe to splice from the kTLS socket: "
                                                       : "no pipe to splice into the kTLS socket: ") +
@@ -67,17 +67,18 @@ bool Direction::start_splice_if_possible(bool* started) {
   }
   if (handover) {
     if (auto st = source_->start_splice_in(); !st) {
-      splice_declined_ = true;
+      splice_ = Splice::kRefused;
       return hooks_.splice_refused(st.message());
     }
   }
   pipe_ = std::move(*pipe);
+  splice_ = Splice::kRunning;
   *started = true;
   return true;
 }
 
 bool Direction::fill() {
-  if (!pipe_) {
+  if (splice_ == Splice::kCopying) {
     bool started = false;
     if (!start_splice_if_possible(&started)) return false;
     // The pipe fills only once the buffer is delivered.
@@ -108,7 +109,7 @@ bool Direction::received(const IoResult& r) {
 
 bool Direction::source_ended(const IoResult&) {
   if (!hooks_.source_finished()) return false;
-  source_done_ = true;
+  stop_reading();
   return true;
 }
 
@@ -149,7 +150,7 @@ bool Direction::splice_to_sink() {
 }
 
 void Direction::shut_sink_when_done() {
-  if (source_done_ && pending() == 0 && !sink_shut_) sink_shut_ = sink_->shutdown_write();
+  if (state_ == State::kDraining && pending() == 0 && sink_->shutdown_write()) state_ = State::kDone;
 }
 
 }  // namespace sg

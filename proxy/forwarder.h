@@ -80,19 +80,21 @@ class Direction {
   void shut_sink_when_done();
 
   // Nothing more is read from the source (its EOF, or a refusal that stops the direction).
-  void stop_reading() { source_done_ = true; }
-  bool source_done() const { return source_done_; }
-  bool sink_shut() const { return sink_shut_; }
-  bool spliced() const { return pipe_ != nullptr; }
+  void stop_reading() {
+    if (state_ == State::kMoving) state_ = State::kDraining;
+  }
+  bool source_done() const { return state_ != State::kMoving; }
+  bool sink_shut() const { return state_ == State::kDone; }
+  bool spliced() const { return splice_ == Splice::kRunning; }
   // Bytes taken from the source and not yet delivered to the sink.
   size_t pending() const { return buffer_.readable() + out_pending() + (pipe_ ? pipe_->buffered() : 0); }
   // Reading the source can make progress.
   bool has_room() const;
-  bool wants_source_readable() const { return !source_done_ && has_room(); }
-  bool wants_sink_writable() const { return pending() > 0 || (source_done_ && !sink_shut_); }
+  bool wants_source_readable() const { return state_ == State::kMoving && has_room(); }
+  bool wants_sink_writable() const { return pending() > 0 || state_ == State::kDraining; }
   // The last read stopped for room while the source holds input poll() does not report.
   bool hidden_input() const {
-    return read_filled_ && !source_done_ && !pipe_ && has_room() && source_->has_buffered_input();
+    return read_filled_ && state_ == State::kMoving && !pipe_ && has_room() && source_->has_buffered_input();
   }
   ByteBuffer& buffer() { return buffer_; }
 
@@ -123,11 +125,15 @@ class Direction {
   Stage stage_;
   std::string out_;  // staged bytes for the sink; what was sent leaves the front (compact)
   size_t out_sent_ = 0;
-  std::unique_ptr<SplicePipe> pipe_;
-  bool splice_declined_ = false;
-  bool read_filled_ = false;
-  bool source_done_ = false;
-  bool sink_shut_ = false;
+  // kMoving: the source is read. kDraining: it sent its last byte, what is left goes out. kDone: the sink
+  // was told (FIN, close_notify).
+  enum class State { kMoving, kDraining, kDone };
+  State state_ = State::kMoving;
+  // kCopying until both ends can splice and the connection allows it; kRefused when that failed (for good).
+  enum class Splice { kCopying, kRunning, kRefused };
+  Splice splice_ = Splice::kCopying;
+  std::unique_ptr<SplicePipe> pipe_;  // set while kRunning
+  bool read_filled_ = false;  // the last read stopped for room, not for want of input
   // splice stopped at a non-data TLS record while the pipe still held earlier bytes: the record is read
   // (recvmsg) only once those are delivered, so the order of the stream is kept.
   bool record_waits_ = false;
