@@ -99,7 +99,7 @@ bool Direction::received(const IoResult& r) {
     case IoResult::Status::kWouldBlock:
       return true;
     case IoResult::Status::kEof:
-      return source_ended(r);
+      return source_ended();
     case IoResult::Status::kNotData:
     case IoResult::Status::kError:
       break;
@@ -107,7 +107,7 @@ bool Direction::received(const IoResult& r) {
   return hooks_.source_failed(r);
 }
 
-bool Direction::source_ended(const IoResult&) {
+bool Direction::source_ended() {
   if (!hooks_.source_finished()) return false;
   stop_reading();
   return true;

@@ -70,7 +70,6 @@ class Direction {
   Direction(Transport* source, Transport* sink, ByteBuffer buffer, Hooks hooks);
 
   void set_stage(Stage stage) { stage_ = std::move(stage); }
-  bool staged() const { return static_cast<bool>(stage_); }
   // Reads the source while there is room, passes the bytes through the stage, writes the sink; each
   // step only as far as it goes without blocking. False when the connection was closed.
   bool move();
@@ -96,7 +95,6 @@ class Direction {
   bool hidden_input() const {
     return read_filled_ && state_ == State::kMoving && !pipe_ && has_room() && source_->has_buffered_input();
   }
-  ByteBuffer& buffer() { return buffer_; }
 
   // Per spliced direction. Pages in a pipe are pinned only while in flight, but a stalled reader keeps the
   // whole pipe full: 128 KiB (32 slots) moves eight TLS records per splice without letting 10k stalled
@@ -116,7 +114,7 @@ class Direction {
   // Both ends can splice and the connection allows it: the pipe takes over (false when closed).
   bool start_splice_if_possible(bool* started);
   bool received(const IoResult& r);
-  bool source_ended(const IoResult& r);
+  bool source_ended();
 
   Transport* source_;
   Transport* sink_;
