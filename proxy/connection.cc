@@ -11,6 +11,10 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "proxy/h2_filter.h"
+#include "proxy/h2_head.h"
+#include "proxy/http1_filter.h"
+#include "proxy/ktls.h"
 #include "proxy/worker.h"
 
 namespace sg {
@@ -18,33 +22,224 @@ namespace {
 
 // Per direction. A TLS record carries at most 16 KiB; two records per read keeps syscalls per byte low.
 constexpr size_t kForwardBufferBytes = 32 * 1024;
-// Per spliced direction. Pages in a pipe are pinned only while in flight, but a stalled reader keeps the
-// whole pipe full: 128 KiB (32 slots) moves eight TLS records per splice without letting 10k stalled
-// connections pin more than ~2.5 GiB.
-constexpr size_t kSplicePipeBytes = 128 * 1024;
 // After an error response: how long and how much unread client input we drain before closing.
 constexpr uint32_t kLingerMs = 2000;
 constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
 
 uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
 
-// A filtered direction's queue (c2u_out_, u2c_out_): what was sent leaves the front, so the queue never grows
-// with the bytes a connection moves, and an emptied queue gives back memory beyond one buffer's worth, so an
-// idle connection after an upload does not keep it.
-void compact(std::string& queue, size_t& sent) {
-  if (sent == 0) return;
-  if (sent == queue.size()) {
-    if (queue.capacity() > kForwardBufferBytes) std::string().swap(queue);
-    else queue.clear();
-  } else if (sent >= kForwardBufferBytes) {
-    queue.erase(0, sent);  // moves less than kMaxFilteredBytes
-  } else {
-    return;
+}  // namespace
+
+// ---- The phases ----------------------------------------------------------------------------------------
+
+// What every phase answers to. The defaults are "nothing to do here": a phase overrides the events it
+// waits for.
+class Connection::Phase {
+ public:
+  explicit Phase(Connection& c) : c_(c) {}
+  virtual ~Phase() = default;
+  Phase(const Phase&) = delete;
+  Phase& operator=(const Phase&) = delete;
+
+  virtual PhaseKind kind() const = 0;
+  // What it waits for on each socket (UV_READABLE / UV_WRITABLE).
+  virtual int client_interest() const { return 0; }
+  virtual int upstream_interest() const { return 0; }
+  virtual void on_client() {}
+  virtual void on_upstream(int /*status*/) {}
+  // Its deadline passed (arm_deadline).
+  virtual void on_deadline() { c_.close(c_.deadline_cause_); }
+  // Why the connection ended when the client's socket fails while this phase polls it.
+  virtual TerminationCause client_failure_cause() const { return TerminationCause::kClientClosed; }
+  // The phase is left (or the connection closed): what it started must not call back.
+  virtual void stop() {}
+
+ protected:
+  Connection& c_;
+};
+
+// TLS handshake, paused at the ClientHello while the node is asked for the routed port's policy.
+class Connection::HandshakePhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kHandshake; }
+  int client_interest() const override { return lookup_ ? 0 : wants_write_ ? UV_WRITABLE : UV_READABLE; }
+  void on_client() override { run(); }
+  void stop() override { lookup_.reset(); }
+
+  void run();
+
+ private:
+  void look_up_port_policy();
+  void on_lookup_result(const std::string& target, Result<LookupAnswer> r);
+  void finished();
+
+  bool wants_write_ = false;
+  std::unique_ptr<NodeCall> lookup_;
+};
+
+// The first request: an HTTP/1.1 head, or on h2 the first HEADERS; it routes the connection.
+class Connection::HeadPhase final : public Phase {
+ public:
+  explicit HeadPhase(Connection& c);
+  PhaseKind kind() const override { return PhaseKind::kHead; }
+  int client_interest() const override { return UV_READABLE; }
+  void on_client() override { read(); }
+  void on_deadline() override {
+    c_.respond(408, "request head not received in time\n", TerminationCause::kHeadTimeout);
   }
-  sent = 0;
+
+  void read();
+
+ private:
+  std::unique_ptr<HttpParser> parser_;        // HTTP/1.1
+  std::unique_ptr<H2RequestScanner> scanner_;  // h2
+};
+
+// The node opens the sandbox port, waking the sandbox if needed. Nothing is read meanwhile.
+class Connection::OpenPhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kOpen; }
+  void on_deadline() override {
+    c_.respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
+  }
+  void stop() override { call_.reset(); }
+
+  std::unique_ptr<NodeCall> call_;
+};
+
+// A non-blocking connect to the sandbox port (or to the node's socket for api.<domain>).
+class Connection::ConnectPhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kConnect; }
+  int upstream_interest() const override { return UV_WRITABLE; }
+  void on_upstream(int) override;
+  void on_deadline() override {
+    c_.respond(504, "sandbox port did not accept the connection in time\n", TerminationCause::kUpstreamConnectTimeout);
+  }
+};
+
+// Both directions, each a Direction between the two transports; on HTTP routes every request goes
+// through the request filter (checked, its credentials taken out), and on h2 the proxy's own answers to
+// refused streams go between the sandbox's frames.
+class Connection::ForwardPhase final : public Phase {
+ public:
+  explicit ForwardPhase(Connection& c);
+  PhaseKind kind() const override { return PhaseKind::kForward; }
+  int client_interest() const override {
+    return (c2u_.wants_source_readable() ? UV_READABLE : 0) | (u2c_.wants_sink_writable() ? UV_WRITABLE : 0);
+  }
+  int upstream_interest() const override {
+    return (u2c_.wants_source_readable() ? UV_READABLE : 0) | (c2u_.wants_sink_writable() ? UV_WRITABLE : 0);
+  }
+  void on_client() override { pump(); }
+  void on_upstream(int status) override;
+  TerminationCause client_failure_cause() const override { return TerminationCause::kClientReset; }
+
+  // HTTP routes: every client byte goes through the request filter of the connection's protocol.
+  void start_request_filters();
+  void pump();
+  bool spliced_to_client() const { return u2c_.spliced(); }
+  bool spliced_from_client() const { return c2u_.spliced(); }
+  bool start() { return c2u_.run_stage(); }
+
+ private:
+  Direction::Hooks client_to_sandbox_hooks();
+  Direction::Hooks sandbox_to_client_hooks();
+  // The client -> sandbox stage: the client's bytes through the filter (and the proxy's own h2 frames
+  // toward the client); false when the connection was closed.
+  bool filter_client_bytes(std::string_view in, std::string& out);
+  // The sandbox -> client stage on h2: the sandbox's frames, with the proxy's own inserted.
+  bool frame_upstream_bytes(std::string_view in, std::string& out);
+  Http1Verdict check_http1_request(Http1Request& r);
+  H2Verdict check_h2_request(H2Request& r);
+  // The client's input must go through the HTTP/1.1 or h2 filter (not be spliced past it).
+  bool requests_are_read() const {
+    return h2_filter_ || (h1_filter_ && h1_filter_->state() == Http1RequestFilter::State::kRequests);
+  }
+  // Each side that finished sending is told so once its bytes are delivered; false when closed.
+  bool handle_half_close();
+  // The request on an HTTP route has had no byte back from the sandbox yet (so a 502 can still answer it).
+  bool awaiting_first_response() const;
+  // The sandbox side failed (detail: how); answers 502 while awaiting_first_response(). Always false.
+  bool upstream_failed(std::string detail);
+  void count(uint64_t& record, uint64_t& traffic, size_t n);
+
+  Direction c2u_;  // client -> sandbox
+  Direction u2c_;  // sandbox -> client
+  std::unique_ptr<Http1RequestFilter> h1_filter_;
+  std::unique_ptr<H2ClientFilter> h2_filter_;
+  std::unique_ptr<H2ServerFrames> h2_frames_;  // h2: the sandbox's frames, with the proxy's answers inserted
+  ConsumedCredentials consumed_;
+  std::string to_client_frames_;  // scratch: what the h2 filter answers itself
+  // An HTTP/1.1 request after the first was refused: nothing more goes to the sandbox, and the refusal is
+  // answered once the sandbox has answered (and closed) the requests before it.
+  std::optional<RequestRefusal> pending_refusal_;
+  bool client_closed_first_ = false;
+};
+
+// The proxy's own answer going out; a client that does not read it is bounded by the deadline.
+class Connection::RespondPhase final : public Phase {
+ public:
+  RespondPhase(Connection& c, std::string bytes, TerminationCause cause)
+      : Phase(c), out_(std::move(bytes)), cause_(cause) {}
+  PhaseKind kind() const override { return PhaseKind::kRespond; }
+  int client_interest() const override { return UV_WRITABLE; }
+  void on_client() override { flush(); }
+  TerminationCause client_failure_cause() const override { return TerminationCause::kClientReset; }
+
+  void flush();
+
+ private:
+  std::string out_;
+  size_t sent_ = 0;
+  TerminationCause cause_;
+};
+
+// The answer is out: the client's unread input is drained (and dropped) for a moment, so closing does not
+// turn into a TCP reset that destroys the answer before it is read.
+class Connection::LingerPhase final : public Phase {
+ public:
+  LingerPhase(Connection& c, TerminationCause cause) : Phase(c), cause_(cause) {}
+  PhaseKind kind() const override { return PhaseKind::kLinger; }
+  int client_interest() const override { return UV_READABLE; }
+  void on_client() override { drain(); }
+  // The client reset while we drained: the connection still ended for the reason we answered.
+  TerminationCause client_failure_cause() const override { return cause_; }
+
+  void drain();
+
+ private:
+  TerminationCause cause_;
+  size_t drained_ = 0;
+};
+
+class Connection::ClosedPhase final : public Phase {
+ public:
+  using Phase::Phase;
+  PhaseKind kind() const override { return PhaseKind::kClosed; }
+  void on_deadline() override {}
+};
+
+template <class P, class... Args>
+P& Connection::enter(Args&&... args) {
+  if (phase_) {
+    phase_->stop();
+    left_phases_.push_back(std::move(phase_));
+  }
+  auto next = std::make_unique<P>(*this, std::forward<Args>(args)...);
+  P& p = *next;
+  phase_ = std::move(next);
+  return p;
 }
 
-}  // namespace
+Connection::PhaseKind Connection::phase() const { return phase_->kind(); }
+
+void Connection::drop_left_phases() { left_phases_.clear(); }
+
+// ---- The connection ------------------------------------------------------------------------------------
 
 Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
     : worker_(worker),
@@ -53,7 +248,7 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
       tls_(snapshot_->tls.get()),
       client_fd_(std::move(client)),
       // The head must fit in the buffer that later forwards it; one byte more detects "too large".
-      c2u_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
+      request_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
   rec_.started_at = std::chrono::system_clock::now();
   rec_.started_steady = std::chrono::steady_clock::now();
   rec_.client = std::move(peer);
@@ -64,21 +259,22 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
   uv_idle_init(loop, &buffered_input_);
   client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = buffered_input_.data = this;
   handles_open_ = 4;
+  enter<HandshakePhase>();
 }
 
-Connection::~Connection() {
-  if (ssl_) SSL_free(ssl_);
-}
+Connection::~Connection() = default;
 
 void Connection::start() {
-  ssl_ = SSL_new(tls_->default_ctx());
-  if (!ssl_) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
-  SSL_set_fd(ssl_, client_fd_.get());
-  SSL_set_accept_state(ssl_);
-  SSL_set_ex_data(ssl_, hello_ex_index(), &hello_);
-  if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl_);
+  auto& handshake = static_cast<HandshakePhase&>(*phase_);
+  SSL* ssl = SSL_new(tls_->default_ctx());
+  if (!ssl) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
+  client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), &ktls_rx_tracker_);
+  SSL_set_fd(ssl, client_fd_.get());
+  SSL_set_accept_state(ssl);
+  SSL_set_ex_data(ssl, hello_ex_index(), &hello_);
+  if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl);
   arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
-  do_handshake();
+  handshake.run();
 }
 
 void Connection::arm_deadline(uint32_t ms, TerminationCause cause) {
@@ -87,17 +283,8 @@ void Connection::arm_deadline(uint32_t ms, TerminationCause cause) {
 }
 
 void Connection::on_deadline() {
-  switch (phase_) {
-    case Phase::kReadHead:
-      return respond(408, "request head not received in time\n", TerminationCause::kHeadTimeout);
-    case Phase::kOpening:
-      return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
-    case Phase::kConnecting:
-      return respond(504, "sandbox port did not accept the connection in time\n",
-                     TerminationCause::kUpstreamConnectTimeout);
-    default:
-      return close(deadline_cause_);
-  }
+  drop_left_phases();
+  phase_->on_deadline();
 }
 
 void Connection::on_idle_timer() {
@@ -110,38 +297,11 @@ void Connection::on_idle_timer() {
 }
 
 void Connection::update_interest() {
-  if (phase_ == Phase::kClosed) return;
-  int want_client = 0;
-  int want_upstream = 0;
-  switch (phase_) {
-    case Phase::kHandshake:
-      if (!node_call_) want_client = handshake_wants_write_ ? UV_WRITABLE : UV_READABLE;
-      break;
-    case Phase::kReadHead:
-      want_client = UV_READABLE;
-      break;
-    case Phase::kOpening:
-      break;  // nothing to read until the sandbox is there; the deadline bounds the wait
-    case Phase::kConnecting:
-      want_upstream = UV_WRITABLE;
-      break;
-    case Phase::kResponding:
-      want_client = UV_WRITABLE;
-      break;
-    case Phase::kLingering:
-      want_client = UV_READABLE;
-      break;
-    case Phase::kForwarding:
-      if (!client_eof_ && c2u_room()) want_client |= UV_READABLE;
-      if (u2c_pending() > 0 || (upstream_eof_ && !client_shut_)) want_client |= UV_WRITABLE;
-      if (!upstream_eof_ && u2c_room()) want_upstream |= UV_READABLE;
-      if (c2u_pending() > 0) want_upstream |= UV_WRITABLE;
-      break;
-    case Phase::kClosed:
-      return;
-  }
-  auto client_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_client_io(st, ev); };
-  auto upstream_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_upstream_io(st, ev); };
+  if (phase() == PhaseKind::kClosed) return;
+  const int want_client = phase_->client_interest();
+  const int want_upstream = phase_->upstream_interest();
+  auto client_cb = [](uv_poll_t* p, int st, int) { static_cast<Connection*>(p->data)->on_client_io(st); };
+  auto upstream_cb = [](uv_poll_t* p, int st, int) { static_cast<Connection*>(p->data)->on_upstream_io(st); };
   if (want_client != client_events_) {
     client_events_ = want_client;
     if (want_client) uv_poll_start(&client_poll_, want_client, client_cb);
@@ -154,147 +314,124 @@ void Connection::update_interest() {
   }
 }
 
-void Connection::on_client_io(int status, int) {
-  if (status < 0) {
-    // Our answer is out and the client reset while we drained it: the connection still ended for the
-    // reason we answered (a 401, a 403, ...).
-    if (phase_ == Phase::kLingering) return close(respond_cause_, uv_strerror(status));
-    if (phase_ == Phase::kForwarding || phase_ == Phase::kResponding)
-      return close(TerminationCause::kClientReset, uv_strerror(status));
-    return close(TerminationCause::kClientClosed, uv_strerror(status));
-  }
-  switch (phase_) {
-    case Phase::kHandshake: return do_handshake();
-    case Phase::kReadHead: return read_head();
-    case Phase::kResponding: return flush_response();
-    case Phase::kLingering: return linger();
-    case Phase::kForwarding: return pump();
-    default: return;
-  }
+void Connection::on_client_io(int status) {
+  drop_left_phases();
+  if (status < 0) return close(phase_->client_failure_cause(), uv_strerror(status));
+  phase_->on_client();
 }
 
-void Connection::on_upstream_io(int status, int) {
-  if (phase_ == Phase::kConnecting) return finish_connect();
-  if (status < 0) {
-    // libuv reports POLLERR as UV_EBADF; the socket's own error says what happened.
-    int err = 0;
-    socklen_t len = sizeof err;
-    ::getsockopt(upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    upstream_failed(err != 0 ? std::strerror(err) : uv_strerror(status));
-    return;
-  }
-  if (phase_ == Phase::kForwarding) pump();
+void Connection::on_upstream_io(int status) {
+  drop_left_phases();
+  phase_->on_upstream(status);
 }
 
-void Connection::do_handshake() {
+// ---- Handshake ----
+
+void Connection::HandshakePhase::run() {
   ERR_clear_error();
-  int r = SSL_do_handshake(ssl_);
-  rec_.sni = hello_.sni;
-  if (r == 1) return after_handshake();
-  int err = SSL_get_error(ssl_, r);
+  int r = SSL_do_handshake(c_.client_->ssl());
+  c_.rec_.sni = c_.hello_.sni;
+  if (r == 1) return finished();
+  int err = SSL_get_error(c_.client_->ssl(), r);
   if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) return look_up_port_policy();
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
-    handshake_wants_write_ = err == SSL_ERROR_WANT_WRITE;
-    return update_interest();
+    wants_write_ = err == SSL_ERROR_WANT_WRITE;
+    return c_.update_interest();
   }
-  if (!rec_.sni.empty() && tls_->select(rec_.sni) == nullptr)
-    return close(TerminationCause::kUnknownSni, "no certificate for " + rec_.sni);
+  if (!c_.rec_.sni.empty() && c_.tls_->select(c_.rec_.sni) == nullptr)
+    return c_.close(TerminationCause::kUnknownSni, "no certificate for " + c_.rec_.sni);
   // A peer that connects and leaves (health checks, port scans) did not fail a handshake.
   if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
-    return close(TerminationCause::kClientClosed, "closed during the TLS handshake");
-  close(TerminationCause::kHandshakeFailed, take_ssl_error());
+    return c_.close(TerminationCause::kClientClosed, "closed during the TLS handshake");
+  c_.close(TerminationCause::kHandshakeFailed, take_ssl_error());
 }
 
 // The ClientHello callback paused the handshake: the ALPN choice and the connection's mode depend on the
 // routed port's policy (tls.cc). The node answers from memory, without waking the sandbox.
-void Connection::look_up_port_policy() {
-  auto route = parse_route(hello_.sni, cfg_->domain);
+void Connection::HandshakePhase::look_up_port_policy() {
+  HelloState& hello = c_.hello_;
+  auto route = parse_route(hello.sni, c_.cfg_->domain);
   if (!route || route->kind == RouteKind::kApi) {
-    hello_.policy_known = true;  // nothing to look up; the request head decides
-    return do_handshake();
+    hello.policy_known = true;  // nothing to look up; the request head decides
+    return run();
   }
-  uint16_t port = route->kind == RouteKind::kSdk ? cfg_->agent_port : route->port;
+  uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
   // A port seen within the cache's bound needs no node round trip here: the open is the connection's only one.
-  if (auto known = worker_->routes().find(route->target, port, now_ms(worker_->loop()))) {
-    hello_.policy_known = true;
-    hello_.port_protocol = known->protocol;
-    hello_.port_public = known->is_public;
-    return do_handshake();
+  if (auto known = c_.worker_->routes().find(route->target, port, now_ms(c_.worker_->loop()))) {
+    hello.policy_known = true;
+    hello.port_protocol = known->protocol;
+    hello.port_public = known->is_public;
+    return run();
   }
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
-  uint32_t lookup_ms = std::min(cfg_->proxy.wake_timeout_ms, cfg_->proxy.handshake_timeout_ms / 2);
-  node_call_ = worker_->node().lookup(route->target, port, lookup_ms, [this, target = route->target](Result<LookupAnswer> r) {
-    on_lookup_result(target, std::move(r));
-  });
-  update_interest();
+  uint32_t lookup_ms = std::min(c_.cfg_->proxy.wake_timeout_ms, c_.cfg_->proxy.handshake_timeout_ms / 2);
+  lookup_ = c_.worker_->node().lookup(route->target, port, lookup_ms,
+                                      [this, target = route->target](Result<LookupAnswer> r) {
+                                        c_.drop_left_phases();
+                                        on_lookup_result(target, std::move(r));
+                                      });
+  c_.update_interest();
 }
 
-void Connection::on_lookup_result(const std::string& target, Result<LookupAnswer> r) {
-  auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
+void Connection::HandshakePhase::on_lookup_result(const std::string& target, Result<LookupAnswer> r) {
+  auto call = std::move(lookup_);  // destroyed when this function returns, after its callback
   // Whatever the answer, the handshake goes on: an unknown sandbox or port is answered (404/403) over
   // HTTP once the head names it, which a client can show, unlike a failed handshake.
-  hello_.policy_known = true;
+  HelloState& hello = c_.hello_;
+  hello.policy_known = true;
   if (r && r->status == 200) {
-    hello_.port_protocol = r->policy.protocol;
-    hello_.port_public = r->policy.is_public;
-    worker_->routes().store(target, r->port, r->policy, now_ms(worker_->loop()));
+    hello.port_protocol = r->policy.protocol;
+    hello.port_public = r->policy.is_public;
+    c_.worker_->routes().store(target, r->port, r->policy, now_ms(c_.worker_->loop()));
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
-  do_handshake();
+  run();
 }
 
-void Connection::after_handshake() {
-  ktls_rx_tracker_.handshake_finished();
+void Connection::HandshakePhase::finished() {
+  Connection& c = c_;  // this phase is left below
+  c.ktls_rx_tracker_.handshake_finished();
   const unsigned char* alpn = nullptr;
   unsigned alpn_len = 0;
-  SSL_get0_alpn_selected(ssl_, &alpn, &alpn_len);
-  h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
-  rec_.tls_version = SSL_get_version(ssl_);
-  plan_data_path(BIO_get_ktls_send(SSL_get_wbio(ssl_)), BIO_get_ktls_recv(SSL_get_rbio(ssl_)));
-  if (cfg_->proxy.ktls == KtlsMode::kOn && (!ktls_tx_ || rx_handover_ == RxHandover::kNone))
-    return close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
+  SSL_get0_alpn_selected(c.client_->ssl(), &alpn, &alpn_len);
+  c.h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
+  c.rec_.tls_version = SSL_get_version(c.client_->ssl());
+  c.plan_data_path();
+  if (c.cfg_->proxy.ktls == KtlsMode::kOn && (!c.client_->ktls_tx() || !c.client_->ktls_rx_planned()))
+    return c.close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
-  if (hello_.policy_known && hello_.port_protocol == "tcp" && hello_.port_public) {
-    auto route = parse_route(rec_.sni, cfg_->domain);
+  if (c.hello_.policy_known && c.hello_.port_protocol == "tcp" && c.hello_.port_public) {
+    auto route = parse_route(c.rec_.sni, c.cfg_->domain);
     if (route && route->kind == RouteKind::kPort) {
-      rec_.host = rec_.sni;
-      route_ = std::move(*route);
-      rec_.sandbox = route_.target;
-      rec_.port = route_.port;
-      return open_sandbox();
+      c.rec_.host = c.rec_.sni;
+      c.route_ = std::move(*route);
+      c.rec_.sandbox = c.route_.target;
+      c.rec_.port = c.route_.port;
+      return c.open_sandbox();
     }
   }
-  phase_ = Phase::kReadHead;
-  if (h2_) {
-    // Everything scanned stays in c2u_ to be forwarded, so the scan may not outgrow it.
-    h2_scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
-        .max_bytes_before_request = c2u_.space() - 1, .max_header_list_bytes = cfg_->proxy.max_request_head_bytes});
-  } else {
-    head_parser_ = std::make_unique<HttpParser>(
-        HttpParser::Kind::kRequest, HttpLimits{cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
-  }
-  arm_deadline(cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
-  read_head();
+  c.enter<HeadPhase>().read();
 }
 
 // Transmit is the kernel's when OpenSSL offloaded it; bytes from the sandbox then splice into the socket.
 // Receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3 (proxy/ktls.h);
 // either way the client socket is spliced only after the request head, once OpenSSL holds no input.
-void Connection::plan_data_path(bool ktls_tx, bool ktls_rx) {
-  ktls_tx_ = ktls_tx;
-  if (ktls_rx) rx_handover_ = RxHandover::kOffloadedByOpenSsl;
-  else if (ktls_tx && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
-  set_data_path_label(ktls_tx_, rx_handover_ != RxHandover::kNone);
+void Connection::plan_data_path() {
+  client_->plan_ktls();
+  const bool tx = client_->ktls_tx();
+  const bool rx = client_->ktls_rx_planned();
+  set_data_path_label(tx, rx);
   std::string why;
   if (cfg_->proxy.ktls == KtlsMode::kOff) {
     why = "ktls = off in the config";
   } else if (!tls_->ktls_kernel_reason().empty()) {
     why = tls_->ktls_kernel_reason();
-  } else if (!ktls_tx || rx_handover_ == RxHandover::kNone) {
-    why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", ktls_tx ? "receive" : "transmit",
-                      SSL_get_version(ssl_), SSL_get_cipher_name(ssl_));
+  } else if (!tx || !rx) {
+    SSL* ssl = client_->ssl();
+    why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", tx ? "receive" : "transmit",
+                      SSL_get_version(ssl), SSL_get_cipher_name(ssl));
   }
   if (!why.empty()) log_ktls_fallback_once(why);
 }
@@ -310,63 +447,84 @@ void Connection::set_data_path_label(bool tx_spliced, bool rx_spliced) {
 // otherwise it carries on through SSL_read/SSL_write (OpenSSL still uses whatever the kernel took over).
 bool Connection::ktls_downgrade(std::string why) {
   log_ktls_fallback_once(why);
-  set_data_path_label(u2c_pipe_ != nullptr, c2u_pipe_ != nullptr || rx_handover_ != RxHandover::kNone);
+  auto* forward = phase() == PhaseKind::kForward ? static_cast<ForwardPhase*>(phase_.get()) : nullptr;
+  set_data_path_label(forward && forward->spliced_to_client(),
+                      (forward && forward->spliced_from_client()) || client_->ktls_rx_planned());
   if (cfg_->proxy.ktls != KtlsMode::kOn) return true;
   close(TerminationCause::kKtlsRequired, std::move(why));
   return false;
 }
 
-void Connection::read_head() {
-  for (;;) {
-    ERR_clear_error();
-    int n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
-    if (n <= 0) {
-      int err = SSL_get_error(ssl_, n);
-      if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return update_interest();
-      if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
-        return close(TerminationCause::kClientClosed, "closed before a request head");
-      return close(TerminationCause::kClientReset, take_ssl_error());
-    }
-    const char* fresh = c2u_.write_ptr();
-    c2u_.produced(static_cast<size_t>(n));
-    if (h2_) {
-      auto scanned = h2_scanner_->scan(std::string_view(c2u_.read_ptr(), c2u_.readable()));
-      if (!scanned) {
-        bool too_large = scanned.error() == Error::kLimitExceeded;
-        rec_.detail = scanned.message();
-        // A malformed request is an error of its stream only (RFC 9113 §8.1.1): a 400 the client can read on
-        // it, then GOAWAY(NO_ERROR). A broken connection gets GOAWAY with the error code.
-        if (const uint32_t stream = h2_scanner_->malformed_stream(); stream != 0) {
-          h2_stream_ = stream;
-          return respond(400, scanned.message() + "\n", TerminationCause::kBadRequest);
-        }
-        return respond_bytes(h2_goaway(h2_scanner_->goaway_code(), scanned.message()),
-                             too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
-      }
-      if (!*scanned) continue;
-      H2Request& req = **scanned;
-      h2_stream_ = req.stream_id;
-      return on_request(req.authority, req.method, req.path, req.headers);
-    }
-    switch (head_parser_->feed(fresh, static_cast<size_t>(n))) {
-      case HttpParser::State::kNeedMore:
-        continue;
-      case HttpParser::State::kHeadComplete:
-      case HttpParser::State::kMessageComplete:
-        head_bytes_ = c2u_.readable() - static_cast<size_t>(n) + head_parser_->consumed();
-        return on_head();
-      case HttpParser::State::kError:
-        if (head_parser_->failure().code == Error::kLimitExceeded)
-          return respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
-        return respond(400, head_parser_->failure().message + "\n", TerminationCause::kBadRequest);
-    }
+// ---- Head ----
+
+Connection::HeadPhase::HeadPhase(Connection& c) : Phase(c) {
+  if (c.h2_) {
+    // Everything scanned stays in request_ to be forwarded, so the scan may not outgrow it.
+    scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
+        .max_bytes_before_request = c.request_.space() - 1, .max_header_list_bytes = c.cfg_->proxy.max_request_head_bytes});
+  } else {
+    parser_ = std::make_unique<HttpParser>(
+        HttpParser::Kind::kRequest, HttpLimits{c.cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
   }
+  c.arm_deadline(c.cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
 }
 
-void Connection::on_head() {
-  const HttpMessage& msg = head_parser_->message();
-  const std::string* host_header = msg.header("host");
-  on_request(host_header ? *host_header : rec_.sni, msg.method, msg.target, msg.headers);
+void Connection::HeadPhase::read() {
+  ByteBuffer& buf = c_.request_;
+  for (;;) {
+    IoResult r = c_.client_->read(std::span<char>(buf.write_ptr(), buf.space()));
+    if (r.bytes > 0) {
+      const char* fresh = buf.write_ptr();
+      buf.produced(r.bytes);
+      if (scanner_) {
+        auto scanned = scanner_->scan(std::string_view(buf.read_ptr(), buf.readable()));
+        if (!scanned) {
+          bool too_large = scanned.error() == Error::kLimitExceeded;
+          c_.rec_.detail = scanned.message();
+          // A malformed request is an error of its stream only (RFC 9113 §8.1.1): a 400 the client can read
+          // on it, then GOAWAY(NO_ERROR). A broken connection gets GOAWAY with the error code.
+          if (const uint32_t stream = scanner_->malformed_stream(); stream != 0) {
+            c_.h2_stream_ = stream;
+            return c_.respond(400, scanned.message() + "\n", TerminationCause::kBadRequest);
+          }
+          return c_.respond_bytes(h2_goaway(scanner_->goaway_code(), scanned.message()),
+                                  too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest);
+        }
+        if (*scanned) {
+          H2Request& req = **scanned;
+          c_.h2_stream_ = req.stream_id;
+          return c_.on_request(req.authority, req.method, req.path, req.headers);
+        }
+      } else {
+        switch (parser_->feed(fresh, r.bytes)) {
+          case HttpParser::State::kNeedMore:
+            break;
+          case HttpParser::State::kHeadComplete:
+          case HttpParser::State::kMessageComplete: {
+            c_.head_bytes_ = buf.readable() - r.bytes + parser_->consumed();
+            const HttpMessage& msg = parser_->message();
+            const std::string* host_header = msg.header("host");
+            return c_.on_request(host_header ? *host_header : c_.rec_.sni, msg.method, msg.target, msg.headers);
+          }
+          case HttpParser::State::kError:
+            if (parser_->failure().code == Error::kLimitExceeded)
+              return c_.respond(431, "request head too large\n", TerminationCause::kHeadTooLarge);
+            return c_.respond(400, parser_->failure().message + "\n", TerminationCause::kBadRequest);
+        }
+      }
+    }
+    switch (r.status) {
+      case IoResult::Status::kOk:
+        continue;
+      case IoResult::Status::kWouldBlock:
+        return c_.update_interest();
+      case IoResult::Status::kEof:
+        return c_.close(TerminationCause::kClientClosed, "closed before a request head");
+      case IoResult::Status::kError:
+      case IoResult::Status::kNotData:
+        return c_.close(TerminationCause::kClientReset, r.detail);
+    }
+  }
 }
 
 void Connection::on_request(std::string_view host, std::string_view method, std::string_view target,
@@ -466,27 +624,6 @@ std::optional<Connection::RequestRefusal> Connection::later_request_refusal(std:
   return cross_origin_refusal(authority, method, target, headers);
 }
 
-Http1Verdict Connection::check_http1_request(Http1Request& r) {
-  // HTTP/1.0 may omit Host: such a request is for the connection's own route.
-  const std::string* host = r.header("host");
-  if (auto refusal = later_request_refusal(host ? std::string_view(*host) : rec_.host, r.method, r.target, r.headers)) {
-    Http1Verdict verdict{refusal->status, refusal->message};
-    pending_refusal_ = std::move(refusal);
-    return verdict;
-  }
-  strip_credentials(r.target, r.headers, consumed_);
-  return {};
-}
-
-H2Verdict Connection::check_h2_request(H2Request& r) {
-  if (auto refusal = later_request_refusal(r.authority, r.method, r.path, r.headers)) {
-    log_refused_stream(r.stream_id, r.authority, *refusal);
-    return {refusal->status};
-  }
-  strip_credentials(r.path, r.headers, consumed_);
-  return {};
-}
-
 void Connection::log_refused_stream(uint32_t stream_id, std::string_view authority, const RequestRefusal& refusal) {
   AccessRecord line = rec_;
   line.host = std::string(authority);
@@ -498,85 +635,13 @@ void Connection::log_refused_stream(uint32_t stream_id, std::string_view authori
   worker_->shared()->access_log->write(line);
 }
 
-void Connection::start_request_filters() {
-  // What the edge consumed is recognised in every request and taken out: the credential the node accepted
-  // (none on a public port), the operator token, and the sandbox's own token whatever the port.
-  consumed_ = ConsumedCredentials{};
-  if (!snapshot_->operator_token.empty()) consumed_.tokens.push_back(snapshot_->operator_token);
-  if (!opened_public_ && credential_index_ < credentials_.size())
-    consumed_.tokens.push_back(credentials_[credential_index_].token);
-  consumed_.sandbox_token_sha256 = sandbox_token_sha256_;
-  if (h2_) {
-    h2_filter_ = std::make_unique<H2ClientFilter>(
-        H2FilterLimits{.max_header_list_bytes = cfg_->proxy.max_request_head_bytes},
-        [this](H2Request& r) { return check_h2_request(r); });
-    h2_filter_->set_on_malformed([this](uint32_t stream, std::string_view why) {
-      log_refused_stream(stream, "", RequestRefusal{400, TerminationCause::kBadRequest, std::string(why)});
-    });
-    h2_frames_ = std::make_unique<H2ServerFrames>();
-  } else {
-    h1_filter_ = std::make_unique<Http1RequestFilter>(cfg_->proxy.max_request_head_bytes,
-                                                      [this](Http1Request& r) { return check_http1_request(r); });
-  }
-}
-
-bool Connection::filter_client_bytes() {
-  if (!filtered() || c2u_.readable() == 0) return true;
-  std::string_view in(c2u_.read_ptr(), c2u_.readable());
-  compact(c2u_out_, c2u_out_sent_);
-  if (h1_filter_) {
-    const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
-    const auto state = h1_filter_->feed(in, c2u_out_);
-    c2u_.consumed(in.size());
-    if (was_reading && state == Http1RequestFilter::State::kRefused) {
-      if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
-        const auto& r = h1_filter_->refusal();
-        pending_refusal_ = RequestRefusal{r.status, r.status == 431 ? TerminationCause::kHeadTooLarge
-                                                                    : TerminationCause::kBadRequest,
-                                          r.reason + "\n"};
-      }
-      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
-      // answers them, closes, and then the refusal is answered (handle_half_close).
-      client_eof_ = true;
-    }
-    return true;
-  }
-  to_client_frames_.clear();
-  Status st = h2_filter_->feed(in, c2u_out_, to_client_frames_);
-  c2u_.consumed(in.size());
-  if (!st) {
-    close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
-          "HTTP/2 from the client: " + st.message());
-    return false;
-  }
-  if (to_client_frames_.empty()) return true;
-  if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
-    close(TerminationCause::kBadRequest, "HTTP/2: too many refused streams waiting: " + queued.message());
-    return false;
-  }
-  return frame_upstream_bytes();
-}
-
-bool Connection::frame_upstream_bytes() {
-  if (!h2_frames_) return true;
-  compact(u2c_out_, u2c_out_sent_);
-  std::string_view in(u2c_->read_ptr(), u2c_->readable());
-  auto announced = h2_frames_->feed(in, u2c_out_);
-  u2c_->consumed(in.size());
-  if (!announced) {
-    close(TerminationCause::kUpstreamReset, "HTTP/2 from the sandbox: " + announced.message());
-    return false;
-  }
-  if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
-  return true;
-}
+// ---- Open ----
 
 void Connection::open_sandbox() {
-  phase_ = Phase::kOpening;
+  auto& open = enter<OpenPhase>();
   update_interest();
   uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
-  if (open_started_ms_ == 0) open_started_ms_ = now_ms(worker_->loop());
   // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
   std::vector<std::string> candidates;
   for (const Credential& c : credentials_) candidates.push_back(c.token);
@@ -585,9 +650,7 @@ void Connection::open_sandbox() {
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
       if (cached->wants_refill) worker_->refill_route(cached->sandbox_id, cached->port);
-      OpenAnswer a;
-      a.status = 200;
-      OpenedSocket& o = a.opened;
+      OpenedSocket o;
       o.id = cached->sandbox_id;
       o.port = cached->port;
       o.policy = std::move(cached->policy);
@@ -596,37 +659,17 @@ void Connection::open_sandbox() {
       o.token_sha256 = std::move(cached->token_sha256);
       o.credential = cached->credential;
       o.socket = std::move(cached->socket);
-      return on_open_result(std::move(a));
+      return use_opened(std::move(o));
     }
   }
-  node_call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms,
-                                    [this](Result<OpenAnswer> r) { on_open_result(std::move(r)); });
-}
-
-
-// api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
-void Connection::open_node_api() {
-  const std::string& token = snapshot_->operator_token;
-  bool allowed = false;
-  for (const auto& c : credentials_) allowed = allowed || (!token.empty() && token_matches(c.token, token));
-  if (!allowed) {
-    return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
-                   TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
-  }
-  rec_.sandbox = "api";
-  traffic_ = &node_api_traffic_;
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string& path = cfg_->node_socket.path;
-  if (!fd.valid() || path.size() >= sizeof addr.sun_path)
-    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  start_connect(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, false);
+  open.call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms, [this, &open](Result<OpenAnswer> r) {
+    drop_left_phases();
+    auto call = std::move(open.call_);  // destroyed when this function returns, after its callback
+    on_open_result(std::move(r));
+  });
 }
 
 void Connection::on_open_result(Result<OpenAnswer> r) {
-  auto call = std::move(node_call_);  // destroyed when this function returns, after its callback
   if (!r) {
     if (r.error() == Error::kTimeout)
       return respond(503, "sandbox did not wake in time\n", TerminationCause::kWakeTimeout, {{"Retry-After", "5"}});
@@ -638,7 +681,7 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
   const std::string& message = r->message;
   switch (r->status) {
     case 200:
-      break;
+      return use_opened(std::move(r->opened));
     case 401:
       rec_.detail = message;
       return respond(401, "this sandbox port needs its token: Authorization: Bearer <token>\n",
@@ -662,7 +705,9 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
       return respond(503, "sandbox is not available: " + message + "\n", TerminationCause::kWakeFailed,
                      {{"Retry-After", "5"}});
   }
-  OpenedSocket& opened = r->opened;
+}
+
+void Connection::use_opened(OpenedSocket opened) {
   rec_.sandbox_id = opened.id;
   // For the next connection's ClientHello (the route's target is the SNI's: Host must equal it), and with
   // spares, for the next connections' opens.
@@ -708,19 +753,40 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
   traffic_ = worker_->traffic().open_connection(rec_.sandbox_id);
   // How to use the socket depends on the driver: connect it to the sandbox-side port (normally the routed
   // port), or take it as it is when the driver already connected it (e.g. a vsock stream).
-  const uint16_t connect_port = opened.connect_port;
-  const bool connected = opened.connected;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(connect_port);
+  addr.sin_port = htons(opened.connect_port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  start_connect(std::move(opened.socket), reinterpret_cast<sockaddr*>(&addr), sizeof addr, connected);
+  start_connect(std::move(opened.socket), reinterpret_cast<sockaddr*>(&addr), sizeof addr, opened.connected);
 }
+
+// api.<domain>: the node API, behind the operator token, forwarded to the node's unix socket.
+void Connection::open_node_api() {
+  const std::string& token = snapshot_->operator_token;
+  bool allowed = false;
+  for (const auto& c : credentials_) allowed = allowed || (!token.empty() && token_matches(c.token, token));
+  if (!allowed) {
+    return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
+                   TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
+  }
+  rec_.sandbox = "api";
+  traffic_ = &node_api_traffic_;
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string& path = cfg_->node_socket.path;
+  if (!fd.valid() || path.size() >= sizeof addr.sun_path)
+    return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  start_connect(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, false);
+}
+
+// ---- Connect ----
 
 void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t addr_len, bool already_connected) {
   int one = 1;
   ::setsockopt(socket.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  bool connected = already_connected || ::connect(socket.get(), addr, addr_len) == 0;
+  const bool connected = already_connected || ::connect(socket.get(), addr, addr_len) == 0;
   if (!connected && errno != EINPROGRESS) {
     rec_.detail = std::strerror(errno);
     if (rec_.route_cached) {
@@ -738,348 +804,265 @@ void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t 
                    TerminationCause::kUpstreamConnectFailed);
   }
   upstream_fd_ = std::move(socket);
+  upstream_ = std::make_unique<TcpTransport>(upstream_fd_.get());
   uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
   upstream_poll_started_ = true;
   ++handles_open_;
-  phase_ = Phase::kConnecting;
+  enter<ConnectPhase>();
   if (connected) return begin_forwarding();
   arm_deadline(cfg_->proxy.connect_timeout_ms, TerminationCause::kUpstreamConnectTimeout);
   update_interest();
 }
 
-void Connection::finish_connect() {
+void Connection::ConnectPhase::on_upstream(int) {
   int err = 0;
   socklen_t len = sizeof err;
-  ::getsockopt(upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+  ::getsockopt(c_.upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
   if (err != 0) {
-    rec_.detail = std::strerror(err);
-    return respond(502, "sandbox is not accepting connections on port " + std::to_string(route_.port) + "\n",
-                   TerminationCause::kUpstreamConnectFailed);
+    c_.rec_.detail = std::strerror(err);
+    return c_.respond(502, "sandbox is not accepting connections on port " + std::to_string(c_.route_.port) + "\n",
+                      TerminationCause::kUpstreamConnectFailed);
   }
-  begin_forwarding();
+  c_.begin_forwarding();
 }
+
+// ---- Forward ----
 
 void Connection::begin_forwarding() {
   uv_timer_stop(&deadline_);
-  phase_ = Phase::kForwarding;
-  head_parser_.reset();
-  h2_scanner_.reset();
   if (tunnel_) {
     // The head was for the proxy. A fresh socket has room for these few bytes, so one write does it.
     rec_.bytes_in += head_bytes_;
     traffic_->bytes_in += head_bytes_;
-    c2u_.consumed(head_bytes_);
+    request_.consumed(head_bytes_);
     static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
-    ERR_clear_error();
-    if (SSL_write(ssl_, kEstablished.data(), static_cast<int>(kEstablished.size())) !=
-        static_cast<int>(kEstablished.size()))
-      return close(TerminationCause::kClientReset, "CONNECT answer: " + take_ssl_error());
+    if (IoResult r = client_->write(kEstablished); r.bytes != kEstablished.size())
+      return close(TerminationCause::kClientReset, "CONNECT answer: " + r.detail);
     rec_.status = 200;
   }
-  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) start_request_filters();
-  // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
-  if (ktls_tx_ && !h2_frames_) {
-    auto pipe = SplicePipe::create(kSplicePipeBytes);
-    if (pipe) u2c_pipe_ = std::move(*pipe);
-    else if (!ktls_downgrade("no pipe to splice into the kTLS socket: " + pipe.message())) return;
-  }
-  if (!u2c_pipe_) u2c_ = std::make_unique<ByteBuffer>(kForwardBufferBytes);
-  // The request head and anything after it are already in c2u_: they count as client bytes.
-  rec_.bytes_in += c2u_.readable();
-  traffic_->bytes_in += c2u_.readable();
+  // The request head and anything after it are already in request_: they count as client bytes.
+  rec_.bytes_in += request_.readable();
+  traffic_->bytes_in += request_.readable();
+  auto& forward = enter<ForwardPhase>();
+  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) forward.start_request_filters();
   last_activity_ms_ = now_ms(worker_->loop());
   uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
                  uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);
-  if (!filter_client_bytes()) return;
+  if (!forward.start()) return;
+  forward.pump();
+}
+
+Connection::ForwardPhase::ForwardPhase(Connection& c)
+    : Phase(c),
+      c2u_(c.client_.get(), c.upstream_.get(), std::move(c.request_), client_to_sandbox_hooks()),
+      u2c_(c.upstream_.get(), c.client_.get(), ByteBuffer(kForwardBufferBytes), sandbox_to_client_hooks()) {}
+
+void Connection::ForwardPhase::count(uint64_t& record, uint64_t& traffic, size_t n) {
+  record += n;
+  traffic += n;
+  c_.last_activity_ms_ = now_ms(c_.worker_->loop());
+}
+
+Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
+  return {
+      .received = [this](size_t n) { count(c_.rec_.bytes_in, c_.traffic_->bytes_in, n); },
+      .source_finished =
+          [this] {
+            if (!u2c_.source_done()) client_closed_first_ = true;
+            return true;
+          },
+      .source_failed =
+          [this](IoResult r) {
+            c_.close(r.cause.value_or(TerminationCause::kClientReset), std::move(r.detail));
+            return false;
+          },
+      .sink_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
+      // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
+      .may_splice = [this] { return !requests_are_read(); },
+      .splice_refused = [this](std::string why) { return c_.ktls_downgrade(std::move(why)); },
+  };
+}
+
+Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
+  return {
+      .received = [this](size_t n) { count(c_.rec_.bytes_out, c_.traffic_->bytes_out, n); },
+      .source_finished =
+          [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
+      .source_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
+      .sink_failed =
+          [this](IoResult r) {
+            c_.close(TerminationCause::kClientReset, std::move(r.detail));
+            return false;
+          },
+      // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
+      .may_splice = [this] { return !h2_frames_; },
+      .splice_refused = [this](std::string why) { return c_.ktls_downgrade(std::move(why)); },
+  };
+}
+
+void Connection::ForwardPhase::start_request_filters() {
+  // What the edge consumed is recognised in every request and taken out: the credential the node accepted
+  // (none on a public port), the operator token, and the sandbox's own token whatever the port.
+  if (!c_.snapshot_->operator_token.empty()) consumed_.tokens.push_back(c_.snapshot_->operator_token);
+  if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size())
+    consumed_.tokens.push_back(c_.credentials_[c_.credential_index_].token);
+  consumed_.sandbox_token_sha256 = c_.sandbox_token_sha256_;
+  const size_t max_head = c_.cfg_->proxy.max_request_head_bytes;
+  if (c_.h2_) {
+    h2_filter_ = std::make_unique<H2ClientFilter>(H2FilterLimits{.max_header_list_bytes = max_head},
+                                                  [this](H2Request& r) { return check_h2_request(r); });
+    h2_filter_->set_on_malformed([this](uint32_t stream, std::string_view why) {
+      c_.log_refused_stream(stream, "", RequestRefusal{400, TerminationCause::kBadRequest, std::string(why)});
+    });
+    h2_frames_ = std::make_unique<H2ServerFrames>();
+    u2c_.set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
+  } else {
+    h1_filter_ =
+        std::make_unique<Http1RequestFilter>(max_head, [this](Http1Request& r) { return check_http1_request(r); });
+  }
+  c2u_.set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
+}
+
+Http1Verdict Connection::ForwardPhase::check_http1_request(Http1Request& r) {
+  // HTTP/1.0 may omit Host: such a request is for the connection's own route.
+  const std::string* host = r.header("host");
+  if (auto refusal =
+          c_.later_request_refusal(host ? std::string_view(*host) : c_.rec_.host, r.method, r.target, r.headers)) {
+    Http1Verdict verdict{refusal->status, refusal->message};
+    pending_refusal_ = std::move(refusal);
+    return verdict;
+  }
+  strip_credentials(r.target, r.headers, consumed_);
+  return {};
+}
+
+H2Verdict Connection::ForwardPhase::check_h2_request(H2Request& r) {
+  if (auto refusal = c_.later_request_refusal(r.authority, r.method, r.path, r.headers)) {
+    c_.log_refused_stream(r.stream_id, r.authority, *refusal);
+    return {refusal->status};
+  }
+  strip_credentials(r.path, r.headers, consumed_);
+  return {};
+}
+
+bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::string& out) {
+  if (in.empty()) return true;
+  if (h1_filter_) {
+    const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
+    const auto state = h1_filter_->feed(in, out);
+    if (was_reading && state == Http1RequestFilter::State::kRefused) {
+      if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
+        const auto& r = h1_filter_->refusal();
+        pending_refusal_ = RequestRefusal{r.status, r.status == 431 ? TerminationCause::kHeadTooLarge
+                                                                    : TerminationCause::kBadRequest,
+                                          r.reason + "\n"};
+      }
+      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
+      // answers them, closes, and then the refusal is answered (handle_half_close).
+      c2u_.stop_reading();
+    }
+    return true;
+  }
+  to_client_frames_.clear();
+  Status st = h2_filter_->feed(in, out, to_client_frames_);
+  if (!st) {
+    c_.close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
+             "HTTP/2 from the client: " + st.message());
+    return false;
+  }
+  if (to_client_frames_.empty()) return true;
+  if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
+    c_.close(TerminationCause::kBadRequest, "HTTP/2: too many refused streams waiting: " + queued.message());
+    return false;
+  }
+  return u2c_.run_stage();
+}
+
+bool Connection::ForwardPhase::frame_upstream_bytes(std::string_view in, std::string& out) {
+  auto announced = h2_frames_->feed(in, out);
+  if (!announced) {
+    c_.close(TerminationCause::kUpstreamReset, "HTTP/2 from the sandbox: " + announced.message());
+    return false;
+  }
+  if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
+  return true;
+}
+
+void Connection::ForwardPhase::on_upstream(int status) {
+  if (status < 0) {
+    // libuv reports POLLERR as UV_EBADF; the socket's own error says what happened.
+    int err = 0;
+    socklen_t len = sizeof err;
+    ::getsockopt(c_.upstream_fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    upstream_failed(err != 0 ? std::strerror(err) : uv_strerror(status));
+    return;
+  }
   pump();
 }
 
 // Moves bytes until every side would block, a side finished, or the budget is spent. Polling is
 // level-triggered, so stopping early only yields the loop to other connections; nothing is lost.
-void Connection::pump() {
+void Connection::ForwardPhase::pump() {
+  AccessRecord& rec = c_.rec_;
   for (int round = 0; round < 8; ++round) {
-    uint64_t before = rec_.bytes_in + rec_.bytes_out;
-    size_t pending_before = c2u_pending() + u2c_pending();
-    if (!client_eof_ && c2u_room() && !(c2u_pipe_ ? splice_from_client() : read_client())) return;
-    if (!filter_client_bytes()) return;
-    if (c2u_queued() > 0 && !write_upstream()) return;
-    if (c2u_pipe_ && c2u_pipe_->buffered() > 0 && !splice_to_upstream()) return;
-    if (!upstream_eof_ && u2c_room() && !(u2c_pipe_ ? splice_from_upstream() : read_upstream())) return;
-    if (!frame_upstream_bytes()) return;
-    if (u2c_pending() > 0 && !(u2c_pipe_ ? splice_to_client() : write_client())) return;
+    uint64_t before = rec.bytes_in + rec.bytes_out;
+    size_t pending_before = c2u_.pending() + u2c_.pending();
+    if (!c2u_.move()) return;
+    if (!u2c_.move()) return;
     if (!handle_half_close()) return;
-    if (rec_.bytes_in + rec_.bytes_out == before && c2u_pending() + u2c_pending() == pending_before) break;
+    if (rec.bytes_in + rec.bytes_out == before && c2u_.pending() + u2c_.pending() == pending_before) break;
   }
-  update_interest();
+  c_.update_interest();
   // Only after a read that stopped for room: one that stopped at WANT_READ left at most a partial record,
   // whose remainder makes the socket readable.
-  if (client_read_filled_buffer_ && !client_eof_ && !c2u_pipe_ && c2u_room() && SSL_has_pending(ssl_)) {
-    uv_idle_start(&buffered_input_, [](uv_idle_t* h) {
+  if (c2u_.hidden_input() || u2c_.hidden_input()) {
+    uv_idle_start(&c_.buffered_input_, [](uv_idle_t* h) {
       uv_idle_stop(h);
       auto* self = static_cast<Connection*>(h->data);
-      if (self->phase_ == Phase::kForwarding) self->pump();
+      self->drop_left_phases();
+      if (self->phase() == PhaseKind::kForward) static_cast<ForwardPhase*>(self->phase_.get())->pump();
     });
   }
 }
 
-bool Connection::read_client() {
-  // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
-  if (rx_handover_ != RxHandover::kNone && !SSL_has_pending(ssl_) && !requests_are_read())
-    return take_over_client_receive();
-  c2u_.make_room();
-  // SSL_read returns one record at a time: keep reading until the buffer is full or the socket is dry, so
-  // the sandbox gets one large send instead of one per record.
-  int n = 0;
-  size_t got = 0;
-  while (c2u_.space() > 0) {
-    ERR_clear_error();
-    n = SSL_read(ssl_, c2u_.write_ptr(), static_cast<int>(c2u_.space()));
-    if (n <= 0) break;
-    c2u_.produced(static_cast<size_t>(n));
-    got += static_cast<size_t>(n);
-    if (rx_handover_ != RxHandover::kNone) break;  // the kernel takes over at the next record boundary
-  }
-  client_read_filled_buffer_ = n > 0;
-  if (got > 0) {
-    rec_.bytes_in += got;
-    traffic_->bytes_in += got;
-    last_activity_ms_ = now_ms(worker_->loop());
-    if (n > 0) return true;  // buffer full; an EOF or error behind the data is seen on the next read
-  }
-  int err = SSL_get_error(ssl_, n);
-  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return true;
-  if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)) {
-    client_finished_sending();
-    return true;
-  }
-  close(TerminationCause::kClientReset, take_ssl_error());
-  return false;
-}
-
-void Connection::client_finished_sending() {
-  client_eof_ = true;
-  if (!upstream_eof_) client_closed_first_ = true;
-}
-
-// OpenSSL has handed out every byte it read, so the socket is at a record boundary: from here the kernel
-// decrypts and the client's bytes are spliced (the next pump round; c2u_ is delivered first).
-bool Connection::take_over_client_receive() {
-  RxHandover how = std::exchange(rx_handover_, RxHandover::kNone);
-  auto pipe = SplicePipe::create(kSplicePipeBytes);
-  if (!pipe) return ktls_downgrade("no pipe to splice from the kTLS socket: " + pipe.message());
-  if (how == RxHandover::kInstallTls13Key) {
-    if (auto st = ktls_rx_tracker_.install_tls13_rx(ssl_, client_fd_.get()); !st)
-      return ktls_downgrade("TLS 1.3 receive not handed to the kernel: " + st.message());
-  }
-  c2u_pipe_ = std::move(*pipe);
-  return true;
-}
-
-bool Connection::splice_from_client() {
-  ssize_t n = c2u_pipe_->fill(client_fd_.get());
-  if (n > 0) {
-    rec_.bytes_in += static_cast<uint64_t>(n);
-    traffic_->bytes_in += static_cast<uint64_t>(n);
-    last_activity_ms_ = now_ms(worker_->loop());
-    return true;
-  }
-  if (n == 0) {
-    client_finished_sending();
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  // The next record is not application data (an alert, a post-handshake message): splice cannot carry
-  // it. It is read once the pipe has delivered what came before it.
-  if (errno == EINVAL) {
-    if (c2u_pipe_->buffered() == 0) return read_client_control_record();
-    control_record_waits_ = true;
-    return true;
-  }
-  close(TerminationCause::kClientReset, std::strerror(errno));
-  return false;
-}
-
-bool Connection::read_client_control_record() {
-  uint8_t type = 0;
-  // c2u_ is empty while splicing (c2u_room), so a whole record (at most 16 KiB) fits.
-  ssize_t n = recv_tls_record(client_fd_.get(), c2u_.write_ptr(), c2u_.space(), &type);
-  if (n < 0) {
-    if (errno == EAGAIN || errno == EINTR) return true;
-    close(TerminationCause::kClientReset, std::string("kTLS receive: ") + std::strerror(errno));
-    return false;
-  }
-  if (n == 0) {
-    client_finished_sending();
-    return true;
-  }
-  const auto* record = reinterpret_cast<const unsigned char*>(c2u_.write_ptr());
-  switch (type) {
-    case SSL3_RT_APPLICATION_DATA:
-      c2u_.produced(static_cast<size_t>(n));
-      rec_.bytes_in += static_cast<uint64_t>(n);
-      traffic_->bytes_in += static_cast<uint64_t>(n);
-      last_activity_ms_ = now_ms(worker_->loop());
-      return true;
-    case SSL3_RT_ALERT:
-      if (n >= 2 && record[1] == SSL_AD_CLOSE_NOTIFY) {
-        client_finished_sending();
-        return true;
-      }
-      if (n >= 2 && record[1] == SSL_AD_USER_CANCELLED) return true;  // a close_notify follows
-      close(TerminationCause::kClientClosed,
-            std::string("TLS alert from the client: ") + SSL_alert_desc_string_long(n >= 2 ? record[1] : 0));
-      return false;
-    case SSL3_RT_HANDSHAKE:
-      if (record[0] == SSL3_MT_KEY_UPDATE) {
-        close(TerminationCause::kKtlsKeyUpdate, "the client sent a TLS 1.3 KeyUpdate; this kernel cannot rekey kTLS");
-        return false;
-      }
-      close(TerminationCause::kClientReset, fmt::format("unexpected TLS handshake message {} after the handshake", record[0]));
-      return false;
-    default:
-      close(TerminationCause::kClientReset, fmt::format("unexpected TLS record type {}", type));
-      return false;
-  }
-}
-
-bool Connection::splice_to_upstream() {
-  ssize_t n = c2u_pipe_->drain(upstream_fd_.get());
-  if (n >= 0) {
-    if (c2u_pipe_->buffered() == 0) control_record_waits_ = false;
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::splice_from_upstream() {
-  ssize_t n = u2c_pipe_->fill(upstream_fd_.get());
-  if (n > 0) {
-    rec_.bytes_out += static_cast<uint64_t>(n);
-    traffic_->bytes_out += static_cast<uint64_t>(n);
-    last_activity_ms_ = now_ms(worker_->loop());
-    return true;
-  }
-  if (n == 0) {
-    if (awaiting_first_response()) return upstream_failed("the sandbox closed the connection");
-    upstream_eof_ = true;
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::splice_to_client() {
-  // The kernel cuts the spliced bytes into TLS records as it sends them.
-  ssize_t n = u2c_pipe_->drain(client_fd_.get());
-  if (n >= 0 || errno == EAGAIN || errno == EINTR) return true;
-  close(TerminationCause::kClientReset, std::strerror(errno));
-  return false;
-}
-
-bool Connection::write_upstream() {
-  const char* data = filtered() ? c2u_out_.data() + c2u_out_sent_ : c2u_.read_ptr();
-  ssize_t n = ::send(upstream_fd_.get(), data, c2u_queued(), MSG_NOSIGNAL);
-  if (n >= 0) {
-    if (filtered()) {
-      c2u_out_sent_ += static_cast<size_t>(n);
-      compact(c2u_out_, c2u_out_sent_);
-    } else {
-      c2u_.consumed(static_cast<size_t>(n));
-    }
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::read_upstream() {
-  u2c_->make_room();
-  ssize_t n = ::recv(upstream_fd_.get(), u2c_->write_ptr(), u2c_->space(), 0);
-  if (n > 0) {
-    u2c_->produced(static_cast<size_t>(n));
-    rec_.bytes_out += static_cast<uint64_t>(n);
-    traffic_->bytes_out += static_cast<uint64_t>(n);
-    last_activity_ms_ = now_ms(worker_->loop());
-    return true;
-  }
-  if (n == 0) {
-    if (awaiting_first_response()) return upstream_failed("the sandbox closed the connection");
-    upstream_eof_ = true;
-    return true;
-  }
-  if (errno == EAGAIN || errno == EINTR) return true;
-  return upstream_failed(std::strerror(errno));
-}
-
-bool Connection::write_client() {
-  ERR_clear_error();
-  const char* data = h2_frames_ ? u2c_out_.data() + u2c_out_sent_ : u2c_->read_ptr();
-  int n = SSL_write(ssl_, data, static_cast<int>(u2c_queued()));
-  if (n > 0) {
-    if (h2_frames_) {
-      u2c_out_sent_ += static_cast<size_t>(n);
-      compact(u2c_out_, u2c_out_sent_);
-    } else {
-      u2c_->consumed(static_cast<size_t>(n));
-    }
-    return true;
-  }
-  int err = SSL_get_error(ssl_, n);
-  if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return true;
-  close(TerminationCause::kClientReset, err == SSL_ERROR_SYSCALL ? std::strerror(errno) : take_ssl_error());
-  return false;
-}
-
 // A side that finished sending is told so once its buffered bytes are delivered: FIN to the sandbox,
 // close_notify (then FIN) to the client. The connection ends when both directions are done.
-bool Connection::handle_half_close() {
-  if (client_eof_ && c2u_pending() == 0 && !upstream_shut_) {
-    ::shutdown(upstream_fd_.get(), SHUT_WR);
-    upstream_shut_ = true;
-  }
-  if (upstream_eof_ && u2c_pending() == 0 && pending_refusal_) {
+bool Connection::ForwardPhase::handle_half_close() {
+  c2u_.shut_sink_when_done();
+  if (u2c_.source_done() && u2c_.pending() == 0 && pending_refusal_) {
     // The sandbox answered the requests before the refused one: now the refusal, then the connection ends.
     RequestRefusal refusal = std::move(*pending_refusal_);
     pending_refusal_.reset();
-    u2c_pipe_.reset();
-    rec_.detail = refusal.message.substr(0, refusal.message.find_last_not_of('\n') + 1);
-    respond(refusal.status, refusal.message, refusal.cause);
+    c_.rec_.detail = refusal.message.substr(0, refusal.message.find_last_not_of('\n') + 1);
+    c_.respond(refusal.status, refusal.message, refusal.cause);
     return false;
   }
-  if (upstream_eof_ && u2c_pending() == 0 && !client_shut_) {
-    ERR_clear_error();
-    int r = SSL_shutdown(ssl_);
-    if (r < 0) {
-      int err = SSL_get_error(ssl_, r);
-      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return true;  // retried when writable
-    }
-    ::shutdown(client_fd_.get(), SHUT_WR);
-    client_shut_ = true;
-  }
-  if (upstream_shut_ && client_shut_) {
-    close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
+  u2c_.shut_sink_when_done();
+  if (c2u_.sink_shut() && u2c_.sink_shut()) {
+    c_.close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
     return false;
   }
   return true;
 }
 
-bool Connection::awaiting_first_response() const {
-  return answers_request_ && rec_.bytes_out == 0 && !client_eof_ && !c2u_pipe_ && !pending_refusal_;
+bool Connection::ForwardPhase::awaiting_first_response() const {
+  return c_.answers_request_ && c_.rec_.bytes_out == 0 && !c2u_.source_done() && !c2u_.spliced() &&
+         !pending_refusal_;
 }
 
 // A sandbox that resets (or closes) before its first byte leaves the client's request unanswered: on an
 // HTTP route the client gets a 502 that names the cause, as from nginx, instead of a reset of its own.
-bool Connection::upstream_failed(std::string detail) {
+bool Connection::ForwardPhase::upstream_failed(std::string detail) {
   if (!awaiting_first_response()) {
-    close(TerminationCause::kUpstreamReset, std::move(detail));
+    c_.close(TerminationCause::kUpstreamReset, std::move(detail));
     return false;
   }
-  rec_.detail = "port " + std::to_string(route_.port) + ": " + detail + ", before any response";
-  u2c_pipe_.reset();  // nothing came from the sandbox, so nothing is buffered there
-  respond(502, "sandbox " + route_.target + ", " + rec_.detail + "\n", TerminationCause::kUpstreamReset);
+  c_.rec_.detail = "port " + std::to_string(c_.route_.port) + ": " + detail + ", before any response";
+  c_.respond(502, "sandbox " + c_.route_.target + ", " + c_.rec_.detail + "\n", TerminationCause::kUpstreamReset);
   return false;
 }
+
+// ---- Respond, linger ----
 
 void Connection::respond(int status, std::string_view body, TerminationCause cause,
                          std::vector<HttpHeader> extra_headers) {
@@ -1094,54 +1077,46 @@ void Connection::respond(int status, std::string_view body, TerminationCause cau
 }
 
 void Connection::respond_bytes(std::string out, TerminationCause cause) {
-  respond_cause_ = cause;
   uv_timer_stop(&deadline_);
-  node_call_.reset();
-  u2c_ = std::make_unique<ByteBuffer>(out.size());
-  std::memcpy(u2c_->write_ptr(), out.data(), out.size());
-  u2c_->produced(out.size());
-  phase_ = Phase::kResponding;
+  auto& respond = enter<RespondPhase>(std::move(out), cause);
   // A response must not wait forever on a client that does not read.
   arm_deadline(cfg_->proxy.request_head_timeout_ms, cause);
-  flush_response();
+  respond.flush();
 }
 
-void Connection::flush_response() {
-  while (u2c_->readable() > 0) {
-    ERR_clear_error();
-    int n = SSL_write(ssl_, u2c_->read_ptr(), static_cast<int>(u2c_->readable()));
-    if (n <= 0) {
-      int err = SSL_get_error(ssl_, n);
-      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return update_interest();
-      return close(respond_cause_, take_ssl_error());
-    }
-    u2c_->consumed(static_cast<size_t>(n));
+void Connection::RespondPhase::flush() {
+  while (sent_ < out_.size()) {
+    IoResult r = c_.client_->write(std::span<const char>(out_.data() + sent_, out_.size() - sent_));
+    if (r.status == IoResult::Status::kWouldBlock) return c_.update_interest();
+    if (r.status == IoResult::Status::kError) return c_.close(cause_, std::move(r.detail));
+    sent_ += r.bytes;
   }
-  ERR_clear_error();
-  SSL_shutdown(ssl_);
-  ::shutdown(client_fd_.get(), SHUT_WR);
-  phase_ = Phase::kLingering;
-  lingered_bytes_ = 0;
-  arm_deadline(kLingerMs, respond_cause_);
-  linger();
+  // Once: a close_notify that cannot be sent now is not waited for (the client has its answer).
+  if (!c_.client_->shutdown_write()) ::shutdown(c_.client_fd_.get(), SHUT_WR);
+  Connection& c = c_;  // this phase is left below
+  auto& linger = c.enter<LingerPhase>(cause_);
+  c.arm_deadline(kLingerMs, cause_);
+  linger.drain();
 }
 
-void Connection::linger() {
+void Connection::LingerPhase::drain() {
   char scratch[16 * 1024];
   for (;;) {
-    ssize_t n = ::recv(client_fd_.get(), scratch, sizeof scratch, 0);
+    ssize_t n = ::recv(c_.client_fd_.get(), scratch, sizeof scratch, 0);
     if (n > 0) {
-      lingered_bytes_ += static_cast<size_t>(n);
-      if (lingered_bytes_ > kMaxLingerBytes) return close(respond_cause_);
+      drained_ += static_cast<size_t>(n);
+      if (drained_ > kMaxLingerBytes) return c_.close(cause_);
       continue;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return update_interest();
-    return close(respond_cause_);  // EOF or error: the client is done
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return c_.update_interest();
+    return c_.close(cause_);  // EOF or error: the client is done
   }
 }
 
+// ---- The end ----
+
 bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why) {
-  if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase_ == Phase::kClosed)
+  if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase() == PhaseKind::kClosed)
     return false;
   if (why == Cut::kTokenRevoked) {
     if (opened_public_) return false;
@@ -1160,11 +1135,10 @@ void Connection::release_sandbox_slot() {
 }
 
 void Connection::close(TerminationCause cause, std::string detail) {
-  if (phase_ == Phase::kClosed) return;
-  phase_ = Phase::kClosed;
+  if (phase() == PhaseKind::kClosed) return;
+  enter<ClosedPhase>();
   rec_.cause = cause;
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
-  node_call_.reset();
   worker_->shared()->access_log->write(rec_);
   release_sandbox_slot();
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
@@ -1181,14 +1155,9 @@ void Connection::close(TerminationCause cause, std::string detail) {
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&buffered_input_), on_closed);
-  if (ssl_) {
-    SSL_free(ssl_);
-    ssl_ = nullptr;
-  }
+  // The phases and transports stay until the handles are closed: close() may run inside one of them.
   client_fd_.reset();
   upstream_fd_.reset();
-  c2u_pipe_.reset();
-  u2c_pipe_.reset();
 }
 
 }  // namespace sg

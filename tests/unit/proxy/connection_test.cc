@@ -238,6 +238,48 @@ class ConnectionTest : public ::testing::Test {
     return out;
   }
 
+  // A TLS connection to the worker that stays open for the test to drive (exchange() reads to the end).
+  struct Client {
+    SSL_CTX* ctx = nullptr;
+    SSL* ssl = nullptr;
+    int fd = -1;
+    ~Client() {
+      if (ssl) SSL_free(ssl);
+      if (fd >= 0) ::close(fd);
+      if (ctx) SSL_CTX_free(ctx);
+    }
+  };
+  std::unique_ptr<Client> connect_tls(const std::string& sni) {
+    auto c = std::make_unique<Client>();
+    c->ctx = SSL_CTX_new(TLS_client_method());
+    c->fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{5, 0};
+    ::setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ::setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(worker_->bound()[0].port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(c->fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return nullptr;
+    c->ssl = SSL_new(c->ctx);
+    SSL_set_fd(c->ssl, c->fd);
+    SSL_set_tlsext_host_name(c->ssl, sni.c_str());
+    if (SSL_connect(c->ssl) != 1) return nullptr;
+    return c;
+  }
+
+  // The edge's answer up to its close_notify.
+  static std::string read_answer(SSL* ssl) {
+    std::string out;
+    char buf[4096];
+    for (;;) {
+      int n = SSL_read(ssl, buf, sizeof buf);
+      if (n <= 0) break;
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return out;
+  }
+
   // The access log's lines so far (each connection writes one when it ends, on the worker's thread).
   std::string access_log_when(std::string_view needle) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -251,6 +293,21 @@ class ConnectionTest : public ::testing::Test {
       ::usleep(5000);
     }
     return text;
+  }
+
+  // Waits (up to 5 s) until the access log has `count` lines with `needle`; returns how many it has.
+  size_t access_log_count(std::string_view needle, size_t count) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    size_t lines = 0;
+    do {
+      std::ifstream in(dir_ / "access.log");
+      std::string line;
+      lines = 0;
+      while (std::getline(in, line)) lines += line.find(needle) != std::string::npos;
+      if (lines >= count) break;
+      ::usleep(5000);
+    } while (std::chrono::steady_clock::now() < deadline);
+    return lines;
   }
 
   std::function<void()> on_sent;
@@ -424,6 +481,55 @@ TEST_F(ConnectionTest, ForwardPhaseEndsWhenTheSandboxCloses) {
   std::string r = exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n");
   EXPECT_EQ(r, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it");
   EXPECT_NE(access_log_when("upstream_closed").find("\"upstream_closed\""), std::string::npos);
+}
+
+TEST_F(ConnectionTest, LingerPhase) {
+  start();
+  const std::string refused = "GET / HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n";
+  const std::string chunk(64 * 1024, 'x');
+  // After its answer the edge drains what the client still sends (no reset that would destroy the answer
+  // before it is read), and the connection ends, for the answer's cause, when the client is done.
+  {
+    auto c = connect_tls(kHost);
+    ASSERT_TRUE(c);
+    SSL_write(c->ssl, refused.data(), static_cast<int>(refused.size()));
+    std::string r = read_answer(c->ssl);
+    EXPECT_EQ(r.rfind("HTTP/1.1 421", 0), 0u) << r;
+    // Still lingering: the line is written when the connection ends.
+    EXPECT_EQ(access_log_count("\"misdirected\"", 0), 0u);
+    // Unread input while lingering is taken and dropped, up to the bound: these sends all go through.
+    for (int i = 0; i < 16; ++i)
+      ASSERT_EQ(::send(c->fd, chunk.data(), chunk.size(), MSG_NOSIGNAL), static_cast<ssize_t>(chunk.size())) << i;
+    ::shutdown(c->fd, SHUT_WR);
+    EXPECT_EQ(access_log_count("\"misdirected\"", 1), 1u) << "ended at the client's EOF";
+  }
+  // A client that keeps sending is cut at the bound (4 MiB).
+  {
+    auto c = connect_tls(kHost);
+    ASSERT_TRUE(c);
+    SSL_write(c->ssl, refused.data(), static_cast<int>(refused.size()));
+    EXPECT_EQ(read_answer(c->ssl).rfind("HTTP/1.1 421", 0), 0u);
+    size_t sent = 0;
+    while (sent < 64u * 1024 * 1024) {
+      ssize_t n = ::send(c->fd, chunk.data(), chunk.size(), MSG_NOSIGNAL);
+      if (n <= 0) break;
+      sent += static_cast<size_t>(n);
+    }
+    EXPECT_GT(sent, 4u * 1024 * 1024);
+    EXPECT_LT(sent, 64u * 1024 * 1024) << "the edge stopped draining";
+    EXPECT_EQ(access_log_count("\"misdirected\"", 2), 2u);
+  }
+  // A client that neither sends nor closes is let go at the linger deadline, with the answer's cause.
+  {
+    auto c = connect_tls(kHost);
+    ASSERT_TRUE(c);
+    SSL_write(c->ssl, refused.data(), static_cast<int>(refused.size()));
+    const auto answered = std::chrono::steady_clock::now();
+    EXPECT_EQ(read_answer(c->ssl).rfind("HTTP/1.1 421", 0), 0u);
+    EXPECT_EQ(access_log_count("\"misdirected\"", 3), 3u);
+    // The linger deadline is 2 s: the connection was kept that long, not closed at once.
+    EXPECT_GE(std::chrono::steady_clock::now() - answered, std::chrono::milliseconds(1500));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,156 @@
+#include "proxy/forwarder.h"
+
+namespace sg {
+namespace {
+
+// A staged direction's queue: what was sent leaves the front, so the queue never grows with the bytes a
+// connection moves, and an emptied queue gives back memory beyond 32 KiB, so an idle connection after an
+// upload does not keep it.
+constexpr size_t kKeptQueueBytes = 32 * 1024;
+void compact(std::string& queue, size_t& sent) {
+  if (sent == 0) return;
+  if (sent == queue.size()) {
+    if (queue.capacity() > kKeptQueueBytes) std::string().swap(queue);
+    else queue.clear();
+  } else if (sent >= kKeptQueueBytes) {
+    queue.erase(0, sent);  // moves less than kMaxStagedBytes
+  } else {
+    return;
+  }
+  sent = 0;
+}
+
+}  // namespace
+
+Direction::Direction(Transport* source, Transport* sink, ByteBuffer buffer, Hooks hooks)
+    : source_(source), sink_(sink), buffer_(std::move(buffer)), hooks_(std::move(hooks)) {}
+
+bool Direction::has_room() const {
+  // Spliced bytes go out only after what the buffer holds (the request head), so the pipe fills once the
+  // buffer is empty.
+  if (pipe_) return buffer_.readable() == 0 && out_pending() == 0 && pipe_->accepts_more() && !record_waits_;
+  return buffer_.space() > 0 && out_pending() < kMaxStagedBytes;
+}
+
+// Moves bytes one step each way it can; polling is level-triggered, so a step that stops early loses nothing.
+bool Direction::move() {
+  if (state_ == State::kMoving && has_room() && !fill()) return false;
+  if (!run_stage()) return false;
+  if (queued() > 0 && !write_sink()) return false;
+  if (pipe_ && pipe_->buffered() > 0 && !splice_to_sink()) return false;
+  return true;
+}
+
+bool Direction::run_stage() {
+  if (!stage_) return true;
+  compact(out_, out_sent_);
+  std::string_view in(buffer_.read_ptr(), buffer_.readable());
+  const size_t n = in.size();
+  if (!stage_(in, out_)) return false;
+  buffer_.consumed(n);
+  return true;
+}
+
+bool Direction::start_splice_if_possible(bool* started) {
+  *started = false;
+  if (splice_ != Splice::kCopying || source_->splice_in_state() == Transport::SpliceIn::kNever || !sink_->can_splice_out() ||
+      !hooks_.may_splice())
+    return true;
+  const bool handover = source_->splice_in_state() == Transport::SpliceIn::kNotYet;
+  auto pipe = SplicePipe::create(kSplicePipeBytes);
+  if (!pipe) {
+    splice_ = Splice::kRefused;
+    source_->give_up_splice_in();
+    return hooks_.splice_refused(std::string(handover ? "no pipe to splice from the kTLS socket: "
+                                                      : "no pipe to splice into the kTLS socket: ") +
+                                 pipe.message());
+  }
+  if (handover) {
+    if (auto st = source_->start_splice_in(); !st) {
+      splice_ = Splice::kRefused;
+      return hooks_.splice_refused(st.message());
+    }
+  }
+  pipe_ = std::move(*pipe);
+  splice_ = Splice::kRunning;
+  *started = true;
+  return true;
+}
+
+bool Direction::fill() {
+  if (splice_ == Splice::kCopying) {
+    bool started = false;
+    if (!start_splice_if_possible(&started)) return false;
+    // The pipe fills only once the buffer is delivered.
+    if (started && !has_room()) return true;
+  }
+  if (pipe_) return splice_from_source();
+  buffer_.make_room();
+  IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
+  buffer_.produced(r.bytes);
+  read_filled_ = r.status == IoResult::Status::kOk;
+  return received(r);
+}
+
+bool Direction::received(const IoResult& r) {
+  if (r.bytes > 0) hooks_.received(r.bytes);
+  switch (r.status) {
+    case IoResult::Status::kOk:
+    case IoResult::Status::kWouldBlock:
+      return true;
+    case IoResult::Status::kEof:
+      return source_ended();
+    case IoResult::Status::kNotData:
+    case IoResult::Status::kError:
+      break;
+  }
+  return hooks_.source_failed(r);
+}
+
+bool Direction::source_ended() {
+  if (!hooks_.source_finished()) return false;
+  stop_reading();
+  return true;
+}
+
+bool Direction::splice_from_source() {
+  IoResult r = source_->splice_in(*pipe_);
+  if (r.status != IoResult::Status::kNotData) return received(r);
+  // Read once the pipe has delivered what came before it.
+  if (pipe_->buffered() == 0) return read_source_record();
+  record_waits_ = true;
+  return true;
+}
+
+bool Direction::read_source_record() {
+  // The buffer is empty while splicing (has_room), so a whole record (at most 16 KiB) fits.
+  IoResult r = source_->read_record(std::span<char>(buffer_.write_ptr(), buffer_.space()));
+  buffer_.produced(r.bytes);
+  return received(r);
+}
+
+bool Direction::write_sink() {
+  const char* data = stage_ ? out_.data() + out_sent_ : buffer_.read_ptr();
+  IoResult r = sink_->write(std::span<const char>(data, queued()));
+  if (r.status == IoResult::Status::kError) return hooks_.sink_failed(std::move(r));
+  if (stage_) {
+    out_sent_ += r.bytes;
+    compact(out_, out_sent_);
+  } else {
+    buffer_.consumed(r.bytes);
+  }
+  return true;
+}
+
+bool Direction::splice_to_sink() {
+  IoResult r = sink_->splice_out(*pipe_);
+  if (r.status == IoResult::Status::kError) return hooks_.sink_failed(std::move(r));
+  if (pipe_->buffered() == 0) record_waits_ = false;
+  return true;
+}
+
+void Direction::shut_sink_when_done() {
+  if (state_ == State::kDraining && pending() == 0 && sink_->shutdown_write()) state_ = State::kDone;
+}
+
+}  // namespace sg

@@ -1,0 +1,140 @@
+// One direction of a forwarded connection (client -> sandbox or sandbox -> client), written once for
+// both: bytes move from a source transport to a sink transport through a buffer (copied) or, when both
+// ends can splice, through a pipe (the kernel moves them, and with kTLS does the record crypto). An
+// optional stage sits between the two on a copied direction: the request filter on client -> sandbox,
+// the h2 frame pass (the proxy's own frames inserted) on sandbox -> client.
+#pragma once
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "proxy/splice_pipe.h"
+#include "proxy/transport.h"
+
+namespace sg {
+
+// A fixed-size byte buffer filled at the end and drained from the front; never reallocated. The memory is
+// taken at the first write, so a direction that only ever splices holds none.
+class ByteBuffer {
+ public:
+  explicit ByteBuffer(size_t capacity) : cap_(capacity) {}
+  char* read_ptr() { return data_.get() + start_; }
+  size_t readable() const { return end_ - start_; }
+  char* write_ptr() {
+    if (!data_) data_.reset(new char[cap_]);
+    return data_.get() + end_;
+  }
+  size_t space() const { return cap_ - end_; }
+  void produced(size_t n) { end_ += n; }
+  void consumed(size_t n) {
+    start_ += n;
+    if (start_ == end_) start_ = end_ = 0;
+  }
+  // Moves unread bytes to the front when the tail is full (rare: only after a partial drain).
+  void make_room() {
+    if (end_ == cap_ && start_ > 0) {
+      std::memmove(data_.get(), data_.get() + start_, end_ - start_);
+      end_ -= start_;
+      start_ = 0;
+    }
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t cap_;
+  size_t start_ = 0;
+  size_t end_ = 0;
+};
+
+class Direction {
+ public:
+  // What the connection makes of this direction's events. Each returning bool gives false when the
+  // connection was closed (the direction must then not be touched).
+  struct Hooks {
+    std::function<void(size_t)> received;           // bytes taken from the source (counted, activity)
+    std::function<bool()> source_finished;           // the source sent its last byte (EOF, close_notify)
+    std::function<bool(IoResult)> source_failed;     // always false
+    std::function<bool(IoResult)> sink_failed;       // always false
+    // May both ends splice now? (The request filter must read every client byte while requests come.)
+    std::function<bool()> may_splice;
+    // A direction whose ends could splice cannot after all (no pipe, the kernel refused the key).
+    std::function<bool(std::string why)> splice_refused;
+  };
+  // Moves all of `in` (what the source gave) into `out` (what goes to the sink); false when closed.
+  using Stage = std::function<bool(std::string_view in, std::string& out)>;
+
+  // `buffer` may already hold bytes from the source (the request head) that go first.
+  Direction(Transport* source, Transport* sink, ByteBuffer buffer, Hooks hooks);
+
+  void set_stage(Stage stage) { stage_ = std::move(stage); }
+  // Reads the source while there is room, passes the bytes through the stage, writes the sink; each
+  // step only as far as it goes without blocking. False when the connection was closed.
+  bool move();
+  // Runs the stage alone (bytes already in the buffer, or frames the stage was given from elsewhere).
+  bool run_stage();
+  // Once the source finished and everything is delivered, tells the sink (FIN, close_notify).
+  void shut_sink_when_done();
+
+  // Nothing more is read from the source (its EOF, or a refusal that stops the direction).
+  void stop_reading() {
+    if (state_ == State::kMoving) state_ = State::kDraining;
+  }
+  bool source_done() const { return state_ != State::kMoving; }
+  bool sink_shut() const { return state_ == State::kDone; }
+  bool spliced() const { return splice_ == Splice::kRunning; }
+  // Bytes taken from the source and not yet delivered to the sink.
+  size_t pending() const { return buffer_.readable() + out_pending() + (pipe_ ? pipe_->buffered() : 0); }
+  // Reading the source can make progress.
+  bool has_room() const;
+  bool wants_source_readable() const { return state_ == State::kMoving && has_room(); }
+  bool wants_sink_writable() const { return pending() > 0 || state_ == State::kDraining; }
+  // The last read stopped for room while the source holds input poll() does not report.
+  bool hidden_input() const {
+    return read_filled_ && state_ == State::kMoving && !pipe_ && has_room() && source_->has_buffered_input();
+  }
+
+  // Per spliced direction. Pages in a pipe are pinned only while in flight, but a stalled reader keeps the
+  // whole pipe full: 128 KiB (32 slots) moves eight TLS records per splice without letting 10k stalled
+  // connections pin more than ~2.5 GiB.
+  static constexpr size_t kSplicePipeBytes = 128 * 1024;
+  // Staged bytes waiting to be sent before the source is read again.
+  static constexpr size_t kMaxStagedBytes = 64 * 1024;
+
+ private:
+  size_t out_pending() const { return out_.size() - out_sent_; }
+  size_t queued() const { return stage_ ? out_pending() : buffer_.readable(); }
+  bool fill();
+  bool splice_from_source();
+  bool read_source_record();
+  bool write_sink();
+  bool splice_to_sink();
+  // Both ends can splice and the connection allows it: the pipe takes over (false when closed).
+  bool start_splice_if_possible(bool* started);
+  bool received(const IoResult& r);
+  bool source_ended();
+
+  Transport* source_;
+  Transport* sink_;
+  ByteBuffer buffer_;
+  Hooks hooks_;
+  Stage stage_;
+  std::string out_;  // staged bytes for the sink; what was sent leaves the front (compact)
+  size_t out_sent_ = 0;
+  // kMoving: the source is read. kDraining: it sent its last byte, what is left goes out. kDone: the sink
+  // was told (FIN, close_notify).
+  enum class State { kMoving, kDraining, kDone };
+  State state_ = State::kMoving;
+  // kCopying until both ends can splice and the connection allows it; kRefused when that failed (for good).
+  enum class Splice { kCopying, kRunning, kRefused };
+  Splice splice_ = Splice::kCopying;
+  std::unique_ptr<SplicePipe> pipe_;  // set while kRunning
+  bool read_filled_ = false;  // the last read stopped for room, not for want of input
+  // splice stopped at a non-data TLS record while the pipe still held earlier bytes: the record is read
+  // (recvmsg) only once those are delivered, so the order of the stream is kept.
+  bool record_waits_ = false;
+};
+
+}  // namespace sg

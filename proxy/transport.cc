@@ -1,0 +1,153 @@
+#include "proxy/transport.h"
+
+#include <openssl/err.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/log.h"
+#include "proxy/tls.h"
+
+namespace sg {
+namespace {
+
+// A socket call that failed: would-block (retry when polled) or an error that says how.
+IoResult errno_result(ssize_t n) {
+  if (n == 0) return IoResult::eof();
+  if (errno == EAGAIN || errno == EINTR) return IoResult::would_block();
+  return IoResult::error(std::strerror(errno));
+}
+
+// The peer left without close_notify (or the socket was reset to silence) counts as finishing, as before
+// kTLS: browsers routinely close without one.
+bool ssl_finished(int err) { return err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0); }
+
+}  // namespace
+
+IoResult Transport::splice_in(SplicePipe& pipe) {
+  ssize_t n = pipe.fill(fd());
+  if (n > 0) return IoResult::ok(static_cast<size_t>(n));
+  // kTLS: the next record is not application data (an alert, a post-handshake message); splice cannot
+  // carry it.
+  if (n < 0 && errno == EINVAL) return {IoResult::Status::kNotData, 0, {}, {}};
+  return errno_result(n);
+}
+
+IoResult Transport::splice_out(SplicePipe& pipe) {
+  // kTLS: the kernel cuts the spliced bytes into TLS records as it sends them.
+  ssize_t n = pipe.drain(fd());
+  if (n >= 0) return IoResult::ok(static_cast<size_t>(n));
+  return errno_result(n);
+}
+
+IoResult Transport::read_record(std::span<char>) { return IoResult::error("no TLS records on this transport"); }
+
+IoResult TcpTransport::read(std::span<char> into) {
+  ssize_t n = ::recv(fd_, into.data(), into.size(), 0);
+  if (n > 0) return IoResult::ok(static_cast<size_t>(n));
+  return errno_result(n);
+}
+
+IoResult TcpTransport::write(std::span<const char> from) {
+  ssize_t n = ::send(fd_, from.data(), from.size(), MSG_NOSIGNAL);
+  if (n >= 0) return IoResult::ok(static_cast<size_t>(n));
+  return errno_result(-1);
+}
+
+bool TcpTransport::shutdown_write() {
+  ::shutdown(fd_, SHUT_WR);
+  return true;
+}
+
+IoResult TlsTransport::read(std::span<char> into) {
+  int n = 0;
+  size_t got = 0;
+  while (got < into.size()) {
+    ERR_clear_error();
+    n = SSL_read(ssl_, into.data() + got, static_cast<int>(into.size() - got));
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+    if (rx_handover_ != RxHandover::kNone) break;  // the kernel may take over at the next record boundary
+  }
+  if (n > 0) return IoResult::ok(got);  // stopped for room; an EOF or error behind the data comes next time
+  int err = SSL_get_error(ssl_, n);
+  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return IoResult::would_block(got);
+  if (ssl_finished(err)) return IoResult::eof(got);
+  IoResult failed = IoResult::error(take_ssl_error());
+  failed.bytes = got;
+  return failed;
+}
+
+IoResult TlsTransport::write(std::span<const char> from) {
+  ERR_clear_error();
+  int n = SSL_write(ssl_, from.data(), static_cast<int>(from.size()));
+  if (n > 0) return IoResult::ok(static_cast<size_t>(n));
+  int err = SSL_get_error(ssl_, n);
+  if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return IoResult::would_block();
+  return IoResult::error(err == SSL_ERROR_SYSCALL ? std::strerror(errno) : take_ssl_error());
+}
+
+bool TlsTransport::shutdown_write() {
+  ERR_clear_error();
+  int r = SSL_shutdown(ssl_);
+  if (r < 0) {
+    int err = SSL_get_error(ssl_, r);
+    if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return false;
+  }
+  ::shutdown(fd_, SHUT_WR);
+  return true;
+}
+
+void TlsTransport::plan_ktls() {
+  ktls_tx_ = BIO_get_ktls_send(SSL_get_wbio(ssl_));
+  if (BIO_get_ktls_recv(SSL_get_rbio(ssl_))) rx_handover_ = RxHandover::kOffloadedByOpenSsl;
+  else if (ktls_tx_ && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
+}
+
+Transport::SpliceIn TlsTransport::splice_in_state() const {
+  if (rx_spliced_) return SpliceIn::kReady;
+  // OpenSSL has handed out every byte it read only when it holds none: the socket is at a record boundary.
+  if (rx_handover_ != RxHandover::kNone && !has_buffered_input()) return SpliceIn::kNotYet;
+  return SpliceIn::kNever;
+}
+
+Status TlsTransport::start_splice_in() {
+  RxHandover how = std::exchange(rx_handover_, RxHandover::kNone);
+  if (how == RxHandover::kInstallTls13Key) {
+    if (auto st = tracker_->install_tls13_rx(ssl_, fd_); !st)
+      return fail(st.error(), "TLS 1.3 receive not handed to the kernel: " + st.message());
+  }
+  rx_spliced_ = true;
+  return {};
+}
+
+IoResult TlsTransport::read_record(std::span<char> into) {
+  uint8_t type = 0;
+  ssize_t n = recv_tls_record(fd_, into.data(), into.size(), &type);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EINTR) return IoResult::would_block();
+    return IoResult::error(std::string("kTLS receive: ") + std::strerror(errno));
+  }
+  if (n == 0) return IoResult::eof();
+  const auto* record = reinterpret_cast<const unsigned char*>(into.data());
+  switch (type) {
+    case SSL3_RT_APPLICATION_DATA:
+      return IoResult::ok(static_cast<size_t>(n));
+    case SSL3_RT_ALERT:
+      if (n >= 2 && record[1] == SSL_AD_CLOSE_NOTIFY) return IoResult::eof();
+      if (n >= 2 && record[1] == SSL_AD_USER_CANCELLED) return IoResult::would_block();  // a close_notify follows
+      return IoResult::error(std::string("TLS alert from the client: ") +
+                                 SSL_alert_desc_string_long(n >= 2 ? record[1] : 0),
+                             TerminationCause::kClientClosed);
+    case SSL3_RT_HANDSHAKE:
+      if (record[0] == SSL3_MT_KEY_UPDATE)
+        return IoResult::error("the client sent a TLS 1.3 KeyUpdate; this kernel cannot rekey kTLS",
+                               TerminationCause::kKtlsKeyUpdate);
+      return IoResult::error(fmt::format("unexpected TLS handshake message {} after the handshake", record[0]));
+    default:
+      return IoResult::error(fmt::format("unexpected TLS record type {}", type));
+  }
+}
+
+}  // namespace sg

@@ -1,0 +1,132 @@
+// The two ends of a forwarded connection as one small interface, after HAProxy's `struct xprt_ops`
+// (rcv_buf/snd_buf/rcv_pipe/snd_pipe): the forwarder moves bytes from a source transport to a sink
+// transport without knowing what they are, and splice is a capability a transport has or not.
+//   TcpTransport  the sandbox's socket (TCP, a unix socket, vsock): read/write are recv/send, splice
+//                 always works.
+//   TlsTransport  the client's socket: SSL_read/SSL_write. With kTLS the kernel does the record crypto:
+//                 transmit offloaded means bytes can splice out into the socket; receive is handed over
+//                 after the request head (proxy/ktls.h), from then on bytes splice in from it, and a record
+//                 that is not application data is read with recvmsg (read_record).
+#pragma once
+
+#include <openssl/ssl.h>
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "common/error.h"
+#include "proxy/access_log.h"
+#include "proxy/ktls.h"
+#include "proxy/splice_pipe.h"
+
+namespace sg {
+
+// What one read, write or splice on a transport did.
+struct IoResult {
+  enum class Status {
+    kOk,          // moved `bytes`; more may be moved at once
+    kWouldBlock,  // moved `bytes` (perhaps 0), then the socket would block: poll says when to retry
+    kEof,         // moved `bytes`, then the peer finished sending
+    kError,       // failed (`detail` says how); `bytes` moved before the failure still count
+    kNotData,     // kTLS splice stopped at a record that is not application data: read_record() takes it
+  };
+  Status status = Status::kOk;
+  size_t bytes = 0;
+  std::string detail;
+  // Set when the transport knows why the connection must end (a TLS alert, a KeyUpdate kTLS cannot follow);
+  // unset: an I/O failure of that side.
+  std::optional<TerminationCause> cause;
+
+  static IoResult ok(size_t n) { return {Status::kOk, n, {}, {}}; }
+  static IoResult would_block(size_t n = 0) { return {Status::kWouldBlock, n, {}, {}}; }
+  static IoResult eof(size_t n = 0) { return {Status::kEof, n, {}, {}}; }
+  static IoResult error(std::string detail, std::optional<TerminationCause> cause = std::nullopt) {
+    return {Status::kError, 0, std::move(detail), cause};
+  }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int fd() const = 0;
+  virtual IoResult read(std::span<char> into) = 0;
+  virtual IoResult write(std::span<const char> from) = 0;
+  // Tells the peer this side sends no more (TLS: close_notify, then FIN). False: retry once writable.
+  virtual bool shutdown_write() = 0;
+  // Input taken from the socket but not yet returned by read (TLS records inside OpenSSL): poll() never
+  // reports it, so whoever stops reading with some must come back without waiting for the socket.
+  virtual bool has_buffered_input() const { return false; }
+
+  // Splice. Out (pipe -> socket) is there from the start or never; in (socket -> pipe) may become
+  // possible later (kTLS receive is handed to the kernel at a record boundary, after the request head).
+  enum class SpliceIn { kNever, kNotYet, kReady };
+  virtual bool can_splice_out() const { return false; }
+  virtual SpliceIn splice_in_state() const { return SpliceIn::kNever; }
+  // kNotYet -> kReady (now: the socket is at a record boundary). On failure splice_in_state() is kNever.
+  virtual Status start_splice_in() { return {}; }
+  // kNotYet -> kNever: the caller will not splice after all (it has no pipe).
+  virtual void give_up_splice_in() {}
+  IoResult splice_in(SplicePipe& pipe);
+  IoResult splice_out(SplicePipe& pipe);
+  // After splice_in returned kNotData: that record, read with recvmsg into `into` (at least 16 KiB).
+  virtual IoResult read_record(std::span<char> into);
+};
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(int fd) : fd_(fd) {}
+  int fd() const override { return fd_; }
+  IoResult read(std::span<char> into) override;
+  IoResult write(std::span<const char> from) override;
+  bool shutdown_write() override;
+  bool can_splice_out() const override { return true; }
+  SpliceIn splice_in_state() const override { return SpliceIn::kReady; }
+
+ private:
+  int fd_;  // owned by the connection
+};
+
+class TlsTransport final : public Transport {
+ public:
+  // `ssl` is set up on `fd` and owned by this transport; `tracker` (for the TLS 1.3 receive handover)
+  // is attached to it when kTLS is possible.
+  TlsTransport(SSL* ssl, int fd, KtlsRxTracker* tracker) : ssl_(ssl), fd_(fd), tracker_(tracker) {}
+  ~TlsTransport() override { SSL_free(ssl_); }
+  TlsTransport(const TlsTransport&) = delete;
+  TlsTransport& operator=(const TlsTransport&) = delete;
+
+  SSL* ssl() const { return ssl_; }
+  int fd() const override { return fd_; }
+  // SSL_read until `into` is full or the socket is dry: SSL_read returns one record at a time, and the
+  // sandbox should get one large send instead of one per record. While receive waits to be handed to the
+  // kernel, one record at a time, so the handover can happen at any record boundary.
+  IoResult read(std::span<char> into) override;
+  IoResult write(std::span<const char> from) override;
+  bool shutdown_write() override;
+  bool has_buffered_input() const override { return SSL_has_pending(ssl_) == 1; }
+
+  // After the handshake: what the kernel took over. Transmit offloaded by OpenSSL makes splice out
+  // possible; receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3.
+  void plan_ktls();
+  bool ktls_tx() const { return ktls_tx_; }
+  // Receive is (or will be) the kernel's.
+  bool ktls_rx_planned() const { return rx_handover_ != RxHandover::kNone || rx_spliced_; }
+  bool can_splice_out() const override { return ktls_tx_; }
+  SpliceIn splice_in_state() const override;
+  Status start_splice_in() override;
+  void give_up_splice_in() override { rx_handover_ = RxHandover::kNone; }
+  IoResult read_record(std::span<char> into) override;
+
+ private:
+  enum class RxHandover { kNone, kOffloadedByOpenSsl, kInstallTls13Key };
+  SSL* ssl_;
+  int fd_;
+  KtlsRxTracker* tracker_;
+  bool ktls_tx_ = false;
+  RxHandover rx_handover_ = RxHandover::kNone;
+  bool rx_spliced_ = false;
+};
+
+}  // namespace sg

@@ -1,0 +1,165 @@
+// One Direction between two TcpTransports over socketpairs, driven by calling move() (no loop): bytes
+// arrive in order copied or spliced, what the buffer held goes before the pipe, a stage sees every byte,
+// EOF shuts the sink once everything is delivered, and a failing sink is reported.
+#include "proxy/forwarder.h"
+
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <string>
+
+#include "common/fd.h"
+
+namespace sg {
+namespace {
+
+struct Pair {
+  UniqueFd ours;    // the direction's end
+  UniqueFd theirs;  // the test's end
+};
+
+Pair socket_pair() {
+  int sv[2];
+  EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+  return {UniqueFd(sv[0]), UniqueFd(sv[1])};
+}
+
+std::string pattern(size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>('a' + i % 23);
+  return s;
+}
+
+struct Events {
+  size_t received = 0;
+  bool finished = false;
+  bool sink_failed = false;
+  std::string sink_detail;
+};
+
+class DirectionTest : public ::testing::Test {
+ protected:
+  void make(bool may_splice, ByteBuffer buffer = ByteBuffer(4096)) {
+    Direction::Hooks hooks{
+        .received = [this](size_t n) { events_.received += n; },
+        .source_finished =
+            [this] {
+              events_.finished = true;
+              return true;
+            },
+        .source_failed = [](IoResult r) -> bool {
+          ADD_FAILURE() << "source failed: " << r.detail;
+          return false;
+        },
+        .sink_failed =
+            [this](IoResult r) {
+              events_.sink_failed = true;
+              events_.sink_detail = r.detail;
+              return false;
+            },
+        .may_splice = [may_splice] { return may_splice; },
+        .splice_refused = [](std::string why) -> bool {
+          ADD_FAILURE() << "splice refused: " << why;
+          return false;
+        },
+    };
+    dir_ = std::make_unique<Direction>(&source_, &sink_, std::move(buffer), std::move(hooks));
+  }
+
+  // Writes `data` into the source while moving, and reads the sink until `want` bytes or EOF.
+  std::string pass(const std::string& data, size_t want) {
+    std::string got;
+    size_t sent = 0;
+    for (int spins = 0; spins < 100000 && got.size() < want; ++spins) {
+      if (sent < data.size()) {
+        ssize_t n = ::send(src_.theirs.get(), data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+        if (n > 0) sent += static_cast<size_t>(n);
+      }
+      EXPECT_TRUE(dir_->move());
+      char buf[65536];
+      ssize_t n = ::recv(dst_.theirs.get(), buf, sizeof buf, 0);
+      if (n > 0) got.append(buf, static_cast<size_t>(n));
+      if (n == 0) break;
+    }
+    return got;
+  }
+
+  Pair src_ = socket_pair();
+  Pair dst_ = socket_pair();
+  TcpTransport source_{src_.ours.get()};
+  TcpTransport sink_{dst_.ours.get()};
+  Events events_;
+  std::unique_ptr<Direction> dir_;
+};
+
+TEST_F(DirectionTest, CopiesInOrderAndShutsTheSinkAfterTheSourceEnds) {
+  make(/*may_splice=*/false);
+  const std::string data = pattern(1 << 20);
+  EXPECT_EQ(pass(data, data.size()), data);
+  EXPECT_FALSE(dir_->spliced());
+  EXPECT_EQ(events_.received, data.size());
+  src_.theirs.reset();  // EOF
+  ASSERT_TRUE(dir_->move());
+  EXPECT_TRUE(events_.finished);
+  EXPECT_TRUE(dir_->source_done());
+  dir_->shut_sink_when_done();
+  EXPECT_TRUE(dir_->sink_shut());
+  char byte;
+  EXPECT_EQ(::recv(dst_.theirs.get(), &byte, 1, 0), 0) << "FIN to the sink";
+  EXPECT_FALSE(dir_->wants_source_readable());
+  EXPECT_FALSE(dir_->wants_sink_writable());
+}
+
+TEST_F(DirectionTest, SplicesWhenBothEndsCanAndTheBufferGoesFirst) {
+  ByteBuffer head(4096);
+  const std::string first = "what the buffer held";
+  std::memcpy(head.write_ptr(), first.data(), first.size());
+  head.produced(first.size());
+  make(/*may_splice=*/true, std::move(head));
+  const std::string data = pattern(1 << 20);
+  EXPECT_EQ(pass(data, first.size() + data.size()), first + data);
+  EXPECT_TRUE(dir_->spliced());
+  EXPECT_EQ(events_.received, data.size()) << "the buffer's bytes were counted by whoever filled it";
+  EXPECT_EQ(dir_->pending(), 0u);
+}
+
+TEST_F(DirectionTest, AStageSeesEveryByteAndWhatItWritesIsSent) {
+  make(/*may_splice=*/false);  // the connection allows no splice while a stage must read every byte
+  dir_->set_stage([](std::string_view in, std::string& out) {
+    for (char c : in) out.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+    return true;
+  });
+  const std::string data = pattern(200000);
+  std::string upper = data;
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  EXPECT_EQ(pass(data, data.size()), upper);
+}
+
+TEST_F(DirectionTest, AFailingSinkIsReported) {
+  make(/*may_splice=*/false);
+  dst_.theirs.reset();
+  const std::string data = "for nobody";
+  ASSERT_EQ(::send(src_.theirs.get(), data.data(), data.size(), MSG_NOSIGNAL), static_cast<ssize_t>(data.size()));
+  EXPECT_FALSE(dir_->move());
+  EXPECT_TRUE(events_.sink_failed);
+  EXPECT_FALSE(events_.sink_detail.empty());
+}
+
+TEST_F(DirectionTest, StopsReadingWhenTheBufferIsFull) {
+  make(/*may_splice=*/false, ByteBuffer(16));
+  const std::string data = pattern(64);
+  ASSERT_EQ(::send(src_.theirs.get(), data.data(), data.size(), MSG_NOSIGNAL), 64);
+  // A sink that takes nothing: shrink its peer's window by filling it first.
+  std::string filler(1 << 20, 'f');
+  while (::send(dst_.ours.get(), filler.data(), filler.size(), MSG_NOSIGNAL) > 0) {
+  }
+  ASSERT_TRUE(dir_->move());
+  EXPECT_EQ(events_.received, 16u);
+  EXPECT_EQ(dir_->pending(), 16u);
+  EXPECT_FALSE(dir_->wants_source_readable()) << "no room: the source is not polled";
+  EXPECT_TRUE(dir_->wants_sink_writable());
+}
+
+}  // namespace
+}  // namespace sg

@@ -1,0 +1,178 @@
+// The transports over real sockets: TcpTransport's results (data, would-block, EOF, error) and splice
+// capability, and TlsTransport (userspace TLS, no kTLS on this host) against an OpenSSL client over a
+// socketpair: reads fill the span across records, close_notify is EOF, shutdown_write sends one, and it
+// has no splice capability without kTLS.
+#include "proxy/transport.h"
+
+#include <gtest/gtest.h>
+#include <openssl/err.h>
+#include <sys/socket.h>
+
+#include <string>
+
+#include "common/fd.h"
+#include "tests/unit/test_cert.h"
+
+namespace sg {
+namespace {
+
+struct Pair {
+  UniqueFd a;
+  UniqueFd b;
+};
+
+Pair socket_pair() {
+  int sv[2];
+  EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+  return {UniqueFd(sv[0]), UniqueFd(sv[1])};
+}
+
+TEST(TcpTransport, ReadWriteEofAndErrors) {
+  Pair p = socket_pair();
+  TcpTransport t(p.a.get());
+  char buf[64];
+  EXPECT_EQ(t.read(buf).status, IoResult::Status::kWouldBlock);
+  IoResult w = t.write(std::string_view("hello"));
+  EXPECT_EQ(w.status, IoResult::Status::kOk);
+  EXPECT_EQ(w.bytes, 5u);
+  ASSERT_EQ(::send(p.b.get(), "world", 5, MSG_NOSIGNAL), 5);
+  IoResult r = t.read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_EQ(std::string(buf, r.bytes), "world");
+  EXPECT_TRUE(t.shutdown_write());
+  char got[8];
+  EXPECT_EQ(::recv(p.b.get(), got, sizeof got, 0), 5);
+  EXPECT_EQ(::recv(p.b.get(), got, sizeof got, 0), 0) << "FIN";
+  p.b.reset();
+  EXPECT_EQ(t.read(buf).status, IoResult::Status::kEof);
+  IoResult failed = t.write(std::string_view("to nobody"));
+  EXPECT_EQ(failed.status, IoResult::Status::kError);
+  EXPECT_FALSE(failed.detail.empty());
+  EXPECT_FALSE(failed.cause) << "an I/O failure: the connection decides the cause";
+  // A plain socket splices both ways from the start.
+  EXPECT_TRUE(t.can_splice_out());
+  EXPECT_EQ(t.splice_in_state(), Transport::SpliceIn::kReady);
+}
+
+TEST(TcpTransport, SplicesThroughAPipe) {
+  Pair in = socket_pair();
+  Pair out = socket_pair();
+  TcpTransport source(in.a.get());
+  TcpTransport sink(out.a.get());
+  auto pipe = SplicePipe::create(64 * 1024);
+  ASSERT_TRUE(pipe);
+  ASSERT_EQ(::send(in.b.get(), "spliced", 7, MSG_NOSIGNAL), 7);
+  IoResult r = source.splice_in(**pipe);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_EQ(r.bytes, 7u);
+  EXPECT_EQ(sink.splice_out(**pipe).bytes, 7u);
+  char got[16];
+  EXPECT_EQ(std::string(got, static_cast<size_t>(::recv(out.b.get(), got, sizeof got, 0))), "spliced");
+  EXPECT_EQ(source.splice_in(**pipe).status, IoResult::Status::kWouldBlock);
+  in.b.reset();
+  EXPECT_EQ(source.splice_in(**pipe).status, IoResult::Status::kEof);
+  EXPECT_EQ(source.read_record(got).status, IoResult::Status::kError) << "no TLS records on TCP";
+}
+
+class TlsTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ctx_ = SSL_CTX_new(TLS_server_method());
+    SSL_CTX_use_certificate(server_ctx_, cert_.cert);
+    SSL_CTX_use_PrivateKey(server_ctx_, cert_.key);
+    client_ctx_ = SSL_CTX_new(TLS_client_method());
+    SSL* server = SSL_new(server_ctx_);
+    SSL_set_fd(server, pair_.a.get());
+    SSL_set_accept_state(server);
+    transport_ = std::make_unique<TlsTransport>(server, pair_.a.get(), &tracker_);
+    client_ = SSL_new(client_ctx_);
+    SSL_set_fd(client_, pair_.b.get());
+    SSL_set_connect_state(client_);
+    // Both ends are non-blocking: step them in turn until both are done.
+    bool server_done = false;
+    bool client_done = false;
+    for (int i = 0; i < 100 && !(server_done && client_done); ++i) {
+      if (!server_done) server_done = SSL_do_handshake(server) == 1;
+      if (!client_done) client_done = SSL_do_handshake(client_) == 1;
+    }
+    ASSERT_TRUE(server_done && client_done);
+    transport_->plan_ktls();
+  }
+  void TearDown() override {
+    transport_.reset();
+    SSL_free(client_);
+    SSL_CTX_free(client_ctx_);
+    SSL_CTX_free(server_ctx_);
+  }
+
+  // The client's side: sends (a non-blocking write of a few KiB into an empty socket buffer completes).
+  void client_sends(std::string_view data) {
+    ASSERT_EQ(SSL_write(client_, data.data(), static_cast<int>(data.size())), static_cast<int>(data.size()));
+  }
+  std::string client_reads() {
+    std::string got;
+    char buf[4096];
+    int n;
+    while ((n = SSL_read(client_, buf, sizeof buf)) > 0) got.append(buf, static_cast<size_t>(n));
+    return got;
+  }
+
+  test_support::TestCert cert_;
+  Pair pair_ = socket_pair();
+  KtlsRxTracker tracker_;
+  SSL_CTX* server_ctx_ = nullptr;
+  SSL_CTX* client_ctx_ = nullptr;
+  SSL* client_ = nullptr;
+  std::unique_ptr<TlsTransport> transport_;
+};
+
+TEST_F(TlsTransportTest, ReadsAcrossRecordsUntilTheSocketIsDry) {
+  client_sends("one record, ");
+  client_sends("and another");
+  char buf[256];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kWouldBlock) << "dry after both records";
+  EXPECT_EQ(std::string(buf, r.bytes), "one record, and another");
+  // A span smaller than what came: full, the rest stays inside OpenSSL (poll cannot see it).
+  client_sends("0123456789");
+  char small[4];
+  r = transport_->read(small);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_EQ(std::string(small, r.bytes), "0123");
+  EXPECT_TRUE(transport_->has_buffered_input());
+}
+
+TEST_F(TlsTransportTest, WritesAndShutsDownWithCloseNotify) {
+  IoResult w = transport_->write(std::string_view("to the client"));
+  EXPECT_EQ(w.status, IoResult::Status::kOk);
+  EXPECT_TRUE(transport_->shutdown_write());
+  EXPECT_EQ(client_reads(), "to the client");
+  EXPECT_EQ(SSL_get_error(client_, 0), SSL_ERROR_ZERO_RETURN) << "close_notify";
+}
+
+TEST_F(TlsTransportTest, CloseNotifyIsEofWithTheBytesBeforeIt) {
+  client_sends("last words");
+  SSL_shutdown(client_);
+  char buf[256];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kEof);
+  EXPECT_EQ(std::string(buf, r.bytes), "last words") << "the bytes before close_notify come with it";
+}
+
+TEST_F(TlsTransportTest, ABrokenRecordIsAnError) {
+  ASSERT_EQ(::send(pair_.b.get(), "\x17\x03\x03\x00\x05hello", 10, MSG_NOSIGNAL), 10);
+  char buf[256];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kError);
+  EXPECT_FALSE(r.detail.empty());
+}
+
+TEST_F(TlsTransportTest, NoSpliceWithoutKtls) {
+  EXPECT_FALSE(transport_->ktls_tx());
+  EXPECT_FALSE(transport_->ktls_rx_planned());
+  EXPECT_FALSE(transport_->can_splice_out());
+  EXPECT_EQ(transport_->splice_in_state(), Transport::SpliceIn::kNever);
+}
+
+}  // namespace
+}  // namespace sg
