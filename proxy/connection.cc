@@ -47,6 +47,9 @@ class Connection::Phase {
   virtual int upstream_interest() const { return 0; }
   virtual void on_client() {}
   virtual void on_upstream(int /*status*/) {}
+  // poll() reported the socket readable, before on_client()/on_upstream() of the same event.
+  virtual void client_readable() {}
+  virtual void upstream_readable() {}
   // Its deadline passed (arm_deadline).
   virtual void on_deadline() { c_.close(c_.deadline_cause_); }
   // Why the connection ended when the client's socket fails while this phase polls it.
@@ -136,6 +139,8 @@ class Connection::ForwardPhase final : public Phase {
   }
   void on_client() override { pump(); }
   void on_upstream(int status) override;
+  void client_readable() override { c2u_.source_readable(); }
+  void upstream_readable() override { u2c_.source_readable(); }
   TerminationCause client_failure_cause() const override { return TerminationCause::kClientReset; }
 
   // HTTP routes: every client byte goes through the request filter of the connection's protocol.
@@ -300,8 +305,8 @@ void Connection::update_interest() {
   if (phase() == PhaseKind::kClosed) return;
   const int want_client = phase_->client_interest();
   const int want_upstream = phase_->upstream_interest();
-  auto client_cb = [](uv_poll_t* p, int st, int) { static_cast<Connection*>(p->data)->on_client_io(st); };
-  auto upstream_cb = [](uv_poll_t* p, int st, int) { static_cast<Connection*>(p->data)->on_upstream_io(st); };
+  auto client_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_client_io(st, ev); };
+  auto upstream_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_upstream_io(st, ev); };
   if (want_client != client_events_) {
     client_events_ = want_client;
     if (want_client) uv_poll_start(&client_poll_, want_client, client_cb);
@@ -314,14 +319,16 @@ void Connection::update_interest() {
   }
 }
 
-void Connection::on_client_io(int status) {
+void Connection::on_client_io(int status, int events) {
   drop_left_phases();
   if (status < 0) return close(phase_->client_failure_cause(), uv_strerror(status));
+  if (events & UV_READABLE) phase_->client_readable();
   phase_->on_client();
 }
 
-void Connection::on_upstream_io(int status) {
+void Connection::on_upstream_io(int status, int events) {
   drop_left_phases();
+  if (status == 0 && (events & UV_READABLE)) phase_->upstream_readable();
   phase_->on_upstream(status);
 }
 

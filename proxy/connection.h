@@ -78,8 +78,8 @@ class Connection {
   // At the start of every event: the phases left during earlier ones are no longer running.
   void drop_left_phases();
 
-  void on_client_io(int status);
-  void on_upstream_io(int status);
+  void on_client_io(int status, int events);
+  void on_upstream_io(int status, int events);
   void on_deadline();
   void on_idle_timer();
   void arm_deadline(uint32_t ms, TerminationCause cause);

@@ -84,6 +84,7 @@ bool Direction::fill() {
     // The pipe fills only once the buffer is delivered.
     if (started && !has_room()) return true;
   }
+  if (!source_ready_ && !source_->has_buffered_input()) return true;
   if (pipe_) return splice_from_source();
   buffer_.make_room();
   IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
@@ -93,6 +94,7 @@ bool Direction::fill() {
 }
 
 bool Direction::received(const IoResult& r) {
+  if (r.status == IoResult::Status::kWouldBlock && !r.waits_for_writable) source_ready_ = false;
   if (r.bytes > 0) hooks_.received(r.bytes);
   switch (r.status) {
     case IoResult::Status::kOk:

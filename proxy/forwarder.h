@@ -90,6 +90,9 @@ class Direction {
   // Reading the source can make progress.
   bool has_room() const;
   bool wants_source_readable() const { return state_ == State::kMoving && has_room(); }
+  // poll() reported the source readable. Until then, after a read that would have blocked, the source is
+  // not read again: an idle direction (the client during a download) costs no failed read per pump.
+  void source_readable() { source_ready_ = true; }
   bool wants_sink_writable() const { return pending() > 0 || state_ == State::kDraining; }
   // The last read stopped for room while the source holds input poll() does not report.
   bool hidden_input() const {
@@ -123,6 +126,7 @@ class Direction {
   Stage stage_;
   std::string out_;  // staged bytes for the sink; what was sent leaves the front (compact)
   size_t out_sent_ = 0;
+  bool source_ready_ = true;  // the source may have input (see source_readable)
   // kMoving: the source is read. kDraining: it sent its last byte, what is left goes out. kDone: the sink
   // was told (FIN, close_notify).
   enum class State { kMoving, kDraining, kDone };

@@ -72,7 +72,8 @@ IoResult TlsTransport::read(std::span<char> into) {
   }
   if (n > 0) return IoResult::ok(got);  // stopped for room; an EOF or error behind the data comes next time
   int err = SSL_get_error(ssl_, n);
-  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return IoResult::would_block(got);
+  if (err == SSL_ERROR_WANT_READ) return IoResult::would_block(got);
+  if (err == SSL_ERROR_WANT_WRITE) return IoResult::would_block_on_write(got);
   if (ssl_finished(err)) return IoResult::eof(got);
   IoResult failed = IoResult::error(take_ssl_error());
   failed.bytes = got;

@@ -38,9 +38,16 @@ struct IoResult {
   // Set when the transport knows why the connection must end (a TLS alert, a KeyUpdate kTLS cannot follow);
   // unset: an I/O failure of that side.
   std::optional<TerminationCause> cause;
+  bool waits_for_writable = false;  // kWouldBlock: retry when writable, not when readable
 
   static IoResult ok(size_t n) { return {Status::kOk, n, {}, {}}; }
   static IoResult would_block(size_t n = 0) { return {Status::kWouldBlock, n, {}, {}}; }
+  // Would block until the socket is writable (a TLS read that must send first): readability says nothing.
+  static IoResult would_block_on_write(size_t n = 0) {
+    IoResult r{Status::kWouldBlock, n, {}, {}};
+    r.waits_for_writable = true;
+    return r;
+  }
   static IoResult eof(size_t n = 0) { return {Status::kEof, n, {}, {}}; }
   static IoResult error(std::string detail, std::optional<TerminationCause> cause = std::nullopt) {
     return {Status::kError, 0, std::move(detail), cause};
