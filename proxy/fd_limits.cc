@@ -5,7 +5,13 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "proxy/route_cache.h"
+
 namespace sg {
+
+uint32_t spare_sockets_for_fd_limit(uint64_t nofile, unsigned workers) {
+  return static_cast<uint32_t>(std::min<uint64_t>(nofile / 16 / std::max(workers, 1u), RouteCache::kDefaultMaxSpares));
+}
 
 uint32_t max_connections_for_fd_limit(uint64_t nofile) {
   if (nofile <= kReservedFds + kFdsPerConnection) return 1;

@@ -23,6 +23,11 @@ inline constexpr uint64_t kReservedFds = 64;
 // backs off). 1024 -> 160.
 uint32_t max_connections_for_fd_limit(uint64_t nofile);
 
+// Spare sockets each of `workers` route caches may hold (proxy/route_cache.h): a sixteenth of the limit
+// shared by the workers, at most RouteCache's default of 512 each. They come out of what connections get:
+// max_connections_for_fd_limit(nofile - workers * spares). 1024 with 2 workers -> 32 each.
+uint32_t spare_sockets_for_fd_limit(uint64_t nofile, unsigned workers);
+
 struct FdLimit {
   uint64_t soft = 0;
   uint64_t hard = 0;

@@ -122,10 +122,18 @@ int main(int argc, char** argv) {
     spdlog::error("{}", fd_limit.message());
     return 1;
   }
-  proxy.shared->fd_max_connections = sg::max_connections_for_fd_limit(fd_limit->soft);
+  const unsigned workers =
+      (*cfg)->proxy.workers ? (*cfg)->proxy.workers : std::max(1u, std::thread::hardware_concurrency());
+  proxy.shared->spare_sockets_per_worker =
+      (*cfg)->proxy.route_cache ? sg::spare_sockets_for_fd_limit(fd_limit->soft, workers) : 0;
+  const uint64_t spares = uint64_t{proxy.shared->spare_sockets_per_worker} * workers;
+  proxy.shared->fd_max_connections =
+      sg::max_connections_for_fd_limit(fd_limit->soft > spares ? fd_limit->soft - spares : 0);
   // max_connections may change on reload; the rlimit does not, so its share is fixed here.
-  spdlog::info("RLIMIT_NOFILE {} (hard {}) carries {} connections at {} fds each; effective max_connections {}",
+  spdlog::info("RLIMIT_NOFILE {} (hard {}) carries {} connections at {} fds each and {} spare sockets per "
+               "worker's route cache; effective max_connections {}",
                fd_limit->soft, fd_limit->hard, proxy.shared->fd_max_connections, sg::kFdsPerConnection,
+               proxy.shared->spare_sockets_per_worker,
                std::min((*cfg)->proxy.max_connections, proxy.shared->fd_max_connections));
   auto access_log = sg::AccessLog::open((*cfg)->proxy.access_log);
   if (!access_log) {
@@ -134,7 +142,7 @@ int main(int argc, char** argv) {
   }
   proxy.shared->access_log = std::move(*access_log);
 
-  unsigned n = (*cfg)->proxy.workers ? (*cfg)->proxy.workers : std::max(1u, std::thread::hardware_concurrency());
+  const unsigned n = workers;
   // Port 0 (tests) is resolved by the first worker's bind; the others join the same ports via SO_REUSEPORT.
   std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;
   for (unsigned i = 0; i < n; ++i) {

@@ -24,7 +24,10 @@ std::string client_address(const std::string& peer) { return peer.substr(0, peer
 }  // namespace
 
 Worker::Worker(int index, ProxyShared* shared, std::unique_ptr<NodeClient> node)
-    : index_(index), shared_(shared), reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
+    : index_(index),
+      shared_(shared),
+      routes_(kPortPolicyTtlMs, kMaxPortPolicies, shared->spare_sockets_per_worker),
+      reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
   uv_loop_init(&loop_);
   node_ = node ? std::move(node) : std::make_unique<UnixNodeClient>(&loop_, shared_);
 }

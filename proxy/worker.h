@@ -48,6 +48,9 @@ struct ProxyShared {
   // What RLIMIT_NOFILE carries (max_connections_for_fd_limit); the effective limit is the smaller of this
   // and proxy.max_connections. Set once before the workers start (the rlimit does not change on reload).
   uint32_t fd_max_connections = UINT32_MAX;
+  // Each worker's route cache holds at most this many spare sockets (spare_sockets_for_fd_limit); set with
+  // fd_max_connections, out of the same descriptor budget.
+  uint32_t spare_sockets_per_worker = RouteCache::kDefaultMaxSpares;
 
  private:
   std::atomic<std::shared_ptr<const ProxySnapshot>> snapshot_;
@@ -122,7 +125,7 @@ class Worker {
   uint32_t fd_shortage_pauses_ = 0;
   std::unordered_set<Connection*> connections_;
   WorkerTraffic traffic_;
-  RouteCache routes_{kPortPolicyTtlMs, kMaxPortPolicies};
+  RouteCache routes_;
   std::unique_ptr<NodeClient> node_;
   std::unique_ptr<NodeCall> route_stream_;
   uv_timer_t route_stream_retry_{};

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include "proxy/route_cache.h"
+
 namespace sg {
 namespace {
 
@@ -13,6 +15,10 @@ TEST(FdLimits, ConnectionsFollowTheDescriptorLimit) {
   EXPECT_EQ(max_connections_for_fd_limit(65536), 10912u);
   EXPECT_EQ(max_connections_for_fd_limit(0), 1u);
   EXPECT_EQ(max_connections_for_fd_limit(kReservedFds), 1u);
+  // The route caches' spares come out of the same budget.
+  EXPECT_EQ(spare_sockets_for_fd_limit(1024, 2), 32u);
+  EXPECT_EQ(spare_sockets_for_fd_limit(1u << 20, 2), RouteCache::kDefaultMaxSpares) << "capped";
+  EXPECT_EQ(spare_sockets_for_fd_limit(1024, 0), 64u) << "workers 0 counts as 1";
   EXPECT_EQ(max_connections_for_fd_limit(kReservedFds + 2 * kFdsPerConnection), 2u);
   // An unlimited soft limit saturates instead of wrapping.
   EXPECT_EQ(max_connections_for_fd_limit(RLIM_INFINITY), UINT32_MAX);
