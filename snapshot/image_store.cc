@@ -32,31 +32,9 @@ struct ArchiveReadFree {
 };
 using ReadArchive = std::unique_ptr<archive, ArchiveReadFree>;
 
-// "./a//b" -> "a/b"; nullopt for an absolute path or a ".." that would climb out of the archive root.
-std::optional<std::string> clean_member(std::string_view path) {
-  if (path.starts_with('/')) return std::nullopt;
-  std::vector<std::string_view> parts;
-  size_t i = 0;
-  while (i <= path.size()) {
-    size_t j = path.find('/', i);
-    if (j == std::string_view::npos) j = path.size();
-    std::string_view part = path.substr(i, j - i);
-    i = j + 1;
-    if (part.empty() || part == ".") continue;
-    if (part == "..") {
-      if (parts.empty()) return std::nullopt;
-      parts.pop_back();
-      continue;
-    }
-    parts.push_back(part);
-  }
-  std::string out;
-  for (std::string_view p : parts) {
-    if (!out.empty()) out += '/';
-    out += p;
-  }
-  return out;
-}
+// An archive member's name: old `docker save` links name "../<id>/layer.tar", so ".." is resolved, never above
+// the archive root.
+std::optional<std::string> clean_member(std::string_view path) { return normalize_relative(path, true); }
 
 // The outer archive's members, staged as files in a temp dir of the layer store (so a layer blob is then
 // renamed into the store, not copied). Links (old `docker save` links repeated layers) are kept as names.
@@ -206,6 +184,16 @@ struct Parsed {
   std::vector<LayerRef> layers;
 };
 
+// Fields of untrusted JSON read without json::value(), which throws when the field has another type.
+std::string string_field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+json any_field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  return it != obj.end() ? *it : json();
+}
+
 std::string blob_member(const std::string& digest) { return "blobs/sha256/" + digest.substr(7); }
 
 Result<std::vector<std::string>> string_array(const json& j, std::string_view field, const std::string& where) {
@@ -321,7 +309,7 @@ Result<json> pick_manifest(const Staged& staged, const json& index, const std::s
     if (chosen != nullptr) break;
     if (!d.is_object() || !d.contains("platform") || !d["platform"].is_object()) continue;
     const json& p = d["platform"];
-    if (p.value("os", "") == "linux" && p.value("architecture", "") == kArch) chosen = &d;
+    if (string_field(p, "os") == "linux" && string_field(p, "architecture") == kArch) chosen = &d;
   }
   if (chosen == nullptr)
     return fail(Error::kUnsupported, where + ": " + std::to_string(list.size()) +
@@ -399,19 +387,20 @@ Result<Image> from_json(const std::string& text, const std::string& where) {
       !j["config"].is_object())
     return bad();
   out.name = j["name"].get<std::string>();
-  out.format = j.value("format", "");
-  out.config_digest = j.value("config_digest", "");
+  out.format = string_field(j, "format");
+  out.config_digest = string_field(j, "config_digest");
   auto layers = string_array(j["layers"], "layers", where);
   if (!layers) return layers.failure();
   out.layers = std::move(*layers);
   const json& c = j["config"];
-  auto env = string_array(c.value("env", json()), "env", where);
-  auto entrypoint = string_array(c.value("entrypoint", json()), "entrypoint", where);
-  auto cmd = string_array(c.value("cmd", json()), "cmd", where);
+  auto env = string_array(any_field(c, "env"), "env", where);
+  auto entrypoint = string_array(any_field(c, "entrypoint"), "entrypoint", where);
+  auto cmd = string_array(any_field(c, "cmd"), "cmd", where);
   if (!env || !entrypoint || !cmd) return bad();
-  out.config = {std::move(*env), std::move(*entrypoint), std::move(*cmd), c.value("working_dir", "")};
-  out.size_bytes = j.value("size_bytes", uint64_t{0});
-  out.created_at_ms = j.value("created_at_ms", int64_t{0});
+  out.config = {std::move(*env), std::move(*entrypoint), std::move(*cmd), string_field(c, "working_dir")};
+  json size = any_field(j, "size_bytes"), created = any_field(j, "created_at_ms");
+  out.size_bytes = size.is_number_unsigned() ? size.get<uint64_t>() : 0;
+  out.created_at_ms = created.is_number_integer() ? created.get<int64_t>() : 0;
   return out;
 }
 

@@ -46,24 +46,9 @@ std::string archive_message(archive* a) {
   return m != nullptr ? m : "unknown libarchive error";
 }
 
-// A tar entry's path made relative to the layer root: "./a//b/" -> "a/b". nullopt for what must never be
-// written: an absolute path or a ".." component (either could land outside the layer). "" is the root itself.
-std::optional<std::string> clean_relative(std::string_view path) {
-  if (path.starts_with('/')) return std::nullopt;
-  std::string out;
-  size_t i = 0;
-  while (i <= path.size()) {
-    size_t j = path.find('/', i);
-    if (j == std::string_view::npos) j = path.size();
-    std::string_view part = path.substr(i, j - i);
-    i = j + 1;
-    if (part.empty() || part == ".") continue;
-    if (part == "..") return std::nullopt;
-    if (!out.empty()) out += '/';
-    out += part;
-  }
-  return out;
-}
+// A layer entry's path: "./a//b/" -> "a/b"; any ".." is refused (it could land outside the layer once a
+// symlink is involved), so is an absolute path.
+std::optional<std::string> clean_relative(std::string_view path) { return normalize_relative(path, false); }
 
 // Opens the directory `rel` under `root_fd` one component at a time with O_NOFOLLOW, so a symlink that an
 // earlier entry of the layer planted (say "etc -> /etc") can never redirect a whiteout out of the layer.
@@ -141,6 +126,31 @@ void drop_trusted_xattrs(archive_entry* e) {
 }
 
 }  // namespace
+
+std::optional<std::string> normalize_relative(std::string_view path, bool resolve_dotdot) {
+  if (path.starts_with('/')) return std::nullopt;
+  std::vector<std::string_view> parts;
+  size_t i = 0;
+  while (i <= path.size()) {
+    size_t j = path.find('/', i);
+    if (j == std::string_view::npos) j = path.size();
+    std::string_view part = path.substr(i, j - i);
+    i = j + 1;
+    if (part.empty() || part == ".") continue;
+    if (part == "..") {
+      if (!resolve_dotdot || parts.empty()) return std::nullopt;
+      parts.pop_back();
+      continue;
+    }
+    parts.push_back(part);
+  }
+  std::string out;
+  for (std::string_view p : parts) {
+    if (!out.empty()) out += '/';
+    out += p;
+  }
+  return out;
+}
 
 bool valid_digest(std::string_view digest) {
   if (!digest.starts_with(kSha256Prefix) || digest.size() != kSha256Prefix.size() + 64) return false;

@@ -145,6 +145,27 @@ TEST_F(ImageStoreTest, ImportsADockerSaveArchive) {
   EXPECT_TRUE(fs::is_empty(store_->layers().root() + "/tmp"));  // staging is cleaned up
 }
 
+// Old `docker save` writes a layer that repeats an earlier one as a symlink to it.
+TEST_F(ImageStoreTest, ALayerMemberThatIsASymlinkToAnotherIsFollowed) {
+  std::string tar = layer_tar(kBase);
+  std::string diff_id = testing::digest_of(tar);
+  std::string config = image_config({diff_id, diff_id}).dump();
+  json manifest = json::array({{{"Config", "config.json"}, {"Layers", {"l0/layer.tar", "l1/layer.tar"}}}});
+  ASSERT_TRUE(testing::write_tar(path("linked.tar"),
+                                 {testing::file("l0/layer.tar", testing::read_file(tar)),
+                                  testing::symlink("l1/layer.tar", "../l0/layer.tar"),
+                                  testing::file("config.json", config), testing::file("manifest.json", manifest.dump())}));
+  auto image = store_->import(path("linked.tar"), "linked");
+  ASSERT_TRUE(image) << image.message();
+  EXPECT_EQ(image->layers, (std::vector<std::string>{diff_id, diff_id}));
+  EXPECT_EQ(stored_layers(), 1u);
+
+  ASSERT_TRUE(testing::write_tar(path("out.tar"), {testing::symlink("manifest.json", "../../etc/passwd")}));
+  auto out = store_->import(path("out.tar"), "out");
+  ASSERT_FALSE(out);
+  EXPECT_NE(out.message().find("'manifest.json' is a symlink out of the archive"), std::string::npos) << out.message();
+}
+
 TEST_F(ImageStoreTest, ImportsAnOciLayoutWithCompressedLayers) {
   auto image = store_->import(oci_layout("oci.tar.gz", {kBase, kTop}), "oci:1");
   ASSERT_TRUE(image) << image.message();

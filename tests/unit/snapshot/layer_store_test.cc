@@ -183,6 +183,17 @@ TEST_F(LayerStoreTest, ReimportingALayerSharesTheStoredOne) {
   EXPECT_EQ(store_->remove(*a).error(), Error::kNotFound);
 }
 
+TEST(NormalizeRelative, CleansAndRefuses) {
+  EXPECT_EQ(normalize_relative("./a//b/", false), "a/b");
+  EXPECT_EQ(normalize_relative("./", false), "");
+  EXPECT_EQ(normalize_relative("a/../b", false), std::nullopt);
+  EXPECT_EQ(normalize_relative("a/../b", true), "b");
+  EXPECT_EQ(normalize_relative("l1/../l0/layer.tar", true), "l0/layer.tar");
+  EXPECT_EQ(normalize_relative("../b", true), std::nullopt);
+  EXPECT_EQ(normalize_relative("a/../../b", true), std::nullopt);
+  EXPECT_EQ(normalize_relative("/etc", true), std::nullopt);
+}
+
 TEST(DurableWrite, ReplacesTheFileAtomically) {
   TempDir tmp;
   std::string path = tmp.path() + "/f.json";
