@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/fd.h"
+#include "snapshot/tar_reader.h"
 
 namespace sg::snapshot {
 namespace {
@@ -27,11 +28,6 @@ constexpr size_t kCopyBlock = 64 * 1024;
 constexpr int kMaxSymlinkHops = 8;
 constexpr int kMaxIndexDepth = 2;  // index.json -> (an image index ->) a manifest
 
-struct ArchiveReadFree {
-  void operator()(archive* a) const { archive_read_free(a); }
-};
-using ReadArchive = std::unique_ptr<archive, ArchiveReadFree>;
-
 // An archive member's name: old `docker save` links name "../<id>/layer.tar", so ".." is resolved, never above
 // the archive root.
 std::optional<std::string> clean_member(std::string_view path) { return normalize_relative(path, true); }
@@ -43,22 +39,15 @@ class Staged {
   Staged(std::string archive_path, std::string dir) : archive_path_(std::move(archive_path)), dir_(std::move(dir)) {}
 
   Status read_archive() {
-    ReadArchive a(archive_read_new());
-    if (!a) return fail(Error::kInternal, "libarchive: out of memory");
-    archive_read_support_filter_all(a.get());
-    archive_read_support_format_tar(a.get());
-    if (archive_read_open_filename(a.get(), archive_path_.c_str(), kCopyBlock) != ARCHIVE_OK)
-      return fail(Error::kInvalidArgument, archive_path_ + ": not a readable tar archive: " + message(a.get()));
+    auto reader = TarReader::open(archive_path_, archive_path_, kMaxArchiveMembers);
+    if (!reader) return reader.failure();
     std::vector<char> buf(kCopyBlock);
     for (;;) {
-      archive_entry* e = nullptr;
-      int r = archive_read_next_header(a.get(), &e);
-      if (r == ARCHIVE_EOF) break;
-      if (r < ARCHIVE_WARN)
-        return fail(Error::kInvalidArgument, archive_path_ + ": not a readable tar archive: " + message(a.get()));
-      if (++count_ > kMaxArchiveMembers)
-        return fail(Error::kLimitExceeded, archive_path_ + ": more than " + std::to_string(kMaxArchiveMembers) +
-                                               " members (not an image archive?)");
+      auto next = reader->next();
+      if (!next) return next.failure();
+      archive_entry* e = *next;
+      if (e == nullptr) break;
+      ++count_;
       std::string shown = archive_entry_pathname(e) != nullptr ? archive_entry_pathname(e) : "";
       auto rel = clean_member(shown);
       if (!rel)
@@ -92,10 +81,10 @@ class Staged {
       UniqueFd fd(raw);
       uint64_t size = 0;
       for (;;) {
-        la_ssize_t n = archive_read_data(a.get(), buf.data(), buf.size());
+        la_ssize_t n = archive_read_data(reader->get(), buf.data(), buf.size());
         if (n == 0) break;
         if (n < 0)
-          return fail(Error::kInvalidArgument, archive_path_ + ": member '" + shown + "': " + message(a.get()));
+          return fail(Error::kInvalidArgument, archive_path_ + ": member '" + shown + "': " + TarReader::message(reader->get()));
         if (auto s = write_all(fd.get(), buf.data(), static_cast<size_t>(n), staged); !s) return s;
         size += static_cast<uint64_t>(n);
       }
@@ -150,10 +139,6 @@ class Staged {
     std::string path;
     uint64_t size = 0;
   };
-  static std::string message(struct archive* a) {
-    const char* m = archive_error_string(a);
-    return m != nullptr ? m : "unknown libarchive error";
-  }
   static Status write_all(int fd, const char* data, size_t len, const std::string& path) {
     while (len > 0) {
       ssize_t n = ::write(fd, data, len);

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "common/fd.h"
+#include "snapshot/tar_reader.h"
 
 namespace sg::snapshot {
 namespace {
@@ -32,19 +33,12 @@ constexpr size_t kCopyBlock = 64 * 1024;
 
 std::string_view hex_of(std::string_view digest) { return digest.substr(kSha256Prefix.size()); }
 
-struct ArchiveReadFree {
-  void operator()(archive* a) const { archive_read_free(a); }
-};
 struct ArchiveWriteFree {
   void operator()(archive* a) const { archive_write_free(a); }
 };
-using ReadArchive = std::unique_ptr<archive, ArchiveReadFree>;
 using WriteArchive = std::unique_ptr<archive, ArchiveWriteFree>;
 
-std::string archive_message(archive* a) {
-  const char* m = archive_error_string(a);
-  return m != nullptr ? m : "unknown libarchive error";
-}
+std::string archive_message(archive* a) { return TarReader::message(a); }
 
 // A layer entry's path: "./a//b/" -> "a/b"; any ".." is refused (it could land outside the layer once a
 // symlink is involved), so is an absolute path.
@@ -313,29 +307,22 @@ Status LayerStore::unpack(const std::string& blob, const std::string& tree, std:
   if (raw < 0) return fail_errno("open " + tree, errno);
   UniqueFd tree_fd(raw);
 
-  ReadArchive in(archive_read_new());
+  std::string where(label);
+  auto reader = TarReader::open(blob, where, kMaxLayerEntries);
+  if (!reader) return reader.failure();
+  archive* in = reader->get();
   WriteArchive out(archive_write_disk_new());
-  if (!in || !out) return fail(Error::kInternal, "libarchive: out of memory");
-  archive_read_support_filter_all(in.get());  // gzip, zstd, xz, bzip2 or none
-  archive_read_support_format_tar(in.get());
+  if (!out) return fail(Error::kInternal, "libarchive: out of memory");
   // OWNER/PERM: a root filesystem keeps its owners and setuid bits. SECURE_SYMLINKS: no entry is written
   // through a symlink an earlier entry created; NODOTDOT is checked here too (clean_relative) for a clearer error.
   archive_write_disk_set_options(out.get(), ARCHIVE_EXTRACT_OWNER | ARCHIVE_EXTRACT_PERM | ARCHIVE_EXTRACT_TIME |
                                                 ARCHIVE_EXTRACT_XATTR | ARCHIVE_EXTRACT_SECURE_SYMLINKS |
                                                 ARCHIVE_EXTRACT_SECURE_NODOTDOT);
-  std::string where(label);
-  if (archive_read_open_filename(in.get(), blob.c_str(), kCopyBlock) != ARCHIVE_OK)
-    return fail(Error::kInvalidArgument, where + ": not a readable tar: " + archive_message(in.get()));
-
-  uint64_t entries = 0;
   for (;;) {
-    archive_entry* e = nullptr;
-    int r = archive_read_next_header(in.get(), &e);
-    if (r == ARCHIVE_EOF) break;
-    if (r < ARCHIVE_WARN)
-      return fail(Error::kInvalidArgument, where + ": not a readable tar: " + archive_message(in.get()));
-    if (++entries > kMaxLayerEntries)
-      return fail(Error::kLimitExceeded, where + ": more than " + std::to_string(kMaxLayerEntries) + " entries");
+    auto next = reader->next();
+    if (!next) return next.failure();
+    archive_entry* e = *next;
+    if (e == nullptr) break;
     const char* name = archive_entry_pathname(e);
     std::string shown = name != nullptr ? name : "";
     auto rel = clean_relative(shown);
@@ -377,7 +364,7 @@ Status LayerStore::unpack(const std::string& blob, const std::string& tree, std:
     }
     drop_trusted_xattrs(e);
     archive_entry_set_pathname(e, (tree + "/" + *rel).c_str());
-    r = archive_write_header(out.get(), e);
+    int r = archive_write_header(out.get(), e);
     if (r < ARCHIVE_WARN)
       return fail(Error::kInvalidArgument, where + ": entry '" + shown + "': " + archive_message(out.get()));
     if (archive_entry_size(e) > 0 && archive_entry_hardlink(e) == nullptr) {
@@ -385,10 +372,10 @@ Status LayerStore::unpack(const std::string& blob, const std::string& tree, std:
       size_t size = 0;
       la_int64_t offset = 0;
       for (;;) {
-        r = archive_read_data_block(in.get(), &buf, &size, &offset);
+        r = archive_read_data_block(in, &buf, &size, &offset);
         if (r == ARCHIVE_EOF) break;
         if (r < ARCHIVE_WARN)
-          return fail(Error::kInvalidArgument, where + ": entry '" + shown + "': " + archive_message(in.get()));
+          return fail(Error::kInvalidArgument, where + ": entry '" + shown + "': " + archive_message(in));
         if (archive_write_data_block(out.get(), buf, size, offset) < ARCHIVE_WARN)
           return fail(Error::kIo, where + ": write '" + shown + "': " + archive_message(out.get()));
       }
