@@ -13,6 +13,7 @@
 #include <set>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "common/fd.h"
 #include "snapshot/tar_reader.h"
@@ -411,7 +412,9 @@ Result<std::unique_ptr<ImageStore>> ImageStore::open(const std::string& state_di
   if (!layers) return layers.failure();
   std::unique_ptr<ImageStore> store(new ImageStore(images, std::move(*layers)));
   std::lock_guard lock(store->mu_);
-  if (auto s = store->collect_garbage(); !s) return s.failure();
+  // A damaged image record must not stop the node: its layers stay (they may be its), the API names the file.
+  if (auto s = store->collect_garbage(); !s)
+    spdlog::warn("image store: unused layers not collected: {}", s.message());
   return store;
 }
 
@@ -514,7 +517,8 @@ Result<Image> ImageStore::remove(const std::string& name) {
       return fail(Error::kConflict, "image " + name + " is in use by " + *user + "; remove that first");
   if (::unlink(image_file(name).c_str()) != 0) return fail_errno("remove " + image_file(name), errno);
   if (auto s = fsync_dir(images_dir_); !s) return s.failure();
-  if (auto s = collect_garbage(); !s) return s.failure();
+  // The image is gone either way; layers left behind are collected by a later rm or the next start.
+  if (auto s = collect_garbage(); !s) spdlog::warn("image store: unused layers not collected: {}", s.message());
   return image;
 }
 

@@ -280,6 +280,16 @@ TEST_F(ImageStoreTest, RemoveIsRefusedWhileTheImageIsInUse) {
   EXPECT_TRUE(store_->remove("busy"));
 }
 
+TEST_F(ImageStoreTest, ADamagedRecordIsNamedAndKeepsItsLayers) {
+  ASSERT_TRUE(store_->import(docker_save("a.tar", {kBase}), "a"));
+  testing::write_file(tmp_.path() + "/state/images/a.json", "{\"name\": 7");
+  reopen();  // the node still starts
+  EXPECT_EQ(stored_layers(), 1u);
+  auto listed = store_->list();
+  ASSERT_FALSE(listed);
+  EXPECT_NE(listed.message().find("images/a.json: damaged image record"), std::string::npos) << listed.message();
+}
+
 TEST(ImageName, Rules) {
   EXPECT_TRUE(check_image_name("debian:12"));
   EXPECT_TRUE(check_image_name("my_image-1.0"));
