@@ -53,6 +53,9 @@ Status check_image_name(std::string_view name);
 class ImageStore {
  public:
   // Who else uses an image (sandboxes, snapshots: later issues). Returns why `name` is in use, or nullopt.
+  // It runs inside remove(), on the caller's thread (a libuv pool thread in the node), under the store's lock:
+  // it must be thread-safe, and whatever starts using an image must check that the image still exists after
+  // registering as a user, so a concurrent remove cannot slip between the two.
   using UserCheck = std::function<std::optional<std::string>(const std::string& name)>;
 
   // <state_dir>/images and <state_dir>/layers; collects layers no image uses (an import a crash interrupted).
