@@ -1,4 +1,4 @@
-// The node's content-addressed layer store (docs/architecture.md#images): every image layer once, shared by
+// The node's content-addressed layer store (docs/node-api.md#images): every image layer once, shared by
 // every image (and later sandbox and checkpoint) that uses it.
 //
 //   <root>/sha256/<hex>/blob   the layer tar exactly as imported (compressed or not); sha256(blob) == <hex>
