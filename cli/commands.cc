@@ -35,6 +35,23 @@ std::string scalar(const json* v) {
 
 std::string text(const json& obj, const std::string& key) { return scalar(field(obj, key)); }
 
+// Columns padded to their widest cell, two spaces apart, the last one unpadded.
+std::string format_table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width(rows[0].size(), 0);
+  for (const auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
 std::vector<std::string> strings(const json* v) {
   std::vector<std::string> out;
   if (v == nullptr || !v->is_array()) return out;
@@ -173,9 +190,10 @@ Result<json> create_request_body(const CreateOptions& opts) {
   return body;
 }
 
-std::string sandbox_path(std::string_view ref, std::string_view action) {
+namespace {
+// `prefix` + `ref` percent-encoded (it is user input placed in a path).
+std::string resource_path(std::string path, std::string_view ref) {
   static constexpr char kHex[] = "0123456789ABCDEF";
-  std::string path = "/v1/sandboxes/";
   for (unsigned char c : ref) {
     if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
       path += static_cast<char>(c);
@@ -185,8 +203,68 @@ std::string sandbox_path(std::string_view ref, std::string_view action) {
       path += kHex[c & 15];
     }
   }
+  return path;
+}
+}  // namespace
+
+std::string sandbox_path(std::string_view ref, std::string_view action) {
+  std::string path = resource_path("/v1/sandboxes/", ref);
   if (!action.empty()) path.append("/").append(action);
   return path;
+}
+
+std::string image_path(std::string_view name) { return resource_path("/v1/images/", name); }
+
+Result<json> image_import_body(std::string_view archive, std::string_view name, std::string_view cwd) {
+  if (archive.empty()) return fail(Error::kInvalidArgument, "image import: the archive path is empty");
+  if (name.empty()) return fail(Error::kInvalidArgument, "image import: the image name is empty");
+  // The node reads the file itself, from its own working directory: send it an absolute path.
+  std::string path(archive);
+  if (path.front() != '/') path = std::string(cwd) + (cwd.ends_with('/') ? "" : "/") + path;
+  return json{{"name", name}, {"archive", path}};
+}
+
+std::string format_bytes(uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (v >= 1024 && unit + 1 < std::size(kUnits)) {
+    v /= 1024;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, unit == 0 ? "%.0f %s" : "%.1f %s", v, kUnits[unit]);
+  return buf;
+}
+
+namespace {
+uint64_t image_size(const json& image) {
+  const json* size = field(image, "size_bytes");
+  return size != nullptr && size->is_number_unsigned() ? size->get<uint64_t>() : 0;
+}
+size_t layer_count(const json& image) {
+  const json* layers = field(image, "layers");
+  return layers != nullptr && layers->is_array() ? layers->size() : 0;
+}
+}  // namespace
+
+std::string format_image_imported(const json& image) {
+  return "imported image " + text(image, "name") + ": " + std::to_string(layer_count(image)) + " layer" +
+         (layer_count(image) == 1 ? "" : "s") + ", " + format_bytes(image_size(image)) + " (" + text(image, "format") +
+         ")\n";
+}
+
+std::string format_image_list(const json& answer, TimePoint now) {
+  std::vector<std::vector<std::string>> rows = {{"NAME", "LAYERS", "SIZE", "FORMAT", "AGE"}};
+  const json* list = field(answer, "images");
+  if (list != nullptr && list->is_array()) {
+    for (const json& image : *list) {
+      auto age = seconds_between(now, field(image, "created_at"));
+      rows.push_back({text(image, "name"), std::to_string(layer_count(image)), format_bytes(image_size(image)),
+                      text(image, "format"), age ? format_duration(-*age) : "-"});
+    }
+  }
+  return format_table(rows);
 }
 
 Result<json> parse_object(std::string_view body, std::string_view where) {
@@ -228,6 +306,14 @@ std::string error_message(int status, std::string_view body, const ErrorContext&
            std::string(kCheckApiHint);
   }
   const std::string ref(ctx.ref);
+  if (ctx.command.starts_with("image")) {
+    if (error_code == "already_exists")
+      return cause + ": import it under another name, or remove the existing one first with `sandgate image rm " +
+             ref + "`";
+    if (error_code == "not_found" && ctx.command != "image import")
+      return cause + ": `sandgate image ls` lists the images on " + where;
+    return cause;
+  }
   if (error_code == "already_exists")
     return cause + ": choose another --name, or remove the existing sandbox first with `sandgate rm " + ref + "`";
   if (error_code == "not_found" && !ref.empty())
@@ -341,19 +427,7 @@ std::string format_list(const json& answer, TimePoint now) {
                       age ? format_duration(-*age) : "-"});
     }
   }
-  std::vector<size_t> width(rows[0].size(), 0);
-  for (const auto& row : rows)
-    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
-  std::string out;
-  for (const auto& row : rows) {
-    std::string line;
-    for (size_t i = 0; i < row.size(); ++i) {
-      line += row[i];
-      if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 2, ' ');
-    }
-    out += line + "\n";
-  }
-  return out;
+  return format_table(rows);
 }
 
 std::string format_sandbox(const json& sandbox, TimePoint now) {

@@ -53,13 +53,25 @@ Result<nlohmann::json> create_request_body(const CreateOptions& opts);
 // "/v1/sandboxes/<ref>[/<action>]" with ref percent-encoded (it is user input placed in a path).
 std::string sandbox_path(std::string_view ref, std::string_view action = {});
 
+// "/v1/images/<name>", percent-encoded like sandbox_path.
+std::string image_path(std::string_view name);
+// The POST /v1/images body; a relative `archive` is made absolute against `cwd` (the node reads the file
+// from its own disk and working directory). kInvalidArgument for an empty path or name.
+Result<nlohmann::json> image_import_body(std::string_view archive, std::string_view name, std::string_view cwd);
+// 1536 -> "1.5 KiB"; below 1 KiB whole bytes.
+std::string format_bytes(uint64_t bytes);
+// `sandgate image import`: "imported image NAME: N layers, SIZE (FORMAT)".
+std::string format_image_imported(const nlohmann::json& image);
+// `sandgate image ls`: the {"images": [...]} answer as a table NAME LAYERS SIZE FORMAT AGE.
+std::string format_image_list(const nlohmann::json& answer, TimePoint now);
+
 // A 2xx answer's body, which must be a JSON object; `where` (the API address) is named when it is not one.
 Result<nlohmann::json> parse_object(std::string_view body, std::string_view where);
 
 // What the CLI asked when the node said no: enough to name the next step.
 struct ErrorContext {
-  std::string_view command;  // "create", "ls", "get", "suspend", "resume", "rm"
-  std::string_view ref;      // the sandbox the command names (create: --name), "" if none
+  std::string_view command;  // "create", "ls", "get", "suspend", "resume", "rm", "image import", ...
+  std::string_view ref;      // the sandbox (or image) the command names (create: --name), "" if none
   std::string_view where;    // the API address, as api_address_string() writes it
   bool sent_token = false;   // an operator token went with the request (https API)
 };

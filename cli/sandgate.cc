@@ -7,6 +7,7 @@
 #include <climits>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "cli/api_client.h"
@@ -251,6 +252,19 @@ int main(int argc, char** argv) {
                         "domain when HOST is a bare name (env SANDGATE_DOMAIN; else the ingress file)");
   ssh_proxy->add_option("--port", ssh_port, "sandbox port")->capture_default_str()->check(CLI::Range(1, 65535));
 
+  std::string archive_file;
+  CLI::App* image_cmd = app.add_subcommand("image", "Manage the node's images (root filesystems for sandboxes)");
+  image_cmd->require_subcommand(1);
+  CLI::App* image_import = image_cmd->add_subcommand(
+      "import", "Import a `docker save` archive or an OCI image layout tar (a file on the node) as NAME");
+  image_import->add_option("file", archive_file, "the archive, on the node's disk")->required();
+  image_import->add_option("name", ref, "the image's name (A-Z a-z 0-9 . _ : -)")->required();
+  image_import->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* image_ls = image_cmd->add_subcommand("ls", "List images");
+  image_ls->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* image_rm = image_cmd->add_subcommand("rm", "Remove an image (and the layers no other image uses)");
+  image_rm->add_option("name", ref, "the image's name")->required();
+
   CLI::App* version = app.add_subcommand("version", "Print the CLI version");
 
   // CLI11 reports parse problems by throwing; this is the one place exceptions are caught, and they become
@@ -360,5 +374,21 @@ int main(int argc, char** argv) {
   if (resume->parsed()) return change_state(node, "resume", "resumed", ref);
   if (rm->parsed()) return remove_sandbox(node, ref);
   if (rotate->parsed()) return rotate_token(node, ref, raw_json);
+  if (image_import->parsed()) {
+    std::error_code ec;
+    std::string cwd = std::filesystem::current_path(ec).string();
+    auto body = sg::cli::image_import_body(archive_file, ref, cwd);
+    if (!body) return error(body.message(), kExitUsage);
+    std::string raw;
+    auto answer = node.send("image import", "POST", "/v1/images", *body, ref, &raw);
+    if (!answer) return error(answer.message());
+    return print(*answer, raw, raw_json, sg::cli::format_image_imported);
+  }
+  if (image_ls->parsed())
+    return call(node, "image ls", "GET", "/v1/images", "", raw_json,
+                [&](const json& j) { return sg::cli::format_image_list(j, now); });
+  if (image_rm->parsed())
+    return call(node, "image rm", "DELETE", sg::cli::image_path(ref), ref, false,
+                [&](const json&) { return "removed image " + ref + "\n"; });
   return error("no command given; see sandgate --help", kExitUsage);  // unreachable: require_subcommand(1)
 }

@@ -364,6 +364,26 @@ Result<uint32_t> parse_wake_timeout(const HttpMessage& request) {
   return static_cast<uint32_t>(value);
 }
 
+ordered_json image_json(const snapshot::Image& image) {
+  return ordered_json{{"name", image.name},
+                      {"format", image.format},
+                      {"config_digest", image.config_digest},
+                      {"layers", image.layers},
+                      {"size_bytes", image.size_bytes},
+                      {"created_at", format_time(image.created_at_ms)},
+                      {"config",
+                       {{"env", image.config.env},
+                        {"entrypoint", image.config.entrypoint},
+                        {"cmd", image.config.cmd},
+                        {"working_dir", image.config.working_dir}}}};
+}
+
+Response image_response(int status, const Result<snapshot::Image>& image) {
+  return image ? Response{status, to_text(image_json(*image)), {}, ""} : error_response(image.failure());
+}
+
+Response no_images() { return error_response(503, Error::kUnavailable, "this node has no image store"); }
+
 std::string serialize(const Response& r, bool close) {
   std::string out = "HTTP/1.1 " + std::to_string(r.status) + " " + std::string(http_reason(r.status)) + "\r\n";
   if (!r.body.empty()) out += "Content-Type: application/json\r\n";
@@ -985,6 +1005,27 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     if (method != "POST") return method_not_allowed("POST");
     return handle_activity(request, reply);
   }
+  if (path == "/v1/images") {
+    if (method == "POST") return handle_image_import(request, can_pass_fds, std::move(reply));
+    if (method != "GET") return method_not_allowed("GET, POST");
+    if (images_ == nullptr) return reply(no_images());
+    auto images = images_->list();
+    if (!images) return reply(error_response(images.failure()));
+    ordered_json list = ordered_json::array();
+    for (const snapshot::Image& image : *images) list.push_back(image_json(image));
+    return reply(Response{200, to_text(ordered_json{{"images", std::move(list)}}), {}, ""});
+  }
+  constexpr std::string_view kImages = "/v1/images/";
+  if (path.starts_with(kImages) && path.size() > kImages.size()) {
+    // Image names are plain [A-Za-z0-9._:-] (check_image_name), so the segment is the name as it is.
+    std::string name(path.substr(kImages.size()));
+    if (method != "GET" && method != "DELETE") return method_not_allowed("GET, DELETE");
+    if (images_ == nullptr) return reply(no_images());
+    if (method == "GET") return reply(image_response(200, images_->get(name)));
+    return images_->remove(name, [reply = std::move(reply)](Result<snapshot::Image> image) {
+      reply(image_response(200, image));
+    });
+  }
   constexpr std::string_view kSandboxes = "/v1/sandboxes/";
   if (path.starts_with(kSandboxes)) {
     std::string_view rest = path.substr(kSandboxes.size());
@@ -1013,6 +1054,29 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     }
   }
   reply(error_response(404, Error::kNotFound, "no such endpoint: " + method + " " + std::string(path)));
+}
+
+// The archive is a path on the node's own disk, which only the local operator (the unix socket) may name:
+// through the ingress or a TCP listener it would let a remote caller make the node read its files.
+void ApiServer::handle_image_import(const HttpMessage& request, bool is_unix, Reply reply) {
+  if (!is_unix)
+    return reply(invalid("POST /v1/images reads an archive on the node's disk, so it is served on the unix socket "
+                         "only (run sandgate on the node)"));
+  if (images_ == nullptr) return reply(no_images());
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  std::string name, archive;
+  for (auto it = body->begin(); it != body->end(); ++it) {
+    if (it.key() != "name" && it.key() != "archive") return reply(error_response(unknown_field(it.key(), "name, archive")));
+    if (!it->is_string()) return reply(error_response(wrong_type(it.key(), "a string", *it)));
+    (it.key() == "name" ? name : archive) = it->get<std::string>();
+  }
+  if (name.empty()) return reply(invalid("name is required"));
+  if (archive.empty() || archive.front() != '/')
+    return reply(invalid("archive is required: the absolute path of a docker save or OCI layout tar on the node"));
+  images_->import(std::move(archive), std::move(name), [reply = std::move(reply)](Result<snapshot::Image> image) {
+    reply(image_response(201, image));
+  });
 }
 
 void ApiServer::handle_create(const HttpMessage& request, Reply reply) {

@@ -19,6 +19,7 @@
 #include "common/http.h"
 #include "common/net.h"
 #include "config/config.h"
+#include "noderuntime/image_service.h"
 #include "noderuntime/node.h"
 
 namespace sg {
@@ -31,6 +32,9 @@ class ApiServer {
   ~ApiServer() = default;
   ApiServer(const ApiServer&) = delete;
   ApiServer& operator=(const ApiServer&) = delete;
+
+  // The node's images (/v1/images); without them those endpoints answer 503. `images` must outlive the server.
+  void set_images(ImageService* images) { images_ = images; }
 
   // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
   Status listen(const Endpoint& ep);
@@ -70,9 +74,11 @@ class ApiServer {
   void handle_lookup(const HttpMessage& request, bool is_unix, Reply& reply);
   void handle_sockets(const HttpMessage& request, bool can_pass_fds, Reply& reply);
   void handle_activity(const HttpMessage& request, Reply& reply);
+  void handle_image_import(const HttpMessage& request, bool is_unix, Reply reply);
 
   uv_loop_t* loop_;
   Node* node_;
+  ImageService* images_ = nullptr;
   const ConfigHolder* config_;
   std::vector<Listener*> listeners_;
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;

@@ -20,6 +20,7 @@
 #include "common/net.h"
 #include "config/config.h"
 #include "noderuntime/api_server.h"
+#include "noderuntime/image_service.h"
 #include "noderuntime/node.h"
 #include "noderuntime/cloud_hypervisor_driver.h"
 #include "noderuntime/firecracker_driver.h"
@@ -71,6 +72,7 @@ struct Daemon {
   Overrides overrides;
   std::unique_ptr<sg::ConfigHolder> config;
   std::unique_ptr<sg::Node> node;
+  std::unique_ptr<sg::ImageService> images;  // before server: the server points at it
   std::unique_ptr<sg::ApiServer> server;
   uv_signal_t sigint{}, sigterm{}, sighup{};
   bool stopping = false;
@@ -197,7 +199,16 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());
     return 1;
   }
+  // Images and their layers live under the state dir (snapshot/image_store.h); opening collects layers an
+  // interrupted import left unreferenced.
+  auto images = sg::snapshot::ImageStore::open(c.node.state_dir);
+  if (!images) {
+    spdlog::critical("cannot open the image store: {}", images.message());
+    return 1;
+  }
+  d.images = std::make_unique<sg::ImageService>(d.loop, std::move(*images));
   d.server = std::make_unique<sg::ApiServer>(d.loop, d.node.get(), d.config.get());
+  d.server->set_images(d.images.get());
   std::vector<sg::Endpoint> endpoints = {c.node_socket};
   endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
   for (const sg::Endpoint& ep : endpoints) {
@@ -224,6 +235,7 @@ int main(int argc, char** argv) {
   d.server.reset();
   d.node.reset();
   uv_run(d.loop, UV_RUN_NOWAIT);
+  d.images.reset();
   spdlog::info("sandgate-node stopped");
   return 0;
 }

@@ -10,7 +10,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "noderuntime/image_service.h"
 #include "noderuntime/names.h"
+#include "tests/unit/snapshot/archive_builder.h"
 #include "tests/unit/node/fake_driver.h"
 
 namespace sg {
@@ -933,6 +935,90 @@ TEST_F(ApiServerTest, LookupAnswersWithoutWakingOrTouching) {
   EXPECT_EQ(node_->get("ssh")->state, SandboxState::kSuspended);
   EXPECT_EQ(driver_->resumes, 0);
   EXPECT_EQ(node_->get("ssh")->last_activity_at_ms, activity);
+}
+
+// A one-layer `docker save` archive at `path`; `corrupt`: the layer no longer matches its diff_id.
+void write_docker_save(const std::string& dir, const std::string& path, bool corrupt) {
+  namespace st = snapshot::testing;
+  std::string layer = dir + "/layer.tar";
+  ASSERT_TRUE(st::write_tar(layer, {st::file("etc/motd", "hi\n")}));
+  std::string diff_id = st::digest_of(layer);
+  std::string data = st::read_file(layer);
+  if (corrupt) data[700] ^= 1;
+  json config = {{"config", {{"Cmd", {"/bin/sh"}}}}, {"rootfs", {{"type", "layers"}, {"diff_ids", {diff_id}}}}};
+  json manifest = json::array({{{"Config", "config.json"}, {"Layers", {"l/layer.tar"}}}});
+  ASSERT_TRUE(st::write_tar(path, {st::file("l/layer.tar", data), st::file("config.json", config.dump()),
+                                   st::file("manifest.json", manifest.dump())}));
+}
+
+TEST_F(ApiServerTest, ImagesWithoutAStoreAre503) {
+  Client c = client();
+  expect_error(c.request("GET", "/v1/images"), 503, "unavailable", "no image store");
+  expect_error(c.request("DELETE", "/v1/images/x"), 503, "unavailable");
+}
+
+TEST_F(ApiServerTest, ImageImportListGetRemove) {
+  auto opened = snapshot::ImageStore::open(dir_.path() + "/images-state");
+  ASSERT_TRUE(opened) << opened.message();
+  snapshot::ImageStore* store = opened->get();
+  ImageService images(&loop_, std::move(*opened));
+  server_->set_images(&images);
+  write_docker_save(dir_.path(), dir_.path() + "/good.tar", false);
+  write_docker_save(dir_.path(), dir_.path() + "/bad.tar", true);
+  Client c = client();
+
+  Reply created = c.request("POST", "/v1/images", R"({"name":"web","archive":")" + dir_.path() + R"(/good.tar"})");
+  ASSERT_EQ(created.status, 201) << created.message.body;
+  json image = created.body();
+  EXPECT_EQ(image["name"], "web");
+  EXPECT_EQ(image["format"], "docker-save");
+  EXPECT_EQ(image["config"]["cmd"], json({"/bin/sh"}));
+  EXPECT_EQ(image["layers"].size(), 1u);
+  EXPECT_TRUE(is_rfc3339_utc_ms(image["created_at"])) << image;
+
+  Reply list = c.request("GET", "/v1/images");
+  ASSERT_EQ(list.status, 200);
+  ASSERT_EQ(list.body()["images"].size(), 1u);
+  EXPECT_EQ(list.body()["images"][0], image);
+  EXPECT_EQ(c.request("GET", "/v1/images/web").body(), image);
+
+  expect_error(c.request("POST", "/v1/images", R"({"name":"web","archive":")" + dir_.path() + R"(/good.tar"})"), 409,
+               "already_exists", "image web already exists");
+  expect_error(c.request("POST", "/v1/images", R"({"name":"b","archive":")" + dir_.path() + R"(/bad.tar"})"), 400,
+               "invalid_argument", "bad.tar: layer 1 (l/layer.tar): digest mismatch");
+  expect_error(c.request("POST", "/v1/images", R"({"name":"b","archive":"bad.tar"})"), 400, "invalid_argument",
+               "absolute path");
+  expect_error(c.request("POST", "/v1/images", R"({"name":"b","archive":"/x","from":1})"), 400, "invalid_argument",
+               "unknown field 'from'");
+  expect_error(c.request("POST", "/v1/images", R"({"name":7,"archive":"/x"})"), 400, "invalid_argument", "name");
+  expect_error(c.request("POST", "/v1/images", R"({"name":"../b","archive":"/x"})"), 400, "invalid_argument",
+               "invalid image name");
+  expect_error(c.request("PUT", "/v1/images"), 405, "unsupported");
+  expect_error(c.request("GET", "/v1/images/nope"), 404, "not_found");
+
+  store->set_user_check([](const std::string&) { return std::optional<std::string>("sandbox demo"); });
+  expect_error(c.request("DELETE", "/v1/images/web"), 409, "conflict", "in use by sandbox demo");
+  store->set_user_check(nullptr);
+  Reply removed = c.request("DELETE", "/v1/images/web");
+  EXPECT_EQ(removed.status, 200) << removed.message.body;
+  EXPECT_EQ(removed.body()["name"], "web");
+  EXPECT_EQ(c.request("GET", "/v1/images").body(), json::parse(R"({"images":[]})"));
+  expect_error(c.request("DELETE", "/v1/images/web"), 404, "not_found");
+  server_->set_images(nullptr);
+}
+
+TEST_F(ApiServerTest, ImageImportIsOnlyOnTheUnixSocket) {
+  auto opened = snapshot::ImageStore::open(dir_.path() + "/images-state");
+  ASSERT_TRUE(opened) << opened.message();
+  ImageService images(&loop_, std::move(*opened));
+  server_->set_images(&images);
+  Endpoint tcp = listen_tcp();
+  Client c(&loop_, tcp);
+  c.host = tcp.to_string();
+  expect_error(c.request("POST", "/v1/images", R"({"name":"x","archive":"/etc/passwd"})", bearer(kOperatorToken)), 400,
+               "invalid_argument", "unix socket only");
+  EXPECT_EQ(c.request("GET", "/v1/images", "", bearer(kOperatorToken)).status, 200);
+  server_->set_images(nullptr);
 }
 
 }  // namespace

@@ -1,0 +1,39 @@
+// The node's images (snapshot/image_store.h) behind the libuv loop: import and remove unpack or delete whole
+// layer trees, seconds of disk work, so they run on libuv's thread pool and answer on the loop; list and get
+// only read small files and answer at once. Kept out of Node (node.cc): images have no sandbox state yet.
+#pragma once
+
+#include <uv.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "snapshot/image_store.h"
+
+namespace sg {
+
+class ImageService {
+ public:
+  using Done = std::function<void(Result<snapshot::Image>)>;
+
+  // `loop` must outlive the service; so must the service every job it started (the loop runs them to the end).
+  ImageService(uv_loop_t* loop, std::unique_ptr<snapshot::ImageStore> store)
+      : loop_(loop), store_(std::move(store)) {}
+
+  // `done` runs on the loop thread.
+  void import(std::string archive_path, std::string name, Done done);
+  void remove(std::string name, Done done);
+  Result<std::vector<snapshot::Image>> list() const { return store_->list(); }
+  Result<snapshot::Image> get(const std::string& name) const { return store_->get(name); }
+
+ private:
+  void run(std::function<Result<snapshot::Image>()> job, Done done);
+
+  uv_loop_t* loop_;
+  std::unique_ptr<snapshot::ImageStore> store_;
+};
+
+}  // namespace sg

@@ -1,0 +1,87 @@
+// Named images on the node: an ordered list of layers in the LayerStore plus the parts of the image config a
+// sandbox will start from (Env, Entrypoint, Cmd, WorkingDir). Each image is one small JSON file,
+// <state_dir>/images/<name>.json, written crash-safely; its layers live in <state_dir>/layers (layer_store.h).
+//
+// import() reads a `docker save` archive (manifest.json + config + layer tars, old or new layout) or an OCI
+// image layout (oci-layout, index.json, blobs/sha256/), as a tar, possibly compressed. Every blob is checked
+// against its digest before it is used; every limit below is explicit and a breach is a clear error naming the
+// archive member, never a crash. Sandboxes do not use images yet (docs/status.md, issue 10).
+//
+// Thread safety: import() and remove() may run on worker threads; they are serialized by a mutex. list() and
+// get() take no lock (each image file appears by an atomic rename), so they never wait for an import.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+#include "snapshot/layer_store.h"
+
+namespace sg::snapshot {
+
+inline constexpr size_t kMaxImageLayers = 128;           // overlayfs stacks about this many lowerdirs
+inline constexpr size_t kMaxArchiveMembers = 4096;       // files in the outer archive
+inline constexpr size_t kMaxJsonBytes = 1024 * 1024;     // manifest.json, index.json, configs, OCI manifests
+inline constexpr size_t kMaxNameLength = 128;
+
+struct ImageConfig {
+  std::vector<std::string> env;  // "K=V"
+  std::vector<std::string> entrypoint;
+  std::vector<std::string> cmd;
+  std::string working_dir;
+};
+
+struct Image {
+  std::string name;
+  std::string format;  // "docker-save" or "oci"
+  std::string config_digest;
+  std::vector<std::string> layers;  // bottom first
+  ImageConfig config;
+  uint64_t size_bytes = 0;  // sum of the layer blobs, as stored
+  int64_t created_at_ms = 0;
+};
+
+// [A-Za-z0-9][A-Za-z0-9._:-]* up to kMaxNameLength: a file name and a URL path segment as it is.
+Status check_image_name(std::string_view name);
+
+class ImageStore {
+ public:
+  // Who else uses an image (sandboxes, snapshots: later issues). Returns why `name` is in use, or nullopt.
+  // It runs inside remove(), on the caller's thread (a libuv pool thread in the node), under the store's lock:
+  // it must be thread-safe, and whatever starts using an image must check that the image still exists after
+  // registering as a user, so a concurrent remove cannot slip between the two.
+  using UserCheck = std::function<std::optional<std::string>(const std::string& name)>;
+
+  // <state_dir>/images and <state_dir>/layers; collects layers no image uses (an import a crash interrupted).
+  static Result<std::unique_ptr<ImageStore>> open(const std::string& state_dir);
+
+  void set_user_check(UserCheck check) { user_check_ = std::move(check); }
+
+  // kAlreadyExists if `name` exists; kInvalidArgument for an archive that is malformed, corrupted (digest
+  // mismatch), unsafe or missing a member; kLimitExceeded past a bound; kNotFound if `archive_path` is missing.
+  Result<Image> import(const std::string& archive_path, const std::string& name);
+  Result<std::vector<Image>> list() const;
+  Result<Image> get(const std::string& name) const;
+  // kConflict while the UserCheck says the image is in use. Layers no other image uses are removed with it.
+  Result<Image> remove(const std::string& name);
+  LayerStore& layers() { return layers_; }
+
+ private:
+  ImageStore(std::string images_dir, LayerStore layers) : images_dir_(std::move(images_dir)), layers_(std::move(layers)) {}
+  std::string image_file(const std::string& name) const { return images_dir_ + "/" + name + ".json"; }
+  // Removes every layer no image file names. Called with mu_ held.
+  Status collect_garbage();
+
+  std::string images_dir_;
+  LayerStore layers_;
+  UserCheck user_check_;
+  std::mutex mu_;
+};
+
+}  // namespace sg::snapshot
