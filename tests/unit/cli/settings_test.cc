@@ -11,10 +11,12 @@
 #include <map>
 
 #include "cli/ssh.h"
-#include "tests/unit/cli/temp_dir.h"
+#include "tests/unit/temp_dir.h"
 
 namespace sg::cli {
 namespace {
+
+using sg::testing::TempDir;
 
 Environment fake_env(std::map<std::string, std::string> vars) {
   return [vars = std::move(vars)](const char* name) {

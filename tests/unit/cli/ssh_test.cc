@@ -1,6 +1,6 @@
 // ssh-config, the token files and ssh-proxy against a real TLS server in the test (the ingress's stand-in).
 #include "cli/ssh.h"
-#include "tests/unit/cli/temp_dir.h"
+#include "tests/unit/temp_dir.h"
 #include "tests/unit/cli/fake_ingress.h"
 
 #include <gtest/gtest.h>
@@ -25,6 +25,8 @@
 
 namespace sg::cli {
 namespace {
+
+using sg::testing::TempDir;
 
 mode_t mode_of(const std::string& path) {
   struct stat st {};
@@ -304,9 +306,9 @@ TEST_F(SshProxyTest, RefusalPrintsStatusAndBody) {
                       "{\"error\":\"unauthorized\",\"message\":\"bad token\"}",
                       "");
   int code = -1;
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   std::string out = run_with(options(ingress.port()), "data", &code);
-  std::string err = testing::internal::GetCapturedStderr();
+  std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(code, 1);
   EXPECT_EQ(out, "");
   EXPECT_NE(err.find("HTTP/1.1 401 Unauthorized"), std::string::npos) << err;
@@ -340,9 +342,9 @@ TEST_F(SshProxyTest, UntrustedCertificateIsRefused) {
   SshProxyOptions o = options(ingress.port());
   o.cacert = dir_.path() + "/other.pem";
   int code = -1;
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   std::string out = run_with(o, "x", &code);
-  std::string err = testing::internal::GetCapturedStderr();
+  std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(code, 1);
   EXPECT_NE(err.find("not trusted"), std::string::npos) << err;
   EXPECT_NE(err.find("--cacert or SANDGATE_CACERT"), std::string::npos) << err;
@@ -354,9 +356,9 @@ TEST_F(SshProxyTest, NameOutsideTheCertificateIsRefused) {
   SshProxyOptions o = options(ingress.port());
   o.domain = "elsewhere.test";
   int code = -1;
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   run_with(o, "x", &code);
-  std::string err = testing::internal::GetCapturedStderr();
+  std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(code, 1);
   EXPECT_EQ(ingress.head(), "");
 }
@@ -379,9 +381,9 @@ TEST_F(SshProxyTest, NoIngressSaysStartItOrPointElsewhere) {
     SshProxyOptions o = options(free_port());
     o.ingress_from = from;
     int code = -1;
-    testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStderr();
     run_with(o, "", &code);
-    std::string err = testing::internal::GetCapturedStderr();
+    std::string err = ::testing::internal::GetCapturedStderr();
     EXPECT_EQ(code, 1);
     EXPECT_NE(err.find("cannot reach sandgate-proxy (connect to 127.0.0.1:" + std::to_string(o.ingress.port) +
                        ": Connection refused). Is it running and listening there? If it listens elsewhere, pass "
@@ -397,9 +399,9 @@ TEST_F(SshProxyTest, ATokenThatCouldForgeHeadersIsRefused) {
     SshProxyOptions o = options(free_port());
     o.token = token;
     int code = -1;
-    testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStderr();
     run_with(o, "", &code);
-    std::string err = testing::internal::GetCapturedStderr();
+    std::string err = ::testing::internal::GetCapturedStderr();
     EXPECT_EQ(code, 1);
     EXPECT_NE(err.find("token"), std::string::npos) << err;
   }

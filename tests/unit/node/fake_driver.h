@@ -16,24 +16,9 @@
 #include <string>
 
 #include "noderuntime/driver.h"
+#include "tests/unit/temp_dir.h"
 
 namespace sg::testing {
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "sg-node-test-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data()) ? tmpl : std::string();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // Runs `loop` until `done()` holds or `timeout_ms` passes. A ticking timer keeps each turn short even when
 // the only other pending timer is far away.

@@ -79,16 +79,6 @@ std::unique_ptr<ApiSpec> load_spec(const std::string& file) {
   return std::make_unique<ApiSpec>(dir + "/specs/" + file);
 }
 
-TempDir::TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "sg-vmm-test-XXXXXX").string();
-  path_ = ::mkdtemp(tmpl.data()) ? tmpl : std::string();
-}
-
-TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
-
 TestLoop::~TestLoop() {
   uv_walk(&loop_, [](uv_handle_t* h, void*) {
     if (!uv_is_closing(h)) uv_close(h, nullptr);

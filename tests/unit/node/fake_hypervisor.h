@@ -34,6 +34,7 @@
 
 #include "common/fd.h"
 #include "noderuntime/driver.h"
+#include "tests/unit/temp_dir.h"
 
 namespace sg::testing {
 
@@ -41,17 +42,6 @@ namespace sg::testing {
 std::string shared_dir();
 // ../shared/specs/<file>, or null when the shared directory is missing (the caller skips, loudly).
 std::unique_ptr<class ApiSpec> load_spec(const std::string& file);
-
-// A private directory removed with everything in it.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // A libuv loop for one test; closing it closes whatever handles are left.
 class TestLoop {

@@ -13,27 +13,11 @@
 #include <vector>
 
 #include "snapshot/layer_store.h"
+#include "tests/unit/temp_dir.h"
 
 namespace sg::snapshot::testing {
 
-// A directory of the test's own under $TMPDIR (or /tmp), removed with everything in it when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "sg-snapshot-test-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data()) ? tmpl : std::string();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using sg::testing::TempDir;
 
 struct Entry {
   enum class Kind { kFile, kDir, kSymlink, kHardlink } kind = Kind::kFile;
