@@ -656,7 +656,7 @@ void Connection::open_sandbox() {
   if (!cached_route_failed_) {
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
-      if (cached->wants_refill) worker_->refill_route(cached->sandbox_id, cached->port);
+      if (cached->wants_refill) worker_->refill_route(route_.target, cached->sandbox_id, cached->port);
       OpenedSocket o;
       o.id = cached->sandbox_id;
       o.port = cached->port;

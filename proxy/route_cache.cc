@@ -137,34 +137,34 @@ void RouteCache::grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t 
   e->route = std::move(r);
 }
 
-void RouteCache::refill(RouteGrant grant, uint64_t now_ms) {
-  if (stale(grant.sandbox_id, grant.opened_at)) return;
-  for (auto& [k, e] : entries_) {
-    if (e.policy.sandbox_id != grant.sandbox_id || !e.route || !k.ends_with(":" + std::to_string(grant.port)))
-      continue;
-    Route& r = *e.route;
-    r.refill_asked = false;
-    // A new digest means the route changed under us (the token was rotated): the stream's invalidation
-    // is on its way; keep nothing until a full open.
-    if (r.token_sha256 != grant.token_sha256 || grant.cache_ms == 0) {
-      drop_route(e);
-      continue;
-    }
-    r.operator_token_sha256 = grant.operator_token_sha256;
-    r.connect_port = grant.connect_port;
-    r.opened_at = grant.opened_at;
-    r.expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
-    if (spares_held_ + grant.spares.size() > max_spares_) continue;  // over budget: they are closed
-    spares_held_ += grant.spares.size();
-    std::move(grant.spares.begin(), grant.spares.end(), std::back_inserter(r.spares));
-    grant.spares.clear();  // one entry gets them; refs of the same port share nothing else
-  }
+RouteCache::Route* RouteCache::asked_route(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port) {
+  auto it = entries_.find(key(sandbox_ref, port));
+  if (it == entries_.end() || !it->second.route || it->second.policy.sandbox_id != sandbox_id) return nullptr;
+  return &*it->second.route;
 }
 
-void RouteCache::refill_failed(std::string_view sandbox_id, uint16_t port) {
-  for (auto& [k, e] : entries_)
-    if (e.policy.sandbox_id == sandbox_id && e.route && k.ends_with(":" + std::to_string(port)))
-      e.route->refill_asked = false;
+void RouteCache::refill(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms) {
+  if (stale(grant.sandbox_id, grant.opened_at)) return;
+  Route* r = asked_route(sandbox_ref, grant.sandbox_id, grant.port);
+  if (r == nullptr) return;  // dropped meanwhile: the spares are closed with `grant`
+  r->refill_asked = false;
+  // A new digest means the route changed under us (the token was rotated): the stream's invalidation is on
+  // its way; keep nothing until a full open.
+  if (r->token_sha256 != grant.token_sha256 || grant.cache_ms == 0) {
+    drop_route(entries_.find(key(sandbox_ref, grant.port))->second);
+    return;
+  }
+  r->operator_token_sha256 = grant.operator_token_sha256;
+  r->connect_port = grant.connect_port;
+  r->opened_at = grant.opened_at;
+  r->expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
+  if (spares_held_ + grant.spares.size() > max_spares_) return;  // over budget: they are closed
+  spares_held_ += grant.spares.size();
+  std::move(grant.spares.begin(), grant.spares.end(), std::back_inserter(r->spares));
+}
+
+void RouteCache::refill_failed(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port) {
+  if (Route* r = asked_route(sandbox_ref, sandbox_id, port)) r->refill_asked = false;
 }
 
 void RouteCache::stream_up(uint64_t stamp) {

@@ -95,10 +95,10 @@ class RouteCache {
   // Caches what an open answered (under the ref the client used). Ignored while the event stream is down,
   // when the grant predates an invalidation of its sandbox, or without spares.
   void grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms);
-  // Spares from a background refill (internal/sockets), for every ref of the sandbox's port.
-  void refill(RouteGrant grant, uint64_t now_ms);
-  // The refill asked for by open() failed or was cancelled: a later open may ask again.
-  void refill_failed(std::string_view sandbox_id, uint16_t port);
+  // Spares from a background refill (internal/sockets) for the route open() said wants one.
+  void refill(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms);
+  // That refill failed or was cancelled: a later open may ask again.
+  void refill_failed(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port);
 
   // ---- the node's event stream ----
   // Connected: events from `stamp` on will be seen, so grants stamped from then on may be cached.
@@ -135,6 +135,8 @@ class RouteCache {
   bool stale(const std::string& sandbox_id, uint64_t opened_at) const;
   Entry* slot(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
   void drop_route(Entry& e);
+  // The live route of `sandbox_ref`:`port` if it still belongs to `sandbox_id`.
+  Route* asked_route(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port);
 
   uint64_t policy_ttl_ms_;
   size_t max_entries_;

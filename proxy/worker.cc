@@ -246,17 +246,17 @@ void Worker::on_route_stream_end(const Failure& why) {
                  kRouteStreamRetryMs, 0);
 }
 
-void Worker::refill_route(const std::string& sandbox_id, uint16_t port) {
-  std::string key = sandbox_id + ":" + std::to_string(port);
+void Worker::refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port) {
+  std::string key = sandbox_ref + ":" + std::to_string(port);
   if (refills_.contains(key)) return;
   auto call = node_->spare_sockets(sandbox_id, port, RouteCache::kSparesPerGrant,
-                                   [this, key, sandbox_id, port](Result<RouteGrant> r) {
+                                   [this, key, sandbox_ref, sandbox_id, port](Result<RouteGrant> r) {
                                      auto done = std::move(refills_[key]);  // freed when this returns
                                      refills_.erase(key);
-                                     if (!r) return routes_.refill_failed(sandbox_id, port);
-                                     routes_.refill(std::move(*r), uv_now(&loop_));
+                                     if (!r) return routes_.refill_failed(sandbox_ref, sandbox_id, port);
+                                     routes_.refill(sandbox_ref, std::move(*r), uv_now(&loop_));
                                    });
-  if (!call) return routes_.refill_failed(sandbox_id, port);
+  if (!call) return routes_.refill_failed(sandbox_ref, sandbox_id, port);
   refills_.emplace(std::move(key), std::move(call));
 }
 

@@ -87,7 +87,7 @@ class Worker {
   WorkerTraffic& traffic() { return traffic_; }
   RouteCache& routes() { return routes_; }
   // A connection took one of the last spares of a cached route: ask the node for more in the background.
-  void refill_route(const std::string& sandbox_id, uint16_t port);
+  void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port);
   NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
@@ -131,7 +131,7 @@ class Worker {
   uv_timer_t route_stream_retry_{};
   bool route_stream_warned_ = false;  // one warning per outage, not one per retry
   static constexpr uint64_t kRouteStreamRetryMs = 1000;
-  // Background refills by "id:port": one in flight per route.
+  // Background refills by "ref:port": one in flight per route.
   std::unordered_map<std::string, std::unique_ptr<NodeCall>> refills_;
   std::unique_ptr<NodeCall> report_in_flight_;
   std::string reporter_id_;

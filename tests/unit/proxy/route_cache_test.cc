@@ -175,20 +175,20 @@ TEST(RouteCache, RoutesExpireAndSweepClosesTheirSpares) {
   EXPECT_EQ(cache.size(), 0u) << "and the policy after its own ttl";
 }
 
-TEST(RouteCache, RefillsTopUpEveryRefOfThePort) {
+TEST(RouteCache, RefillsTopUpTheRouteThatAsked) {
   RouteCache cache(1000, 100);
   cache.stream_up(10);
   cache.grant("demo", grant("sb-1", false, 20, 1), 0);
   auto hit = cache.open("demo", 8080, kOwnToken, 1);
   ASSERT_TRUE(hit);
   EXPECT_TRUE(hit->wants_refill);
-  cache.refill(grant("sb-1", false, 30, 4), 2);
+  cache.refill("demo", grant("sb-1", false, 30, 4), 2);
   EXPECT_EQ(cache.spare_count(), 4u);
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 3));
   // A refill that shows a new token digest drops the route (the rotation's event is on its way).
   RouteGrant rotated = grant("sb-1", false, 40, 4);
   rotated.token_sha256 = token_digest("new-token");
-  cache.refill(std::move(rotated), 4);
+  cache.refill("demo", std::move(rotated), 4);
   EXPECT_EQ(cache.spare_count(), 0u);
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5));
 }
@@ -202,9 +202,9 @@ TEST(RouteCache, HoldsNoMoreSparesThanItsBudget) {
   EXPECT_FALSE(cache.open("b", 8080, kOwnToken, 1));
   cache.grant("a", grant("sb-1", false, 21, 2), 0);
   EXPECT_EQ(cache.spare_count(), 2u) << "a new grant replaces the entry's spares";
-  cache.refill(grant("sb-1", false, 22, 3), 1);
+  cache.refill("a", grant("sb-1", false, 22, 3), 1);
   EXPECT_EQ(cache.spare_count(), 5u);
-  cache.refill(grant("sb-1", false, 23, 1), 1);
+  cache.refill("a", grant("sb-1", false, 23, 1), 1);
   EXPECT_EQ(cache.spare_count(), 5u) << "full";
   cache.erase("a", 8080);
   EXPECT_EQ(cache.spare_count(), 0u);
