@@ -656,17 +656,8 @@ void Connection::open_sandbox() {
   if (!cached_route_failed_) {
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
-      if (cached->wants_refill) worker_->refill_route(route_.target, cached->sandbox_id, cached->port);
-      OpenedSocket o;
-      o.id = cached->sandbox_id;
-      o.port = cached->port;
-      o.policy = std::move(cached->policy);
-      o.connect_port = cached->connect_port;
-      o.opened_at = cached->opened_at;
-      o.token_sha256 = std::move(cached->token_sha256);
-      o.credential = cached->credential;
-      o.socket = std::move(cached->socket);
-      return use_opened(std::move(o));
+      if (cached->wants_refill) worker_->refill_route(route_.target, cached->opened.id, cached->opened.port);
+      return use_opened(std::move(cached->opened));
     }
   }
   open.call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms, [this, &open](Result<OpenAnswer> r) {

@@ -32,25 +32,6 @@ struct LookupAnswer {
   PortPolicy policy;
 };
 
-struct OpenedSocket {
-  std::string id;
-  uint16_t port = 0;
-  PortPolicy policy;
-  bool woke = false;
-  double wake_ms = 0;
-  uint16_t connect_port = 0;  // where to connect the socket (127.0.0.1), unless `connected`
-  bool connected = false;     // the socket is already connected to the port (a vsock stream)
-  uint64_t opened_at = 0;     // the node's stamp of this open (suspends and rotations cut older connections)
-  std::string token_sha256;   // the sandbox's token, recognised and removed in every request
-  std::optional<size_t> credential;  // which candidate verified; none on a public port
-  UniqueFd socket;
-  // For the worker's route cache (route_cache.h): more unconnected sockets like `socket`, how long they may
-  // be used without asking, and the operator token's digest the node checked against. None: do not cache.
-  std::vector<UniqueFd> spares;
-  uint32_t cache_ms = 0;
-  std::string operator_token_sha256;
-};
-
 struct OpenAnswer {
   int status = 0;       // the node's HTTP status: 200 opened, 401, 403, 404, 502, 503, 504, ...
   std::string message;  // the node's message when status != 200

@@ -94,14 +94,15 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
     if (!credential) return std::nullopt;
   }
   CachedOpen out;
-  out.sandbox_id = e.policy.sandbox_id;
-  out.port = port;
-  out.policy = e.policy;
-  out.connect_port = r.connect_port;
-  out.opened_at = r.opened_at;
-  out.token_sha256 = r.token_sha256;
-  out.credential = credential;
-  out.socket = std::move(r.spares.back());
+  OpenedSocket& o = out.opened;
+  o.id = e.policy.sandbox_id;
+  o.port = port;
+  o.policy = e.policy;
+  o.connect_port = r.connect_port;
+  o.opened_at = r.opened_at;
+  o.token_sha256 = r.token_sha256;
+  o.credential = credential;
+  o.socket = std::move(r.spares.back());
   r.spares.pop_back();
   --spares_held_;
   if (r.spares.size() < kRefillBelow && !r.refill_asked) {

@@ -49,16 +49,30 @@ struct RouteGrant {
   std::vector<UniqueFd> spares;
 };
 
-// A connection routed from the cache: what the node's open would have answered.
-struct CachedOpen {
-  std::string sandbox_id;
+// What opening a sandbox port gave a connection: the node's internal/open answer, or the route cache in its
+// place (then `woke` is false and there are no spares).
+struct OpenedSocket {
+  std::string id;
   uint16_t port = 0;
   PortPolicy policy;
-  uint16_t connect_port = 0;
-  uint64_t opened_at = 0;
-  std::string token_sha256;
-  std::optional<size_t> credential;  // the candidate that matched; none on a public port
+  bool woke = false;
+  double wake_ms = 0;
+  uint16_t connect_port = 0;  // where to connect the socket (127.0.0.1), unless `connected`
+  bool connected = false;     // the socket is already connected to the port (a vsock stream)
+  uint64_t opened_at = 0;     // the node's stamp of this open (suspends and rotations cut older connections)
+  std::string token_sha256;   // the sandbox's token, recognised and removed in every request
+  std::optional<size_t> credential;  // which candidate verified; none on a public port
   UniqueFd socket;
+  // For the worker's route cache (route_cache.h): more unconnected sockets like `socket`, how long they may
+  // be used without asking, and the operator token's digest the node checked against. None: do not cache.
+  std::vector<UniqueFd> spares;
+  uint32_t cache_ms = 0;
+  std::string operator_token_sha256;
+};
+
+// A connection routed from the cache.
+struct CachedOpen {
+  OpenedSocket opened;
   bool wants_refill = false;  // few spares left and no refill asked for yet: the caller asks the node
 };
 

@@ -87,14 +87,14 @@ TEST(RouteCache, RoutesFromSparesWithTheNodesCredentialCheck) {
   std::vector<std::string> two{"app-bearer", "operator-token"};
   auto hit = cache.open("demo", 8080, two, 1);
   ASSERT_TRUE(hit);
-  EXPECT_EQ(hit->credential, std::optional<size_t>(1)) << "which candidate matched, as the node says";
-  EXPECT_EQ(hit->sandbox_id, "sb-1");
-  EXPECT_EQ(hit->opened_at, 20u);
-  EXPECT_TRUE(hit->socket.valid());
+  EXPECT_EQ(hit->opened.credential, std::optional<size_t>(1)) << "which candidate matched, as the node says";
+  EXPECT_EQ(hit->opened.id, "sb-1");
+  EXPECT_EQ(hit->opened.opened_at, 20u);
+  EXPECT_TRUE(hit->opened.socket.valid());
   EXPECT_FALSE(hit->wants_refill) << "two left";
   auto second = cache.open("demo", 8080, kOwnToken, 1);
   ASSERT_TRUE(second);
-  EXPECT_EQ(second->credential, std::optional<size_t>(0));
+  EXPECT_EQ(second->opened.credential, std::optional<size_t>(0));
   EXPECT_TRUE(second->wants_refill) << "one left: ask for more, once";
   auto third = cache.open("demo", 8080, kOwnToken, 1);
   ASSERT_TRUE(third);
@@ -110,7 +110,7 @@ TEST(RouteCache, PublicPortsNeedNoCredential) {
   cache.grant("demo", grant("sb-1", true, 20, 1), 0);
   auto hit = cache.open("demo", 8080, {}, 1);
   ASSERT_TRUE(hit);
-  EXPECT_FALSE(hit->credential);
+  EXPECT_FALSE(hit->opened.credential);
 }
 
 TEST(RouteCache, NothingIsRoutedWithoutTheEventStream) {
