@@ -19,6 +19,12 @@ PACKAGES=(
   nghttp2-client                 # h2load and nghttp: HTTP/2 through the ingress
   python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
   qemu-system-x86 busybox-static # the QEMU driver and the kTLS guest test (guest images from Debian packages)
+  # the sandbox boundary and images (issue 10)
+  mmdebstrap                     # image build: Debian root filesystems from Debian packages
+  libseccomp-dev                 # the process sandbox's syscall filter (sandgate-init)
+  uidmap                         # newuidmap/newgidmap: mmdebstrap's unshare mode
+  qemu-utils                     # qemu-img: per-sandbox qcow2 overlays on an image's base disk
+  nftables                       # egress filtering and NAT for sandboxes with internet access
 )
 
 log() { echo "install-deps: $*" >&2; }
