@@ -183,6 +183,16 @@ class Connection::ForwardPhase final : public Phase {
   // answered once the sandbox has answered (and closed) the requests before it.
   std::optional<RequestRefusal> pending_refusal_;
   bool client_closed_first_ = false;
+  // h2: the client broke the connection in a later request (an HPACK failure, an oversized block). Its
+  // GOAWAY is queued between the sandbox's frames; once it is out nothing more is read from either side,
+  // and the connection ends with this cause when what is buffered has been delivered.
+  struct ConnectionError {
+    TerminationCause cause;
+    std::string detail;
+  };
+  std::optional<ConnectionError> goaway_;
+  // The GOAWAY has left the frame queue: stop reading the sandbox (false when closed).
+  bool stop_after_goaway();
 };
 
 // The proxy's own answer going out; a client that does not read it is bounded by the deadline.
@@ -962,11 +972,22 @@ bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::str
     return true;
   }
   to_client_frames_.clear();
+  if (goaway_) return true;  // the filter failed for good: what the client sends after it is dropped
   Status st = h2_filter_->feed(in, out, to_client_frames_);
   if (!st) {
-    c_.close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
-             "HTTP/2 from the client: " + st.message());
-    return false;
+    const bool too_large = st.error() == Error::kLimitExceeded;
+    const std::string detail = "HTTP/2 from the client: " + st.message();
+    // RFC 9113 §5.4.1: a connection error is answered with GOAWAY, whose last stream id lets the client
+    // know which of its earlier requests the sandbox may still have processed.
+    if (!h2_frames_->inject(
+            h2_goaway_frame(h2_filter_->last_forwarded_stream(), h2_filter_->goaway_code(), st.message()))) {
+      c_.close(too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest, detail);
+      return false;
+    }
+    goaway_ = ConnectionError{too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest, detail};
+    c2u_.stop_reading();
+    c_.rec_.detail = detail;
+    return u2c_.run_stage() && stop_after_goaway();
   }
   if (to_client_frames_.empty()) return true;
   if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
@@ -983,6 +1004,12 @@ bool Connection::ForwardPhase::frame_upstream_bytes(std::string_view in, std::st
     return false;
   }
   if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
+  return !goaway_ || stop_after_goaway();
+}
+
+bool Connection::ForwardPhase::stop_after_goaway() {
+  // Still queued: the sandbox is inside a frame, and the GOAWAY goes out at its end.
+  if (!h2_frames_->has_queued()) u2c_.stop_reading();
   return true;
 }
 
@@ -1037,7 +1064,8 @@ bool Connection::ForwardPhase::handle_half_close() {
   }
   u2c_.shut_sink_when_done();
   if (c2u_.sink_shut() && u2c_.sink_shut()) {
-    c_.close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
+    if (goaway_) c_.close(goaway_->cause, std::move(goaway_->detail));
+    else c_.close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
     return false;
   }
   return true;
