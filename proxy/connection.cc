@@ -547,6 +547,7 @@ void Connection::HeadPhase::read() {
 void Connection::on_request(std::string_view host, std::string_view method, std::string_view target,
                             std::span<const HttpHeader> headers) {
   rec_.host = std::string(host);
+  answering_head_ = method == "HEAD";
   if (host.empty()) return respond(400, "missing Host header\n", TerminationCause::kBadRequest);
   // The connection is bound to what its first request names; a Host that contradicts the TLS server name
   // would let one certificate's connection reach another name's sandbox.
@@ -938,6 +939,7 @@ Http1Verdict Connection::ForwardPhase::check_http1_request(Http1Request& r) {
           c_.later_request_refusal(host ? std::string_view(*host) : c_.rec_.host, r.method, r.target, r.headers)) {
     Http1Verdict verdict{refusal->status, refusal->message};
     pending_refusal_ = std::move(refusal);
+    c_.answering_head_ = r.method == "HEAD";
     return verdict;
   }
   strip_credentials(r.target, r.headers, consumed_);
@@ -1094,6 +1096,8 @@ void Connection::respond(int status, std::string_view body, TerminationCause cau
                          std::vector<HttpHeader> extra_headers) {
   rec_.status = status;
   static constexpr std::string_view kText = "text/plain; charset=utf-8";
+  // A response to HEAD has no content (RFC 9110 §9.3.2); content after it would be read as the next response.
+  if (answering_head_) body = {};
   Result<std::string> out = !h2_             ? http1_refusal(status, kText, body, extra_headers)
                             : h2_stream_ != 0 ? h2_refusal(h2_stream_, status, kText, body, extra_headers)
                                               // no request yet to answer on: end the connection

@@ -337,6 +337,17 @@ TEST_F(ConnectionTest, RefusedCredentialsAre401AndAllCandidatesGoInOneOpen) {
   EXPECT_EQ(node_->opens[0].port, 8080);
 }
 
+TEST_F(ConnectionTest, TheEdgesOwnAnswerToHeadHasNoContent) {
+  start();
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{401, "invalid token", {}});
+  };
+  std::string r = exchange(kHost, "HEAD / HTTP/1.1\r\nHost: " + kHost + "\r\nAuthorization: Bearer nope\r\n\r\n");
+  ASSERT_EQ(r.rfind("HTTP/1.1 401", 0), 0u) << r;
+  EXPECT_NE(r.find("Content-Length: 0\r\n"), std::string::npos) << r;
+  EXPECT_EQ(r.substr(r.size() - 4), "\r\n\r\n") << "nothing after the head: " << r;
+}
+
 TEST_F(ConnectionTest, NodeFailuresAreAnsweredWithTheirStatus) {
   start("wake_timeout_ms = 300\nhandshake_timeout_ms = 2000\n");
   struct Case {
