@@ -14,6 +14,7 @@
 #include "proxy/h2_filter.h"
 #include "proxy/h2_head.h"
 #include "proxy/http1_filter.h"
+#include "proxy/http1_response_tracker.h"
 #include "proxy/ktls.h"
 #include "proxy/worker.h"
 
@@ -162,8 +163,11 @@ class Connection::ForwardPhase final : public Phase {
   H2Verdict check_h2_request(H2Request& r);
   // The client's input must go through the HTTP/1.1 or h2 filter (not be spliced past it).
   bool requests_are_read() const {
-    return h2_filter_ || (h1_filter_ && h1_filter_->state() == Http1RequestFilter::State::kRequests);
+    return h2_filter_ || (h1_filter_ && (h1_filter_->state() == Http1RequestFilter::State::kRequests ||
+                                         h1_filter_->state() == Http1RequestFilter::State::kAwaitingSwitch));
   }
+  // The sandbox's bytes, watched by responses_ (an Upgrade's answer releases what the filter held).
+  void observe_responses(std::string_view bytes);
   // Each side that finished sending is told so once its bytes are delivered; false when closed.
   bool handle_half_close();
   // The request on an HTTP route has had no byte back from the sandbox yet (so a 502 can still answer it).
@@ -175,6 +179,10 @@ class Connection::ForwardPhase final : public Phase {
   Direction c2u_;  // client -> sandbox
   Direction u2c_;  // sandbox -> client
   std::unique_ptr<Http1RequestFilter> h1_filter_;
+  // HTTP/1.1 on a copied sandbox -> client direction: where the sandbox's answers end (for a refused request
+  // after forwarded ones, and for an Upgrade the sandbox may refuse). Not on a direction that splices into
+  // kTLS: there the stream passes unseen, and a refusal waits for the sandbox to close.
+  std::unique_ptr<Http1ResponseTracker> responses_;
   std::unique_ptr<H2ClientFilter> h2_filter_;
   std::unique_ptr<H2ServerFrames> h2_frames_;  // h2: the sandbox's frames, with the proxy's answers inserted
   ConsumedCredentials consumed_;
@@ -875,6 +883,7 @@ void Connection::ForwardPhase::count(uint64_t& record, uint64_t& traffic, size_t
 Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
   return {
       .received = [this](size_t n) { count(c_.rec_.bytes_in, c_.traffic_->bytes_in, n); },
+      .observe = nullptr,  // the request filter is this direction's stage
       .source_finished =
           [this] {
             if (!u2c_.source_done()) client_closed_first_ = true;
@@ -895,6 +904,10 @@ Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
 Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
   return {
       .received = [this](size_t n) { count(c_.rec_.bytes_out, c_.traffic_->bytes_out, n); },
+      .observe =
+          [this](std::string_view bytes) {
+            if (responses_) observe_responses(bytes);
+          },
       .source_finished =
           [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
       .source_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
@@ -926,8 +939,9 @@ void Connection::ForwardPhase::start_request_filters() {
     h2_frames_ = std::make_unique<H2ServerFrames>();
     u2c_.set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
   } else {
-    h1_filter_ =
-        std::make_unique<Http1RequestFilter>(max_head, [this](Http1Request& r) { return check_http1_request(r); });
+    if (!c_.client_->can_splice_out()) responses_ = std::make_unique<Http1ResponseTracker>();
+    h1_filter_ = std::make_unique<Http1RequestFilter>(
+        max_head, [this](Http1Request& r) { return check_http1_request(r); }, /*await_switch=*/responses_ != nullptr);
   }
   c2u_.set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
 }
@@ -943,7 +957,14 @@ Http1Verdict Connection::ForwardPhase::check_http1_request(Http1Request& r) {
     return verdict;
   }
   strip_credentials(r.target, r.headers, consumed_);
+  if (responses_) responses_->expect(r.method, r.upgrade);
   return {};
+}
+
+void Connection::ForwardPhase::observe_responses(std::string_view bytes) {
+  responses_->observe(bytes);
+  if (h1_filter_->state() != Http1RequestFilter::State::kAwaitingSwitch) return;
+  if (auto switched = responses_->take_upgrade_outcome()) h1_filter_->resolve_upgrade(*switched);
 }
 
 H2Verdict Connection::ForwardPhase::check_h2_request(H2Request& r) {
@@ -956,10 +977,17 @@ H2Verdict Connection::ForwardPhase::check_h2_request(H2Request& r) {
 }
 
 bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::string& out) {
-  if (in.empty()) return true;
+  if (in.empty() && !(h1_filter_ && h1_filter_->has_released())) return true;
   if (h1_filter_) {
     const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
-    const auto state = h1_filter_->feed(in, out);
+    auto state = h1_filter_->feed(in, out);
+    // The sandbox may have answered the Upgrade before the filter saw its end (a request with a body).
+    if (state == Http1RequestFilter::State::kAwaitingSwitch && responses_) {
+      if (auto switched = responses_->take_upgrade_outcome()) {
+        h1_filter_->resolve_upgrade(*switched);
+        state = h1_filter_->feed({}, out);
+      }
+    }
     if (was_reading && state == Http1RequestFilter::State::kRefused) {
       if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
         const auto& r = h1_filter_->refusal();
@@ -967,8 +995,9 @@ bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::str
                                                                     : TerminationCause::kBadRequest,
                                           r.reason + "\n"};
       }
-      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
-      // answers them, closes, and then the refusal is answered (handle_half_close).
+      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one
+      // and answers them; the refusal is answered once those answers are through (responses_ knows where
+      // they end) or the sandbox closes (handle_half_close).
       c2u_.stop_reading();
     }
     return true;
@@ -1056,7 +1085,9 @@ void Connection::ForwardPhase::pump() {
 // close_notify (then FIN) to the client. The connection ends when both directions are done.
 bool Connection::ForwardPhase::handle_half_close() {
   c2u_.shut_sink_when_done();
-  if (u2c_.source_done() && u2c_.pending() == 0 && pending_refusal_) {
+  // Known answered: the sandbox closed, or (watching its answers) it answered every request it was given.
+  const bool answered = u2c_.source_done() || (responses_ && responses_->idle());
+  if (answered && u2c_.pending() == 0 && pending_refusal_) {
     // The sandbox answered the requests before the refused one: now the refusal, then the connection ends.
     RequestRefusal refusal = std::move(*pending_refusal_);
     pending_refusal_.reset();

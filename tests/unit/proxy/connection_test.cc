@@ -456,6 +456,73 @@ TEST_F(ConnectionTest, AnH2ConnectionErrorInALaterRequestIsAnsweredWithGoaway) {
   EXPECT_NE(access_log_when("bad_request").find("HPACK"), std::string::npos);
 }
 
+TEST_F(ConnectionTest, ARefusedPipelinedRequestIsAnsweredWhenTheSandboxHasAnsweredTheOnesBefore) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
+  UniqueFd sandbox;
+  on_sent = [&] {
+    // The sandbox answers both requests it got and keeps the connection open (it never closes it).
+    sandbox = end.take();
+    sandbox_reads(sandbox.get(), "GET /two");
+    sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string answers = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\none"
+                                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\ntwo\r\n0\r\n\r\n";
+    ::send(sandbox.get(), answers.data(), answers.size(), MSG_NOSIGNAL);
+  };
+  const auto started = std::chrono::steady_clock::now();
+  std::string r = exchange(kHost, "GET /one HTTP/1.1\r\nHost: " + kHost + "\r\n\r\nGET /two HTTP/1.1\r\nHost: " +
+                                      kHost + "\r\n\r\nGET /three HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n");
+  // Both answers, then the 421, and the connection ended by the edge (not the 5 s read timeout).
+  const size_t two = r.find("3\r\ntwo\r\n0\r\n\r\n");
+  const size_t misdirected = r.find("HTTP/1.1 421");
+  ASSERT_NE(two, std::string::npos) << r;
+  ASSERT_NE(misdirected, std::string::npos) << r;
+  EXPECT_LT(two, misdirected);
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(4));
+}
+
+TEST_F(ConnectionTest, AnUpgradeTheSandboxRefusesLeavesTheNextRequestsChecked) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
+  std::string seen;
+  on_sent = [&] {
+    UniqueFd sandbox = end.take();
+    seen = sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string refusal = "HTTP/1.1 426 Upgrade Required\r\nContent-Length: 0\r\n\r\n";
+    ::send(sandbox.get(), refusal.data(), refusal.size(), MSG_NOSIGNAL);
+    seen += sandbox_reads(sandbox.get(), "never");  // until the edge ends it
+  };
+  std::string r = exchange(kHost, "GET /ws HTTP/1.1\r\nHost: " + kHost +
+                                      "\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+                                      "GET /other HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n"
+                                      "Cookie: __Host-sandgate_token=victims\r\n\r\n");
+  EXPECT_NE(r.find("HTTP/1.1 426"), std::string::npos) << r;
+  EXPECT_NE(r.find("HTTP/1.1 421"), std::string::npos) << r;
+  EXPECT_EQ(seen.find("/other"), std::string::npos) << seen;
+  EXPECT_EQ(seen.find("victims"), std::string::npos) << seen;
+}
+
+TEST_F(ConnectionTest, AnUpgradeTheSandboxAcceptsPassesWhatFollowsAsIs) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
+  std::string seen;
+  on_sent = [&] {
+    UniqueFd sandbox = end.take();
+    seen = sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string accepted = "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\n";
+    ::send(sandbox.get(), accepted.data(), accepted.size(), MSG_NOSIGNAL);
+    seen += sandbox_reads(sandbox.get(), "not http");
+    ::send(sandbox.get(), "bye", 3, MSG_NOSIGNAL);
+  };
+  std::string r = exchange(kHost, "GET /x HTTP/1.1\r\nHost: " + kHost +
+                                      "\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\nGET not http\r\n\r\n");
+  EXPECT_NE(seen.find("GET not http\r\n\r\n"), std::string::npos) << seen;
+  EXPECT_NE(r.find("HTTP/1.1 101"), std::string::npos) << r;
+}
+
 TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {
   start();
   node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
