@@ -309,7 +309,7 @@ int main(int argc, char** argv) {
                           "HOSTPATH:DEST: files on the node copied into the image, owned by its root (repeatable)");
   image_build->add_option("--workdir", build_opts.workdir, "the image's working directory (absolute)");
   image_build->add_option("--env", build_opts.env, "K=V in the image's environment (repeatable)");
-  image_build->add_option("--variant", build_opts.variant, "mmdebstrap variant of the base: essential (default) or minbase");
+  image_build->add_option("--variant", build_opts.variant, "mmdebstrap variant of the base: minbase (default: essential packages + apt) or essential (no apt)");
   image_build->add_option("--timeout", build_opts.timeout_secs, "seconds the whole build may take (node default 1800)")
       ->check(CLI::Range(1, 6 * 3600));
   CLI::App* image_ls = image_cmd->add_subcommand("ls", "List images");

@@ -95,6 +95,10 @@ class Build {
       auto parent = store_->get_and_pin(request_.from);
       if (!parent) return parent.failure();
       pinned_ = parent->layers;
+      // Each layer the build stacks on is re-hashed first: a blob damaged on disk is refused, not built on.
+      for (const std::string& d : parent->layers)
+        if (auto s = store_->layers().verify(d); !s)
+          return fail(s.error(), "image " + request_.from + " (--from): " + s.message());
       image.layers = parent->layers;
       image.config = parent->config;
     } else {
@@ -184,7 +188,8 @@ class Build {
   }
 
   std::string apt_command() const {
-    return "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends " +
+    return "command -v apt-get >/dev/null || { echo 'this image has no apt-get (a --variant=essential base?)'; exit 127; }; "
+           "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends " +
            join(request_.packages, " ") + " && apt-get clean && rm -rf /var/lib/apt/lists/*";
   }
 

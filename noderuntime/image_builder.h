@@ -46,7 +46,7 @@ struct BuildCopy {
 struct BuildRequest {
   std::string name;
   std::string from;  // "" = a Debian base made by mmdebstrap
-  std::string variant = "essential";  // mmdebstrap --variant: essential or minbase
+  std::string variant = "minbase";  // mmdebstrap --variant: minbase (with apt, so --from it can apt-get) or essential
   std::vector<std::string> packages;
   std::vector<BuildCopy> copies;
   std::vector<std::string> runs;

@@ -550,6 +550,8 @@ void ImageStore::unpin(const std::vector<std::string>& layers) {
   std::lock_guard lock(mu_);
   for (const std::string& d : layers)
     if (auto it = pinned_.find(d); it != pinned_.end()) pinned_.erase(it);
+  // A failed build's layers are nobody's now: gone at once rather than at the next rm or start.
+  if (auto s = collect_garbage(); !s) spdlog::warn("image store: unused layers not collected: {}", s.message());
 }
 
 Result<Image> ImageStore::create(Image image) {

@@ -80,6 +80,7 @@ class ImageStore {
   Result<Image> get_and_pin(const std::string& name);
   // LayerStore::add, pinned in the same step.
   Result<std::string> add_pinned_layer(const std::string& blob_path, std::string_view digest, std::string_view label);
+  // Ends a build's pins; the layers no image names then (a failed build's) are removed.
   void unpin(const std::vector<std::string>& layers);
   // Writes the record of a built image whose layers are pinned: kAlreadyExists if the name was taken while
   // it was built, kNotFound if `image.parent` was removed meanwhile.
