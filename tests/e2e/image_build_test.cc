@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 
+#include <chrono>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -22,7 +23,7 @@ std::string make_busybox_image(const std::string& dir) {
   std::string root = dir + "/rootfs";
   for (const char* d : {"/bin", "/etc", "/proc", "/dev", "/tmp"}) fs::create_directories(root + d);
   fs::copy_file("/bin/busybox", root + "/bin/busybox");
-  for (const char* applet : {"sh", "cat", "echo", "rm", "mkdir", "chown", "id", "pwd", "test", "true", "ls"})
+  for (const char* applet : {"sh", "cat", "echo", "rm", "mkdir", "chown", "id", "pwd", "test", "true", "ls", "sleep"})
     fs::create_symlink("busybox", root + "/bin/" + applet);
   write_file(root + "/etc/motd", "from the parent\n");
   fs::create_directories(dir + "/out/l0");
@@ -163,6 +164,21 @@ TEST_F(ImageBuild, AFailingStepNamesItselfAndLeavesNoImage) {
   auto taken = c_.cli("image build bb --from bb --run true");
   EXPECT_EQ(taken.exit_code, 1);
   EXPECT_EQ(taken.out, "");
+}
+
+// The build timeout kills the running step (its whole PID namespace) and says so.
+TEST_F(ImageBuild, TheTimeoutKillsTheRunningStep) {
+  auto start = std::chrono::steady_clock::now();
+  auto built = c_.cli("image build slow --from bb --timeout 2 --run 'echo started; sleep 600'");
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(built.exit_code, 1);
+  EXPECT_NE(built.err.find("step 1/1 (run: echo started; sleep 600) was killed: the build passed its timeout of 2 s; "
+                           "its last output lines:\n  | started"),
+            std::string::npos)
+      << built.err;
+  EXPECT_LT(secs, 30) << "the step was not killed at the timeout";
+  EXPECT_EQ(image_json(c_, "slow")["error"], "not_found");
+  EXPECT_FALSE(build_debris(c_));
 }
 
 TEST_F(ImageBuild, ACorruptedParentLayerIsRefused) {
