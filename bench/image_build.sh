@@ -52,7 +52,7 @@ seconds() { # command...: wall seconds of one run, its output kept in $work/last
   end=$(date +%s.%N)
   echo "$end - $start" | bc
 }
-median() { sort -n | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+median() { sort -n | awk '{a[NR] = $1} END {printf "%.2f", (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 
 busybox=() debian=()
 for ((r = 1; r <= runs; r++)); do
