@@ -212,6 +212,19 @@ TEST(ImageBuildDebian, PackagesAndRunOnAnMmdebstrapBase) {
   ASSERT_EQ(::stat((tree(c, image["layers"][0]) + "/etc/shadow").c_str(), &st), 0);
   EXPECT_EQ(st.st_gid, 42u) << "image ids as mmdebstrap made them (shadow's group)";
   EXPECT_EQ(read_file(tree(c, image["layers"][1]) + "/answer"), "42");
+
+  // --packages on --from is an apt-get step in the build sandbox (the host's network reaches the mirror).
+  auto apt = c.cli("image build deb-jq --from deb --packages jq --run 'jq --version > /jq-version'", 900);
+  ASSERT_EQ(apt.exit_code, 0) << apt.err << apt.out;
+  EXPECT_NE(apt.out.find("step 1/2: apt-get install jq\n"), std::string::npos) << apt.out;
+  json with_jq = image_json(c, "deb-jq");
+  ASSERT_EQ(with_jq["layers"].size(), 4u) << with_jq.dump();
+  EXPECT_TRUE(fs::exists(tree(c, with_jq["layers"][2]) + "/usr/bin/jq"));
+  // The step cleans the apt lists: the base's lock file is whited out in the layer.
+  struct stat lock{};
+  ASSERT_EQ(::lstat((tree(c, with_jq["layers"][2]) + "/var/lib/apt/lists/lock").c_str(), &lock), 0);
+  EXPECT_TRUE(S_ISCHR(lock.st_mode) && lock.st_rdev == makedev(0, 0));
+  EXPECT_EQ(read_file(tree(c, with_jq["layers"][3]) + "/jq-version").rfind("jq-1.6", 0), 0u);
 }
 
 }  // namespace
