@@ -41,6 +41,63 @@ Result<ApiResponse> exchange(const HttpByteStream& stream, const std::string& re
   }
 }
 
+// The streamed answer of ApiClient::stream: the head, then lines until the peer closes (a close-delimited
+// body: the node sends no length for a stream). An error answer (with its Content-Length, then closed) is
+// read whole, as small as any other.
+Result<ApiResponse> read_stream(const HttpByteStream& stream, const std::string& req, const std::string& where,
+                                const std::function<void(std::string_view)>& on_line) {
+  constexpr size_t kMaxHead = 64 * 1024, kMaxErrorBody = 1024 * 1024, kMaxLine = 1024 * 1024;
+  if (auto s = stream.write_all(req); !s) return s.failure();
+  std::string buf;
+  char chunk[16 * 1024];
+  size_t head_end = std::string::npos;
+  while (head_end == std::string::npos) {
+    auto n = stream.read_some(chunk, sizeof chunk);
+    if (!n) return n.failure();
+    if (*n == 0)
+      return fail(Error::kUnavailable, "the server at " + where + " closed the connection without answering: " +
+                                           std::string(kCheckApiHint));
+    buf.append(chunk, *n);
+    head_end = buf.find("\r\n\r\n");
+    if (head_end == std::string::npos && buf.size() > kMaxHead)
+      return fail(Error::kIo, "bad answer from " + where + " (head too long): " + std::string(kCheckApiHint));
+  }
+  int status = 0;
+  if (!buf.starts_with("HTTP/1.") || buf.size() < 12 || std::sscanf(buf.c_str() + 9, "%3d", &status) != 1)
+    return fail(Error::kIo, "bad answer from " + where + " (no HTTP status line): " + std::string(kCheckApiHint));
+  std::string rest = buf.substr(head_end + 4);
+  const bool ok = status >= 200 && status <= 299;
+  std::string line;
+  auto feed = [&](std::string_view data) -> Status {
+    for (char c : data) {
+      if (c != '\n') {
+        if (line.size() >= kMaxLine) return fail(Error::kIo, "bad answer from " + where + " (a line over 1 MiB)");
+        line.push_back(c);
+        continue;
+      }
+      on_line(line);
+      line.clear();
+    }
+    return {};
+  };
+  if (ok) {
+    if (auto s = feed(rest); !s) return s.failure();
+    rest.clear();
+  }
+  for (;;) {
+    auto n = stream.read_some(chunk, sizeof chunk);
+    if (!n) return n.failure();
+    if (*n == 0) break;
+    if (ok) {
+      if (auto s = feed(std::string_view(chunk, *n)); !s) return s.failure();
+    } else if (rest.size() < kMaxErrorBody) {
+      rest.append(chunk, *n);
+    }
+  }
+  if (ok && !line.empty()) on_line(line);
+  return ApiResponse{status, ok ? std::string() : std::move(rest)};
+}
+
 }  // namespace
 
 Result<ApiAddress> parse_api_address(std::string_view text) {
@@ -154,6 +211,33 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
   }
   auto res = exchange(http_fd_stream(fd->get(), deadline), *req, where);
   return res ? res : Result<ApiResponse>(worded(res.failure()));
+}
+
+}  // namespace sg::cli
+
+namespace sg::cli {
+
+Result<ApiResponse> ApiClient::stream(std::string_view method, std::string_view target, const nlohmann::json& body,
+                                      int timeout_ms, const std::function<void(std::string_view)>& on_line) const {
+  const std::string where = api_address_string(address_);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  if (!access_.token.empty() && !token_fits_header(access_.token))
+    return fail(Error::kInvalidArgument, "the token is malformed (one line, no spaces)");
+  auto req = build_request(method, target, address_, access_.token, body);
+  if (!req) return req.failure();
+  if (address_.kind == ApiAddress::Kind::kHttps) {
+    TlsClientOptions tls{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert,
+                         "fix the URL in --api / SANDGATE_API, or dial another address with --connect-to / "
+                         "SANDGATE_INGRESS"};
+    auto conn = tls_connect(tls, deadline);
+    if (!conn) return fail(conn.error(), "cannot reach sandgate-node at " + where + ": " + conn.message());
+    return read_stream(tls_stream(conn->ssl.get(), conn->sock.get(), deadline), *req, where, on_line);
+  }
+  auto fd = connect_blocking(address_.endpoint, timeout_ms_);
+  if (!fd)
+    return fail(fd.error() == Error::kTimeout ? Error::kTimeout : Error::kUnavailable,
+                "cannot reach sandgate-node at " + where + ": " + fd.message() + ". " + std::string(kNodeDownHint));
+  return read_stream(http_fd_stream(fd->get(), deadline), *req, where, on_line);
 }
 
 }  // namespace sg::cli

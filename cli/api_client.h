@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -71,6 +72,11 @@ class ApiClient {
   // file), kLimitExceeded (a body over the node's 1 MiB).
   Result<ApiResponse> request(std::string_view method, std::string_view target,
                               const nlohmann::json& body = nullptr) const;
+  // A streamed answer (POST /v1/images/build): the body of a 2xx answer goes line by line to `on_line` as it
+  // arrives, until the node closes the connection (the body is then empty in the result); any other status
+  // comes back whole, as from request(). `timeout_ms` bounds the whole stream, instead of the client's own.
+  Result<ApiResponse> stream(std::string_view method, std::string_view target, const nlohmann::json& body,
+                             int timeout_ms, const std::function<void(std::string_view)>& on_line) const;
 
  private:
   ApiAddress address_;

@@ -254,6 +254,48 @@ std::string format_image_imported(const json& image) {
          ")\n";
 }
 
+Result<json> image_build_body(const ImageBuildOptions& o, std::string_view cwd) {
+  json body = {{"name", o.name}};
+  if (!o.from.empty()) body["from"] = o.from;
+  if (!o.variant.empty()) body["variant"] = o.variant;
+  if (!o.workdir.empty()) body["workdir"] = o.workdir;
+  if (!o.packages.empty()) body["packages"] = o.packages;
+  if (!o.runs.empty()) body["run"] = o.runs;
+  if (!o.env.empty()) body["env"] = o.env;
+  if (o.timeout_secs != 0) body["timeout_secs"] = o.timeout_secs;
+  if (!o.copies.empty()) {
+    json copies = json::array();
+    for (const std::string& c : o.copies) {
+      size_t colon = c.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == c.size())
+        return fail(Error::kInvalidArgument, "--copy '" + c + "': expected HOSTPATH:DEST (DEST absolute in the image)");
+      std::string source = c.substr(0, colon);
+      if (source.front() != '/') source = std::string(cwd) + (cwd.ends_with('/') ? "" : "/") + source;
+      copies.push_back({{"source", source}, {"dest", c.substr(colon + 1)}});
+    }
+    body["copy"] = std::move(copies);
+  }
+  return body;
+}
+
+std::string format_build_event(const json& event) {
+  std::string kind = text(event, "event");
+  if (kind == "step") {
+    const json* step = field(event, "step");
+    const json* steps = field(event, "steps");
+    std::string n = step != nullptr && step->is_number_unsigned() ? std::to_string(step->get<uint64_t>()) : "?";
+    std::string m = steps != nullptr && steps->is_number_unsigned() ? std::to_string(steps->get<uint64_t>()) : "?";
+    return "step " + n + "/" + m + ": " + text(event, "what") + "\n";
+  }
+  if (kind == "output") return "  | " + text(event, "line") + "\n";
+  return "";
+}
+
+std::string format_image_built(const json& image) {
+  return "built image " + text(image, "name") + ": " + std::to_string(layer_count(image)) + " layer" +
+         (layer_count(image) == 1 ? "" : "s") + ", " + format_bytes(image_size(image)) + "\n";
+}
+
 std::string format_image_list(const json& answer, TimePoint now) {
   std::vector<std::vector<std::string>> rows = {{"NAME", "LAYERS", "SIZE", "FORMAT", "AGE"}};
   const json* list = field(answer, "images");

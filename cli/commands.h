@@ -58,6 +58,21 @@ std::string image_path(std::string_view name);
 // The POST /v1/images body; a relative `archive` is made absolute against `cwd` (the node reads the file
 // from its own disk and working directory). kInvalidArgument for an empty path or name.
 Result<nlohmann::json> image_import_body(std::string_view archive, std::string_view name, std::string_view cwd);
+// `sandgate image build` (docs/images.md).
+struct ImageBuildOptions {
+  std::string name, from, variant, workdir;
+  std::vector<std::string> packages, runs, env;
+  std::vector<std::string> copies;  // "HOSTPATH:DEST" (split at the last ':')
+  uint32_t timeout_secs = 0;        // 0: the node's default
+};
+// The POST /v1/images/build body. Copy sources are made absolute against `cwd`: the node reads them itself
+// (the endpoint is on the node's unix socket only). kInvalidArgument for a copy without ":DEST".
+Result<nlohmann::json> image_build_body(const ImageBuildOptions& opts, std::string_view cwd);
+// One progress line of a build for the terminal: "step 2/4: run: make\n", "  | OUTPUT\n"; "" for events that
+// print nothing (a layer, the final image or error, which the caller words).
+std::string format_build_event(const nlohmann::json& event);
+// `sandgate image build`: "built image NAME: N layers, SIZE".
+std::string format_image_built(const nlohmann::json& image);
 // 1536 -> "1.5 KiB"; below 1 KiB whole bytes.
 std::string format_bytes(uint64_t bytes);
 // `sandgate image import`: "imported image NAME: N layers, SIZE (FORMAT)".

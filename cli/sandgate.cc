@@ -76,6 +76,41 @@ int call(const Node& node, std::string_view command, std::string_view method, co
   return print(*answer, raw, raw_json, format);
 }
 
+// `sandgate image build`: the node's progress lines as they come, then the image or the failure (which names
+// the step, its exit code and its last output lines).
+int build_image(const Node& node, const sg::cli::ImageBuildOptions& opts) {
+  std::error_code ec;
+  std::string cwd = std::filesystem::current_path(ec).string();
+  auto body = sg::cli::image_build_body(opts, cwd);
+  if (!body) return error(body.message(), kExitUsage);
+  // The stream lasts as long as the build: its timeout plus a margin for the node to answer.
+  constexpr int kDefaultBuildSecs = 1800, kMarginSecs = 60;
+  int timeout_ms = ((opts.timeout_secs != 0 ? static_cast<int>(opts.timeout_secs) : kDefaultBuildSecs) + kMarginSecs) * 1000;
+  json last;
+  auto res = node.client.stream("POST", "/v1/images/build", *body, timeout_ms, [&](std::string_view line) {
+    json event = json::parse(line, nullptr, false);
+    if (!event.is_object()) return;
+    if (event.contains("image") || (event.contains("event") && event["event"] == "error")) {
+      last = std::move(event);
+      return;
+    }
+    std::cout << sg::cli::format_build_event(event);
+    std::cout.flush();
+  });
+  if (!res) return error(res.message());
+  if (res->status < 200 || res->status > 299)
+    return error(sg::cli::error_message(res->status, res->body, {"image build", opts.name, node.where, node.sent_token}));
+  if (last.is_object() && last.contains("image") && last["image"].is_object()) {
+    std::cout << sg::cli::format_image_built(last["image"]);
+    std::cout.flush();
+    return std::cout ? kExitOk : error("cannot write to stdout");
+  }
+  if (last.is_object() && last.contains("message") && last["message"].is_string())
+    return error("image build " + opts.name + ": " + last["message"].get<std::string>());
+  return error("image build " + opts.name + ": the node closed the progress stream before the build ended (`sandgate "
+               "image ls` shows whether it finished)");
+}
+
 // `sandgate suspend/resume`: a refusal because the sandbox has failed says so, with why and what to do; the
 // node's own 409 only names the state.
 int change_state(const Node& node, std::string_view action, std::string_view attempted, const std::string& ref) {
@@ -260,6 +295,23 @@ int main(int argc, char** argv) {
   image_import->add_option("file", archive_file, "the archive, on the node's disk")->required();
   image_import->add_option("name", ref, "the image's name (A-Z a-z 0-9 . _ : -)")->required();
   image_import->add_flag("--json", raw_json, "print the node's JSON answer");
+  sg::cli::ImageBuildOptions build_opts;
+  CLI::App* image_build = image_cmd->add_subcommand(
+      "build", "Build an image on the node: a Debian bookworm base made with mmdebstrap (or --from IMAGE), then "
+               "--packages, the --copy steps and the --run steps (in that order), each sealed as a layer");
+  image_build->add_option("name", build_opts.name, "the new image's name (A-Z a-z 0-9 . _ : -)")->required();
+  image_build->add_option("--from", build_opts.from, "build on this image's layers instead of a Debian base");
+  image_build->add_option("--packages", build_opts.packages,
+                          "Debian packages to install (comma-separated; mmdebstrap --include, or apt-get with --from)")
+      ->delimiter(',');
+  image_build->add_option("--run", build_opts.runs, "a shell command run in the image, as its root (repeatable)");
+  image_build->add_option("--copy", build_opts.copies,
+                          "HOSTPATH:DEST: files on the node copied into the image, owned by its root (repeatable)");
+  image_build->add_option("--workdir", build_opts.workdir, "the image's working directory (absolute)");
+  image_build->add_option("--env", build_opts.env, "K=V in the image's environment (repeatable)");
+  image_build->add_option("--variant", build_opts.variant, "mmdebstrap variant of the base: minbase (default: essential packages + apt) or essential (no apt)");
+  image_build->add_option("--timeout", build_opts.timeout_secs, "seconds the whole build may take (node default 1800)")
+      ->check(CLI::Range(1, 6 * 3600));
   CLI::App* image_ls = image_cmd->add_subcommand("ls", "List images");
   image_ls->add_flag("--json", raw_json, "print the node's JSON answer");
   CLI::App* image_rm = image_cmd->add_subcommand("rm", "Remove an image (and the layers no other image uses)");
@@ -384,6 +436,7 @@ int main(int argc, char** argv) {
     if (!answer) return error(answer.message());
     return print(*answer, raw, raw_json, sg::cli::format_image_imported);
   }
+  if (image_build->parsed()) return build_image(node, build_opts);
   if (image_ls->parsed())
     return call(node, "image ls", "GET", "/v1/images", "", raw_json,
                 [&](const json& j) { return sg::cli::format_image_list(j, now); });

@@ -2,7 +2,9 @@
 # Configures and builds sandgate with CMake + Ninja.
 #   deploy/build.sh [extra cmake args...]     e.g. deploy/build.sh -DSANDGATE_BENCH=OFF
 # Environment: BUILD_DIR (default <repo>/build), CMAKE_BUILD_TYPE (default RelWithDebInfo),
-# CI=true adds -DSANDGATE_WERROR=ON. Extra arguments come last, so they override these defaults.
+# CI=true adds -DSANDGATE_WERROR=ON, BUILD_TARGETS="t1 t2" builds only those targets (the quickstart: the
+# daemons, the CLI, init and the agent, not the ~100 test and benchmark targets). Extra arguments come last,
+# so they override these defaults.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd) # through symlinks, too
@@ -22,6 +24,12 @@ fi
 
 echo "build: configuring $BUILD_DIR" >&2
 cmake "${args[@]}" "$@"
-echo "build: building" >&2
-cmake --build "$BUILD_DIR"
+if [[ -n ${BUILD_TARGETS:-} ]]; then
+  read -r -a targets <<<"$BUILD_TARGETS"
+  echo "build: building ${targets[*]}" >&2
+  cmake --build "$BUILD_DIR" --target "${targets[@]}"
+else
+  echo "build: building" >&2
+  cmake --build "$BUILD_DIR"
+fi
 echo "build: done; binaries in $BUILD_DIR/{noderuntime,proxy,cli}" >&2

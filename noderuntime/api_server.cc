@@ -367,6 +367,7 @@ Result<uint32_t> parse_wake_timeout(const HttpMessage& request) {
 ordered_json image_json(const snapshot::Image& image) {
   return ordered_json{{"name", image.name},
                       {"format", image.format},
+                      {"parent", image.parent.empty() ? ordered_json(nullptr) : ordered_json(image.parent)},
                       {"config_digest", image.config_digest},
                       {"layers", image.layers},
                       {"size_bytes", image.size_bytes},
@@ -444,6 +445,7 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
     std::string bytes;
     std::vector<UniqueFd> fds;
     bool route_events = false;
+    std::shared_ptr<Stream> stream;
     std::string method, target;  // for the request log line
     Clock::time_point started;
   };
@@ -465,6 +467,7 @@ class ApiServer::Connection : public std::enable_shared_from_this<Connection> {
   void begin_close();
   void maybe_send_continue();
   void stream_route_events();
+  void attach_stream(std::shared_ptr<Stream> stream);
 
   ApiServer* server_;
   bool is_unix_;
@@ -600,7 +603,8 @@ void ApiServer::Connection::respond(uint64_t seq, Response response) {
   slot.bytes = serialize(response, slot.close_after);
   slot.fds = std::move(response.fds);
   slot.route_events = response.route_events;
-  if (slot.route_events) {
+  slot.stream = std::move(response.stream);
+  if (slot.route_events || slot.stream) {
     // A close-delimited body of JSON lines (no Content-Length: it never ends on its own).
     slot.bytes = "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nCache-Control: no-store\r\n"
                  "Connection: close\r\n\r\n";
@@ -641,6 +645,12 @@ void ApiServer::Connection::flush() {
       slots_.pop_front();
       ++first_seq_;
       return stream_route_events();
+    }
+    if (slot.stream) {
+      std::shared_ptr<Stream> stream = std::move(slot.stream);
+      slots_.pop_front();
+      ++first_seq_;
+      return attach_stream(std::move(stream));
     }
     bool close_after = slot.close_after;
     slots_.pop_front();
@@ -746,6 +756,43 @@ void ApiServer::Connection::stream_route_events() {
   // Reading goes on only to see the proxy close its end.
   draining_ = true;
   start_reading();
+}
+
+void ApiServer::Stream::send(std::string line, bool droppable) {
+  if (ended_) return;
+  if (sink_) return sink_(std::move(line), droppable);
+  pending_.emplace_back(std::move(line), droppable);
+}
+
+void ApiServer::Stream::attach(std::function<void(std::string, bool)> sink, std::function<void()> on_end) {
+  sink_ = std::move(sink);
+  on_end_ = std::move(on_end);
+  for (auto& [line, droppable] : pending_) sink_(std::move(line), droppable);
+  pending_.clear();
+  if (ended_) on_end_();
+}
+
+void ApiServer::Stream::end() {
+  if (ended_) return;
+  ended_ = true;
+  if (on_end_) on_end_();
+}
+
+// The stream's lines go out as they come; the client closing its end only shows as a failed write, after
+// which the stream's lines are dropped (the work behind it goes on: a build still finishes its image).
+void ApiServer::Connection::attach_stream(std::shared_ptr<Stream> stream) {
+  streaming_ = true;
+  std::weak_ptr<Connection> weak = weak_from_this();
+  stream->attach(
+      [weak](std::string line, bool droppable) {
+        auto self = weak.lock();
+        if (!self || self->closing_) return;
+        if (droppable && uv_stream_get_write_queue_size(self->stream()) >= kMaxQueuedWriteBytes) return;
+        self->write(std::move(line) + "\n");
+      },
+      [weak] {
+        if (auto self = weak.lock(); self && !self->closing_) self->begin_close();
+      });
 }
 
 void ApiServer::Connection::close_now() {
@@ -1005,6 +1052,7 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     if (method != "POST") return method_not_allowed("POST");
     return handle_activity(request, reply);
   }
+  if (path == "/v1/images/build" && method == "POST") return handle_image_build(request, can_pass_fds, std::move(reply));
   if (path == "/v1/images") {
     if (method == "POST") return handle_image_import(request, can_pass_fds, std::move(reply));
     if (method != "GET") return method_not_allowed("GET, POST");
@@ -1077,6 +1125,109 @@ void ApiServer::handle_image_import(const HttpMessage& request, bool is_unix, Re
   images_->import(std::move(archive), std::move(name), [reply = std::move(reply)](Result<snapshot::Image> image) {
     reply(image_response(201, image));
   });
+}
+
+namespace {
+
+Result<std::vector<std::string>> string_list(const json& value, std::string_view field) {
+  if (!value.is_array()) return wrong_type(field, "an array of strings", value);
+  std::vector<std::string> out;
+  for (const json& v : value) {
+    if (!v.is_string()) return wrong_type(field, "an array of strings", value);
+    out.push_back(v.get<std::string>());
+  }
+  return out;
+}
+
+Result<BuildRequest> parse_build(const json& body) {
+  BuildRequest r;
+  constexpr std::string_view kFields = "name, from, variant, packages, copy, run, workdir, env, timeout_secs";
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = *it;
+    if (k == "name" || k == "from" || k == "variant" || k == "workdir") {
+      if (!v.is_string()) return wrong_type(k, "a string", v);
+      (k == "name" ? r.name : k == "from" ? r.from : k == "variant" ? r.variant : r.workdir) = v.get<std::string>();
+    } else if (k == "packages" || k == "run" || k == "env") {
+      auto list = string_list(v, k);
+      if (!list) return list.failure();
+      (k == "packages" ? r.packages : k == "run" ? r.runs : r.env) = std::move(*list);
+    } else if (k == "copy") {
+      if (!v.is_array()) return wrong_type(k, "an array of {\"source\", \"dest\"}", v);
+      for (const json& c : v) {
+        if (!c.is_object() || c.size() != 2 || !c.contains("source") || !c.contains("dest") ||
+            !c["source"].is_string() || !c["dest"].is_string())
+          return wrong_type(k, "an array of {\"source\": \"/on/the/node\", \"dest\": \"/in/the/image\"}", v);
+        r.copies.push_back({c["source"].get<std::string>(), c["dest"].get<std::string>()});
+      }
+    } else if (k == "timeout_secs") {
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > kMaxBuildTimeoutSecs)
+        return wrong_type(k, "an integer of 1 to " + std::to_string(kMaxBuildTimeoutSecs), v);
+      r.timeout_secs = v.get<uint32_t>();
+    } else {
+      return unknown_field(k, kFields);
+    }
+  }
+  if (r.name.empty()) return fail(Error::kInvalidArgument, "name is required");
+  if (auto s = check_build_request(r); !s) return s.failure();
+  return r;
+}
+
+ordered_json build_event_json(const BuildEvent& e) {
+  switch (e.kind) {
+    case BuildEvent::Kind::kStep:
+      return {{"event", "step"}, {"step", e.step}, {"steps", e.steps}, {"what", e.text}};
+    case BuildEvent::Kind::kOutput:
+      return {{"event", "output"}, {"step", e.step}, {"line", e.text}};
+    case BuildEvent::Kind::kLayer:
+      return {{"event", "layer"},
+              {"step", e.step},
+              {"digest", e.text.empty() ? ordered_json(nullptr) : ordered_json(e.text)},
+              {"size_bytes", e.size_bytes}};
+  }
+  return {};
+}
+
+}  // namespace
+
+// Like an import, a build reads files on the node (its copy sources) and runs code there (in a build
+// sandbox, but with the host's network): the local operator's, on the unix socket only. What can be checked
+// before any work (the request, the names, the copy sources) is a plain error answer; once the build starts
+// the answer is a stream of progress lines ending in {"event": "image"} or {"event": "error"}.
+void ApiServer::handle_image_build(const HttpMessage& request, bool is_unix, Reply reply) {
+  if (!is_unix)
+    return reply(invalid("POST /v1/images/build runs build steps and reads files on the node, so it is served on the "
+                         "unix socket only (run sandgate on the node)"));
+  if (images_ == nullptr) return reply(no_images());
+  auto body = parse_object(request.body);
+  if (!body) return reply(error_response(body.failure()));
+  auto build = parse_build(*body);
+  if (!build) return reply(error_response(build.failure()));
+  if (images_->get(build->name))
+    return reply(error_response(409, Error::kAlreadyExists, "image " + build->name + " already exists (sandgate image rm " +
+                                                             build->name + " first)"));
+  if (!build->from.empty())
+    if (auto parent = images_->get(build->from); !parent) return reply(error_response(parent.failure()));
+  for (const BuildCopy& c : build->copies)
+    if (struct stat st{}; ::lstat(c.host_path.c_str(), &st) != 0)
+      return reply(error_response(404, Error::kNotFound, "copy source " + c.host_path + " does not exist on the node"));
+  auto stream = std::make_shared<Stream>();
+  Response r{200, "", {}, ""};
+  r.stream = stream;
+  reply(std::move(r));
+  images_->build(
+      std::move(*build), [stream](const BuildEvent& e) { stream->send(to_text(build_event_json(e)), e.kind == BuildEvent::Kind::kOutput); },
+      [stream](Result<snapshot::Image> image) {
+        if (image) {
+          stream->send(to_text(ordered_json{{"event", "image"}, {"image", image_json(*image)}}), false);
+        } else {
+          stream->send(to_text(ordered_json{{"event", "error"},
+                                            {"error", error_name(image.error())},
+                                            {"message", image.message()}}),
+                       false);
+        }
+        stream->end();
+      });
 }
 
 void ApiServer::handle_create(const HttpMessage& request, Reply reply) {

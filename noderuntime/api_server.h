@@ -42,6 +42,25 @@ class ApiServer {
   // every handle is closed.
   void close(std::function<void()> done);
 
+  // A streamed answer (POST /v1/images/build): 200 with a close-delimited application/x-ndjson body, one
+  // JSON line per send(), the connection closed after end(). Lines sent before the connection reaches the
+  // answer wait in the stream. Loop thread only.
+  class Stream {
+   public:
+    // `droppable`: a line a slow reader may lose (build output) once kMaxQueuedWriteBytes wait to be written;
+    // the others (steps, the final answer) always go.
+    void send(std::string line, bool droppable);
+    void end();
+    // The connection takes the lines from here on (those waiting first) and is told of the end.
+    void attach(std::function<void(std::string, bool)> sink, std::function<void()> on_end);
+
+   private:
+    std::function<void(std::string, bool)> sink_;
+    std::function<void()> on_end_;
+    std::vector<std::pair<std::string, bool>> pending_;
+    bool ended_ = false;
+  };
+
   // One complete answer: status, JSON body, and for internal/open and internal/sockets the descriptors
   // that travel with it.
   struct Response {
@@ -52,6 +71,7 @@ class ApiServer {
     // internal/events: the connection becomes a stream of RouteEvents (one JSON line each) until either
     // side closes it; no request after it is read.
     bool route_events = false;
+    std::shared_ptr<Stream> stream = nullptr;  // set: the body is this stream, not `body`
   };
   using Reply = std::function<void(Response)>;
 
@@ -75,6 +95,7 @@ class ApiServer {
   void handle_sockets(const HttpMessage& request, bool can_pass_fds, Reply& reply);
   void handle_activity(const HttpMessage& request, Reply& reply);
   void handle_image_import(const HttpMessage& request, bool is_unix, Reply reply);
+  void handle_image_build(const HttpMessage& request, bool is_unix, Reply reply);
 
   uv_loop_t* loop_;
   Node* node_;

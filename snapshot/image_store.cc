@@ -352,6 +352,7 @@ Result<Parsed> parse_oci(const Staged& staged) {
 ordered_json to_json(const Image& image) {
   return ordered_json{{"name", image.name},
                       {"format", image.format},
+                      {"parent", image.parent},
                       {"config_digest", image.config_digest},
                       {"layers", image.layers},
                       {"config",
@@ -374,6 +375,7 @@ Result<Image> from_json(const std::string& text, const std::string& where) {
     return bad();
   out.name = j["name"].get<std::string>();
   out.format = string_field(j, "format");
+  out.parent = string_field(j, "parent");
   out.config_digest = string_field(j, "config_digest");
   auto layers = string_array(j["layers"], "layers", where);
   if (!layers) return layers.failure();
@@ -515,10 +517,64 @@ Result<Image> ImageStore::remove(const std::string& name) {
   if (user_check_)
     if (auto user = user_check_(name))
       return fail(Error::kConflict, "image " + name + " is in use by " + *user + "; remove that first");
+  auto images = list();
+  if (!images) return images.failure();
+  for (const Image& other : *images)
+    if (other.parent == name)
+      return fail(Error::kConflict, "image " + name + " is the parent of image " + other.name +
+                                        " (built --from it, sharing its layers); remove " + other.name + " first");
   if (::unlink(image_file(name).c_str()) != 0) return fail_errno("remove " + image_file(name), errno);
   if (auto s = fsync_dir(images_dir_); !s) return s.failure();
   // The image is gone either way; layers left behind are collected by a later rm or the next start.
   if (auto s = collect_garbage(); !s) spdlog::warn("image store: unused layers not collected: {}", s.message());
+  return image;
+}
+
+Result<Image> ImageStore::get_and_pin(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto image = get(name);
+  if (!image) return image.failure();
+  pinned_.insert(image->layers.begin(), image->layers.end());
+  return image;
+}
+
+Result<std::string> ImageStore::add_pinned_layer(const std::string& blob_path, std::string_view digest,
+                                                 std::string_view label) {
+  std::lock_guard lock(mu_);
+  auto added = layers_.add(blob_path, digest, label);
+  if (added) pinned_.insert(*added);
+  return added;
+}
+
+void ImageStore::unpin(const std::vector<std::string>& layers) {
+  std::lock_guard lock(mu_);
+  for (const std::string& d : layers)
+    if (auto it = pinned_.find(d); it != pinned_.end()) pinned_.erase(it);
+  // A failed build's layers are nobody's now: gone at once rather than at the next rm or start.
+  if (auto s = collect_garbage(); !s) spdlog::warn("image store: unused layers not collected: {}", s.message());
+}
+
+Result<Image> ImageStore::create(Image image) {
+  if (auto s = check_image_name(image.name); !s) return s.failure();
+  if (image.layers.size() > kMaxImageLayers)
+    return fail(Error::kLimitExceeded, "image " + image.name + ": " + std::to_string(image.layers.size()) +
+                                           " layers, over the " + std::to_string(kMaxImageLayers) + " limit");
+  std::lock_guard lock(mu_);
+  if (::access(image_file(image.name).c_str(), F_OK) == 0)
+    return fail(Error::kAlreadyExists, "image " + image.name + " already exists (sandgate image rm " + image.name +
+                                           " first)");
+  if (!image.parent.empty() && ::access(image_file(image.parent).c_str(), F_OK) != 0)
+    return fail(Error::kNotFound, "image " + image.parent + " (the --from image) was removed during the build");
+  image.size_bytes = 0;
+  for (const std::string& d : image.layers) {
+    struct stat st{};
+    if (::stat((layers_.layer_dir(d) + "/blob").c_str(), &st) != 0)
+      return fail(Error::kInternal, "image " + image.name + ": layer " + d + " is not in the store");
+    image.size_bytes += static_cast<uint64_t>(st.st_size);
+  }
+  image.created_at_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::system_clock::now().time_since_epoch()).count();
+  if (auto s = write_file_atomic(image_file(image.name), to_json(image).dump(2) + "\n"); !s) return s.failure();
   return image;
 }
 
@@ -530,7 +586,7 @@ Status ImageStore::collect_garbage() {
   auto stored = layers_.list();
   if (!stored) return stored.failure();
   for (const std::string& d : *stored)
-    if (used.count(d) == 0)
+    if (used.count(d) == 0 && pinned_.count(d) == 0)
       if (auto s = layers_.remove(d); !s) return s;
   return {};
 }

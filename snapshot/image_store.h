@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,7 +40,8 @@ struct ImageConfig {
 
 struct Image {
   std::string name;
-  std::string format;  // "docker-save" or "oci"
+  std::string format;  // "docker-save", "oci" or "build"
+  std::string parent;  // a built image: the image it was built --from ("" for none); remove() refuses the parent
   std::string config_digest;
   std::vector<std::string> layers;  // bottom first
   ImageConfig config;
@@ -68,8 +70,21 @@ class ImageStore {
   Result<Image> import(const std::string& archive_path, const std::string& name);
   Result<std::vector<Image>> list() const;
   Result<Image> get(const std::string& name) const;
-  // kConflict while the UserCheck says the image is in use. Layers no other image uses are removed with it.
+  // kConflict while the UserCheck says the image is in use, or another image was built --from it (its layers
+  // are shared, so the parent stays while a child names it). Layers no other image uses are removed with it.
   Result<Image> remove(const std::string& name);
+
+  // Image builds (image_builder.h). A build's layers are pinned from the moment it uses them until it ends,
+  // so a concurrent remove() (whose garbage collection takes every layer no image names) cannot take them.
+  // get() of `name` and a pin on its layers, in one step (a --from parent removed meanwhile keeps its layers).
+  Result<Image> get_and_pin(const std::string& name);
+  // LayerStore::add, pinned in the same step.
+  Result<std::string> add_pinned_layer(const std::string& blob_path, std::string_view digest, std::string_view label);
+  // Ends a build's pins; the layers no image names then (a failed build's) are removed.
+  void unpin(const std::vector<std::string>& layers);
+  // Writes the record of a built image whose layers are pinned: kAlreadyExists if the name was taken while
+  // it was built, kNotFound if `image.parent` was removed meanwhile.
+  Result<Image> create(Image image);
   LayerStore& layers() { return layers_; }
 
  private:
@@ -81,6 +96,7 @@ class ImageStore {
   std::string images_dir_;
   LayerStore layers_;
   UserCheck user_check_;
+  std::multiset<std::string> pinned_;  // layers of builds in progress, once per build using them
   std::mutex mu_;
 };
 

@@ -21,6 +21,37 @@ TEST(ImageImportBody, MakesTheArchivePathAbsolute) {
   EXPECT_EQ(image_import_body("a.tar", "", "/").error(), Error::kInvalidArgument);
 }
 
+TEST(ImageBuildBody, CarriesTheStepsAndMakesCopySourcesAbsolute) {
+  ImageBuildOptions o;
+  o.name = "web";
+  o.from = "base";
+  o.packages = {"python3", "curl"};
+  o.runs = {"make", "make install"};
+  o.copies = {"src:/app", "/etc/hosts:/etc/"};
+  o.env = {"A=1"};
+  o.workdir = "/app";
+  auto body = image_build_body(o, "/home/op");
+  ASSERT_TRUE(body) << body.message();
+  EXPECT_EQ(*body, json::parse(R"({"name":"web","from":"base","workdir":"/app","packages":["python3","curl"],
+    "run":["make","make install"],"env":["A=1"],
+    "copy":[{"source":"/home/op/src","dest":"/app"},{"source":"/etc/hosts","dest":"/etc/"}]})"));
+  o.copies = {"nodest"};
+  auto bad = image_build_body(o, "/");
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("expected HOSTPATH:DEST"), std::string::npos) << bad.message();
+  o.copies = {"src:"};
+  EXPECT_EQ(image_build_body(o, "/").error(), Error::kInvalidArgument);
+}
+
+TEST(ImageBuildProgress, StepsAndOutputLines) {
+  EXPECT_EQ(format_build_event(json::parse(R"({"event":"step","step":2,"steps":3,"what":"run: make"})")),
+            "step 2/3: run: make\n");
+  EXPECT_EQ(format_build_event(json::parse(R"({"event":"output","step":2,"line":"gcc -c a.c"})")), "  | gcc -c a.c\n");
+  EXPECT_EQ(format_build_event(json::parse(R"({"event":"layer","step":2,"digest":null})")), "");
+  EXPECT_EQ(format_image_built(json::parse(R"({"name":"web","layers":["a","b"],"size_bytes":2048})")),
+            "built image web: 2 layers, 2.0 KiB\n");
+}
+
 TEST(ImagePath, EncodesTheName) {
   EXPECT_EQ(image_path("debian-12"), "/v1/images/debian-12");
   EXPECT_EQ(image_path("a/../b"), "/v1/images/a%2F..%2Fb");

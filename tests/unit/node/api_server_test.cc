@@ -8,6 +8,7 @@
 #include <cctype>
 #include <csignal>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "noderuntime/image_service.h"
@@ -1004,6 +1005,78 @@ TEST_F(ApiServerTest, ImageImportListGetRemove) {
   EXPECT_EQ(removed.body()["name"], "web");
   EXPECT_EQ(c.request("GET", "/v1/images").body(), json::parse(R"({"images":[]})"));
   expect_error(c.request("DELETE", "/v1/images/web"), 404, "not_found");
+  server_->set_images(nullptr);
+}
+
+// A build is checked before any work (plain error answers), then streamed as NDJSON. A --copy step needs no
+// build sandbox, so the stream is seen here end to end; the sandboxed steps are the e2e tests'.
+TEST_F(ApiServerTest, ImageBuildIsCheckedThenStreamed) {
+  auto opened = snapshot::ImageStore::open(dir_.path() + "/images-state");
+  ASSERT_TRUE(opened) << opened.message();
+  ImageService images(&loop_, std::move(*opened));
+  server_->set_images(&images);
+  write_docker_save(dir_.path(), dir_.path() + "/good.tar", false);
+  snapshot::testing::write_file(dir_.path() + "/conf", "copied\n");
+  Client c = client();
+  ASSERT_EQ(c.request("POST", "/v1/images", R"({"name":"web","archive":")" + dir_.path() + R"(/good.tar"})").status, 201);
+
+  expect_error(c.request("POST", "/v1/images/build", R"({"from":"web"})"), 400, "invalid_argument", "name is required");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","script":"y"})"), 400, "invalid_argument",
+               "unknown field 'script'");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","run":"make"})"), 400, "invalid_argument", "run");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","packages":["a b"]})"), 400, "invalid_argument",
+               "not a Debian package name");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","env":["=1"]})"), 400, "invalid_argument",
+               "KEY=VALUE");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","workdir":"/a/../b"})"), 400, "invalid_argument",
+               "workdir");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","timeout_secs":0})"), 400, "invalid_argument",
+               "timeout_secs");
+  std::string many = "[";
+  for (int i = 0; i < 64; ++i) many += std::string(i ? "," : "") + "\"true\"";
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"web","run":)" + many + "]}"), 429,
+               "limit_exceeded", "65 build steps, over the limit of 64");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"web","run":["true"]})"), 409, "already_exists");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"nope","run":["true"]})"), 404, "not_found",
+               "no image named nope");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"web","copy":[{"source":"/nonexistent","dest":"/a"}]})"),
+               404, "not_found", "copy source /nonexistent does not exist on the node");
+
+  // A close-delimited body: read until the final event arrives, then the server closes.
+  Client stream = client();
+  std::string body = R"({"name":"x","from":"web","copy":[{"source":")" + dir_.path() + R"(/conf","dest":"/etc/"}]})";
+  ASSERT_TRUE(stream.send("POST /v1/images/build HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n"
+                          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body));
+  std::string raw = stream.read_until("\"event\":\"image\"", 10000);
+  size_t head_end = raw.find("\r\n\r\n");
+  ASSERT_NE(head_end, std::string::npos) << raw;
+  EXPECT_EQ(raw.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << raw;
+  EXPECT_NE(raw.find("Content-Type: application/x-ndjson\r\n"), std::string::npos) << raw;
+  EXPECT_TRUE(stream.eof()) << "the stream ends with the build";
+  std::vector<json> events;
+  std::istringstream lines(raw.substr(head_end + 4));
+  for (std::string line; std::getline(lines, line);) events.push_back(json::parse(line, nullptr, false));
+  ASSERT_EQ(events.size(), 3u) << raw;
+  EXPECT_EQ(events[0], json::parse(R"({"event":"step","step":1,"steps":1,"what":"copy )" + dir_.path() + R"(/conf /etc/"})"));
+  EXPECT_EQ(events[1]["event"], "layer");
+  EXPECT_EQ(events[2]["event"], "image");
+  EXPECT_EQ(events[2]["image"]["parent"], "web");
+  EXPECT_EQ(events[2]["image"]["layers"].size(), 2u);
+  EXPECT_EQ(events[2]["image"]["layers"][1], events[1]["digest"]);
+  expect_error(c.request("DELETE", "/v1/images/web"), 409, "conflict", "parent of image x");
+  server_->set_images(nullptr);
+}
+
+TEST_F(ApiServerTest, ImageBuildIsOnlyOnTheUnixSocket) {
+  auto opened = snapshot::ImageStore::open(dir_.path() + "/images-state");
+  ASSERT_TRUE(opened) << opened.message();
+  ImageService images(&loop_, std::move(*opened));
+  server_->set_images(&images);
+  Endpoint tcp = listen_tcp();
+  Client c(&loop_, tcp);
+  c.host = tcp.to_string();
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","run":["id"]})", bearer(kOperatorToken)), 400,
+               "invalid_argument", "unix socket only");
   server_->set_images(nullptr);
 }
 

@@ -280,6 +280,65 @@ TEST_F(ImageStoreTest, RemoveIsRefusedWhileTheImageIsInUse) {
   EXPECT_TRUE(store_->remove("busy"));
 }
 
+// A built image (image_builder.h) shares its parent's layers; the parent stays while the child names it.
+TEST_F(ImageStoreTest, ABuiltImageSharesItsParentsLayersAndPinsItsOwn) {
+  auto parent = store_->import(docker_save("a.tar", {kBase}), "parent");
+  ASSERT_TRUE(parent) << parent.message();
+  auto pinned = store_->get_and_pin("parent");
+  ASSERT_TRUE(pinned) << pinned.message();
+  std::string top = layer_tar({testing::file("built", "yes")});
+  auto layer = store_->add_pinned_layer(top, testing::digest_of(top), "build step 1");
+  ASSERT_TRUE(layer) << layer.message();
+
+  // Garbage collection (any rm) spares pinned layers that no image names yet.
+  ASSERT_TRUE(store_->import(docker_save("other.tar", {{testing::file("x", "y")}}), "other"));
+  ASSERT_TRUE(store_->remove("other"));
+  EXPECT_TRUE(store_->layers().contains(*layer));
+
+  Image child;
+  child.name = "child";
+  child.format = "build";
+  child.parent = "parent";
+  child.layers = {parent->layers[0], *layer};
+  auto created = store_->create(child);
+  ASSERT_TRUE(created) << created.message();
+  store_->unpin(pinned->layers);
+  store_->unpin({*layer});
+  EXPECT_EQ(store_->create(child).error(), Error::kAlreadyExists);
+  auto got = store_->get("child");
+  ASSERT_TRUE(got) << got.message();
+  EXPECT_EQ(got->parent, "parent");
+  EXPECT_EQ(got->layers[0], parent->layers[0]);  // shared, not copied
+  EXPECT_GT(got->size_bytes, 0u);
+
+  auto refused = store_->remove("parent");
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error(), Error::kConflict);
+  EXPECT_NE(refused.message().find("parent of image child"), std::string::npos) << refused.message();
+  ASSERT_TRUE(store_->remove("child"));
+  EXPECT_TRUE(store_->layers().contains(parent->layers[0]));
+  EXPECT_FALSE(store_->layers().contains(*layer));
+  ASSERT_TRUE(store_->remove("parent"));
+  EXPECT_EQ(stored_layers(), 0u);
+}
+
+TEST_F(ImageStoreTest, ABuildWhoseParentWentAwayIsNotRecorded) {
+  std::string top = layer_tar({testing::file("built", "yes")});
+  auto layer = store_->add_pinned_layer(top, testing::digest_of(top), "build step 1");
+  ASSERT_TRUE(layer) << layer.message();
+  Image child;
+  child.name = "orphan";
+  child.parent = "gone";
+  child.layers = {*layer};
+  auto created = store_->create(child);
+  ASSERT_FALSE(created);
+  EXPECT_EQ(created.error(), Error::kNotFound);
+  EXPECT_EQ(store_->get("orphan").error(), Error::kNotFound);
+  store_->unpin({*layer});
+  reopen();  // unnamed and unpinned: collected
+  EXPECT_EQ(stored_layers(), 0u);
+}
+
 TEST_F(ImageStoreTest, ADamagedRecordIsNamedAndKeepsItsLayers) {
   ASSERT_TRUE(store_->import(docker_save("a.tar", {kBase}), "a"));
   testing::write_file(tmp_.path() + "/state/images/a.json", "{\"name\": 7");

@@ -1,0 +1,96 @@
+// `sandgate image build` on the node (docs/images.md): turns a BuildRequest into an image of the ImageStore,
+// one step at a time, each step sealed as one layer:
+//   1. the base: without `from`, a Debian bookworm root made by mmdebstrap (--mode=unshare, tar output, which
+//      is the layer blob as it is) from the mirror in the host's apt sources, with the packages; with `from`,
+//      that image's layers, shared (pinned for the build), and the packages as an apt-get install step;
+//   2. each copy (host files the node reads, owned by image root in the layer);
+//   3. each run command, in a build sandbox (build_sandbox.h) over the layers so far; its upper dir becomes
+//      the layer (layer_writer.h). A step that changed nothing adds no layer.
+// Everything happens in a temp dir of the layer store, removed at the end whatever happens; the image record
+// is written last, so an interrupted build leaves only tmp/ debris (and unnamed layers the next start collects).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+#include "snapshot/image_store.h"
+
+namespace sg {
+
+// Bounds on one build request (untrusted input): a clear kInvalidArgument/kLimitExceeded past them.
+inline constexpr size_t kMaxBuildSteps = 64;             // base + apt + copies + runs
+inline constexpr size_t kMaxBuildPackages = 256;
+inline constexpr size_t kMaxBuildEnv = 128;
+inline constexpr size_t kMaxBuildCommandBytes = 64 * 1024;
+inline constexpr uint32_t kDefaultBuildTimeoutSecs = 1800;
+inline constexpr uint32_t kMaxBuildTimeoutSecs = 6 * 3600;
+inline constexpr uint64_t kMaxBuildLayerEntries = 1'000'000;  // = the store's own bound on a layer
+// Each build gets its own host id range, out of kBuildIdSlots: image id N is host id base + N.
+inline constexpr uid_t kBuildIdBase = 2'000'000'000;
+inline constexpr uint32_t kBuildIdCount = 65536;
+inline constexpr uint32_t kBuildIdSlots = 64;
+
+struct BuildCopy {
+  std::string host_path;  // absolute, on the node
+  std::string dest;       // absolute, in the image
+};
+
+struct BuildRequest {
+  std::string name;
+  std::string from;  // "" = a Debian base made by mmdebstrap
+  std::string variant = "minbase";  // mmdebstrap --variant: minbase (with apt, so --from it can apt-get) or essential
+  std::vector<std::string> packages;
+  std::vector<BuildCopy> copies;
+  std::vector<std::string> runs;
+  std::string workdir;            // "" = inherited (or "/")
+  std::vector<std::string> env;   // "K=V", on top of the inherited env (same K replaced)
+  uint32_t timeout_secs = kDefaultBuildTimeoutSecs;
+};
+
+// Validates a request's fields (names, package names, env, paths, counts); the message names the field.
+Status check_build_request(const BuildRequest& request);
+
+struct BuildEvent {
+  enum class Kind { kStep, kOutput, kLayer } kind = Kind::kStep;
+  size_t step = 0;   // 1-based
+  size_t steps = 0;  // total
+  std::string text;  // kStep: what the step does; kOutput: one line of its output; kLayer: the digest ("" = none)
+  uint64_t size_bytes = 0;  // kLayer
+};
+using BuildProgress = std::function<void(const BuildEvent&)>;
+
+// The Debian mirror in the host's apt sources (deb822 `URIs:` of a bookworm suite, or a one-line `deb URI
+// bookworm ...`), else http://deb.debian.org/debian. `files` are the apt source files to read, in order.
+std::string debian_mirror(const std::vector<std::string>& files);
+// /etc/apt/sources.list and /etc/apt/sources.list.d/*.{list,sources}, sorted.
+std::vector<std::string> host_apt_source_files();
+
+struct BuilderOptions {
+  std::string mmdebstrap = "/usr/bin/mmdebstrap";
+  std::string mirror;  // "" = debian_mirror(host_apt_source_files())
+};
+
+class ImageBuilder {
+ public:
+  // `store` must outlive the builder. Thread-safe: builds may run at once (each takes its own id slot).
+  ImageBuilder(snapshot::ImageStore* store, BuilderOptions options) : store_(store), options_(std::move(options)) {}
+
+  // Runs on the caller's thread (a worker: minutes of work). A failing step is kInvalidArgument naming the
+  // step, its exit code and its last output lines; a build past its timeout kTimeout.
+  Result<snapshot::Image> build(const BuildRequest& request, const BuildProgress& progress);
+
+ private:
+  snapshot::ImageStore* store_;
+  BuilderOptions options_;
+  std::atomic<uint32_t> next_slot_{0};
+};
+
+}  // namespace sg
