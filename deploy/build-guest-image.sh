@@ -12,8 +12,9 @@
 # be resolved or downloaded (tests skip on it).
 #
 # The guest (what the QEMU driver relies on):
-#   - kernel command line `sg.cmd=<base64>`: a shell script (the sandbox's env, cwd and argv, quoted) the
-#     init runs as the sandbox's command; `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
+#   - fw_cfg file `opt/sandgate/command`: a shell script (the sandbox's env, cwd and argv, quoted) the init
+#     runs as the sandbox's command (fw_cfg, not the kernel command line, so it never shows in the host's
+#     process list); kernel command line `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
 #     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
 #     guest clock stood still while the VM was stopped).
 #   - eth0 is QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3.
@@ -68,9 +69,9 @@ if [[ ! -f $kroot/boot/vmlinuz-$kver ]]; then
 fi
 echo "$kpkg" >"$cache/kernel-package"
 
-# virtio-mmio and virtio-net are modules in the cloud kernel; insmod does not resolve dependencies, so they
-# are listed in dependency order (checked below against each module's own "depends=").
-modules=(drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko drivers/virtio/virtio_mmio.ko
+# virtio-mmio, virtio-net and the fw_cfg sysfs driver are modules in the cloud kernel; insmod does not resolve
+# dependencies, so they are listed in dependency order (checked below against each module's own "depends=").
+modules=(drivers/firmware/qemu_fw_cfg.ko drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko drivers/virtio/virtio_mmio.ko
          net/core/failover.ko drivers/net/net_failover.ko drivers/net/virtio_net.ko)
 kmod=$kroot/lib/modules/$kver/kernel
 loaded=" "
@@ -151,7 +152,8 @@ if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
   done
 fi
 echo "SANDGATE-GUEST-AGENT $agent_state"
-arg sg.cmd | base64 -d >/run/sandgate-command.sh
+cat /sys/firmware/qemu_fw_cfg/by_name/opt/sandgate/command/raw >/run/sandgate-command.sh ||
+  echo "SANDGATE-GUEST no command in fw_cfg"
 /bin/sh /run/sandgate-command.sh </dev/null >/dev/console 2>&1 &
 command=$!
 echo "SANDGATE-GUEST-READY"

@@ -4,8 +4,13 @@
 #include "noderuntime/qemu_driver.h"
 
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -24,9 +29,12 @@ using testing::TestLoop;
 // FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | stall | qmp-error | migrate-die | migrate-fail.
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
-// Every spawn appends its pid to <sandbox dir>/spawns. A saved state is the bytes "SANDGATE-FAKE-STATE".
+// Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
+// writes its argv (NUL-separated) to <sandbox dir>/argv. Each `hostfwd=tcp:127.0.0.1:<port>-:...` rule gets
+// a listener on that port (in the fake's own namespace) that answers "FAKE-GUEST <port>\n" and closes.
+// A saved state is the bytes "SANDGATE-FAKE-STATE".
 constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
-import json, os, socket, subprocess, sys, time
+import json, os, socket, subprocess, sys, threading, time
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_QEMU_MODE", "ok")
 console = [a.split("path=")[1] for a in args if a.startswith("file,id=console")][0]
@@ -34,9 +42,24 @@ qmp = args[args.index("-qmp") + 1][len("unix:"):].split(",")[0]
 d = os.path.dirname(qmp)
 with open(os.path.join(d, "spawns"), "a") as f:
     f.write("%d\n" % os.getpid())
+with open(os.path.join(d, "netns"), "a") as f:
+    f.write(os.readlink("/proc/self/ns/net") + "\n")
+with open(os.path.join(d, "argv"), "w") as f:
+    f.write("\0".join(args))
 if mode == "die-at-boot":
     sys.stderr.write("qemu-system-x86_64: Could not set up host forwarding rule 'tcp:127.0.0.1:1-:80'\n")
     sys.exit(1)
+def forward(port):
+    l = socket.socket()
+    l.bind(("127.0.0.1", port))
+    l.listen(8)
+    while True:
+        c, _ = l.accept()
+        c.sendall(b"FAKE-GUEST %d\n" % port)
+        c.close()
+for rule in args[args.index("-netdev") + 1].split(","):
+    if rule.startswith("hostfwd=tcp:127.0.0.1:"):
+        threading.Thread(target=forward, args=(int(rule.split(":")[2].split("-")[0]),), daemon=True).start()
 incoming = "-incoming" in args
 srv = socket.socket(socket.AF_UNIX)
 srv.bind(qmp)
@@ -110,6 +133,29 @@ std::vector<int> spawned_pids(const std::string& dir) {
   std::istringstream in(read_all(dir + "/spawns"));
   for (int pid; in >> pid;) pids.push_back(pid);
   return pids;
+}
+
+std::vector<std::string> lines_of(const std::string& path) {
+  std::vector<std::string> out;
+  std::istringstream in(read_all(path));
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+// What a connection through `sock` (connected to 127.0.0.1:port) reads first; "" when it cannot connect.
+std::string first_line(UniqueFd sock, uint16_t port) {
+  ::fcntl(sock.get(), F_SETFL, ::fcntl(sock.get(), F_GETFL) & ~O_NONBLOCK);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return "";
+  timeval tv{2, 0};
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buf[128];
+  ssize_t n = ::recv(sock.get(), buf, sizeof buf, 0);
+  std::string line(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  return line.substr(0, line.find('\n'));
 }
 
 bool alive(int pid) {
@@ -471,6 +517,85 @@ TEST_F(QemuDriverTest, GuestWithoutAgentMarkerIsTrustedToHaveOne) {
   ASSERT_TRUE(info.ok()) << info.message();
   EXPECT_FALSE(info->driver_data.count("agent"));
   EXPECT_TRUE(driver().open_socket(spec_, *info, 9501).ok());
+}
+
+// Issue 10: QEMU's forwards listened on the host's loopback, where any local user (and, through 10.0.2.2,
+// any guest) reached every VM's agent. Now each QEMU has a namespace of its own, a new one per spawn, and only
+// the sockets the driver opens inside it reach the guest's ports.
+TEST_F(QemuDriverTest, EachQemuListensOnlyInItsOwnNetworkNamespace) {
+  const std::string host_ns = std::filesystem::read_symlink("/proc/thread-self/ns/net").string();
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto namespaces = lines_of(sandbox_dir_ + "/netns");
+  ASSERT_EQ(namespaces.size(), 1u);
+  EXPECT_NE(namespaces[0], host_ns);
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_NE(argv.find("user,id=net0,restrict=on,"), std::string::npos) << argv;
+  for (const char* rule : {"hostfwd=tcp:127.0.0.1:8080-:8080", "hostfwd=tcp:127.0.0.1:9501-:9501",
+                           "hostfwd=tcp:127.0.0.1:1021-:1021"})
+    EXPECT_NE(argv.find(rule), std::string::npos) << rule << " in " << argv;
+
+  auto sock = driver().open_socket(spec_, *info, 8080);
+  ASSERT_TRUE(sock.ok()) << sock.message();
+  EXPECT_EQ(sock->connect_port, 8080);
+  EXPECT_EQ(first_line(std::move(sock->fd), sock->connect_port), "FAKE-GUEST 8080");
+  // The same port from the node's (host's) namespace is not the guest's.
+  UniqueFd host_sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_NE(first_line(std::move(host_sock), 8080), "FAKE-GUEST 8080");
+
+  // A restarted node (a new driver) finds the namespace through the adopted QEMU.
+  driver_.reset();
+  auto adopted = driver().open_socket(spec_, *info, 9501);
+  ASSERT_TRUE(adopted.ok()) << adopted.message();
+  EXPECT_EQ(first_line(std::move(adopted->fd), adopted->connect_port), "FAKE-GUEST 9501");
+
+  // Hibernated, the namespace dies with QEMU; the restored QEMU gets a new one with the same ports inside.
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  EXPECT_EQ(driver().open_socket(spec_, *saved, 8080).error(), Error::kUnavailable);
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  namespaces = lines_of(sandbox_dir_ + "/netns");
+  ASSERT_EQ(namespaces.size(), 2u);
+  EXPECT_NE(namespaces[1], host_ns);
+  auto again = driver().open_socket(spec_, *restored, 8080);
+  ASSERT_TRUE(again.ok()) << again.message();
+  EXPECT_EQ(first_line(std::move(again->fd), again->connect_port), "FAKE-GUEST 8080");
+}
+
+// Issue 10: the command and env were base64 on the kernel command line, readable by any local user in
+// /proc/<qemu pid>/cmdline. They travel as a 0600 fw_cfg file in a 0700 sandbox dir now.
+TEST_F(QemuDriverTest, CommandAndEnvReachTheGuestAsAPrivateFwCfgFileNotOnTheCommandLine) {
+  ::chmod(sandbox_dir_.c_str(), 0755);
+  spec_.env = {{"API_KEY", "sk-very-secret"}};
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_EQ(argv.find("sk-very-secret"), std::string::npos) << argv;
+  EXPECT_EQ(argv.find("sg.cmd"), std::string::npos) << argv;
+  const std::string file = sandbox_dir_ + "/guest-command.sh";
+  EXPECT_NE(argv.find(std::string("-fw_cfg") + '\0' + "name=opt/sandgate/command,file=" + file), std::string::npos)
+      << argv;
+  struct stat st{};
+  ASSERT_EQ(::stat(file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(::stat(sandbox_dir_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_EQ(read_all(file), "export API_KEY='sk-very-secret'\ncd '/' || exit 126\nexec '/bin/sh' '-c' 'echo it'\\''s quoted'\n");
+}
+
+TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
+  spec_.env = {{"BIG", std::string(kMaxGuestCommandBytes, 'x')}};
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kLimitExceeded);
+  EXPECT_NE(r.message().find(std::to_string(kMaxGuestCommandBytes)), std::string::npos) << r.message();
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+  // Just under the limit is fine.
+  spec_.env = {{"BIG", std::string(kMaxGuestCommandBytes - 200, 'x')}};
+  auto ok = start();
+  EXPECT_TRUE(ok.ok()) << ok.message();
 }
 
 }  // namespace
