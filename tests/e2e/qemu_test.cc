@@ -4,9 +4,20 @@
 // image cannot be built (no kernel package reachable).
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <csignal>
+#include <cstring>
 #include <ctime>
+#include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "tests/e2e/harness.h"
 
@@ -251,6 +262,130 @@ TEST_F(Qemu, DiskFullDuringHibernateKeepsTheSandboxInMemory) {
   EXPECT_EQ(a.code, 200) << c.node().log();
   EXPECT_EQ(a.count, 2) << "the guest's memory did not survive the failed hibernation";
   ASSERT_EQ(c.cli("rm q").exit_code, 0);
+}
+
+// A server on the host's loopback (127.0.0.1, an ephemeral port) that greets every connection with kBanner.
+class LoopbackBanner {
+ public:
+  static constexpr const char* kBanner = "HOST-LOOPBACK-REACHED\n";
+  LoopbackBanner() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd_, 16) == 0 &&
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, 100) <= 0) continue;
+        int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) continue;
+        (void)!::send(c, kBanner, std::strlen(kBanner), MSG_NOSIGNAL);
+        ::close(c);
+      }
+    });
+  }
+  ~LoopbackBanner() {
+    stop_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// The TCP ports a process listens on in the host's network namespace (ss, run here, in it).
+std::vector<std::string> host_listeners(int pid) {
+  std::vector<std::string> ports;
+  std::istringstream in(run("ss -Hltnp").out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("pid=" + std::to_string(pid) + ",") == std::string::npos) continue;
+    std::istringstream cols(line);
+    std::string state, recvq, sendq, local;
+    cols >> state >> recvq >> sendq >> local;
+    ports.push_back(local.substr(local.rfind(':') + 1));
+  }
+  return ports;
+}
+
+int qemu_pid(const std::string& id) {
+  return std::atoi(run("pgrep -f '[s]andgate-" + id + "' | head -1").out.c_str());
+}
+
+// The output of `script` run in the sandbox through the agent's /exec (the events' text, JSON-escaped).
+std::string exec_in(Cluster& c, const std::string& host, const std::string& token, const std::string& script) {
+  const nlohmann::json body = {{"command", {"sh", "-c", script}}};
+  auto r = c.curl(host, "/exec", "-N -X POST -H 'Content-Type: application/json' --data " +
+                                     shell_quote(body.dump()) + " " + bearer(token), 120);
+  return r.out;
+}
+
+// Issue 10: a guest reached the host's loopback at 10.0.2.2 (so other VMs' agents, which have no auth, through
+// their hostfwd ports), any local user reached every VM's agent on those ports, and the command and env were
+// readable in QEMU's command line. Two VMs in one test (each boot costs tens of seconds under TCG).
+TEST_F(Qemu, GuestIsSealedFromTheHostAndOtherVmsAndItsCommandIsNotInTheProcessList) {
+  LoopbackBanner host_server;
+  ASSERT_NE(host_server.port(), 0);
+  Cluster c(ClusterOptions::node(node_config()));
+  auto other = c.cli("create --json --name vb --driver qemu --timeout 600 --memory-mb 256 -- /bin/sh -c 'exec sleep 100000'",
+                     180);
+  ASSERT_EQ(other.exit_code, 0) << other.out << other.err << c.node().log();
+  const std::string other_id = nlohmann::json::parse(other.out, nullptr, false).value("id", "");
+  const std::string secret = "sg-e2e-secret-" + std::to_string(::getpid());
+  auto created = c.cli("create --json --name va --driver qemu --timeout 600 --memory-mb 256 --env SG_SECRET=" + secret +
+                           " -- /bin/sh -c 'echo \"$SG_SECRET\" >/tmp/secret; exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto j = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string id = j.value("id", ""), token = j.value("token", "");
+  ASSERT_FALSE(token.empty()) << created.out;
+
+  // From the host's namespace: no port of either VM listens (before, every hostfwd port did).
+  const int pid = qemu_pid(id), other_pid = qemu_pid(other_id);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(other_pid, 0);
+  EXPECT_TRUE(host_listeners(pid).empty()) << run("ss -Hltnp").out;
+  const std::vector<std::string> other_ports = host_listeners(other_pid);
+  EXPECT_TRUE(other_ports.empty()) << run("ss -Hltnp").out;
+
+  // From inside the VM: the host's loopback server, and the other VM's agent wherever it might be forwarded
+  // (its port in the guest, any port its QEMU listens on in the host's namespace), through 10.0.2.2.
+  std::string script = "out=$(timeout 5 nc 10.0.2.2 " + std::to_string(host_server.port()) +
+                       " </dev/null); case \"$out\" in *HOST-LOOPBACK*) echo REACHED-host;; *) echo BLOCKED-host;; esac\n";
+  std::vector<std::string> agent_ports = other_ports;
+  agent_ports.push_back("9501");
+  for (const std::string& p : agent_ports)
+    script += "timeout 5 wget -T 3 -q -O - http://10.0.2.2:" + p + "/health && echo REACHED-" + p + " || echo BLOCKED-" + p + "\n";
+  script += "echo secret=$(cat /tmp/secret)\n";
+  const std::string out = exec_in(c, "va.sandbox.localhost", token, script);
+  EXPECT_NE(out.find("BLOCKED-host"), std::string::npos) << out;
+  EXPECT_EQ(out.find("REACHED-"), std::string::npos) << out;
+  for (const std::string& p : agent_ports) EXPECT_NE(out.find("BLOCKED-" + p), std::string::npos) << out;
+  // The env reached the command (through fw_cfg)...
+  EXPECT_NE(out.find("secret=" + secret), std::string::npos) << out;
+  // ...but not QEMU's command line, which every local user can read.
+  std::ifstream cmdline_file("/proc/" + std::to_string(pid) + "/cmdline");
+  const std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), std::istreambuf_iterator<char>());
+  ASSERT_NE(cmdline.find("sandgate-" + id), std::string::npos) << cmdline;
+  EXPECT_EQ(cmdline.find(secret), std::string::npos) << cmdline;
+  EXPECT_EQ(cmdline.find("sg.cmd"), std::string::npos) << cmdline;
+  EXPECT_EQ(cmdline.find("sleep 100000"), std::string::npos) << cmdline;
+  const std::string dir = c.dir() + "/node/sandboxes/" + id;
+  struct stat st{};
+  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(::stat((dir + "/guest-command.sh").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(c.cli("rm va").exit_code, 0);
+  EXPECT_EQ(c.cli("rm vb").exit_code, 0);
 }
 
 }  // namespace
