@@ -162,6 +162,13 @@ class QemuDriver final : public VmmDriver {
     netns_.erase(spec.id);  // QEMU's namespace goes with it
     VmmDriver::terminate(spec, info, std::move(done));
   }
+  // A QEMU that exits by itself leaves an empty namespace that only our fd keeps alive.
+  Status watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) override {
+    return VmmDriver::watch_exit(spec, info, [this, id = spec.id, on_exit = std::move(on_exit)] {
+      netns_.erase(id);
+      on_exit();
+    });
+  }
 
  protected:
   void graceful_stop(Op*, StepDone done) override { done({}); }  // no disks: nothing to flush

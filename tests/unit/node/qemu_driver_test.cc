@@ -598,5 +598,28 @@ TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
   EXPECT_TRUE(ok.ok()) << ok.message();
 }
 
+// How many of this process's fds hold the network namespace `ns` ("net:[<inode>]").
+size_t fds_holding(const std::string& ns) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(e.path(), ec).string() == ns) ++n;
+  }
+  return n;
+}
+
+TEST_F(QemuDriverTest, NamespaceOfAQemuThatExitedByItselfIsReleased) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(driver().open_socket(spec_, *info, 8080).ok());
+  const std::string ns = lines_of(sandbox_dir_ + "/netns").at(0);
+  EXPECT_EQ(fds_holding(ns), 1u);
+  bool exited = false;
+  ASSERT_TRUE(driver().watch_exit(spec_, *info, [&] { exited = true; }).ok());
+  ::kill(info->pid, SIGKILL);
+  ASSERT_TRUE(loop_.run_until([&] { return exited; }, 10000));
+  EXPECT_EQ(fds_holding(ns), 0u);
+}
+
 }  // namespace
 }  // namespace sg
