@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "noderuntime/guest_disk.h"
 #include "noderuntime/guest_image.h"
 #include "noderuntime/hypervisor_client.h"
 #include "noderuntime/netns.h"
@@ -39,6 +40,7 @@ constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host
 // What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
 // the SANDGATE-GUEST-AGENT line, which are trusted to have one.
 constexpr const char* kAgentState = "agent";
+constexpr const char* kDisk = "disk";  // the sandbox's qcow2 overlay, when it boots an image
 constexpr uint64_t kPollMs = 20;                  // console / query-migrate polling
 
 std::string sh_quote(std::string_view s) {
@@ -135,8 +137,12 @@ VmmDriverOptions vmm_options(std::string binary) {
 
 class QemuDriver final : public VmmDriver {
  public:
-  QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary)
+  QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary,
+             ImageLayers image_layers)
       : VmmDriver(loop, "qemu", vmm_options(std::move(binary))),
+        image_name_(cfg.qemu_image),
+        image_layers_(std::move(image_layers)),
+        disks_(loop, cfg.state_dir + "/qemu-disks"),
         kvm_(cfg.qemu_accel == "kvm"),
         kernel_(cfg.guest_kernel_file()),
         initrd_(cfg.guest_initrd_file()),
@@ -171,7 +177,8 @@ class QemuDriver final : public VmmDriver {
   }
 
  protected:
-  void graceful_stop(Op*, StepDone done) override { done({}); }  // no disks: nothing to flush
+  // Terminate removes the sandbox, its disk overlay included: nothing to flush.
+  void graceful_stop(Op*, StepDone done) override { done({}); }
   Result<bool> query_paused(const RuntimeInfo& info) override;
 
  private:
@@ -239,6 +246,9 @@ class QemuDriver final : public VmmDriver {
   static std::string state_path(const RuntimeInfo& info) { return info.sandbox_dir + "/qemu.state"; }
   std::string peer(const Op* op) const { return "qemu (sandbox " + op->sandbox_id + ")"; }
 
+  std::string image_name_;  // node.qemu_image; empty: initramfs only
+  ImageLayers image_layers_;
+  GuestDisks disks_;
   bool kvm_;
   std::string kernel_;
   std::string initrd_;
@@ -280,6 +290,8 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   std::string append = "console=ttyS0 clocksource=tsc tsc=reliable quiet panic=-1";
   if (tsc_khz_ != 0) append += " tsc_early_khz=" + std::to_string(tsc_khz_);
   append += " sg.clock=" + std::to_string(kClockGuestPort) + " sg.agent=" + std::to_string(agent_port_);
+  auto disk = info.driver_data.find(kDisk);
+  if (disk != info.driver_data.end()) append += " sg.root=/dev/vda";
   std::string netdev = user_netdev(/*internet=*/false);
   for (const auto& [key, value] : info.driver_data) {
     if (key.rfind(kPortPrefix, 0) == 0)
@@ -289,7 +301,7 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   if (clock != info.driver_data.end())
     netdev += ",hostfwd=tcp:127.0.0.1:" + clock->second + "-:" + std::to_string(kClockGuestPort);
   const int cpus = std::max(1, static_cast<int>(std::ceil(spec.cpus)));
-  return {"-name", "sandgate-" + spec.id,
+  std::vector<std::string> args = {"-name", "sandgate-" + spec.id,
           "-M", "microvm",
           "-accel", kvm_ ? "kvm" : "tcg",
           "-cpu", kvm_ ? "host" : "max",
@@ -302,6 +314,12 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
           "-kernel", kernel_, "-initrd", initrd_, "-append", append,
           "-fw_cfg", std::string("name=") + kGuestCommandFwCfg + ",file=" + command_path(dir),
           "-netdev", netdev, "-device", "virtio-net-device,netdev=net0"};
+  if (disk != info.driver_data.end()) {
+    for (const std::string& a : {std::string("-drive"), "file=" + disk->second + ",if=none,id=root,format=qcow2",
+                                 std::string("-device"), std::string("virtio-blk-device,drive=root")})
+      args.push_back(a);
+  }
+  return args;
 }
 
 void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
@@ -315,6 +333,22 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
     auto prepared = prepare(spec, o->info.sandbox_dir);
     if (!prepared) return d(prepared.failure());
     o->info = std::move(*prepared);
+    d({});
+  });
+  if (!image_name_.empty()) {
+    steps.push_back([this](Op* o, StepDone d) {
+      if (!image_layers_) return d(fail(Error::kUnsupported, "node.qemu_image is set but this node has no image store"));
+      auto trees = image_layers_(image_name_);
+      if (!trees) return d(fail(trees.error(), "node.qemu_image '" + image_name_ + "': " + trees.message()));
+      // A first sandbox of the image may wait here while its base disk is made; the loop keeps serving.
+      disks_.overlay(std::move(*trees), o->info.sandbox_dir, [o, d](Result<std::string> disk) {
+        if (!disk) return d(disk.failure());
+        o->info.driver_data[kDisk] = *disk;
+        d({});
+      });
+    });
+  }
+  steps.push_back([this, spec](Op* o, StepDone d) {
     auto boot = std::make_shared<Boot>();
     boot->args = qemu_args(spec, o->info);
     boot->console = o->info.sandbox_dir + "/console.log";
@@ -733,8 +767,9 @@ std::string resolve_binary(const std::string& name) {
 
 }  // namespace
 
-std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port) {
-  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary));
+std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port,
+                                         ImageLayers image_layers) {
+  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary), std::move(image_layers));
 }
 
 }  // namespace sg

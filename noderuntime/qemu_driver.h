@@ -13,8 +13,16 @@
 //   restore   = spawn QEMU with the same devices plus `-incoming defer -S`, QMP migrate-incoming
 //               "exec:cat <state>", wait until loaded, cont, set the clock, then remove the state file: the
 //               running guest has moved on, so restoring it again after a crash would roll the guest back.
-//   terminate = SIGKILL (nothing to flush: the guest has no disks); a hibernated sandbox has nothing to kill.
+//   terminate = SIGKILL (a disk's overlay is removed with the sandbox dir, so nothing needs flushing); a
+//               hibernated sandbox has nothing to kill.
 //               The VM's network namespace goes with its QEMU.
+//
+// Root filesystem: with node.qemu_image set, the guest boots a disk made from that image
+// (noderuntime/guest_disk.h: a shared read-only ext4 base per image plus the sandbox's qcow2 overlay, made at
+// start before the first boot attempt and kept in driver_data, so restores and restarted nodes use the
+// same one); the initramfs mounts it (`sg.root=/dev/vda`), and runs the agent and the command chrooted into
+// it. QEMU flushes the disk when a migration completes, so a hibernated VM's state file and overlay agree.
+// Without an image, the initramfs is the whole root filesystem, as before.
 //
 // Plain migration of the whole RAM (not memory-backend-file + x-ignore-shared): the state is one
 // self-contained file of about the guest's touched memory, the guest's RAM is anonymous memory that is really
@@ -50,8 +58,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "config/config.h"
 #include "noderuntime/driver.h"
@@ -69,9 +79,13 @@ inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).
 inline constexpr const char* kGuestAgentMarker = "SANDGATE-GUEST-AGENT";
 
+// The layer trees (bottom first) of the image named `name`, or why there are none (the node's image store).
+using ImageLayers = std::function<Result<std::vector<std::string>>(const std::string& name)>;
+
 // `agent_port` is Config::agent_port: forwarded into every guest (the agent listens there when the image
 // has one). Missing kernel/initrd files are not an error here: start() builds them, or fails each sandbox
-// with the reason.
-std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port);
+// with the reason. `image_layers` resolves node.qemu_image (unused while it is empty).
+std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port,
+                                         ImageLayers image_layers = nullptr);
 
 }  // namespace sg

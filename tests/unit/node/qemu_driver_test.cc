@@ -206,7 +206,7 @@ class QemuDriverTest : public ::testing::Test {
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
   Driver& driver() {
-    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501);
+    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501, layers_);
     return *driver_;
   }
   Result<RuntimeInfo> wait_runtime(const std::function<void(Driver::RuntimeDone)>& op) {
@@ -224,6 +224,9 @@ class QemuDriverTest : public ::testing::Test {
   }
   Result<RuntimeInfo> start() {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec_, sandbox_dir_, std::move(d)); });
+  }
+  Result<RuntimeInfo> start_in(const std::string& dir) {
+    return wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec_, dir, std::move(d)); });
   }
   Status pause(const RuntimeInfo& info) {
     return wait_status([&](Driver::Done d) { driver().pause(spec_, info, std::move(d)); });
@@ -272,6 +275,7 @@ class QemuDriverTest : public ::testing::Test {
   NodeConfig cfg_;
   SandboxSpec spec_;
   std::unique_ptr<Driver> driver_;
+  ImageLayers layers_;
 };
 
 TEST_F(QemuDriverTest, MissingGuestImageFailsTheStartClearly) {
@@ -619,6 +623,114 @@ TEST_F(QemuDriverTest, NamespaceOfAQemuThatExitedByItselfIsReleased) {
   ::kill(info->pid, SIGKILL);
   ASSERT_TRUE(loop_.run_until([&] { return exited; }, 10000));
   EXPECT_EQ(fds_holding(ns), 0u);
+}
+
+// node.qemu_image: a base disk per image (ext4 of the merged layer trees, read-only, shared), a qcow2
+// overlay per sandbox on it, booted as the guest's root. Real mkfs.ext4, qemu-img and overlayfs; fake QEMU.
+class QemuDiskTest : public QemuDriverTest {
+ protected:
+  void SetUp() override {
+    QemuDriverTest::SetUp();
+    if (::geteuid() != 0) GTEST_SKIP() << "the image's layers are merged with an overlayfs mount (root)";
+    cfg_.state_dir = dir_.path() + "/state";
+    cfg_.qemu_image = "img";
+    // Two layers: the upper one replaces /etc/which and adds /etc/top.
+    lower_ = dir_.path() + "/layers/lower";
+    upper_ = dir_.path() + "/layers/upper";
+    std::filesystem::create_directories(lower_ + "/etc");
+    std::filesystem::create_directories(upper_ + "/etc");
+    std::ofstream(lower_ + "/etc/which") << "lower\n";
+    std::ofstream(lower_ + "/etc/bottom") << "bottom\n";
+    std::ofstream(upper_ + "/etc/which") << "upper\n";
+    layers_ = [this](const std::string& name) -> Result<std::vector<std::string>> {
+      ++lookups_;
+      if (name != "img") return fail(Error::kNotFound, "no image named " + name);
+      return std::vector<std::string>{lower_, upper_};
+    };
+  }
+  // `path` inside the ext4 image `disk` (debugfs reads it without mounting).
+  static std::string read_in_disk(const std::string& disk, const std::string& path) {
+    FILE* p = ::popen(("debugfs -R 'cat " + path + "' " + disk + " 2>/dev/null").c_str(), "r");
+    std::string out;
+    char buf[256];
+    for (size_t n; p && (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+    if (p) ::pclose(p);
+    return out;
+  }
+  std::string lower_, upper_;
+  int lookups_ = 0;
+};
+
+TEST_F(QemuDiskTest, BootsAQcow2OverlayOnTheImagesSharedReadOnlyBaseDisk) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string disk = sandbox_dir_ + "/disk.qcow2";
+  EXPECT_EQ(info->driver_data["disk"], disk);
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_NE(argv.find(std::string("-drive") + '\0' + "file=" + disk + ",if=none,id=root,format=qcow2"),
+            std::string::npos) << argv;
+  EXPECT_NE(argv.find("virtio-blk-device,drive=root"), std::string::npos);
+  EXPECT_NE(argv.find("sg.root=/dev/vda"), std::string::npos);
+
+  std::vector<std::string> bases;
+  for (const auto& e : std::filesystem::directory_iterator(cfg_.state_dir + "/qemu-disks")) bases.push_back(e.path());
+  ASSERT_EQ(bases.size(), 1u);  // no temp file, mount point or log left
+  const std::string base = bases[0];
+  EXPECT_EQ(base.substr(base.size() - 4), ".raw");
+  struct stat st{};
+  ASSERT_EQ(::stat(base.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0444u);
+  // The merged tree: the upper layer wins, the lower one shows through.
+  EXPECT_EQ(read_in_disk(base, "/etc/which"), "upper\n");
+  EXPECT_EQ(read_in_disk(base, "/etc/bottom"), "bottom\n");
+  FILE* p = ::popen(("qemu-img info --output=json " + disk).c_str(), "r");
+  std::string qinfo;
+  char buf[512];
+  for (size_t n; p && (n = std::fread(buf, 1, sizeof buf, p)) > 0;) qinfo.append(buf, n);
+  if (p) ::pclose(p);
+  EXPECT_NE(qinfo.find("\"backing-filename\": \"" + base + "\""), std::string::npos) << qinfo;
+
+  // A second sandbox of the image shares the base (not rebuilt); a restore keeps the sandbox's own overlay.
+  const struct timespec built = st.st_mtim;
+  const std::string second = dir_.path() + "/sb2";
+  std::filesystem::create_directories(second);
+  sandbox_dirs_.push_back(second);
+  auto other = start_in(second);
+  ASSERT_TRUE(other.ok()) << other.message();
+  EXPECT_EQ(other->driver_data["disk"], second + "/disk.qcow2");
+  ASSERT_EQ(::stat(base.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtim.tv_sec, built.tv_sec);
+  EXPECT_EQ(st.st_mtim.tv_nsec, built.tv_nsec);
+
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  ASSERT_EQ(::stat(disk.c_str(), &st), 0);
+  const struct timespec overlay_made = st.st_mtim;
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_EQ(restored->driver_data["disk"], disk);
+  EXPECT_NE(read_all(sandbox_dir_ + "/argv").find("file=" + disk), std::string::npos);
+  ASSERT_EQ(::stat(disk.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtim.tv_nsec, overlay_made.tv_nsec);  // not recreated
+}
+
+TEST_F(QemuDiskTest, MissingImageFailsTheStartNamingItAndStartsNothing) {
+  cfg_.qemu_image = "gone";
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kNotFound);
+  EXPECT_NE(r.message().find("node.qemu_image 'gone'"), std::string::npos) << r.message();
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+}
+
+TEST_F(QemuDriverTest, WithoutAnImageTheGuestBootsTheInitramfsAlone) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_FALSE(info->driver_data.count("disk"));
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_EQ(argv.find("-drive"), std::string::npos);
+  EXPECT_EQ(argv.find("sg.root"), std::string::npos);
 }
 
 }  // namespace
