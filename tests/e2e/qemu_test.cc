@@ -388,5 +388,83 @@ TEST_F(Qemu, GuestIsSealedFromTheHostAndOtherVmsAndItsCommandIsNotInTheProcessLi
   EXPECT_EQ(c.cli("rm vb").exit_code, 0);
 }
 
+// A `docker save` archive of a one-layer image in `dir`: busybox (static) as /bin/sh and friends, and
+// /etc/image-marker. Returns the archive's path.
+std::string busybox_image(const std::string& dir) {
+  const std::string rootfs = dir + "/rootfs", out = dir + "/out";
+  EXPECT_EQ(run("mkdir -p " + rootfs + "/bin " + rootfs + "/etc " + out + "/l0 && cp /bin/busybox " + rootfs +
+                "/bin/ && for t in sh cat echo grep sync sleep; do ln -s busybox " + rootfs +
+                "/bin/$t; done && echo from-the-image >" + rootfs + "/etc/image-marker && tar -cf " + out +
+                "/l0/layer.tar -C " + rootfs + " .")
+                .exit_code,
+            0);
+  const nlohmann::json config = {
+      {"os", "linux"},
+      {"config", {{"Env", {"PATH=/bin"}}, {"Cmd", {"/bin/sh"}}, {"WorkingDir", "/"}}},
+      {"rootfs", {{"type", "layers"}, {"diff_ids", {"sha256:" + sha256_file(out + "/l0/layer.tar")}}}}};
+  std::ofstream(out + "/config.json") << config.dump();
+  const std::string config_name = sha256_file(out + "/config.json") + ".json";  // named by its digest
+  EXPECT_EQ(run("mv " + out + "/config.json " + out + "/" + config_name).exit_code, 0);
+  const nlohmann::json manifest =
+      nlohmann::json::array({{{"Config", config_name}, {"RepoTags", {"qdisk:latest"}}, {"Layers", {"l0/layer.tar"}}}});
+  std::ofstream(out + "/manifest.json") << manifest.dump();
+  EXPECT_EQ(run("tar -cf " + dir + "/image.tar -C " + out + " .").exit_code, 0);
+  return dir + "/image.tar";
+}
+
+// The value after "kept-" in an exec's output ("" when absent).
+std::string kept_value(const std::string& out) {
+  size_t at = out.find("kept-");
+  if (at == std::string::npos) return "";
+  size_t end = out.find_first_not_of("kept-0123456789", at);
+  return out.substr(at, end == std::string::npos ? std::string::npos : end - at);
+}
+
+// Issue 10: the guest's root filesystem is a disk made from an image (a shared base plus the sandbox's qcow2
+// overlay), and what the guest writes there stays through both tiers and a node restart.
+TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart) {
+  Cluster c(ClusterOptions::node(node_config() + "qemu_image = \"qdisk\"\n"));
+  const std::string archive = busybox_image(c.dir() + "/img");
+  auto imported = c.cli("image import " + archive + " qdisk");
+  ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
+  auto created = c.cli("create --json --name vd --driver qemu --timeout 3 --hibernate-after 3 --memory-mb 256 "
+                       "-- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto j = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string id = j.value("id", ""), token = j.value("token", "");
+  const std::string host = "vd.sandbox.localhost";
+
+  std::string out = exec_in(c, host, token,
+                            "cat /etc/image-marker; grep ' / ' /proc/mounts; echo kept-$$ >/data.txt; sync; cat /data.txt");
+  EXPECT_NE(out.find("from-the-image"), std::string::npos) << out;
+  EXPECT_NE(out.find("/dev/vda / ext4"), std::string::npos) << out;
+  const std::string kept = kept_value(out);
+  ASSERT_FALSE(kept.empty()) << out;
+
+  ASSERT_TRUE(eventually([&] { return c.get("vd")["tier"] == "memory"; }, std::chrono::seconds(30)));
+  EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after suspend + resume";
+
+  ASSERT_TRUE(eventually([&] {
+    auto s = c.get("vd");
+    return s["tier"] == "disk" && s["state"] == "suspended";
+  }, std::chrono::seconds(60))) << c.get("vd").dump() << c.node().log();
+  // Hibernated, QEMU is gone: the file is in the sandbox's overlay on disk, as the host reads it.
+  const std::string raw = c.dir() + "/disk.raw";
+  auto on_disk = run("qemu-img convert -O raw " + c.dir() + "/node/sandboxes/" + id + "/disk.qcow2 " + raw +
+                     " && debugfs -R 'cat /data.txt' " + raw + " 2>/dev/null");
+  EXPECT_EQ(kept_value(on_disk.out), kept) << on_disk.out << on_disk.err;
+  EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after hibernate + restore";
+
+  c.node().stop(SIGKILL);
+  c.start_node();
+  ASSERT_TRUE(eventually([&] {
+    auto s = c.get("vd")["state"];
+    return s == "suspended" || s == "running";
+  }, std::chrono::seconds(60))) << c.get("vd").dump() << c.node().log();
+  EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after a node restart";
+  EXPECT_EQ(c.cli("rm vd").exit_code, 0);
+}
+
 }  // namespace
 }  // namespace sg::e2e
