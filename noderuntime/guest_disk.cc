@@ -94,7 +94,8 @@ Status build_base(const std::vector<std::string>& trees, const std::string& base
                                              std::to_string(options.size()) + " bytes, 4095 at most)");
     ::umount2(mnt.c_str(), MNT_DETACH);  // left by a build a crash interrupted
     fs::create_directories(mnt, ec);
-    if (::mount("overlay", mnt.c_str(), "overlay", MS_RDONLY, options.c_str()) != 0)
+    // Only mkfs reads it: nothing of the image may act on the host (device nodes, setuid, binaries).
+    if (::mount("overlay", mnt.c_str(), "overlay", MS_RDONLY | MS_NODEV | MS_NOSUID | MS_NOEXEC, options.c_str()) != 0)
       return fail_errno("mount the image's layers (overlay) on " + mnt, errno);
     mounted = true;
     src = mnt;

@@ -37,7 +37,8 @@ class GuestDisks {
   GuestDisks& operator=(const GuestDisks&) = delete;
 
   // `trees`: the image's layer trees, bottom first. Makes <sandbox_dir>/disk.qcow2 on the image's base disk
-  // (built first if missing) unless it exists already. `done` runs on the loop, never before this returns.
+  // (built first if missing) unless it exists already. `done` runs on the loop, after this returns (at once
+  // only if the loop refuses the work, which it does only while closing).
   void overlay(std::vector<std::string> trees, std::string sandbox_dir, Done done);
 
  private:
