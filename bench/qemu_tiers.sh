@@ -16,7 +16,7 @@ work=$(mktemp -d /tmp/sandgate-qemu-bench.XXXXXX)
 trap 'pkill -F "$work/qemu.pid" 2>/dev/null || true; rm -rf "$work"' EXIT
 
 exec python3 - "$guest" "$work" "$runs" "$mem" <<'PY'
-import json, os, socket, statistics, subprocess, sys, time, base64, urllib.request
+import json, os, socket, statistics, subprocess, sys, time, urllib.request
 
 guest, work, runs, mem = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 
@@ -27,18 +27,20 @@ http_port = free_port()
 qmp_path = os.path.join(work, "qmp.sock")
 console = os.path.join(work, "console.log")
 cmd = b"mkdir -p /tmp/www; echo ok >/tmp/www/index.html; exec httpd -f -p 8080 -h /tmp/www\n"
+# The guest's init reads its command from this fw_cfg file, as the driver passes it.
+command_file = os.path.join(work, "command")
+open(command_file, "wb").write(cmd)
 # TCG guests read the host TSC, which microvm's kernel cannot calibrate (the driver measures it with rdtsc).
 khz = None
 for line in open("/proc/cpuinfo"):
     if line.startswith("cpu MHz"):
         khz = int(float(line.split(":")[1]) * 1000); break
-append = "console=ttyS0 clocksource=tsc tsc=reliable quiet panic=-1 tsc_early_khz=%d sg.cmd=%s" % (
-    khz, base64.b64encode(cmd).decode())
+append = "console=ttyS0 clocksource=tsc tsc=reliable quiet panic=-1 tsc_early_khz=%d" % khz
 base = ["qemu-system-x86_64", "-M", "microvm", "-accel", "tcg", "-cpu", "max", "-m", mem, "-smp", "1",
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         "-chardev", "file,id=console,append=on,path=" + console, "-serial", "chardev:console",
         "-qmp", "unix:%s,server=on,wait=off" % qmp_path, "-kernel", guest + "/vmlinuz", "-initrd", guest + "/initrd.img",
-        "-append", append, "-netdev", "user,id=net0,hostfwd=tcp:127.0.0.1:%d-:8080" % http_port,
+        "-append", append, "-fw_cfg", "name=opt/sandgate/command,file=" + command_file, "-netdev", "user,id=net0,hostfwd=tcp:127.0.0.1:%d-:8080" % http_port,
         "-device", "virtio-net-device,netdev=net0"]
 
 def spawn(extra):

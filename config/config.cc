@@ -286,6 +286,7 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   out->guest_image_builder = resolve_path(base_dir, out->guest_image_builder);
   r.integer("qemu_boot_timeout_ms", &out->qemu_boot_timeout_ms, 1'000, 600'000);
   r.integer("qemu_boot_attempts", &out->qemu_boot_attempts, 1, 10);
+  r.string("qemu_image", &out->qemu_image);
   r.string("firecracker_binary", &out->firecracker_binary);
   out->firecracker_binary = resolve_path(base_dir, out->firecracker_binary);
   r.string("cloud_hypervisor_binary", &out->cloud_hypervisor_binary);

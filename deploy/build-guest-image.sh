@@ -12,10 +12,15 @@
 # be resolved or downloaded (tests skip on it).
 #
 # The guest (what the QEMU driver relies on):
-#   - kernel command line `sg.cmd=<base64>`: a shell script (the sandbox's env, cwd and argv, quoted) the
-#     init runs as the sandbox's command; `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
+#   - fw_cfg file `opt/sandgate/command`: a shell script (the sandbox's env, cwd and argv, quoted) the init
+#     runs as the sandbox's command (fw_cfg, not the kernel command line, so it never shows in the host's
+#     process list); kernel command line `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
 #     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
 #     guest clock stood still while the VM was stopped).
+#   - kernel command line `sg.root=/dev/vda` (a QEMU sandbox booting an image's disk): the init mounts that
+#     ext4 disk and runs the agent and the command chrooted into it (the agent with the libraries it was
+#     copied with, from a tmpfs at /run/sandgate, so the image needs none of them; the command with the
+#     image's /bin/sh, or busybox's when it has none). Without it the initramfs is the root filesystem.
 #   - eth0 is QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3.
 #   - "SANDGATE-GUEST-AGENT listening|none|failed" on the serial console, before the ready line: whether the
 #     agent listens on sg.agent (none: the image has no agent; failed: it did not listen within 10 s);
@@ -68,10 +73,10 @@ if [[ ! -f $kroot/boot/vmlinuz-$kver ]]; then
 fi
 echo "$kpkg" >"$cache/kernel-package"
 
-# virtio-mmio and virtio-net are modules in the cloud kernel; insmod does not resolve dependencies, so they
-# are listed in dependency order (checked below against each module's own "depends=").
-modules=(drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko drivers/virtio/virtio_mmio.ko
-         net/core/failover.ko drivers/net/net_failover.ko drivers/net/virtio_net.ko)
+# virtio-mmio, virtio-net and the fw_cfg sysfs driver are modules in the cloud kernel; insmod does not resolve
+# dependencies, so they are listed in dependency order (checked below against each module's own "depends=").
+modules=(drivers/firmware/qemu_fw_cfg.ko drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko drivers/virtio/virtio_mmio.ko
+         drivers/block/virtio_blk.ko net/core/failover.ko drivers/net/net_failover.ko drivers/net/virtio_net.ko)
 kmod=$kroot/lib/modules/$kver/kernel
 loaded=" "
 for m in "${modules[@]}"; do
@@ -94,7 +99,7 @@ say "writing the initramfs (busybox${agent:+, agent $agent}) and the kernel to $
 work=$(mktemp -d "$out/.work.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 root=$work/root
-mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,run,tmp,root,lib/sandgate,sandgate}
+mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,run,tmp,root,newroot,lib/sandgate,sandgate/lib}
 cp /bin/busybox "$root/bin/busybox"
 for m in "${modules[@]}"; do cp "$kmod/$m" "$root/lib/sandgate/"; done
 printf '%s\n' "${modules[@]##*/}" >"$root/lib/sandgate/modules"
@@ -103,6 +108,8 @@ if [[ -n $agent ]]; then
   ldd "$agent" | awk '/=> \// { print $3 } /^[ \t]*\// { print $1 }' | sort -u | while read -r lib; do
     mkdir -p "$root$(dirname "$lib")"
     cp -L "$lib" "$root$lib"
+    # For an image's root, where the agent runs through its own ld.so: links, copied only then.
+    ln -sf "$lib" "$root/sandgate/lib/$(basename "$lib")"
   done
   # The initramfs is unpacked into guest RAM: debug info (most of a -g build, and of a sanitizer build's
   # agent) would not fit a small guest ("Initramfs unpacking failed: write error" at -m 128).
@@ -137,11 +144,36 @@ if [ -n "$clock" ]; then
   # One connection per sync, carrying the host's epoch seconds.
   (while :; do t=$(nc -l -p "$clock" </dev/null); [ -n "$t" ] && date -s "@$t" >/dev/null; done) &
 fi
+# With an image's disk: mount it, give it /proc, /sys, /dev and a tmpfs /run holding the agent and its
+# libraries, and run the agent and the command chrooted into it.
+in_root=
+sh=/bin/sh
+agent_bin=/sandgate/sandgate-agent
+rootdev=$(arg sg.root)
+if [ -n "$rootdev" ]; then
+  if mount -t ext4 "$rootdev" /newroot; then
+    for d in proc sys dev run tmp; do mkdir -p "/newroot/$d"; done
+    mount -t proc proc /newroot/proc
+    mount -t sysfs sysfs /newroot/sys
+    mount -t devtmpfs devtmpfs /newroot/dev
+    mount -t tmpfs tmpfs /newroot/run
+    cp -RL /sandgate /newroot/run/sandgate
+    cp /bin/busybox /newroot/run/sandgate/busybox
+    in_root="chroot /newroot"
+    [ -x /newroot/bin/sh ] || sh="/run/sandgate/busybox sh"
+    if [ -x /sandgate/sandgate-agent ]; then
+      agent_bin="/run/sandgate/lib/$(cd /sandgate/lib && ls ld-linux* | head -1) --library-path /run/sandgate/lib /run/sandgate/sandgate-agent"
+    fi
+    echo "SANDGATE-GUEST root $rootdev"
+  else
+    echo "SANDGATE-GUEST cannot mount $rootdev; running from the initramfs"
+  fi
+fi
 # The driver routes the SDK (exec, files, health) to the agent, so it must know whether one listens: a
 # connection forwarded to a guest port nobody listens on is reset by QEMU only after the request was sent.
 agent_state=none
 if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
-  /sandgate/sandgate-agent --listen "0.0.0.0:$agent" >/dev/console 2>&1 &
+  $in_root $agent_bin --listen "0.0.0.0:$agent" >/dev/console 2>&1 &
   # Listening sockets in /proc/net/tcp: local port in hex, state 0A (LISTEN). Bounded: ~10 s.
   hex=$(printf '%04X' "$agent")
   agent_state=failed
@@ -151,8 +183,11 @@ if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
   done
 fi
 echo "SANDGATE-GUEST-AGENT $agent_state"
-arg sg.cmd | base64 -d >/run/sandgate-command.sh
-/bin/sh /run/sandgate-command.sh </dev/null >/dev/console 2>&1 &
+cmdfile=/run/sandgate-command.sh
+[ -n "$in_root" ] && cmdfile=/newroot/run/sandgate-command.sh
+cat /sys/firmware/qemu_fw_cfg/by_name/opt/sandgate/command/raw >"$cmdfile" ||
+  echo "SANDGATE-GUEST no command in fw_cfg"
+$in_root $sh /run/sandgate-command.sh </dev/null >/dev/console 2>&1 &
 command=$!
 echo "SANDGATE-GUEST-READY"
 wait "$command"

@@ -163,6 +163,14 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot open the state database: {}", store.message());
     return 1;
   }
+  // Images and their layers live under the state dir (snapshot/image_store.h); opening collects layers an
+  // interrupted import left unreferenced. Opened before the drivers: the QEMU driver boots disks made of them.
+  auto images = sg::snapshot::ImageStore::open(c.node.state_dir);
+  if (!images) {
+    spdlog::critical("cannot open the image store: {}", images.message());
+    return 1;
+  }
+  sg::snapshot::ImageStore* image_store = images->get();
   std::vector<std::unique_ptr<sg::Driver>> drivers;
   auto process_driver = sg::make_process_driver(d.loop, c.node);
   if (!process_driver) {
@@ -172,7 +180,14 @@ int main(int argc, char** argv) {
   drivers.push_back(std::move(*process_driver));
   // Always offered: the guest image is built on first use (noderuntime/guest_image.h), and an image that
   // cannot be had fails each sandbox's start with the reason, not the node.
-  drivers.push_back(sg::make_qemu_driver(d.loop, c.node, c.agent_port));
+  drivers.push_back(sg::make_qemu_driver(
+      d.loop, c.node, c.agent_port, [image_store](const std::string& name) -> sg::Result<std::vector<std::string>> {
+        auto image = image_store->get(name);  // lock-free: never waits for an import
+        if (!image) return image.failure();
+        std::vector<std::string> trees;
+        for (const std::string& digest : image->layers) trees.push_back(image_store->layers().tree_path(digest));
+        return trees;
+      }));
   // The microVM drivers boot the same guest image; they are offered when their binary is configured.
   const std::string kernel = c.node.guest_kernel_file();
   const std::string initrd = c.node.guest_initrd_file();
@@ -197,13 +212,6 @@ int main(int argc, char** argv) {
   }
   if (auto s = d.node->reconcile(); !s) {
     spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());
-    return 1;
-  }
-  // Images and their layers live under the state dir (snapshot/image_store.h); opening collects layers an
-  // interrupted import left unreferenced.
-  auto images = sg::snapshot::ImageStore::open(c.node.state_dir);
-  if (!images) {
-    spdlog::critical("cannot open the image store: {}", images.message());
     return 1;
   }
   d.images = std::make_unique<sg::ImageService>(d.loop, std::move(*images));

@@ -16,14 +16,17 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
 
 #include "common/log.h"
+#include "noderuntime/guest_disk.h"
 #include "noderuntime/guest_image.h"
 #include "noderuntime/hypervisor_client.h"
+#include "noderuntime/netns.h"
 #include "noderuntime/qmp_client.h"
 #include "noderuntime/uv_handles.h"
 
@@ -37,30 +40,8 @@ constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host
 // What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
 // the SANDGATE-GUEST-AGENT line, which are trusted to have one.
 constexpr const char* kAgentState = "agent";
+constexpr const char* kDisk = "disk";  // the sandbox's qcow2 overlay, when it boots an image
 constexpr uint64_t kPollMs = 20;                  // console / query-migrate polling
-constexpr size_t kMaxCmdline = 2000;              // x86 COMMAND_LINE_SIZE is 2048
-
-
-std::string base64(std::string_view in) {
-  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  size_t i = 0;
-  for (; i + 2 < in.size(); i += 3) {
-    uint32_t v = (uint8_t(in[i]) << 16) | (uint8_t(in[i + 1]) << 8) | uint8_t(in[i + 2]);
-    for (int s : {18, 12, 6, 0}) out += kAlphabet[(v >> s) & 63];
-  }
-  if (i + 1 == in.size()) {
-    uint32_t v = uint8_t(in[i]) << 16;
-    out += kAlphabet[(v >> 18) & 63];
-    out += kAlphabet[(v >> 12) & 63];
-    out += "==";
-  } else if (i + 2 == in.size()) {
-    uint32_t v = (uint8_t(in[i]) << 16) | (uint8_t(in[i + 1]) << 8);
-    for (int s : {18, 12, 6}) out += kAlphabet[(v >> s) & 63];
-    out += '=';
-  }
-  return out;
-}
 
 std::string sh_quote(std::string_view s) {
   std::string out = "'";
@@ -87,25 +68,35 @@ uint64_t measure_tsc_khz() {
   return static_cast<uint64_t>(static_cast<double>(c1 - c0) / secs / 1000.0);
 }
 
+std::string command_path(const std::string& sandbox_dir) { return sandbox_dir + "/guest-command.sh"; }
+
+// QEMU user networking (guest 10.0.2.15). A sandbox without internet access, the only kind until the API
+// has allow_internet_access (this is the seam for it), gets restrict=on: slirp then forwards nothing the
+// guest sends, not even to 10.0.2.2 (which in the VM's own namespace would be an empty loopback anyway);
+// only the hostfwd rules, node -> guest, work. Internet access will also need a route out of the namespace.
+std::string user_netdev(bool internet) { return internet ? "user,id=net0" : "user,id=net0,restrict=on"; }
+
+// The command script goes to the guest as a fw_cfg file; the guest's init copies it to a tmpfs.
+Status write_command_file(const std::string& path, const std::string& script) {
+  if (script.size() > kMaxGuestCommandBytes)
+    return fail(Error::kLimitExceeded, "the command and environment take " + std::to_string(script.size()) +
+                                           " bytes; a QEMU sandbox takes at most " +
+                                           std::to_string(kMaxGuestCommandBytes));
+  // 0600 from the first byte (and again for a file left by an earlier start): the env may carry secrets.
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd.valid()) return fail_errno("open " + path, errno);
+  if (::fchmod(fd.get(), 0600) != 0) return fail_errno("chmod " + path, errno);
+  if (::write(fd.get(), script.data(), script.size()) != static_cast<ssize_t>(script.size()))
+    return fail_errno("write " + path, errno);
+  return {};
+}
+
 // driver_data comes back from the store; a value that is not a port is treated as absent.
 std::optional<uint16_t> parse_port(const std::string& s) {
   unsigned v = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || end != s.data() + s.size() || v == 0 || v > 65535) return std::nullopt;
   return static_cast<uint16_t>(v);
-}
-
-Result<uint16_t> free_loopback_port() {
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return fail_errno("socket", errno);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0)
-    return fail_errno("bind 127.0.0.1:0", errno);
-  return ntohs(a.sin_port);
 }
 
 std::string read_file(const std::string& path) {
@@ -146,8 +137,12 @@ VmmDriverOptions vmm_options(std::string binary) {
 
 class QemuDriver final : public VmmDriver {
  public:
-  QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary)
+  QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary,
+             ImageLayers image_layers)
       : VmmDriver(loop, "qemu", vmm_options(std::move(binary))),
+        image_name_(cfg.qemu_image),
+        image_layers_(std::move(image_layers)),
+        disks_(loop, cfg.state_dir + "/qemu-disks"),
         kvm_(cfg.qemu_accel == "kvm"),
         kernel_(cfg.guest_kernel_file()),
         initrd_(cfg.guest_initrd_file()),
@@ -155,7 +150,11 @@ class QemuDriver final : public VmmDriver {
         boot_timeout_ms_(cfg.qemu_boot_timeout_ms),
         boot_attempts_(std::max<uint32_t>(cfg.qemu_boot_attempts, 1)),
         agent_port_(agent_port),
-        tsc_khz_(kvm_ ? 0 : measure_tsc_khz()) {}
+        tsc_khz_(kvm_ ? 0 : measure_tsc_khz()) {
+    auto home = current_netns();
+    if (home) host_netns_ = std::move(*home);
+    else host_netns_error_ = home.message();
+  }
 
   std::string_view name() const override { return "qemu"; }
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
@@ -165,9 +164,21 @@ class QemuDriver final : public VmmDriver {
   void restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override;
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
+  void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override {
+    netns_.erase(spec.id);  // QEMU's namespace goes with it
+    VmmDriver::terminate(spec, info, std::move(done));
+  }
+  // A QEMU that exits by itself leaves an empty namespace that only our fd keeps alive.
+  Status watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) override {
+    return VmmDriver::watch_exit(spec, info, [this, id = spec.id, on_exit = std::move(on_exit)] {
+      netns_.erase(id);
+      on_exit();
+    });
+  }
 
  protected:
-  void graceful_stop(Op*, StepDone done) override { done({}); }  // no disks: nothing to flush
+  // Terminate removes the sandbox, its disk overlay included: nothing to flush.
+  void graceful_stop(Op*, StepDone done) override { done({}); }
   Result<bool> query_paused(const RuntimeInfo& info) override;
 
  private:
@@ -202,6 +213,14 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::vector<std::string> qemu_args(const SandboxSpec& spec, const RuntimeInfo& info) const;
+  // Spawns QEMU with `args` in a network namespace of its own, created for it (kept in netns_).
+  Result<VmmProcess> spawn_qemu(const std::string& sandbox_id, const std::vector<std::string>& args,
+                                const std::string& log);
+  // The network namespace of the running QEMU `info` describes: the one it was spawned in, or (adopted after
+  // a node restart) the one /proc/<pid>/ns/net shows while that pid is still this QEMU.
+  Result<int> netns_of(const std::string& sandbox_id, const RuntimeInfo& info);
+  // A non-blocking TCP socket created inside `netns`.
+  Result<UniqueFd> socket_in(int netns, const std::string& sandbox_id);
   Result<RuntimeInfo> prepare(const SandboxSpec& spec, const std::string& sandbox_dir) const;
   // One start's boot attempts: a stalled boot (no ready marker by the deadline) is killed and retried.
   struct Boot {
@@ -227,6 +246,9 @@ class QemuDriver final : public VmmDriver {
   static std::string state_path(const RuntimeInfo& info) { return info.sandbox_dir + "/qemu.state"; }
   std::string peer(const Op* op) const { return "qemu (sandbox " + op->sandbox_id + ")"; }
 
+  std::string image_name_;  // node.qemu_image; empty: initramfs only
+  ImageLayers image_layers_;
+  GuestDisks disks_;
   bool kvm_;
   std::string kernel_;
   std::string initrd_;
@@ -236,24 +258,30 @@ class QemuDriver final : public VmmDriver {
   uint32_t boot_attempts_;
   uint16_t agent_port_;
   uint64_t tsc_khz_;
+  UniqueFd host_netns_;  // the node's: where the driver's thread returns after each switch
+  std::string host_netns_error_;
+  // Each QEMU's network namespace, kept open so a connect needs one setns() pair and no /proc lookup.
+  struct Netns {
+    VmmProcess process;
+    UniqueFd fd;
+  };
+  std::map<std::string, Netns> netns_;
 };
 
 Result<RuntimeInfo> QemuDriver::prepare(const SandboxSpec& spec, const std::string& sandbox_dir) const {
   RuntimeInfo info;
   info.sandbox_dir = sandbox_dir;
+  // The QMP socket and the command file live here: nobody but the node (root) may reach them.
+  if (::chmod(sandbox_dir.c_str(), 0700) != 0) return fail_errno("chmod 0700 " + sandbox_dir, errno);
   info.driver_data[kApiSocket] = sandbox_dir + "/qmp.sock";
+  // QEMU's listeners live in the VM's own network namespace, where no port is taken: each guest port is
+  // forwarded from the same port on that namespace's loopback. (Records of QEMUs started before that keep
+  // their host ports, which restore forwards the same way inside the new namespace.)
   std::vector<uint16_t> guest_ports = spec.exposed_ports;
   guest_ports.push_back(agent_port_);
-  for (uint16_t gp : guest_ports) {
-    const std::string key = kPortPrefix + std::to_string(gp);
-    if (info.driver_data.count(key)) continue;
-    auto hp = free_loopback_port();
-    if (!hp) return hp.failure();
-    info.driver_data[key] = std::to_string(*hp);
-  }
-  auto cp = free_loopback_port();
-  if (!cp) return cp.failure();
-  info.driver_data[kClockPort] = std::to_string(*cp);
+  for (uint16_t gp : guest_ports) info.driver_data[kPortPrefix + std::to_string(gp)] = std::to_string(gp);
+  info.driver_data[kClockPort] = std::to_string(kClockGuestPort);
+  if (Status s = write_command_file(command_path(sandbox_dir), command_script(spec)); !s) return s.failure();
   return info;
 }
 
@@ -262,8 +290,9 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   std::string append = "console=ttyS0 clocksource=tsc tsc=reliable quiet panic=-1";
   if (tsc_khz_ != 0) append += " tsc_early_khz=" + std::to_string(tsc_khz_);
   append += " sg.clock=" + std::to_string(kClockGuestPort) + " sg.agent=" + std::to_string(agent_port_);
-  append += " sg.cmd=" + base64(command_script(spec));
-  std::string netdev = "user,id=net0";
+  auto disk = info.driver_data.find(kDisk);
+  if (disk != info.driver_data.end()) append += " sg.root=/dev/vda";
+  std::string netdev = user_netdev(/*internet=*/false);
   for (const auto& [key, value] : info.driver_data) {
     if (key.rfind(kPortPrefix, 0) == 0)
       netdev += ",hostfwd=tcp:127.0.0.1:" + value + "-:" + key.substr(std::strlen(kPortPrefix));
@@ -272,7 +301,7 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   if (clock != info.driver_data.end())
     netdev += ",hostfwd=tcp:127.0.0.1:" + clock->second + "-:" + std::to_string(kClockGuestPort);
   const int cpus = std::max(1, static_cast<int>(std::ceil(spec.cpus)));
-  return {"-name", "sandgate-" + spec.id,
+  std::vector<std::string> args = {"-name", "sandgate-" + spec.id,
           "-M", "microvm",
           "-accel", kvm_ ? "kvm" : "tcg",
           "-cpu", kvm_ ? "host" : "max",
@@ -283,7 +312,14 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
           "-serial", "chardev:console",
           "-qmp", "unix:" + info.driver_data.at(kApiSocket) + ",server=on,wait=off",
           "-kernel", kernel_, "-initrd", initrd_, "-append", append,
+          "-fw_cfg", std::string("name=") + kGuestCommandFwCfg + ",file=" + command_path(dir),
           "-netdev", netdev, "-device", "virtio-net-device,netdev=net0"};
+  if (disk != info.driver_data.end()) {
+    for (const std::string& a : {std::string("-drive"), "file=" + disk->second + ",if=none,id=root,format=qcow2",
+                                 std::string("-device"), std::string("virtio-blk-device,drive=root")})
+      args.push_back(a);
+  }
+  return args;
 }
 
 void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
@@ -297,20 +333,34 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
     auto prepared = prepare(spec, o->info.sandbox_dir);
     if (!prepared) return d(prepared.failure());
     o->info = std::move(*prepared);
+    d({});
+  });
+  if (!image_name_.empty()) {
+    steps.push_back([this](Op* o, StepDone d) {
+      if (!image_layers_) return d(fail(Error::kUnsupported, "node.qemu_image is set but this node has no image store"));
+      auto trees = image_layers_(image_name_);
+      if (!trees) return d(fail(trees.error(), "node.qemu_image '" + image_name_ + "': " + trees.message()));
+      // A first sandbox of the image may wait here while its base disk is made; the loop keeps serving.
+      disks_.overlay(std::move(*trees), o->info.sandbox_dir, [o, d](Result<std::string> disk) {
+        if (!disk) return d(disk.failure());
+        o->info.driver_data[kDisk] = *disk;
+        d({});
+      });
+    });
+  }
+  steps.push_back([this, spec](Op* o, StepDone d) {
     auto boot = std::make_shared<Boot>();
     boot->args = qemu_args(spec, o->info);
-    for (size_t i = 0; i + 1 < boot->args.size(); ++i) {
-      if (boot->args[i] == "-append" && boot->args[i + 1].size() > kMaxCmdline)
-        return d(fail(Error::kInvalidArgument,
-                      "the command and environment are too long for the guest's kernel command line"));
-    }
     boot->console = o->info.sandbox_dir + "/console.log";
     boot->log = o->info.sandbox_dir + "/qemu.log";
     boot->done = std::move(d);
     boot_attempt(o, boot);
   });
-  run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
-    if (!s) return done(s.failure());
+  run(std::move(op), std::move(steps), kill_step(), [this, done = std::move(done)](Op* o, Status s) {
+    if (!s) {
+      netns_.erase(o->sandbox_id);
+      return done(s.failure());
+    }
     done(o->info);
   });
 }
@@ -319,7 +369,7 @@ void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
   std::error_code ec;
   std::filesystem::remove(boot->console, ec);
   std::filesystem::remove(op->info.driver_data[kApiSocket], ec);
-  auto p = spawn_vmm("qemu", options_.binary, boot->args, boot->log);
+  auto p = spawn_qemu(op->sandbox_id, boot->args, boot->log);
   if (!p) return boot->done(p.failure());
   op->process = *p;
   op->spawned = true;
@@ -394,17 +444,25 @@ QemuDriver::Step QemuDriver::command_step(std::string command, nlohmann::json ar
 }
 
 QemuDriver::Step QemuDriver::clock_step() {
-  return [](Op* op, StepDone done) {
+  return [this](Op* op, StepDone done) {
     // Best effort: a guest whose clock listener is gone still runs, just with a late clock.
     auto it = op->info.driver_data.find(kClockPort);
     auto port = it == op->info.driver_data.end() ? std::nullopt : parse_port(it->second);
     if (!port) return done({});
-    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    // The forwarded clock port listens on the loopback of the VM's namespace only.
+    auto netns = netns_of(op->sandbox_id, op->info);
+    auto sock = netns ? socket_in(*netns, op->sandbox_id) : Result<UniqueFd>(netns.failure());
+    if (!sock) {
+      spdlog::warn("sandbox {}: cannot set the guest clock: {}", op->sandbox_id, sock.message());
+      return done({});
+    }
+    UniqueFd fd = std::move(*sock);
+    // Blocking again: loopback to QEMU's own listener, connect and a few bytes complete at once.
+    ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(*port);
-    // Loopback to QEMU's own listener: connect and a few bytes complete at once.
     const std::string now = std::to_string(std::time(nullptr)) + "\n";
     if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
         ::send(fd.get(), now.data(), now.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(now.size()))
@@ -499,8 +557,9 @@ void QemuDriver::hibernate(const SandboxSpec& spec, const RuntimeInfo& info, Run
     d({});
   };
   run(std::move(op), {connect_step(false), migrate_step(tmp), cancel_point_step(), commit, end_watch, kill_step()},
-      on_failure, [done = std::move(done)](Op* o, Status s) {
+      on_failure, [this, done = std::move(done)](Op* o, Status s) {
         if (!s) return done(s.failure());
+        netns_.erase(o->sandbox_id);  // QEMU is gone, and its namespace with our fd
         RuntimeInfo saved = o->info;
         saved.pid = 0;
         saved.start_time_ticks = 0;
@@ -548,7 +607,21 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
   });
   std::vector<std::string> args = qemu_args(spec, op->info);
   for (const char* a : {"-S", "-incoming", "defer"}) args.emplace_back(a);
-  steps.push_back(spawn_step(std::move(args)));
+  steps.push_back([this, spec, args = std::move(args)](Op* o, StepDone d) {
+    // QEMU reads the fw_cfg file again at start (a VM hibernated by a driver without it has none yet); the
+    // restored guest does not run its command again.
+    if (Status s = write_command_file(command_path(o->info.sandbox_dir), command_script(spec)); !s) return d(s);
+    std::error_code ec;
+    std::filesystem::remove(o->info.driver_data[kApiSocket], ec);  // a dead QEMU's socket would fail the bind
+    // A hibernated VM's namespace died with its QEMU: the restored one gets a new one, same ports inside.
+    auto p = spawn_qemu(o->sandbox_id, args, o->info.sandbox_dir + "/qemu.log");
+    if (!p) return d(p.failure());
+    o->process = *p;
+    o->spawned = true;
+    o->info.pid = p->pid;
+    o->info.start_time_ticks = p->start_time_ticks;
+    d({});
+  });
   steps.push_back(connect_step(true));
   steps.push_back(wait_incoming_step());
   steps.push_back(command_step("cont"));
@@ -560,8 +633,11 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
     o->info.driver_data.erase(kStateFile);
     d({});
   });
-  run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
-    if (!s) return done(fail(s.error(), "sandbox " + o->sandbox_id + ": restore: " + s.message()));
+  run(std::move(op), std::move(steps), kill_step(), [this, done = std::move(done)](Op* o, Status s) {
+    if (!s) {
+      netns_.erase(o->sandbox_id);
+      return done(fail(s.error(), "sandbox " + o->sandbox_id + ": restore: " + s.message()));
+    }
     done(o->info);
   });
 }
@@ -603,7 +679,7 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
   return o;
 }
 
-Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec&, const RuntimeInfo& info, uint16_t port) {
+Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) {
   auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
   auto host_port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
   if (!host_port)
@@ -620,10 +696,60 @@ Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec&, const RuntimeInf
       return fail(Error::kUnreachable, "the guest's sandgate-agent did not start (state '" + agent->second +
                                            "'); see console.log in the sandbox directory");
   }
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return fail_errno("socket", errno);
-  return GuestSocket{.fd = std::move(fd), .connected = false,
-                     .connect_port = *host_port};
+  auto netns = netns_of(spec.id, info);
+  if (!netns) return netns.failure();
+  auto fd = socket_in(*netns, spec.id);
+  if (!fd) return fd.failure();
+  return GuestSocket{.fd = std::move(*fd), .connected = false, .connect_port = *host_port};
+}
+
+Result<VmmProcess> QemuDriver::spawn_qemu(const std::string& sandbox_id, const std::vector<std::string>& args,
+                                          const std::string& log) {
+  if (!host_netns_.valid())
+    return fail(Error::kUnsupported, "the QEMU driver cannot find the node's network namespace: " + host_netns_error_);
+  netns_.erase(sandbox_id);  // an earlier instance's (a failed boot attempt): that QEMU is gone
+  auto ns = create_netns(host_netns_.get());
+  if (!ns) return fail(ns.error(), "sandbox " + sandbox_id + ": " + ns.message());
+  // posix_spawn's child starts in the namespace of the thread that spawns it.
+  std::optional<Result<VmmProcess>> spawned;
+  if (Status s = in_netns(ns->get(), host_netns_.get(), [&] { spawned = spawn_vmm("qemu", options_.binary, args, log); });
+      !s) {
+    if (spawned && *spawned) (void)kill_vmm(**spawned);
+    return s.failure();
+  }
+  if (!*spawned) return spawned->failure();
+  netns_[sandbox_id] = Netns{**spawned, std::move(*ns)};
+  return **spawned;
+}
+
+Result<int> QemuDriver::netns_of(const std::string& sandbox_id, const RuntimeInfo& info) {
+  const VmmProcess process{info.pid, info.start_time_ticks};
+  auto it = netns_.find(sandbox_id);
+  if (it != netns_.end() && it->second.process.pid == process.pid &&
+      it->second.process.start_time_ticks == process.start_time_ticks)
+    return it->second.fd.get();
+  if (process.pid <= 0) return fail(Error::kUnavailable, "sandbox " + sandbox_id + ": qemu is not running");
+  const std::string path = "/proc/" + std::to_string(process.pid) + "/ns/net";
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return fail(Error::kUnavailable, "sandbox " + sandbox_id + ": open " + path + ": " + std::strerror(errno));
+  // Checked after opening, so the namespace cannot be that of a process that reused the pid.
+  if (!vmm_alive(process)) return fail(Error::kUnavailable, "sandbox " + sandbox_id + ": qemu is not running");
+  it = netns_.insert_or_assign(sandbox_id, Netns{process, std::move(fd)}).first;
+  return it->second.fd.get();
+}
+
+Result<UniqueFd> QemuDriver::socket_in(int netns, const std::string& sandbox_id) {
+  if (!host_netns_.valid())  // no way back: never leave the node's thread in a VM's namespace
+    return fail(Error::kUnsupported, "the QEMU driver cannot find the node's network namespace: " + host_netns_error_);
+  UniqueFd sock;
+  int socket_errno = 0;
+  Status s = in_netns(netns, host_netns_.get(), [&] {
+    sock = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    socket_errno = errno;
+  });
+  if (!s) return fail(s.error(), "sandbox " + sandbox_id + ": " + s.message());
+  if (!sock.valid()) return fail_errno("sandbox " + sandbox_id + ": socket", socket_errno);
+  return sock;
 }
 
 // spawn_vmm wants a path; the config's default is a bare name looked up in PATH.
@@ -641,8 +767,9 @@ std::string resolve_binary(const std::string& name) {
 
 }  // namespace
 
-std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port) {
-  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary));
+std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port,
+                                         ImageLayers image_layers) {
+  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary), std::move(image_layers));
 }
 
 }  // namespace sg

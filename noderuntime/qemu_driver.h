@@ -13,22 +13,40 @@
 //   restore   = spawn QEMU with the same devices plus `-incoming defer -S`, QMP migrate-incoming
 //               "exec:cat <state>", wait until loaded, cont, set the clock, then remove the state file: the
 //               running guest has moved on, so restoring it again after a crash would roll the guest back.
-//   terminate = SIGKILL (nothing to flush: the guest has no disks); a hibernated sandbox has nothing to kill.
+//   terminate = SIGKILL (a disk's overlay is removed with the sandbox dir, so nothing needs flushing); a
+//               hibernated sandbox has nothing to kill.
+//               The VM's network namespace goes with its QEMU.
+//
+// Root filesystem: with node.qemu_image set, the guest boots a disk made from that image
+// (noderuntime/guest_disk.h: a shared read-only ext4 base per image plus the sandbox's qcow2 overlay, made at
+// start before the first boot attempt and kept in driver_data, so restores and restarted nodes use the
+// same one); the initramfs mounts it (`sg.root=/dev/vda`), and runs the agent and the command chrooted into
+// it. QEMU flushes the disk when a migration completes, so a hibernated VM's state file and overlay agree.
+// Without an image, the initramfs is the whole root filesystem, as before.
 //
 // Plain migration of the whole RAM (not memory-backend-file + x-ignore-shared): the state is one
 // self-contained file of about the guest's touched memory, the guest's RAM is anonymous memory that is really
 // freed when hibernated, and a running guest never writes back to disk.
 //
-// Networking is QEMU user networking (slirp): guest 10.0.2.15, and for every exposed port, the agent port
-// and the clock port a `hostfwd=tcp:127.0.0.1:<host port>-:<guest port>`. Host ports are picked by the driver
-// (bound once on 127.0.0.1:0 to get a free one) and persisted in driver_data, so a restored guest and a
-// restarted node use the same ones. open_socket() hands the proxy an unconnected socket plus that host port.
-// Only the ports known at start are forwarded. A host port picked at start can be taken by someone else
-// before QEMU binds it (QEMU then fails the boot, or a restore, with "Could not set up host forwarding").
+// The boundary (docs/security.md, "QEMU sandbox boundary"):
+//   - Each QEMU runs in a network namespace of its own (noderuntime/netns.h), created by the driver for each
+//     spawn (a boot attempt, a restore) with only its loopback up, and kept open by fd. A restarted node
+//     finds it again through /proc/<pid>/ns/net of the adopted QEMU; a hibernated VM's died with its QEMU
+//     and the restored one gets a new one.
+//   - QEMU user networking (slirp, guest 10.0.2.15) with restrict=on (no internet access: the only mode until
+//     the API has allow_internet_access): the guest reaches nothing outside itself, not the host's loopback,
+//     not other VMs. Every exposed port, the agent port and the clock port get a
+//     `hostfwd=tcp:127.0.0.1:<port>-:<port>` whose listener is on the namespace's loopback, so nothing of
+//     the VM listens in the host's namespace. open_socket() creates the proxy's socket inside the namespace
+//     (a setns() pair) and hands it over unconnected with that port (kept in driver_data). Only the ports
+//     known at start are forwarded.
+//   - The command script (env, cwd, argv) reaches the guest as the fw_cfg file kGuestCommandFwCfg, written
+//     0600 in the sandbox dir, never on QEMU's command line (which any local user can read in /proc).
+//   - The QMP socket and the command file are in the sandbox dir, which the driver keeps at 0700.
 //
 // Guest clock: a stopped VM's clock stops too, so after a resume or restore the guest is behind by the time
-// it spent suspended. The guest's init listens on guest port kClockGuestPort; the driver connects through its
-// forwarded host port and writes the host's epoch seconds, and the guest runs `date -s @N`.
+// it spent suspended. The guest's init listens on guest port kClockGuestPort; the driver connects to its
+// forward inside the VM's namespace and writes the host's epoch seconds, and the guest runs `date -s @N`.
 //
 // Acceleration: node.qemu_accel = "auto" means TCG; "kvm" must be asked for explicitly. /dev/kvm existing
 // proves nothing (on nested or paravirtualised hosts it may refuse ordinary guests), and a wrong guess would
@@ -38,9 +56,12 @@
 
 #include <uv.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "config/config.h"
 #include "noderuntime/driver.h"
@@ -49,14 +70,22 @@ namespace sg {
 
 // The guest port the init's clock listener uses (forwarded like any exposed port).
 inline constexpr uint16_t kClockGuestPort = 1021;
+// The fw_cfg file that carries the sandbox's command script (env, cwd, argv) to the guest's init, and its
+// limit: it is copied into the guest's RAM (a tmpfs) before it runs.
+inline constexpr const char* kGuestCommandFwCfg = "opt/sandgate/command";
+inline constexpr size_t kMaxGuestCommandBytes = 256 * 1024;
 // The guest prints this line on its serial console once its network is up and the command is started.
 inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).
 inline constexpr const char* kGuestAgentMarker = "SANDGATE-GUEST-AGENT";
 
+// The layer trees (bottom first) of the image named `name`, or why there are none (the node's image store).
+using ImageLayers = std::function<Result<std::vector<std::string>>(const std::string& name)>;
+
 // `agent_port` is Config::agent_port: forwarded into every guest (the agent listens there when the image
 // has one). Missing kernel/initrd files are not an error here: start() builds them, or fails each sandbox
-// with the reason.
-std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port);
+// with the reason. `image_layers` resolves node.qemu_image (unused while it is empty).
+std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port,
+                                         ImageLayers image_layers = nullptr);
 
 }  // namespace sg

@@ -4,9 +4,20 @@
 // image cannot be built (no kernel package reachable).
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <csignal>
+#include <cstring>
 #include <ctime>
+#include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "tests/e2e/harness.h"
 
@@ -251,6 +262,208 @@ TEST_F(Qemu, DiskFullDuringHibernateKeepsTheSandboxInMemory) {
   EXPECT_EQ(a.code, 200) << c.node().log();
   EXPECT_EQ(a.count, 2) << "the guest's memory did not survive the failed hibernation";
   ASSERT_EQ(c.cli("rm q").exit_code, 0);
+}
+
+// A server on the host's loopback (127.0.0.1, an ephemeral port) that greets every connection with kBanner.
+class LoopbackBanner {
+ public:
+  static constexpr const char* kBanner = "HOST-LOOPBACK-REACHED\n";
+  LoopbackBanner() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd_, 16) == 0 &&
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, 100) <= 0) continue;
+        int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) continue;
+        (void)!::send(c, kBanner, std::strlen(kBanner), MSG_NOSIGNAL);
+        ::close(c);
+      }
+    });
+  }
+  ~LoopbackBanner() {
+    stop_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// The TCP ports a process listens on in the host's network namespace (ss, run here, in it).
+std::vector<std::string> host_listeners(int pid) {
+  std::vector<std::string> ports;
+  std::istringstream in(run("ss -Hltnp").out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("pid=" + std::to_string(pid) + ",") == std::string::npos) continue;
+    std::istringstream cols(line);
+    std::string state, recvq, sendq, local;
+    cols >> state >> recvq >> sendq >> local;
+    ports.push_back(local.substr(local.rfind(':') + 1));
+  }
+  return ports;
+}
+
+int qemu_pid(const std::string& id) {
+  return std::atoi(run("pgrep -f '[s]andgate-" + id + "' | head -1").out.c_str());
+}
+
+// The output of `script` run in the sandbox through the agent's /exec (the events' text, JSON-escaped).
+std::string exec_in(Cluster& c, const std::string& host, const std::string& token, const std::string& script) {
+  const nlohmann::json body = {{"command", {"sh", "-c", script}}};
+  auto r = c.curl(host, "/exec", "-N -X POST -H 'Content-Type: application/json' --data " +
+                                     shell_quote(body.dump()) + " " + bearer(token), 120);
+  return r.out;
+}
+
+// Issue 10: a guest reached the host's loopback at 10.0.2.2 (so other VMs' agents, which have no auth, through
+// their hostfwd ports), any local user reached every VM's agent on those ports, and the command and env were
+// readable in QEMU's command line. Two VMs in one test (each boot costs tens of seconds under TCG).
+TEST_F(Qemu, GuestIsSealedFromTheHostAndOtherVmsAndItsCommandIsNotInTheProcessList) {
+  LoopbackBanner host_server;
+  ASSERT_NE(host_server.port(), 0);
+  Cluster c(ClusterOptions::node(node_config()));
+  auto other = c.cli("create --json --name vb --driver qemu --timeout 600 --memory-mb 256 -- /bin/sh -c 'exec sleep 100000'",
+                     180);
+  ASSERT_EQ(other.exit_code, 0) << other.out << other.err << c.node().log();
+  const std::string other_id = nlohmann::json::parse(other.out, nullptr, false).value("id", "");
+  const std::string secret = "sg-e2e-secret-" + std::to_string(::getpid());
+  auto created = c.cli("create --json --name va --driver qemu --timeout 600 --memory-mb 256 --env SG_SECRET=" + secret +
+                           " -- /bin/sh -c 'echo \"$SG_SECRET\" >/tmp/secret; exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto j = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string id = j.value("id", ""), token = j.value("token", "");
+  ASSERT_FALSE(token.empty()) << created.out;
+
+  // From the host's namespace: no port of either VM listens (before, every hostfwd port did).
+  const int pid = qemu_pid(id), other_pid = qemu_pid(other_id);
+  ASSERT_GT(pid, 0);
+  ASSERT_GT(other_pid, 0);
+  EXPECT_TRUE(host_listeners(pid).empty()) << run("ss -Hltnp").out;
+  const std::vector<std::string> other_ports = host_listeners(other_pid);
+  EXPECT_TRUE(other_ports.empty()) << run("ss -Hltnp").out;
+
+  // From inside the VM: the host's loopback server, and the other VM's agent wherever it might be forwarded
+  // (its port in the guest, any port its QEMU listens on in the host's namespace), through 10.0.2.2.
+  std::string script = "out=$(timeout 5 nc 10.0.2.2 " + std::to_string(host_server.port()) +
+                       " </dev/null); case \"$out\" in *HOST-LOOPBACK*) echo REACHED-host;; *) echo BLOCKED-host;; esac\n";
+  std::vector<std::string> agent_ports = other_ports;
+  agent_ports.push_back("9501");
+  for (const std::string& p : agent_ports)
+    script += "timeout 5 wget -T 3 -q -O - http://10.0.2.2:" + p + "/health && echo REACHED-" + p + " || echo BLOCKED-" + p + "\n";
+  script += "echo secret=$(cat /tmp/secret)\n";
+  const std::string out = exec_in(c, "va.sandbox.localhost", token, script);
+  EXPECT_NE(out.find("BLOCKED-host"), std::string::npos) << out;
+  EXPECT_EQ(out.find("REACHED-"), std::string::npos) << out;
+  for (const std::string& p : agent_ports) EXPECT_NE(out.find("BLOCKED-" + p), std::string::npos) << out;
+  // The env reached the command (through fw_cfg)...
+  EXPECT_NE(out.find("secret=" + secret), std::string::npos) << out;
+  // ...but not QEMU's command line, which every local user can read.
+  std::ifstream cmdline_file("/proc/" + std::to_string(pid) + "/cmdline");
+  const std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), std::istreambuf_iterator<char>());
+  ASSERT_NE(cmdline.find("sandgate-" + id), std::string::npos) << cmdline;
+  EXPECT_EQ(cmdline.find(secret), std::string::npos) << cmdline;
+  EXPECT_EQ(cmdline.find("sg.cmd"), std::string::npos) << cmdline;
+  EXPECT_EQ(cmdline.find("sleep 100000"), std::string::npos) << cmdline;
+  const std::string dir = c.dir() + "/node/sandboxes/" + id;
+  struct stat st{};
+  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(::stat((dir + "/guest-command.sh").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(c.cli("rm va").exit_code, 0);
+  EXPECT_EQ(c.cli("rm vb").exit_code, 0);
+}
+
+// A `docker save` archive of a one-layer image in `dir`: busybox (static) as /bin/sh and friends, and
+// /etc/image-marker. Returns the archive's path.
+std::string busybox_image(const std::string& dir) {
+  const std::string rootfs = dir + "/rootfs", out = dir + "/out";
+  EXPECT_EQ(run("mkdir -p " + rootfs + "/bin " + rootfs + "/etc " + out + "/l0 && cp /bin/busybox " + rootfs +
+                "/bin/ && for t in sh cat echo grep sync sleep; do ln -s busybox " + rootfs +
+                "/bin/$t; done && echo from-the-image >" + rootfs + "/etc/image-marker && tar -cf " + out +
+                "/l0/layer.tar -C " + rootfs + " .")
+                .exit_code,
+            0);
+  const nlohmann::json config = {
+      {"os", "linux"},
+      {"config", {{"Env", {"PATH=/bin"}}, {"Cmd", {"/bin/sh"}}, {"WorkingDir", "/"}}},
+      {"rootfs", {{"type", "layers"}, {"diff_ids", {"sha256:" + sha256_file(out + "/l0/layer.tar")}}}}};
+  std::ofstream(out + "/config.json") << config.dump();
+  const std::string config_name = sha256_file(out + "/config.json") + ".json";  // named by its digest
+  EXPECT_EQ(run("mv " + out + "/config.json " + out + "/" + config_name).exit_code, 0);
+  const nlohmann::json manifest =
+      nlohmann::json::array({{{"Config", config_name}, {"RepoTags", {"qdisk:latest"}}, {"Layers", {"l0/layer.tar"}}}});
+  std::ofstream(out + "/manifest.json") << manifest.dump();
+  EXPECT_EQ(run("tar -cf " + dir + "/image.tar -C " + out + " .").exit_code, 0);
+  return dir + "/image.tar";
+}
+
+// The value after "kept-" in an exec's output ("" when absent).
+std::string kept_value(const std::string& out) {
+  size_t at = out.find("kept-");
+  if (at == std::string::npos) return "";
+  size_t end = out.find_first_not_of("kept-0123456789", at);
+  return out.substr(at, end == std::string::npos ? std::string::npos : end - at);
+}
+
+// Issue 10: the guest's root filesystem is a disk made from an image (a shared base plus the sandbox's qcow2
+// overlay), and what the guest writes there stays through both tiers and a node restart.
+TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart) {
+  Cluster c(ClusterOptions::node(node_config() + "qemu_image = \"qdisk\"\n"));
+  const std::string archive = busybox_image(c.dir() + "/img");
+  auto imported = c.cli("image import " + archive + " qdisk");
+  ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
+  auto created = c.cli("create --json --name vd --driver qemu --timeout 3 --hibernate-after 3 --memory-mb 256 "
+                       "-- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto j = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string id = j.value("id", ""), token = j.value("token", "");
+  const std::string host = "vd.sandbox.localhost";
+
+  std::string out = exec_in(c, host, token,
+                            "cat /etc/image-marker; grep ' / ' /proc/mounts; echo kept-$$ >/data.txt; sync; cat /data.txt");
+  EXPECT_NE(out.find("from-the-image"), std::string::npos) << out;
+  EXPECT_NE(out.find("/dev/vda / ext4"), std::string::npos) << out;
+  const std::string kept = kept_value(out);
+  ASSERT_FALSE(kept.empty()) << out;
+
+  ASSERT_TRUE(eventually([&] { return c.get("vd")["tier"] == "memory"; }, std::chrono::seconds(30)));
+  EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after suspend + resume";
+
+  ASSERT_TRUE(eventually([&] {
+    auto s = c.get("vd");
+    return s["tier"] == "disk" && s["state"] == "suspended";
+  }, std::chrono::seconds(60))) << c.get("vd").dump() << c.node().log();
+  // Hibernated, QEMU is gone: the file is in the sandbox's overlay on disk, as the host reads it.
+  const std::string raw = c.dir() + "/disk.raw";
+  auto on_disk = run("qemu-img convert -O raw " + c.dir() + "/node/sandboxes/" + id + "/disk.qcow2 " + raw +
+                     " && debugfs -R 'cat /data.txt' " + raw + " 2>/dev/null");
+  EXPECT_EQ(kept_value(on_disk.out), kept) << on_disk.out << on_disk.err;
+  EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after hibernate + restore";
+
+  c.node().stop(SIGKILL);
+  c.start_node();
+  ASSERT_TRUE(eventually([&] {
+    auto s = c.get("vd")["state"];
+    return s == "suspended" || s == "running";
+  }, std::chrono::seconds(60))) << c.get("vd").dump() << c.node().log();
+  EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after a node restart";
+  EXPECT_EQ(c.cli("rm vd").exit_code, 0);
 }
 
 }  // namespace

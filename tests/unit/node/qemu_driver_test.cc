@@ -4,8 +4,13 @@
 #include "noderuntime/qemu_driver.h"
 
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -24,9 +29,12 @@ using testing::TestLoop;
 // FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | stall | qmp-error | migrate-die | migrate-fail.
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
-// Every spawn appends its pid to <sandbox dir>/spawns. A saved state is the bytes "SANDGATE-FAKE-STATE".
+// Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
+// writes its argv (NUL-separated) to <sandbox dir>/argv. Each `hostfwd=tcp:127.0.0.1:<port>-:...` rule gets
+// a listener on that port (in the fake's own namespace) that answers "FAKE-GUEST <port>\n" and closes.
+// A saved state is the bytes "SANDGATE-FAKE-STATE".
 constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
-import json, os, socket, subprocess, sys, time
+import json, os, socket, subprocess, sys, threading, time
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_QEMU_MODE", "ok")
 console = [a.split("path=")[1] for a in args if a.startswith("file,id=console")][0]
@@ -34,9 +42,24 @@ qmp = args[args.index("-qmp") + 1][len("unix:"):].split(",")[0]
 d = os.path.dirname(qmp)
 with open(os.path.join(d, "spawns"), "a") as f:
     f.write("%d\n" % os.getpid())
+with open(os.path.join(d, "netns"), "a") as f:
+    f.write(os.readlink("/proc/self/ns/net") + "\n")
+with open(os.path.join(d, "argv"), "w") as f:
+    f.write("\0".join(args))
 if mode == "die-at-boot":
     sys.stderr.write("qemu-system-x86_64: Could not set up host forwarding rule 'tcp:127.0.0.1:1-:80'\n")
     sys.exit(1)
+def forward(port):
+    l = socket.socket()
+    l.bind(("127.0.0.1", port))
+    l.listen(8)
+    while True:
+        c, _ = l.accept()
+        c.sendall(b"FAKE-GUEST %d\n" % port)
+        c.close()
+for rule in args[args.index("-netdev") + 1].split(","):
+    if rule.startswith("hostfwd=tcp:127.0.0.1:"):
+        threading.Thread(target=forward, args=(int(rule.split(":")[2].split("-")[0]),), daemon=True).start()
 incoming = "-incoming" in args
 srv = socket.socket(socket.AF_UNIX)
 srv.bind(qmp)
@@ -112,6 +135,29 @@ std::vector<int> spawned_pids(const std::string& dir) {
   return pids;
 }
 
+std::vector<std::string> lines_of(const std::string& path) {
+  std::vector<std::string> out;
+  std::istringstream in(read_all(path));
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+// What a connection through `sock` (connected to 127.0.0.1:port) reads first; "" when it cannot connect.
+std::string first_line(UniqueFd sock, uint16_t port) {
+  ::fcntl(sock.get(), F_SETFL, ::fcntl(sock.get(), F_GETFL) & ~O_NONBLOCK);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return "";
+  timeval tv{2, 0};
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buf[128];
+  ssize_t n = ::recv(sock.get(), buf, sizeof buf, 0);
+  std::string line(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  return line.substr(0, line.find('\n'));
+}
+
 bool alive(int pid) {
   std::string stat = read_all("/proc/" + std::to_string(pid) + "/stat");
   size_t p = stat.rfind(')');
@@ -160,7 +206,7 @@ class QemuDriverTest : public ::testing::Test {
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
   Driver& driver() {
-    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501);
+    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501, layers_);
     return *driver_;
   }
   Result<RuntimeInfo> wait_runtime(const std::function<void(Driver::RuntimeDone)>& op) {
@@ -178,6 +224,9 @@ class QemuDriverTest : public ::testing::Test {
   }
   Result<RuntimeInfo> start() {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec_, sandbox_dir_, std::move(d)); });
+  }
+  Result<RuntimeInfo> start_in(const std::string& dir) {
+    return wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec_, dir, std::move(d)); });
   }
   Status pause(const RuntimeInfo& info) {
     return wait_status([&](Driver::Done d) { driver().pause(spec_, info, std::move(d)); });
@@ -226,6 +275,7 @@ class QemuDriverTest : public ::testing::Test {
   NodeConfig cfg_;
   SandboxSpec spec_;
   std::unique_ptr<Driver> driver_;
+  ImageLayers layers_;
 };
 
 TEST_F(QemuDriverTest, MissingGuestImageFailsTheStartClearly) {
@@ -471,6 +521,216 @@ TEST_F(QemuDriverTest, GuestWithoutAgentMarkerIsTrustedToHaveOne) {
   ASSERT_TRUE(info.ok()) << info.message();
   EXPECT_FALSE(info->driver_data.count("agent"));
   EXPECT_TRUE(driver().open_socket(spec_, *info, 9501).ok());
+}
+
+// Issue 10: QEMU's forwards listened on the host's loopback, where any local user (and, through 10.0.2.2,
+// any guest) reached every VM's agent. Now each QEMU has a namespace of its own, a new one per spawn, and only
+// the sockets the driver opens inside it reach the guest's ports.
+TEST_F(QemuDriverTest, EachQemuListensOnlyInItsOwnNetworkNamespace) {
+  const std::string host_ns = std::filesystem::read_symlink("/proc/thread-self/ns/net").string();
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto namespaces = lines_of(sandbox_dir_ + "/netns");
+  ASSERT_EQ(namespaces.size(), 1u);
+  EXPECT_NE(namespaces[0], host_ns);
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_NE(argv.find("user,id=net0,restrict=on,"), std::string::npos) << argv;
+  for (const char* rule : {"hostfwd=tcp:127.0.0.1:8080-:8080", "hostfwd=tcp:127.0.0.1:9501-:9501",
+                           "hostfwd=tcp:127.0.0.1:1021-:1021"})
+    EXPECT_NE(argv.find(rule), std::string::npos) << rule << " in " << argv;
+
+  auto sock = driver().open_socket(spec_, *info, 8080);
+  ASSERT_TRUE(sock.ok()) << sock.message();
+  EXPECT_EQ(sock->connect_port, 8080);
+  EXPECT_EQ(first_line(std::move(sock->fd), sock->connect_port), "FAKE-GUEST 8080");
+  // The same port from the node's (host's) namespace is not the guest's.
+  UniqueFd host_sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_NE(first_line(std::move(host_sock), 8080), "FAKE-GUEST 8080");
+
+  // A restarted node (a new driver) finds the namespace through the adopted QEMU.
+  driver_.reset();
+  auto adopted = driver().open_socket(spec_, *info, 9501);
+  ASSERT_TRUE(adopted.ok()) << adopted.message();
+  EXPECT_EQ(first_line(std::move(adopted->fd), adopted->connect_port), "FAKE-GUEST 9501");
+
+  // Hibernated, the namespace dies with QEMU; the restored QEMU gets a new one with the same ports inside.
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  EXPECT_EQ(driver().open_socket(spec_, *saved, 8080).error(), Error::kUnavailable);
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  namespaces = lines_of(sandbox_dir_ + "/netns");
+  ASSERT_EQ(namespaces.size(), 2u);
+  EXPECT_NE(namespaces[1], host_ns);
+  auto again = driver().open_socket(spec_, *restored, 8080);
+  ASSERT_TRUE(again.ok()) << again.message();
+  EXPECT_EQ(first_line(std::move(again->fd), again->connect_port), "FAKE-GUEST 8080");
+}
+
+// Issue 10: the command and env were base64 on the kernel command line, readable by any local user in
+// /proc/<qemu pid>/cmdline. They travel as a 0600 fw_cfg file in a 0700 sandbox dir now.
+TEST_F(QemuDriverTest, CommandAndEnvReachTheGuestAsAPrivateFwCfgFileNotOnTheCommandLine) {
+  ::chmod(sandbox_dir_.c_str(), 0755);
+  spec_.env = {{"API_KEY", "sk-very-secret"}};
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_EQ(argv.find("sk-very-secret"), std::string::npos) << argv;
+  EXPECT_EQ(argv.find("sg.cmd"), std::string::npos) << argv;
+  const std::string file = sandbox_dir_ + "/guest-command.sh";
+  EXPECT_NE(argv.find(std::string("-fw_cfg") + '\0' + "name=opt/sandgate/command,file=" + file), std::string::npos)
+      << argv;
+  struct stat st{};
+  ASSERT_EQ(::stat(file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(::stat(sandbox_dir_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_EQ(read_all(file), "export API_KEY='sk-very-secret'\ncd '/' || exit 126\nexec '/bin/sh' '-c' 'echo it'\\''s quoted'\n");
+}
+
+TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
+  spec_.env = {{"BIG", std::string(kMaxGuestCommandBytes, 'x')}};
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kLimitExceeded);
+  EXPECT_NE(r.message().find(std::to_string(kMaxGuestCommandBytes)), std::string::npos) << r.message();
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+  // Just under the limit is fine.
+  spec_.env = {{"BIG", std::string(kMaxGuestCommandBytes - 200, 'x')}};
+  auto ok = start();
+  EXPECT_TRUE(ok.ok()) << ok.message();
+}
+
+// How many of this process's fds hold the network namespace `ns` ("net:[<inode>]").
+size_t fds_holding(const std::string& ns) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(e.path(), ec).string() == ns) ++n;
+  }
+  return n;
+}
+
+TEST_F(QemuDriverTest, NamespaceOfAQemuThatExitedByItselfIsReleased) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(driver().open_socket(spec_, *info, 8080).ok());
+  const std::string ns = lines_of(sandbox_dir_ + "/netns").at(0);
+  EXPECT_EQ(fds_holding(ns), 1u);
+  bool exited = false;
+  ASSERT_TRUE(driver().watch_exit(spec_, *info, [&] { exited = true; }).ok());
+  ::kill(info->pid, SIGKILL);
+  ASSERT_TRUE(loop_.run_until([&] { return exited; }, 10000));
+  EXPECT_EQ(fds_holding(ns), 0u);
+}
+
+// node.qemu_image: a base disk per image (ext4 of the merged layer trees, read-only, shared), a qcow2
+// overlay per sandbox on it, booted as the guest's root. Real mkfs.ext4, qemu-img and overlayfs; fake QEMU.
+class QemuDiskTest : public QemuDriverTest {
+ protected:
+  void SetUp() override {
+    QemuDriverTest::SetUp();
+    if (::geteuid() != 0) GTEST_SKIP() << "the image's layers are merged with an overlayfs mount (root)";
+    cfg_.state_dir = dir_.path() + "/state";
+    cfg_.qemu_image = "img";
+    // Two layers: the upper one replaces /etc/which and adds /etc/top.
+    lower_ = dir_.path() + "/layers/lower";
+    upper_ = dir_.path() + "/layers/upper";
+    std::filesystem::create_directories(lower_ + "/etc");
+    std::filesystem::create_directories(upper_ + "/etc");
+    std::ofstream(lower_ + "/etc/which") << "lower\n";
+    std::ofstream(lower_ + "/etc/bottom") << "bottom\n";
+    std::ofstream(upper_ + "/etc/which") << "upper\n";
+    layers_ = [this](const std::string& name) -> Result<std::vector<std::string>> {
+      ++lookups_;
+      if (name != "img") return fail(Error::kNotFound, "no image named " + name);
+      return std::vector<std::string>{lower_, upper_};
+    };
+  }
+  // `path` inside the ext4 image `disk` (debugfs reads it without mounting).
+  static std::string read_in_disk(const std::string& disk, const std::string& path) {
+    FILE* p = ::popen(("debugfs -R 'cat " + path + "' " + disk + " 2>/dev/null").c_str(), "r");
+    std::string out;
+    char buf[256];
+    for (size_t n; p && (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+    if (p) ::pclose(p);
+    return out;
+  }
+  std::string lower_, upper_;
+  int lookups_ = 0;
+};
+
+TEST_F(QemuDiskTest, BootsAQcow2OverlayOnTheImagesSharedReadOnlyBaseDisk) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string disk = sandbox_dir_ + "/disk.qcow2";
+  EXPECT_EQ(info->driver_data["disk"], disk);
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_NE(argv.find(std::string("-drive") + '\0' + "file=" + disk + ",if=none,id=root,format=qcow2"),
+            std::string::npos) << argv;
+  EXPECT_NE(argv.find("virtio-blk-device,drive=root"), std::string::npos);
+  EXPECT_NE(argv.find("sg.root=/dev/vda"), std::string::npos);
+
+  std::vector<std::string> bases;
+  for (const auto& e : std::filesystem::directory_iterator(cfg_.state_dir + "/qemu-disks")) bases.push_back(e.path());
+  ASSERT_EQ(bases.size(), 1u);  // no temp file, mount point or log left
+  const std::string base = bases[0];
+  EXPECT_EQ(base.substr(base.size() - 4), ".raw");
+  struct stat st{};
+  ASSERT_EQ(::stat(base.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0444u);
+  // The merged tree: the upper layer wins, the lower one shows through.
+  EXPECT_EQ(read_in_disk(base, "/etc/which"), "upper\n");
+  EXPECT_EQ(read_in_disk(base, "/etc/bottom"), "bottom\n");
+  FILE* p = ::popen(("qemu-img info --output=json " + disk).c_str(), "r");
+  std::string qinfo;
+  char buf[512];
+  for (size_t n; p && (n = std::fread(buf, 1, sizeof buf, p)) > 0;) qinfo.append(buf, n);
+  if (p) ::pclose(p);
+  EXPECT_NE(qinfo.find("\"backing-filename\": \"" + base + "\""), std::string::npos) << qinfo;
+
+  // A second sandbox of the image shares the base (not rebuilt); a restore keeps the sandbox's own overlay.
+  const struct timespec built = st.st_mtim;
+  const std::string second = dir_.path() + "/sb2";
+  std::filesystem::create_directories(second);
+  sandbox_dirs_.push_back(second);
+  auto other = start_in(second);
+  ASSERT_TRUE(other.ok()) << other.message();
+  EXPECT_EQ(other->driver_data["disk"], second + "/disk.qcow2");
+  ASSERT_EQ(::stat(base.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtim.tv_sec, built.tv_sec);
+  EXPECT_EQ(st.st_mtim.tv_nsec, built.tv_nsec);
+
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  ASSERT_EQ(::stat(disk.c_str(), &st), 0);
+  const struct timespec overlay_made = st.st_mtim;
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_EQ(restored->driver_data["disk"], disk);
+  EXPECT_NE(read_all(sandbox_dir_ + "/argv").find("file=" + disk), std::string::npos);
+  ASSERT_EQ(::stat(disk.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtim.tv_nsec, overlay_made.tv_nsec);  // not recreated
+}
+
+TEST_F(QemuDiskTest, MissingImageFailsTheStartNamingItAndStartsNothing) {
+  cfg_.qemu_image = "gone";
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kNotFound);
+  EXPECT_NE(r.message().find("node.qemu_image 'gone'"), std::string::npos) << r.message();
+  EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
+}
+
+TEST_F(QemuDriverTest, WithoutAnImageTheGuestBootsTheInitramfsAlone) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_FALSE(info->driver_data.count("disk"));
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_EQ(argv.find("-drive"), std::string::npos);
+  EXPECT_EQ(argv.find("sg.root"), std::string::npos);
 }
 
 }  // namespace

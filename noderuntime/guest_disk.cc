@@ -1,0 +1,186 @@
+#include "noderuntime/guest_disk.h"
+
+#include <fcntl.h>
+#include <openssl/sha.h>
+#include <spawn.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <sstream>
+
+#include "common/fd.h"
+
+namespace sg {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::mutex build_mu;  // one base build at a time, node-wide
+
+std::string key_of(const std::vector<std::string>& trees) {
+  std::string joined;
+  for (const std::string& t : trees) joined += t + "\n";
+  unsigned char md[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(joined.data()), joined.size(), md);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char b : md) {
+    hex += kHex[b >> 4];
+    hex += kHex[b & 15];
+  }
+  return hex;
+}
+
+// Runs argv[0] (a PATH name) with stdout and stderr to `log`; the log's tail is the error.
+Status run_tool(const std::vector<std::string>& argv, const std::string& log) {
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&files, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_adddup2(&files, 1, 2);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  int rc = ::posix_spawnp(&pid, argv[0].c_str(), &files, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  if (rc != 0) return fail(Error::kUnsupported, "cannot run " + argv[0] + ": " + std::strerror(rc));
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return {};
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string out = ss.str();
+  if (out.size() > 400) out = out.substr(out.size() - 400);
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  return fail(Error::kIo, argv[0] + " failed: " + out);
+}
+
+uint64_t tree_bytes(const std::string& root) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::none, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    total += 4096;  // an inode and a directory entry, roughly
+    if (it->is_regular_file(ec) && !it->is_symlink(ec)) total += it->file_size(ec);
+  }
+  return total;
+}
+
+// The merged tree of `trees` (bottom first) as ext4 in `base`, written to a temp file and renamed into place.
+Status build_base(const std::vector<std::string>& trees, const std::string& base) {
+  const std::string tmp = base + ".tmp", mnt = base + ".mnt", log = base + ".log";
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  std::string src = trees.front();
+  bool mounted = false;
+  if (trees.size() > 1) {
+    // overlayfs lists the top layer first.
+    std::string lower;
+    for (auto t = trees.rbegin(); t != trees.rend(); ++t) lower += (lower.empty() ? "" : ":") + *t;
+    const std::string options = "lowerdir=" + lower;
+    if (options.size() >= 4096)
+      return fail(Error::kLimitExceeded, "the image has too many layers for one overlayfs mount option (" +
+                                             std::to_string(options.size()) + " bytes, 4095 at most)");
+    ::umount2(mnt.c_str(), MNT_DETACH);  // left by a build a crash interrupted
+    fs::create_directories(mnt, ec);
+    // Only mkfs reads it: nothing of the image may act on the host (device nodes, setuid, binaries).
+    if (::mount("overlay", mnt.c_str(), "overlay", MS_RDONLY | MS_NODEV | MS_NOSUID | MS_NOEXEC, options.c_str()) != 0)
+      return fail_errno("mount the image's layers (overlay) on " + mnt, errno);
+    mounted = true;
+    src = mnt;
+  }
+  const uint64_t bytes = tree_bytes(src);
+  const uint64_t size_mb = (bytes + bytes / 4 + kGuestDiskFreeBytes) >> 20;
+  Status made = run_tool({"mkfs.ext4", "-q", "-F", "-L", "sandgate-root", "-d", src, tmp,
+                          std::to_string(size_mb) + "M"},
+                         log);
+  if (mounted) {
+    ::umount2(mnt.c_str(), MNT_DETACH);
+    fs::remove(mnt, ec);
+  }
+  if (!made) return made;
+  UniqueFd fd(::open(tmp.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid() || ::fsync(fd.get()) != 0 || ::fchmod(fd.get(), 0444) != 0) return fail_errno("fsync " + tmp, errno);
+  if (::rename(tmp.c_str(), base.c_str()) != 0) return fail_errno("rename " + tmp, errno);
+  fs::remove(log, ec);
+  return {};
+}
+
+Result<std::string> make_overlay(const std::vector<std::string>& trees, const std::string& dir,
+                                 const std::string& sandbox_dir) {
+  const std::string disk = sandbox_dir + "/disk.qcow2";
+  if (::access(disk.c_str(), F_OK) == 0) return disk;  // the sandbox's own: never recreated
+  if (trees.empty()) return fail(Error::kInvalidArgument, "the image has no layers");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return fail(Error::kIo, "create " + dir + ": " + ec.message());
+  const std::string base = dir + "/" + key_of(trees) + ".raw";
+  {
+    std::lock_guard lock(build_mu);
+    if (::access(base.c_str(), F_OK) != 0)
+      if (Status s = build_base(trees, base); !s) return fail(s.error(), "base disk " + base + ": " + s.message());
+  }
+  const std::string tmp = disk + ".tmp";
+  if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", tmp},
+                          sandbox_dir + "/disk.log");
+      !s)
+    return s.failure();
+  if (::rename(tmp.c_str(), disk.c_str()) != 0) return fail_errno("rename " + tmp, errno);
+  fs::remove(sandbox_dir + "/disk.log", ec);
+  return disk;
+}
+
+struct Work {
+  uv_work_t req;
+  std::vector<std::string> trees;
+  std::string dir, sandbox_dir;
+  std::optional<Result<std::string>> result;
+  std::shared_ptr<bool> alive;
+  GuestDisks::Done done;
+};
+
+}  // namespace
+
+GuestDisks::GuestDisks(uv_loop_t* loop, std::string dir)
+    : loop_(loop), dir_(std::move(dir)), alive_(std::make_shared<bool>(true)) {}
+
+GuestDisks::~GuestDisks() { *alive_ = false; }
+
+void GuestDisks::overlay(std::vector<std::string> trees, std::string sandbox_dir, Done done) {
+  auto* w = new Work{};
+  w->req.data = w;
+  w->trees = std::move(trees);
+  w->dir = dir_;
+  w->sandbox_dir = std::move(sandbox_dir);
+  w->alive = alive_;
+  w->done = std::move(done);
+  int rc = uv_queue_work(
+      loop_, &w->req,
+      [](uv_work_t* r) {
+        auto* x = static_cast<Work*>(r->data);
+        x->result.emplace(make_overlay(x->trees, x->dir, x->sandbox_dir));
+      },
+      [](uv_work_t* r, int status) {
+        std::unique_ptr<Work> x(static_cast<Work*>(r->data));
+        if (!*x->alive) return;
+        if (status < 0 || !x->result) return x->done(fail(Error::kInternal, "disk job cancelled"));
+        x->done(std::move(*x->result));
+      });
+  if (rc < 0) {
+    std::unique_ptr<Work> owned(w);
+    owned->done(fail(Error::kInternal, std::string("uv_queue_work: ") + uv_strerror(rc)));
+  }
+}
+
+}  // namespace sg

@@ -1,0 +1,50 @@
+// Root disks for QEMU guests made from images (snapshot/image_store.h).
+//
+// Per image a base disk, <dir>/<key>.raw (key: the sha256 of the image's layer tree paths, which name the
+// layers' digests): ext4 made by `mkfs.ext4 -d` from the image's merged tree (its layer trees stacked by a
+// read-only overlayfs mount, or its one tree as it is), built once, read-only (0444) and shared by every
+// sandbox of the image, kept across node restarts. Per sandbox a qcow2 overlay on it,
+// <sandbox dir>/disk.qcow2 (`qemu-img create -f qcow2 -b BASE -F raw`), which takes everything the guest
+// writes: it stays with the sandbox through suspend, hibernate and node restarts, and goes with its dir.
+//
+// mount, mkfs and qemu-img block, so they run on libuv's thread pool; base builds are serialized (a second
+// sandbox of the same image waits, then finds the disk built).
+#pragma once
+
+#include <uv.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+
+namespace sg {
+
+// The base disk's size: the tree's bytes plus a quarter (ext4 metadata) plus this, the free space each
+// sandbox's filesystem starts with (its writes go to its overlay, which grows up to the same size).
+inline constexpr uint64_t kGuestDiskFreeBytes = 256ull << 20;
+
+class GuestDisks {
+ public:
+  using Done = std::function<void(Result<std::string>)>;  // the overlay's path
+
+  GuestDisks(uv_loop_t* loop, std::string dir);
+  // A build in flight finishes on its pool thread; its completion is dropped.
+  ~GuestDisks();
+  GuestDisks(const GuestDisks&) = delete;
+  GuestDisks& operator=(const GuestDisks&) = delete;
+
+  // `trees`: the image's layer trees, bottom first. Makes <sandbox_dir>/disk.qcow2 on the image's base disk
+  // (built first if missing) unless it exists already. `done` runs on the loop, after this returns (at once
+  // only if the loop refuses the work, which it does only while closing).
+  void overlay(std::vector<std::string> trees, std::string sandbox_dir, Done done);
+
+ private:
+  uv_loop_t* loop_;
+  std::string dir_;
+  std::shared_ptr<bool> alive_;
+};
+
+}  // namespace sg
