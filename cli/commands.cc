@@ -184,6 +184,8 @@ Result<json> create_request_body(const CreateOptions& opts) {
                   "--driver " + *opts.driver + ": must be one of process, qemu, firecracker, cloud-hypervisor");
     body["driver"] = *opts.driver;
   }
+  if (opts.image) body["image"] = *opts.image;
+  if (opts.pids_max) body["pids_max"] = *opts.pids_max;
   if (opts.cpus) body["cpus"] = *opts.cpus;
   if (opts.memory_mb) body["memory_mb"] = *opts.memory_mb;
   if (opts.ephemeral) body["ephemeral"] = true;

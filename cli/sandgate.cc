@@ -184,8 +184,8 @@ int main(int argc, char** argv) {
 
   sg::cli::CreateOptions create_opts;
   std::string name, cwd;
-  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0;
-  std::string driver;
+  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0, pids_max = 0;
+  std::string driver, image;
   double cpus = 0;
   CLI::App* create = app.add_subcommand("create", "Create and start a sandbox running CMD");
   auto* name_opt = create->add_option("--name", name, "unique name (used in URLs); default: unnamed");
@@ -196,6 +196,7 @@ int main(int argc, char** argv) {
       "seconds suspended in memory before it is hibernated to disk (0 = never; drivers that can hibernate)");
   auto* driver_opt =
       create->add_option("--driver", driver, "process, qemu, firecracker or cloud-hypervisor (default: the node's)");
+  auto* image_opt = create->add_option("--image", image, "image of the root filesystem (default: the node's)");
   // One port per --expose: a greedy vector option would swallow the command when `--` is forgotten.
   create->add_option("--expose", create_opts.expose,
                      "PORT[/PROTO]: reachable at https://PORT-NAME.DOMAIN with the sandbox token; PROTO is http1 "
@@ -205,6 +206,7 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   auto* cpus_opt = create->add_option("--cpus", cpus, "CPU limit, in CPUs (e.g. 0.5)");
   auto* memory_opt = create->add_option("--memory-mb", memory_mb, "memory limit in MiB");
+  auto* pids_opt = create->add_option("--pids-max", pids_max, "most processes and threads at once (default: the node's)");
   create->add_option("--env", create_opts.env, "environment variable KEY=VALUE (repeatable)")
       ->allow_extra_args(false);
   auto* cwd_opt = create->add_option("--cwd", cwd, "working directory of CMD");
@@ -357,6 +359,8 @@ int main(int argc, char** argv) {
     if (timeout_opt->count() > 0) create_opts.timeout_secs = timeout_secs;
     if (hibernate_opt->count() > 0) create_opts.hibernate_after_secs = hibernate_after_secs;
     if (driver_opt->count() > 0) create_opts.driver = driver;
+    if (image_opt->count() > 0) create_opts.image = image;
+    if (pids_opt->count() > 0) create_opts.pids_max = pids_max;
     if (cpus_opt->count() > 0) create_opts.cpus = cpus;
     if (memory_opt->count() > 0) create_opts.memory_mb = memory_mb;
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;

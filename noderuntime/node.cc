@@ -286,7 +286,45 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   int64_t memory = req.memory_mb.value_or(spec.memory_mb);
   if (memory < kMinMemoryMb || memory > kMaxMemoryMb) return invalid("memory_mb: must be between 16 and 1048576");
   spec.memory_mb = static_cast<uint32_t>(memory);
+  int64_t pids = req.pids_max.value_or(cfg->node.default_pids_max);
+  if (pids < kMinPidsMax || pids > kMaxPidsMax)
+    return invalid("pids_max: must be between " + std::to_string(kMinPidsMax) + " and " + std::to_string(kMaxPidsMax));
+  spec.pids_max = static_cast<uint32_t>(pids);
+  spec.image = req.image.value_or(cfg->node.default_image);
+  if (spec.image.empty() || has_nul(spec.image)) return invalid("image: must be a non-empty image name");
+  if (images_ != nullptr) {
+    auto image = images_->get(spec.image);
+    if (!image) {
+      if (image.error() != Error::kNotFound) return image.failure();
+      std::string msg = "image: no image '" + spec.image + "' on this node";
+      if (!req.image)
+        msg += " (node.default_image); build it with `sandgate image build " + spec.image +
+               " --packages python3` or import one with `sandgate image import FILE.tar " + spec.image + "`";
+      return fail(Error::kNotFound, msg);
+    }
+    // The image's config is the default; what the request sets wins.
+    for (const std::string& kv : image->config.env) {
+      size_t eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0) continue;
+      spec.env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+    if (!req.cwd && !image->config.working_dir.empty() && image->config.working_dir.front() == '/')
+      spec.cwd = image->config.working_dir;
+  }
   return spec;
+}
+
+Result<uint32_t> Node::allocate_uid_base() const {
+  auto cfg = config_->get();
+  std::set<uint32_t> used;
+  for (const auto& [id, sb] : sandboxes_) used.insert(sb->rec.spec.uid_base);
+  const uint64_t slots = ((uint64_t{1} << 32) - 1 - cfg->node.uid_range_base) / kUidRangeSize;
+  for (uint64_t slot = 0; slot < slots; ++slot) {
+    const auto base = static_cast<uint32_t>(cfg->node.uid_range_base + slot * kUidRangeSize);
+    if (used.count(base) == 0) return base;
+  }
+  return fail(Error::kLimitExceeded, "every uid range above node.uid_range_base is in use (" + std::to_string(slots) +
+                                         " sandboxes)");
 }
 
 void Node::create(const CreateRequest& request, SandboxCallback done) {
@@ -307,6 +345,9 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   } while (sandboxes_.count(spec->id) != 0);
   std::string token = generate_token();
   spec->token_sha256 = token_digest(token);
+  auto uid_base = allocate_uid_base();
+  if (!uid_base) return done(uid_base.failure());
+  spec->uid_base = *uid_base;
 
   std::error_code ec;
   std::string parent = cfg->node.state_dir + "/sandboxes";

@@ -361,6 +361,8 @@ TEST_F(ApiServerTest, MalformedBodiesAreExplained) {
       {R"({"command":["ls"],"timeout_secs":1.5})", "timeout_secs: must be an integer"},
       {R"({"command":["ls"],"timeout_secs":"300"})", "timeout_secs: must be an integer"},
       {R"({"command":["ls"],"memory_mb":-1})", "memory_mb"},
+      {R"({"command":["ls"],"pids_max":"64"})", "pids_max: must be an integer"},
+      {R"({"command":["ls"],"image":7})", "image: must be a string"},
       {R"({"command":["ls"],"cpus":"1"})", "cpus: must be a number"},
       {R"({"command":["ls"],"ephemeral":"yes"})", "ephemeral: must be true or false"},
       {R"({"command":["ls"],"name":"Bad"})", "lowercase"},
