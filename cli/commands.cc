@@ -318,6 +318,9 @@ std::string error_message(int status, std::string_view body, const ErrorContext&
   }
   if (error_code == "already_exists")
     return cause + ": choose another --name, or remove the existing sandbox first with `sandgate rm " + ref + "`";
+  // The only thing a create can name that may not exist is its image.
+  if (ctx.command == "create" && error_code == "not_found")
+    return cause + ": `sandgate image ls` lists the images on " + where;
   if (error_code == "not_found" && !ref.empty())
     return cause + ": `sandgate ls` lists the sandboxes on " + where + " (is that the node you meant?)";
   if (ctx.command == "create" && status >= 500)

@@ -239,6 +239,8 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   // thousand sandboxes above the base.
   r.integer("uid_range_base", &out->uid_range_base, 1u << 20, 0xC0000000u);
   r.integer("default_pids_max", &out->default_pids_max, kMinPidsMax, kMaxPidsMax);
+  // At least sandgate-init's relay chunk (64 KiB), so one chunk never overshoots the cap.
+  r.integer("log_max_bytes", &out->log_max_bytes, 64 * 1024, 1024 * 1024 * 1024);
   r.string("qemu_binary", &out->qemu_binary);
   r.string("qemu_accel", &out->qemu_accel);
   if (out->qemu_accel != "auto" && out->qemu_accel != "kvm" && out->qemu_accel != "tcg")

@@ -85,6 +85,9 @@ struct NodeConfig {
   uint32_t uid_range_base = 0x10000000;
   // pids.max of a sandbox whose create sets no pids_max: processes and threads it may have at once.
   uint32_t default_pids_max = 1024;
+  // A process sandbox's output.log on the host: past this many bytes it becomes output.log.1 (replacing the
+  // one before) and starts again empty, so one sandbox's output takes at most twice this on disk.
+  uint32_t log_max_bytes = 8 * 1024 * 1024;
   // QEMU driver (`--driver qemu`). The guest kernel and initramfs come from deploy/build-guest-image.sh.
   std::string qemu_binary = "qemu-system-x86_64";
   std::string qemu_accel = "auto";      // auto = tcg (no KVM probe: a nested /dev/kvm may not run guests) | kvm | tcg

@@ -268,6 +268,7 @@ class ProcessDriver final : public Driver {
       : loop_(loop),
         images_(images),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
+        log_max_bytes_(cfg.log_max_bytes),
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
@@ -375,6 +376,7 @@ class ProcessDriver final : public Driver {
   uv_loop_t* loop_;
   snapshot::ImageStore* images_;
   uint32_t suspend_timeout_ms_;
+  uint32_t log_max_bytes_;
   CgroupManager cgroups_;
   std::string init_path_;
   std::string agent_path_;  // empty: no agent found, sandboxes run without one
@@ -481,6 +483,8 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
                                    spec.cwd,
                                    "--log",
                                    sandbox_dir + "/output.log",
+                                   "--log-max",
+                                   std::to_string(log_max_bytes_),
                                    "--sandbox-dir",
                                    sandbox_dir,
                                    "--userns-fd",

@@ -1,6 +1,6 @@
 // sandgate-init: PID 1 inside a process sandbox's fresh PID, mount, network, UTS, IPC and cgroup namespaces.
 //
-//   sandgate-init --hostname NAME --cwd DIR --log FILE --sandbox-dir DIR --userns-fd FD --uid-base UID
+//   sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD --uid-base UID
 //                 --layer TREE [--layer TREE]... [--agent PATH --agent-listen ADDR:PORT] -- CMD ARGS...
 //
 // The node starts it as host root in namespaces owned by the initial user namespace, so the mounts below are
@@ -17,8 +17,8 @@
 //      cloned as detached mounts before the pivot, attached after it);
 //   5. setns into the user namespace and setresuid/setresgid 0 there (host uid UID);
 //   6. confinement (noderuntime/confinement.h): Docker's default capabilities, no_new_privs, seccomp.
-// It points stdio at the sandbox log (a host file, opened first), then runs CMD with the environment it was
-// given. As PID 1 it must forward signals (the kernel drops unhandled signals aimed at a namespace init) and
+// It opens the sandbox log (a host file, opened first; see Log below: capped at BYTES, one older generation
+// in FILE.1), then runs CMD with the environment it was given, its output relayed to the log. As PID 1 it must forward signals (the kernel drops unhandled signals aimed at a namespace init) and
 // reap orphans (they are reparented to it). It exits with CMD's status; the kernel then kills whatever else
 // is left in the namespace.
 //
@@ -39,7 +39,9 @@
 #include <sys/ioctl.h>
 #include <grp.h>
 #include <sched.h>
+#include <poll.h>
 #include <sys/mount.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -72,6 +74,7 @@ struct Options {
   const char* hostname = nullptr;
   const char* cwd = nullptr;
   const char* log = nullptr;
+  const char* log_max = nullptr;       // bytes output.log may reach before it is rotated to <log>.1
   const char* agent = nullptr;         // optional: sandgate-agent's path
   const char* agent_listen = nullptr;  // its --listen argument
   const char* sandbox_dir = nullptr;   // upper/, work/, lower/N and root/ live here
@@ -91,6 +94,7 @@ bool parse_options(int argc, char** argv, Options* out) {
     if (strcmp(argv[i], "--hostname") == 0) target = &out->hostname;
     if (strcmp(argv[i], "--cwd") == 0) target = &out->cwd;
     if (strcmp(argv[i], "--log") == 0) target = &out->log;
+    if (strcmp(argv[i], "--log-max") == 0) target = &out->log_max;
     if (strcmp(argv[i], "--agent") == 0) target = &out->agent;
     if (strcmp(argv[i], "--agent-listen") == 0) target = &out->agent_listen;
     if (strcmp(argv[i], "--sandbox-dir") == 0) target = &out->sandbox_dir;
@@ -103,7 +107,8 @@ bool parse_options(int argc, char** argv, Options* out) {
     if (target == nullptr) return false;
     *target = argv[++i];
   }
-  if (i + 1 >= argc || !out->hostname || !out->cwd || !out->log || !out->sandbox_dir || !out->userns_fd ||
+  if (i + 1 >= argc || !out->hostname || !out->cwd || !out->log || !out->log_max || !out->sandbox_dir ||
+      !out->userns_fd ||
       !out->uid_base || out->layer_count == 0)
     return false;
   if ((out->agent == nullptr) != (out->agent_listen == nullptr)) return false;
@@ -128,16 +133,82 @@ void bring_loopback_up() {
   close(fd);
 }
 
-void redirect_stdio(const char* log_path) {
+// The sandbox's output (command and agent, stdout and stderr) reaches the log through a pipe the init reads,
+// so the log on the host stays within --log-max bytes: when the next chunk would pass it, output.log is
+// copied to output.log.1 (one older generation) and starts again empty. Both files are opened before the
+// pivot (they are host files); the init itself writes its few lines straight to output.log.
+constexpr size_t kRelayChunk = 64 * 1024;  // also the smallest --log-max the node sends
+
+struct Log {
+  int fd = -1;        // output.log: O_APPEND, readable for the copy
+  int previous = -1;  // output.log.1
+  long long max = 0;
+  int pipe_read = -1;   // non-blocking
+  int pipe_write = -1;  // what the command and the agent get as stdout and stderr
+};
+
+Log open_log(const char* log_path, const char* max_text) {
+  Log log;
+  char* end = nullptr;
+  log.max = strtoll(max_text, &end, 10);
+  if (*end != '\0' || log.max < static_cast<long long>(kRelayChunk)) die("bad --log-max", max_text);
   int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (null_fd < 0) die("open", "/dev/null");
   // O_APPEND: the log survives restarts of the sandbox and concurrent writers never overwrite each other.
-  int log_fd = open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  if (log_fd < 0) die("open log", log_path);
-  if (dup2(null_fd, STDIN_FILENO) < 0 || dup2(log_fd, STDOUT_FILENO) < 0 || dup2(log_fd, STDERR_FILENO) < 0)
+  log.fd = open(log_path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  if (log.fd < 0) die("open log", log_path);
+  if (dup2(null_fd, STDIN_FILENO) < 0 || dup2(log.fd, STDOUT_FILENO) < 0 || dup2(log.fd, STDERR_FILENO) < 0)
     die("dup2 onto stdio for", log_path);
   close(null_fd);
-  close(log_fd);
+  char previous[4096];
+  if (snprintf(previous, sizeof previous, "%s.1", log_path) >= static_cast<int>(sizeof previous)) {
+    errno = ENAMETOOLONG;
+    die("open", log_path);
+  }
+  log.previous = open(previous, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (log.previous < 0) die("open", previous);
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) die("pipe2 for", "the sandbox's output");
+  log.pipe_read = fds[0];
+  log.pipe_write = fds[1];
+  if (fcntl(log.pipe_read, F_SETFL, O_NONBLOCK) != 0) die("fcntl O_NONBLOCK", "on the output pipe");
+  return log;
+}
+
+// output.log -> output.log.1, output.log empty. A failure keeps the current log growing rather than losing
+// output: the cap is then exceeded, which the message says.
+void rotate(const Log& log) {
+  if (ftruncate(log.previous, 0) != 0) {
+    fprintf(stderr, "sandgate-init: cannot truncate the previous log: %s\n", strerror(errno));
+    return;
+  }
+  loff_t in = 0, out = 0;
+  for (;;) {
+    ssize_t n = copy_file_range(log.fd, &in, log.previous, &out, 1 << 30, 0);
+    if (n == 0) break;
+    if (n < 0) {
+      fprintf(stderr, "sandgate-init: cannot rotate the log: %s\n", strerror(errno));
+      return;
+    }
+  }
+  if (ftruncate(log.fd, 0) != 0) fprintf(stderr, "sandgate-init: cannot truncate the log: %s\n", strerror(errno));
+}
+
+// Moves what the pipe holds to the log, one chunk per call (`drain`: until it is empty).
+void relay(const Log& log, bool drain) {
+  static char buf[kRelayChunk];
+  do {
+    ssize_t n = read(log.pipe_read, buf, sizeof buf);
+    if (n <= 0) return;  // EAGAIN: empty for now
+    struct stat st;
+    if (fstat(log.fd, &st) == 0 && st.st_size > 0 && st.st_size + n > log.max) rotate(log);
+    ssize_t written = 0;
+    while (written < n) {
+      ssize_t w = write(log.fd, buf + written, static_cast<size_t>(n - written));
+      if (w <= 0) return;  // a full disk: the output is dropped rather than blocking the sandbox
+      written += w;
+    }
+  } while (drain);
 }
 
 // The per-netns sysctl that lets an unprivileged user bind ports below 1024. The network namespace belongs
@@ -376,6 +447,7 @@ struct Agent {
   long started_ms = 0;
   long backoff_ms = kAgentBackoffMinMs;
   long restart_at_ms = -1;  // when the next start is due; -1 = none pending
+  int output = -1;          // its stdout and stderr: the log pipe
 };
 
 void start_agent(Agent* agent, const sigset_t* original_mask) {
@@ -389,6 +461,7 @@ void start_agent(Agent* agent, const sigset_t* original_mask) {
   }
   if (pid == 0) {
     sigprocmask(SIG_SETMASK, original_mask, nullptr);
+    if (dup2(agent->output, STDOUT_FILENO) < 0 || dup2(agent->output, STDERR_FILENO) < 0) _exit(kExitSetupFailed);
     char* const args[] = {const_cast<char*>(agent->path), const_cast<char*>("--listen"),
                           const_cast<char*>(agent->listen), nullptr};
     execv(agent->path, args);
@@ -415,12 +488,12 @@ int main(int argc, char** argv) {
   Options opts;
   if (!parse_options(argc, argv, &opts)) {
     fprintf(stderr,
-            "usage: sandgate-init --hostname NAME --cwd DIR --log FILE --sandbox-dir DIR --userns-fd FD "
+            "usage: sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD "
             "--uid-base UID --layer TREE... [--agent PATH --agent-listen ADDR:PORT] -- CMD [ARGS...]\n");
     return kExitUsage;
   }
   // The log comes first so that every later setup error lands where the sandbox's owner will look.
-  redirect_stdio(opts.log);
+  const Log log = open_log(opts.log, opts.log_max);
   set_up_namespaces(opts);
   if (chdir(opts.cwd) != 0) die("chdir", opts.cwd);
   // From here on the init itself is confined, and so is everything it starts.
@@ -429,7 +502,7 @@ int main(int argc, char** argv) {
     return kExitSetupFailed;
   }
 
-  // Blocked signals are queued for PID 1 instead of dropped, and sigwaitinfo() then handles them one at a
+  // Blocked signals are queued for PID 1 instead of dropped, and the signalfd then hands them over one at a
   // time without async-signal-safety concerns. Blocking before fork() also means no SIGCHLD can be missed.
   sigset_t handled;
   sigemptyset(&handled);
@@ -437,11 +510,14 @@ int main(int argc, char** argv) {
   for (int sig : kForwardedSignals) sigaddset(&handled, sig);
   sigset_t original_mask;
   if (sigprocmask(SIG_BLOCK, &handled, &original_mask) != 0) die("sigprocmask", nullptr);
+  const int signals = signalfd(-1, &handled, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (signals < 0) die("signalfd", nullptr);
 
   pid_t command_pid = fork();
   if (command_pid < 0) die("fork", nullptr);
   if (command_pid == 0) {
     sigprocmask(SIG_SETMASK, &original_mask, nullptr);
+    if (dup2(log.pipe_write, STDOUT_FILENO) < 0 || dup2(log.pipe_write, STDERR_FILENO) < 0) _exit(kExitSetupFailed);
     execvp(opts.command[0], opts.command);
     fprintf(stderr, "sandgate-init: cannot execute %s: %s\n", opts.command[0], strerror(errno));
     _exit(kExitExecFailed);
@@ -450,33 +526,39 @@ int main(int argc, char** argv) {
   Agent agent;
   agent.path = opts.agent != nullptr ? kAgentInSandbox : nullptr;
   agent.listen = opts.agent_listen;
+  agent.output = log.pipe_write;
   if (agent.path != nullptr) start_agent(&agent, &original_mask);
 
   for (;;) {
-    siginfo_t info;
-    int sig;
+    int timeout_ms = -1;
     if (agent.restart_at_ms >= 0) {
       long wait_ms = agent.restart_at_ms - now_ms();
       if (wait_ms <= 0) {
         start_agent(&agent, &original_mask);
         continue;
       }
-      struct timespec timeout = {wait_ms / 1000, (wait_ms % 1000) * 1'000'000};
-      sig = sigtimedwait(&handled, &info, &timeout);
-    } else {
-      sig = sigwaitinfo(&handled, &info);
+      timeout_ms = static_cast<int>(wait_ms);
     }
-    if (sig < 0) continue;  // the restart is due (EAGAIN), or EINTR from a signal outside the set (SIGSTOP...)
-    if (sig != SIGCHLD) {
-      kill(command_pid, sig);
-      continue;
-    }
-    // SIGCHLD coalesces: one delivery may stand for many exits, so reap until nothing is left.
-    int status = 0;
-    pid_t pid;
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-      if (pid == command_pid) return exit_code_of(status);
-      if (pid == agent.pid) agent_exited(&agent, status);
+    struct pollfd fds[2] = {{signals, POLLIN, 0}, {log.pipe_read, POLLIN, 0}};
+    if (poll(fds, 2, timeout_ms) <= 0) continue;  // the restart is due, or EINTR
+    if (fds[1].revents != 0) relay(log, false);
+    struct signalfd_siginfo info;
+    while (read(signals, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+      const int sig = static_cast<int>(info.ssi_signo);
+      if (sig != SIGCHLD) {
+        kill(command_pid, sig);
+        continue;
+      }
+      // SIGCHLD coalesces: one delivery may stand for many exits, so reap until nothing is left.
+      int status = 0;
+      pid_t pid;
+      while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        if (pid == command_pid) {
+          relay(log, true);  // what the command wrote last
+          return exit_code_of(status);
+        }
+        if (pid == agent.pid) agent_exited(&agent, status);
+      }
     }
   }
 }

@@ -231,6 +231,7 @@ TEST(Boundary, CreateWithAMissingImageIsA404NamingIt) {
   auto r = c.cli("create --image no-such-image -- /bin/true");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE((r.out + r.err).find("no image 'no-such-image'"), std::string::npos) << r.out << r.err;
+  EXPECT_NE((r.out + r.err).find("`sandgate image ls` lists the images"), std::string::npos) << r.out << r.err;
   auto raw = c.api_raw("POST", "/v1/sandboxes", R"({"command": ["/bin/true"], "image": "no-such-image"})");
   EXPECT_EQ(Cluster::http_code(raw), 404) << raw.out;
 }

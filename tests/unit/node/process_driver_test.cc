@@ -479,6 +479,27 @@ TEST_F(ProcessDriverTest, InitReapsOrphans) {
   EXPECT_EQ(zombie_children_of_init(), 0);
 }
 
+// The log on the host is capped: past node.log_max_bytes, output.log becomes output.log.1 and starts again.
+TEST_F(ProcessDriverTest, OutputLogIsCappedAndRotated) {
+  cfg_.log_max_bytes = 64 * 1024;
+  auto driver = make_process_driver(&loop_, cfg_, images_.get());
+  ASSERT_TRUE(driver.ok()) << driver.message();
+  driver_ = std::move(*driver);
+  // 300 lines of 1000 bytes (~300 KiB, several times the cap), then a marker.
+  SandboxSpec spec = make_spec({"sh", "-c",
+                                "i=0; while [ $i -lt 300 ]; do printf '%0999d\\n' $i; i=$((i+1)); done; "
+                                "echo last-line; exec sleep 1000"});
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("last-line") != std::string::npos; }, 20s));
+  struct stat current {}, previous {};
+  ASSERT_EQ(::stat((sandbox_dir(spec) + "/output.log").c_str(), &current), 0);
+  ASSERT_EQ(::stat((sandbox_dir(spec) + "/output.log.1").c_str(), &previous), 0);
+  EXPECT_LE(current.st_size, 64 * 1024);
+  EXPECT_LE(previous.st_size, 64 * 1024);
+  EXPECT_GT(previous.st_size, 0);
+}
+
 TEST_F(ProcessDriverTest, HostnameDefaultsToTheId) {
   SandboxSpec spec = make_spec({"sh", "-c", "echo host=$(hostname); exec sleep 1000"});
   auto info = start(spec);
