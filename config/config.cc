@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 
@@ -13,6 +14,7 @@
 #include <toml++/toml.h>
 
 #include "common/accounts.h"
+#include "common/egress_rule.h"
 
 namespace sg {
 namespace {
@@ -93,6 +95,30 @@ class TableReader {
       } else {
         out->push_back(*ep);
       }
+    }
+  }
+
+  // A string or an array of strings, each checked by `check` (its failure message is the error).
+  void strings(std::string_view key, std::vector<std::string>* out,
+               const std::function<Status(const std::string&)>& check) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    std::vector<std::pair<const toml::node*, std::string>> items;
+    if (auto s = n->value<std::string>()) {
+      items.emplace_back(n, *s);
+    } else if (const toml::array* arr = n->as_array()) {
+      for (const toml::node& item : *arr) {
+        auto s2 = item.value<std::string>();
+        if (!s2) return error(item, full(key), "must be a string or an array of strings");
+        items.emplace_back(&item, *s2);
+      }
+    } else {
+      return error(*n, full(key), "must be a string or an array of strings");
+    }
+    out->clear();
+    for (auto& [node, text] : items) {
+      if (Status st = check(text); !st) error(*node, full(key), st.message());
+      else out->push_back(text);
     }
   }
 
@@ -241,6 +267,21 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.integer("default_pids_max", &out->default_pids_max, kMinPidsMax, kMaxPidsMax);
   // At least sandgate-init's relay chunk (64 KiB), so one chunk never overshoots the cap.
   r.integer("log_max_bytes", &out->log_max_bytes, 64 * 1024, 1024 * 1024 * 1024);
+  r.boolean("default_allow_internet_access", &out->default_allow_internet_access);
+  r.string("egress_bridge", &out->egress_bridge);
+  if (out->egress_bridge.empty() || out->egress_bridge.size() > 8)
+    r.error(t.get("egress_bridge") ? *t.get("egress_bridge") : static_cast<const toml::node&>(t), "node.egress_bridge",
+            "must be 1-8 characters (its ports add a suffix to it)");
+  r.string("egress_subnet", &out->egress_subnet);
+  if (auto subnet = parse_egress_rule(out->egress_subnet);
+      !subnet || subnet->port != 0 || subnet->prefix < 8 || subnet->prefix > 28)
+    r.error(t.get("egress_subnet") ? *t.get("egress_subnet") : static_cast<const toml::node&>(t), "node.egress_subnet",
+            subnet ? "must be an IPv4 network with a prefix of 8-28 and no port" : subnet.message());
+  r.strings("deny_out", &out->deny_out, [](const std::string& text) -> Status {
+    auto rule = parse_egress_rule(text);
+    if (!rule) return rule.failure();
+    return {};
+  });
   r.string("qemu_binary", &out->qemu_binary);
   r.string("qemu_accel", &out->qemu_accel);
   if (out->qemu_accel != "auto" && out->qemu_accel != "kvm" && out->qemu_accel != "tcg")

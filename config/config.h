@@ -88,6 +88,13 @@ struct NodeConfig {
   // A process sandbox's output.log on the host: past this many bytes it becomes output.log.1 (replacing the
   // one before) and starts again empty, so one sandbox's output takes at most twice this on disk.
   uint32_t log_max_bytes = 8 * 1024 * 1024;
+  // Egress (noderuntime/egress.h, docs/egress.md): what a create without "allow_internet_access" gets, the
+  // bridge and subnet sandboxes with internet access are attached to, and "CIDR[:PORT]" entries every such
+  // sandbox is denied on top of its own deny_out (link-local, the metadata range, always is).
+  bool default_allow_internet_access = false;
+  std::string egress_bridge = "sgbr0";
+  std::string egress_subnet = "10.200.0.0/16";
+  std::vector<std::string> deny_out;
   // QEMU driver (`--driver qemu`). The guest kernel and initramfs come from deploy/build-guest-image.sh.
   std::string qemu_binary = "qemu-system-x86_64";
   std::string qemu_accel = "auto";      // auto = tcg (no KVM probe: a nested /dev/kvm may not run guests) | kvm | tcg

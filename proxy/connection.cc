@@ -14,6 +14,7 @@
 #include "proxy/h2_filter.h"
 #include "proxy/h2_head.h"
 #include "proxy/http1_filter.h"
+#include "proxy/http1_response_tracker.h"
 #include "proxy/ktls.h"
 #include "proxy/worker.h"
 
@@ -162,8 +163,11 @@ class Connection::ForwardPhase final : public Phase {
   H2Verdict check_h2_request(H2Request& r);
   // The client's input must go through the HTTP/1.1 or h2 filter (not be spliced past it).
   bool requests_are_read() const {
-    return h2_filter_ || (h1_filter_ && h1_filter_->state() == Http1RequestFilter::State::kRequests);
+    return h2_filter_ || (h1_filter_ && (h1_filter_->state() == Http1RequestFilter::State::kRequests ||
+                                         h1_filter_->state() == Http1RequestFilter::State::kAwaitingSwitch));
   }
+  // The sandbox's bytes, watched by responses_ (an Upgrade's answer releases what the filter held).
+  void observe_responses(std::string_view bytes);
   // Each side that finished sending is told so once its bytes are delivered; false when closed.
   bool handle_half_close();
   // The request on an HTTP route has had no byte back from the sandbox yet (so a 502 can still answer it).
@@ -175,6 +179,10 @@ class Connection::ForwardPhase final : public Phase {
   Direction c2u_;  // client -> sandbox
   Direction u2c_;  // sandbox -> client
   std::unique_ptr<Http1RequestFilter> h1_filter_;
+  // HTTP/1.1 on a copied sandbox -> client direction: where the sandbox's answers end (for a refused request
+  // after forwarded ones, and for an Upgrade the sandbox may refuse). Not on a direction that splices into
+  // kTLS: there the stream passes unseen, and a refusal waits for the sandbox to close.
+  std::unique_ptr<Http1ResponseTracker> responses_;
   std::unique_ptr<H2ClientFilter> h2_filter_;
   std::unique_ptr<H2ServerFrames> h2_frames_;  // h2: the sandbox's frames, with the proxy's answers inserted
   ConsumedCredentials consumed_;
@@ -183,6 +191,16 @@ class Connection::ForwardPhase final : public Phase {
   // answered once the sandbox has answered (and closed) the requests before it.
   std::optional<RequestRefusal> pending_refusal_;
   bool client_closed_first_ = false;
+  // h2: the client broke the connection in a later request (an HPACK failure, an oversized block). Its
+  // GOAWAY is queued between the sandbox's frames; once it is out nothing more is read from either side,
+  // and the connection ends with this cause when what is buffered has been delivered.
+  struct ConnectionError {
+    TerminationCause cause;
+    std::string detail;
+  };
+  std::optional<ConnectionError> goaway_;
+  // The GOAWAY has left the frame queue: stop reading the sandbox (false when closed).
+  bool stop_after_goaway();
 };
 
 // The proxy's own answer going out; a client that does not read it is bounded by the deadline.
@@ -537,6 +555,7 @@ void Connection::HeadPhase::read() {
 void Connection::on_request(std::string_view host, std::string_view method, std::string_view target,
                             std::span<const HttpHeader> headers) {
   rec_.host = std::string(host);
+  answering_head_ = method == "HEAD";
   if (host.empty()) return respond(400, "missing Host header\n", TerminationCause::kBadRequest);
   // The connection is bound to what its first request names; a Host that contradicts the TLS server name
   // would let one certificate's connection reach another name's sandbox.
@@ -864,6 +883,7 @@ void Connection::ForwardPhase::count(uint64_t& record, uint64_t& traffic, size_t
 Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
   return {
       .received = [this](size_t n) { count(c_.rec_.bytes_in, c_.traffic_->bytes_in, n); },
+      .observe = nullptr,  // the request filter is this direction's stage
       .source_finished =
           [this] {
             if (!u2c_.source_done()) client_closed_first_ = true;
@@ -884,6 +904,10 @@ Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
 Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
   return {
       .received = [this](size_t n) { count(c_.rec_.bytes_out, c_.traffic_->bytes_out, n); },
+      .observe =
+          [this](std::string_view bytes) {
+            if (responses_) observe_responses(bytes);
+          },
       .source_finished =
           [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
       .source_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
@@ -915,8 +939,9 @@ void Connection::ForwardPhase::start_request_filters() {
     h2_frames_ = std::make_unique<H2ServerFrames>();
     u2c_.set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
   } else {
-    h1_filter_ =
-        std::make_unique<Http1RequestFilter>(max_head, [this](Http1Request& r) { return check_http1_request(r); });
+    if (!c_.client_->can_splice_out()) responses_ = std::make_unique<Http1ResponseTracker>();
+    h1_filter_ = std::make_unique<Http1RequestFilter>(
+        max_head, [this](Http1Request& r) { return check_http1_request(r); }, /*await_switch=*/responses_ != nullptr);
   }
   c2u_.set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
 }
@@ -928,10 +953,18 @@ Http1Verdict Connection::ForwardPhase::check_http1_request(Http1Request& r) {
           c_.later_request_refusal(host ? std::string_view(*host) : c_.rec_.host, r.method, r.target, r.headers)) {
     Http1Verdict verdict{refusal->status, refusal->message};
     pending_refusal_ = std::move(refusal);
+    c_.answering_head_ = r.method == "HEAD";
     return verdict;
   }
   strip_credentials(r.target, r.headers, consumed_);
+  if (responses_) responses_->expect(r.method, r.upgrade);
   return {};
+}
+
+void Connection::ForwardPhase::observe_responses(std::string_view bytes) {
+  responses_->observe(bytes);
+  if (h1_filter_->state() != Http1RequestFilter::State::kAwaitingSwitch) return;
+  if (auto switched = responses_->take_upgrade_outcome()) h1_filter_->resolve_upgrade(*switched);
 }
 
 H2Verdict Connection::ForwardPhase::check_h2_request(H2Request& r) {
@@ -944,10 +977,17 @@ H2Verdict Connection::ForwardPhase::check_h2_request(H2Request& r) {
 }
 
 bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::string& out) {
-  if (in.empty()) return true;
+  if (in.empty() && !(h1_filter_ && h1_filter_->has_released())) return true;
   if (h1_filter_) {
     const bool was_reading = h1_filter_->state() == Http1RequestFilter::State::kRequests;
-    const auto state = h1_filter_->feed(in, out);
+    auto state = h1_filter_->feed(in, out);
+    // The sandbox may have answered the Upgrade before the filter saw its end (a request with a body).
+    if (state == Http1RequestFilter::State::kAwaitingSwitch && responses_) {
+      if (auto switched = responses_->take_upgrade_outcome()) {
+        h1_filter_->resolve_upgrade(*switched);
+        state = h1_filter_->feed({}, out);
+      }
+    }
     if (was_reading && state == Http1RequestFilter::State::kRefused) {
       if (!pending_refusal_) {  // malformed or oversized, found by the filter itself
         const auto& r = h1_filter_->refusal();
@@ -955,18 +995,30 @@ bool Connection::ForwardPhase::filter_client_bytes(std::string_view in, std::str
                                                                     : TerminationCause::kBadRequest,
                                           r.reason + "\n"};
       }
-      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one,
-      // answers them, closes, and then the refusal is answered (handle_half_close).
+      // Nothing more is read or forwarded: the sandbox gets a FIN after the requests before the refused one
+      // and answers them; the refusal is answered once those answers are through (responses_ knows where
+      // they end) or the sandbox closes (handle_half_close).
       c2u_.stop_reading();
     }
     return true;
   }
   to_client_frames_.clear();
+  if (goaway_) return true;  // the filter failed for good: what the client sends after it is dropped
   Status st = h2_filter_->feed(in, out, to_client_frames_);
   if (!st) {
-    c_.close(st.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
-             "HTTP/2 from the client: " + st.message());
-    return false;
+    const bool too_large = st.error() == Error::kLimitExceeded;
+    const std::string detail = "HTTP/2 from the client: " + st.message();
+    // RFC 9113 §5.4.1: a connection error is answered with GOAWAY, whose last stream id lets the client
+    // know which of its earlier requests the sandbox may still have processed.
+    if (!h2_frames_->inject(
+            h2_goaway_frame(h2_filter_->last_forwarded_stream(), h2_filter_->goaway_code(), st.message()))) {
+      c_.close(too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest, detail);
+      return false;
+    }
+    goaway_ = ConnectionError{too_large ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest, detail};
+    c2u_.stop_reading();
+    c_.rec_.detail = detail;
+    return u2c_.run_stage() && stop_after_goaway();
   }
   if (to_client_frames_.empty()) return true;
   if (Status queued = h2_frames_->inject(to_client_frames_); !queued) {
@@ -983,6 +1035,12 @@ bool Connection::ForwardPhase::frame_upstream_bytes(std::string_view in, std::st
     return false;
   }
   if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
+  return !goaway_ || stop_after_goaway();
+}
+
+bool Connection::ForwardPhase::stop_after_goaway() {
+  // Still queued: the sandbox is inside a frame, and the GOAWAY goes out at its end.
+  if (!h2_frames_->has_queued()) u2c_.stop_reading();
   return true;
 }
 
@@ -1027,7 +1085,9 @@ void Connection::ForwardPhase::pump() {
 // close_notify (then FIN) to the client. The connection ends when both directions are done.
 bool Connection::ForwardPhase::handle_half_close() {
   c2u_.shut_sink_when_done();
-  if (u2c_.source_done() && u2c_.pending() == 0 && pending_refusal_) {
+  // Known answered: the sandbox closed, or (watching its answers) it answered every request it was given.
+  const bool answered = u2c_.source_done() || (responses_ && responses_->idle());
+  if (answered && u2c_.pending() == 0 && pending_refusal_) {
     // The sandbox answered the requests before the refused one: now the refusal, then the connection ends.
     RequestRefusal refusal = std::move(*pending_refusal_);
     pending_refusal_.reset();
@@ -1037,7 +1097,8 @@ bool Connection::ForwardPhase::handle_half_close() {
   }
   u2c_.shut_sink_when_done();
   if (c2u_.sink_shut() && u2c_.sink_shut()) {
-    c_.close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
+    if (goaway_) c_.close(goaway_->cause, std::move(goaway_->detail));
+    else c_.close(client_closed_first_ ? TerminationCause::kClientClosed : TerminationCause::kUpstreamClosed);
     return false;
   }
   return true;
@@ -1066,6 +1127,8 @@ void Connection::respond(int status, std::string_view body, TerminationCause cau
                          std::vector<HttpHeader> extra_headers) {
   rec_.status = status;
   static constexpr std::string_view kText = "text/plain; charset=utf-8";
+  // A response to HEAD has no content (RFC 9110 §9.3.2); content after it would be read as the next response.
+  if (answering_head_) body = {};
   Result<std::string> out = !h2_             ? http1_refusal(status, kText, body, extra_headers)
                             : h2_stream_ != 0 ? h2_refusal(h2_stream_, status, kText, body, extra_headers)
                                               // no request yet to answer on: end the connection

@@ -157,6 +157,7 @@ class Connection {
 
   // The first request: what every later phase goes by.
   bool h2_ = false;                        // ALPN h2: the first request arrives as an HTTP/2 HEADERS frame
+  bool answering_head_ = false;            // the request the edge answers itself is a HEAD: no content
   uint32_t h2_stream_ = 0;                 // that request's stream, which the proxy's own answers go to
   bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
   bool answers_request_ = false;           // an HTTP request (not CONNECT, not raw TCP) is being forwarded

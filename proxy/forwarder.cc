@@ -87,8 +87,10 @@ bool Direction::fill() {
   if (!source_ready_ && !source_->has_buffered_input()) return true;
   if (pipe_) return splice_from_source();
   buffer_.make_room();
+  const char* fresh = buffer_.write_ptr();
   IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
   buffer_.produced(r.bytes);
+  if (r.bytes > 0 && hooks_.observe) hooks_.observe(std::string_view(fresh, r.bytes));
   read_filled_ = r.status == IoResult::Status::kOk;
   return received(r);
 }

@@ -55,6 +55,8 @@ class Direction {
   // connection was closed (the direction must then not be touched).
   struct Hooks {
     std::function<void(size_t)> received;           // bytes taken from the source (counted, activity)
+    // Optional: the bytes themselves, when copied (a watcher of the stream; it must not change them).
+    std::function<void(std::string_view)> observe;
     std::function<bool()> source_finished;           // the source sent its last byte (EOF, close_notify)
     std::function<bool(IoResult)> source_failed;     // always false
     std::function<bool(IoResult)> sink_failed;       // always false

@@ -124,7 +124,13 @@ void H2ClientFilter::set_sandbox_header_table_size(uint32_t bytes) {
 Status H2ClientFilter::feed(std::string_view in, std::string& to_sandbox, std::string& to_client) {
   if (failed_) return *failed_;
   Status s = process(in, to_sandbox, to_client);
-  if (!s) failed_ = s.failure();
+  if (!s) {
+    failed_ = s.failure();
+    if (goaway_code_ == H2ErrorCode::kNoError)
+      goaway_code_ = s.error() == Error::kLimitExceeded ? H2ErrorCode::kEnhanceYourCalm
+                     : s.error() == Error::kInternal    ? H2ErrorCode::kInternalError
+                                                        : H2ErrorCode::kProtocolError;
+  }
   return s;
 }
 
@@ -267,7 +273,10 @@ Status H2ClientFilter::finish_block(std::string& to_sandbox, std::string& to_cli
     case BlockKind::kRequest: {
       // A malformed request is an error of its stream only (RFC 9113 §8.1.1): the stream is answered 400.
       auto decoded = decode_request(inflater_.get(), stream, block_, limits_.max_header_list_bytes);
-      if (!decoded) return decoded.failure();
+      if (!decoded) {
+        if (decoded.error() == Error::kInvalidArgument) goaway_code_ = H2ErrorCode::kCompressionError;
+        return decoded.failure();
+      }
       Result<H2Request>& request = *decoded;
       if (!request) {
         if (on_malformed_) on_malformed_(stream, request.message());
@@ -275,23 +284,34 @@ Status H2ClientFilter::finish_block(std::string& to_sandbox, std::string& to_cli
       }
       const H2Verdict verdict = on_request_(*request);
       if (verdict.refuse_status != 0) return refuse(stream, verdict.refuse_status, block_end_stream_, to_client);
+      last_forwarded_stream_ = std::max(last_forwarded_stream_, stream);
       return forward_block(stream, &*request, request->headers, block_end_stream_, to_sandbox);
     }
     case BlockKind::kTrailers: {
       std::vector<HttpHeader> fields;
+      bool bad_field = false;
       Status decoded = inflate_header_block(inflater_.get(), block_, limits_.max_header_list_bytes,
                                             [&](std::string_view name, std::string_view value) {
-                                              if (Status s = check_trailer_field(name, value); !s) return s;
+                                              if (Status s = check_trailer_field(name, value); !s) {
+                                                bad_field = true;
+                                                return s;
+                                              }
                                               fields.push_back({std::string(name), std::string(value)});
                                               return Status();
                                             });
-      if (!decoded) return decoded;
+      if (!decoded) {
+        if (decoded.error() == Error::kInvalidArgument && !bad_field) goaway_code_ = H2ErrorCode::kCompressionError;
+        return decoded;
+      }
       return forward_block(stream, nullptr, fields, /*end_stream=*/true, to_sandbox);
     }
-    case BlockKind::kRefusedTrailers:
+    case BlockKind::kRefusedTrailers: {
       // Decoded only so the inflater's dynamic table keeps following the client's encoder; then dropped.
-      return inflate_header_block(inflater_.get(), block_, limits_.max_header_list_bytes,
-                                  [](std::string_view, std::string_view) { return Status(); });
+      Status decoded = inflate_header_block(inflater_.get(), block_, limits_.max_header_list_bytes,
+                                            [](std::string_view, std::string_view) { return Status(); });
+      if (!decoded && decoded.error() == Error::kInvalidArgument) goaway_code_ = H2ErrorCode::kCompressionError;
+      return decoded;
+    }
   }
   return fail(Error::kInternal, "h2 filter: unknown header block kind");
 }

@@ -89,7 +89,7 @@ class H2ClientFilter {
   //     not one of them: its stream gets 400 (set_on_malformed).
   //   kLimitExceeded: a header block or a decoded header list over the limits.
   //   kInternal: out of memory, or the callback refused with a status outside 200..599.
-  // The caller then answers with h2_goaway(...) and closes.
+  // The caller then answers with h2_goaway(goaway_code(), ...) and closes.
   Status feed(std::string_view in, std::string& to_sandbox, std::string& to_client);
 
   // The sandbox announced SETTINGS_HEADER_TABLE_SIZE (H2ServerFrames::feed reports it): the client's HPACK
@@ -98,6 +98,12 @@ class H2ClientFilter {
   // for the larger one, and since the sandbox never decodes the client's HPACK, enforcing the smaller value
   // would only break such clients.
   void set_sandbox_header_table_size(uint32_t bytes);
+
+  // After feed() failed: the GOAWAY error code for it (COMPRESSION_ERROR for an HPACK failure, which leaves
+  // the connection's decoder unusable; ENHANCE_YOUR_CALM past a limit; PROTOCOL_ERROR otherwise).
+  H2ErrorCode goaway_code() const { return goaway_code_; }
+  // The highest stream whose request went to the sandbox (GOAWAY's last stream id), 0 before any.
+  uint32_t last_forwarded_stream() const { return last_forwarded_stream_; }
 
  private:
   enum class Payload : uint8_t { kForward, kDrop, kCollect };
@@ -119,6 +125,8 @@ class H2ClientFilter {
   h2::InflaterPtr inflater_;
   h2::DeflaterPtr deflater_;
   std::optional<Failure> failed_;   // sticky: the first error, returned by every later feed
+  H2ErrorCode goaway_code_ = H2ErrorCode::kNoError;  // set with failed_
+  uint32_t last_forwarded_stream_ = 0;
   size_t hpack_table_limit_;        // what the inflater accepts as the client's table size
 
   size_t preface_matched_ = 0;

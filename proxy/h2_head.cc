@@ -455,10 +455,15 @@ Result<std::string> h2_refusal(uint32_t stream_id, int status, std::string_view 
 std::string h2_goaway(H2ErrorCode code, std::string_view debug) {
   std::string out;
   append_frame(out, kSettings, 0, 0, {});
+  return out + h2_goaway_frame(0, code, debug);
+}
+
+std::string h2_goaway_frame(uint32_t last_stream_id, H2ErrorCode code, std::string_view debug) {
   std::string goaway;
-  append_u32(goaway, 0);
+  append_u32(goaway, last_stream_id);
   append_u32(goaway, static_cast<uint32_t>(code));
   goaway.append(debug.substr(0, kMaxGoawayDebugBytes));
+  std::string out;
   append_frame(out, kGoaway, 0, 0, goaway);
   return out;
 }

@@ -125,6 +125,9 @@ Result<std::string> h2_refusal(uint32_t stream_id, int status, std::string_view 
 // then GOAWAY(last_stream_id = 0, `code`) with `debug` (cut to 1 KiB) as debug data, which clients such as
 // curl and nghttp show to the user.
 std::string h2_goaway(H2ErrorCode code, std::string_view debug);
+// GOAWAY alone, for a connection whose server preface the peer already has: `last_stream_id` is the highest
+// client stream the server may have acted on (the client may retry the ones above it).
+std::string h2_goaway_frame(uint32_t last_stream_id, H2ErrorCode code, std::string_view debug);
 
 // Building blocks shared by H2RequestScanner and H2ClientFilter / H2ServerFrames (h2_filter.h). Not meant for
 // other callers: they encode RFC 9113 / RFC 7541 details, not proxy policy.

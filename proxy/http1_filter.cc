@@ -67,12 +67,32 @@ struct Http1RequestFilter::Parser {
   }
 };
 
-Http1RequestFilter::Http1RequestFilter(size_t max_head_bytes, OnRequest on_request)
-    : parser_(std::make_unique<Parser>()), on_request_(std::move(on_request)), max_head_bytes_(max_head_bytes) {}
+Http1RequestFilter::Http1RequestFilter(size_t max_head_bytes, OnRequest on_request, bool await_switch)
+    : parser_(std::make_unique<Parser>()),
+      on_request_(std::move(on_request)),
+      max_head_bytes_(max_head_bytes),
+      await_switch_(await_switch) {}
+
+void Http1RequestFilter::resolve_upgrade(bool switched) {
+  if (state_ != State::kAwaitingSwitch) return;
+  if (switched) {
+    state_ = State::kTunnel;
+    return;
+  }
+  // The sandbox stayed with HTTP/1.1: a fresh parser reads the held bytes as the next requests.
+  parser_ = std::make_unique<Parser>();
+  state_ = State::kRequests;
+}
 
 Http1RequestFilter::~Http1RequestFilter() = default;
 
 namespace {
+
+// The request announced a body (a CONNECT never has one that llhttp would read).
+bool has_body(const llhttp_t& p) {
+  if (p.method == HTTP_CONNECT) return false;
+  return (p.flags & F_CHUNKED) || ((p.flags & F_CONTENT_LENGTH) && p.content_length > 0);
+}
 
 size_t count_fields(const Http1Request& r, std::string_view name) {
   return static_cast<size_t>(std::count_if(r.headers.begin(), r.headers.end(), [&](const HttpHeader& h) {
@@ -89,6 +109,24 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
     refusal_ = {status, std::move(reason)};
     return state_;
   };
+  if (state_ == State::kAwaitingSwitch) {
+    if (held_.size() + in.size() > kMaxHeldBytes)
+      return refuse(400, "more than " + std::to_string(kMaxHeldBytes) +
+                             " bytes sent after an Upgrade request before the sandbox answered it");
+    held_.append(in);
+    return state_;
+  }
+  if (!held_.empty()) {
+    // Released by resolve_upgrade: those bytes came first.
+    std::string released = std::move(held_);
+    held_.clear();
+    released.append(in);
+    if (state_ == State::kTunnel) {
+      out.append(released);
+      return state_;
+    }
+    return feed(released, out);  // kRequests; held_ is empty now, so this does not come back here
+  }
   while (!in.empty() && state_ == State::kRequests) {
     // Only as much as can still be head goes to llhttp while in a head, so an endless head is cut off at
     // the limit rather than buffered.
@@ -114,10 +152,16 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
       const size_t hosts = count_fields(p.request, "host");
       if (hosts > 1 || (hosts == 0 && p.request.http_minor >= 1))
         return refuse(400, hosts > 1 ? "more than one Host header" : "missing Host header");
+      p.request.upgrade = p.upgrade;
       Http1Verdict verdict = on_request_(p.request);
       if (verdict.refuse_status != 0) return refuse(verdict.refuse_status, std::move(verdict.reason));
       out += serialize_request_head(p.request);
       ++forwarded_;
+      if (p.upgrade && !has_body(p.parser)) {
+        // What follows is the new protocol's or the next request: it waits for the sandbox's answer.
+        state_ = await_switch_ ? State::kAwaitingSwitch : State::kTunnel;
+        break;
+      }
       continue;
     }
     // Body bytes, chunk framing included, go as they came.
@@ -125,7 +169,7 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
     in.remove_prefix(used);
     if (err == HPE_PAUSED_UPGRADE || (err == HPE_PAUSED && p.upgrade)) {
       if (err == HPE_PAUSED) llhttp_resume_after_upgrade(&p.parser);
-      state_ = State::kTunnel;
+      state_ = await_switch_ ? State::kAwaitingSwitch : State::kTunnel;
       break;
     }
     if (err == HPE_PAUSED) {  // the message is complete: a new head follows
@@ -134,6 +178,12 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
     }
   }
   if (state_ == State::kTunnel) out.append(in.data(), in.size());
+  if (state_ == State::kAwaitingSwitch) {
+    if (in.size() > kMaxHeldBytes)
+      return refuse(400, "more than " + std::to_string(kMaxHeldBytes) +
+                             " bytes sent after an Upgrade request before the sandbox answered it");
+    held_.append(in.data(), in.size());
+  }
   return state_;
 }
 

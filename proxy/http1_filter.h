@@ -24,6 +24,7 @@ struct Http1Request {
   int http_major = 1;
   int http_minor = 1;
   std::vector<HttpHeader> headers;  // names as sent, in order
+  bool upgrade = false;             // asks to switch protocols (Upgrade + Connection: upgrade, or CONNECT)
 
   // First field with this name (case-insensitive), or nullptr.
   const std::string* header(std::string_view name) const;
@@ -39,17 +40,21 @@ class Http1RequestFilter {
  public:
   using OnRequest = std::function<Http1Verdict(Http1Request&)>;
   enum class State {
-    kRequests,  // parsing heads, forwarding heads and bodies
-    kTunnel,    // an Upgrade or CONNECT request was forwarded: what follows is the new protocol's, passed as is
-    kRefused,   // a head was refused (refusal() says how): nothing more is forwarded
+    kRequests,         // parsing heads, forwarding heads and bodies
+    kAwaitingSwitch,   // an Upgrade or CONNECT request was forwarded: what follows is held until the sandbox
+                       // answers it (resolve_upgrade), since it is either the new protocol or more requests
+    kTunnel,           // the protocol switched: what follows is the new protocol's, passed as is
+    kRefused,          // a head was refused (refusal() says how): nothing more is forwarded
   };
   struct Refusal {
     int status = 0;
     std::string reason;  // for the answer's body and the access log
   };
 
-  // `max_head_bytes` bounds each head (431 beyond it).
-  Http1RequestFilter(size_t max_head_bytes, OnRequest on_request);
+  // `max_head_bytes` bounds each head (431 beyond it). `await_switch`: after an Upgrade/CONNECT request, hold
+  // what follows until resolve_upgrade() (the connection watches the answers); without it the filter
+  // switches to kTunnel at once.
+  Http1RequestFilter(size_t max_head_bytes, OnRequest on_request, bool await_switch = false);
   ~Http1RequestFilter();
   Http1RequestFilter(const Http1RequestFilter&) = delete;
   Http1RequestFilter& operator=(const Http1RequestFilter&) = delete;
@@ -61,6 +66,14 @@ class Http1RequestFilter {
   const Refusal& refusal() const { return refusal_; }
   // Requests whose heads were forwarded so far.
   size_t forwarded() const { return forwarded_; }
+  // The sandbox answered the Upgrade/CONNECT request (kAwaitingSwitch): switched -> kTunnel, the held bytes
+  // released as they are; refused -> kRequests, the held bytes parsed as requests. Either way what is released
+  // goes out with the next feed() (which may be given no input).
+  void resolve_upgrade(bool switched);
+  bool has_released() const { return !held_.empty() && state_ != State::kAwaitingSwitch; }
+
+  // Bytes held in kAwaitingSwitch at most (a client that sends more before the answer gets a 400).
+  static constexpr size_t kMaxHeldBytes = 64 * 1024;
 
  private:
   struct Parser;
@@ -70,6 +83,8 @@ class Http1RequestFilter {
   State state_ = State::kRequests;
   Refusal refusal_;
   size_t forwarded_ = 0;
+  bool await_switch_ = false;
+  std::string held_;  // kAwaitingSwitch: what the client sent after the Upgrade request; then until released
 };
 
 // "METHOD target HTTP/x.y\r\n" + "name: value\r\n"... + "\r\n".

@@ -208,3 +208,30 @@ TEST(ConfigHolder, SwapIsWholeSnapshot) {
 
 }  // namespace
 }  // namespace sg
+
+namespace sg {
+namespace {
+
+TEST(Config, EgressKeys) {
+  auto defaults = load("");
+  ASSERT_TRUE(defaults) << defaults.message();
+  EXPECT_FALSE((*defaults)->node.default_allow_internet_access);
+  EXPECT_EQ((*defaults)->node.egress_bridge, "sgbr0");
+  EXPECT_EQ((*defaults)->node.egress_subnet, "10.200.0.0/16");
+  auto cfg = load("[node]\ndefault_allow_internet_access = true\negress_bridge = \"br9\"\n"
+                  "egress_subnet = \"10.9.0.0/20\"\ndeny_out = [\"192.0.2.0/24\", \"198.51.100.7:25\"]\n");
+  ASSERT_TRUE(cfg) << cfg.message();
+  EXPECT_TRUE((*cfg)->node.default_allow_internet_access);
+  EXPECT_EQ((*cfg)->node.egress_bridge, "br9");
+  EXPECT_EQ((*cfg)->node.deny_out, (std::vector<std::string>{"192.0.2.0/24", "198.51.100.7:25"}));
+  auto bad = load("[node]\negress_bridge = \"much-too-long\"\negress_subnet = \"10.9.0.0/30\"\n"
+                  "deny_out = [\"192.0.2.0/24\", \"example.com\"]\n");
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("t.toml:2: node.egress_bridge"), std::string::npos) << bad.message();
+  EXPECT_NE(bad.message().find("t.toml:3: node.egress_subnet"), std::string::npos) << bad.message();
+  EXPECT_NE(bad.message().find("t.toml:4: node.deny_out: egress rule \"example.com\""), std::string::npos)
+      << bad.message();
+}
+
+}  // namespace
+}  // namespace sg

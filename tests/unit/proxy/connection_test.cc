@@ -203,10 +203,11 @@ class ConnectionTest : public ::testing::Test {
 
   // One TLS connection to the worker: sends `request`, reads until the edge closes (or 5 s).
   // `offer_alpn` false: no ALPN, which makes the edge ask for the port's policy at the ClientHello.
-  std::string exchange(const std::string& sni, const std::string& request, bool offer_alpn = true) {
+  std::string exchange(const std::string& sni, const std::string& request, bool offer_alpn = true,
+                       std::string_view alpn = "\x08http/1.1") {
     SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
-    static const unsigned char kAlpn[] = "\x08http/1.1";
-    if (offer_alpn) SSL_CTX_set_alpn_protos(ctx, kAlpn, sizeof kAlpn - 1);
+    if (offer_alpn)
+      SSL_CTX_set_alpn_protos(ctx, reinterpret_cast<const unsigned char*>(alpn.data()), static_cast<unsigned>(alpn.size()));
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     timeval tv{5, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -336,6 +337,17 @@ TEST_F(ConnectionTest, RefusedCredentialsAre401AndAllCandidatesGoInOneOpen) {
   EXPECT_EQ(node_->opens[0].port, 8080);
 }
 
+TEST_F(ConnectionTest, TheEdgesOwnAnswerToHeadHasNoContent) {
+  start();
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{401, "invalid token", {}});
+  };
+  std::string r = exchange(kHost, "HEAD / HTTP/1.1\r\nHost: " + kHost + "\r\nAuthorization: Bearer nope\r\n\r\n");
+  ASSERT_EQ(r.rfind("HTTP/1.1 401", 0), 0u) << r;
+  EXPECT_NE(r.find("Content-Length: 0\r\n"), std::string::npos) << r;
+  EXPECT_EQ(r.substr(r.size() - 4), "\r\n\r\n") << "nothing after the head: " << r;
+}
+
 TEST_F(ConnectionTest, NodeFailuresAreAnsweredWithTheirStatus) {
   start("wake_timeout_ms = 300\nhandshake_timeout_ms = 2000\n");
   struct Case {
@@ -387,6 +399,128 @@ TEST_F(ConnectionTest, ForwardsWithoutTheCredentialAndRefusesAnotherHostOnTheCon
   EXPECT_NE(misdirected, std::string::npos) << r;
   EXPECT_LT(ok, misdirected) << r;
   EXPECT_NE(access_log_when("misdirected").find("\"misdirected\""), std::string::npos);
+}
+
+// One h2 frame: 24-bit length, type, flags, stream id (RFC 9113 §4.1).
+std::string h2_frame(uint8_t type, uint8_t flags, uint32_t stream, std::string_view payload) {
+  std::string f;
+  f.push_back(static_cast<char>(payload.size() >> 16));
+  f.push_back(static_cast<char>(payload.size() >> 8));
+  f.push_back(static_cast<char>(payload.size()));
+  f.push_back(static_cast<char>(type));
+  f.push_back(static_cast<char>(flags));
+  for (int shift : {24, 16, 8, 0}) f.push_back(static_cast<char>(stream >> shift));
+  f.append(payload);
+  return f;
+}
+
+TEST_F(ConnectionTest, AnH2ConnectionErrorInALaterRequestIsAnsweredWithGoaway) {
+  start();
+  node_->policy = PortPolicy{"sb-demo", "h2c", true};  // the ClientHello's lookup: h2 is offered
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    auto a = end.open(std::nullopt, /*is_public=*/true);
+    if (a) a->opened.policy.protocol = "h2c";
+    return a;
+  };
+  constexpr uint8_t kHeaders = 1, kSettings = 4, kGoaway = 7, kEndStream = 1, kEndHeaders = 4;
+  std::string seen;
+  on_sent = [&] {
+    UniqueFd sandbox = end.take();
+    const std::string server_preface = h2_frame(kSettings, 0, 0, "");
+    ::send(sandbox.get(), server_preface.data(), server_preface.size(), MSG_NOSIGNAL);
+    seen = sandbox_reads(sandbox.get(), "never");  // until the edge's FIN
+  };
+  // :method GET, :scheme https, :path / (static table), :authority literal.
+  const std::string block = std::string("\x82\x87\x84\x41") + static_cast<char>(kHost.size()) + kHost;
+  const std::string request = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + h2_frame(kSettings, 0, 0, "") +
+                              h2_frame(kHeaders, kEndStream | kEndHeaders, 1, block) +
+                              // Indexed field 0 does not exist (RFC 7541 §6.1): the client's HPACK is broken.
+                              h2_frame(kHeaders, kEndStream | kEndHeaders, 3, "\x80");
+  std::string r = exchange(kHost, request, true, "\x02h2");
+  // The client got the sandbox's preface, then GOAWAY(last stream 1, COMPRESSION_ERROR), then the end.
+  // Type, flags 0, stream 0; then the payload: last stream id, error code.
+  const size_t at = r.find(std::string(1, static_cast<char>(kGoaway)) + std::string(5, '\0'));
+  ASSERT_NE(at, std::string::npos) << "no GOAWAY in " << r.size() << " bytes";
+  EXPECT_EQ(r.substr(at + 6, 8), std::string("\0\0\0\1\0\0\0\x09", 8));
+  // Stream 1 reached the sandbox, stream 3 did not: the HEADERS frames after the preface, by stream.
+  std::vector<uint32_t> header_streams;
+  for (size_t pos = 24; pos + 9 <= seen.size();) {
+    const size_t len = (size_t{uint8_t(seen[pos])} << 16) | (size_t{uint8_t(seen[pos + 1])} << 8) | uint8_t(seen[pos + 2]);
+    uint32_t stream = 0;
+    for (int i = 5; i < 9; ++i) stream = (stream << 8) | uint8_t(seen[pos + i]);
+    if (uint8_t(seen[pos + 3]) == kHeaders) header_streams.push_back(stream & 0x7fffffff);
+    pos += 9 + len;
+  }
+  EXPECT_EQ(header_streams, std::vector<uint32_t>{1});
+  EXPECT_NE(access_log_when("bad_request").find("HPACK"), std::string::npos);
+}
+
+TEST_F(ConnectionTest, ARefusedPipelinedRequestIsAnsweredWhenTheSandboxHasAnsweredTheOnesBefore) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
+  UniqueFd sandbox;
+  on_sent = [&] {
+    // The sandbox answers both requests it got and keeps the connection open (it never closes it).
+    sandbox = end.take();
+    sandbox_reads(sandbox.get(), "GET /two");
+    sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string answers = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\none"
+                                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\ntwo\r\n0\r\n\r\n";
+    ::send(sandbox.get(), answers.data(), answers.size(), MSG_NOSIGNAL);
+  };
+  const auto started = std::chrono::steady_clock::now();
+  std::string r = exchange(kHost, "GET /one HTTP/1.1\r\nHost: " + kHost + "\r\n\r\nGET /two HTTP/1.1\r\nHost: " +
+                                      kHost + "\r\n\r\nGET /three HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n");
+  // Both answers, then the 421, and the connection ended by the edge (not the 5 s read timeout).
+  const size_t two = r.find("3\r\ntwo\r\n0\r\n\r\n");
+  const size_t misdirected = r.find("HTTP/1.1 421");
+  ASSERT_NE(two, std::string::npos) << r;
+  ASSERT_NE(misdirected, std::string::npos) << r;
+  EXPECT_LT(two, misdirected);
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(4));
+}
+
+TEST_F(ConnectionTest, AnUpgradeTheSandboxRefusesLeavesTheNextRequestsChecked) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
+  std::string seen;
+  on_sent = [&] {
+    UniqueFd sandbox = end.take();
+    seen = sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string refusal = "HTTP/1.1 426 Upgrade Required\r\nContent-Length: 0\r\n\r\n";
+    ::send(sandbox.get(), refusal.data(), refusal.size(), MSG_NOSIGNAL);
+    seen += sandbox_reads(sandbox.get(), "never");  // until the edge ends it
+  };
+  std::string r = exchange(kHost, "GET /ws HTTP/1.1\r\nHost: " + kHost +
+                                      "\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+                                      "GET /other HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n"
+                                      "Cookie: __Host-sandgate_token=victims\r\n\r\n");
+  EXPECT_NE(r.find("HTTP/1.1 426"), std::string::npos) << r;
+  EXPECT_NE(r.find("HTTP/1.1 421"), std::string::npos) << r;
+  EXPECT_EQ(seen.find("/other"), std::string::npos) << seen;
+  EXPECT_EQ(seen.find("victims"), std::string::npos) << seen;
+}
+
+TEST_F(ConnectionTest, AnUpgradeTheSandboxAcceptsPassesWhatFollowsAsIs) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return end.open(0); };
+  std::string seen;
+  on_sent = [&] {
+    UniqueFd sandbox = end.take();
+    seen = sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string accepted = "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\n";
+    ::send(sandbox.get(), accepted.data(), accepted.size(), MSG_NOSIGNAL);
+    seen += sandbox_reads(sandbox.get(), "not http");
+    ::send(sandbox.get(), "bye", 3, MSG_NOSIGNAL);
+  };
+  std::string r = exchange(kHost, "GET /x HTTP/1.1\r\nHost: " + kHost +
+                                      "\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\nGET not http\r\n\r\n");
+  EXPECT_NE(seen.find("GET not http\r\n\r\n"), std::string::npos) << seen;
+  EXPECT_NE(r.find("HTTP/1.1 101"), std::string::npos) << r;
 }
 
 TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {

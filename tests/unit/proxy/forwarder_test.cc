@@ -33,6 +33,7 @@ std::string pattern(size_t n) {
 
 struct Events {
   size_t received = 0;
+  std::string observed;  // what the observe hook was shown
   bool finished = false;
   bool sink_failed = false;
   std::string sink_detail;
@@ -43,6 +44,7 @@ class DirectionTest : public ::testing::Test {
   void make(bool may_splice, ByteBuffer buffer = ByteBuffer(4096)) {
     Direction::Hooks hooks{
         .received = [this](size_t n) { events_.received += n; },
+        .observe = [this](std::string_view bytes) { events_.observed.append(bytes); },
         .source_finished =
             [this] {
               events_.finished = true;
@@ -99,6 +101,7 @@ TEST_F(DirectionTest, CopiesInOrderAndShutsTheSinkAfterTheSourceEnds) {
   EXPECT_EQ(pass(data, data.size()), data);
   EXPECT_FALSE(dir_->spliced());
   EXPECT_EQ(events_.received, data.size());
+  EXPECT_TRUE(events_.observed == data) << "the observer saw every copied byte once, in order";
   src_.theirs.reset();  // EOF
   ASSERT_TRUE(dir_->move());
   EXPECT_TRUE(events_.finished);

@@ -1041,3 +1041,36 @@ TEST(H2Filter, FuzzedInputNeverCrashes) {
 
 }  // namespace
 }  // namespace sg
+
+namespace sg {
+namespace {
+
+TEST(H2Filter, AnHpackFailureInALaterRequestNamesCompressionErrorAndTheLastForwardedStream) {
+  H2ClientFilter filter = forward_all();
+  Hpack hpack;
+  const std::string bytes = std::string(kPreface) + settings_frame() +
+                            frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS | NGHTTP2_FLAG_END_STREAM, 1,
+                                  hpack.encode(request_fields(kDemo))) +
+                            // Indexed field 0 does not exist (RFC 7541 §6.1): a decoding error.
+                            frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS | NGHTTP2_FLAG_END_STREAM, 3, "\x80");
+  Fed fed = feed_once(filter, bytes);
+  ASSERT_FALSE(fed.status.ok());
+  EXPECT_EQ(filter.goaway_code(), H2ErrorCode::kCompressionError);
+  EXPECT_EQ(filter.last_forwarded_stream(), 1u);
+}
+
+TEST(H2Filter, AnOversizedBlockIsEnhanceYourCalm) {
+  H2FilterLimits limits;
+  limits.max_header_block_bytes = 64;
+  H2ClientFilter filter(limits, demo_only);
+  const std::string bytes = std::string(kPreface) + settings_frame() +
+                            frame(NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, std::string(100, 'x'));
+  Fed fed = feed_once(filter, bytes);
+  ASSERT_FALSE(fed.status.ok());
+  EXPECT_EQ(fed.status.error(), Error::kLimitExceeded);
+  EXPECT_EQ(filter.goaway_code(), H2ErrorCode::kEnhanceYourCalm);
+  EXPECT_EQ(filter.last_forwarded_stream(), 0u);
+}
+
+}  // namespace
+}  // namespace sg

@@ -84,6 +84,43 @@ TEST(Http1Filter, AnUpgradeTurnsTheRestIntoATunnel) {
   EXPECT_EQ(c.seen.size(), 1u);
 }
 
+TEST(Http1Filter, AwaitingTheSandboxsAnswerToAnUpgradeHoldsWhatFollows) {
+  const std::string head = "GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
+  const std::string next = "GET / HTTP/1.1\r\nHost: b.test\r\n\r\n";
+  {  // accepted: the held bytes go out as they are
+    Checker c;
+    Http1RequestFilter f(16 * 1024, c.fn(), /*await_switch=*/true);
+    std::string out;
+    EXPECT_EQ(f.feed(head + "\x81\x05hello", out), State::kAwaitingSwitch);
+    EXPECT_EQ(out, head);
+    ASSERT_EQ(c.seen.size(), 1u);
+    EXPECT_TRUE(c.seen[0].upgrade);
+    f.resolve_upgrade(true);
+    EXPECT_TRUE(f.has_released());
+    EXPECT_EQ(f.feed(next, out), State::kTunnel);
+    EXPECT_EQ(out, head + "\x81\x05hello" + next);
+    EXPECT_EQ(c.seen.size(), 1u) << "a tunnel is not parsed";
+  }
+  {  // refused: the held bytes are requests again, each checked
+    Checker c;
+    Http1RequestFilter f(16 * 1024, c.fn(), /*await_switch=*/true);
+    std::string out;
+    EXPECT_EQ(f.feed(head + next, out), State::kAwaitingSwitch);
+    f.resolve_upgrade(false);
+    EXPECT_EQ(f.feed("", out), State::kRefused) << "b.test is refused by the checker";
+    EXPECT_EQ(out, head);
+    EXPECT_EQ(c.seen.size(), 2u);
+  }
+  {  // bounded
+    Checker c;
+    Http1RequestFilter f(16 * 1024, c.fn(), /*await_switch=*/true);
+    std::string out;
+    f.feed(head, out);
+    EXPECT_EQ(f.feed(std::string(Http1RequestFilter::kMaxHeldBytes + 1, 'x'), out), State::kRefused);
+    EXPECT_EQ(f.refusal().status, 400);
+  }
+}
+
 TEST(Http1Filter, BadHeadsAreRefusedWithTheirStatus) {
   struct Case {
     std::string input;

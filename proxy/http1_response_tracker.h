@@ -1,0 +1,71 @@
+// The sandbox -> client direction of an HTTP/1.1 route, watched (never changed): where each response ends,
+// so the edge knows when the sandbox has answered every request it was given. Two things need that:
+//   - a refused request (421 for another Host, 403, 400 ...) after forwarded ones is answered by the edge
+//     right after the sandbox's answers to those, not when the sandbox closes the connection;
+//   - an Upgrade (or CONNECT) request switches the connection to the new protocol only if the sandbox
+//     accepts it (101, or 2xx to CONNECT); otherwise the requests after it are parsed and checked as usual.
+// Heads are parsed with llhttp; a Content-Length body is counted, not parsed; chunked bodies are parsed for
+// their framing; a body delimited by the close, and everything after a protocol switch, is not looked at.
+#pragma once
+
+#include <llhttp.h>
+
+#include <cstddef>
+#include <deque>
+#include <optional>
+#include <string_view>
+
+namespace sg {
+
+class Http1ResponseTracker {
+ public:
+  enum class State {
+    kHead,        // between responses or inside a head / chunked body (llhttp reads)
+    kFixedBody,   // inside a Content-Length body: counted
+    kUntilClose,  // the response's body ends with the connection
+    kSwitched,    // the sandbox accepted an Upgrade / CONNECT: the rest is another protocol
+    kLost,        // the sandbox's bytes are not HTTP/1.1 (or a response without a request): not followed
+  };
+
+  Http1ResponseTracker();
+  Http1ResponseTracker(const Http1ResponseTracker&) = delete;
+  Http1ResponseTracker& operator=(const Http1ResponseTracker&) = delete;
+
+  // A request went to the sandbox (in order): its method decides whether the response has a body (HEAD) or
+  // what switches (CONNECT); `upgrade` that it asks to switch protocols.
+  void expect(std::string_view method, bool upgrade);
+  // Bytes the sandbox sent, in order, each exactly once.
+  void observe(std::string_view bytes);
+
+  State state() const { return state_; }
+  // Final responses received whole (1xx interim responses do not count; a switch counts as the answer).
+  size_t answered() const { return answered_; }
+  // Every request expect()ed has its whole answer, and nothing of a next response has begun.
+  bool idle() const { return state_ == State::kHead && pending_.empty() && !in_message_; }
+  // The sandbox's verdict on an Upgrade/CONNECT request, once the head of its answer is known (true =
+  // switched), handed out once.
+  std::optional<bool> take_upgrade_outcome();
+
+ private:
+  struct Request {
+    bool head = false;
+    bool connect = false;
+    bool upgrade = false;
+  };
+  static int on_message_begin(llhttp_t* p);
+  static int on_headers_complete(llhttp_t* p);
+  static int on_message_complete(llhttp_t* p);
+  void finish_response();
+
+  llhttp_settings_t settings_{};
+  llhttp_t parser_{};
+  std::deque<Request> pending_;  // forwarded, not yet answered
+  State state_ = State::kHead;
+  uint64_t fixed_left_ = 0;
+  size_t answered_ = 0;
+  bool in_message_ = false;  // llhttp is inside a response (head or chunked body)
+  bool interim_ = false;     // the response being read is 1xx (not the final answer)
+  std::optional<bool> upgrade_outcome_;
+};
+
+}  // namespace sg
