@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "cli/api_client.h"
+#include "common/egress_rule.h"
 #include "common/http.h"
 
 namespace sg::cli {
@@ -186,6 +187,15 @@ Result<json> create_request_body(const CreateOptions& opts) {
   }
   if (opts.image) body["image"] = *opts.image;
   if (opts.pids_max) body["pids_max"] = *opts.pids_max;
+  if (opts.internet) body["allow_internet_access"] = *opts.internet;
+  for (auto [flag, list, key] : {std::tuple{"--allow-out", &opts.allow_out, "allow_out"},
+                                 std::tuple{"--deny-out", &opts.deny_out, "deny_out"}}) {
+    for (const std::string& entry : *list) {
+      if (auto rule = parse_egress_rule(entry); !rule)
+        return fail(Error::kInvalidArgument, std::string(flag) + " " + entry + ": " + rule.message());
+    }
+    if (!list->empty()) body[key] = *list;
+  }
   if (opts.cpus) body["cpus"] = *opts.cpus;
   if (opts.memory_mb) body["memory_mb"] = *opts.memory_mb;
   if (opts.ephemeral) body["ephemeral"] = true;

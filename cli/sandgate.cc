@@ -207,6 +207,15 @@ int main(int argc, char** argv) {
   auto* cpus_opt = create->add_option("--cpus", cpus, "CPU limit, in CPUs (e.g. 0.5)");
   auto* memory_opt = create->add_option("--memory-mb", memory_mb, "memory limit in MiB");
   auto* pids_opt = create->add_option("--pids-max", pids_max, "most processes and threads at once (default: the node's)");
+  bool internet = false, no_internet = false;
+  auto* internet_opt = create->add_flag("--internet", internet, "outbound network access (default: the node's)");
+  auto* no_internet_opt = create->add_flag("--no-internet", no_internet, "only the sandbox's own loopback");
+  internet_opt->excludes(no_internet_opt);
+  create->add_option("--allow-out", create_opts.allow_out,
+                     "CIDR[:PORT]: with --internet, reach only these (repeatable)")
+      ->allow_extra_args(false);
+  create->add_option("--deny-out", create_opts.deny_out, "CIDR[:PORT]: with --internet, never reach these (repeatable)")
+      ->allow_extra_args(false);
   create->add_option("--env", create_opts.env, "environment variable KEY=VALUE (repeatable)")
       ->allow_extra_args(false);
   auto* cwd_opt = create->add_option("--cwd", cwd, "working directory of CMD");
@@ -361,6 +370,8 @@ int main(int argc, char** argv) {
     if (driver_opt->count() > 0) create_opts.driver = driver;
     if (image_opt->count() > 0) create_opts.image = image;
     if (pids_opt->count() > 0) create_opts.pids_max = pids_max;
+    if (internet_opt->count() > 0) create_opts.internet = true;
+    if (no_internet_opt->count() > 0) create_opts.internet = false;
     if (cpus_opt->count() > 0) create_opts.cpus = cpus;
     if (memory_opt->count() > 0) create_opts.memory_mb = memory_mb;
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;

@@ -179,7 +179,8 @@ Result<CreateRequest::Port> parse_port_entry(const json& entry) {
 Result<CreateRequest> parse_create(const json& body) {
   constexpr std::string_view kAllowed =
       "name, command, env, cwd, exposed_ports, ports, allow_unauthenticated_access, timeout_secs, "
-      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max";
+      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max, allow_internet_access, "
+      "allow_out, deny_out";
   CreateRequest req;
   bool has_command = false;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -239,6 +240,15 @@ Result<CreateRequest> parse_create(const json& body) {
     } else if (key == "ephemeral") {
       if (!v.is_boolean()) return wrong_type(key, "true or false", v);
       req.ephemeral = v.get<bool>();
+    } else if (key == "allow_internet_access") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.allow_internet_access = v.get<bool>();
+    } else if (key == "allow_out" || key == "deny_out") {
+      if (!v.is_array()) return wrong_type(key, "an array of strings", v);
+      for (const json& entry : v) {
+        if (!entry.is_string()) return wrong_type(key + "[]", "a string", entry);
+        (key == "allow_out" ? req.allow_out : req.deny_out).push_back(entry.get<std::string>());
+      }
     } else {
       return unknown_field(key, kAllowed);
     }
@@ -937,6 +947,9 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"memory_mb", info.spec.memory_mb},
       {"image", info.spec.image},
       {"pids_max", info.spec.pids_max},
+      {"allow_internet_access", info.spec.allow_internet_access},
+      {"allow_out", info.spec.allow_out},
+      {"deny_out", info.spec.deny_out},
       {"pid", info.runtime.pid > 0 ? ordered_json(info.runtime.pid) : ordered_json(nullptr)},
       {"created_at", format_time(info.created_at_ms)},
       {"last_activity_at", format_time(info.last_activity_at_ms)},

@@ -17,6 +17,7 @@
 
 #include "common/operator_token.h"
 #include "common/token_digest.h"
+#include "noderuntime/egress.h"
 #include "noderuntime/names.h"
 #include "noderuntime/state_machine.h"
 #include "noderuntime/uv_handles.h"
@@ -290,6 +291,14 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   if (pids < kMinPidsMax || pids > kMaxPidsMax)
     return invalid("pids_max: must be between " + std::to_string(kMinPidsMax) + " and " + std::to_string(kMaxPidsMax));
   spec.pids_max = static_cast<uint32_t>(pids);
+  spec.allow_internet_access = req.allow_internet_access.value_or(cfg->node.default_allow_internet_access);
+  if (auto policy = make_egress_policy(spec.allow_internet_access, req.allow_out, req.deny_out); !policy)
+    return invalid(policy.message());
+  if (spec.allow_internet_access && spec.driver != "process")
+    return invalid("allow_internet_access: only process sandboxes can have it on this node (driver '" + spec.driver +
+                   "' has user networking with restrict=on)");
+  spec.allow_out = req.allow_out;
+  spec.deny_out = req.deny_out;
   spec.image = req.image.value_or(cfg->node.default_image);
   if (spec.image.empty() || has_nul(spec.image)) return invalid("image: must be a non-empty image name");
   if (images_ != nullptr) {

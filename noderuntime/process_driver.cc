@@ -20,6 +20,7 @@
 
 #include "common/log.h"
 #include "noderuntime/cgroup.h"
+#include "noderuntime/egress.h"
 #include "noderuntime/companion_files.h"
 #include "noderuntime/uv_handles.h"
 #include "snapshot/image_store.h"
@@ -261,6 +262,14 @@ class CStringArray {
   ::_exit(kChildExecFailed);
 }
 
+EgressOptions egress_options(const NodeConfig& cfg) {
+  EgressOptions options;
+  options.bridge = cfg.egress_bridge;
+  options.table = cfg.egress_bridge;  // one table per bridge: two nodes on one host keep apart
+  if (auto subnet = parse_egress_rule(cfg.egress_subnet)) options.subnet = *subnet;  // checked at config load
+  return options;
+}
+
 class ProcessDriver final : public Driver {
  public:
   ProcessDriver(uv_loop_t* loop, const NodeConfig& cfg, snapshot::ImageStore* images, CgroupManager cgroups,
@@ -269,6 +278,9 @@ class ProcessDriver final : public Driver {
         images_(images),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
         log_max_bytes_(cfg.log_max_bytes),
+        uid_range_base_(cfg.uid_range_base),
+        egress_options_(egress_options(cfg)),
+        node_deny_out_(cfg.deny_out),
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
@@ -381,6 +393,15 @@ class ProcessDriver final : public Driver {
   std::string init_path_;
   std::string agent_path_;  // empty: no agent found, sandboxes run without one
   UniqueFd host_netns_;
+  // Internet access: the bridge and table are made when the first sandbox with it starts (a node whose
+  // sandboxes have none never touches the host's networking).
+  Result<Egress*> egress();
+  Status attach_egress(const SandboxSpec& spec, int pid);
+  uint32_t egress_slot(const SandboxSpec& spec) const { return (spec.uid_base - uid_range_base_) / kUidRangeSize; }
+  uint32_t uid_range_base_;
+  EgressOptions egress_options_;
+  std::vector<std::string> node_deny_out_;
+  std::unique_ptr<Egress> egress_;
   std::vector<std::unique_ptr<Operation>> ops_;
   std::map<std::string, std::unique_ptr<ExitWatch>> watches_;
   std::map<std::string, Netns> netns_;
@@ -539,6 +560,10 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
     return f;
   };
   if (Status s = cgroup.add_pid(pid); !s) return abandon_child(s.failure());
+  // Before the go: the command's first connect already finds its route (or none, without internet access).
+  if (spec.allow_internet_access) {
+    if (Status s = attach_egress(spec, pid); !s) return abandon_child(s.failure());
+  }
   const char go_byte = 1;
   if (::write(go_write.get(), &go_byte, 1) != 1)
     return abandon_child(fail_errno("write to the child's go pipe", errno));
@@ -594,6 +619,11 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
   // The exit this causes is not one the instance made "by itself", so the watcher is not told.
   stop_watch(spec.id);
   netns_.erase(spec.id);
+  // Its address and chain go first: nothing leaves the sandbox while it is being killed.
+  if (spec.allow_internet_access && spec.uid_base >= uid_range_base_) {
+    if (auto e = egress(); !e) spdlog::warn("sandbox {}: {}", spec.id, e.message());
+    else if (Status st = (*e)->detach(egress_slot(spec)); !st) spdlog::warn("sandbox {}: {}", spec.id, st.message());
+  }
 
   Operation* op = add_operation(OpKind::kTerminate, spec, std::move(done));
   op->pid = info.pid;
@@ -632,6 +662,29 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
     o->driver->finish_termination(o, false);
   });
   uv_timer_start(op->timer, on_operation_timer, kTerminateWaitMs, 0);
+}
+
+Result<Egress*> ProcessDriver::egress() {
+  if (!egress_) {
+    auto made = Egress::create(egress_options_);
+    if (!made) return fail(made.error(), "internet access: " + made.message());
+    egress_ = std::move(*made);
+  }
+  return egress_.get();
+}
+
+Status ProcessDriver::attach_egress(const SandboxSpec& spec, int pid) {
+  std::vector<std::string> deny = node_deny_out_;
+  deny.insert(deny.end(), spec.deny_out.begin(), spec.deny_out.end());
+  auto policy = make_egress_policy(true, spec.allow_out, deny);
+  if (!policy) return policy.failure();
+  auto e = egress();
+  if (!e) return e.failure();
+  if (spec.uid_base < uid_range_base_) return fail(Error::kInvalidArgument, "internet access needs a uid slot");
+  auto address = (*e)->attach(egress_slot(spec), "/proc/" + std::to_string(pid) + "/ns/net", *policy);
+  if (!address) return fail(address.error(), "internet access: " + address.message());
+  spdlog::info("sandbox {}: internet access as {}", spec.id, *address);
+  return {};
 }
 
 void ProcessDriver::step(Operation* op) {

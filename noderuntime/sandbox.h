@@ -70,6 +70,12 @@ struct SandboxSpec {
   // First host uid/gid of the sandbox's user namespace (sandbox id 0 = this, 65536 ids), allocated by the
   // node at create and held until the sandbox is gone. 0 = none (created before user namespaces).
   uint32_t uid_base = 0;
+  // Outbound network access (noderuntime/egress.h, docs/egress.md): none without it (only the sandbox's own
+  // loopback); with it, everything but the host, the always-denied nets, the node's deny_out and `deny_out`,
+  // or only `allow_out` when that is given. Entries are "A.B.C.D[/PREFIX][:PORT]", checked at create.
+  bool allow_internet_access = false;
+  std::vector<std::string> allow_out;
+  std::vector<std::string> deny_out;
 };
 
 // The effective policy of `port`: an exposed port's own (public when the whole sandbox is), the agent port's
