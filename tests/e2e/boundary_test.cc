@@ -15,51 +15,6 @@ namespace {
 
 using nlohmann::json;
 
-struct Exec {
-  int code = -1;
-  std::string out;  // stdout and stderr, in order
-};
-
-// Runs `command` in sandbox `name` through the ingress and its agent, with the sandbox's token.
-Exec exec_in(Cluster& c, const std::string& name, const std::string& token, const std::vector<std::string>& command,
-             const std::string& stdin_text = "") {
-  json body = {{"command", command}, {"timeout_secs", 60}};
-  if (!stdin_text.empty()) body["stdin"] = stdin_text;
-  auto r = c.curl(name + ".sandbox.localhost", "/exec",
-                  "-X POST -H 'Content-Type: application/json' --data " + shell_quote(body.dump()) + " " +
-                      bearer(token),
-                  90);
-  Exec e;
-  std::istringstream lines(Cluster::body(r));
-  std::string line;
-  while (std::getline(lines, line)) {
-    auto ev = json::parse(line, nullptr, false);
-    if (!ev.is_object()) continue;
-    if (ev.value("type", "") == "exit") e.code = ev.value("code", -1);
-    if (ev.contains("data")) e.out += ev["data"].get<std::string>();
-  }
-  if (e.code == -1) e.out += "\n[no exit event] " + r.out + r.err;
-  return e;
-}
-
-Exec sh(Cluster& c, const std::string& name, const std::string& token, const std::string& script) {
-  return exec_in(c, name, token, {"/bin/sh", "-c", script});
-}
-
-// Creates `name` running `command` and waits until its agent answers; returns the sandbox JSON.
-json create_with_agent(Cluster& c, const std::string& name, const std::string& args) {
-  auto r = c.cli("create --json --name " + name + " " + args);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  json j = json::parse(r.out, nullptr, false);
-  if (!j.is_object() || !j.contains("token")) return json::object();
-  std::string token = j["token"];
-  EXPECT_TRUE(eventually(
-      [&] { return Cluster::http_code(c.curl(name + ".sandbox.localhost", "/health", bearer(token), 10)) == 200; },
-      std::chrono::seconds(20)))
-      << name << "'s agent never answered";
-  return j;
-}
-
 std::string upper_dir(Cluster& c, const json& sandbox) {
   return c.dir() + "/node/sandboxes/" + sandbox["id"].get<std::string>() + "/upper";
 }

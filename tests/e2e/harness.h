@@ -185,4 +185,17 @@ struct TestImage {
 };
 const TestImage& test_image();
 
+// What a command run through a sandbox's agent did.
+struct Exec {
+  int code = -1;
+  std::string out;  // stdout and stderr, in order
+};
+// Runs `command` in sandbox `name` through the ingress and its agent's /exec, with the sandbox's token.
+Exec exec_in(Cluster& c, const std::string& name, const std::string& token, const std::vector<std::string>& command,
+             const std::string& stdin_text = "");
+// exec_in of `/bin/sh -c script`.
+Exec sh(Cluster& c, const std::string& name, const std::string& token, const std::string& script);
+// Creates `name` with the CLI arguments `args` and waits until its agent answers; returns create's JSON.
+nlohmann::json create_with_agent(Cluster& c, const std::string& name, const std::string& args);
+
 }  // namespace sg::e2e
