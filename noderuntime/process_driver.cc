@@ -278,13 +278,13 @@ class ProcessDriver final : public Driver {
         images_(images),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
         log_max_bytes_(cfg.log_max_bytes),
-        uid_range_base_(cfg.uid_range_base),
-        egress_options_(egress_options(cfg)),
-        node_deny_out_(cfg.deny_out),
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
-        host_netns_(std::move(host_netns)) {}
+        host_netns_(std::move(host_netns)),
+        uid_range_base_(cfg.uid_range_base),
+        egress_options_(egress_options(cfg)),
+        node_deny_out_(cfg.deny_out) {}
 
   ~ProcessDriver() override {
     // Pending callbacks are dropped: their owners are being torn down along with the driver.
