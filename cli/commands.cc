@@ -186,6 +186,7 @@ Result<json> create_request_body(const CreateOptions& opts) {
   }
   if (opts.image) body["image"] = *opts.image;
   if (opts.pids_max) body["pids_max"] = *opts.pids_max;
+  if (opts.disk_mb) body["disk_mb"] = *opts.disk_mb;
   if (opts.cpus) body["cpus"] = *opts.cpus;
   if (opts.memory_mb) body["memory_mb"] = *opts.memory_mb;
   if (opts.ephemeral) body["ephemeral"] = true;

@@ -34,6 +34,7 @@ struct CreateOptions {
   std::optional<double> cpus;
   std::optional<uint32_t> memory_mb;
   std::optional<uint32_t> pids_max;
+  std::optional<uint32_t> disk_mb;
   std::vector<std::string> env;  // "K=V" as given
   std::optional<std::string> cwd;
   std::vector<std::string> command;

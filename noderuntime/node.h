@@ -65,6 +65,7 @@ struct CreateRequest {
   bool ephemeral = false;
   std::optional<std::string> image;  // default: node.default_image
   std::optional<int64_t> pids_max;   // default: node.default_pids_max
+  std::optional<int64_t> disk_mb;    // default: 0, no limit
 };
 
 // A consistent snapshot of one sandbox for answers (the record may change right after).
