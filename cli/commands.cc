@@ -187,6 +187,7 @@ Result<json> create_request_body(const CreateOptions& opts) {
   }
   if (opts.image) body["image"] = *opts.image;
   if (opts.pids_max) body["pids_max"] = *opts.pids_max;
+  if (opts.disk_mb) body["disk_mb"] = *opts.disk_mb;
   if (opts.internet) body["allow_internet_access"] = *opts.internet;
   for (auto [flag, list, key] : {std::tuple{"--allow-out", &opts.allow_out, "allow_out"},
                                  std::tuple{"--deny-out", &opts.deny_out, "deny_out"}}) {

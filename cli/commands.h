@@ -34,6 +34,7 @@ struct CreateOptions {
   std::optional<double> cpus;
   std::optional<uint32_t> memory_mb;
   std::optional<uint32_t> pids_max;
+  std::optional<uint32_t> disk_mb;
   std::optional<bool> internet;        // --internet / --no-internet; default: the node's
   std::vector<std::string> allow_out;  // --allow-out CIDR[:PORT]
   std::vector<std::string> deny_out;   // --deny-out CIDR[:PORT]

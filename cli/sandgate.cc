@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
 
   sg::cli::CreateOptions create_opts;
   std::string name, cwd;
-  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0, pids_max = 0;
+  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0, pids_max = 0, disk_mb = 0;
   std::string driver, image;
   double cpus = 0;
   CLI::App* create = app.add_subcommand("create", "Create and start a sandbox running CMD");
@@ -206,6 +206,7 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   auto* cpus_opt = create->add_option("--cpus", cpus, "CPU limit, in CPUs (e.g. 0.5)");
   auto* memory_opt = create->add_option("--memory-mb", memory_mb, "memory limit in MiB");
+  auto* disk_opt = create->add_option("--disk-mb", disk_mb, "most MiB the sandbox may write (default: no limit)");
   auto* pids_opt = create->add_option("--pids-max", pids_max, "most processes and threads at once (default: the node's)");
   bool internet = false, no_internet = false;
   auto* internet_opt = create->add_flag("--internet", internet, "outbound network access (default: the node's)");
@@ -370,6 +371,7 @@ int main(int argc, char** argv) {
     if (driver_opt->count() > 0) create_opts.driver = driver;
     if (image_opt->count() > 0) create_opts.image = image;
     if (pids_opt->count() > 0) create_opts.pids_max = pids_max;
+    if (disk_opt->count() > 0) create_opts.disk_mb = disk_mb;
     if (internet_opt->count() > 0) create_opts.internet = true;
     if (no_internet_opt->count() > 0) create_opts.internet = false;
     if (cpus_opt->count() > 0) create_opts.cpus = cpus;

@@ -179,8 +179,8 @@ Result<CreateRequest::Port> parse_port_entry(const json& entry) {
 Result<CreateRequest> parse_create(const json& body) {
   constexpr std::string_view kAllowed =
       "name, command, env, cwd, exposed_ports, ports, allow_unauthenticated_access, timeout_secs, "
-      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max, allow_internet_access, "
-      "allow_out, deny_out";
+      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max, disk_mb, "
+      "allow_internet_access, allow_out, deny_out";
   CreateRequest req;
   bool has_command = false;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -222,11 +222,13 @@ Result<CreateRequest> parse_create(const json& body) {
     } else if (key == "allow_unauthenticated_access") {
       if (!v.is_boolean()) return wrong_type(key, "true or false", v);
       req.allow_unauthenticated_access = v.get<bool>();
-    } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs" || key == "pids_max") {
+    } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs" || key == "pids_max" ||
+               key == "disk_mb") {
       if (!v.is_number_integer()) return wrong_type(key, "an integer", v);
       (key == "timeout_secs"  ? req.timeout_secs
        : key == "memory_mb"   ? req.memory_mb
        : key == "pids_max"    ? req.pids_max
+       : key == "disk_mb"     ? req.disk_mb
                               : req.hibernate_after_secs) = as_int64(v);
     } else if (key == "driver") {
       if (!v.is_string()) return wrong_type(key, "a string", v);
@@ -947,6 +949,7 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"memory_mb", info.spec.memory_mb},
       {"image", info.spec.image},
       {"pids_max", info.spec.pids_max},
+      {"disk_mb", info.spec.disk_mb},
       {"allow_internet_access", info.spec.allow_internet_access},
       {"allow_out", info.spec.allow_out},
       {"deny_out", info.spec.deny_out},

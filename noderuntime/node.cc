@@ -30,6 +30,9 @@ using S = SandboxState;
 
 constexpr int64_t kMinMemoryMb = 16;
 constexpr int64_t kMaxMemoryMb = 1024 * 1024;
+// An ext4 file smaller than this has no room for its own metadata and a few files.
+constexpr int64_t kMinDiskMb = 16;
+constexpr int64_t kMaxDiskMb = 16 * 1024 * 1024;
 constexpr double kMaxCpus = 1024;
 // A terminate that hangs must not keep the daemon from exiting; whatever is left is adopted next start.
 constexpr uint64_t kShutdownTerminateTimeoutMs = 15'000;
@@ -291,6 +294,11 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   if (pids < kMinPidsMax || pids > kMaxPidsMax)
     return invalid("pids_max: must be between " + std::to_string(kMinPidsMax) + " and " + std::to_string(kMaxPidsMax));
   spec.pids_max = static_cast<uint32_t>(pids);
+  int64_t disk = req.disk_mb.value_or(0);
+  if (disk != 0 && (disk < kMinDiskMb || disk > kMaxDiskMb))
+    return invalid("disk_mb: must be 0 (no limit) or between " + std::to_string(kMinDiskMb) + " and " +
+                   std::to_string(kMaxDiskMb));
+  spec.disk_mb = static_cast<uint32_t>(disk);
   spec.allow_internet_access = req.allow_internet_access.value_or(cfg->node.default_allow_internet_access);
   if (auto policy = make_egress_policy(spec.allow_internet_access, req.allow_out, req.deny_out); !policy)
     return invalid(policy.message());

@@ -65,6 +65,7 @@ struct CreateRequest {
   bool ephemeral = false;
   std::optional<std::string> image;  // default: node.default_image
   std::optional<int64_t> pids_max;   // default: node.default_pids_max
+  std::optional<int64_t> disk_mb;    // default: 0, no limit
   std::optional<bool> allow_internet_access;  // default: node.default_allow_internet_access
   std::vector<std::string> allow_out;         // "CIDR[:PORT]"; need internet access
   std::vector<std::string> deny_out;

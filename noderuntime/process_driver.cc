@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sched.h>
+#include <spawn.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -159,9 +160,6 @@ std::string find_agent(const NodeConfig& cfg) {
   return agent.path;
 }
 
-
-// argv/envp as the C arrays execve() wants. Built before forking: the child may only make
-// async-signal-safe calls, which rules out allocating.
 // The sandbox's user namespace: sandbox ids [0, kUidRangeSize) are host ids [uid_base, uid_base +
 // kUidRangeSize). A short-lived child creates it (a namespace is made by entering it); the node writes the
 // maps as host root and keeps a descriptor, which holds the namespace after the child is gone.
@@ -213,6 +211,8 @@ Status prepare_root_dirs(const std::string& sandbox_dir, uint32_t uid_base) {
   return {};
 }
 
+// argv/envp as the C arrays execve() wants. Built before forking: the child may only make
+// async-signal-safe calls, which rules out allocating.
 class CStringArray {
  public:
   explicit CStringArray(std::vector<std::string> strings) : strings_(std::move(strings)) {
@@ -225,6 +225,40 @@ class CStringArray {
   std::vector<std::string> strings_;
   std::vector<char*> pointers_;
 };
+
+// disk_mb: the upper dir lives on <sandbox_dir>/disk.img, a sparse ext4 file of that size whose root the
+// sandbox's root owns (sandgate-init mounts it through a loop device in the sandbox's namespace), so writes
+// past the size fail with ENOSPC. Made once; later starts of the sandbox reuse it, files included.
+Status prepare_disk(const std::string& sandbox_dir, uint32_t disk_mb, uint32_t uid_base) {
+  const std::string image = sandbox_dir + "/disk.img";
+  struct stat st;
+  if (::stat(image.c_str(), &st) == 0) return {};
+  const std::string staging = image + ".new";
+  {
+    UniqueFd fd(::open(staging.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!fd.valid()) return fail_errno("create " + staging, errno);
+    if (::ftruncate(fd.get(), static_cast<off_t>(disk_mb) * 1024 * 1024) != 0)
+      return fail_errno("size " + staging, errno);
+  }
+  const std::string owner = "root_owner=" + std::to_string(uid_base) + ":" + std::to_string(uid_base);
+  std::vector<std::string> args = {"mkfs.ext4", "-q", "-F", "-E", owner, staging};
+  const CStringArray argv(std::move(args));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t pid = 0;
+  int rc = ::posix_spawnp(&pid, "mkfs.ext4", &actions, nullptr, argv.get(), ::environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return fail_errno("run mkfs.ext4 (e2fsprogs)", rc);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return fail(Error::kIo, "mkfs.ext4 " + staging + " failed (wait status " + std::to_string(status) + ")");
+  if (::rename(staging.c_str(), image.c_str()) != 0) return fail_errno("rename " + staging, errno);
+  return {};
+}
 
 // Runs in the freshly cloned child, which is PID 1 of the new PID namespace. Only async-signal-safe calls:
 // the parent may have had other threads holding locks (malloc's included) at the time of the clone.
@@ -453,7 +487,10 @@ Result<RuntimeInfo> ProcessDriver::start_now(const SandboxSpec& spec, const std:
   if (Status s = make_dirs(sandbox_dir, 0700); !s) return with_context(spec.id, s.failure());
   if (spec.uid_base == 0)
     return with_context(spec.id, fail(Error::kInvalidArgument, "no uid range (created before user namespaces)"));
-  if (Status s = prepare_root_dirs(sandbox_dir, spec.uid_base); !s) return with_context(spec.id, s.failure());
+  if (Status s = spec.disk_mb > 0 ? prepare_disk(sandbox_dir, spec.disk_mb, spec.uid_base)
+                                  : prepare_root_dirs(sandbox_dir, spec.uid_base);
+      !s)
+    return with_context(spec.id, s.failure());
   netns_.erase(spec.id);  // a namespace cached for an earlier instance of this sandbox is not this one's
 
   auto cgroup = cgroups_.create(spec.id, spec.cpus, spec.memory_mb, spec.pids_max);
@@ -513,6 +550,7 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
                                    "--uid-base",
                                    std::to_string(spec.uid_base)};
   for (const std::string& tree : *trees) args.insert(args.end(), {"--layer", tree});
+  if (spec.disk_mb > 0) args.insert(args.end(), {"--disk", sandbox_dir + "/disk.img"});
   // All addresses: the sandbox's network namespace has only its own loopback, which is where the node's
   // sockets connect from.
   if (!agent_path_.empty() && spec.agent_port != 0) {

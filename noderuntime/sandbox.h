@@ -64,6 +64,9 @@ struct SandboxSpec {
   // Most processes (and threads) the sandbox may have at once (cgroup pids.max); 0 = unlimited (sandboxes
   // created before the limit existed).
   uint32_t pids_max = 0;
+  // Bytes the sandbox may write (its overlay's upper dir lives on an ext4 file of this size, in MiB); 0 =
+  // no limit (the upper dir is a plain directory of the state dir's file system).
+  uint32_t disk_mb = 0;
   // The image (snapshot/image_store.h) the root filesystem comes from, fixed at create so a restart or a
   // resume runs on the same one. Empty only for sandboxes created before images existed.
   std::string image;

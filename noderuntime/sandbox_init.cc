@@ -1,7 +1,7 @@
 // sandgate-init: PID 1 inside a process sandbox's fresh PID, mount, network, UTS, IPC and cgroup namespaces.
 //
 //   sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD --uid-base UID
-//                 --layer TREE [--layer TREE]... [--agent PATH --agent-listen ADDR:PORT] -- CMD ARGS...
+//                 --layer TREE [--layer TREE]... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT] -- CMD ARGS...
 //
 // The node starts it as host root in namespaces owned by the initial user namespace, so the mounts below are
 // made by host root and the sandbox's root (which only ever has capabilities in its own user namespace) can
@@ -10,7 +10,9 @@
 //   1. each --layer (bottom first) made an idmapped mount onto the user namespace FD (on-disk uid 0 appears
 //      as the sandbox's root), under <sandbox-dir>/lower/N;
 //   2. an overlayfs of those with <sandbox-dir>/upper (owned by UID, the sandbox's root on the host) and
-//      <sandbox-dir>/work, mounted at <sandbox-dir>/root;
+//      <sandbox-dir>/work, mounted at <sandbox-dir>/root; with --disk FILE (disk_mb), upper and work live on
+//      that ext4 file instead, mounted through a loop device at <sandbox-dir>/disk, so writes past its size
+//      fail with ENOSPC;
 //   3. pivot_root into it, the old root detached;
 //   4. a minimal /dev, a proc of this PID namespace with /proc/sys read-only and the usual paths masked, /sys
 //      read-only, and PATH (sandgate-agent) bind-mounted read-only at /.sandgate/agent (the host's files
@@ -38,6 +40,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <grp.h>
+#include <linux/loop.h>
 #include <sched.h>
 #include <poll.h>
 #include <sys/mount.h>
@@ -80,6 +83,7 @@ struct Options {
   const char* sandbox_dir = nullptr;   // upper/, work/, lower/N and root/ live here
   const char* userns_fd = nullptr;     // the sandbox's user namespace, inherited from the node
   const char* uid_base = nullptr;      // host uid (and gid) of the sandbox's root
+  const char* disk = nullptr;          // optional: ext4 file the upper dir lives on (disk_mb)
   const char* layers[kMaxLayers] = {};  // image layer trees, bottom first
   int layer_count = 0;
   char** command = nullptr;            // NULL-terminated, from argv
@@ -100,6 +104,7 @@ bool parse_options(int argc, char** argv, Options* out) {
     if (strcmp(argv[i], "--sandbox-dir") == 0) target = &out->sandbox_dir;
     if (strcmp(argv[i], "--userns-fd") == 0) target = &out->userns_fd;
     if (strcmp(argv[i], "--uid-base") == 0) target = &out->uid_base;
+    if (strcmp(argv[i], "--disk") == 0) target = &out->disk;
     if (strcmp(argv[i], "--layer") == 0) {
       if (out->layer_count == kMaxLayers) return false;
       target = &out->layers[out->layer_count++];
@@ -276,10 +281,49 @@ void mount_layer(const char* tree, int index, int userns_fd) {
   close(tree_fd);
 }
 
+// disk_mb: `image` on a free loop device (released by the kernel with the last mount of it, i.e. when the
+// sandbox's mount namespace goes), its ext4 mounted at `target`; upper/ and work/ are made in it.
+void mount_disk(const char* image, const char* target, uid_t owner) {
+  if (mkdir(target, 0700) != 0 && errno != EEXIST) die("mkdir", target);
+  int control = open("/dev/loop-control", O_RDWR | O_CLOEXEC);
+  if (control < 0) die("open", "/dev/loop-control");
+  for (int attempt = 0;; ++attempt) {
+    int number = ioctl(control, LOOP_CTL_GET_FREE);
+    if (number < 0) die("LOOP_CTL_GET_FREE for", image);
+    char device[32];
+    snprintf(device, sizeof device, "/dev/loop%d", number);
+    int loop = open(device, O_RDWR | O_CLOEXEC);
+    if (loop < 0) die("open", device);
+    int file = open(image, O_RDWR | O_CLOEXEC);
+    if (file < 0) die("open", image);
+    struct loop_config config;
+    memset(&config, 0, sizeof config);
+    config.fd = static_cast<uint32_t>(file);
+    config.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+    int rc = ioctl(loop, LOOP_CONFIGURE, &config);
+    close(file);
+    // EBUSY: another process took that free device first; ask for the next one.
+    if (rc != 0 && (errno != EBUSY || attempt == 16)) die("LOOP_CONFIGURE", device);
+    if (rc == 0) {
+      if (mount(device, target, "ext4", MS_NOSUID | MS_NODEV, nullptr) != 0) die("mount ext4 of", image);
+      close(loop);
+      break;
+    }
+    close(loop);
+  }
+  close(control);
+  char path[64];
+  snprintf(path, sizeof path, "%s/upper", target);
+  make_dir(path, 0755, owner);
+  snprintf(path, sizeof path, "%s/work", target);
+  if (mkdir(path, 0700) != 0 && errno != EEXIST) die("mkdir", path);
+}
+
 // Steps 1-2: the overlay at <sandbox-dir>/root. Relative lowerdir paths (resolved against the cwd, the
 // sandbox dir) keep the option string short even with kMaxLayers layers.
-void mount_root(const Options& opts, int userns_fd) {
+void mount_root(const Options& opts, int userns_fd, uid_t owner) {
   if (chdir(opts.sandbox_dir) != 0) die("chdir", opts.sandbox_dir);
+  if (opts.disk != nullptr) mount_disk(opts.disk, "disk", owner);
   if (mkdir("lower", 0700) != 0 && errno != EEXIST) die("mkdir", "lower");
   for (int i = 0; i < opts.layer_count; ++i) mount_layer(opts.layers[i], i, userns_fd);
   // overlayfs lists the top layer first.
@@ -289,7 +333,8 @@ void mount_root(const Options& opts, int userns_fd) {
     int n = snprintf(options + used, sizeof options - used, "lower/%d%s", i, i > 0 ? ":" : "");
     used += static_cast<size_t>(n);
   }
-  snprintf(options + used, sizeof options - used, ",upperdir=upper,workdir=work");
+  snprintf(options + used, sizeof options - used,
+           opts.disk != nullptr ? ",upperdir=disk/upper,workdir=disk/work" : ",upperdir=upper,workdir=work");
   if (mkdir("root", 0700) != 0 && errno != EEXIST) die("mkdir", "root");
   if (mount("overlay", "root", "overlay", MS_NOSUID | MS_NODEV, options) != 0) die("mount overlay on", "root");
 }
@@ -419,7 +464,7 @@ void set_up_namespaces(const Options& opts) {
   if (*end != '\0' || userns_fd < 0) die("bad --userns-fd", opts.userns_fd);
   unsigned long owner = strtoul(opts.uid_base, &end, 10);
   if (*end != '\0' || owner == 0) die("bad --uid-base", opts.uid_base);
-  mount_root(opts, static_cast<int>(userns_fd));
+  mount_root(opts, static_cast<int>(userns_fd), static_cast<uid_t>(owner));
   if (chdir("root") != 0) die("chdir", "root");
   const HostMounts host = clone_host_mounts(opts);
   enter_root();
@@ -489,7 +534,7 @@ int main(int argc, char** argv) {
   if (!parse_options(argc, argv, &opts)) {
     fprintf(stderr,
             "usage: sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD "
-            "--uid-base UID --layer TREE... [--agent PATH --agent-listen ADDR:PORT] -- CMD [ARGS...]\n");
+            "--uid-base UID --layer TREE... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT] -- CMD [ARGS...]\n");
     return kExitUsage;
   }
   // The log comes first so that every later setup error lands where the sandbox's owner will look.

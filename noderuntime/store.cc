@@ -36,6 +36,7 @@ std::string spec_to_json(const SandboxSpec& spec) {
             {"memory_mb", spec.memory_mb},
             {"image", spec.image},
             {"pids_max", spec.pids_max},
+            {"disk_mb", spec.disk_mb},
             {"uid_base", spec.uid_base},
             {"allow_internet_access", spec.allow_internet_access},
             {"allow_out", spec.allow_out},
@@ -93,6 +94,10 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
   if ((v = field("pids_max"))) {
     if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("pids_max");
     spec.pids_max = static_cast<uint32_t>(v->get<uint64_t>());
+  }
+  if ((v = field("disk_mb"))) {
+    if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("disk_mb");
+    spec.disk_mb = static_cast<uint32_t>(v->get<uint64_t>());
   }
   if ((v = field("uid_base"))) {
     if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("uid_base");

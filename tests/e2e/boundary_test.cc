@@ -141,6 +141,16 @@ TEST(Boundary, AForkBombStopsAtPidsMaxWhileTheNodeAndAnotherSandboxServe) {
   EXPECT_EQ(c.cli("rm bomb").exit_code, 0);
 }
 
+TEST(Boundary, DiskMbStopsWritesWithEnospc) {
+  Cluster c;
+  json box = create_with_agent(c, "box", "--disk-mb 32 -- /bin/sleep 3600");
+  ASSERT_TRUE(box.contains("token"));
+  EXPECT_EQ(c.get("box")["disk_mb"], 32);
+  Exec dd = sh(c, "box", box["token"], "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo dd=$?");
+  EXPECT_NE(dd.out.find("No space left on device"), std::string::npos) << dd.out;
+  EXPECT_NE(dd.out.find("dd=1"), std::string::npos) << dd.out;
+}
+
 TEST(Boundary, TwoSandboxesSeeNeitherTheOthersFilesNorItsProcesses) {
   Cluster c;
   json a = create_with_agent(c, "alpha", "-- /bin/sleep 3601");

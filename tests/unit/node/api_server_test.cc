@@ -363,6 +363,7 @@ TEST_F(ApiServerTest, MalformedBodiesAreExplained) {
       {R"({"command":["ls"],"memory_mb":-1})", "memory_mb"},
       {R"({"command":["ls"],"pids_max":"64"})", "pids_max: must be an integer"},
       {R"({"command":["ls"],"image":7})", "image: must be a string"},
+      {R"({"command":["ls"],"disk_mb":1.5})", "disk_mb: must be an integer"},
       {R"({"command":["ls"],"cpus":"1"})", "cpus: must be a number"},
       {R"({"command":["ls"],"ephemeral":"yes"})", "ephemeral: must be true or false"},
       {R"({"command":["ls"],"name":"Bad"})", "lowercase"},

@@ -849,6 +849,8 @@ TEST_F(NodeTest, RejectsInvalidRequests) {
       {"pids 7", [](CreateRequest& r) { r.pids_max = 7; }, "pids_max: must be between 8 and 4194304"},
       {"pids over", [](CreateRequest& r) { r.pids_max = 4194305; }, "pids_max"},
       {"image empty", [](CreateRequest& r) { r.image = ""; }, "image"},
+      {"disk 15", [](CreateRequest& r) { r.disk_mb = 15; }, "disk_mb: must be 0 (no limit) or between 16"},
+      {"disk negative", [](CreateRequest& r) { r.disk_mb = -1; }, "disk_mb"},
       {"cpus 0", [](CreateRequest& r) { r.cpus = 0; }, "cpus"},
       {"cpus negative", [](CreateRequest& r) { r.cpus = -1; }, "cpus"},
       {"cpus over", [](CreateRequest& r) { r.cpus = 1024.5; }, "cpus"},

@@ -500,6 +500,25 @@ TEST_F(ProcessDriverTest, OutputLogIsCappedAndRotated) {
   EXPECT_GT(previous.st_size, 0);
 }
 
+// disk_mb: what the sandbox writes lives on an ext4 file of that size; a write past it fails with ENOSPC.
+TEST_F(ProcessDriverTest, DiskMbLimitsWhatTheSandboxCanWrite) {
+  SandboxSpec spec = make_spec({"sh", "-c",
+                                "dd if=/dev/zero of=/big bs=1M count=64 2>&1; echo dd=$?; "
+                                "exec sleep 1000"});
+  spec.disk_mb = 16;
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("dd=") != std::string::npos; }, 20s)) << log_of(spec);
+  const std::string log = log_of(spec);
+  EXPECT_NE(log.find("No space left on device"), std::string::npos) << log;
+  EXPECT_NE(log.find("dd=1"), std::string::npos) << log;
+  // The image file on the host stays sparse-sized, and nothing reached a plain upper dir.
+  struct stat st {};
+  ASSERT_EQ(::stat((sandbox_dir(spec) + "/disk.img").c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 16 * 1024 * 1024);
+  EXPECT_FALSE(exists(sandbox_dir(spec) + "/upper/big"));
+}
+
 TEST_F(ProcessDriverTest, HostnameDefaultsToTheId) {
   SandboxSpec spec = make_spec({"sh", "-c", "echo host=$(hostname); exec sleep 1000"});
   auto info = start(spec);

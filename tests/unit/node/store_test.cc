@@ -37,6 +37,7 @@ StoredSandbox sample(const std::string& id, SandboxState state = SandboxState::k
   s.spec.image = "python-3.11";
   s.spec.uid_base = 0x10000000u + 7 * 65536;
   s.spec.pids_max = 4096;
+  s.spec.disk_mb = 2048;
   s.spec.driver = "qemu";
   s.tier = SuspendTier::kDisk;
   s.runtime.driver_data = {{"state_file", "/var/lib/sandgate/sandboxes/" + id + "/state"}, {"qmp", "q\"\n"}};
@@ -69,6 +70,7 @@ void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
   EXPECT_EQ(a.spec.image, b.spec.image);
   EXPECT_EQ(a.spec.uid_base, b.spec.uid_base);
   EXPECT_EQ(a.spec.pids_max, b.spec.pids_max);
+  EXPECT_EQ(a.spec.disk_mb, b.spec.disk_mb);
   EXPECT_EQ(a.spec.driver, b.spec.driver);
   EXPECT_EQ(a.tier, b.tier);
   EXPECT_EQ(a.runtime.driver_data, b.runtime.driver_data);
