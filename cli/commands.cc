@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "cli/api_client.h"
+#include "common/egress_rule.h"
 #include "common/http.h"
 
 namespace sg::cli {
@@ -184,6 +185,18 @@ Result<json> create_request_body(const CreateOptions& opts) {
                   "--driver " + *opts.driver + ": must be one of process, qemu, firecracker, cloud-hypervisor");
     body["driver"] = *opts.driver;
   }
+  if (opts.image) body["image"] = *opts.image;
+  if (opts.pids_max) body["pids_max"] = *opts.pids_max;
+  if (opts.disk_mb) body["disk_mb"] = *opts.disk_mb;
+  if (opts.internet) body["allow_internet_access"] = *opts.internet;
+  for (auto [flag, list, key] : {std::tuple{"--allow-out", &opts.allow_out, "allow_out"},
+                                 std::tuple{"--deny-out", &opts.deny_out, "deny_out"}}) {
+    for (const std::string& entry : *list) {
+      if (auto rule = parse_egress_rule(entry); !rule)
+        return fail(Error::kInvalidArgument, std::string(flag) + " " + entry + ": " + rule.message());
+    }
+    if (!list->empty()) body[key] = *list;
+  }
   if (opts.cpus) body["cpus"] = *opts.cpus;
   if (opts.memory_mb) body["memory_mb"] = *opts.memory_mb;
   if (opts.ephemeral) body["ephemeral"] = true;
@@ -358,6 +371,9 @@ std::string error_message(int status, std::string_view body, const ErrorContext&
   }
   if (error_code == "already_exists")
     return cause + ": choose another --name, or remove the existing sandbox first with `sandgate rm " + ref + "`";
+  // The only thing a create can name that may not exist is its image.
+  if (ctx.command == "create" && error_code == "not_found")
+    return cause + ": `sandgate image ls` lists the images on " + where;
   if (error_code == "not_found" && !ref.empty())
     return cause + ": `sandgate ls` lists the sandboxes on " + where + " (is that the node you meant?)";
   if (ctx.command == "create" && status >= 500)

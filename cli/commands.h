@@ -28,10 +28,16 @@ struct CreateOptions {
   std::optional<uint32_t> timeout_secs;
   std::optional<uint32_t> hibernate_after_secs;
   std::optional<std::string> driver;
+  std::optional<std::string> image;  // the root filesystem's image; default: the node's default_image
   std::vector<std::string> expose;   // --expose PORT[/PROTO]: behind the sandbox token
   std::vector<std::string> publish;  // --public PORT[/PROTO]: no token needed
   std::optional<double> cpus;
   std::optional<uint32_t> memory_mb;
+  std::optional<uint32_t> pids_max;
+  std::optional<uint32_t> disk_mb;
+  std::optional<bool> internet;        // --internet / --no-internet; default: the node's
+  std::vector<std::string> allow_out;  // --allow-out CIDR[:PORT]
+  std::vector<std::string> deny_out;   // --deny-out CIDR[:PORT]
   std::vector<std::string> env;  // "K=V" as given
   std::optional<std::string> cwd;
   std::vector<std::string> command;

@@ -219,8 +219,8 @@ int main(int argc, char** argv) {
 
   sg::cli::CreateOptions create_opts;
   std::string name, cwd;
-  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0;
-  std::string driver;
+  uint32_t timeout_secs = 0, memory_mb = 0, hibernate_after_secs = 0, pids_max = 0, disk_mb = 0;
+  std::string driver, image;
   double cpus = 0;
   CLI::App* create = app.add_subcommand("create", "Create and start a sandbox running CMD");
   auto* name_opt = create->add_option("--name", name, "unique name (used in URLs); default: unnamed");
@@ -231,6 +231,7 @@ int main(int argc, char** argv) {
       "seconds suspended in memory before it is hibernated to disk (0 = never; drivers that can hibernate)");
   auto* driver_opt =
       create->add_option("--driver", driver, "process, qemu, firecracker or cloud-hypervisor (default: the node's)");
+  auto* image_opt = create->add_option("--image", image, "image of the root filesystem (default: the node's)");
   // One port per --expose: a greedy vector option would swallow the command when `--` is forgotten.
   create->add_option("--expose", create_opts.expose,
                      "PORT[/PROTO]: reachable at https://PORT-NAME.DOMAIN with the sandbox token; PROTO is http1 "
@@ -240,6 +241,17 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   auto* cpus_opt = create->add_option("--cpus", cpus, "CPU limit, in CPUs (e.g. 0.5)");
   auto* memory_opt = create->add_option("--memory-mb", memory_mb, "memory limit in MiB");
+  auto* disk_opt = create->add_option("--disk-mb", disk_mb, "most MiB the sandbox may write (default: no limit)");
+  auto* pids_opt = create->add_option("--pids-max", pids_max, "most processes and threads at once (default: the node's)");
+  bool internet = false, no_internet = false;
+  auto* internet_opt = create->add_flag("--internet", internet, "outbound network access (default: the node's)");
+  auto* no_internet_opt = create->add_flag("--no-internet", no_internet, "only the sandbox's own loopback");
+  internet_opt->excludes(no_internet_opt);
+  create->add_option("--allow-out", create_opts.allow_out,
+                     "CIDR[:PORT]: with --internet, reach only these (repeatable)")
+      ->allow_extra_args(false);
+  create->add_option("--deny-out", create_opts.deny_out, "CIDR[:PORT]: with --internet, never reach these (repeatable)")
+      ->allow_extra_args(false);
   create->add_option("--env", create_opts.env, "environment variable KEY=VALUE (repeatable)")
       ->allow_extra_args(false);
   auto* cwd_opt = create->add_option("--cwd", cwd, "working directory of CMD");
@@ -409,6 +421,11 @@ int main(int argc, char** argv) {
     if (timeout_opt->count() > 0) create_opts.timeout_secs = timeout_secs;
     if (hibernate_opt->count() > 0) create_opts.hibernate_after_secs = hibernate_after_secs;
     if (driver_opt->count() > 0) create_opts.driver = driver;
+    if (image_opt->count() > 0) create_opts.image = image;
+    if (pids_opt->count() > 0) create_opts.pids_max = pids_max;
+    if (disk_opt->count() > 0) create_opts.disk_mb = disk_mb;
+    if (internet_opt->count() > 0) create_opts.internet = true;
+    if (no_internet_opt->count() > 0) create_opts.internet = false;
     if (cpus_opt->count() > 0) create_opts.cpus = cpus;
     if (memory_opt->count() > 0) create_opts.memory_mb = memory_mb;
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;

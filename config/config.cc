@@ -258,6 +258,15 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.integer("default_hibernate_after_secs", &out->default_hibernate_after_secs, 0, 365 * 24 * 3600);
   r.string("agent_path", &out->agent_path);
   out->agent_path = resolve_path(base_dir, out->agent_path);
+  r.string("images_dir", &out->images_dir);
+  out->images_dir = resolve_path(base_dir, out->images_dir);
+  r.string("default_image", &out->default_image);
+  // 2^32 host ids: the last slot must end below 2^32 - 1 (the kernel's invalid id), with room for a few
+  // thousand sandboxes above the base.
+  r.integer("uid_range_base", &out->uid_range_base, 1u << 20, 0xC0000000u);
+  r.integer("default_pids_max", &out->default_pids_max, kMinPidsMax, kMaxPidsMax);
+  // At least sandgate-init's relay chunk (64 KiB), so one chunk never overshoots the cap.
+  r.integer("log_max_bytes", &out->log_max_bytes, 64 * 1024, 1024 * 1024 * 1024);
   r.boolean("default_allow_internet_access", &out->default_allow_internet_access);
   r.string("egress_bridge", &out->egress_bridge);
   if (out->egress_bridge.empty() || out->egress_bridge.size() > 8)
@@ -325,6 +334,8 @@ std::string NodeConfig::guest_kernel_file() const {
 std::string NodeConfig::guest_initrd_file() const {
   return guest_initrd.empty() ? state_dir + "/guest/initrd.img" : guest_initrd;
 }
+
+std::string NodeConfig::images_root() const { return images_dir.empty() ? state_dir : images_dir; }
 
 uint16_t Config::url_port() const {
   if (proxy.public_port != 0) return proxy.public_port;

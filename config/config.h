@@ -50,6 +50,11 @@ struct ProxyConfig {
   std::string group;
 };
 
+// Bounds of a sandbox's pids limit (node.default_pids_max, the create's pids_max): room for its init, agent
+// and command at least; at most the kernel's PID_MAX_LIMIT.
+inline constexpr int64_t kMinPidsMax = 8;
+inline constexpr int64_t kMaxPidsMax = 4'194'304;
+
 struct NodeConfig {
   std::string state_dir = "/var/lib/sandgate";
   std::vector<Endpoint> api_listen;     // extra TCP listeners for the node API (loopback); unix socket always
@@ -69,6 +74,20 @@ struct NodeConfig {
   uint32_t suspend_timeout_ms = 10'000;  // a freeze that does not complete by then fails the transition
   // sandgate-agent, started inside every process sandbox on Config::agent_port; empty = next to sandgate-node.
   std::string agent_path;
+  // Images (snapshot/image_store.h) live in <images_dir>/images and their layers in <images_dir>/layers;
+  // empty = the state dir. Several nodes may share one (the e2e tests do).
+  std::string images_dir;
+  // The image a sandbox's root filesystem comes from when the create names none. It must exist at create.
+  std::string default_image = "default";
+  // Process sandboxes run in a user namespace each: sandbox uid/gid 0-65535 map to host ids
+  // uid_range_base + slot * 65536 + [0, 65536), one slot per sandbox. Far from /etc/subuid's ranges (which
+  // start at 100000 and grow by 65536 per user), so no host user's ids are ever a sandbox's.
+  uint32_t uid_range_base = 0x10000000;
+  // pids.max of a sandbox whose create sets no pids_max: processes and threads it may have at once.
+  uint32_t default_pids_max = 1024;
+  // A process sandbox's output.log on the host: past this many bytes it becomes output.log.1 (replacing the
+  // one before) and starts again empty, so one sandbox's output takes at most twice this on disk.
+  uint32_t log_max_bytes = 8 * 1024 * 1024;
   // Egress (noderuntime/egress.h, docs/egress.md): what a create without "allow_internet_access" gets, the
   // bridge and subnet sandboxes with internet access are attached to, and "CIDR[:PORT]" entries every such
   // sandbox is denied on top of its own deny_out (link-local, the metadata range, always is).
@@ -97,6 +116,8 @@ struct NodeConfig {
   // guest_kernel / guest_initrd with their defaults applied.
   std::string guest_kernel_file() const;
   std::string guest_initrd_file() const;
+  // images_dir with its default applied.
+  std::string images_root() const;
 };
 
 struct Config {

@@ -179,7 +179,8 @@ Result<CreateRequest::Port> parse_port_entry(const json& entry) {
 Result<CreateRequest> parse_create(const json& body) {
   constexpr std::string_view kAllowed =
       "name, command, env, cwd, exposed_ports, ports, allow_unauthenticated_access, timeout_secs, "
-      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver";
+      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max, disk_mb, "
+      "allow_internet_access, allow_out, deny_out";
   CreateRequest req;
   bool has_command = false;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -221,19 +222,35 @@ Result<CreateRequest> parse_create(const json& body) {
     } else if (key == "allow_unauthenticated_access") {
       if (!v.is_boolean()) return wrong_type(key, "true or false", v);
       req.allow_unauthenticated_access = v.get<bool>();
-    } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs") {
+    } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs" || key == "pids_max" ||
+               key == "disk_mb") {
       if (!v.is_number_integer()) return wrong_type(key, "an integer", v);
-      (key == "timeout_secs" ? req.timeout_secs : key == "memory_mb" ? req.memory_mb : req.hibernate_after_secs) =
-          as_int64(v);
+      (key == "timeout_secs"  ? req.timeout_secs
+       : key == "memory_mb"   ? req.memory_mb
+       : key == "pids_max"    ? req.pids_max
+       : key == "disk_mb"     ? req.disk_mb
+                              : req.hibernate_after_secs) = as_int64(v);
     } else if (key == "driver") {
       if (!v.is_string()) return wrong_type(key, "a string", v);
       req.driver = v.get<std::string>();
+    } else if (key == "image") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.image = v.get<std::string>();
     } else if (key == "cpus") {
       if (!v.is_number()) return wrong_type(key, "a number", v);
       req.cpus = v.get<double>();
     } else if (key == "ephemeral") {
       if (!v.is_boolean()) return wrong_type(key, "true or false", v);
       req.ephemeral = v.get<bool>();
+    } else if (key == "allow_internet_access") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.allow_internet_access = v.get<bool>();
+    } else if (key == "allow_out" || key == "deny_out") {
+      if (!v.is_array()) return wrong_type(key, "an array of strings", v);
+      for (const json& entry : v) {
+        if (!entry.is_string()) return wrong_type(key + "[]", "a string", entry);
+        (key == "allow_out" ? req.allow_out : req.deny_out).push_back(entry.get<std::string>());
+      }
     } else {
       return unknown_field(key, kAllowed);
     }
@@ -977,6 +994,12 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"hibernate_after_secs", info.spec.hibernate_after_secs},
       {"cpus", info.spec.cpus},
       {"memory_mb", info.spec.memory_mb},
+      {"image", info.spec.image},
+      {"pids_max", info.spec.pids_max},
+      {"disk_mb", info.spec.disk_mb},
+      {"allow_internet_access", info.spec.allow_internet_access},
+      {"allow_out", info.spec.allow_out},
+      {"deny_out", info.spec.deny_out},
       {"pid", info.runtime.pid > 0 ? ordered_json(info.runtime.pid) : ordered_json(nullptr)},
       {"created_at", format_time(info.created_at_ms)},
       {"last_activity_at", format_time(info.last_activity_at_ms)},

@@ -156,6 +156,7 @@ std::string CgroupDetection::describe() const {
   out += line("freeze", freeze, "none (pause unsupported)");
   out += line("memory limit", memory, "none (memory limits not enforced)");
   out += line("cpu limit", cpu, "none (cpu limits not enforced)");
+  out += line("pids limit", pids, "none (process counts not limited)");
   out += "kill: ";
   out += mounts.v2_mount.empty() ? "SIGKILL each pid in cgroup.procs" : "cgroup.kill, else SIGKILL each pid";
   return out;
@@ -197,6 +198,7 @@ CgroupDetection choose_cgroup_features(CgroupMounts mounts, std::vector<std::str
   d.freeze = pick(has_v2, "freezer");
   d.memory = pick(has_v2 && contains(d.v2_controllers, "memory"), "memory");
   d.cpu = pick(has_v2 && contains(d.v2_controllers, "cpu"), "cpu");
+  d.pids = pick(has_v2 && contains(d.v2_controllers, "pids"), "pids");
   return d;
 }
 
@@ -315,6 +317,10 @@ std::string SandboxCgroup::memory_limit_file() const {
   return {};
 }
 
+std::string SandboxCgroup::pids_max_file() const {
+  return pids_.version == CgroupVersion::kNone ? std::string() : join_path(pids_.dir, "pids.max");
+}
+
 std::string SandboxCgroup::cpu_quota_file() const {
   switch (cpu_.version) {
     case CgroupVersion::kV2: return join_path(cpu_.dir, "cpu.max");
@@ -329,7 +335,7 @@ CgroupManager::CgroupManager(CgroupDetection detection, std::string parent_name)
 
 std::vector<std::string> CgroupManager::mounts_in_use() const {
   std::vector<std::string> mounts;
-  for (const CgroupFeature* f : {&detection_.freeze, &detection_.memory, &detection_.cpu}) {
+  for (const CgroupFeature* f : {&detection_.freeze, &detection_.memory, &detection_.cpu, &detection_.pids}) {
     if (f->version != CgroupVersion::kNone && !contains(mounts, f->mount)) mounts.push_back(f->mount);
   }
   return mounts;
@@ -350,7 +356,8 @@ SandboxCgroup CgroupManager::sandbox(const std::string& id) const {
   cg.freezer_ = place(detection_.freeze);
   cg.memory_ = place(detection_.memory);
   cg.cpu_ = place(detection_.cpu);
-  for (const auto* p : {&cg.freezer_, &cg.memory_, &cg.cpu_}) {
+  cg.pids_ = place(detection_.pids);
+  for (const auto* p : {&cg.freezer_, &cg.memory_, &cg.cpu_, &cg.pids_}) {
     if (p->version == CgroupVersion::kV2) cg.v2_dir_ = p->dir;
   }
   for (const auto& mount : mounts_in_use()) cg.dirs_.push_back(join_path(join_path(mount, parent_name_), id));
@@ -363,6 +370,7 @@ Status CgroupManager::prepare_parents(const std::string& mount) const {
   if (mount == detection_.mounts.v2_mount) {
     if (detection_.memory.version == CgroupVersion::kV2) enable += "+memory ";
     if (detection_.cpu.version == CgroupVersion::kV2) enable += "+cpu ";
+    if (detection_.pids.version == CgroupVersion::kV2) enable += "+pids ";
   }
   if (!enable.empty()) enable.pop_back();
 
@@ -378,7 +386,8 @@ Status CgroupManager::prepare_parents(const std::string& mount) const {
   return {};
 }
 
-Result<SandboxCgroup> CgroupManager::create(const std::string& id, double cpus, uint32_t memory_mb) const {
+Result<SandboxCgroup> CgroupManager::create(const std::string& id, double cpus, uint32_t memory_mb,
+                                            uint32_t pids_max) const {
   if (id.empty() || id.find('/') != std::string::npos || id == "." || id == "..")
     return fail(Error::kInvalidArgument, "cgroup: invalid sandbox id \"" + id + "\"");
   SandboxCgroup cg = sandbox(id);
@@ -395,6 +404,10 @@ Result<SandboxCgroup> CgroupManager::create(const std::string& id, double cpus, 
   if (memory_mb > 0 && cg.memory_.version != CgroupVersion::kNone) {
     const std::string bytes = std::to_string(static_cast<uint64_t>(memory_mb) * 1024 * 1024);
     if (Status s = write_file(cg.memory_limit_file(), bytes); !s) return undo(s.failure());
+  }
+
+  if (pids_max > 0 && cg.pids_.version != CgroupVersion::kNone) {
+    if (Status s = write_file(cg.pids_max_file(), std::to_string(pids_max)); !s) return undo(s.failure());
   }
 
   if (cpus > 0 && cg.cpu_.version != CgroupVersion::kNone) {

@@ -39,6 +39,7 @@ struct CgroupDetection {
   CgroupFeature freeze;
   CgroupFeature memory;
   CgroupFeature cpu;
+  CgroupFeature pids;  // pids.max: the process-count limit (a fork bomb stops there)
 
   // One human-readable line per feature, e.g. "freeze: v2 /sys/fs/cgroup/unified".
   std::string describe() const;
@@ -78,6 +79,7 @@ class SandboxCgroup {
   std::string freezer_state_file() const;  // cgroup.events (v2) or freezer.state (v1)
   std::string memory_limit_file() const;   // memory.max (v2) or memory.limit_in_bytes (v1)
   std::string cpu_quota_file() const;      // cpu.max (v2) or cpu.cfs_quota_us (v1)
+  std::string pids_max_file() const;       // pids.max (v1 and v2)
 
  private:
   friend class CgroupManager;
@@ -90,6 +92,7 @@ class SandboxCgroup {
   Placement freezer_;
   Placement memory_;
   Placement cpu_;
+  Placement pids_;
   std::vector<std::string> dirs_;
 };
 
@@ -101,9 +104,9 @@ class CgroupManager {
   const CgroupDetection& detection() const { return detection_; }
   // The cgroup of sandbox `id` whether or not it exists (used for sandboxes adopted after a restart).
   SandboxCgroup sandbox(const std::string& id) const;
-  // Creates the directories (and missing parents) and applies the limits. cpus <= 0 or memory_mb == 0 means
-  // unlimited. On failure nothing created for `id` is left behind.
-  Result<SandboxCgroup> create(const std::string& id, double cpus, uint32_t memory_mb) const;
+  // Creates the directories (and missing parents) and applies the limits. cpus <= 0, memory_mb == 0 or
+  // pids_max == 0 means unlimited. On failure nothing created for `id` is left behind.
+  Result<SandboxCgroup> create(const std::string& id, double cpus, uint32_t memory_mb, uint32_t pids_max = 0) const;
   // <mount>/<parent_name> of every hierarchy in use.
   std::vector<std::string> parent_dirs() const;
 

@@ -163,16 +163,16 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot open the state database: {}", store.message());
     return 1;
   }
-  // Images and their layers live under the state dir (snapshot/image_store.h); opening collects layers an
-  // interrupted import left unreferenced. Opened before the drivers: the QEMU driver boots disks made of them.
-  auto images = sg::snapshot::ImageStore::open(c.node.state_dir);
+  // Images and their layers (snapshot/image_store.h); opening collects layers an interrupted import left
+  // unreferenced. Opened before the drivers: process sandboxes' root filesystems and QEMU disks come from it.
+  auto images = sg::snapshot::ImageStore::open(c.node.images_root());
   if (!images) {
     spdlog::critical("cannot open the image store: {}", images.message());
     return 1;
   }
   sg::snapshot::ImageStore* image_store = images->get();
   std::vector<std::unique_ptr<sg::Driver>> drivers;
-  auto process_driver = sg::make_process_driver(d.loop, c.node);
+  auto process_driver = sg::make_process_driver(d.loop, c.node, image_store);
   if (!process_driver) {
     spdlog::critical("cannot initialise the process driver: {}", process_driver.message());
     return 1;
@@ -206,6 +206,7 @@ int main(int argc, char** argv) {
     drivers.push_back(sg::make_cloud_hypervisor_driver(d.loop, std::move(ch)));
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
+  d.node->set_images(image_store);
   if (auto s = d.node->load_operator_token(c); !s) {
     spdlog::critical("{}", s.message());
     return 1;

@@ -17,6 +17,7 @@
 
 #include "common/operator_token.h"
 #include "common/token_digest.h"
+#include "noderuntime/egress.h"
 #include "noderuntime/names.h"
 #include "noderuntime/state_machine.h"
 #include "noderuntime/uv_handles.h"
@@ -29,6 +30,9 @@ using S = SandboxState;
 
 constexpr int64_t kMinMemoryMb = 16;
 constexpr int64_t kMaxMemoryMb = 1024 * 1024;
+// An ext4 file smaller than this has no room for its own metadata and a few files.
+constexpr int64_t kMinDiskMb = 16;
+constexpr int64_t kMaxDiskMb = 16 * 1024 * 1024;
 constexpr double kMaxCpus = 1024;
 // A terminate that hangs must not keep the daemon from exiting; whatever is left is adopted next start.
 constexpr uint64_t kShutdownTerminateTimeoutMs = 15'000;
@@ -286,7 +290,58 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   int64_t memory = req.memory_mb.value_or(spec.memory_mb);
   if (memory < kMinMemoryMb || memory > kMaxMemoryMb) return invalid("memory_mb: must be between 16 and 1048576");
   spec.memory_mb = static_cast<uint32_t>(memory);
+  int64_t pids = req.pids_max.value_or(cfg->node.default_pids_max);
+  if (pids < kMinPidsMax || pids > kMaxPidsMax)
+    return invalid("pids_max: must be between " + std::to_string(kMinPidsMax) + " and " + std::to_string(kMaxPidsMax));
+  spec.pids_max = static_cast<uint32_t>(pids);
+  int64_t disk = req.disk_mb.value_or(0);
+  if (disk != 0 && (disk < kMinDiskMb || disk > kMaxDiskMb))
+    return invalid("disk_mb: must be 0 (no limit) or between " + std::to_string(kMinDiskMb) + " and " +
+                   std::to_string(kMaxDiskMb));
+  spec.disk_mb = static_cast<uint32_t>(disk);
+  spec.allow_internet_access = req.allow_internet_access.value_or(cfg->node.default_allow_internet_access);
+  if (auto policy = make_egress_policy(spec.allow_internet_access, req.allow_out, req.deny_out); !policy)
+    return invalid(policy.message());
+  if (spec.allow_internet_access && spec.driver != "process")
+    return invalid("allow_internet_access: only process sandboxes can have it on this node (driver '" + spec.driver +
+                   "' has user networking with restrict=on)");
+  spec.allow_out = req.allow_out;
+  spec.deny_out = req.deny_out;
+  spec.image = req.image.value_or(cfg->node.default_image);
+  if (spec.image.empty() || has_nul(spec.image)) return invalid("image: must be a non-empty image name");
+  if (images_ != nullptr) {
+    auto image = images_->get(spec.image);
+    if (!image) {
+      if (image.error() != Error::kNotFound) return image.failure();
+      std::string msg = "image: no image '" + spec.image + "' on this node";
+      if (!req.image)
+        msg += " (node.default_image); build it with `sandgate image build " + spec.image +
+               " --packages python3` or import one with `sandgate image import FILE.tar " + spec.image + "`";
+      return fail(Error::kNotFound, msg);
+    }
+    // The image's config is the default; what the request sets wins.
+    for (const std::string& kv : image->config.env) {
+      size_t eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0) continue;
+      spec.env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+    if (!req.cwd && !image->config.working_dir.empty() && image->config.working_dir.front() == '/')
+      spec.cwd = image->config.working_dir;
+  }
   return spec;
+}
+
+Result<uint32_t> Node::allocate_uid_base() const {
+  auto cfg = config_->get();
+  std::set<uint32_t> used;
+  for (const auto& [id, sb] : sandboxes_) used.insert(sb->rec.spec.uid_base);
+  const uint64_t slots = ((uint64_t{1} << 32) - 1 - cfg->node.uid_range_base) / kUidRangeSize;
+  for (uint64_t slot = 0; slot < slots; ++slot) {
+    const auto base = static_cast<uint32_t>(cfg->node.uid_range_base + slot * kUidRangeSize);
+    if (used.count(base) == 0) return base;
+  }
+  return fail(Error::kLimitExceeded, "every uid range above node.uid_range_base is in use (" + std::to_string(slots) +
+                                         " sandboxes)");
 }
 
 void Node::create(const CreateRequest& request, SandboxCallback done) {
@@ -307,6 +362,9 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   } while (sandboxes_.count(spec->id) != 0);
   std::string token = generate_token();
   spec->token_sha256 = token_digest(token);
+  auto uid_base = allocate_uid_base();
+  if (!uid_base) return done(uid_base.failure());
+  spec->uid_base = *uid_base;
 
   std::error_code ec;
   std::string parent = cfg->node.state_dir + "/sandboxes";

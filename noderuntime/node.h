@@ -38,6 +38,7 @@
 #include "noderuntime/idle_tracker.h"
 #include "noderuntime/sandbox.h"
 #include "noderuntime/store.h"
+#include "snapshot/image_store.h"
 
 namespace sg {
 
@@ -62,6 +63,12 @@ struct CreateRequest {
   std::optional<double> cpus;
   std::optional<int64_t> memory_mb;
   bool ephemeral = false;
+  std::optional<std::string> image;  // default: node.default_image
+  std::optional<int64_t> pids_max;   // default: node.default_pids_max
+  std::optional<int64_t> disk_mb;    // default: 0, no limit
+  std::optional<bool> allow_internet_access;  // default: node.default_allow_internet_access
+  std::vector<std::string> allow_out;         // "CIDR[:PORT]"; need internet access
+  std::vector<std::string> deny_out;
 };
 
 // A consistent snapshot of one sandbox for answers (the record may change right after).
@@ -187,6 +194,10 @@ class Node {
   // group or others is an error, and the current token stays. Called at start (before serving) and by a
   // config reload before it swaps in the new config, so a rotated token file takes effect on SIGHUP.
   Status load_operator_token(const Config& config);
+  // Where create looks up the image a sandbox runs on (it must exist; its env and working_dir are the
+  // defaults the request overrides). Without a store (unit tests of the state machine) the name is recorded
+  // as given. `images` must outlive the Node.
+  void set_images(const snapshot::ImageStore* images) { images_ = images; }
 
   // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
   // started it, or the error; it runs before create() returns when validation fails.
@@ -254,6 +265,8 @@ class Node {
   Result<Sandbox*> find_usable(std::string_view ref) const;
   SandboxInfo snapshot(const Sandbox& sb) const;
   Result<SandboxSpec> validate(const CreateRequest& request) const;
+  // The lowest uid range (node.uid_range_base + slot * kUidRangeSize) no sandbox of this node holds.
+  Result<uint32_t> allocate_uid_base() const;
   Driver& driver(const Sandbox& sb) const;
   Driver* find_driver(std::string_view name) const;
 
@@ -307,6 +320,7 @@ class Node {
   const ConfigHolder* config_;
   std::vector<std::unique_ptr<Driver>> drivers_;
   std::unique_ptr<Store> store_;
+  const snapshot::ImageStore* images_ = nullptr;
   IdleTracker idle_;
   uv_timer_t* idle_timer_;
   std::optional<IdleTracker::TimePoint> idle_timer_due_;  // when idle_timer_ fires; nullopt if stopped

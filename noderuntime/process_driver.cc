@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sched.h>
+#include <spawn.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -20,8 +21,10 @@
 
 #include "common/log.h"
 #include "noderuntime/cgroup.h"
+#include "noderuntime/egress.h"
 #include "noderuntime/companion_files.h"
 #include "noderuntime/uv_handles.h"
+#include "snapshot/image_store.h"
 
 namespace sg {
 namespace {
@@ -157,6 +160,56 @@ std::string find_agent(const NodeConfig& cfg) {
   return agent.path;
 }
 
+// The sandbox's user namespace: sandbox ids [0, kUidRangeSize) are host ids [uid_base, uid_base +
+// kUidRangeSize). A short-lived child creates it (a namespace is made by entering it); the node writes the
+// maps as host root and keeps a descriptor, which holds the namespace after the child is gone.
+Result<UniqueFd> make_user_namespace(uint32_t uid_base) {
+  int hold[2];
+  if (::pipe2(hold, O_CLOEXEC) != 0) return fail_errno("pipe2", errno);
+  UniqueFd hold_read(hold[0]), hold_write(hold[1]);
+  long ret = ::syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, nullptr, nullptr, nullptr, nullptr);
+  if (ret < 0) return fail_errno("clone a user namespace", errno);
+  if (ret == 0) {
+    // Async-signal-safe only (see exec_init_in_child): wait for the parent to be done with the maps.
+    ::close(hold[1]);
+    char byte;
+    while (::read(hold[0], &byte, 1) < 0 && errno == EINTR) {
+    }
+    ::_exit(0);
+  }
+  const int pid = static_cast<int>(ret);
+  hold_read.reset();
+  auto finish = [&](Result<UniqueFd> r) {
+    hold_write.reset();  // EOF lets the child exit
+    while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    return r;
+  };
+  const std::string map = "0 " + std::to_string(uid_base) + " " + std::to_string(kUidRangeSize) + "\n";
+  for (const char* file : {"uid_map", "gid_map"}) {
+    const std::string path = "/proc/" + std::to_string(pid) + "/" + file;
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd.valid()) return finish(fail_errno("open " + path, errno));
+    if (::write(fd.get(), map.data(), map.size()) != static_cast<ssize_t>(map.size()))
+      return finish(fail_errno("write " + path, errno));
+  }
+  const std::string ns = "/proc/" + std::to_string(pid) + "/ns/user";
+  UniqueFd fd(::open(ns.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return finish(fail_errno("open " + ns, errno));
+  return finish(std::move(fd));
+}
+
+// The per-sandbox half of the overlay: upper/ holds what the sandbox writes (owned by its root, so its
+// root directory is the sandbox's own), work/ is overlayfs's scratch space. Both persist across restarts of
+// the sandbox, so files survive them; lower/ and root/ are only mount points in the sandbox's namespace.
+Status prepare_root_dirs(const std::string& sandbox_dir, uint32_t uid_base) {
+  const std::string upper = sandbox_dir + "/upper";
+  if (::mkdir(upper.c_str(), 0755) != 0 && errno != EEXIST) return fail_errno("mkdir " + upper, errno);
+  if (::chown(upper.c_str(), uid_base, uid_base) != 0) return fail_errno("chown " + upper, errno);
+  const std::string work = sandbox_dir + "/work";
+  if (::mkdir(work.c_str(), 0700) != 0 && errno != EEXIST) return fail_errno("mkdir " + work, errno);
+  return {};
+}
 
 // argv/envp as the C arrays execve() wants. Built before forking: the child may only make
 // async-signal-safe calls, which rules out allocating.
@@ -173,10 +226,44 @@ class CStringArray {
   std::vector<char*> pointers_;
 };
 
+// disk_mb: the upper dir lives on <sandbox_dir>/disk.img, a sparse ext4 file of that size whose root the
+// sandbox's root owns (sandgate-init mounts it through a loop device in the sandbox's namespace), so writes
+// past the size fail with ENOSPC. Made once; later starts of the sandbox reuse it, files included.
+Status prepare_disk(const std::string& sandbox_dir, uint32_t disk_mb, uint32_t uid_base) {
+  const std::string image = sandbox_dir + "/disk.img";
+  struct stat st;
+  if (::stat(image.c_str(), &st) == 0) return {};
+  const std::string staging = image + ".new";
+  {
+    UniqueFd fd(::open(staging.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!fd.valid()) return fail_errno("create " + staging, errno);
+    if (::ftruncate(fd.get(), static_cast<off_t>(disk_mb) * 1024 * 1024) != 0)
+      return fail_errno("size " + staging, errno);
+  }
+  const std::string owner = "root_owner=" + std::to_string(uid_base) + ":" + std::to_string(uid_base);
+  std::vector<std::string> args = {"mkfs.ext4", "-q", "-F", "-E", owner, staging};
+  const CStringArray argv(std::move(args));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t pid = 0;
+  int rc = ::posix_spawnp(&pid, "mkfs.ext4", &actions, nullptr, argv.get(), ::environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return fail_errno("run mkfs.ext4 (e2fsprogs)", rc);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return fail(Error::kIo, "mkfs.ext4 " + staging + " failed (wait status " + std::to_string(status) + ")");
+  if (::rename(staging.c_str(), image.c_str()) != 0) return fail_errno("rename " + staging, errno);
+  return {};
+}
+
 // Runs in the freshly cloned child, which is PID 1 of the new PID namespace. Only async-signal-safe calls:
 // the parent may have had other threads holding locks (malloc's included) at the time of the clone.
-[[noreturn]] void exec_init_in_child(int go_read, int go_write, int error_read, int error_write, const char* path,
-                                     char* const* argv, char* const* envp) {
+[[noreturn]] void exec_init_in_child(int go_read, int go_write, int error_read, int error_write, int userns_fd,
+                                     const char* path, char* const* argv, char* const* envp) {
   ::close(go_write);  // else this process would keep its own "go" pipe open and never see the parent die
   ::close(error_read);
   // A new session: a Ctrl-C (or hangup) on the node's terminal must never reach the sandbox.
@@ -192,6 +279,8 @@ class CStringArray {
   ::sigprocmask(SIG_SETMASK, &no_signals, nullptr);
   // None of the node's descriptors (listeners, the state database, ...) may leak into the sandbox.
   ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
+  // ...except the user namespace, which sandgate-init enters once the root filesystem is built.
+  if (::fcntl(userns_fd, F_SETFD, 0) != 0) ::_exit(kChildAborted);
 
   char go = 0;
   ssize_t n;
@@ -207,16 +296,29 @@ class CStringArray {
   ::_exit(kChildExecFailed);
 }
 
+EgressOptions egress_options(const NodeConfig& cfg) {
+  EgressOptions options;
+  options.bridge = cfg.egress_bridge;
+  options.table = cfg.egress_bridge;  // one table per bridge: two nodes on one host keep apart
+  if (auto subnet = parse_egress_rule(cfg.egress_subnet)) options.subnet = *subnet;  // checked at config load
+  return options;
+}
+
 class ProcessDriver final : public Driver {
  public:
-  ProcessDriver(uv_loop_t* loop, const NodeConfig& cfg, CgroupManager cgroups, std::string init_path,
-                std::string agent_path, UniqueFd host_netns)
+  ProcessDriver(uv_loop_t* loop, const NodeConfig& cfg, snapshot::ImageStore* images, CgroupManager cgroups,
+                std::string init_path, std::string agent_path, UniqueFd host_netns)
       : loop_(loop),
+        images_(images),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
+        log_max_bytes_(cfg.log_max_bytes),
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
-        host_netns_(std::move(host_netns)) {}
+        host_netns_(std::move(host_netns)),
+        uid_range_base_(cfg.uid_range_base),
+        egress_options_(egress_options(cfg)),
+        node_deny_out_(cfg.deny_out) {}
 
   ~ProcessDriver() override {
     // Pending callbacks are dropped: their owners are being torn down along with the driver.
@@ -305,7 +407,9 @@ class ProcessDriver final : public Driver {
   }
 
   Result<RuntimeInfo> start_now(const SandboxSpec& spec, const std::string& sandbox_dir);
-  Result<int> spawn_init(const SandboxSpec& spec, const std::string& log_path, const SandboxCgroup& cgroup);
+  Result<int> spawn_init(const SandboxSpec& spec, const std::string& sandbox_dir, const SandboxCgroup& cgroup);
+  // The image's layer trees, bottom first.
+  Result<std::vector<std::string>> layer_trees(const SandboxSpec& spec);
   Operation* add_operation(OpKind kind, const SandboxSpec& spec, Done done);
   void step(Operation* op);
   void step_freeze(Operation* op);
@@ -316,11 +420,22 @@ class ProcessDriver final : public Driver {
   void stop_watch(const std::string& sandbox_id);
 
   uv_loop_t* loop_;
+  snapshot::ImageStore* images_;
   uint32_t suspend_timeout_ms_;
+  uint32_t log_max_bytes_;
   CgroupManager cgroups_;
   std::string init_path_;
   std::string agent_path_;  // empty: no agent found, sandboxes run without one
   UniqueFd host_netns_;
+  // Internet access: the bridge and table are made when the first sandbox with it starts (a node whose
+  // sandboxes have none never touches the host's networking).
+  Result<Egress*> egress();
+  Status attach_egress(const SandboxSpec& spec, int pid);
+  uint32_t egress_slot(const SandboxSpec& spec) const { return (spec.uid_base - uid_range_base_) / kUidRangeSize; }
+  uint32_t uid_range_base_;
+  EgressOptions egress_options_;
+  std::vector<std::string> node_deny_out_;
+  std::unique_ptr<Egress> egress_;
   std::vector<std::unique_ptr<Operation>> ops_;
   std::map<std::string, std::unique_ptr<ExitWatch>> watches_;
   std::map<std::string, Netns> netns_;
@@ -370,12 +485,18 @@ Result<RuntimeInfo> ProcessDriver::start_now(const SandboxSpec& spec, const std:
   if (spec.command.empty()) return with_context(spec.id, fail(Error::kInvalidArgument, "empty command"));
   if (sandbox_dir.empty()) return with_context(spec.id, fail(Error::kInvalidArgument, "empty sandbox_dir"));
   if (Status s = make_dirs(sandbox_dir, 0700); !s) return with_context(spec.id, s.failure());
+  if (spec.uid_base == 0)
+    return with_context(spec.id, fail(Error::kInvalidArgument, "no uid range (created before user namespaces)"));
+  if (Status s = spec.disk_mb > 0 ? prepare_disk(sandbox_dir, spec.disk_mb, spec.uid_base)
+                                  : prepare_root_dirs(sandbox_dir, spec.uid_base);
+      !s)
+    return with_context(spec.id, s.failure());
   netns_.erase(spec.id);  // a namespace cached for an earlier instance of this sandbox is not this one's
 
-  auto cgroup = cgroups_.create(spec.id, spec.cpus, spec.memory_mb);
+  auto cgroup = cgroups_.create(spec.id, spec.cpus, spec.memory_mb, spec.pids_max);
   if (!cgroup) return with_context(spec.id, cgroup.failure());
 
-  auto pid = spawn_init(spec, sandbox_dir + "/output.log", *cgroup);
+  auto pid = spawn_init(spec, sandbox_dir, *cgroup);
   if (!pid) {
     (void)cgroup->remove();  // best effort: the spawn failure is the error worth reporting
     return with_context(spec.id, pid.failure());
@@ -393,11 +514,43 @@ Result<RuntimeInfo> ProcessDriver::start_now(const SandboxSpec& spec, const std:
   return RuntimeInfo{.pid = *pid, .start_time_ticks = st->start_time_ticks, .sandbox_dir = sandbox_dir, .driver_data = {}};
 }
 
-Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string& log_path,
+Result<std::vector<std::string>> ProcessDriver::layer_trees(const SandboxSpec& spec) {
+  if (spec.image.empty()) return fail(Error::kInvalidArgument, "no image (created before images existed)");
+  auto image = images_->get(spec.image);
+  if (!image) return fail(image.error(), "image '" + spec.image + "': " + image.message());
+  std::vector<std::string> trees;
+  for (const std::string& digest : image->layers) {
+    if (!images_->layers().contains(digest))
+      return fail(Error::kNotFound, "image '" + spec.image + "': layer " + digest + " is not in the store");
+    trees.push_back(images_->layers().tree_path(digest));
+  }
+  if (trees.empty()) return fail(Error::kInvalidArgument, "image '" + spec.image + "' has no layers");
+  return trees;
+}
+
+Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string& sandbox_dir,
                                       const SandboxCgroup& cgroup) {
-  std::vector<std::string> args = {init_path_, "--hostname", spec.name.empty() ? spec.id : spec.name,
-                                   "--cwd",    spec.cwd,     "--log",
-                                   log_path};
+  auto trees = layer_trees(spec);
+  if (!trees) return trees.failure();
+  auto userns = make_user_namespace(spec.uid_base);
+  if (!userns) return userns.failure();
+  std::vector<std::string> args = {init_path_,
+                                   "--hostname",
+                                   spec.name.empty() ? spec.id : spec.name,
+                                   "--cwd",
+                                   spec.cwd,
+                                   "--log",
+                                   sandbox_dir + "/output.log",
+                                   "--log-max",
+                                   std::to_string(log_max_bytes_),
+                                   "--sandbox-dir",
+                                   sandbox_dir,
+                                   "--userns-fd",
+                                   std::to_string(userns->get()),
+                                   "--uid-base",
+                                   std::to_string(spec.uid_base)};
+  for (const std::string& tree : *trees) args.insert(args.end(), {"--layer", tree});
+  if (spec.disk_mb > 0) args.insert(args.end(), {"--disk", sandbox_dir + "/disk.img"});
   // All addresses: the sandbox's network namespace has only its own loopback, which is where the node's
   // sockets connect from.
   if (!agent_path_.empty() && spec.agent_port != 0) {
@@ -431,8 +584,8 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
                        nullptr, nullptr, nullptr, nullptr);
   if (ret < 0) return fail_errno("clone into new namespaces", errno);
   if (ret == 0) {
-    exec_init_in_child(go_read.get(), go_write.get(), error_read.get(), error_write.get(), init_path_.c_str(),
-                       argv.get(), envp.get());
+    exec_init_in_child(go_read.get(), go_write.get(), error_read.get(), error_write.get(), userns->get(),
+                       init_path_.c_str(), argv.get(), envp.get());
   }
   const int pid = static_cast<int>(ret);
   go_read.reset();
@@ -445,6 +598,10 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
     return f;
   };
   if (Status s = cgroup.add_pid(pid); !s) return abandon_child(s.failure());
+  // Before the go: the command's first connect already finds its route (or none, without internet access).
+  if (spec.allow_internet_access) {
+    if (Status s = attach_egress(spec, pid); !s) return abandon_child(s.failure());
+  }
   const char go_byte = 1;
   if (::write(go_write.get(), &go_byte, 1) != 1)
     return abandon_child(fail_errno("write to the child's go pipe", errno));
@@ -500,6 +657,11 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
   // The exit this causes is not one the instance made "by itself", so the watcher is not told.
   stop_watch(spec.id);
   netns_.erase(spec.id);
+  // Its address and chain go first: nothing leaves the sandbox while it is being killed.
+  if (spec.allow_internet_access && spec.uid_base >= uid_range_base_) {
+    if (auto e = egress(); !e) spdlog::warn("sandbox {}: {}", spec.id, e.message());
+    else if (Status st = (*e)->detach(egress_slot(spec)); !st) spdlog::warn("sandbox {}: {}", spec.id, st.message());
+  }
 
   Operation* op = add_operation(OpKind::kTerminate, spec, std::move(done));
   op->pid = info.pid;
@@ -538,6 +700,29 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
     o->driver->finish_termination(o, false);
   });
   uv_timer_start(op->timer, on_operation_timer, kTerminateWaitMs, 0);
+}
+
+Result<Egress*> ProcessDriver::egress() {
+  if (!egress_) {
+    auto made = Egress::create(egress_options_);
+    if (!made) return fail(made.error(), "internet access: " + made.message());
+    egress_ = std::move(*made);
+  }
+  return egress_.get();
+}
+
+Status ProcessDriver::attach_egress(const SandboxSpec& spec, int pid) {
+  std::vector<std::string> deny = node_deny_out_;
+  deny.insert(deny.end(), spec.deny_out.begin(), spec.deny_out.end());
+  auto policy = make_egress_policy(true, spec.allow_out, deny);
+  if (!policy) return policy.failure();
+  auto e = egress();
+  if (!e) return e.failure();
+  if (spec.uid_base < uid_range_base_) return fail(Error::kInvalidArgument, "internet access needs a uid slot");
+  auto address = (*e)->attach(egress_slot(spec), "/proc/" + std::to_string(pid) + "/ns/net", *policy);
+  if (!address) return fail(address.error(), "internet access: " + address.message());
+  spdlog::info("sandbox {}: internet access as {}", spec.id, *address);
+  return {};
 }
 
 void ProcessDriver::step(Operation* op) {
@@ -706,7 +891,8 @@ Result<GuestSocket> ProcessDriver::open_socket(const SandboxSpec& spec, const Ru
 
 }  // namespace
 
-Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg) {
+Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg,
+                                                    snapshot::ImageStore* images) {
   const std::string& parent = cfg.cgroup_name;
   if (parent.empty() || parent.front() == '/' || parent.find("..") != std::string::npos)
     return fail(Error::kInvalidArgument, "node.cgroup_name must be a relative path without \"..\": \"" + parent + "\"");
@@ -743,7 +929,7 @@ Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeC
   if (!host_netns.valid()) return fail_errno("open /proc/thread-self/ns/net", errno);
 
   std::unique_ptr<Driver> driver =
-      std::make_unique<ProcessDriver>(loop, cfg, CgroupManager(std::move(*detection), parent), std::move(init_path),
+      std::make_unique<ProcessDriver>(loop, cfg, images, CgroupManager(std::move(*detection), parent), std::move(init_path),
                                       find_agent(cfg), std::move(host_netns));
   return driver;
 }

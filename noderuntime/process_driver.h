@@ -1,6 +1,7 @@
 // The process-tree driver, the node's embedded default: each sandbox is a process tree under sandgate-init
-// in its own PID, mount, network, UTS and IPC namespaces, confined and frozen through per-sandbox cgroups
-// (noderuntime/cgroup.h). Sandboxes survive the node process; a restarted node adopts them by pid + start
+// in its own PID, mount, network, UTS, IPC, cgroup and user namespaces, on a root filesystem made from its
+// image (an overlay of the image's layers), confined and frozen through per-sandbox cgroups
+// (noderuntime/cgroup.h). docs/security.md ("Process sandbox boundary") has the whole picture. Sandboxes survive the node process; a restarted node adopts them by pid + start
 // time (RuntimeInfo).
 #pragma once
 
@@ -14,8 +15,14 @@
 
 namespace sg {
 
-// Detects the host's cgroup layout and captures the host network namespace. The driver keeps `loop`; it
+namespace snapshot {
+class ImageStore;
+}
+
+// Detects the host's cgroup layout and captures the host network namespace. The driver keeps `loop` and
+// `images` (where each sandbox's SandboxSpec::image is looked up at start; it must outlive the driver); it
 // copies what it needs from `cfg`.
-Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg);
+Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg,
+                                                    snapshot::ImageStore* images);
 
 }  // namespace sg

@@ -32,6 +32,9 @@ struct PortPolicy {
   PortProtocol protocol = PortProtocol::kHttp1;
 };
 
+// Host uids/gids per sandbox user namespace: the whole 16-bit id space a distribution's packages expect.
+inline constexpr uint32_t kUidRangeSize = 65536;
+
 struct SandboxSpec {
   std::string id;    // "sb-" + 12 chars of [a-z0-9]; stable, never reused
   std::string name;  // optional, unique among live sandboxes, DNS-label rules (names.h)
@@ -58,6 +61,24 @@ struct SandboxSpec {
   std::string driver = "process";  // Driver::name() of the driver that runs it
   double cpus = 1.0;            // CPU quota in cores (fractional allowed)
   uint32_t memory_mb = 512;
+  // Most processes (and threads) the sandbox may have at once (cgroup pids.max); 0 = unlimited (sandboxes
+  // created before the limit existed).
+  uint32_t pids_max = 0;
+  // Bytes the sandbox may write (its overlay's upper dir lives on an ext4 file of this size, in MiB); 0 =
+  // no limit (the upper dir is a plain directory of the state dir's file system).
+  uint32_t disk_mb = 0;
+  // The image (snapshot/image_store.h) the root filesystem comes from, fixed at create so a restart or a
+  // resume runs on the same one. Empty only for sandboxes created before images existed.
+  std::string image;
+  // First host uid/gid of the sandbox's user namespace (sandbox id 0 = this, 65536 ids), allocated by the
+  // node at create and held until the sandbox is gone. 0 = none (created before user namespaces).
+  uint32_t uid_base = 0;
+  // Outbound network access (noderuntime/egress.h, docs/egress.md): none without it (only the sandbox's own
+  // loopback); with it, everything but the host, the always-denied nets, the node's deny_out and `deny_out`,
+  // or only `allow_out` when that is given. Entries are "A.B.C.D[/PREFIX][:PORT]", checked at create.
+  bool allow_internet_access = false;
+  std::vector<std::string> allow_out;
+  std::vector<std::string> deny_out;
 };
 
 // The effective policy of `port`: an exposed port's own (public when the whole sandbox is), the agent port's

@@ -33,7 +33,14 @@ std::string spec_to_json(const SandboxSpec& spec) {
             {"hibernate_after_secs", spec.hibernate_after_secs},
             {"driver", spec.driver},
             {"cpus", spec.cpus},
-            {"memory_mb", spec.memory_mb}};
+            {"memory_mb", spec.memory_mb},
+            {"image", spec.image},
+            {"pids_max", spec.pids_max},
+            {"disk_mb", spec.disk_mb},
+            {"uid_base", spec.uid_base},
+            {"allow_internet_access", spec.allow_internet_access},
+            {"allow_out", spec.allow_out},
+            {"deny_out", spec.deny_out}};
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
@@ -79,6 +86,36 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
   spec.cpus = v->get<double>();
   if (!(v = field("memory_mb")) || !v->is_number_unsigned()) return bad("memory_mb");
   spec.memory_mb = static_cast<uint32_t>(v->get<uint64_t>());
+  // Added with images and user namespaces (issue 10); older rows have neither and keep the defaults.
+  if ((v = field("image"))) {
+    if (!v->is_string()) return bad("image");
+    spec.image = v->get<std::string>();
+  }
+  if ((v = field("pids_max"))) {
+    if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("pids_max");
+    spec.pids_max = static_cast<uint32_t>(v->get<uint64_t>());
+  }
+  if ((v = field("disk_mb"))) {
+    if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("disk_mb");
+    spec.disk_mb = static_cast<uint32_t>(v->get<uint64_t>());
+  }
+  if ((v = field("uid_base"))) {
+    if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("uid_base");
+    spec.uid_base = static_cast<uint32_t>(v->get<uint64_t>());
+  }
+  // Added with egress; older rows have no internet access, as they had none.
+  if ((v = field("allow_internet_access"))) {
+    if (!v->is_boolean()) return bad("allow_internet_access");
+    spec.allow_internet_access = v->get<bool>();
+  }
+  for (auto [key, list] : {std::pair{"allow_out", &spec.allow_out}, std::pair{"deny_out", &spec.deny_out}}) {
+    if (!(v = field(key))) continue;
+    if (!v->is_array()) return bad(key);
+    for (const json& entry : *v) {
+      if (!entry.is_string()) return bad(key);
+      list->push_back(entry.get<std::string>());
+    }
+  }
   // Added with the two-tier idle policy: rows written before it have neither and keep the defaults.
   if ((v = field("hibernate_after_secs"))) {
     if (!v->is_number_unsigned()) return bad("hibernate_after_secs");

@@ -11,6 +11,13 @@ cd "$(dirname "$0")/.."
 
 deploy/install-deps.sh
 
+# Every e2e sandbox runs on one test image (a Debian tree with the test servers, tests/e2e/tools/
+# make-test-image.sh): made once here, cached under build/ by a key of its inputs, and shared with both
+# passes (and its layer store with every test node) through this directory.
+export SANDGATE_TEST_IMAGE_DIR=$PWD/build/test-image
+mkdir -p build
+tests/e2e/tools/make-test-image.sh "$SANDGATE_TEST_IMAGE_DIR" >/dev/null
+
 jobs=$(nproc)
 run_suite() {
   local dir=$1

@@ -17,7 +17,7 @@ struct Created {
 
 Created create_private(Cluster& c, const std::string& name, uint16_t port) {
   auto r = c.cli("create --json --name " + name + " --expose " + std::to_string(port) + " -- /usr/bin/python3 " +
-                 source("tests/e2e/tools/testserver.py") + " http " + std::to_string(port) + " " + name);
+                 tool("testserver.py") + " http " + std::to_string(port) + " " + name);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   EXPECT_TRUE(j.is_object() && j.contains("token")) << r.out;
@@ -100,7 +100,7 @@ TEST(Auth, QueryTokenBecomesAHostScopedCookieAndLeavesTheUrl) {
 TEST(Auth, PublicPortsAndOpenSandboxesNeedNoToken) {
   Cluster c;
   auto r = c.cli("create --json --name pub --public 8080 -- /usr/bin/python3 " +
-                 source("tests/e2e/tools/testserver.py") + " http 8080 pub");
+                 tool("testserver.py") + " http 8080 pub");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   c.wait_until_serving("pub", 8080);
   EXPECT_EQ(Cluster::body(c.curl("8080-pub.sandbox.localhost")), "hello from pub");

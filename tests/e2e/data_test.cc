@@ -119,7 +119,7 @@ HalfCloseResult tls_send_then_half_close(const Cluster& c, const std::string& ho
 
 TEST(Data, HalfCloseIsCarriedToTheSandbox) {
   Cluster c;
-  auto r = c.cli("create --json --name tcp --public 5000/tcp -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") +
+  auto r = c.cli("create --json --name tcp --public 5000/tcp -- /usr/bin/python3 " + tool("testserver.py") +
                  " tcp 5000");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::string payload;

@@ -24,7 +24,7 @@ Created create(Cluster& c, const std::string& args) {
 }
 
 std::string testserver(uint16_t port, const std::string& marker) {
-  return "/usr/bin/python3 " + source("tests/e2e/tools/testserver.py") + " http " + std::to_string(port) + " " + marker;
+  return "/usr/bin/python3 " + tool("testserver.py") + " http " + std::to_string(port) + " " + marker;
 }
 
 void wait_serving(Cluster& c, const std::string& host, const std::string& extra = "") {
@@ -105,7 +105,7 @@ TEST(EdgeRequests, Http1LaterCrossOriginCookiePostIs403) {
 
 TEST(EdgeRequests, Http2StreamForAnotherSandboxIs421AndNeverReachesTheFirst) {
   Cluster c;
-  create(c, "--name alpha --public 7000/h2c -- " + bin("tests/h2_recorder") + " 7000");
+  create(c, "--name alpha --public 7000/h2c -- " + tool("h2_recorder") + " 7000");
   Created victim = create(c, "--name victim --expose 8080 -- " + testserver(8080, "victim"));
   wait_serving(c, "7000-alpha.sandbox.localhost", "--http2");
   wait_serving(c, "8080-victim.sandbox.localhost", bearer(victim.token));
@@ -134,7 +134,7 @@ TEST(EdgeRequests, Http2StreamForAnotherSandboxIs421AndNeverReachesTheFirst) {
 // trailing space in a field value (§8.2.1) gets a 400 curl reads, not a connection error.
 TEST(EdgeRequests, Http2MalformedFirstRequestGetsAReadable400) {
   Cluster c;
-  create(c, "--name alpha --public 7000/h2c -- " + bin("tests/h2_recorder") + " 7000");
+  create(c, "--name alpha --public 7000/h2c -- " + tool("h2_recorder") + " 7000");
   const std::string host = "7000-alpha.sandbox.localhost";
   wait_serving(c, host, "--http2");
 
@@ -157,7 +157,7 @@ TEST(EdgeRequests, Http2MalformedFirstRequestGetsAReadable400) {
 // :protocol and without the sandgate credential, as a later request and as the first one of a connection.
 TEST(EdgeRequests, Http2ExtendedConnectReachesASandboxThatEnablesIt) {
   Cluster c;
-  Created ws = create(c, "--name ws --expose 7000/h2c -- " + bin("tests/h2_recorder") + " 7000 --extended-connect");
+  Created ws = create(c, "--name ws --expose 7000/h2c -- " + tool("h2_recorder") + " 7000 --extended-connect");
   const std::string host = "7000-ws.sandbox.localhost";
   wait_serving(c, host, "--http2 " + bearer(ws.token));
   const std::string auth = "|authorization: Bearer " + ws.token;
@@ -191,7 +191,7 @@ TEST(EdgeRequests, NoCredentialReachesAPortBackend) {
   Cluster c;
   Created p = create(c, "--name priv --expose 8080 -- " + testserver(8080, "priv"));
   Created q = create(c, "--name pub --public 8080 -- " + testserver(8080, "pub"));
-  Created h = create(c, "--name hh --expose 7000/h2c -- " + bin("tests/h2_recorder") + " 7000");
+  Created h = create(c, "--name hh --expose 7000/h2c -- " + tool("h2_recorder") + " 7000");
   wait_serving(c, "8080-priv.sandbox.localhost", bearer(p.token));
   wait_serving(c, "8080-pub.sandbox.localhost");
   wait_serving(c, "7000-hh.sandbox.localhost", "--http2 " + bearer(h.token));

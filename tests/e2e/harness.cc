@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@ namespace sg::e2e {
 
 std::string bin(const std::string& relative) { return std::string(SANDGATE_BIN_DIR) + "/" + relative; }
 std::string source(const std::string& relative) { return std::string(SANDGATE_SOURCE_DIR) + "/" + relative; }
+std::string tool(const std::string& name) { return std::string(kToolsInSandbox) + "/" + name; }
 
 std::string shell_quote(const std::string& s) {
   std::string out = "'";
@@ -83,6 +85,42 @@ CommandResult run(const std::string& cmd, int timeout_s) {
   ::unlink(out_path.c_str());
   ::unlink(err_path.c_str());
   return r;
+}
+
+const TestImage& test_image() {
+  static const TestImage image = [] {
+    TestImage t;
+    // tests/run.sh names one directory for both of its passes, so the sanitizer pass reuses the image.
+    const char* env = std::getenv("SANDGATE_TEST_IMAGE_DIR");
+    const std::string dir = env != nullptr && *env != '\0' ? env : std::string(SANDGATE_BIN_DIR) + "/test-image";
+    auto made = run("bash " + shell_quote(source("tests/e2e/tools/make-test-image.sh")) + " " + shell_quote(dir), 900);
+    EXPECT_EQ(made.exit_code, 0) << made.err;
+    t.archive = made.out.substr(0, made.out.find('\n'));
+    // test-image-<key>.tar -> sandgate-test-<key>: a changed image never reuses an old one's name.
+    std::string base = t.archive.substr(t.archive.rfind('/') + 1);
+    t.name = "sandgate-test-" + base.substr(std::string("test-image-").size(), base.size() - 15);
+    t.store = dir + "/store";
+    std::filesystem::create_directories(t.store);
+    return t;
+  }();
+  return image;
+}
+
+// Imports the test image through `c`'s node unless the shared store has it; serialized across test
+// processes by a lock file next to the store.
+void ensure_test_image(Cluster& c) {
+  const TestImage& t = test_image();
+  const std::string marker = t.store + "/images/" + t.name + ".json";
+  struct stat st;
+  if (::stat(marker.c_str(), &st) == 0) return;
+  int lock = ::open((t.store + "/../.import-lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX), 0);
+  if (::stat(marker.c_str(), &st) != 0) {
+    auto r = c.cli("image import " + shell_quote(t.archive) + " " + t.name, 600);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  }
+  ::close(lock);
 }
 
 std::string sha256_file(const std::string& path) {
@@ -181,6 +219,7 @@ Cluster::Cluster(ClusterOptions opts) : opts_(std::move(opts)) {
   ca_ = dir_ + "/tls/ca.pem";
   write_config();
   start_node();
+  if (shares_test_image()) ensure_test_image(*this);
   if (opts_.start_proxy) start_proxy();
 }
 
@@ -211,7 +250,11 @@ void Cluster::write_config() {
                     "/access.log\"\n" + opts_.proxy_extra + "\n[[proxy.certificates]]\ncert = \"" + dir_ +
                     "/tls/server.pem\"\nkey = \"" + dir_ + "/tls/server.key\"\n\n[node]\nstate_dir = \"" + dir_ +
                     "/node\"\non_shutdown = \"terminate\"\ncgroup_name = \"" + cgroup_name_ + "\"\ninit_path = \"" +
-                    bin("noderuntime/sandgate-init") + "\"\n" + opts_.node_extra + "\n";
+                    bin("noderuntime/sandgate-init") + "\"\n" +
+                    (shares_test_image() ? "images_dir = \"" + test_image().store + "\"\ndefault_image = \"" +
+                                               test_image().name + "\"\n"
+                                         : std::string()) +
+                    opts_.node_extra + "\n";
   write_file(config_path(), cfg);
 }
 
@@ -246,7 +289,7 @@ CommandResult Cluster::cli(const std::string& args, int timeout_s) {
 
 nlohmann::json Cluster::create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags) {
   auto r = cli("create --json --name " + name + " --public " + std::to_string(port) + " " + extra_flags +
-               " -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") + " http " + std::to_string(port) +
+               " -- /usr/bin/python3 " + tool("testserver.py") + " http " + std::to_string(port) +
                " " + name);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
@@ -297,8 +340,8 @@ CommandResult Cluster::api_raw(const std::string& method, const std::string& pat
 }
 
 std::string Cluster::create_private_serving(const std::string& name) {
-  auto r = cli("create --json --name " + name + " --expose 8080 -- /usr/bin/python3 " +
-               source("tests/e2e/tools/testserver.py") + " http 8080 " + name);
+  auto r = cli("create --json --name " + name + " --expose 8080 -- /usr/bin/python3 " + tool("testserver.py") +
+               " http 8080 " + name);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   if (!j.is_object() || !j.contains("token")) {
@@ -361,6 +404,44 @@ bool Cluster::cgroup_exists(const std::string& id) const {
                                   std::string("/sys/fs/cgroup/memory/"), std::string("/sys/fs/cgroup/")})
     if (::stat((root + cgroup_name_ + "/" + id).c_str(), &st) == 0) return true;
   return false;
+}
+
+Exec exec_in(Cluster& c, const std::string& name, const std::string& token, const std::vector<std::string>& command,
+             const std::string& stdin_text) {
+  nlohmann::json body = {{"command", command}, {"timeout_secs", 60}};
+  if (!stdin_text.empty()) body["stdin"] = stdin_text;
+  auto r = c.curl(name + ".sandbox.localhost", "/exec",
+                  "-X POST -H 'Content-Type: application/json' --data " + shell_quote(body.dump()) + " " +
+                      bearer(token),
+                  90);
+  Exec e;
+  std::istringstream lines(Cluster::body(r));
+  std::string line;
+  while (std::getline(lines, line)) {
+    auto ev = nlohmann::json::parse(line, nullptr, false);
+    if (!ev.is_object()) continue;
+    if (ev.value("type", "") == "exit") e.code = ev.value("code", -1);
+    if (ev.contains("data")) e.out += ev["data"].get<std::string>();
+  }
+  if (e.code == -1) e.out += "\n[no exit event] " + r.out + r.err;
+  return e;
+}
+
+Exec sh(Cluster& c, const std::string& name, const std::string& token, const std::string& script) {
+  return exec_in(c, name, token, {"/bin/sh", "-c", script});
+}
+
+nlohmann::json create_with_agent(Cluster& c, const std::string& name, const std::string& args) {
+  auto r = c.cli("create --json --name " + name + " " + args);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+  if (!j.is_object() || !j.contains("token")) return nlohmann::json::object();
+  std::string token = j["token"];
+  EXPECT_TRUE(eventually(
+      [&] { return Cluster::http_code(c.curl(name + ".sandbox.localhost", "/health", bearer(token), 10)) == 200; },
+      std::chrono::seconds(20)))
+      << name << "'s agent never answered";
+  return j;
 }
 
 }  // namespace sg::e2e

@@ -92,6 +92,9 @@ struct ClusterOptions {
   }
 };
 
+class Cluster;
+void ensure_test_image(Cluster& c);
+
 class Cluster {
  public:
   explicit Cluster(ClusterOptions opts = {});
@@ -150,6 +153,8 @@ class Cluster {
 
  private:
   void write_config();
+  // A test that names its own images_dir (the image tests) gets a store of its own.
+  bool shares_test_image() const { return opts_.node_extra.find("images_dir") == std::string::npos; }
 
   ClusterOptions opts_;
   std::string dir_;
@@ -163,5 +168,34 @@ class Cluster {
 
 std::string bin(const std::string& relative);     // path under the build dir
 std::string source(const std::string& relative);  // path under the source dir
+// A sandbox sees only its image: the test image (tests/e2e/tools/make-test-image.sh) has every file of
+// tests/e2e/tools (and a static h2_recorder) in this directory. tool("testserver.py") is its path there.
+inline constexpr const char* kToolsInSandbox = "/sandgate-tests";
+std::string tool(const std::string& name);
+// sandgate-agent inside every sandbox (the node bind-mounts its own binary there).
+inline constexpr const char* kAgentInSandbox = "/.sandgate/agent";
+
+// The test image, shared by every node of every test process of a run: made (or found in its cache) by
+// make-test-image.sh and imported into one layer store once. Clusters use it as the node's images_dir and
+// default_image unless the test's node_extra sets images_dir itself.
+struct TestImage {
+  std::string store;  // node.images_dir
+  std::string name;   // the image's name in it
+  std::string archive;
+};
+const TestImage& test_image();
+
+// What a command run through a sandbox's agent did.
+struct Exec {
+  int code = -1;
+  std::string out;  // stdout and stderr, in order
+};
+// Runs `command` in sandbox `name` through the ingress and its agent's /exec, with the sandbox's token.
+Exec exec_in(Cluster& c, const std::string& name, const std::string& token, const std::vector<std::string>& command,
+             const std::string& stdin_text = "");
+// exec_in of `/bin/sh -c script`.
+Exec sh(Cluster& c, const std::string& name, const std::string& token, const std::string& script);
+// Creates `name` with the CLI arguments `args` and waits until its agent answers; returns create's JSON.
+nlohmann::json create_with_agent(Cluster& c, const std::string& name, const std::string& args);
 
 }  // namespace sg::e2e

@@ -55,10 +55,11 @@ std::string reload_node(Cluster& c) {
 
 TEST(NodeSecurity, UnauthenticatedAccessPublishesExposedPortsButNeverTheAgent) {
   Cluster c;
-  const std::string marker = c.dir() + "/exec-ran";
+  // Inside the sandbox; what it writes lands in its overlay's upper dir, where the test looks for it.
+  const std::string marker = "/tmp/exec-ran";
   nlohmann::json create = {
       {"name", "open"},
-      {"command", {"/usr/bin/python3", source("tests/e2e/tools/testserver.py"), "http", "8080", "open"}},
+      {"command", {"/usr/bin/python3", tool("testserver.py"), "http", "8080", "open"}},
       {"exposed_ports", {8080}},
       {"allow_unauthenticated_access", true}};
   std::string socket = c.api().substr(5);  // "unix:/path"
@@ -69,6 +70,7 @@ TEST(NodeSecurity, UnauthenticatedAccessPublishesExposedPortsButNeverTheAgent) {
   ASSERT_TRUE(created.is_object() && created.contains("token")) << r.out << r.err;
   EXPECT_EQ(created["ports"][0]["public"], true) << r.out;
   const std::string token = created["token"];
+  const std::string written = c.dir() + "/node/sandboxes/" + created["id"].get<std::string>() + "/upper" + marker;
 
   // The exposed port is public: no token needed.
   c.wait_until_serving("open", 8080);
@@ -89,12 +91,12 @@ TEST(NodeSecurity, UnauthenticatedAccessPublishesExposedPortsButNeverTheAgent) {
   EXPECT_EQ(Cluster::http_code(c.curl("open.sandbox.localhost", "/files?path=/etc/hostname")), 401);
   EXPECT_EQ(Cluster::http_code(c.curl("open.sandbox.localhost", "/health")), 401);
   EXPECT_EQ(Cluster::http_code(c.curl("open.sandbox.localhost", "/exec", exec_args + " " + bearer("sgt_wrong"))), 401);
-  EXPECT_FALSE(std::filesystem::exists(marker)) << "a refused exec ran";
+  EXPECT_FALSE(std::filesystem::exists(written)) << "a refused exec ran";
   // The sandbox's token opens the agent: the same exec runs.
   auto ok = c.curl("open.sandbox.localhost", "/exec", exec_args + " " + bearer(token));
   EXPECT_EQ(Cluster::http_code(ok), 200) << ok.out << ok.err;
   EXPECT_NE(ok.out.find("\"type\":\"exit\""), std::string::npos) << ok.out;
-  EXPECT_TRUE(std::filesystem::exists(marker)) << ok.out;
+  EXPECT_TRUE(std::filesystem::exists(written)) << ok.out;
   // The node logs at debug level here; the sandbox's token is in create's answer and nowhere else.
   EXPECT_EQ(c.node().log().find(token), std::string::npos) << "the sandbox token reached the node log";
 }

@@ -15,8 +15,9 @@ nlohmann::json create_json(Cluster& c, const std::string& args) {
   return nlohmann::json::parse(r.out, nullptr, false);
 }
 
-// An sshd inside a process sandbox (its own network namespace, so port 22 is its own), with a key pair the
-// test made; host keys and authorized_keys live in the test dir.
+// An sshd inside a process sandbox (its own network namespace, so port 22 is its own), running on the test
+// image's host keys and tests/e2e/tools/sshd_config; the test's public key reaches root's authorized_keys
+// through the sandbox's command (the sandbox sees nothing of the host's files).
 struct SshFixture {
   std::string dir;
   std::string key;
@@ -24,16 +25,12 @@ struct SshFixture {
 
   explicit SshFixture(const std::string& base) : dir(base + "/ssh"), key(base + "/ssh/id_ed25519") {
     ::mkdir(dir.c_str(), 0700);
-    ::mkdir("/run/sshd", 0755);  // sshd's privilege separation directory
-    EXPECT_EQ(run("ssh-keygen -q -t ed25519 -N '' -f " + shell_quote(dir + "/host_key")).exit_code, 0);
     EXPECT_EQ(run("ssh-keygen -q -t ed25519 -N '' -f " + shell_quote(key)).exit_code, 0);
-    EXPECT_EQ(run("cp " + shell_quote(key + ".pub") + " " + shell_quote(dir + "/authorized_keys")).exit_code, 0);
-    write_file(dir + "/sshd_config", "Port 22\nListenAddress 0.0.0.0\nHostKey " + dir +
-                                         "/host_key\nAuthorizedKeysFile " + dir +
-                                         "/authorized_keys\nPermitRootLogin prohibit-password\nPasswordAuthentication "
-                                         "no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPidFile "
-                                         "none\nSubsystem sftp internal-sftp\nAllowTcpForwarding yes\n");
-    sshd_cmd = "/usr/sbin/sshd -D -e -f " + dir + "/sshd_config";
+    std::string pub = read_file(key + ".pub");
+    while (!pub.empty() && pub.back() == '\n') pub.pop_back();
+    sshd_cmd = "/bin/sh -c " + shell_quote("mkdir -p /root/.ssh && echo '" + pub +
+                                           "' > /root/.ssh/authorized_keys && exec /usr/sbin/sshd -D -e -f " +
+                                           tool("sshd_config"));
   }
 
   std::string ssh_base(const std::string& proxy_command) const {
@@ -75,10 +72,12 @@ TEST(Ssh, OpenSshThroughSandgateSshProxyRunsCommandsAndScpBothWays) {
   // 10 MiB each way, compared by hash.
   std::string up = c.dir() + "/up.bin";
   ASSERT_EQ(run("head -c 10485760 /dev/urandom > " + shell_quote(up)).exit_code, 0);
-  auto put = run(f.scp_base(pc) + " " + shell_quote(up) + " root@box:" + c.dir() + "/in-sandbox.bin", 120);
+  auto put = run(f.scp_base(pc) + " " + shell_quote(up) + " root@box:/root/in-sandbox.bin", 120);
   ASSERT_EQ(put.exit_code, 0) << put.err;
-  EXPECT_EQ(sha256_file(c.dir() + "/in-sandbox.bin"), sha256_file(up));
-  auto get = run(f.scp_base(pc) + " root@box:" + c.dir() + "/in-sandbox.bin " + shell_quote(c.dir() + "/down.bin"), 120);
+  // What the sandbox writes lands in its overlay's upper dir on the host.
+  const std::string upper = c.dir() + "/node/sandboxes/" + j["id"].get<std::string>() + "/upper";
+  EXPECT_EQ(sha256_file(upper + "/root/in-sandbox.bin"), sha256_file(up));
+  auto get = run(f.scp_base(pc) + " root@box:/root/in-sandbox.bin " + shell_quote(c.dir() + "/down.bin"), 120);
   ASSERT_EQ(get.exit_code, 0) << get.err;
   EXPECT_EQ(sha256_file(c.dir() + "/down.bin"), sha256_file(up));
 
@@ -106,9 +105,9 @@ TEST(Ssh, OpenSshThroughSandgateSshProxyRunsCommandsAndScpBothWays) {
   auto woke = run(f.ssh_base(pc) + " root@box 'echo awake'", 60);
   EXPECT_EQ(woke.exit_code, 0) << woke.err;
   EXPECT_EQ(woke.out, "awake\n");
-  put = run(f.scp_base(pc) + " " + shell_quote(up) + " root@box:" + c.dir() + "/again.bin", 120);
+  put = run(f.scp_base(pc) + " " + shell_quote(up) + " root@box:/root/again.bin", 120);
   EXPECT_EQ(put.exit_code, 0) << put.err;
-  EXPECT_EQ(sha256_file(c.dir() + "/again.bin"), sha256_file(up));
+  EXPECT_EQ(sha256_file(upper + "/root/again.bin"), sha256_file(up));
 }
 
 TEST(Ssh, OpenSslClientAsProxyCommandReachesAPublicSshPort) {
@@ -181,8 +180,8 @@ TEST(Sdk, AgentAnswersOverHttp1AndHttp2AndStreamsExec) {
 TEST(Http2, H2cPortGetsHttp2AndHttp1PortsFallBack) {
   Cluster c;
   // The agent binary doubles as an h2c server on an exposed port.
-  create_json(c, "--name h2 --public 7000/h2c -- " + bin("agent/sandgate-agent") + " --listen 0.0.0.0:7000");
-  create_json(c, "--name h1 --public 8080 -- /usr/bin/python3 " + source("tests/e2e/tools/testserver.py") +
+  create_json(c, "--name h2 --public 7000/h2c -- " + std::string(kAgentInSandbox) + " --listen 0.0.0.0:7000");
+  create_json(c, "--name h1 --public 8080 -- /usr/bin/python3 " + tool("testserver.py") +
                      " http 8080 h1");
   ASSERT_TRUE(eventually([&] { return Cluster::http_code(c.curl("7000-h2.sandbox.localhost", "/health")) == 200; },
                          std::chrono::seconds(20)));
@@ -213,7 +212,7 @@ TEST(Http2, H2cPortGetsHttp2AndHttp1PortsFallBack) {
 
 TEST(WebSocket, EchoThroughAnExposedPort) {
   Cluster c;
-  create_json(c, "--name ws --public 8765 -- /usr/bin/python3 " + source("tests/e2e/tools/ws_echo.py") +
+  create_json(c, "--name ws --public 8765 -- /usr/bin/python3 " + tool("ws_echo.py") +
                      " serve 8765");
   std::string uri = "wss://8765-ws.sandbox.localhost:" + std::to_string(c.port()) + "/";
   ASSERT_TRUE(eventually(

@@ -13,9 +13,9 @@ namespace {
 TEST(TokenRotation, RefusesTheOldTokenAndClosesItsConnections) {
   Cluster c(ClusterOptions::proxy("activity_report_interval_ms = 200\n"));
   auto created = c.cli("create --json --name rot --expose 8080 --public 8081 -- /bin/sh -c " +
-                       shell_quote("/usr/bin/python3 " + source("tests/e2e/tools/testserver.py") +
+                       shell_quote("/usr/bin/python3 " + tool("testserver.py") +
                                    " http 8081 rot-public & exec /usr/bin/python3 " +
-                                   source("tests/e2e/tools/testserver.py") + " http 8080 rot"));
+                                   tool("testserver.py") + " http 8080 rot"));
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err;
   const std::string old_token = nlohmann::json::parse(created.out, nullptr, false).value("token", "");
   ASSERT_FALSE(old_token.empty());

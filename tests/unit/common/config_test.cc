@@ -101,6 +101,33 @@ TEST(Config, GuestImageKeys) {
   EXPECT_EQ((*c)->node.guest_kernel_file(), "/base/k");
 }
 
+// The process sandbox boundary's keys: defaults, paths resolved against the file, and every bound.
+TEST(Config, SandboxBoundaryKeys) {
+  auto d = load("[node]\nstate_dir = \"/s\"\n");
+  ASSERT_TRUE(d.ok()) << d.message();
+  EXPECT_EQ((*d)->node.images_root(), "/s");
+  EXPECT_EQ((*d)->node.default_image, "default");
+  EXPECT_EQ((*d)->node.uid_range_base, 0x10000000u);
+  EXPECT_EQ((*d)->node.default_pids_max, 1024u);
+  EXPECT_EQ((*d)->node.log_max_bytes, 8u * 1024 * 1024);
+  auto c = load("[node]\nimages_dir = \"img\"\ndefault_image = \"py\"\nuid_range_base = 1048576\n"
+                "default_pids_max = 8\nlog_max_bytes = 65536\n");
+  ASSERT_TRUE(c.ok()) << c.message();
+  EXPECT_EQ((*c)->node.images_root(), "/base/img");
+  EXPECT_EQ((*c)->node.default_image, "py");
+  EXPECT_EQ((*c)->node.uid_range_base, 1048576u);
+  EXPECT_EQ((*c)->node.default_pids_max, 8u);
+  EXPECT_EQ((*c)->node.log_max_bytes, 65536u);
+  for (const char* bad : {"uid_range_base = 1048575", "uid_range_base = 3221225473", "default_pids_max = 7",
+                          "default_pids_max = 4194305", "log_max_bytes = 65535", "log_max_bytes = 1073741825"}) {
+    auto r = load(std::string("[node]\n") + bad + "\n");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.message().find("t.toml:2: node." + std::string(bad).substr(0, std::string(bad).find(' '))),
+              std::string::npos)
+        << r.message();
+  }
+}
+
 TEST(Config, ApiListenIsLoopbackOnlyUnlessAllowedAndNeedsTheOperatorToken) {
   const std::string token = "operator_token_file = \"op.token\"\n";
   for (const char* addr : {"127.0.0.1:8081", "127.0.0.2:8081", "[::1]:8081", "localhost:8081"}) {

@@ -145,6 +145,18 @@ class NodeTest : public ::testing::Test {
   std::unique_ptr<Node> node_;
 };
 
+// One uid range per sandbox: distinct while both live, the lowest free one reused once a sandbox is gone.
+TEST_F(NodeTest, EachSandboxGetsAUidRangeOfItsOwnAndARemovedOnesIsReused) {
+  SandboxInfo a = create("a");
+  SandboxInfo b = create("b");
+  EXPECT_EQ(a.spec.uid_base, 0x10000000u);
+  EXPECT_EQ(b.spec.uid_base, 0x10000000u + kUidRangeSize);
+  auto removed = remove("a");
+  ASSERT_TRUE(removed && removed->ok());
+  SandboxInfo c = create("c");
+  EXPECT_EQ(c.spec.uid_base, 0x10000000u);
+}
+
 TEST_F(NodeTest, CreateStartsWatchesAndPersists) {
   SandboxInfo info = create("demo");
   EXPECT_EQ(info.state, S::kRunning);
@@ -152,6 +164,9 @@ TEST_F(NodeTest, CreateStartsWatchesAndPersists) {
   EXPECT_EQ(info.spec.name, "demo");
   EXPECT_EQ(info.spec.cwd, "/");
   EXPECT_EQ(info.spec.memory_mb, 512u);
+  EXPECT_EQ(info.spec.pids_max, 1024u);  // node.default_pids_max
+  EXPECT_EQ(info.spec.image, "default");  // node.default_image
+  EXPECT_EQ(info.spec.uid_base, 0x10000000u);  // the first slot of node.uid_range_base
   EXPECT_DOUBLE_EQ(info.spec.cpus, 1.0);
   EXPECT_GT(info.runtime.pid, 0);
   EXPECT_TRUE(info.idle_deadline_at_ms.has_value());
@@ -831,6 +846,11 @@ TEST_F(NodeTest, RejectsInvalidRequests) {
       {"timeout huge", [](CreateRequest& r) { r.timeout_secs = std::numeric_limits<int64_t>::max(); }, "timeout"},
       {"memory 15", [](CreateRequest& r) { r.memory_mb = 15; }, "memory_mb"},
       {"memory over", [](CreateRequest& r) { r.memory_mb = 1048577; }, "memory_mb"},
+      {"pids 7", [](CreateRequest& r) { r.pids_max = 7; }, "pids_max: must be between 8 and 4194304"},
+      {"pids over", [](CreateRequest& r) { r.pids_max = 4194305; }, "pids_max"},
+      {"image empty", [](CreateRequest& r) { r.image = ""; }, "image"},
+      {"disk 15", [](CreateRequest& r) { r.disk_mb = 15; }, "disk_mb: must be 0 (no limit) or between 16"},
+      {"disk negative", [](CreateRequest& r) { r.disk_mb = -1; }, "disk_mb"},
       {"cpus 0", [](CreateRequest& r) { r.cpus = 0; }, "cpus"},
       {"cpus negative", [](CreateRequest& r) { r.cpus = -1; }, "cpus"},
       {"cpus over", [](CreateRequest& r) { r.cpus = 1024.5; }, "cpus"},

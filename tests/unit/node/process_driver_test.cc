@@ -24,6 +24,8 @@
 #include <thread>
 
 #include "noderuntime/cgroup.h"
+#include "snapshot/image_store.h"
+#include "tests/unit/temp_dir.h"
 
 namespace sg {
 namespace {
@@ -107,6 +109,40 @@ Result<std::string> http_get_once(UniqueFd sock, const std::string& path, uint16
   }
 }
 
+// A sandbox sees only its image. This one is tiny and made from the host's busybox-static (Debian package
+// busybox-static): /bin/busybox and a link per applet (sh, sleep, httpd, ...), as a one-layer `docker save`
+// archive, made once per test process in a temp dir of its own. Empty when it cannot be made.
+const std::string& busybox_archive() {
+  static const testing::TempDir dir("sgtest-busybox");
+  static const std::string archive = [] {
+    const std::string root = dir.path() + "/root";
+    const std::string script =
+        "mkdir -p " + root + "/bin " + root + "/proc " + root + "/sys " + root + "/dev " + root + "/tmp " +
+        root + "/etc " + dir.path() + "/out/l0; cp /bin/busybox " + root + "/bin/busybox; "
+        "for a in $(/bin/busybox --list); do [ \"$a\" = busybox ] || ln -s busybox " + root + "/bin/$a; done; "
+        "tar -cf " + dir.path() + "/out/l0/layer.tar -C " + root + " .; "
+        "d=$(sha256sum " + dir.path() + "/out/l0/layer.tar | cut -d' ' -f1); "
+        "echo '{\"os\":\"linux\",\"rootfs\":{\"type\":\"layers\",\"diff_ids\":[\"sha256:'$d'\"]}}' > " +
+        dir.path() + "/out/config.json; "
+        "echo '[{\"Config\":\"config.json\",\"Layers\":[\"l0/layer.tar\"]}]' > " + dir.path() +
+        "/out/manifest.json; tar -cf " + dir.path() + "/busybox.tar -C " + dir.path() + "/out .";
+    const std::string script_path = dir.path() + "/make-busybox-image.sh";
+    std::ofstream(script_path) << script << "\n";
+    return std::system(("sh -e " + script_path).c_str()) == 0 ? dir.path() + "/busybox.tar" : std::string();
+  }();
+  return archive;
+}
+
+// The busybox image, imported as "busybox" into a store in `dir`.
+Result<std::unique_ptr<snapshot::ImageStore>> make_busybox_image(const std::string& dir) {
+  if (busybox_archive().empty()) return fail(Error::kIo, "cannot make the busybox image (is busybox-static installed?)");
+  auto store = snapshot::ImageStore::open(dir + "/images");
+  if (!store) return store.failure();
+  auto imported = (*store)->import(busybox_archive(), "busybox");
+  if (!imported) return imported.failure();
+  return store;
+}
+
 class ProcessDriverTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -123,7 +159,10 @@ class ProcessDriverTest : public ::testing::Test {
     auto detection = detect_cgroups();
     ASSERT_TRUE(detection.ok()) << detection.message();
     cgroups_.emplace(*detection, cfg_.cgroup_name);
-    auto driver = make_process_driver(&loop_, cfg_);
+    auto images = make_busybox_image(state_dir_);
+    ASSERT_TRUE(images.ok()) << images.message();
+    images_ = std::move(*images);
+    auto driver = make_process_driver(&loop_, cfg_, images_.get());
     ASSERT_TRUE(driver.ok()) << driver.message();
     driver_ = std::move(*driver);
   }
@@ -169,6 +208,8 @@ class ProcessDriverTest : public ::testing::Test {
     spec.cwd = "/";
     spec.cpus = 1.0;
     spec.memory_mb = 256;
+    spec.image = "busybox";
+    spec.uid_base = 0x10000000 + static_cast<uint32_t>(counter) * kUidRangeSize;
     return spec;
   }
 
@@ -251,6 +292,7 @@ class ProcessDriverTest : public ::testing::Test {
   bool loop_initialized_ = false;
   std::string state_dir_;
   NodeConfig cfg_;
+  std::unique_ptr<snapshot::ImageStore> images_;
   std::optional<CgroupManager> cgroups_;
   std::unique_ptr<Driver> driver_;
   std::vector<std::pair<SandboxSpec, RuntimeInfo>> started_;
@@ -267,8 +309,8 @@ std::string write_agent_script(const std::string& dir, const std::string& body) 
 
 TEST_F(ProcessDriverTest, AgentListensOnTheAgentPortNextToTheCommand) {
   cfg_.agent_path = write_agent_script(
-      state_dir_, R"sh([ "$1" = --listen ] || exit 2; exec python3 -m http.server "${2##*:}" --bind "${2%:*}")sh");
-  auto driver = make_process_driver(&loop_, cfg_);
+      state_dir_, R"sh([ "$1" = --listen ] || exit 2; mkdir -p /www; echo agent > /www/index.html; exec httpd -f -p "$2" -h /www)sh");
+  auto driver = make_process_driver(&loop_, cfg_, images_.get());
   ASSERT_TRUE(driver.ok()) << driver.message();
   driver_ = std::move(*driver);
   SandboxSpec spec = make_spec({"sleep", "1000"}, "with-agent");
@@ -281,7 +323,7 @@ TEST_F(ProcessDriverTest, AgentListensOnTheAgentPortNextToTheCommand) {
     if (!sock) return false;
     auto r = http_get_once(std::move(sock->fd), "/", 9501);
     if (!r) last = r.failure();
-    return r && r->starts_with("HTTP/1.0 200");
+    return r && r->starts_with("HTTP/1.") && r->find(" 200 ") != std::string::npos;
   }, 20s);
   EXPECT_TRUE(served) << last.message << "\n" << log_of(spec);
   // The agent lives in the sandbox's cgroup, as a sibling of the command under init.
@@ -290,7 +332,7 @@ TEST_F(ProcessDriverTest, AgentListensOnTheAgentPortNextToTheCommand) {
 
 TEST_F(ProcessDriverTest, AnAgentThatExitsDoesNotEndTheSandbox) {
   cfg_.agent_path = write_agent_script(state_dir_, "echo agent-ran; exit 3");
-  auto driver = make_process_driver(&loop_, cfg_);
+  auto driver = make_process_driver(&loop_, cfg_, images_.get());
   ASSERT_TRUE(driver.ok()) << driver.message();
   driver_ = std::move(*driver);
   SandboxSpec spec = make_spec({"sleep", "1000"});
@@ -309,7 +351,7 @@ TEST_F(ProcessDriverTest, AnAgentThatExitsDoesNotEndTheSandbox) {
 
 TEST_F(ProcessDriverTest, NoAgentWhenTheConfiguredOneIsMissing) {
   cfg_.agent_path = state_dir_ + "/no-such-agent";
-  auto driver = make_process_driver(&loop_, cfg_);
+  auto driver = make_process_driver(&loop_, cfg_, images_.get());
   ASSERT_TRUE(driver.ok()) << driver.message();
   driver_ = std::move(*driver);
   SandboxSpec spec = make_spec({"sh", "-c", "echo init=$(tr '\\0' ' ' < /proc/1/cmdline); exec sleep 1000"});
@@ -327,13 +369,14 @@ TEST_F(ProcessDriverTest, DescribesItself) {
 }
 
 TEST_F(ProcessDriverTest, CommandRunsUnderInitInItsOwnNamespaces) {
-  const std::string cwd = state_dir_ + "/work";
-  ASSERT_EQ(::mkdir(cwd.c_str(), 0755), 0);
+  const std::string cwd = "/tmp";
   SandboxSpec spec = make_spec(
       {"sh", "-c",
        R"sh(echo "pid=$$ ppid=$PPID host=$(hostname) id=$SANDGATE_SANDBOX_ID name=$SANDGATE_SANDBOX_NAME )sh"
        R"sh(custom=$CUSTOM home=$HOME path=$PATH cwd=$(pwd) )sh"
-       R"sh(init=$(tr '\0' ' ' < /proc/1/cmdline)"; exec sleep 1000)sh"},
+       R"sh(init=$(tr '\0' ' ' < /proc/1/cmdline) )sh"
+       R"sh(uid_map=$(cat /proc/self/uid_map | tr -s ' ') id=$(id -u) hostfile=$(test -e )sh" +
+           state_dir_ + R"sh( && echo yes || echo no)"; exec sleep 1000)sh"},
       "web-one");
   spec.cwd = cwd;
   spec.env = {{"CUSTOM", "yes"}, {"HOME", "/custom-home"}};
@@ -352,9 +395,12 @@ TEST_F(ProcessDriverTest, CommandRunsUnderInitInItsOwnNamespaces) {
   EXPECT_NE(log.find("path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "), std::string::npos) << log;
   EXPECT_NE(log.find("cwd=" + cwd + " "), std::string::npos) << log;
   EXPECT_NE(log.find("init=" + cfg_.init_path + " --hostname web-one"), std::string::npos) << log;
+  // Root in its own user namespace (host uid spec.uid_base), on its image's root: the host's files are not there.
+  EXPECT_NE(log.find("uid_map= 0 " + std::to_string(spec.uid_base) + " 65536 id=0 "), std::string::npos) << log;
+  EXPECT_NE(log.find("hostfile=no"), std::string::npos) << log;
 
   const std::string pid = std::to_string(info->pid);
-  for (const char* ns : {"pid", "mnt", "net", "uts", "ipc"})
+  for (const char* ns : {"pid", "mnt", "net", "uts", "ipc", "user", "cgroup"})
     EXPECT_NE(ns_of(pid, ns), ns_of("self", ns)) << ns << " namespace is shared with the host";
   EXPECT_EQ(stat_field(info->pid, 4), std::to_string(::getpid())) << "init is the node's child";
   EXPECT_EQ(stat_field(info->pid, 6), pid) << "init leads its own session";
@@ -381,8 +427,10 @@ TEST_F(ProcessDriverTest, SandboxInheritsNoDescriptorsOrSignalStateFromTheNode) 
 
   const std::string fd = std::to_string(leaked.get());
   SandboxSpec spec = make_spec({"sh", "-c",
-                                "echo leaked=$(test -e /proc/$$/fd/" + fd + " && echo yes || echo no) "
-                                "$(grep -E '^Sig(Ign|Blk)' /proc/$$/status | tr '\\t\\n' '= '); exec sleep 1000"});
+                                "echo leaked=$(test -e /proc/$$/fd/" + fd + " && echo yes || echo no); "
+                                // busybox sh ignores SIGINT while it runs a command substitution, so the
+                                // dispositions are read by a process exec'd from the top level.
+                                "exec grep -E '^Sig(Ign|Blk)' /proc/self/status"});
   auto info = start(spec);
   ::sigaction(SIGUSR1, &previous, nullptr);
   ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
@@ -391,8 +439,8 @@ TEST_F(ProcessDriverTest, SandboxInheritsNoDescriptorsOrSignalStateFromTheNode) 
   ASSERT_TRUE(wait_for([&] { return log_of(spec).find("SigIgn") != std::string::npos; }, 10s)) << log_of(spec);
   const std::string log = log_of(spec);
   EXPECT_NE(log.find("leaked=no"), std::string::npos) << log;
-  EXPECT_NE(log.find("SigBlk:=0000000000000000"), std::string::npos) << log;
-  EXPECT_NE(log.find("SigIgn:=0000000000000000"), std::string::npos) << log;
+  EXPECT_NE(log.find("SigBlk:\t0000000000000000"), std::string::npos) << log;
+  EXPECT_NE(log.find("SigIgn:\t0000000000000000"), std::string::npos) << log;
 }
 
 // sandgate-init passes signals on to the command and exits with its fate (128 + signal when killed).
@@ -431,6 +479,46 @@ TEST_F(ProcessDriverTest, InitReapsOrphans) {
   EXPECT_EQ(zombie_children_of_init(), 0);
 }
 
+// The log on the host is capped: past node.log_max_bytes, output.log becomes output.log.1 and starts again.
+TEST_F(ProcessDriverTest, OutputLogIsCappedAndRotated) {
+  cfg_.log_max_bytes = 64 * 1024;
+  auto driver = make_process_driver(&loop_, cfg_, images_.get());
+  ASSERT_TRUE(driver.ok()) << driver.message();
+  driver_ = std::move(*driver);
+  // 300 lines of 1000 bytes (~300 KiB, several times the cap), then a marker.
+  SandboxSpec spec = make_spec({"sh", "-c",
+                                "i=0; while [ $i -lt 300 ]; do printf '%0999d\\n' $i; i=$((i+1)); done; "
+                                "echo last-line; exec sleep 1000"});
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("last-line") != std::string::npos; }, 20s));
+  struct stat current {}, previous {};
+  ASSERT_EQ(::stat((sandbox_dir(spec) + "/output.log").c_str(), &current), 0);
+  ASSERT_EQ(::stat((sandbox_dir(spec) + "/output.log.1").c_str(), &previous), 0);
+  EXPECT_LE(current.st_size, 64 * 1024);
+  EXPECT_LE(previous.st_size, 64 * 1024);
+  EXPECT_GT(previous.st_size, 0);
+}
+
+// disk_mb: what the sandbox writes lives on an ext4 file of that size; a write past it fails with ENOSPC.
+TEST_F(ProcessDriverTest, DiskMbLimitsWhatTheSandboxCanWrite) {
+  SandboxSpec spec = make_spec({"sh", "-c",
+                                "dd if=/dev/zero of=/big bs=1M count=64 2>&1; echo dd=$?; "
+                                "exec sleep 1000"});
+  spec.disk_mb = 16;
+  auto info = start(spec);
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("dd=") != std::string::npos; }, 20s)) << log_of(spec);
+  const std::string log = log_of(spec);
+  EXPECT_NE(log.find("No space left on device"), std::string::npos) << log;
+  EXPECT_NE(log.find("dd=1"), std::string::npos) << log;
+  // The image file on the host stays sparse-sized, and nothing reached a plain upper dir.
+  struct stat st {};
+  ASSERT_EQ(::stat((sandbox_dir(spec) + "/disk.img").c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 16 * 1024 * 1024);
+  EXPECT_FALSE(exists(sandbox_dir(spec) + "/upper/big"));
+}
+
 TEST_F(ProcessDriverTest, HostnameDefaultsToTheId) {
   SandboxSpec spec = make_spec({"sh", "-c", "echo host=$(hostname); exec sleep 1000"});
   auto info = start(spec);
@@ -443,6 +531,7 @@ TEST_F(ProcessDriverTest, LimitsLandInTheRealCgroupFiles) {
   SandboxSpec spec = make_spec({"sleep", "1000"});
   spec.cpus = 0.5;
   spec.memory_mb = 64;
+  spec.pids_max = 100;
   auto info = start(spec);
   ASSERT_TRUE(info.ok()) << info.message();
   SandboxCgroup cg = cgroups_->sandbox(spec.id);
@@ -455,6 +544,9 @@ TEST_F(ProcessDriverTest, LimitsLandInTheRealCgroupFiles) {
   }
   if (d.cpu.version == CgroupVersion::kV2) {
     EXPECT_EQ(slurp(cg.cpu_quota_file()), "50000 100000\n");
+  }
+  if (d.pids.version != CgroupVersion::kNone) {
+    EXPECT_EQ(slurp(cg.pids_max_file()), "100\n");
   }
   if (d.memory.version == CgroupVersion::kNone && d.cpu.version == CgroupVersion::kNone)
     GTEST_SKIP() << "no memory or cpu controller on this host";
@@ -491,12 +583,12 @@ TEST_F(ProcessDriverTest, PauseOfAnUnknownSandboxFailsThroughTheCallback) {
 TEST_F(ProcessDriverTest, TwoSandboxesServeTheSamePortInTheirOwnNetworks) {
   std::vector<std::pair<SandboxSpec, RuntimeInfo>> servers;
   for (const char* marker : {"alpha", "beta"}) {
-    const std::string root = state_dir_ + "/www-" + marker;
-    ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
-    std::ofstream(root + "/marker.txt") << "marker " << marker << "\n";
-    SandboxSpec spec = make_spec(
-        {"/usr/bin/python3", "-m", "http.server", std::to_string(kHttpPort), "--bind", "127.0.0.1"}, marker);
-    spec.cwd = root;
+    // Each writes its marker into its own root filesystem.
+    SandboxSpec spec = make_spec({"sh", "-c",
+                                  std::string("mkdir /www && echo 'marker ") + marker +
+                                      "' > /www/marker.txt && exec httpd -f -p 127.0.0.1:" +
+                                      std::to_string(kHttpPort) + " -h /www"},
+                                 marker);
     auto info = start(spec);
     ASSERT_TRUE(info.ok()) << info.message();
     servers.emplace_back(spec, *info);
@@ -573,7 +665,7 @@ TEST_F(ProcessDriverTest, UnwatchStopsTheWatch) {
 
 TEST_F(ProcessDriverTest, NonexistentInitFailsStartAndLeavesNoCgroup) {
   cfg_.init_path = "/nonexistent/sandgate-init";
-  auto broken = make_process_driver(&loop_, cfg_);
+  auto broken = make_process_driver(&loop_, cfg_, images_.get());
   ASSERT_TRUE(broken.ok()) << broken.message();
   SandboxSpec spec = make_spec({"sleep", "1000"});
   auto info = start_with(**broken, spec);
@@ -646,7 +738,7 @@ TEST_F(ProcessDriverTest, SandboxOutlivesItsNodeAndIsAdopted) {
     // The short-lived "node": its own loop and driver, start, report, exit without cleaning up.
     uv_loop_t loop;
     uv_loop_init(&loop);
-    auto driver = make_process_driver(&loop, cfg_);
+    auto driver = make_process_driver(&loop, cfg_, images_.get());
     if (!driver) ::_exit(2);
     std::optional<Result<RuntimeInfo>> started;
     (*driver)->start(spec, sandbox_dir(spec), [&](Result<RuntimeInfo> r) { started.emplace(std::move(r)); });

@@ -34,6 +34,10 @@ StoredSandbox sample(const std::string& id, SandboxState state = SandboxState::k
   s.created_at_ms = 1764410400123;
   s.last_activity_at_ms = 1764410500456;
   s.spec.hibernate_after_secs = 3600;
+  s.spec.image = "python-3.11";
+  s.spec.uid_base = 0x10000000u + 7 * 65536;
+  s.spec.pids_max = 4096;
+  s.spec.disk_mb = 2048;
   s.spec.driver = "qemu";
   s.tier = SuspendTier::kDisk;
   s.runtime.driver_data = {{"state_file", "/var/lib/sandgate/sandboxes/" + id + "/state"}, {"qmp", "q\"\n"}};
@@ -63,6 +67,10 @@ void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
   EXPECT_EQ(a.created_at_ms, b.created_at_ms);
   EXPECT_EQ(a.last_activity_at_ms, b.last_activity_at_ms);
   EXPECT_EQ(a.spec.hibernate_after_secs, b.spec.hibernate_after_secs);
+  EXPECT_EQ(a.spec.image, b.spec.image);
+  EXPECT_EQ(a.spec.uid_base, b.spec.uid_base);
+  EXPECT_EQ(a.spec.pids_max, b.spec.pids_max);
+  EXPECT_EQ(a.spec.disk_mb, b.spec.disk_mb);
   EXPECT_EQ(a.spec.driver, b.spec.driver);
   EXPECT_EQ(a.tier, b.tier);
   EXPECT_EQ(a.runtime.driver_data, b.runtime.driver_data);
@@ -111,6 +119,10 @@ TEST(Store, MigratesSchemaOneRows) {
   ASSERT_EQ(rows->size(), 1u);
   EXPECT_EQ((*rows)[0].spec.driver, "process");
   EXPECT_EQ((*rows)[0].spec.hibernate_after_secs, 0u);
+  // Rows from before images and user namespaces: no image, no uid range, no pids limit.
+  EXPECT_EQ((*rows)[0].spec.image, "");
+  EXPECT_EQ((*rows)[0].spec.uid_base, 0u);
+  EXPECT_EQ((*rows)[0].spec.pids_max, 0u);
   EXPECT_EQ((*rows)[0].tier, SuspendTier::kNone);
   EXPECT_TRUE((*rows)[0].runtime.driver_data.empty());
   EXPECT_EQ((*rows)[0].state, SandboxState::kSuspended);
