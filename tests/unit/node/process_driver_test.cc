@@ -362,6 +362,31 @@ TEST_F(ProcessDriverTest, NoAgentWhenTheConfiguredOneIsMissing) {
   EXPECT_EQ(log_of(spec).find("--agent"), std::string::npos) << log_of(spec);
 }
 
+// What the sandbox leaves in its upper dir is its own business, never a way to steer the next start's
+// host-root mkdir/chown/mount at host paths: everything in the root is attached after pivot_root.
+TEST_F(ProcessDriverTest, ASymlinkLeftInTheUpperDirCannotPointTheNextStartAtTheHost) {
+  cfg_.agent_path = write_agent_script(state_dir_, "exec sleep 1000");
+  auto driver = make_process_driver(&loop_, cfg_, images_.get());
+  ASSERT_TRUE(driver.ok()) << driver.message();
+  driver_ = std::move(*driver);
+  const std::string host_dir = state_dir_ + "/host-target";
+  ASSERT_EQ(::mkdir(host_dir.c_str(), 0755), 0);
+  SandboxSpec spec = make_spec({"sh", "-c",
+                                "mv /.sandgate /moved && ln -s " + host_dir + " /.sandgate && echo swapped; "
+                                "exec sleep 1000"});
+  spec.agent_port = 9501;
+  auto first = start(spec);
+  ASSERT_TRUE(first.ok()) << first.message();
+  ASSERT_TRUE(wait_for([&] { return log_of(spec).find("swapped") != std::string::npos; }, 10s)) << log_of(spec);
+  ASSERT_TRUE(terminate(spec, *first).ok());
+  started_.clear();
+  // The second start may fail (the sandbox broke its own /.sandgate), but it touches nothing of the host.
+  auto second = start(spec);
+  if (second.ok()) (void)terminate(spec, *second);
+  started_.clear();
+  EXPECT_TRUE(std::filesystem::is_empty(host_dir)) << "a start wrote into " << host_dir;
+}
+
 TEST_F(ProcessDriverTest, DescribesItself) {
   EXPECT_EQ(driver_->name(), "process");
   EXPECT_TRUE(driver_->capabilities().pause);
