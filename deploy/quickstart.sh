@@ -26,6 +26,10 @@ DEMO_TIMEOUT=60
 # What the demo and a user expect in a sandbox: python3 (the demo's server), curl and the CA certificates; a
 # shell and coreutils are Debian's essential packages, always there.
 DEFAULT_PACKAGES=python3,curl,ca-certificates
+# Another image store and default image (e.g. one already holding a Debian image with python3): nothing is
+# built then if that image exists.
+IMAGES_DIR=${SANDGATE_IMAGES_DIR:-}
+DEFAULT_IMAGE=${SANDGATE_DEFAULT_IMAGE:-default}
 STARTUP_SECS=30
 
 say() { printf 'quickstart: %s\n' "$*" >&2; }
@@ -182,6 +186,8 @@ state_dir = '$STATE/node'
 on_shutdown = "terminate"
 cgroup_name = "$CGROUP"
 default_timeout_secs = $DEMO_TIMEOUT
+default_image = "$DEFAULT_IMAGE"
+${IMAGES_DIR:+images_dir = '$IMAGES_DIR'}
 TOML
 
 # Next to the node socket, where the CLI looks once SANDGATE_API names that socket: `sandgate ssh-config` and
@@ -258,16 +264,20 @@ wait_ready sandgate-proxy "$PROXY_PID" proxy_answers
 export SANDGATE_API=unix:$SOCK
 # The image sandboxes start from when they name none: built once (a minute or two, its progress shown), then
 # kept in the node's state dir, so a later run finds it and goes straight on.
-if curl -fsS --max-time 5 --unix-socket "$SOCK" http://localhost/v1/images/default >/dev/null 2>&1; then
-  say "image default exists; not rebuilding it (sandgate image rm default to rebuild)"
+if curl -fsS --max-time 5 --unix-socket "$SOCK" "http://localhost/v1/images/$DEFAULT_IMAGE" >/dev/null 2>&1; then
+  say "image $DEFAULT_IMAGE exists; not rebuilding it (sandgate image rm $DEFAULT_IMAGE to rebuild)"
 else
-  say "building the default image (first run only): Debian bookworm + $DEFAULT_PACKAGES"
-  "$CLI" image build default --packages "$DEFAULT_PACKAGES" || die "building the default image failed (see above)"
+  say "building the $DEFAULT_IMAGE image (first run only): Debian bookworm + $DEFAULT_PACKAGES"
+  "$CLI" image build "$DEFAULT_IMAGE" --packages "$DEFAULT_PACKAGES" ||
+    die "building the $DEFAULT_IMAGE image failed (see above)"
 fi
 # A demo kept in the node's state by an earlier run that did not shut down cleanly would make create fail.
 "$CLI" rm demo >/dev/null 2>&1 || true
 say "creating the demo sandbox"
-"$CLI" create --name demo --timeout "$DEMO_TIMEOUT" --public 8080 --cwd "$WWW" -- python3 -m http.server 8080
+# The sandbox sees its own root filesystem only, so the page goes in through its environment.
+"$CLI" create --name demo --timeout "$DEMO_TIMEOUT" --public 8080 --env "DEMO_PAGE=$(cat "$WWW/index.html")" -- \
+  sh -c 'mkdir -p /srv/demo && printf "%s\n" "$DEMO_PAGE" >/srv/demo/index.html && cd /srv/demo &&
+    exec python3 -m http.server 8080'
 
 # The server inside needs a moment to bind 8080; until then the proxy cannot connect.
 answer=

@@ -207,6 +207,9 @@ int main(int argc, char** argv) {
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
   d.node->set_images(image_store);
+  // `image rm` is refused while a sandbox's root filesystem comes from the image.
+  image_store->set_user_check(
+      [users = d.node->image_users()](const std::string& name) { return users->first_user(name); });
   if (auto s = d.node->load_operator_token(c); !s) {
     spdlog::critical("{}", s.message());
     return 1;

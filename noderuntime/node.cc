@@ -388,6 +388,7 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   std::string id = sb.id();
   if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
   sandboxes_.emplace(id, std::move(owned));
+  image_users_->add(sb.rec.spec.image, image_user_label(sb.rec));
   sb.starting = true;
   sb.new_token = std::move(token);
   sb.created = std::move(done);
@@ -653,7 +654,12 @@ void Node::forget(const std::string& id) {
   auto named = ids_by_name_.find(rec.spec.name);
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
   reported_.erase(id);
+  image_users_->remove(rec.spec.image, image_user_label(rec));
   sandboxes_.erase(it);
+}
+
+std::string Node::image_user_label(const StoredSandbox& rec) {
+  return "sandbox " + (rec.spec.name.empty() ? rec.spec.id : rec.spec.name + " (" + rec.spec.id + ")");
 }
 
 void Node::on_exit(const std::string& id) {
@@ -1089,6 +1095,7 @@ Status Node::reconcile() {
     std::string id = sb.id();
     if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
     sandboxes_.emplace(id, std::move(owned));
+    image_users_->add(sb.rec.spec.image, image_user_label(sb.rec));
     if (sb.rec.state == S::kFailed) {
       ++failed;
       continue;

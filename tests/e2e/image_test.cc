@@ -91,6 +91,26 @@ TEST(Image, ImportListRemove) {
       << gone.err;
 }
 
+TEST(Image, RemovingAnImageASandboxRunsOnIsRefused) {
+  Cluster c(own_store());
+  const std::string dir = c.dir() + "/busy";
+  fs::create_directories(dir + "/rootfs/bin");
+  fs::copy_file("/bin/busybox", dir + "/rootfs/bin/sleep");  // busybox-static: the applet is its name
+  std::string archive = make_docker_save(dir, false);
+  ASSERT_EQ(c.cli("image import " + shell_quote(archive) + " e2e-busy").exit_code, 0);
+  auto created = c.cli("create --name user --image e2e-busy -- /bin/sleep 3600");
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err;
+
+  auto refused = c.cli("image rm e2e-busy");
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_NE(refused.err.find("in use by sandbox user"), std::string::npos) << refused.err;
+  EXPECT_NE(c.cli("image ls").out.find("e2e-busy"), std::string::npos);
+
+  ASSERT_EQ(c.cli("rm user").exit_code, 0);
+  auto removed = c.cli("image rm e2e-busy");
+  EXPECT_EQ(removed.exit_code, 0) << removed.err;
+}
+
 TEST(Image, CorruptedArchiveIsRefusedWithAClearError) {
   Cluster c(own_store());
   std::string archive = make_docker_save(c.dir() + "/bad", true);

@@ -97,11 +97,16 @@ TEST(Operations, QuickstartTwiceSideBySideThenCleanExit) {
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
   const std::string base = tmpl;
   Daemon a, b;
+  {
+    Cluster importer(ClusterOptions::node_only());  // puts the test image into the shared store
+  }
   std::string script = source("deploy/quickstart.sh");
   auto start = [&](Daemon& d, const std::string& name, int port) {
     const std::string home = base + "/" + name + "-home";
     ::mkdir(home.c_str(), 0700);
+    // The test image's store instead of a Debian image built by each copy (the build has tests of its own).
     return d.start({"/usr/bin/env", "HOME=" + home, "XDG_CONFIG_HOME=" + home + "/.config", "SANDGATE_NO_BUILD=1",
+                    "SANDGATE_IMAGES_DIR=" + test_image().store, "SANDGATE_DEFAULT_IMAGE=" + test_image().name,
                     "BUILD_DIR=" + std::string(SANDGATE_BIN_DIR), "SANDGATE_STATE_DIR=" + base + "/" + name,
                     "SANDGATE_LISTEN=127.0.0.1:" + std::to_string(port), "bash", script},
                    base + "/" + name + ".log");
