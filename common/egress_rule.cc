@@ -5,21 +5,21 @@
 #include <charconv>
 
 namespace sg {
-namespace {
-
-std::string ipv4(uint32_t host_order) {
+std::string ipv4_text(uint32_t host_order) {
   in_addr a{htonl(host_order)};
   char buf[INET_ADDRSTRLEN];
   ::inet_ntop(AF_INET, &a, buf, sizeof buf);
   return buf;
 }
 
+namespace {
+
 uint32_t mask_of(uint8_t prefix) { return prefix == 0 ? 0 : ~uint32_t{0} << (32 - prefix); }
 
 }  // namespace
 
 std::string EgressRule::to_string() const {
-  std::string out = ipv4(network);
+  std::string out = ipv4_text(network);
   if (prefix != 32) out += "/" + std::to_string(prefix);
   if (port != 0) out += ":" + std::to_string(port);
   return out;

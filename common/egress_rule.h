@@ -19,5 +19,7 @@ struct EgressRule {
 };
 // Refuses (kInvalidArgument, naming the input) anything else: names, IPv6, host bits set, ports out of range.
 Result<EgressRule> parse_egress_rule(std::string_view text);
+// "A.B.C.D" of an address in host byte order.
+std::string ipv4_text(uint32_t host_order);
 
 }  // namespace sg

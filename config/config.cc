@@ -5,6 +5,7 @@
 
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -69,24 +70,38 @@ class TableReader {
     *out = static_cast<T>(*v);
   }
 
-  // A string or an array of strings, each parsed as an endpoint.
-  void endpoints(std::string_view key, std::vector<Endpoint>* out, bool allow_unix) {
+  // A string or an array of strings, each with its node (for errors); nullopt when absent or mistyped (the
+  // error is recorded).
+  std::optional<std::vector<std::pair<const toml::node*, std::string>>> string_items(std::string_view key) {
     const toml::node* n = find(key);
-    if (!n) return;
+    if (!n) return std::nullopt;
     std::vector<std::pair<const toml::node*, std::string>> items;
     if (auto s = n->value<std::string>()) {
       items.emplace_back(n, *s);
-    } else if (const toml::array* arr = n->as_array()) {
-      for (const toml::node& item : *arr) {
-        auto s2 = item.value<std::string>();
-        if (!s2) return error(item, full(key), "must be a string or an array of strings");
-        items.emplace_back(&item, *s2);
-      }
-    } else {
-      return error(*n, full(key), "must be a string or an array of strings");
+      return items;
     }
+    const toml::array* arr = n->as_array();
+    if (!arr) {
+      error(*n, full(key), "must be a string or an array of strings");
+      return std::nullopt;
+    }
+    for (const toml::node& item : *arr) {
+      auto s2 = item.value<std::string>();
+      if (!s2) {
+        error(item, full(key), "must be a string or an array of strings");
+        return std::nullopt;
+      }
+      items.emplace_back(&item, *s2);
+    }
+    return items;
+  }
+
+  // A string or an array of strings, each parsed as an endpoint.
+  void endpoints(std::string_view key, std::vector<Endpoint>* out, bool allow_unix) {
+    auto items = string_items(key);
+    if (!items) return;
     out->clear();
-    for (auto& [node, text] : items) {
+    for (auto& [node, text] : *items) {
       auto ep = parse_endpoint(text);
       if (!ep) {
         error(*node, full(key), ep.message());
@@ -101,22 +116,10 @@ class TableReader {
   // A string or an array of strings, each checked by `check` (its failure message is the error).
   void strings(std::string_view key, std::vector<std::string>* out,
                const std::function<Status(const std::string&)>& check) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    std::vector<std::pair<const toml::node*, std::string>> items;
-    if (auto s = n->value<std::string>()) {
-      items.emplace_back(n, *s);
-    } else if (const toml::array* arr = n->as_array()) {
-      for (const toml::node& item : *arr) {
-        auto s2 = item.value<std::string>();
-        if (!s2) return error(item, full(key), "must be a string or an array of strings");
-        items.emplace_back(&item, *s2);
-      }
-    } else {
-      return error(*n, full(key), "must be a string or an array of strings");
-    }
+    auto items = string_items(key);
+    if (!items) return;
     out->clear();
-    for (auto& [node, text] : items) {
+    for (auto& [node, text] : *items) {
       if (Status st = check(text); !st) error(*node, full(key), st.message());
       else out->push_back(text);
     }

@@ -1,6 +1,5 @@
 #include "noderuntime/egress.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -11,13 +10,6 @@
 
 namespace sg {
 namespace {
-
-std::string ipv4(uint32_t host_order) {
-  in_addr a{htonl(host_order)};
-  char buf[INET_ADDRSTRLEN];
-  ::inet_ntop(AF_INET, &a, buf, sizeof buf);
-  return buf;
-}
 
 Status run(std::vector<std::string> argv, std::string_view input = {}) {
   auto out = run_tool(std::move(argv), input);
@@ -93,8 +85,8 @@ Result<std::unique_ptr<Egress>> Egress::create(EgressOptions options) {
   return egress;
 }
 
-std::string Egress::address_of(uint32_t slot) const { return ipv4(options_.subnet.network + slot + 2); }
-std::string Egress::gateway() const { return ipv4(options_.subnet.network + 1); }
+std::string Egress::address_of(uint32_t slot) const { return ipv4_text(options_.subnet.network + slot + 2); }
+std::string Egress::gateway() const { return ipv4_text(options_.subnet.network + 1); }
 size_t Egress::max_slots() const { return (size_t{1} << (32 - options_.subnet.prefix)) - 3; }
 std::string Egress::host_interface(uint32_t slot) const { return options_.bridge + "v" + std::to_string(slot); }
 
