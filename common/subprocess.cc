@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -39,7 +40,9 @@ std::string trimmed(std::string s) {
 Result<std::string> run_tool(const std::vector<std::string>& argv, std::string_view input, int timeout_ms) {
   if (argv.empty()) return fail(Error::kInvalidArgument, "run_tool: empty command");
   int in[2], out[2], err[2];
-  if (::pipe2(in, O_CLOEXEC) != 0) return fail_errno("pipe", errno);
+  // stdin is a socket, not a pipe: a tool that exits without reading it must not kill the caller with
+  // SIGPIPE, and send(MSG_NOSIGNAL) exists for sockets only.
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, in) != 0) return fail_errno("socketpair", errno);
   UniqueFd in_r(in[0]), in_w(in[1]);
   if (::pipe2(out, O_CLOEXEC) != 0) return fail_errno("pipe", errno);
   UniqueFd out_r(out[0]), out_w(out[1]);
@@ -86,7 +89,7 @@ Result<std::string> run_tool(const std::vector<std::string>& argv, std::string_v
     for (int i = 0; i < n; ++i) {
       if (fds[i].revents == 0) continue;
       if (in_w.valid() && fds[i].fd == in_w.get()) {
-        ssize_t w = ::write(in_w.get(), input.data() + input_sent, input.size() - input_sent);
+        ssize_t w = ::send(in_w.get(), input.data() + input_sent, input.size() - input_sent, MSG_NOSIGNAL);
         if (w > 0) input_sent += static_cast<size_t>(w);
         if ((w < 0 && errno != EAGAIN) || input_sent == input.size()) in_w.reset();
         continue;
