@@ -90,6 +90,13 @@ struct ClusterOptions {
     o.start_proxy = false;
     return o;
   }
+  // A node without the proxy and with an image store of its own in its state dir, not the test image's
+  // shared one: for tests that import, build and remove images and look at the store's files.
+  static ClusterOptions own_image_store() {
+    ClusterOptions o = node_only();
+    o.node_extra = "images_dir = \"\"\n";
+    return o;
+  }
 };
 
 class Cluster;

@@ -70,7 +70,7 @@ class ImageBuild : public ::testing::Test {
     parent_ = image_json(c_, "bb");
     ASSERT_TRUE(parent_.is_object());
   }
-  Cluster c_{ClusterOptions::node_only()};
+  Cluster c_{ClusterOptions::own_image_store()};
   json parent_;
 };
 
@@ -197,7 +197,7 @@ TEST_F(ImageBuild, ACorruptedParentLayerIsRefused) {
 
 // The one slow test: a Debian bookworm base made by mmdebstrap from the host's mirror, plus a --run in it.
 TEST(ImageBuildDebian, PackagesAndRunOnAnMmdebstrapBase) {
-  Cluster c(ClusterOptions::node_only());
+  Cluster c(ClusterOptions::own_image_store());
   auto built = c.cli("image build deb --packages python3 --run 'python3 -c \"open(\\\"/answer\\\", \\\"w\\\").write(str(6 * 7))\"'",
                      900);
   ASSERT_EQ(built.exit_code, 0) << built.err << built.out;

@@ -42,15 +42,8 @@ std::string make_docker_save(const std::string& dir, bool corrupt) {
   return archive;
 }
 
-// A store of its own in the node's state dir (not the test image's shared one): the test looks at its layers.
-ClusterOptions own_store() {
-  ClusterOptions o = ClusterOptions::node_only();
-  o.node_extra = "images_dir = \"\"\n";
-  return o;
-}
-
 TEST(Image, ImportListRemove) {
-  Cluster c(own_store());
+  Cluster c(ClusterOptions::own_image_store());
   std::string archive = make_docker_save(c.dir() + "/good", false);
 
   auto imported = c.cli("image import " + shell_quote(archive) + " e2e-web");
@@ -92,7 +85,7 @@ TEST(Image, ImportListRemove) {
 }
 
 TEST(Image, RemovingAnImageASandboxRunsOnIsRefused) {
-  Cluster c(own_store());
+  Cluster c(ClusterOptions::own_image_store());
   const std::string dir = c.dir() + "/busy";
   fs::create_directories(dir + "/rootfs/bin");
   fs::copy_file("/bin/busybox", dir + "/rootfs/bin/sleep");  // busybox-static: the applet is its name
@@ -112,7 +105,7 @@ TEST(Image, RemovingAnImageASandboxRunsOnIsRefused) {
 }
 
 TEST(Image, CorruptedArchiveIsRefusedWithAClearError) {
-  Cluster c(own_store());
+  Cluster c(ClusterOptions::own_image_store());
   std::string archive = make_docker_save(c.dir() + "/bad", true);
   // Relative to the CLI's directory: the CLI sends the node an absolute path.
   auto imported = run("cd " + shell_quote(c.dir()) + " && " + c.sandgate() + " --api " + shell_quote(c.api()) +
