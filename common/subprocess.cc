@@ -54,6 +54,8 @@ Result<std::string> run_tool(const std::vector<std::string>& argv, std::string_v
   posix_spawn_file_actions_adddup2(&actions, in_r.get(), STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&actions, out_w.get(), STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, err_w.get(), STDERR_FILENO);
+  // Only stdio goes to the tool, not whatever else this process holds without O_CLOEXEC.
+  posix_spawn_file_actions_addclosefrom_np(&actions, 3);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);

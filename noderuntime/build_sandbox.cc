@@ -231,6 +231,7 @@ bool is_dir(const char* p) {
   if (devnull < 0) devnull = ::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // an image without /dev
   if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(p.out_fd, 1) < 0 || ::dup2(p.out_fd, 2) < 0)
     child_fail(err, "set up stdio", nullptr);
+  ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);  // the step's commands get stdio, nothing of the node's
   ::execve("/bin/sh", argv, envp);
   child_fail(err, "the image has no usable /bin/sh: execve", "/bin/sh");
 }
@@ -299,6 +300,9 @@ Result<CommandOutcome> run_host_command(const std::vector<std::string>& argv_in,
     int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(out->write.get(), 1) < 0 || ::dup2(out->write.get(), 2) < 0)
       child_fail(err->write.get(), "set up stdio", nullptr);
+    // Nothing the node inherited or opened goes along: mmdebstrap hands apt a descriptor by number, and dash
+    // (its /bin/sh) cannot redirect to one above 9, so the tool must find the low numbers free.
+    ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
     ::execve(argv[0], argv.data(), envp.data());
     child_fail(err->write.get(), "execve", argv[0]);
   }

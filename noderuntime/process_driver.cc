@@ -21,8 +21,8 @@
 
 #include "common/log.h"
 #include "noderuntime/cgroup.h"
-#include "noderuntime/egress.h"
 #include "noderuntime/companion_files.h"
+#include "noderuntime/egress.h"
 #include "noderuntime/uv_handles.h"
 #include "snapshot/image_store.h"
 

@@ -1,6 +1,8 @@
 #include "noderuntime/egress.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -46,6 +48,11 @@ class EgressKernel : public ::testing::Test {
     for (const char* tool : {"ip", "nft", "nsenter"})
       if (!run_tool({"sh", "-c", std::string("command -v ") + tool}))
         GTEST_SKIP() << tool << " is not installed";
+    // ctest runs unit tests in parallel, and these share the fake internet's addresses and routes: one at a
+    // time, across processes (the lock file lives in the build dir).
+    lock_ = UniqueFd(::open(SANDGATE_BIN_DIR "/egress-kernel-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    ASSERT_TRUE(lock_.valid());
+    ASSERT_EQ(::flock(lock_.get(), LOCK_EX), 0);
     forward_before_ = read_file("/proc/sys/net/ipv4/ip_forward");
     options_.bridge = tag_;
     options_.table = tag_;
@@ -75,6 +82,7 @@ class EgressKernel : public ::testing::Test {
   EgressOptions options_;
   std::string tag_ = "sgt" + std::to_string(::getpid() % 100000);
   std::string forward_before_;
+  UniqueFd lock_;  // held from SetUp to the fixture's end, after TearDown has removed everything
   std::unique_ptr<Egress> egress_;
   testing::FakeInternet internet_{tag_};
 };
