@@ -105,7 +105,9 @@ for m in "${modules[@]}"; do cp "$kmod/$m" "$root/lib/sandgate/"; done
 printf '%s\n' "${modules[@]##*/}" >"$root/lib/sandgate/modules"
 if [[ -n $agent ]]; then
   cp "$agent" "$root/sandgate/sandgate-agent"
-  ldd "$agent" | awk '/=> \// { print $3 } /^[ \t]*\// { print $1 }' | sort -u | while read -r lib; do
+  # A static agent (the normal build) needs nothing else; ldd answers "not a dynamic executable" for it.
+  { ldd "$agent" 2>/dev/null || true; } | awk '/=> \// { print $3 } /^[ \t]*\// { print $1 }' | sort -u |
+  while read -r lib; do
     mkdir -p "$root$(dirname "$lib")"
     cp -L "$lib" "$root$lib"
     # For an image's root, where the agent runs through its own ld.so: links, copied only then.
@@ -162,7 +164,9 @@ if [ -n "$rootdev" ]; then
     in_root="chroot /newroot"
     [ -x /newroot/bin/sh ] || sh="/run/sandgate/busybox sh"
     if [ -x /sandgate/sandgate-agent ]; then
-      agent_bin="/run/sandgate/lib/$(cd /sandgate/lib && ls ld-linux* | head -1) --library-path /run/sandgate/lib /run/sandgate/sandgate-agent"
+      agent_bin=/run/sandgate/sandgate-agent
+      loader=$(cd /sandgate/lib && ls ld-linux* 2>/dev/null | head -1)
+      [ -n "$loader" ] && agent_bin="/run/sandgate/lib/$loader --library-path /run/sandgate/lib $agent_bin"
     fi
     echo "SANDGATE-GUEST root $rootdev"
   else
