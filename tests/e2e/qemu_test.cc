@@ -423,11 +423,13 @@ std::string kept_value(const std::string& out) {
 // Issue 10: the guest's root filesystem is a disk made from an image (a shared base plus the sandbox's qcow2
 // overlay), and what the guest writes there stays through both tiers and a node restart.
 TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart) {
-  Cluster c(ClusterOptions::node(node_config() + "qemu_image = \"qdisk\"\n"));
+  // A store of its own: the image it imports must not stay behind in the test image's shared store.
+  Cluster c(ClusterOptions::node(node_config() + "qemu_image = \"qdisk\"\nimages_dir = \"\"\n"));
   const std::string archive = busybox_image(c.dir() + "/img");
   auto imported = c.cli("image import " + archive + " qdisk");
   ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
-  auto created = c.cli("create --json --name vd --driver qemu --timeout 3 --hibernate-after 3 --memory-mb 256 "
+  auto created = c.cli("create --json --name vd --driver qemu --image qdisk --timeout 3 --hibernate-after 3 "
+                       "--memory-mb 256 "
                        "-- /bin/sh -c 'exec sleep 100000'",
                        180);
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
