@@ -182,16 +182,11 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
                                                 : std::to_string(timeout_ms_) + " ms";
     return fail(Error::kTimeout, "sandgate-node at " + where + " did not answer within " + limit);
   };
-  if (!access_.token.empty() && !token_fits_header(access_.token))
-    return fail(Error::kInvalidArgument, "the token is malformed (one line, no spaces)");
-  auto req = build_request(method, target, address_, access_.token, body);
+  auto req = prepare(method, target, body);
   if (!req) return req.failure();
 
   if (address_.kind == ApiAddress::Kind::kHttps) {
-    TlsClientOptions tls{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert,
-                         "fix the URL in --api / SANDGATE_API, or dial another address with --connect-to / "
-                         "SANDGATE_INGRESS"};
-    auto conn = tls_connect(tls, deadline);
+    auto conn = tls_connect(tls_options(), deadline);
     if (!conn) {
       if (conn.error() != Error::kUnavailable) return worded(conn.failure());
       return fail(conn.error(), "cannot reach sandgate-node at " + where + ": " + conn.message());
@@ -217,19 +212,27 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
 
 namespace sg::cli {
 
+Result<std::string> ApiClient::prepare(std::string_view method, std::string_view target,
+                                      const nlohmann::json& body) const {
+  if (!access_.token.empty() && !token_fits_header(access_.token))
+    return fail(Error::kInvalidArgument, "the token is malformed (one line, no spaces)");
+  return build_request(method, target, address_, access_.token, body);
+}
+
+TlsClientOptions ApiClient::tls_options() const {
+  return TlsClientOptions{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert,
+                          "fix the URL in --api / SANDGATE_API, or dial another address with --connect-to / "
+                          "SANDGATE_INGRESS"};
+}
+
 Result<ApiResponse> ApiClient::stream(std::string_view method, std::string_view target, const nlohmann::json& body,
                                       int timeout_ms, const std::function<void(std::string_view)>& on_line) const {
   const std::string where = api_address_string(address_);
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-  if (!access_.token.empty() && !token_fits_header(access_.token))
-    return fail(Error::kInvalidArgument, "the token is malformed (one line, no spaces)");
-  auto req = build_request(method, target, address_, access_.token, body);
+  auto req = prepare(method, target, body);
   if (!req) return req.failure();
   if (address_.kind == ApiAddress::Kind::kHttps) {
-    TlsClientOptions tls{access_.connect_to.value_or(address_.server), address_.server.host, access_.cacert,
-                         "fix the URL in --api / SANDGATE_API, or dial another address with --connect-to / "
-                         "SANDGATE_INGRESS"};
-    auto conn = tls_connect(tls, deadline);
+    auto conn = tls_connect(tls_options(), deadline);
     if (!conn) return fail(conn.error(), "cannot reach sandgate-node at " + where + ": " + conn.message());
     return read_stream(tls_stream(conn->ssl.get(), conn->sock.get(), deadline), *req, where, on_line);
   }

@@ -79,6 +79,10 @@ class ApiClient {
                              int timeout_ms, const std::function<void(std::string_view)>& on_line) const;
 
  private:
+  // The request's bytes, after the token is checked to fit a header line (both request() and stream()).
+  Result<std::string> prepare(std::string_view method, std::string_view target, const nlohmann::json& body) const;
+  // How an https API address is dialled and verified.
+  TlsClientOptions tls_options() const;
   ApiAddress address_;
   int timeout_ms_;
   IngressAccess access_;
