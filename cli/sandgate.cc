@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   auto* cpus_opt = create->add_option("--cpus", cpus, "CPU limit, in CPUs (e.g. 0.5)");
   auto* memory_opt = create->add_option("--memory-mb", memory_mb, "memory limit in MiB");
-  auto* disk_opt = create->add_option("--disk-mb", disk_mb, "most MiB the sandbox may write (default: no limit)");
+  auto* disk_opt = create->add_option("--disk-mb", disk_mb, "most MiB the sandbox may write (default: node.default_disk_mb, no limit)");
   auto* pids_opt = create->add_option("--pids-max", pids_max, "most processes and threads at once (default: the node's)");
   bool internet = false, no_internet = false;
   auto* internet_opt = create->add_flag("--internet", internet, "outbound network access (default: the node's)");
@@ -326,6 +326,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 6 * 3600));
   CLI::App* image_ls = image_cmd->add_subcommand("ls", "List images");
   image_ls->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* image_inspect = image_cmd->add_subcommand("inspect", "Show an image's record: layers, config, parent");
+  image_inspect->add_option("name", ref, "the image's name")->required();
   CLI::App* image_rm = image_cmd->add_subcommand("rm", "Remove an image (and the layers no other image uses)");
   image_rm->add_option("name", ref, "the image's name")->required();
 
@@ -457,6 +459,9 @@ int main(int argc, char** argv) {
   if (image_ls->parsed())
     return call(node, "image ls", "GET", "/v1/images", "", raw_json,
                 [&](const json& j) { return sg::cli::format_image_list(j, now); });
+  if (image_inspect->parsed())
+    return call(node, "image inspect", "GET", sg::cli::image_path(ref), ref, false,
+                [](const json& j) { return j.dump(2) + "\n"; });
   if (image_rm->parsed())
     return call(node, "image rm", "DELETE", sg::cli::image_path(ref), ref, false,
                 [&](const json&) { return "removed image " + ref + "\n"; });

@@ -268,6 +268,11 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   // thousand sandboxes above the base.
   r.integer("uid_range_base", &out->uid_range_base, 1u << 20, 0xC0000000u);
   r.integer("default_pids_max", &out->default_pids_max, kMinPidsMax, kMaxPidsMax);
+  r.integer("default_disk_mb", &out->default_disk_mb, 0, kMaxDiskMb);
+  r.integer("store_free_space_reserve_mb", &out->store_free_space_reserve_mb, 0, 1024 * 1024);
+  if (out->default_disk_mb != 0 && out->default_disk_mb < kMinDiskMb)
+    r.error(*t.get("default_disk_mb"), "node.default_disk_mb",
+            "must be 0 (no limit) or between " + std::to_string(kMinDiskMb) + " and " + std::to_string(kMaxDiskMb));
   // At least sandgate-init's relay chunk (64 KiB), so one chunk never overshoots the cap.
   r.integer("log_max_bytes", &out->log_max_bytes, 64 * 1024, 1024 * 1024 * 1024);
   r.boolean("default_allow_internet_access", &out->default_allow_internet_access);

@@ -54,6 +54,10 @@ struct ProxyConfig {
 // and command at least; at most the kernel's PID_MAX_LIMIT.
 inline constexpr int64_t kMinPidsMax = 8;
 inline constexpr int64_t kMaxPidsMax = 4'194'304;
+// Bounds of a process sandbox's disk limit (node.default_disk_mb, the create's disk_mb), 0 being none: an
+// ext4 upper dir needs a few MiB of its own; 16 TiB is ext4's file size limit with 4 KiB blocks.
+inline constexpr int64_t kMinDiskMb = 16;
+inline constexpr int64_t kMaxDiskMb = 16 * 1024 * 1024;
 
 struct NodeConfig {
   std::string state_dir = "/var/lib/sandgate";
@@ -85,6 +89,8 @@ struct NodeConfig {
   uint32_t uid_range_base = 0x10000000;
   // pids.max of a sandbox whose create sets no pids_max: processes and threads it may have at once.
   uint32_t default_pids_max = 1024;
+  uint32_t default_disk_mb = 0;  // 0: no limit unless the create sets disk_mb
+  uint32_t store_free_space_reserve_mb = 1024;  // imports and builds stop before the layer store's disk gets this full
   // A process sandbox's output.log on the host: past this many bytes it becomes output.log.1 (replacing the
   // one before) and starts again empty, so one sandbox's output takes at most twice this on disk.
   uint32_t log_max_bytes = 8 * 1024 * 1024;

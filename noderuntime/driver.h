@@ -30,6 +30,7 @@ namespace sg {
 struct DriverCapabilities {
   bool pause = false;      // pause()/resume(): memory tier
   bool hibernate = false;  // hibernate()/restore(): disk tier (requires pause)
+  bool disk_limit = false; // enforces spec.disk_mb (so the node's default_disk_mb applies to its sandboxes)
 };
 
 // What a driver sees when it looks at an instance (used to reconcile after a node restart).

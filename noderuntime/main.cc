@@ -171,6 +171,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   sg::snapshot::ImageStore* image_store = images->get();
+  image_store->layers().set_free_space_reserve(uint64_t{c.node.store_free_space_reserve_mb} << 20);
   std::vector<std::unique_ptr<sg::Driver>> drivers;
   auto process_driver = sg::make_process_driver(d.loop, c.node, image_store);
   if (!process_driver) {
@@ -207,9 +208,10 @@ int main(int argc, char** argv) {
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
   d.node->set_images(image_store);
-  // `image rm` is refused while a sandbox's root filesystem comes from the image.
-  image_store->set_user_check(
-      [users = d.node->image_users()](const std::string& name) { return users->first_user(name); });
+  // `image rm` is refused while a sandbox's root filesystem comes from the image, and no sandbox starts on an
+  // image while it is being removed.
+  image_store->set_users([users = d.node->image_users()](const std::string& name) { return users->claim_for_removal(name); },
+                         [users = d.node->image_users()](const std::string& name) { users->release_removal(name); });
   if (auto s = d.node->load_operator_token(c); !s) {
     spdlog::critical("{}", s.message());
     return 1;

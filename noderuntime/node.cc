@@ -31,8 +31,6 @@ using S = SandboxState;
 constexpr int64_t kMinMemoryMb = 16;
 constexpr int64_t kMaxMemoryMb = 1024 * 1024;
 // An ext4 file smaller than this has no room for its own metadata and a few files.
-constexpr int64_t kMinDiskMb = 16;
-constexpr int64_t kMaxDiskMb = 16 * 1024 * 1024;
 constexpr double kMaxCpus = 1024;
 // A terminate that hangs must not keep the daemon from exiting; whatever is left is adopted next start.
 constexpr uint64_t kShutdownTerminateTimeoutMs = 15'000;
@@ -294,7 +292,9 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   if (pids < kMinPidsMax || pids > kMaxPidsMax)
     return invalid("pids_max: must be between " + std::to_string(kMinPidsMax) + " and " + std::to_string(kMaxPidsMax));
   spec.pids_max = static_cast<uint32_t>(pids);
-  int64_t disk = req.disk_mb.value_or(0);
+  // Only a driver that enforces it gets the default (a VM's disk is its qcow2 overlay, sized by the image).
+  const bool limits_disk = find_driver(spec.driver)->capabilities().disk_limit;
+  int64_t disk = req.disk_mb.value_or(limits_disk ? cfg->node.default_disk_mb : 0);
   if (disk != 0 && (disk < kMinDiskMb || disk > kMaxDiskMb))
     return invalid("disk_mb: must be 0 (no limit) or between " + std::to_string(kMinDiskMb) + " and " +
                    std::to_string(kMaxDiskMb));
@@ -365,13 +365,26 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   auto uid_base = allocate_uid_base();
   if (!uid_base) return done(uid_base.failure());
   spec->uid_base = *uid_base;
+  // A user of its image from here on, then the image confirmed: an `image rm` running meanwhile either sees
+  // this sandbox and refuses, or has claimed or removed the image, and then this create is refused.
+  const std::string image_user = image_user_label(*spec);
+  if (Status s = image_users_->add(spec->image, image_user); !s) return done(s.failure());
+  if (images_ != nullptr && !spec->image.empty()) {
+    if (auto image = images_->get(spec->image); !image) {
+      image_users_->remove(spec->image, image_user);
+      if (image.error() != Error::kNotFound) return done(image.failure());
+      return done(fail(Error::kNotFound, "image: no image '" + spec->image + "' on this node (removed just now)"));
+    }
+  }
 
   std::error_code ec;
   std::string parent = cfg->node.state_dir + "/sandboxes";
   std::filesystem::create_directories(parent, ec);
   std::string dir = parent + "/" + spec->id;
-  if (ec || (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST))
+  if (ec || (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)) {
+    image_users_->remove(spec->image, image_user);
     return done(fail(Error::kIo, "cannot create " + dir + ": " + (ec ? ec.message() : std::strerror(errno))));
+  }
 
   auto owned = std::make_unique<Sandbox>();
   Sandbox& sb = *owned;
@@ -383,12 +396,12 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   // Persisted before anything runs: a crash between start and the next write leaves a record to reconcile.
   if (auto s = store_->upsert(sb.rec); !s) {
     std::filesystem::remove_all(dir, ec);
+    image_users_->remove(sb.rec.spec.image, image_user);
     return done(s.failure());
   }
   std::string id = sb.id();
   if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
   sandboxes_.emplace(id, std::move(owned));
-  image_users_->add(sb.rec.spec.image, image_user_label(sb.rec));
   sb.starting = true;
   sb.new_token = std::move(token);
   sb.created = std::move(done);
@@ -654,12 +667,12 @@ void Node::forget(const std::string& id) {
   auto named = ids_by_name_.find(rec.spec.name);
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
   reported_.erase(id);
-  image_users_->remove(rec.spec.image, image_user_label(rec));
+  image_users_->remove(rec.spec.image, image_user_label(rec.spec));
   sandboxes_.erase(it);
 }
 
-std::string Node::image_user_label(const StoredSandbox& rec) {
-  return "sandbox " + (rec.spec.name.empty() ? rec.spec.id : rec.spec.name + " (" + rec.spec.id + ")");
+std::string Node::image_user_label(const SandboxSpec& spec) {
+  return "sandbox " + (spec.name.empty() ? spec.id : spec.name + " (" + spec.id + ")");
 }
 
 void Node::on_exit(const std::string& id) {
@@ -1095,7 +1108,9 @@ Status Node::reconcile() {
     std::string id = sb.id();
     if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
     sandboxes_.emplace(id, std::move(owned));
-    image_users_->add(sb.rec.spec.image, image_user_label(sb.rec));
+    // Before the API listens, so no remove can have claimed the image; a refusal would be a bug worth a line.
+    if (Status s = image_users_->add(sb.rec.spec.image, image_user_label(sb.rec.spec)); !s)
+      spdlog::error("sandbox {}: {}", id, s.message());
     if (sb.rec.state == S::kFailed) {
       ++failed;
       continue;

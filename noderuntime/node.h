@@ -199,8 +199,8 @@ class Node {
   // defaults the request overrides). Without a store (unit tests of the state machine) the name is recorded
   // as given. `images` must outlive the Node.
   void set_images(const snapshot::ImageStore* images) { images_ = images; }
-  // The sandboxes using each image (for ImageStore::set_user_check); shared so the check outlives no one.
-  std::shared_ptr<const ImageUsers> image_users() const { return image_users_; }
+  // The sandboxes using each image (for ImageStore::set_users); shared so the store's hooks outlive no one.
+  std::shared_ptr<ImageUsers> image_users() const { return image_users_; }
 
   // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
   // started it, or the error; it runs before create() returns when validation fails.
@@ -325,7 +325,7 @@ class Node {
   std::unique_ptr<Store> store_;
   const snapshot::ImageStore* images_ = nullptr;
   std::shared_ptr<ImageUsers> image_users_ = std::make_shared<ImageUsers>();
-  static std::string image_user_label(const StoredSandbox& rec);
+  static std::string image_user_label(const SandboxSpec& spec);
   IdleTracker idle_;
   uv_timer_t* idle_timer_;
   std::optional<IdleTracker::TimePoint> idle_timer_due_;  // when idle_timer_ fires; nullopt if stopped

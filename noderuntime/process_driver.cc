@@ -332,7 +332,8 @@ class ProcessDriver final : public Driver {
 
   DriverCapabilities capabilities() const override {
     return DriverCapabilities{.pause = cgroups_.detection().freeze.version != CgroupVersion::kNone,
-                              .hibernate = false};
+                              .hibernate = false,
+                              .disk_limit = true};
   }
 
   // Spawning a process tree takes milliseconds, so the work is done synchronously; only the answer is

@@ -37,7 +37,8 @@ std::optional<std::string> clean_member(std::string_view path) { return normaliz
 // renamed into the store, not copied). Links (old `docker save` links repeated layers) are kept as names.
 class Staged {
  public:
-  Staged(std::string archive_path, std::string dir) : archive_path_(std::move(archive_path)), dir_(std::move(dir)) {}
+  Staged(std::string archive_path, std::string dir, const LayerStore& layers)
+      : archive_path_(std::move(archive_path)), dir_(std::move(dir)), layers_(layers) {}
 
   Status read_archive() {
     auto reader = TarReader::open(archive_path_, archive_path_, kMaxArchiveMembers);
@@ -76,6 +77,11 @@ class Staged {
       }
       if (type != AE_IFREG)
         return fail(Error::kInvalidArgument, archive_path_ + ": member '" + shown + "' is not a file, directory or link");
+      // Staged members stay until their layers are unpacked, so they count against the store's reserve too.
+      if (auto s = layers_.check_free_space(static_cast<uint64_t>(std::max<la_int64_t>(archive_entry_size(e), 0)),
+                                            archive_path_ + ": member '" + shown + "'");
+          !s)
+        return s;
       std::string staged = dir_ + "/m" + std::to_string(count_);
       int raw = ::open(staged.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
       if (raw < 0) return fail_errno("create " + staged, errno);
@@ -153,6 +159,7 @@ class Staged {
 
   std::string archive_path_;
   std::string dir_;
+  const LayerStore& layers_;
   size_t count_ = 0;
   std::map<std::string, File> files_;
   std::map<std::string, std::string> links_;
@@ -442,7 +449,7 @@ Result<Image> ImageStore::import(const std::string& archive_path, const std::str
     }
   } cleanup{*dir};
 
-  Staged staged(archive_path, *dir);
+  Staged staged(archive_path, *dir, layers_);
   if (auto s = staged.read_archive(); !s) return s.failure();
   Result<Parsed> parsed = staged.has("manifest.json") ? parse_docker_save(staged)
                           : staged.has("index.json")  ? parse_oci(staged)
@@ -514,9 +521,18 @@ Result<Image> ImageStore::remove(const std::string& name) {
   std::lock_guard lock(mu_);
   auto image = get(name);
   if (!image) return image.failure();
-  if (user_check_)
-    if (auto user = user_check_(name))
+  if (claim_) {
+    if (auto user = claim_(name))
       return fail(Error::kConflict, "image " + name + " is in use by " + *user + "; remove that first");
+  }
+  // Released on every way out, the refusals below included: only while this call runs is the image claimed.
+  struct Release {
+    const ReleaseRemoval& release;
+    const std::string& name;
+    ~Release() {
+      if (release) release(name);
+    }
+  } released{release_, name};
   auto images = list();
   if (!images) return images.failure();
   for (const Image& other : *images)

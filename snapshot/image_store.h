@@ -54,23 +54,28 @@ Status check_image_name(std::string_view name);
 
 class ImageStore {
  public:
-  // Who else uses an image (sandboxes, snapshots: later issues). Returns why `name` is in use, or nullopt.
-  // It runs inside remove(), on the caller's thread (a libuv pool thread in the node), under the store's lock:
-  // it must be thread-safe, and whatever starts using an image must check that the image still exists after
-  // registering as a user, so a concurrent remove cannot slip between the two.
-  using UserCheck = std::function<std::optional<std::string>(const std::string& name)>;
+  // Who else uses an image (sandboxes, snapshots). remove() calls `claim` on its thread (a libuv pool thread in
+  // the node) under the store's lock, so it must be thread-safe: it returns why `name` is in use, or nullopt
+  // after marking it as being removed, and from then until `release` (called once remove() is done, whatever
+  // its outcome) nothing may start using the image. Whatever starts using an image registers first and then
+  // checks that the image still exists (noderuntime/image_users.h).
+  using ClaimForRemoval = std::function<std::optional<std::string>(const std::string& name)>;
+  using ReleaseRemoval = std::function<void(const std::string& name)>;
 
   // <state_dir>/images and <state_dir>/layers; collects layers no image uses (an import a crash interrupted).
   static Result<std::unique_ptr<ImageStore>> open(const std::string& state_dir);
 
-  void set_user_check(UserCheck check) { user_check_ = std::move(check); }
+  void set_users(ClaimForRemoval claim, ReleaseRemoval release) {
+    claim_ = std::move(claim);
+    release_ = std::move(release);
+  }
 
   // kAlreadyExists if `name` exists; kInvalidArgument for an archive that is malformed, corrupted (digest
   // mismatch), unsafe or missing a member; kLimitExceeded past a bound; kNotFound if `archive_path` is missing.
   Result<Image> import(const std::string& archive_path, const std::string& name);
   Result<std::vector<Image>> list() const;
   Result<Image> get(const std::string& name) const;
-  // kConflict while the UserCheck says the image is in use, or another image was built --from it (its layers
+  // kConflict while the image's users say it is in use, or another image was built --from it (its layers
   // are shared, so the parent stays while a child names it). Layers no other image uses are removed with it.
   Result<Image> remove(const std::string& name);
 
@@ -95,7 +100,8 @@ class ImageStore {
 
   std::string images_dir_;
   LayerStore layers_;
-  UserCheck user_check_;
+  ClaimForRemoval claim_;
+  ReleaseRemoval release_;
   std::multiset<std::string> pinned_;  // layers of builds in progress, once per build using them
   std::mutex mu_;
 };

@@ -6,6 +6,7 @@
 #include <openssl/evp.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -364,6 +365,10 @@ Status LayerStore::unpack(const std::string& blob, const std::string& tree, std:
     }
     drop_trusted_xattrs(e);
     archive_entry_set_pathname(e, (tree + "/" + *rel).c_str());
+    if (auto s = check_free_space(static_cast<uint64_t>(std::max<la_int64_t>(archive_entry_size(e), 0)),
+                                  where + ": entry '" + shown + "'");
+        !s)
+      return s;
     int r = archive_write_header(out.get(), e);
     if (r < ARCHIVE_WARN)
       return fail(Error::kInvalidArgument, where + ": entry '" + shown + "': " + archive_message(out.get()));
@@ -387,6 +392,16 @@ Status LayerStore::unpack(const std::string& blob, const std::string& tree, std:
   if (archive_write_close(out.get()) != ARCHIVE_OK)
     return fail(Error::kIo, where + ": " + archive_message(out.get()));
   return {};
+}
+
+Status LayerStore::check_free_space(uint64_t bytes, std::string_view where) const {
+  struct statvfs st {};
+  if (::statvfs(root_.c_str(), &st) != 0) return fail_errno("statvfs " + root_, errno);
+  const uint64_t available = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+  if (available >= free_space_reserve_ && available - free_space_reserve_ >= bytes) return {};
+  return fail(Error::kLimitExceeded, std::string(where) + ": writing " + std::to_string(bytes) + " more bytes would leave less than " +
+                                         std::to_string(free_space_reserve_ >> 20) + " MiB free on the layer store's filesystem (" +
+                                         std::to_string(available >> 20) + " MiB free; node.store_free_space_reserve_mb)");
 }
 
 Result<std::vector<std::string>> LayerStore::list() const {

@@ -58,6 +58,12 @@ class LayerStore {
   // whole layer with a message naming the entry. Returns the digest.
   Result<std::string> add(const std::string& blob_path, std::string_view expected_digest, std::string_view label);
 
+  // Free space that must remain on the store's filesystem (default 1 GiB): an import or a build that would
+  // go below it stops with kLimitExceeded, so an archive, however large, cannot fill the node's disk.
+  void set_free_space_reserve(uint64_t bytes) { free_space_reserve_ = bytes; }
+  // kLimitExceeded (naming `where`) if writing `bytes` more would leave less than the reserve free.
+  Status check_free_space(uint64_t bytes, std::string_view where) const;
+
   bool contains(std::string_view digest) const;
   std::string layer_dir(std::string_view digest) const;  // <root>/sha256/<hex>
   std::string tree_path(std::string_view digest) const;  // <root>/sha256/<hex>/tree
@@ -73,6 +79,7 @@ class LayerStore {
   Status unpack(const std::string& blob, const std::string& tree, std::string_view label) const;
 
   std::string root_;
+  uint64_t free_space_reserve_ = uint64_t{1} << 30;
 };
 
 }  // namespace sg::snapshot

@@ -68,6 +68,13 @@ TEST(Image, ImportListRemove) {
   std::string layer = c.dir() + "/node/layers/sha256/" + image["layers"][0].get<std::string>().substr(7);
   EXPECT_EQ(read_file(layer + "/tree/etc/motd"), "hello from an image\n");
 
+  auto inspected = c.cli("image inspect e2e-web");
+  ASSERT_EQ(inspected.exit_code, 0) << inspected.err;
+  EXPECT_EQ(json::parse(inspected.out, nullptr, false), image) << inspected.out;
+  auto unknown = c.cli("image inspect e2e-nope");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_NE(unknown.err.find("no image named e2e-nope"), std::string::npos) << unknown.err;
+
   auto again = c.cli("image import " + shell_quote(archive) + " e2e-web");
   EXPECT_EQ(again.exit_code, 1);
   EXPECT_NE(again.err.find("sandgate image rm e2e-web"), std::string::npos) << again.err;

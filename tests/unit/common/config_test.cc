@@ -111,15 +111,21 @@ TEST(Config, SandboxBoundaryKeys) {
   EXPECT_EQ((*d)->node.default_pids_max, 1024u);
   EXPECT_EQ((*d)->node.log_max_bytes, 8u * 1024 * 1024);
   auto c = load("[node]\nimages_dir = \"img\"\ndefault_image = \"py\"\nuid_range_base = 1048576\n"
-                "default_pids_max = 8\nlog_max_bytes = 65536\n");
+                "default_pids_max = 8\nlog_max_bytes = 65536\ndefault_disk_mb = 16\n"
+                "store_free_space_reserve_mb = 0\n");
   ASSERT_TRUE(c.ok()) << c.message();
   EXPECT_EQ((*c)->node.images_root(), "/base/img");
   EXPECT_EQ((*c)->node.default_image, "py");
   EXPECT_EQ((*c)->node.uid_range_base, 1048576u);
   EXPECT_EQ((*c)->node.default_pids_max, 8u);
   EXPECT_EQ((*c)->node.log_max_bytes, 65536u);
+  EXPECT_EQ((*c)->node.default_disk_mb, 16u);
+  EXPECT_EQ((*d)->node.default_disk_mb, 0u);
+  EXPECT_EQ((*c)->node.store_free_space_reserve_mb, 0u);
+  EXPECT_EQ((*d)->node.store_free_space_reserve_mb, 1024u);
   for (const char* bad : {"uid_range_base = 1048575", "uid_range_base = 3221225473", "default_pids_max = 7",
-                          "default_pids_max = 4194305", "log_max_bytes = 65535", "log_max_bytes = 1073741825"}) {
+                          "default_pids_max = 4194305", "log_max_bytes = 65535", "log_max_bytes = 1073741825", "default_disk_mb = 15",
+                          "default_disk_mb = 16777217"}) {
     auto r = load(std::string("[node]\n") + bad + "\n");
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_NE(r.message().find("t.toml:2: node." + std::string(bad).substr(0, std::string(bad).find(' '))),

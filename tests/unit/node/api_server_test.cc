@@ -1000,9 +1000,9 @@ TEST_F(ApiServerTest, ImageImportListGetRemove) {
   expect_error(c.request("PUT", "/v1/images"), 405, "unsupported");
   expect_error(c.request("GET", "/v1/images/nope"), 404, "not_found");
 
-  store->set_user_check([](const std::string&) { return std::optional<std::string>("sandbox demo"); });
+  store->set_users([](const std::string&) { return std::optional<std::string>("sandbox demo"); }, nullptr);
   expect_error(c.request("DELETE", "/v1/images/web"), 409, "conflict", "in use by sandbox demo");
-  store->set_user_check(nullptr);
+  store->set_users(nullptr, nullptr);
   Reply removed = c.request("DELETE", "/v1/images/web");
   EXPECT_EQ(removed.status, 200) << removed.message.body;
   EXPECT_EQ(removed.body()["name"], "web");

@@ -60,7 +60,7 @@ class FakeDriver : public Driver {
   }
 
   std::string_view name() const override { return "fake"; }
-  DriverCapabilities capabilities() const override { return {can_pause, can_hibernate}; }
+  DriverCapabilities capabilities() const override { return {can_pause, can_hibernate, limits_disk}; }
 
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {
     ++starts;
@@ -177,6 +177,7 @@ class FakeDriver : public Driver {
   }
 
   bool can_pause = true, can_hibernate = true, can_cancel = true;
+  bool limits_disk = false;
   bool fail_start = false, fail_pause = false, fail_resume = false, fail_terminate = false, fail_open_socket = false;
   bool fail_hibernate = false, fail_restore = false;
   uint64_t op_delay_ms = 5;          // how long pause/resume/restore/terminate take

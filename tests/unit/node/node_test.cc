@@ -814,6 +814,24 @@ TEST_F(NodeTest, MaxSandboxes) {
   create("c");
 }
 
+// node.default_disk_mb is the default of drivers that enforce disk_mb; the create's own value wins.
+TEST_F(NodeTest, DefaultDiskLimitAppliesWhereTheDriverEnforcesIt) {
+  make_node("default_disk_mb = 64\n");
+  EXPECT_EQ(create("a").spec.disk_mb, 0u);  // this driver does not enforce it: no limit is promised
+  driver_->limits_disk = true;
+  EXPECT_EQ(create("b").spec.disk_mb, 64u);
+  CreateRequest own = request("c");
+  own.disk_mb = 32;
+  auto c = create_request(own);
+  ASSERT_TRUE(c.ok()) << c.message();
+  EXPECT_EQ(c->spec.disk_mb, 32u);
+  CreateRequest none = request("d");
+  none.disk_mb = 0;
+  auto d = create_request(none);
+  ASSERT_TRUE(d.ok()) << d.message();
+  EXPECT_EQ(d->spec.disk_mb, 0u);
+}
+
 TEST_F(NodeTest, RejectsInvalidRequests) {
   struct Case {
     const char* what;

@@ -189,6 +189,16 @@ TEST_F(ImageStoreTest, ACorruptedLayerIsRefusedAndNothingIsKept) {
   EXPECT_EQ(stored_layers(), 0u);
 }
 
+TEST_F(ImageStoreTest, AnImportThatWouldEatTheFreeSpaceReserveStopsAndKeepsNothing) {
+  store_->layers().set_free_space_reserve(uint64_t{1} << 62);
+  auto image = store_->import(docker_save("huge.tar", {kBase, kTop}), "huge");
+  ASSERT_FALSE(image);
+  EXPECT_EQ(image.error(), Error::kLimitExceeded);
+  EXPECT_NE(image.message().find("huge.tar: member"), std::string::npos) << image.message();
+  EXPECT_EQ(store_->get("huge").error(), Error::kNotFound);
+  EXPECT_EQ(stored_layers(), 0u);
+}
+
 TEST_F(ImageStoreTest, MalformedArchivesGetAClearError) {
   auto missing = store_->import(docker_save("missing.tar", {kBase, kTop}, -1, true), "m");
   ASSERT_FALSE(missing);
@@ -261,22 +271,32 @@ TEST_F(ImageStoreTest, RemoveCollectsTheLayersNoImageUses) {
   EXPECT_TRUE(store_->list()->empty());
 }
 
-// No sandbox uses images yet (issue 10's next slice); the hook they will use is tested with a fake user.
 TEST_F(ImageStoreTest, RemoveIsRefusedWhileTheImageIsInUse) {
   ASSERT_TRUE(store_->import(docker_save("a.tar", {kBase}), "busy"));
-  std::string asked;
-  store_->set_user_check([&](const std::string& name) -> std::optional<std::string> {
-    asked = name;
-    return name == "busy" ? std::optional<std::string>("sandbox web") : std::nullopt;
-  });
+  std::vector<std::string> calls;
+  store_->set_users(
+      [&](const std::string& name) -> std::optional<std::string> {
+        calls.push_back("claim " + name);
+        return name == "busy" ? std::optional<std::string>("sandbox web") : std::nullopt;
+      },
+      [&](const std::string& name) { calls.push_back("release " + name); });
   auto removed = store_->remove("busy");
   ASSERT_FALSE(removed);
   EXPECT_EQ(removed.error(), Error::kConflict);
-  EXPECT_EQ(asked, "busy");
   EXPECT_NE(removed.message().find("in use by sandbox web"), std::string::npos) << removed.message();
+  EXPECT_EQ(calls, std::vector<std::string>{"claim busy"});  // refused: nothing was claimed, nothing to release
   EXPECT_TRUE(store_->get("busy"));
   EXPECT_EQ(stored_layers(), 1u);
-  store_->set_user_check(nullptr);
+
+  // A claim is released whether the remove then succeeds or is refused for another reason.
+  ASSERT_TRUE(store_->import(docker_save("b.tar", {kBase}), "free"));
+  calls.clear();
+  EXPECT_TRUE(store_->remove("free"));
+  EXPECT_EQ(calls, (std::vector<std::string>{"claim free", "release free"}));
+  calls.clear();
+  EXPECT_FALSE(store_->remove("free"));  // gone: not found before anything is claimed
+  EXPECT_TRUE(calls.empty());
+  store_->set_users(nullptr, nullptr);
   EXPECT_TRUE(store_->remove("busy"));
 }
 

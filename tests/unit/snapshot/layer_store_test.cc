@@ -55,6 +55,22 @@ TEST_F(LayerStoreTest, AddVerifiesAndUnpacksIntoTheDigestsDirectory) {
   EXPECT_EQ(*listed, std::vector<std::string>{digest});
 }
 
+// No layer fills the store's disk: past the reserve the add stops, names the entry and keeps nothing.
+TEST_F(LayerStoreTest, ALayerThatWouldEatTheFreeSpaceReserveIsRefused) {
+  store_->set_free_space_reserve(uint64_t{1} << 62);  // more than any disk has free
+  std::string path = blob("big.tar", {testing::dir("data"), testing::file("data/payload", std::string(65536, 'x'))});
+  auto added = add(path);
+  ASSERT_FALSE(added);
+  EXPECT_EQ(added.error(), Error::kLimitExceeded);
+  EXPECT_NE(added.message().find("test layer: entry 'data"), std::string::npos) << added.message();
+  EXPECT_NE(added.message().find("node.store_free_space_reserve_mb"), std::string::npos) << added.message();
+  EXPECT_TRUE(store_->list()->empty());
+  EXPECT_TRUE(fs::is_empty(store_->root() + "/tmp"));
+  std::string again = blob("big2.tar", {testing::dir("data"), testing::file("data/payload", std::string(65536, 'x'))});
+  store_->set_free_space_reserve(0);
+  EXPECT_TRUE(add(again));
+}
+
 TEST_F(LayerStoreTest, GzipLayersAreUnpacked) {
   std::string path = blob("l.tar.gz", {testing::file("a", "compressed")}, true);
   auto added = add(path);

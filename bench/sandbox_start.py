@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Process sandbox start times against a real node + proxy (issue 10's bench, results in bench/RESULTS.md).
+
+    bench/sandbox_start.py BUILD_DIR [RUNS]          (default 5 runs per row; run as root)
+    IMAGES_DIR=DIR  reuse a node images dir that has the `default` image (deploy/quickstart.sh's
+                    .state/images); without it the image is built here first (mmdebstrap, 1-2 minutes)
+
+Rows (medians of RUNS):
+  - create (POST /v1/sandboxes until its 201, the sandbox running) and first HTTP answer through the TLS
+    proxy, on the `default` image: the agent route (`https://NAME.sandbox.localhost/health`, Bearer token)
+    and `python3 -m http.server` on a public port; the anchor is the same http.server started on the host
+    and polled there (no sandbox, no TLS), measured in the same run;
+  - create on busybox images of 1, 8 and 32 layers (each layer one file): what the overlay of idmapped
+    lower layers costs per layer.
+First HTTP is polled every 2 ms with a new connection each try (what a client retrying sees).
+"""
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import hashlib
+import io
+import time
+
+DOMAIN = "sandbox.localhost"
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path, timeout=120):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def api(sock, method, path, body=None):
+    c = UnixHTTPConnection(sock)
+    c.request(method, path, body=json.dumps(body) if body is not None else None,
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, (json.loads(data) if data else None)
+
+
+def wait_for(what, pred, timeout_s, proc=None, log=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            sys.exit(f"{what}: the process exited: {open(log).read()[-2000:] if log else ''}")
+        time.sleep(0.05)
+    sys.exit(f"{what}: not within {timeout_s} s")
+
+
+def first_answer(connect, timeout_s=30.0):
+    """Seconds until `connect()` gets an answer with status 200, polled every 2 ms."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if connect() == 200:
+                return time.monotonic() - start
+        except (OSError, http.client.HTTPException):
+            pass
+        time.sleep(0.002)
+    raise RuntimeError("no 200 answer within %.0f s" % timeout_s)
+
+
+def busybox_image(path, layers):
+    """A docker-save archive: busybox-static as layer 1, then one small file per further layer."""
+    def tar_bytes(add):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            add(t)
+        return buf.getvalue()
+
+    def base(t):
+        for d in ("bin", "etc", "proc", "dev", "tmp", "sys"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            t.addfile(info)
+        t.add("/bin/busybox", "bin/busybox")
+        for applet in ("sh", "sleep", "cat", "true"):
+            info = tarfile.TarInfo("bin/" + applet)
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            t.addfile(info)
+
+    blobs = [tar_bytes(base)]
+    for i in range(1, layers):
+        def one(t, i=i):
+            data = ("layer %d\n" % i).encode()
+            info = tarfile.TarInfo("etc/layer-%d" % i)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        blobs.append(tar_bytes(one))
+    diff_ids = ["sha256:" + hashlib.sha256(b).hexdigest() for b in blobs]
+    config = json.dumps({"os": "linux", "config": {"Env": ["PATH=/bin"]},
+                         "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    members = {config_name: config}
+    for i, b in enumerate(blobs):
+        members["l%d/layer.tar" % i] = b
+    members["manifest.json"] = json.dumps(
+        [{"Config": config_name, "Layers": ["l%d/layer.tar" % i for i in range(len(blobs))]}]).encode()
+    with tarfile.open(path, "w") as t:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    build = os.path.abspath(sys.argv[1])
+    runs = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tempfile.mkdtemp(prefix="sandgate-start-bench.")
+    procs = []
+    cgroup = "sandgate-start-bench-%d" % os.getpid()
+
+    def cleanup():
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        subprocess.run([root + "/deploy/gen-cert.sh", tmp + "/tls", DOMAIN], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        images_dir = os.environ.get("IMAGES_DIR", "")
+        sock = tmp + "/node.sock"
+        with open(tmp + "/sandgate.toml", "w") as f:
+            f.write(f"""domain = "{DOMAIN}"
+node_socket = "unix:{sock}"
+log_level = "info"
+[proxy]
+listen = "127.0.0.1:0"
+workers = 1
+[[proxy.certificates]]
+cert = "{tmp}/tls/server.pem"
+key = "{tmp}/tls/server.key"
+[node]
+state_dir = "{tmp}/state"
+on_shutdown = "terminate"
+cgroup_name = "{cgroup}"
+init_path = "{build}/noderuntime/sandgate-init"
+{"images_dir = '%s'" % images_dir if images_dir else ""}
+""")
+        node_log, proxy_log = tmp + "/node.log", tmp + "/proxy.log"
+        procs.append(subprocess.Popen([build + "/noderuntime/sandgate-node", "--config", tmp + "/sandgate.toml"],
+                                      stdout=open(node_log, "w"), stderr=subprocess.STDOUT))
+        wait_for("sandgate-node", lambda: os.path.exists(sock), 30, procs[-1], node_log)
+        procs.append(subprocess.Popen([build + "/proxy/sandgate-proxy", "--config", tmp + "/sandgate.toml"],
+                                      stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT))
+        wait_for("sandgate-proxy", lambda: "ready on" in open(proxy_log).read(), 30, procs[-1], proxy_log)
+        line = [l for l in open(proxy_log) if "ready on 127.0.0.1:" in l][0]
+        port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
+        cli = [build + "/cli/sandgate", "--api", "unix:" + sock]
+        env = dict(os.environ, HOME=tmp, XDG_CONFIG_HOME=tmp + "/xdg")
+
+        if api(sock, "GET", "/v1/images/default")[0] != 200:
+            print("building the default image (mmdebstrap)...", file=sys.stderr)
+            subprocess.run(cli + ["image", "build", "default", "--packages", "python3"], check=True, env=env,
+                           stdout=subprocess.DEVNULL)
+        for n in (1, 8, 32):
+            busybox_image(f"{tmp}/bb{n}.tar", n)
+            subprocess.run(cli + ["image", "import", f"{tmp}/bb{n}.tar", f"bb{n}"], check=True, env=env,
+                           stdout=subprocess.DEVNULL)
+
+        tls = ssl.create_default_context(cafile=tmp + "/tls/ca.pem")
+
+        def https_get(host, path, token=None):
+            def go():
+                raw = socket.create_connection(("127.0.0.1", port), timeout=2)
+                c = http.client.HTTPSConnection(host, port, context=tls, timeout=2)
+                c.sock = tls.wrap_socket(raw, server_hostname=host)
+                c.request("GET", path, headers={"Authorization": "Bearer " + token} if token else {})
+                r = c.getresponse()
+                r.read()
+                c.close()
+                return r.status
+            return go
+
+        def create(body):
+            t0 = time.monotonic()
+            status, sb = api(sock, "POST", "/v1/sandboxes", body)
+            if status != 201:
+                raise RuntimeError(f"create: {status} {sb}")
+            return time.monotonic() - t0, sb
+
+        def delete(name):
+            status, _ = api(sock, "DELETE", "/v1/sandboxes/" + name)
+            if status != 200:
+                raise RuntimeError(f"delete {name}: {status}")
+
+        rows = {}
+
+        def add(row, value):
+            rows.setdefault(row, []).append(value * 1000)
+
+        server = ["python3", "-m", "http.server", "8080", "--bind", "127.0.0.1"]
+        for r in range(runs):
+            name = f"agent{r}"
+            t0 = time.monotonic()
+            created, sb = create({"name": name, "command": ["sleep", "infinity"], "timeout_secs": 3600})
+            first = first_answer(https_get(f"{name}.{DOMAIN}", "/health", sb["token"]))
+            add("default image: create (201, running)", created)
+            add("default image: create to first HTTP, agent route", time.monotonic() - t0)
+            delete(name)
+
+            name = f"web{r}"
+            t0 = time.monotonic()
+            created, sb = create({"name": name, "command": server, "timeout_secs": 3600,
+                                  "ports": [{"port": 8080, "public": True}]})
+            first = first_answer(https_get(f"8080-{name}.{DOMAIN}", "/"))
+            add("default image: create to first HTTP, python3 -m http.server (public port)", time.monotonic() - t0)
+            delete(name)
+
+            # Anchor: the same server on the host, polled over plain HTTP on its own port.
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                host_port = s.getsockname()[1]
+            t0 = time.monotonic()
+            p = subprocess.Popen(["python3", "-m", "http.server", str(host_port), "--bind", "127.0.0.1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
+
+            def plain():
+                c = http.client.HTTPConnection("127.0.0.1", host_port, timeout=2)
+                c.request("GET", "/")
+                status = c.getresponse().status
+                c.close()
+                return status
+            first = first_answer(plain)
+            add("anchor: python3 -m http.server on the host, start to first HTTP", first)
+            p.terminate()
+            p.wait()
+
+            for n in (1, 8, 32):
+                created, _ = create({"name": f"bb{n}-{r}", "image": f"bb{n}", "command": ["sleep", "1000"],
+                                     "timeout_secs": 3600})
+                add(f"busybox image, {n} layer{'s' if n > 1 else ''}: create (201, running)", created)
+                delete(f"bb{n}-{r}")
+            print(f"run {r + 1}/{runs} done", file=sys.stderr)
+
+        print(f"| row | runs | median ms | min | max |")
+        print(f"|---|--:|--:|--:|--:|")
+        for row, values in rows.items():
+            print(f"| {row} | {len(values)} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()
