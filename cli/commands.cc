@@ -273,20 +273,24 @@ Result<json> image_build_body(const ImageBuildOptions& o, std::string_view cwd) 
   if (!o.variant.empty()) body["variant"] = o.variant;
   if (!o.workdir.empty()) body["workdir"] = o.workdir;
   if (!o.packages.empty()) body["packages"] = o.packages;
-  if (!o.runs.empty()) body["run"] = o.runs;
   if (!o.env.empty()) body["env"] = o.env;
   if (o.timeout_secs != 0) body["timeout_secs"] = o.timeout_secs;
-  if (!o.copies.empty()) {
-    json copies = json::array();
-    for (const std::string& c : o.copies) {
+  if (!o.steps.empty()) {
+    json steps = json::array();
+    for (const ImageBuildStep& s : o.steps) {
+      if (s.kind == ImageBuildStep::Kind::kRun) {
+        steps.push_back({{"run", s.text}});
+        continue;
+      }
+      const std::string& c = s.text;
       size_t colon = c.rfind(':');
       if (colon == std::string::npos || colon == 0 || colon + 1 == c.size())
         return fail(Error::kInvalidArgument, "--copy '" + c + "': expected HOSTPATH:DEST (DEST absolute in the image)");
       std::string source = c.substr(0, colon);
       if (source.front() != '/') source = std::string(cwd) + (cwd.ends_with('/') ? "" : "/") + source;
-      copies.push_back({{"source", source}, {"dest", c.substr(colon + 1)}});
+      steps.push_back({{"copy", {{"source", source}, {"dest", c.substr(colon + 1)}}}});
     }
-    body["copy"] = std::move(copies);
+    body["steps"] = std::move(steps);
   }
   return body;
 }

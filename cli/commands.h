@@ -65,11 +65,15 @@ std::string image_path(std::string_view name);
 // from its own disk and working directory). kInvalidArgument for an empty path or name.
 Result<nlohmann::json> image_import_body(std::string_view archive, std::string_view name, std::string_view cwd);
 // `sandgate image build` (docs/images.md).
+struct ImageBuildStep {
+  enum class Kind { kCopy, kRun } kind = Kind::kRun;
+  std::string text;  // kRun: the shell command; kCopy: "HOSTPATH:DEST" (split at the last ':')
+};
 struct ImageBuildOptions {
   std::string name, from, variant, workdir;
-  std::vector<std::string> packages, runs, env;
-  std::vector<std::string> copies;  // "HOSTPATH:DEST" (split at the last ':')
-  uint32_t timeout_secs = 0;        // 0: the node's default
+  std::vector<std::string> packages, env;
+  std::vector<ImageBuildStep> steps;  // --copy and --run in the order given
+  uint32_t timeout_secs = 0;          // 0: the node's default
 };
 // The POST /v1/images/build body. Copy sources are made absolute against `cwd`: the node reads them itself
 // (the endpoint is on the node's unix socket only). kInvalidArgument for a copy without ":DEST".

@@ -316,8 +316,10 @@ int main(int argc, char** argv) {
   image_build->add_option("--packages", build_opts.packages,
                           "Debian packages to install (comma-separated; mmdebstrap --include, or apt-get with --from)")
       ->delimiter(',');
-  image_build->add_option("--run", build_opts.runs, "a shell command run in the image, as its root (repeatable)");
-  image_build->add_option("--copy", build_opts.copies,
+  std::vector<std::string> build_runs, build_copies;
+  CLI::Option* run_opt = image_build->add_option(
+      "--run", build_runs, "a shell command run in the image, as its root (repeatable; with --copy, in the order given)");
+  CLI::Option* copy_opt = image_build->add_option("--copy", build_copies,
                           "HOSTPATH:DEST: files on the node copied into the image, owned by its root (repeatable)");
   image_build->add_option("--workdir", build_opts.workdir, "the image's working directory (absolute)");
   image_build->add_option("--env", build_opts.env, "K=V in the image's environment (repeatable)");
@@ -455,7 +457,18 @@ int main(int argc, char** argv) {
     if (!answer) return error(answer.message());
     return print(*answer, raw, raw_json, sg::cli::format_image_imported);
   }
-  if (image_build->parsed()) return build_image(node, build_opts);
+  if (image_build->parsed()) {
+    // CLI11 collects each option's values apart; its parse order (one entry per occurrence) restores the
+    // interleaving of --copy and --run, which a build must keep (a --run may need what a --copy brought).
+    size_t next_run = 0, next_copy = 0;
+    for (const CLI::Option* o : image_build->parse_order()) {
+      if (o == run_opt && next_run < build_runs.size())
+        build_opts.steps.push_back({sg::cli::ImageBuildStep::Kind::kRun, build_runs[next_run++]});
+      else if (o == copy_opt && next_copy < build_copies.size())
+        build_opts.steps.push_back({sg::cli::ImageBuildStep::Kind::kCopy, build_copies[next_copy++]});
+    }
+    return build_image(node, build_opts);
+  }
   if (image_ls->parsed())
     return call(node, "image ls", "GET", "/v1/images", "", raw_json,
                 [&](const json& j) { return sg::cli::format_image_list(j, now); });

@@ -1164,24 +1164,35 @@ Result<std::vector<std::string>> string_list(const json& value, std::string_view
 
 Result<BuildRequest> parse_build(const json& body) {
   BuildRequest r;
-  constexpr std::string_view kFields = "name, from, variant, packages, copy, run, workdir, env, timeout_secs";
+  constexpr std::string_view kFields = "name, from, variant, packages, steps, workdir, env, timeout_secs";
+  constexpr std::string_view kStepShape =
+      "an array of steps, each {\"run\": \"shell command\"} or {\"copy\": {\"source\": \"/on/the/node\", \"dest\": \"/in/the/image\"}}";
   for (auto it = body.begin(); it != body.end(); ++it) {
     const std::string& k = it.key();
     const json& v = *it;
     if (k == "name" || k == "from" || k == "variant" || k == "workdir") {
       if (!v.is_string()) return wrong_type(k, "a string", v);
       (k == "name" ? r.name : k == "from" ? r.from : k == "variant" ? r.variant : r.workdir) = v.get<std::string>();
-    } else if (k == "packages" || k == "run" || k == "env") {
+    } else if (k == "packages" || k == "env") {
       auto list = string_list(v, k);
       if (!list) return list.failure();
-      (k == "packages" ? r.packages : k == "run" ? r.runs : r.env) = std::move(*list);
-    } else if (k == "copy") {
-      if (!v.is_array()) return wrong_type(k, "an array of {\"source\", \"dest\"}", v);
-      for (const json& c : v) {
-        if (!c.is_object() || c.size() != 2 || !c.contains("source") || !c.contains("dest") ||
-            !c["source"].is_string() || !c["dest"].is_string())
-          return wrong_type(k, "an array of {\"source\": \"/on/the/node\", \"dest\": \"/in/the/image\"}", v);
-        r.copies.push_back({c["source"].get<std::string>(), c["dest"].get<std::string>()});
+      (k == "packages" ? r.packages : r.env) = std::move(*list);
+    } else if (k == "steps") {
+      if (!v.is_array()) return wrong_type(k, kStepShape, v);
+      for (const json& s : v) {
+        if (!s.is_object() || s.size() != 1) return wrong_type(k, kStepShape, v);
+        BuildStep step;
+        if (const json* run = s.contains("run") ? &s["run"] : nullptr; run != nullptr && run->is_string()) {
+          step.run = run->get<std::string>();
+        } else if (const json* c = s.contains("copy") ? &s["copy"] : nullptr;
+                   c != nullptr && c->is_object() && c->size() == 2 && c->contains("source") && c->contains("dest") &&
+                   (*c)["source"].is_string() && (*c)["dest"].is_string()) {
+          step.kind = BuildStep::Kind::kCopy;
+          step.copy = {(*c)["source"].get<std::string>(), (*c)["dest"].get<std::string>()};
+        } else {
+          return wrong_type(k, kStepShape, v);
+        }
+        r.steps.push_back(std::move(step));
       }
     } else if (k == "timeout_secs") {
       if (!v.is_number_unsigned() || v.get<uint64_t>() > kMaxBuildTimeoutSecs)
@@ -1231,9 +1242,9 @@ void ApiServer::handle_image_build(const HttpMessage& request, bool is_unix, Rep
                                                              build->name + " first)"));
   if (!build->from.empty())
     if (auto parent = images_->get(build->from); !parent) return reply(error_response(parent.failure()));
-  for (const BuildCopy& c : build->copies)
-    if (struct stat st{}; ::lstat(c.host_path.c_str(), &st) != 0)
-      return reply(error_response(404, Error::kNotFound, "copy source " + c.host_path + " does not exist on the node"));
+  for (const BuildStep& s : build->steps)
+    if (struct stat st{}; s.kind == BuildStep::Kind::kCopy && ::lstat(s.copy.host_path.c_str(), &st) != 0)
+      return reply(error_response(404, Error::kNotFound, "copy source " + s.copy.host_path + " does not exist on the node"));
   auto stream = std::make_shared<Stream>();
   Response r{200, "", {}, ""};
   r.stream = stream;

@@ -57,7 +57,7 @@ void set_env(std::vector<std::string>& env, const std::string& kv) {
 
 struct Step {
   enum class Kind { kBase, kApt, kCopy, kRun } kind;
-  size_t index = 0;  // into copies / runs
+  const BuildStep* given = nullptr;  // kCopy, kRun: the request's step
   std::string what;
 };
 
@@ -109,14 +109,17 @@ class Build {
 
     std::vector<Step> steps;
     if (request_.from.empty())
-      steps.push_back({Step::Kind::kBase, 0,
+      steps.push_back({Step::Kind::kBase, nullptr,
                        "debian " + std::string(kSuite) + " (mmdebstrap --variant=" + request_.variant +
                            (request_.packages.empty() ? "" : " --include=" + join(request_.packages, ",")) + ")"});
     else if (!request_.packages.empty())
-      steps.push_back({Step::Kind::kApt, 0, "apt-get install " + join(request_.packages, " ")});
-    for (size_t i = 0; i < request_.copies.size(); ++i)
-      steps.push_back({Step::Kind::kCopy, i, "copy " + request_.copies[i].host_path + " " + request_.copies[i].dest});
-    for (size_t i = 0; i < request_.runs.size(); ++i) steps.push_back({Step::Kind::kRun, i, "run: " + request_.runs[i]});
+      steps.push_back({Step::Kind::kApt, nullptr, "apt-get install " + join(request_.packages, " ")});
+    for (const BuildStep& given : request_.steps) {
+      if (given.kind == BuildStep::Kind::kCopy)
+        steps.push_back({Step::Kind::kCopy, &given, "copy " + given.copy.host_path + " " + given.copy.dest});
+      else
+        steps.push_back({Step::Kind::kRun, &given, "run: " + given.run});
+    }
 
     for (size_t n = 0; n < steps.size(); ++n) {
       const Step& s = steps[n];
@@ -127,8 +130,8 @@ class Build {
       };
       Result<std::string> layer = s.kind == Step::Kind::kBase ? base(label, output)
                                   : s.kind == Step::Kind::kCopy
-                                      ? copy(label, request_.copies[s.index], n)
-                                      : sandboxed(label, s.kind == Step::Kind::kApt ? apt_command() : request_.runs[s.index],
+                                      ? copy(label, s.given->copy, n)
+                                      : sandboxed(label, s.kind == Step::Kind::kApt ? apt_command() : s.given->run,
                                                   image, n, output);
       if (!layer) return layer.failure();
       uint64_t size = 0;
@@ -266,17 +269,19 @@ Status check_build_request(const BuildRequest& r) {
     if (!valid_env(kv)) return fail(Error::kInvalidArgument, "env '" + kv + "' is not KEY=VALUE (KEY of A-Z a-z 0-9 _)");
   if (!r.workdir.empty() && !valid_image_path(r.workdir))
     return fail(Error::kInvalidArgument, "workdir '" + r.workdir + "' is not an absolute path without '..'");
-  for (const BuildCopy& c : r.copies) {
-    if (!c.host_path.starts_with("/"))
-      return fail(Error::kInvalidArgument, "copy source '" + c.host_path + "' is not an absolute path on the node");
-    if (!valid_image_path(c.dest))
-      return fail(Error::kInvalidArgument, "copy destination '" + c.dest + "' is not an absolute path without '..'");
-  }
-  for (const std::string& cmd : r.runs)
-    if (cmd.empty() || cmd.size() > kMaxBuildCommandBytes || cmd.find('\0') != std::string::npos)
+  for (const BuildStep& step : r.steps) {
+    if (step.kind == BuildStep::Kind::kCopy) {
+      const BuildCopy& c = step.copy;
+      if (!c.host_path.starts_with("/"))
+        return fail(Error::kInvalidArgument, "copy source '" + c.host_path + "' is not an absolute path on the node");
+      if (!valid_image_path(c.dest))
+        return fail(Error::kInvalidArgument, "copy destination '" + c.dest + "' is not an absolute path without '..'");
+    } else if (step.run.empty() || step.run.size() > kMaxBuildCommandBytes || step.run.find('\0') != std::string::npos) {
       return fail(Error::kInvalidArgument, "a run command must be 1 to " + std::to_string(kMaxBuildCommandBytes) +
                                                " bytes without NUL");
-  size_t steps = 1 + r.copies.size() + r.runs.size();
+    }
+  }
+  size_t steps = 1 + r.steps.size();
   if (steps > kMaxBuildSteps)
     return fail(Error::kLimitExceeded, std::to_string(steps) + " build steps, over the limit of " +
                                            std::to_string(kMaxBuildSteps));

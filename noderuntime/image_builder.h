@@ -3,9 +3,9 @@
 //   1. the base: without `from`, a Debian bookworm root made by mmdebstrap (--mode=unshare, tar output, which
 //      is the layer blob as it is) from the mirror in the host's apt sources, with the packages; with `from`,
 //      that image's layers, shared (pinned for the build), and the packages as an apt-get install step;
-//   2. each copy (host files the node reads, owned by image root in the layer);
-//   3. each run command, in a build sandbox (build_sandbox.h) over the layers so far; its upper dir becomes
-//      the layer (layer_writer.h). A step that changed nothing adds no layer.
+//   2. the steps in the order given: a copy (host files the node reads, owned by image root in the layer), or
+//      a run command, in a build sandbox (build_sandbox.h) over the layers so far, whose upper dir becomes the
+//      layer (layer_writer.h). A step that changed nothing adds no layer.
 // Everything happens in a temp dir of the layer store, removed at the end whatever happens; the image record
 // is written last, so an interrupted build leaves only tmp/ debris (and unnamed layers the next start collects).
 #pragma once
@@ -26,7 +26,7 @@
 namespace sg {
 
 // Bounds on one build request (untrusted input): a clear kInvalidArgument/kLimitExceeded past them.
-inline constexpr size_t kMaxBuildSteps = 64;             // base + apt + copies + runs
+inline constexpr size_t kMaxBuildSteps = 64;             // base (or apt) + copies + runs
 inline constexpr size_t kMaxBuildPackages = 256;
 inline constexpr size_t kMaxBuildEnv = 128;
 inline constexpr size_t kMaxBuildCommandBytes = 64 * 1024;
@@ -43,13 +43,19 @@ struct BuildCopy {
   std::string dest;       // absolute, in the image
 };
 
+// One step after the base, as Dockerfile users know them: COPY or RUN.
+struct BuildStep {
+  enum class Kind { kCopy, kRun } kind = Kind::kRun;
+  BuildCopy copy;   // kCopy
+  std::string run;  // kRun: a shell command
+};
+
 struct BuildRequest {
   std::string name;
   std::string from;  // "" = a Debian base made by mmdebstrap
   std::string variant = "minbase";  // mmdebstrap --variant: minbase (with apt, so --from it can apt-get) or essential
   std::vector<std::string> packages;
-  std::vector<BuildCopy> copies;
-  std::vector<std::string> runs;
+  std::vector<BuildStep> steps;  // run in this order
   std::string workdir;            // "" = inherited (or "/")
   std::vector<std::string> env;   // "K=V", on top of the inherited env (same K replaced)
   uint32_t timeout_secs = kDefaultBuildTimeoutSecs;

@@ -272,9 +272,10 @@ for l in "${labels[@]}"; do
   start_proxy "$d" "$sg" "-$l"
   pport=$proxy_port
   # One sandbox, two backends: 9000 public, 9001 private (needs the sandbox's token).
+  import_bench_image "$d/cli/sandgate" --api "unix:$sg/node.sock"
   XDG_CONFIG_HOME=$sg/xdg timeout 60 "$d/cli/sandgate" --api "unix:$sg/node.sock" create --name bench \
-    --public 9000 --expose 9001 --cpus 2 --timeout 86400 -- \
-    /bin/sh -c "$tmp/backend 127.0.0.1 9001 & exec $tmp/backend 127.0.0.1 9000" >"$tmp/create-$l.out" 2>&1 ||
+    --image bench --public 9000 --expose 9001 --cpus 2 --timeout 86400 -- \
+    /bin/sh -c "/bench/backend 127.0.0.1 9001 & exec /bench/backend 127.0.0.1 9000" >"$tmp/create-$l.out" 2>&1 ||
     die "sandgate create ($l) failed: $(cat "$tmp/create-$l.out")"
   token=""
   [[ -r $sg/xdg/sandgate/tokens/bench ]] && token=$(tr -d '\n' <"$sg/xdg/sandgate/tokens/bench")
@@ -322,7 +323,9 @@ fi
 backend_pids() {
   local pid
   for pid in $(pgrep -x backend); do
-    [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == "$tmp/backend "* ]] && echo "$pid"
+    case $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) in
+      "$tmp/backend "* | "/bench/backend "*) echo "$pid" ;;  # the host's, the sandboxes' (image path)
+    esac
   done
 }
 

@@ -175,8 +175,27 @@ make_tmp() {  # NAME: sets tmp to a new /tmp/NAME.XXXXXX; builds the backend the
   tmp=$(mktemp -d "/tmp/$1.XXXXXX")
   chmod 755 "$tmp"
   log "temp dir $tmp"
-  cc -O2 -Wall -o "$tmp/backend" "$here/backend.c"
+  # Static: the same binary serves the anchors on the host and sandgate's sandbox, whose root is an image.
+  cc -O2 -Wall -static -o "$tmp/backend" "$here/backend.c"
   "$root/deploy/gen-cert.sh" "$tmp/tls" sandbox.localhost 2>/dev/null
+}
+# CLI...: imports the image `bench` through the given CLI (busybox-static for /bin/sh, the backend at
+# /bench/backend, one layer, a docker save archive), which the benchmarks' sandboxes run on.
+import_bench_image() {
+  local d=$tmp/bench-image a
+  mkdir -p "$d/rootfs/"{bin,etc,proc,dev,tmp,sys,bench} "$d/out/l0"
+  cp /bin/busybox "$d/rootfs/bin/"
+  for a in sh sleep cat; do ln -sf busybox "$d/rootfs/bin/$a"; done
+  cp "$tmp/backend" "$d/rootfs/bench/backend"
+  tar -cf "$d/out/l0/layer.tar" -C "$d/rootfs" .
+  printf '{"os":"linux","config":{"Env":["PATH=/bin"]},"rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' \
+    "$(sha256sum "$d/out/l0/layer.tar" | cut -d' ' -f1)" >"$d/config.json"
+  a=$(sha256sum "$d/config.json" | cut -d' ' -f1).json
+  mv "$d/config.json" "$d/out/$a"
+  printf '[{"Config":"%s","Layers":["l0/layer.tar"]}]' "$a" >"$d/out/manifest.json"
+  tar -cf "$d.tar" -C "$d/out" .
+  timeout 120 "$@" image import "$d.tar" bench >"$tmp/image-import.out" 2>&1 ||
+    die "sandgate image import failed: $(cat "$tmp/image-import.out")"
 }
 
 # ---------------------------------------------------------------------------------------------- sandgate

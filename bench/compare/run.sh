@@ -197,14 +197,15 @@ if want sandgate; then
   cli=("$BUILD_DIR/cli/sandgate" --api "unix:$tmp/sg/node.sock")
   start_proxy "$BUILD_DIR" "$tmp/sg" ""
   port[sandgate]=$proxy_port
-  timeout 60 "${cli[@]}" create --name bench --public 9000 --cpus 2 --timeout 86400 -- \
-    "$tmp/backend" 127.0.0.1 9000 >"$tmp/create.out" 2>&1 || die "sandgate create failed: $(cat "$tmp/create.out")"
+  import_bench_image "${cli[@]}"
+  timeout 60 "${cli[@]}" create --name bench --image bench --public 9000 --cpus 2 --timeout 86400 -- \
+    /bench/backend 127.0.0.1 9000 >"$tmp/create.out" 2>&1 || die "sandgate create failed: $(cat "$tmp/create.out")"
   ppids[sandgate]=$proxy_pid scheme[sandgate]=https
 fi
 sandbox_backend_pid() {  # the sandbox's backend, seen from the host pid namespace (lookup only)
   local pid
   for pid in $(pgrep -x backend); do
-    [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == "$tmp/backend 127.0.0.1 9000 " ]] && echo "$pid"
+    [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == "/bench/backend 127.0.0.1 9000 " ]] && echo "$pid"
   done | head -1
 }
 

@@ -74,6 +74,25 @@ class ImageBuild : public ::testing::Test {
   json parent_;
 };
 
+// --copy and --run steps run in the order given, as a Dockerfile's COPY and RUN: a run before a copy does not
+// see the copied file, one after it does.
+TEST_F(ImageBuild, CopyAndRunStepsRunInTheOrderGiven) {
+  write_file(c_.dir() + "/app.conf", "copied\n");
+  auto built = c_.cli("image build ordered --from bb --run " +
+                      shell_quote("cat /etc/app.conf > /before 2>/dev/null || echo absent > /before") + " --copy " +
+                      shell_quote(c_.dir() + "/app.conf") + ":/etc/ --run " + shell_quote("cat /etc/app.conf > /after"));
+  ASSERT_EQ(built.exit_code, 0) << built.err << built.out;
+  EXPECT_NE(built.out.find("step 1/3: run: cat /etc/app.conf > /before"), std::string::npos) << built.out;
+  EXPECT_NE(built.out.find("step 2/3: copy " + c_.dir() + "/app.conf /etc/\n"), std::string::npos) << built.out;
+  EXPECT_NE(built.out.find("step 3/3: run: cat /etc/app.conf > /after"), std::string::npos) << built.out;
+  json image = image_json(c_, "ordered");
+  ASSERT_TRUE(image.is_object());
+  ASSERT_EQ(image["layers"].size(), 4u);
+  EXPECT_EQ(read_file(tree(c_, image["layers"][1]) + "/before"), "absent\n");
+  EXPECT_EQ(read_file(tree(c_, image["layers"][2]) + "/etc/app.conf"), "copied\n");
+  EXPECT_EQ(read_file(tree(c_, image["layers"][3]) + "/after"), "copied\n");
+}
+
 TEST_F(ImageBuild, RunAndCopyStepsAreSealedAsLayersOnTheParents) {
   write_file(c_.dir() + "/app.conf", "copied\n");
   auto built = c_.cli("image build child --from bb --workdir /tmp --env GREETING=hi --copy " +

@@ -26,20 +26,21 @@ TEST(ImageBuildBody, CarriesTheStepsAndMakesCopySourcesAbsolute) {
   o.name = "web";
   o.from = "base";
   o.packages = {"python3", "curl"};
-  o.runs = {"make", "make install"};
-  o.copies = {"src:/app", "/etc/hosts:/etc/"};
+  using K = ImageBuildStep::Kind;
+  o.steps = {{K::kCopy, "src:/app"}, {K::kRun, "make"}, {K::kCopy, "/etc/hosts:/etc/"}, {K::kRun, "make install"}};
   o.env = {"A=1"};
   o.workdir = "/app";
   auto body = image_build_body(o, "/home/op");
   ASSERT_TRUE(body) << body.message();
   EXPECT_EQ(*body, json::parse(R"({"name":"web","from":"base","workdir":"/app","packages":["python3","curl"],
-    "run":["make","make install"],"env":["A=1"],
-    "copy":[{"source":"/home/op/src","dest":"/app"},{"source":"/etc/hosts","dest":"/etc/"}]})"));
-  o.copies = {"nodest"};
+    "env":["A=1"],
+    "steps":[{"copy":{"source":"/home/op/src","dest":"/app"}},{"run":"make"},
+             {"copy":{"source":"/etc/hosts","dest":"/etc/"}},{"run":"make install"}]})"));
+  o.steps = {{K::kCopy, "nodest"}};
   auto bad = image_build_body(o, "/");
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.message().find("expected HOSTPATH:DEST"), std::string::npos) << bad.message();
-  o.copies = {"src:"};
+  o.steps = {{K::kCopy, "src:"}};
   EXPECT_EQ(image_build_body(o, "/").error(), Error::kInvalidArgument);
 }
 

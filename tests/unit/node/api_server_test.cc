@@ -1026,7 +1026,12 @@ TEST_F(ApiServerTest, ImageBuildIsCheckedThenStreamed) {
   expect_error(c.request("POST", "/v1/images/build", R"({"from":"web"})"), 400, "invalid_argument", "name is required");
   expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","script":"y"})"), 400, "invalid_argument",
                "unknown field 'script'");
-  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","run":"make"})"), 400, "invalid_argument", "run");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","run":["make"]})"), 400, "invalid_argument",
+               "unknown field 'run'");
+  for (const char* bad : {R"("make")", R"([{"run":"a","copy":{"source":"/a","dest":"/b"}}])", R"([{"run":1}])",
+                          R"([{"copy":{"source":"/a"}}])", R"([{"shell":"x"}])"})
+    expect_error(c.request("POST", "/v1/images/build", std::string(R"({"name":"x","steps":)") + bad + "}"), 400,
+                 "invalid_argument", "steps");
   expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","packages":["a b"]})"), 400, "invalid_argument",
                "not a Debian package name");
   expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","env":["=1"]})"), 400, "invalid_argument",
@@ -1036,18 +1041,18 @@ TEST_F(ApiServerTest, ImageBuildIsCheckedThenStreamed) {
   expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","timeout_secs":0})"), 400, "invalid_argument",
                "timeout_secs");
   std::string many = "[";
-  for (int i = 0; i < 64; ++i) many += std::string(i ? "," : "") + "\"true\"";
-  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"web","run":)" + many + "]}"), 429,
+  for (int i = 0; i < 64; ++i) many += std::string(i ? "," : "") + R"({"run":"true"})";
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"web","steps":)" + many + "]}"), 429,
                "limit_exceeded", "65 build steps, over the limit of 64");
-  expect_error(c.request("POST", "/v1/images/build", R"({"name":"web","run":["true"]})"), 409, "already_exists");
-  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"nope","run":["true"]})"), 404, "not_found",
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"web","steps":[{"run":"true"}]})"), 409, "already_exists");
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"nope","steps":[{"run":"true"}]})"), 404, "not_found",
                "no image named nope");
-  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"web","copy":[{"source":"/nonexistent","dest":"/a"}]})"),
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","from":"web","steps":[{"copy":{"source":"/nonexistent","dest":"/a"}}]})"),
                404, "not_found", "copy source /nonexistent does not exist on the node");
 
   // A close-delimited body: read until the final event arrives, then the server closes.
   Client stream = client();
-  std::string body = R"({"name":"x","from":"web","copy":[{"source":")" + dir_.path() + R"(/conf","dest":"/etc/"}]})";
+  std::string body = R"({"name":"x","from":"web","steps":[{"copy":{"source":")" + dir_.path() + R"(/conf","dest":"/etc/"}}]})";
   ASSERT_TRUE(stream.send("POST /v1/images/build HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n"
                           "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body));
   std::string raw = stream.read_until("\"event\":\"image\"", 10000);
@@ -1078,7 +1083,7 @@ TEST_F(ApiServerTest, ImageBuildIsOnlyOnTheUnixSocket) {
   Endpoint tcp = listen_tcp();
   Client c(&loop_, tcp);
   c.host = tcp.to_string();
-  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","run":["id"]})", bearer(kOperatorToken)), 400,
+  expect_error(c.request("POST", "/v1/images/build", R"({"name":"x","steps":[{"run":"id"}]})", bearer(kOperatorToken)), 400,
                "invalid_argument", "unix socket only");
   server_->set_images(nullptr);
 }

@@ -16,10 +16,9 @@ BuildRequest valid() {
   r.name = "web";
   r.from = "base";
   r.packages = {"python3", "libc6:amd64", "g++"};
-  r.runs = {"make"};
+  r.steps = {{BuildStep::Kind::kCopy, {"/etc/hosts", "/etc/"}, ""}, {BuildStep::Kind::kRun, {}, "make"}};
   r.env = {"A_1=x=y"};
   r.workdir = "/srv/app";
-  r.copies = {{"/etc/hosts", "/etc/"}};
   return r;
 }
 
@@ -57,20 +56,19 @@ TEST(BuildRequestCheck, NamesTheBadField) {
   r.workdir = "relative";
   expect_bad(r, Error::kInvalidArgument, "workdir");
   r = valid();
-  r.copies = {{"relative", "/x"}};
+  r.steps[0].copy = {"relative", "/x"};
   expect_bad(r, Error::kInvalidArgument, "absolute path on the node");
   r = valid();
-  r.copies = {{"/etc/hosts", "/../etc"}};
+  r.steps[0].copy = {"/etc/hosts", "/../etc"};
   expect_bad(r, Error::kInvalidArgument, "copy destination");
   r = valid();
-  r.runs = {""};
+  r.steps[1].run = "";
   expect_bad(r, Error::kInvalidArgument, "run command");
   r = valid();
-  r.runs = {std::string(kMaxBuildCommandBytes + 1, 'x')};
+  r.steps[1].run = std::string(kMaxBuildCommandBytes + 1, 'x');
   expect_bad(r, Error::kInvalidArgument, "run command");
   r = valid();
-  r.copies.clear();
-  r.runs.assign(kMaxBuildSteps, "true");  // + the base (apt) step: one over
+  r.steps.assign(kMaxBuildSteps, {BuildStep::Kind::kRun, {}, "true"});  // + the base (apt) step: one over
   expect_bad(r, Error::kLimitExceeded, "65 build steps, over the limit of 64");
   r = valid();
   r.timeout_secs = kMaxBuildTimeoutSecs + 1;
