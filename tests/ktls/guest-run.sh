@@ -1,18 +1,21 @@
 #!/bin/sh
 # The kTLS guest test proper (run by tests/ktls/guest-init inside the qemu guest; busybox sh).
-# Starts sandgate-node and sandgate-proxy (ktls = "on": a connection that cannot be offloaded fails), a
-# sandbox running ktls_backend, then for TLS 1.2 and 1.3 x AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305
+# Starts sandgate-node and sandgate-proxy (ktls = "on": a connection that cannot be offloaded fails), imports
+# the backend's image (SG/backend-image.tar: ktls_backend and its libraries), a sandbox of it running
+# ktls_backend, then for TLS 1.2 and 1.3 x AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305
 # moves SIZE bytes each way with ktls_client and checks: data intact both ways (sha256 / byte compare),
 # close_notify half-close in both directions, the access log's path = ktls-splice, and the kernel's
 # /proc/net/tls_stat software TX and RX counters rising with no decrypt errors. Then a TLS 1.3 KeyUpdate
 # must end the connection with cause ktls_key_update, and a fatal alert from the client with cause
 # client_closed. BENCH=1 adds a ktls-splice vs userspace run.
 # Prints "KTLS-CASE PASS|FAIL ..." per case and "KTLS-GUEST-RESULT PASS|FAIL".
-#   env: SG (binaries, certs), RUN (scratch dir), SIZE (bytes each way), BIG_SIZE (one more TLS 1.3 case),
-#        BENCH, BENCH_SIZE
+#   env: SG (binaries, certs), RUN (scratch dir), STATE (the node's state dir goes here: a file system that
+#        takes idmapped mounts, for the image's layers), SIZE (bytes each way), BIG_SIZE (one more TLS 1.3
+#        case), BENCH, BENCH_SIZE
 set -u
 SG=${SG:-/sg}
 RUN=${RUN:-/run/ktls}
+STATE=${STATE:-/state}
 SIZE=${SIZE:-67108864}
 BIG_SIZE=${BIG_SIZE:-$SIZE}
 BENCH=${BENCH:-0}
@@ -39,7 +42,7 @@ cert = "$SG/tls/server.pem"
 key = "$SG/tls/server.key"
 
 [node]
-state_dir = "$RUN/node"
+state_dir = "$STATE/node"
 on_shutdown = "terminate"
 cgroup_name = "sgktls"
 init_path = "$SG/sandgate-init"
@@ -78,6 +81,10 @@ start_proxy() { # $1 = ktls mode
 }
 
 client() { "$SG/ktls_client" $PORT $SNI "$SG/tls/ca.pem" "$@"; }
+# The KeyUpdate and alert cases wait for the proxy to close the connection without the backend's answer: a
+# proxy that keeps it open (the userspace path) must fail the case, not hold the guest until the host's
+# timeout.
+closing_client() { timeout 60 "$SG/ktls_client" $PORT $SNI "$SG/tls/ca.pem" "$@"; }
 
 write_config on
 "$SG/sandgate-node" --config "$RUN/sandgate.toml" >"$RUN/node.log" 2>&1 &
@@ -85,12 +92,15 @@ wait_for_line "$RUN/node.log" "sandgate-node ready" || { echo "node did not star
 start_proxy on
 # A raw TCP port: its bytes are spliced both ways. On an HTTP port every request head is read by the edge, so
 # client -> sandbox is copied there (and the upload after the client's "head" would be a malformed request).
-"$SG/sandgate" --api "unix:$RUN/node.sock" create --name kt --public 9000/tcp -- "$SG/ktls_backend" 9000 >/dev/null ||
-  { echo "sandbox create failed"; cat "$RUN/node.log"; exit 1; }
+"$SG/sandgate" --api "unix:$RUN/node.sock" image import "$SG/backend-image.tar" ktls-backend >/dev/null ||
+  { echo "image import failed"; cat "$RUN/node.log"; exit 1; }
+"$SG/sandgate" --api "unix:$RUN/node.sock" create --name kt --image ktls-backend --public 9000/tcp -- /ktls_backend 9000 \
+  >/dev/null || { echo "sandbox create failed"; cat "$RUN/node.log"; exit 1; }
 i=0
 until client 1.3 TLS_AES_128_GCM_SHA256 1 1 >/dev/null 2>&1; do
   i=$((i + 1))
-  [ $i -gt 100 ] && { echo "backend never answered through the proxy"; tail -5 "$RUN/access.log"; tail -20 "$RUN/proxy.log"; exit 1; }
+  [ $i -gt 100 ] && { echo "backend never answered through the proxy"; tail -5 "$RUN/access.log"; tail -20 "$RUN/proxy.log"
+    tail -20 "$RUN/node.log"; tail -20 "$STATE"/node/sandboxes/*/output.log; exit 1; }
   sleep 0.2
 done
 
@@ -130,7 +140,7 @@ done
 [ "$BIG_SIZE" != "$SIZE" ] && run_case 1.3 TLS_AES_128_GCM_SHA256 "$BIG_SIZE"
 
 lines=$(log_lines)
-out=$(client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 keyupdate 2>&1)
+out=$(closing_client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 keyupdate 2>&1)
 entry=$(next_access_line "$lines")
 case "$entry" in
   *'"cause":"ktls_key_update"'*) echo "KTLS-CASE PASS TLS1.3 KeyUpdate ends the connection: $out" ;;
@@ -139,7 +149,7 @@ esac
 
 # A fatal alert from the client ends the connection as the client's doing, with the alert in the detail.
 lines=$(log_lines)
-out=$(client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 alert 2>&1)
+out=$(closing_client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 alert 2>&1)
 entry=$(next_access_line "$lines")
 case "$entry" in
   *'"cause":"client_closed"'*'alert'*) echo "KTLS-CASE PASS TLS1.3 fatal alert ends the connection: $out" ;;
