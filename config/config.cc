@@ -171,6 +171,15 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
                 std::vector<std::string>* errors, ProxyConfig* out) {
   TableReader r(t, "proxy", source, errors);
   r.endpoints("listen", &out->listen, false);
+  r.endpoints("metrics_listen", &out->metrics_listen, false);
+  r.boolean("metrics_listen_allow_remote", &out->metrics_listen_allow_remote);
+  if (!out->metrics_listen_allow_remote) {
+    for (const Endpoint& ep : out->metrics_listen)
+      if (ep.kind == Endpoint::Kind::kTcp && !is_loopback(ep))
+        r.error(*t.get("metrics_listen"), "proxy.metrics_listen",
+                ep.to_string() + " is not a loopback address; serving the metrics beyond this host needs "
+                                 "proxy.metrics_listen_allow_remote = true");
+  }
   r.integer("public_port", &out->public_port, 0, 65535);
   r.integer("workers", &out->workers, 0, 256);
   std::string ktls = "auto";

@@ -42,6 +42,10 @@ struct ProxyConfig {
   // (proxy/route_cache.h). Read at start; off: every connection's open goes to the node.
   bool route_cache = true;
   std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
+  // Plain-HTTP `GET /metrics` (Prometheus text format) listeners; none by default. Loopback only unless
+  // metrics_listen_allow_remote: the counters name causes and rates an outsider should not read.
+  std::vector<Endpoint> metrics_listen;
+  bool metrics_listen_allow_remote = false;
   // Least privilege: once its listeners are bound, the access log opened and the certificates and operator
   // token read, a proxy started as root switches to this user for good (proxy/privileges.h). "" = keep
   // running as started. It must exist and not be root (checked at load).

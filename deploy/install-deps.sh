@@ -25,6 +25,7 @@ PACKAGES=(
   uidmap                         # newuidmap/newgidmap: mmdebstrap's unshare mode
   qemu-utils                     # qemu-img: per-sandbox qcow2 overlays on an image's base disk
   nftables                       # egress filtering and NAT for sandboxes with internet access
+  prometheus                     # promtool: the tests check both daemons' /metrics with `promtool check metrics`
 )
 
 log() { echo "install-deps: $*" >&2; }
@@ -76,5 +77,19 @@ if needs_update; then
   run_apt update
 fi
 log "installing ${#missing[@]} package(s): ${missing[*]}"
+# No service a package brings (prometheus, sshd) is started by installing it: sandgate needs their programs,
+# not their daemons. A policy-rc.d the machine already has is left alone.
+own_policy=0
+if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+  chmod 755 /usr/sbin/policy-rc.d
+  own_policy=1
+  trap 'rm -f "$aptlog"; rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 run_apt install -y --no-install-recommends "${missing[@]}"
+((own_policy == 0)) || rm -f /usr/sbin/policy-rc.d
+# Only promtool is wanted from prometheus: its server is not enabled at boot by this install either.
+if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+  systemctl disable --quiet prometheus.service 2>/dev/null || true
+fi
 log "done"

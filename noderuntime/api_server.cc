@@ -1,6 +1,8 @@
 #include "noderuntime/api_server.h"
+
 #include "noderuntime/uv_handles.h"
 #include "common/accounts.h"
+#include "common/metrics.h"
 
 #include <poll.h>
 #include <spdlog/spdlog.h>
@@ -404,7 +406,9 @@ Response no_images() { return error_response(503, Error::kUnavailable, "this nod
 
 std::string serialize(const Response& r, bool close) {
   std::string out = "HTTP/1.1 " + std::to_string(r.status) + " " + std::string(http_reason(r.status)) + "\r\n";
-  if (!r.body.empty()) out += "Content-Type: application/json\r\n";
+  // JSON unless the response names its own type (/metrics).
+  if (!r.body.empty() && r.extra_headers.find("Content-Type:") == std::string::npos)
+    out += "Content-Type: application/json\r\n";
   out += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
   out += r.extra_headers;
   if (close) out += "Connection: close\r\n";
@@ -1029,6 +1033,13 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     reply(std::move(r));
   };
 
+  // Prometheus scrapes this path by default; like every other path on the TCP API it needs the operator token.
+  if (path == "/metrics") {
+    if (method != "GET") return method_not_allowed("GET");
+    Response r{200, node_->metrics_text(), {}, ""};
+    r.extra_headers = "Content-Type: " + std::string(kMetricsContentType) + "\r\n";
+    return reply(std::move(r));
+  }
   if (path == "/v1/health") {
     if (method != "GET") return method_not_allowed("GET");
     ordered_json j = {{"status", "ok"},

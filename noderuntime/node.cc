@@ -73,6 +73,12 @@ struct Node::Waiter {
   OpenCallback done;
 };
 
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
 struct Node::Sandbox {
   struct Reported {
     uint64_t connections = 0;
@@ -83,6 +89,7 @@ struct Node::Sandbox {
   std::string new_token;  // the token in clear between create() and its answer, then wiped
   uint64_t connections = 0;
   uint64_t resumes = 0;  // resumes started since this node process adopted or created the sandbox
+  std::chrono::steady_clock::time_point wake_started{};  // the resume or restore in flight began (metrics)
   uint64_t suspended_at = 0;  // stamp() of the latest suspend that began
   uint64_t token_rotated_at = 0;  // stamp() of the latest token rotation (0: none since this node started)
   IdleTracker::TimePoint token_rotated_clock{};  // when, to stop announcing it after the report TTL
@@ -426,6 +433,7 @@ void Node::on_started(const std::string& id, Result<RuntimeInfo> runtime) {
   }
   if (!runtime) {
     // Nothing lingers after a failed start: the caller gets the error and can retry with the same name.
+    metrics_.created(false);
     fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " failed to start: " + runtime.message()));
     (void)transition(sb, S::kTerminated, "start failed: " + runtime.message());
     forget(id);
@@ -433,6 +441,7 @@ void Node::on_started(const std::string& id, Result<RuntimeInfo> runtime) {
     return;
   }
   sb.rec.runtime = std::move(*runtime);
+  metrics_.created(true);
   (void)transition(sb, S::kRunning, "started");
   watch(sb);
   serve_waiters(sb);
@@ -523,6 +532,7 @@ void Node::on_pause_done(const std::string& id, Status status) {
     serve_waiters(sb);
     return;
   }
+  metrics_.suspended(SuspendTier::kMemory);
   (void)transition(sb, S::kSuspended, sb.rec.state_reason);
   if (sb.pending_wake) begin_resume(sb, *sb.pending_wake);
 }
@@ -544,6 +554,7 @@ void Node::on_hibernate_done(const std::string& id, Result<RuntimeInfo> runtime)
   if (runtime) {
     sb.rec.runtime = std::move(*runtime);
     sb.watched = false;  // a hibernated instance is gone; its watch ended with it
+    metrics_.suspended(SuspendTier::kDisk);
     (void)transition(sb, S::kSuspended, sb.rec.state_reason);
   } else {
     // The instance is still paused in memory, so the sandbox is simply suspended in the memory tier; the
@@ -568,6 +579,7 @@ void Node::wake(Sandbox& sb, std::string reason) {
 void Node::begin_resume(Sandbox& sb, std::string reason) {
   if (!transition(sb, S::kResuming, std::move(reason))) return;
   ++sb.resumes;
+  sb.wake_started = std::chrono::steady_clock::now();
   sb.pending_wake.reset();
   if (sb.rec.tier == SuspendTier::kDisk) {
     driver(sb).restore(sb.rec.spec, sb.rec.runtime,
@@ -582,10 +594,12 @@ void Node::on_resume_done(const std::string& id, Status status) {
   if (it == sandboxes_.end() || it->second->terminating || it->second->rec.state != S::kResuming) return;
   Sandbox& sb = *it->second;
   if (!status) {
+    metrics_.wake_failed(SuspendTier::kMemory);
     (void)transition(sb, S::kFailed, "resume failed: " + status.message());
     fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " failed to wake: " + status.message()));
     return;
   }
+  metrics_.woke(SuspendTier::kMemory, seconds_since(sb.wake_started));
   (void)transition(sb, S::kRunning, sb.rec.state_reason);
   touch(sb);
   serve_waiters(sb);
@@ -597,11 +611,13 @@ void Node::on_restore_done(const std::string& id, Result<RuntimeInfo> runtime) {
   Sandbox& sb = *it->second;
   if (!runtime) {
     // The saved state stays on disk (the driver never deletes it on failure) for inspection or deletion.
+    metrics_.wake_failed(SuspendTier::kDisk);
     (void)transition(sb, S::kFailed, "restore from disk failed: " + runtime.message());
     fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + " failed to wake: " + runtime.message()));
     return;
   }
   sb.rec.runtime = std::move(*runtime);
+  metrics_.woke(SuspendTier::kDisk, seconds_since(sb.wake_started));
   (void)transition(sb, S::kRunning, sb.rec.state_reason);
   watch(sb);
   touch(sb);
@@ -669,6 +685,13 @@ void Node::forget(const std::string& id) {
   reported_.erase(id);
   image_users_->remove(rec.spec.image, image_user_label(rec.spec));
   sandboxes_.erase(it);
+}
+
+std::string Node::metrics_text() const {
+  std::vector<std::pair<SandboxState, SuspendTier>> states;
+  states.reserve(sandboxes_.size());
+  for (const auto& [id, sb] : sandboxes_) states.emplace_back(sb->rec.state, sb->rec.tier);
+  return metrics_.render(states);
 }
 
 std::string Node::image_user_label(const SandboxSpec& spec) {

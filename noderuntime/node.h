@@ -37,6 +37,7 @@
 #include "noderuntime/driver.h"
 #include "noderuntime/idle_tracker.h"
 #include "noderuntime/image_users.h"
+#include "noderuntime/node_metrics.h"
 #include "noderuntime/sandbox.h"
 #include "noderuntime/store.h"
 #include "snapshot/image_store.h"
@@ -257,6 +258,8 @@ class Node {
   void shutdown(std::function<void()> done);
 
   size_t sandbox_count() const { return sandboxes_.size(); }
+  // GET /metrics: the node's counters and its sandboxes by state and tier (Prometheus text format).
+  std::string metrics_text() const;
   std::string_view default_driver_name() const { return drivers_.front()->name(); }
   std::vector<std::string> driver_names() const;
 
@@ -325,6 +328,7 @@ class Node {
   std::unique_ptr<Store> store_;
   const snapshot::ImageStore* images_ = nullptr;
   std::shared_ptr<ImageUsers> image_users_ = std::make_shared<ImageUsers>();
+  NodeMetrics metrics_;
   static std::string image_user_label(const SandboxSpec& spec);
   IdleTracker idle_;
   uv_timer_t* idle_timer_;

@@ -391,6 +391,7 @@ void Connection::HandshakePhase::look_up_port_policy() {
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
   uint32_t lookup_ms = std::min(c_.cfg_->proxy.wake_timeout_ms, c_.cfg_->proxy.handshake_timeout_ms / 2);
+  c_.worker_->shared()->metrics.node_call(NodeCallKind::kLookup);
   lookup_ = c_.worker_->node().lookup(route->target, port, lookup_ms,
                                       [this, target = route->target](Result<LookupAnswer> r) {
                                         c_.drop_left_phases();
@@ -418,6 +419,8 @@ void Connection::HandshakePhase::on_lookup_result(const std::string& target, Res
 void Connection::HandshakePhase::finished() {
   Connection& c = c_;  // this phase is left below
   c.ktls_rx_tracker_.handshake_finished();
+  c.worker_->shared()->metrics.handshake_done(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - c.rec_.started_steady).count());
   const unsigned char* alpn = nullptr;
   unsigned alpn_len = 0;
   SSL_get0_alpn_selected(c.client_->ssl(), &alpn, &alpn_len);
@@ -659,6 +662,7 @@ void Connection::log_refused_stream(uint32_t stream_id, std::string_view authori
   line.detail = "h2 stream " + std::to_string(stream_id) + ": " + refusal.message;
   if (!line.detail.empty() && line.detail.back() == '\n') line.detail.pop_back();
   worker_->shared()->access_log->write(line);
+  worker_->shared()->metrics.stream_refused(refusal.cause);
 }
 
 // ---- Open ----
@@ -675,10 +679,13 @@ void Connection::open_sandbox() {
   if (!cached_route_failed_) {
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
+      worker_->shared()->metrics.route_cache(true);
       if (cached->wants_refill) worker_->refill_route(route_.target, cached->opened.id, cached->opened.port);
       return use_opened(std::move(cached->opened));
     }
   }
+  worker_->shared()->metrics.node_call(NodeCallKind::kOpen);
+  worker_->shared()->metrics.route_cache(false);
   open.call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms, [this, &open](Result<OpenAnswer> r) {
     drop_left_phases();
     auto call = std::move(open.call_);  // destroyed when this function returns, after its callback
@@ -1201,6 +1208,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   rec_.cause = cause;
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
   worker_->shared()->access_log->write(rec_);
+  worker_->shared()->metrics.connection_ended(rec_);
   release_sandbox_slot();
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
   worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);

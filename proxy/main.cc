@@ -17,6 +17,7 @@
 #include "common/operator_token.h"
 #include "config/config.h"
 #include "proxy/fd_limits.h"
+#include "proxy/metrics_server.h"
 #include "proxy/privileges.h"
 #include "proxy/worker.h"
 
@@ -26,6 +27,7 @@ struct Proxy {
   std::string config_path;
   std::unique_ptr<sg::ProxyShared> shared;
   std::vector<std::unique_ptr<sg::Worker>> workers;
+  std::unique_ptr<sg::MetricsServer> metrics;  // proxy.metrics_listen (read at start, like listen)
   // proxy.user and proxy.group as applied at start ("" = none): a reload cannot change them.
   std::string user;
   std::string group;
@@ -156,6 +158,22 @@ int main(int argc, char** argv) {
     proxy.workers.push_back(std::move(w));
   }
 
+  // On the main thread's loop, bound before root goes (a metrics port below 1024 is the operator's choice).
+  if (!(*cfg)->proxy.metrics_listen.empty()) {
+    auto metrics = sg::MetricsServer::start(uv_default_loop(), (*cfg)->proxy.metrics_listen, [shared = proxy.shared.get()] {
+      const uint32_t max = std::min(shared->snapshot()->config->proxy.max_connections, shared->fd_max_connections);
+      return shared->metrics.render(shared->open_connections.load(std::memory_order_relaxed), max);
+    });
+    if (!metrics) {
+      spdlog::error("{}", metrics.message());
+      return 1;
+    }
+    proxy.metrics = std::move(*metrics);
+    std::string where;
+    for (const auto& ep : proxy.metrics->bound()) where += (where.empty() ? "" : ", ") + ep.to_string();
+    spdlog::info("metrics on http://{}/metrics", where);
+  }
+
   // Least privilege: everything only root can get (privileged ports, root-only keys and token, the access
   // log) is held now, so root goes, before any worker thread runs: no connection is ever handled as root, and
   // the switch has one thread to apply to (glibc's set*id would reach every thread anyway, via nptl's setxid).
@@ -188,6 +206,7 @@ int main(int argc, char** argv) {
     spdlog::info("signal {}: closing listeners and connections", signum);
     auto* p = static_cast<Proxy*>(s->data);
     for (auto& w : p->workers) w->stop();
+    if (p->metrics) p->metrics->close();
     uv_stop(s->loop);
   };
   uv_signal_start(&sigint, on_stop, SIGINT);

@@ -27,6 +27,8 @@ std::string WorkerTraffic::take_report(const std::string& reporter) {
     if (t.bytes_in != 0 || t.bytes_out != 0 || t.reported_connections_dirty || t.connections > 0) {
       list.push_back({{"id", it->first}, {"bytes_in", t.bytes_in}, {"bytes_out", t.bytes_out},
                       {"connections", t.connections}, {"reporter", reporter}});
+      reported_.bytes_in += t.bytes_in;
+      reported_.bytes_out += t.bytes_out;
       t.bytes_in = t.bytes_out = 0;
       t.reported_connections_dirty = false;
     }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 namespace sg {
 
@@ -27,9 +28,15 @@ class WorkerTraffic {
   // JSON body for POST /v1/internal/activity with the deltas since the previous call, or "" when nothing
   // changed. Entries with no connections left are dropped after they are reported.
   std::string take_report(const std::string& reporter);
+  // The bytes the reports since the previous call carried, both directions (for /metrics).
+  struct Totals {
+    uint64_t bytes_in = 0, bytes_out = 0;
+  };
+  Totals take_reported_totals() { return std::exchange(reported_, Totals{}); }
 
  private:
   std::unordered_map<std::string, SandboxTraffic> by_sandbox_;
+  Totals reported_;
 };
 
 // Shared by all workers: open connections per key against a limit. One instance counts per sandbox id

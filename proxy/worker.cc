@@ -190,7 +190,10 @@ void Worker::report_activity() {
   routes_.sweep(uv_now(&loop_));  // each spare holds a sandbox's network namespace; expired ones go now
   if (report_in_flight_) return;  // the node is slow; the next report carries the accumulated deltas
   std::string body = traffic_.take_report(reporter_id_);
+  WorkerTraffic::Totals reported = traffic_.take_reported_totals();
+  shared_->metrics.bytes(reported.bytes_in, reported.bytes_out);
   if (body.empty()) return;
+  shared_->metrics.node_call(NodeCallKind::kActivity);
   report_in_flight_ = node_->report_activity(std::move(body), [this](Result<ActivityCuts> r) {
     auto done = std::move(report_in_flight_);  // freed when this callback returns
     if (!r) return spdlog::warn("activity report failed: {}", r.message());
@@ -213,6 +216,7 @@ void Worker::cut_connections(const ActivityCuts& cuts) {
 }
 
 void Worker::watch_routes() {
+  shared_->metrics.node_call(NodeCallKind::kRouteEvents);
   route_stream_ = node_->watch_routes([this](const RouteStreamEvent& e) { on_route_event(e); },
                                       [this](Failure why) { on_route_stream_end(why); });
   // A node client without the stream (a test's fake): the cache never routes, every open asks the node.
@@ -249,6 +253,7 @@ void Worker::on_route_stream_end(const Failure& why) {
 void Worker::refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port) {
   std::string key = sandbox_ref + ":" + std::to_string(port);
   if (refills_.contains(key)) return;
+  shared_->metrics.node_call(NodeCallKind::kSpareSockets);
   auto call = node_->spare_sockets(sandbox_id, port, RouteCache::kSparesPerGrant,
                                    [this, key, sandbox_ref, sandbox_id, port](Result<RouteGrant> r) {
                                      auto done = std::move(refills_[key]);  // freed when this returns

@@ -16,6 +16,7 @@
 #include "common/fd.h"
 #include "config/config.h"
 #include "proxy/access_log.h"
+#include "proxy/metrics.h"
 #include "proxy/node_api.h"
 #include "proxy/route_cache.h"
 #include "proxy/tls.h"
@@ -42,6 +43,7 @@ struct ProxyShared {
   void replace(std::shared_ptr<const ProxySnapshot> next) { snapshot_.store(std::move(next), std::memory_order_release); }
 
   std::unique_ptr<AccessLog> access_log;
+  ProxyMetrics metrics;
   ConnectionLimits sandbox_limits;  // by sandbox id, against proxy.max_connections_per_sandbox
   ConnectionLimits client_limits;   // by client address (no port), against proxy.max_connections_per_client
   std::atomic<uint32_t> open_connections{0};

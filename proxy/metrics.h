@@ -1,0 +1,49 @@
+// What the proxy counts for /metrics (proxy.metrics_listen, docs/observability.md): every ended connection by
+// its termination cause, bytes by direction, TLS handshake and wake latencies, node round trips by call, and
+// route-cache hits. One instance in ProxyShared, updated by every worker (relaxed atomics), rendered on scrape.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "common/metrics.h"
+#include "proxy/access_log.h"
+
+namespace sg {
+
+enum class NodeCallKind { kLookup, kOpen, kActivity, kSpareSockets, kRouteEvents };
+inline constexpr size_t kNodeCallKinds = 5;
+std::string_view node_call_name(NodeCallKind k);
+
+inline constexpr size_t kTerminationCauses = static_cast<size_t>(TerminationCause::kShutdown) + 1;
+
+class ProxyMetrics {
+ public:
+  // A connection ended (or an h2 stream was refused by the edge, `stream` true): its cause, its wake.
+  void connection_ended(const AccessRecord& r);
+  void stream_refused(TerminationCause cause) { refused_streams_[index(cause)].add(); }
+  void handshake_done(double seconds) { handshake_.observe(seconds); }
+  void bytes(uint64_t client_to_sandbox, uint64_t sandbox_to_client) {
+    bytes_in_.add(client_to_sandbox);
+    bytes_out_.add(sandbox_to_client);
+  }
+  void node_call(NodeCallKind k) { node_calls_[static_cast<size_t>(k)].add(); }
+  // A connection's route came from the worker's cache (hit) or from a node call (miss).
+  void route_cache(bool hit) { (hit ? route_hits_ : route_misses_).add(); }
+
+  // The exposition, with the gauges the caller reads at scrape time.
+  std::string render(uint32_t open_connections, uint32_t max_connections) const;
+
+ private:
+  static size_t index(TerminationCause c) { return static_cast<size_t>(c); }
+  std::array<Counter, kTerminationCauses> ended_;
+  std::array<Counter, kTerminationCauses> refused_streams_;
+  std::array<Counter, kNodeCallKinds> node_calls_;
+  Counter bytes_in_, bytes_out_, wakes_, route_hits_, route_misses_;
+  Histogram handshake_ = make_handshake_histogram();
+  Histogram wake_ = make_wake_histogram();
+};
+
+}  // namespace sg
