@@ -116,8 +116,8 @@ struct NodeConfig {
   std::string guest_image_builder;
   uint32_t qemu_boot_timeout_ms = 30'000;  // one boot attempt; a stalled boot is killed and retried
   uint32_t qemu_boot_attempts = 3;
-  // An image (`sandgate image import`) whose disk every QEMU sandbox boots (noderuntime/guest_disk.h); empty =
-  // the initramfs alone. Until create takes an image, this is the one image QEMU sandboxes use.
+  // The default image of QEMU sandboxes (a create's `image` wins): its disk is the guest's root
+  // (noderuntime/guest_disk.h); empty = the initramfs alone, unless the create names an image.
   std::string qemu_image;
   // Firecracker / Cloud Hypervisor drivers: enabled when the binary path is set.
   std::string firecracker_binary;

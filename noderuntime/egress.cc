@@ -119,7 +119,9 @@ Result<std::string> Egress::attach(uint32_t slot, const std::string& netns_path,
   }
   const std::string host_if = host_interface(slot);
   if (interface_exists(host_if)) {
-    if (auto st = run({"ip", "link", "del", host_if}); !st) return st.failure();
+    // The kernel tears down a dead namespace's veth asynchronously (a QEMU killed just before its retry or
+    // restore): an end that went by itself in between is what the delete wanted.
+    if (auto st = run({"ip", "link", "del", host_if}); !st && interface_exists(host_if)) return st.failure();
   }
   // Made inside the sandbox's namespace, the peer sent out to ours: eth0 never exists on the host.
   if (auto st = run({"nsenter", "--net=" + netns_path, "ip", "link", "add", "eth0", "type", "veth", "peer", "name",

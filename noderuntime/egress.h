@@ -1,4 +1,6 @@
-// Outbound network access of process sandboxes (`allow_internet_access`, `allow_out`, `deny_out`).
+// Outbound network access of sandboxes (`allow_internet_access`, `allow_out`, `deny_out`): a process
+// sandbox's namespace, or the one a QEMU runs in (its slirp's sockets are the guest's traffic); the drivers
+// reach it through noderuntime/sandbox_egress.h.
 //
 // A sandbox without internet access has only its loopback (its own network namespace, nothing else). One
 // with it gets a veth pair: `eth0` inside with the address of its slot in the node's egress subnet and a

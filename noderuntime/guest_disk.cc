@@ -117,6 +117,21 @@ Status build_base(const std::vector<std::string>& trees, const std::string& base
   return {};
 }
 
+// <base>.trees: the trees the base was made of, one per line. Written before the base is renamed into place.
+std::string trees_file(const std::string& base) { return base.substr(0, base.size() - 4) + ".trees"; }
+
+Status write_trees_file(const std::vector<std::string>& trees, const std::string& base) {
+  const std::string path = trees_file(base), tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    for (const std::string& t : trees) out << t << "\n";
+    out.flush();
+    if (!out) return fail(Error::kIo, "write " + tmp);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail_errno("rename " + tmp, errno);
+  return {};
+}
+
 Result<std::string> make_overlay(const std::vector<std::string>& trees, const std::string& dir,
                                  const std::string& sandbox_dir) {
   const std::string disk = sandbox_dir + "/disk.qcow2";
@@ -128,8 +143,10 @@ Result<std::string> make_overlay(const std::vector<std::string>& trees, const st
   const std::string base = dir + "/" + key_of(trees) + ".raw";
   {
     std::lock_guard lock(build_mu);
-    if (::access(base.c_str(), F_OK) != 0)
+    if (::access(base.c_str(), F_OK) != 0) {
+      if (Status s = write_trees_file(trees, base); !s) return s.failure();
       if (Status s = build_base(trees, base); !s) return fail(s.error(), "base disk " + base + ": " + s.message());
+    }
   }
   const std::string tmp = disk + ".tmp";
   if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", tmp},
@@ -140,6 +157,27 @@ Result<std::string> make_overlay(const std::vector<std::string>& trees, const st
   fs::remove(sandbox_dir + "/disk.log", ec);
   return disk;
 }
+
+}  // namespace
+
+void remove_orphaned_guest_disks(const std::string& dir) {
+  std::lock_guard lock(build_mu);
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string path = it->path().string();
+    if (it->path().extension() != ".trees") continue;
+    const std::string base = path.substr(0, path.size() - 6) + ".raw";
+    bool whole = ::access(base.c_str(), F_OK) == 0;  // a .trees whose build never finished goes too
+    std::ifstream in(path);
+    for (std::string tree; whole && std::getline(in, tree);) whole = ::access(tree.c_str(), F_OK) == 0;
+    if (whole) continue;
+    std::error_code ignored;
+    fs::remove(base, ignored);
+    fs::remove(path, ignored);
+  }
+}
+
+namespace {
 
 struct Work {
   uv_work_t req;

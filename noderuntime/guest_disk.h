@@ -1,9 +1,12 @@
 // Root disks for QEMU guests made from images (snapshot/image_store.h).
 //
-// Per image a base disk, <dir>/<key>.raw (key: the sha256 of the image's layer tree paths, which name the
-// layers' digests): ext4 made by `mkfs.ext4 -d` from the image's merged tree (its layer trees stacked by a
-// read-only overlayfs mount, or its one tree as it is), built once, read-only (0444) and shared by every
-// sandbox of the image, kept across node restarts. Per sandbox a qcow2 overlay on it,
+// Per image content a base disk, <dir>/<key>.raw (key: the sha256 of the image's layer tree paths, which
+// name the layers' digests, so an image removed and made again under the same name with other layers gets
+// another base, and images of the same layers share one): ext4 made by `mkfs.ext4 -d` from the image's
+// merged tree (its layer trees stacked by a read-only overlayfs mount, or its one tree as it is), built
+// once, read-only (0444) and shared by every sandbox of the image, kept across node restarts. Beside it,
+// <key>.trees names those trees, so a base whose layers are gone can be found (remove_orphaned_guest_disks).
+// Per sandbox a qcow2 overlay on it,
 // <sandbox dir>/disk.qcow2 (`qemu-img create -f qcow2 -b BASE -F raw`), which takes everything the guest
 // writes: it stays with the sandbox through suspend, hibernate and node restarts, and goes with its dir.
 //
@@ -25,6 +28,15 @@ namespace sg {
 // The base disk's size: the tree's bytes plus a quarter (ext4 metadata) plus this, the free space each
 // sandbox's filesystem starts with (its writes go to its overlay, which grows up to the same size).
 inline constexpr uint64_t kGuestDiskFreeBytes = 256ull << 20;
+
+// Removes the base disks in `dir` one of whose layer trees is gone: the layer store removes a layer when no
+// image names it any more, and `image rm` is refused while a sandbox uses the image, so no sandbox's overlay
+// is backed by such a base. A base without its .trees file (made before it existed) is kept. Blocks (it
+// waits for a base build in progress): for a pool thread or the node's start.
+void remove_orphaned_guest_disks(const std::string& dir);
+
+// Where the node keeps the base disks: <state_dir>/qemu-disks.
+inline std::string guest_disks_dir(const std::string& state_dir) { return state_dir + "/qemu-disks"; }
 
 class GuestDisks {
  public:

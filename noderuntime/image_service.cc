@@ -105,7 +105,11 @@ void ImageService::import(std::string archive_path, std::string name, Done done)
 
 void ImageService::remove(std::string name, Done done) {
   snapshot::ImageStore* store = store_.get();
-  run([store, name = std::move(name)] { return store->remove(name); }, std::move(done));
+  run([store, name = std::move(name), after = after_remove_] {
+    auto removed = store->remove(name);
+    if (removed && after) after();
+    return removed;
+  }, std::move(done));
 }
 
 }  // namespace sg

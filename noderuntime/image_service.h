@@ -28,6 +28,9 @@ class ImageService {
   // `done` runs on the loop thread.
   void import(std::string archive_path, std::string name, Done done);
   void remove(std::string name, Done done);
+  // Runs after each successful remove, on its pool thread, before `done` is called: what the node keeps
+  // made from images' layers (the QEMU driver's base disks) goes with them.
+  void set_after_remove(std::function<void()> fn) { after_remove_ = std::move(fn); }
   // `progress` runs on the loop thread for each event, in order, all before `done`. A build occupies one
   // thread of libuv's pool for its whole length (UV_THREADPOOL_SIZE bounds the builds that run at once).
   void build(BuildRequest request, std::function<void(const BuildEvent&)> progress, Done done);
@@ -40,6 +43,7 @@ class ImageService {
   uv_loop_t* loop_;
   std::unique_ptr<snapshot::ImageStore> store_;
   ImageBuilder builder_;
+  std::function<void()> after_remove_;
 };
 
 }  // namespace sg

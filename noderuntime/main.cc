@@ -20,12 +20,14 @@
 #include "common/net.h"
 #include "config/config.h"
 #include "noderuntime/api_server.h"
+#include "noderuntime/guest_disk.h"
 #include "noderuntime/image_service.h"
 #include "noderuntime/node.h"
 #include "noderuntime/cloud_hypervisor_driver.h"
 #include "noderuntime/firecracker_driver.h"
 #include "noderuntime/process_driver.h"
 #include "noderuntime/qemu_driver.h"
+#include "noderuntime/sandbox_egress.h"
 #include "noderuntime/store.h"
 
 namespace {
@@ -71,6 +73,8 @@ struct Daemon {
   std::string config_path;
   Overrides overrides;
   std::unique_ptr<sg::ConfigHolder> config;
+  // Before node: the drivers the node owns attach sandboxes to it until they are gone.
+  std::unique_ptr<sg::SandboxEgress> egress;
   std::unique_ptr<sg::Node> node;
   std::unique_ptr<sg::ImageService> images;  // before server: the server points at it
   std::unique_ptr<sg::ApiServer> server;
@@ -173,7 +177,9 @@ int main(int argc, char** argv) {
   sg::snapshot::ImageStore* image_store = images->get();
   image_store->layers().set_free_space_reserve(uint64_t{c.node.store_free_space_reserve_mb} << 20);
   std::vector<std::unique_ptr<sg::Driver>> drivers;
-  auto process_driver = sg::make_process_driver(d.loop, c.node, image_store);
+  // One egress for both drivers that give sandboxes internet access: one bridge, table and slot space.
+  d.egress = std::make_unique<sg::SandboxEgress>(c.node);
+  auto process_driver = sg::make_process_driver(d.loop, c.node, image_store, d.egress.get());
   if (!process_driver) {
     spdlog::critical("cannot initialise the process driver: {}", process_driver.message());
     return 1;
@@ -188,7 +194,8 @@ int main(int argc, char** argv) {
         std::vector<std::string> trees;
         for (const std::string& digest : image->layers) trees.push_back(image_store->layers().tree_path(digest));
         return trees;
-      }));
+      },
+      d.egress.get()));
   // The microVM drivers boot the same guest image; they are offered when their binary is configured.
   const std::string kernel = c.node.guest_kernel_file();
   const std::string initrd = c.node.guest_initrd_file();
@@ -221,6 +228,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   d.images = std::make_unique<sg::ImageService>(d.loop, std::move(*images));
+  // A QEMU base disk goes once its image's layers do: at an `image rm`, and now for one removed while the
+  // node was down.
+  const std::string qemu_disks = sg::guest_disks_dir(c.node.state_dir);
+  sg::remove_orphaned_guest_disks(qemu_disks);
+  d.images->set_after_remove([qemu_disks] { sg::remove_orphaned_guest_disks(qemu_disks); });
   d.server = std::make_unique<sg::ApiServer>(d.loop, d.node.get(), d.config.get());
   d.server->set_images(d.images.get());
   std::vector<sg::Endpoint> endpoints = {c.node_socket};

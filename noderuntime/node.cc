@@ -309,20 +309,27 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
   spec.allow_internet_access = req.allow_internet_access.value_or(cfg->node.default_allow_internet_access);
   if (auto policy = make_egress_policy(spec.allow_internet_access, req.allow_out, req.deny_out); !policy)
     return invalid(policy.message());
-  if (spec.allow_internet_access && spec.driver != "process")
-    return invalid("allow_internet_access: only process sandboxes can have it on this node (driver '" + spec.driver +
-                   "' has user networking with restrict=on)");
+  // Process and QEMU sandboxes go out through the node's egress (noderuntime/sandbox_egress.h); the other
+  // microVM drivers have no way out of their VM.
+  if (spec.allow_internet_access && spec.driver != "process" && spec.driver != "qemu")
+    return invalid("allow_internet_access: only process and qemu sandboxes can have it on this node (driver '" +
+                   spec.driver + "' has no egress)");
   spec.allow_out = req.allow_out;
   spec.deny_out = req.deny_out;
-  spec.image = req.image.value_or(cfg->node.default_image);
-  if (spec.image.empty() || has_nul(spec.image)) return invalid("image: must be a non-empty image name");
-  if (images_ != nullptr) {
+  // A QEMU sandbox's default is node.qemu_image, whose empty default boots the initramfs alone: a disk boot
+  // (an ext4 base made from the image) only where the operator or the request asks for one.
+  const bool qemu = spec.driver == "qemu";
+  const char* default_key = qemu ? "node.qemu_image" : "node.default_image";
+  spec.image = req.image.value_or(qemu ? cfg->node.qemu_image : cfg->node.default_image);
+  if ((spec.image.empty() && (req.image || !qemu)) || has_nul(spec.image))
+    return invalid("image: must be a non-empty image name");
+  if (images_ != nullptr && !spec.image.empty()) {
     auto image = images_->get(spec.image);
     if (!image) {
       if (image.error() != Error::kNotFound) return image.failure();
       std::string msg = "image: no image '" + spec.image + "' on this node";
       if (!req.image)
-        msg += " (node.default_image); build it with `sandgate image build " + spec.image +
+        msg += std::string(" (") + default_key + "); build it with `sandgate image build " + spec.image +
                " --packages python3` or import one with `sandgate image import FILE.tar " + spec.image + "`";
       return fail(Error::kNotFound, msg);
     }

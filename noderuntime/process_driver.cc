@@ -22,7 +22,7 @@
 #include "common/log.h"
 #include "noderuntime/cgroup.h"
 #include "noderuntime/companion_files.h"
-#include "noderuntime/egress.h"
+#include "noderuntime/sandbox_egress.h"
 #include "noderuntime/uv_handles.h"
 #include "snapshot/image_store.h"
 
@@ -296,18 +296,10 @@ Status prepare_disk(const std::string& sandbox_dir, uint32_t disk_mb, uint32_t u
   ::_exit(kChildExecFailed);
 }
 
-EgressOptions egress_options(const NodeConfig& cfg) {
-  EgressOptions options;
-  options.bridge = cfg.egress_bridge;
-  options.table = cfg.egress_bridge;  // one table per bridge: two nodes on one host keep apart
-  if (auto subnet = parse_egress_rule(cfg.egress_subnet)) options.subnet = *subnet;  // checked at config load
-  return options;
-}
-
 class ProcessDriver final : public Driver {
  public:
   ProcessDriver(uv_loop_t* loop, const NodeConfig& cfg, snapshot::ImageStore* images, CgroupManager cgroups,
-                std::string init_path, std::string agent_path, UniqueFd host_netns)
+                std::string init_path, std::string agent_path, UniqueFd host_netns, SandboxEgress* egress)
       : loop_(loop),
         images_(images),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
@@ -316,9 +308,7 @@ class ProcessDriver final : public Driver {
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
         host_netns_(std::move(host_netns)),
-        uid_range_base_(cfg.uid_range_base),
-        egress_options_(egress_options(cfg)),
-        node_deny_out_(cfg.deny_out) {}
+        egress_(egress) {}
 
   ~ProcessDriver() override {
     // Pending callbacks are dropped: their owners are being torn down along with the driver.
@@ -428,15 +418,8 @@ class ProcessDriver final : public Driver {
   std::string init_path_;
   std::string agent_path_;  // empty: no agent found, sandboxes run without one
   UniqueFd host_netns_;
-  // Internet access: the bridge and table are made when the first sandbox with it starts (a node whose
-  // sandboxes have none never touches the host's networking).
-  Result<Egress*> egress();
   Status attach_egress(const SandboxSpec& spec, int pid);
-  uint32_t egress_slot(const SandboxSpec& spec) const { return (spec.uid_base - uid_range_base_) / kUidRangeSize; }
-  uint32_t uid_range_base_;
-  EgressOptions egress_options_;
-  std::vector<std::string> node_deny_out_;
-  std::unique_ptr<Egress> egress_;
+  SandboxEgress* egress_;  // the node's, shared with the QEMU driver; null: no internet access here
   std::vector<std::unique_ptr<Operation>> ops_;
   std::map<std::string, std::unique_ptr<ExitWatch>> watches_;
   std::map<std::string, Netns> netns_;
@@ -659,10 +642,7 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
   stop_watch(spec.id);
   netns_.erase(spec.id);
   // Its address and chain go first: nothing leaves the sandbox while it is being killed.
-  if (spec.allow_internet_access && spec.uid_base >= uid_range_base_) {
-    if (auto e = egress(); !e) spdlog::warn("sandbox {}: {}", spec.id, e.message());
-    else if (Status st = (*e)->detach(egress_slot(spec)); !st) spdlog::warn("sandbox {}: {}", spec.id, st.message());
-  }
+  if (egress_ != nullptr) egress_->detach(spec);
 
   Operation* op = add_operation(OpKind::kTerminate, spec, std::move(done));
   op->pid = info.pid;
@@ -703,27 +683,9 @@ void ProcessDriver::terminate(const SandboxSpec& spec, const RuntimeInfo& info, 
   uv_timer_start(op->timer, on_operation_timer, kTerminateWaitMs, 0);
 }
 
-Result<Egress*> ProcessDriver::egress() {
-  if (!egress_) {
-    auto made = Egress::create(egress_options_);
-    if (!made) return fail(made.error(), "internet access: " + made.message());
-    egress_ = std::move(*made);
-  }
-  return egress_.get();
-}
-
 Status ProcessDriver::attach_egress(const SandboxSpec& spec, int pid) {
-  std::vector<std::string> deny = node_deny_out_;
-  deny.insert(deny.end(), spec.deny_out.begin(), spec.deny_out.end());
-  auto policy = make_egress_policy(true, spec.allow_out, deny);
-  if (!policy) return policy.failure();
-  auto e = egress();
-  if (!e) return e.failure();
-  if (spec.uid_base < uid_range_base_) return fail(Error::kInvalidArgument, "internet access needs a uid slot");
-  auto address = (*e)->attach(egress_slot(spec), "/proc/" + std::to_string(pid) + "/ns/net", *policy);
-  if (!address) return fail(address.error(), "internet access: " + address.message());
-  spdlog::info("sandbox {}: internet access as {}", spec.id, *address);
-  return {};
+  if (egress_ == nullptr) return fail(Error::kUnsupported, "internet access: this node's process driver has no egress");
+  return egress_->attach(spec, "/proc/" + std::to_string(pid) + "/ns/net");
 }
 
 void ProcessDriver::step(Operation* op) {
@@ -893,7 +855,7 @@ Result<GuestSocket> ProcessDriver::open_socket(const SandboxSpec& spec, const Ru
 }  // namespace
 
 Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg,
-                                                    snapshot::ImageStore* images) {
+                                                    snapshot::ImageStore* images, SandboxEgress* egress) {
   const std::string& parent = cfg.cgroup_name;
   if (parent.empty() || parent.front() == '/' || parent.find("..") != std::string::npos)
     return fail(Error::kInvalidArgument, "node.cgroup_name must be a relative path without \"..\": \"" + parent + "\"");
@@ -931,7 +893,7 @@ Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeC
 
   std::unique_ptr<Driver> driver =
       std::make_unique<ProcessDriver>(loop, cfg, images, CgroupManager(std::move(*detection), parent), std::move(init_path),
-                                      find_agent(cfg), std::move(host_netns));
+                                      find_agent(cfg), std::move(host_netns), egress);
   return driver;
 }
 

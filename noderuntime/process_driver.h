@@ -18,11 +18,13 @@ namespace sg {
 namespace snapshot {
 class ImageStore;
 }
+class SandboxEgress;
 
-// Detects the host's cgroup layout and captures the host network namespace. The driver keeps `loop` and
-// `images` (where each sandbox's SandboxSpec::image is looked up at start; it must outlive the driver); it
-// copies what it needs from `cfg`.
+// Detects the host's cgroup layout and captures the host network namespace. The driver keeps `loop`,
+// `images` (where each sandbox's SandboxSpec::image is looked up at start) and `egress` (the node's, which
+// attaches sandboxes with internet access; null refuses them); both must outlive the driver. It copies what
+// it needs from `cfg`.
 Result<std::unique_ptr<Driver>> make_process_driver(uv_loop_t* loop, const NodeConfig& cfg,
-                                                    snapshot::ImageStore* images);
+                                                    snapshot::ImageStore* images, SandboxEgress* egress = nullptr);
 
 }  // namespace sg

@@ -28,6 +28,7 @@
 #include "noderuntime/hypervisor_client.h"
 #include "noderuntime/netns.h"
 #include "noderuntime/qmp_client.h"
+#include "noderuntime/sandbox_egress.h"
 #include "noderuntime/uv_handles.h"
 
 namespace sg {
@@ -70,10 +71,12 @@ uint64_t measure_tsc_khz() {
 
 std::string command_path(const std::string& sandbox_dir) { return sandbox_dir + "/guest-command.sh"; }
 
-// QEMU user networking (guest 10.0.2.15). A sandbox without internet access, the only kind until the API
-// has allow_internet_access (this is the seam for it), gets restrict=on: slirp then forwards nothing the
-// guest sends, not even to 10.0.2.2 (which in the VM's own namespace would be an empty loopback anyway);
-// only the hostfwd rules, node -> guest, work. Internet access will also need a route out of the namespace.
+// QEMU user networking (guest 10.0.2.15). A sandbox without internet access gets restrict=on: slirp then
+// forwards nothing the guest sends, not even to 10.0.2.2; only the hostfwd rules, node -> guest, work. With
+// internet access slirp opens the guest's connections as QEMU's own sockets, in the VM's namespace, whose
+// only way out is the egress veth (attached before QEMU starts): the sandbox's chain filters them as it
+// does a process sandbox's. 10.0.2.2 is then that namespace's loopback, where only this VM's own forwards
+// listen.
 std::string user_netdev(bool internet) { return internet ? "user,id=net0" : "user,id=net0,restrict=on"; }
 
 // The command script goes to the guest as a fw_cfg file; the guest's init copies it to a tmpfs.
@@ -138,11 +141,11 @@ VmmDriverOptions vmm_options(std::string binary) {
 class QemuDriver final : public VmmDriver {
  public:
   QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary,
-             ImageLayers image_layers)
+             ImageLayers image_layers, SandboxEgress* egress)
       : VmmDriver(loop, "qemu", vmm_options(std::move(binary))),
-        image_name_(cfg.qemu_image),
         image_layers_(std::move(image_layers)),
-        disks_(loop, cfg.state_dir + "/qemu-disks"),
+        egress_(egress),
+        disks_(loop, guest_disks_dir(cfg.state_dir)),
         kvm_(cfg.qemu_accel == "kvm"),
         kernel_(cfg.guest_kernel_file()),
         initrd_(cfg.guest_initrd_file()),
@@ -166,6 +169,8 @@ class QemuDriver final : public VmmDriver {
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
   void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override {
     netns_.erase(spec.id);  // QEMU's namespace goes with it
+    // Its veth goes with the namespace, its chain (kept while hibernated, for the restore) here.
+    if (egress_ != nullptr) egress_->detach(spec);
     VmmDriver::terminate(spec, info, std::move(done));
   }
   // A QEMU that exits by itself leaves an empty namespace that only our fd keeps alive.
@@ -213,8 +218,9 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::vector<std::string> qemu_args(const SandboxSpec& spec, const RuntimeInfo& info) const;
-  // Spawns QEMU with `args` in a network namespace of its own, created for it (kept in netns_).
-  Result<VmmProcess> spawn_qemu(const std::string& sandbox_id, const std::vector<std::string>& args,
+  // Spawns QEMU with `args` in a network namespace of its own, created for it (kept in netns_) and, with
+  // internet access, attached to the node's egress before QEMU runs.
+  Result<VmmProcess> spawn_qemu(const SandboxSpec& spec, const std::vector<std::string>& args,
                                 const std::string& log);
   // The network namespace of the running QEMU `info` describes: the one it was spawned in, or (adopted after
   // a node restart) the one /proc/<pid>/ns/net shows while that pid is still this QEMU.
@@ -224,6 +230,7 @@ class QemuDriver final : public VmmDriver {
   Result<RuntimeInfo> prepare(const SandboxSpec& spec, const std::string& sandbox_dir) const;
   // One start's boot attempts: a stalled boot (no ready marker by the deadline) is killed and retried.
   struct Boot {
+    SandboxSpec spec;
     std::vector<std::string> args;
     std::string console;
     std::string log;
@@ -246,8 +253,8 @@ class QemuDriver final : public VmmDriver {
   static std::string state_path(const RuntimeInfo& info) { return info.sandbox_dir + "/qemu.state"; }
   std::string peer(const Op* op) const { return "qemu (sandbox " + op->sandbox_id + ")"; }
 
-  std::string image_name_;  // node.qemu_image; empty: initramfs only
   ImageLayers image_layers_;
+  SandboxEgress* egress_;  // the node's, shared with the process driver; null: no internet access here
   GuestDisks disks_;
   bool kvm_;
   std::string kernel_;
@@ -292,7 +299,7 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   append += " sg.clock=" + std::to_string(kClockGuestPort) + " sg.agent=" + std::to_string(agent_port_);
   auto disk = info.driver_data.find(kDisk);
   if (disk != info.driver_data.end()) append += " sg.root=/dev/vda";
-  std::string netdev = user_netdev(/*internet=*/false);
+  std::string netdev = user_netdev(spec.allow_internet_access);
   for (const auto& [key, value] : info.driver_data) {
     if (key.rfind(kPortPrefix, 0) == 0)
       netdev += ",hostfwd=tcp:127.0.0.1:" + value + "-:" + key.substr(std::strlen(kPortPrefix));
@@ -335,11 +342,12 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
     o->info = std::move(*prepared);
     d({});
   });
-  if (!image_name_.empty()) {
-    steps.push_back([this](Op* o, StepDone d) {
-      if (!image_layers_) return d(fail(Error::kUnsupported, "node.qemu_image is set but this node has no image store"));
-      auto trees = image_layers_(image_name_);
-      if (!trees) return d(fail(trees.error(), "node.qemu_image '" + image_name_ + "': " + trees.message()));
+  // spec.image: the create's image, node.qemu_image by default; empty boots the initramfs alone.
+  if (!spec.image.empty()) {
+    steps.push_back([this, image = spec.image](Op* o, StepDone d) {
+      if (!image_layers_) return d(fail(Error::kUnsupported, "image '" + image + "': this node has no image store"));
+      auto trees = image_layers_(image);
+      if (!trees) return d(fail(trees.error(), "image '" + image + "': " + trees.message()));
       // A first sandbox of the image may wait here while its base disk is made; the loop keeps serving.
       disks_.overlay(std::move(*trees), o->info.sandbox_dir, [o, d](Result<std::string> disk) {
         if (!disk) return d(disk.failure());
@@ -350,15 +358,17 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
   }
   steps.push_back([this, spec](Op* o, StepDone d) {
     auto boot = std::make_shared<Boot>();
+    boot->spec = spec;
     boot->args = qemu_args(spec, o->info);
     boot->console = o->info.sandbox_dir + "/console.log";
     boot->log = o->info.sandbox_dir + "/qemu.log";
     boot->done = std::move(d);
     boot_attempt(o, boot);
   });
-  run(std::move(op), std::move(steps), kill_step(), [this, done = std::move(done)](Op* o, Status s) {
+  run(std::move(op), std::move(steps), kill_step(), [this, spec, done = std::move(done)](Op* o, Status s) {
     if (!s) {
       netns_.erase(o->sandbox_id);
+      if (egress_ != nullptr) egress_->detach(spec);  // a failed start leaves no chain behind
       return done(s.failure());
     }
     done(o->info);
@@ -369,7 +379,7 @@ void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
   std::error_code ec;
   std::filesystem::remove(boot->console, ec);
   std::filesystem::remove(op->info.driver_data[kApiSocket], ec);
-  auto p = spawn_qemu(op->sandbox_id, boot->args, boot->log);
+  auto p = spawn_qemu(boot->spec, boot->args, boot->log);
   if (!p) return boot->done(p.failure());
   op->process = *p;
   op->spawned = true;
@@ -614,7 +624,7 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
     std::error_code ec;
     std::filesystem::remove(o->info.driver_data[kApiSocket], ec);  // a dead QEMU's socket would fail the bind
     // A hibernated VM's namespace died with its QEMU: the restored one gets a new one, same ports inside.
-    auto p = spawn_qemu(o->sandbox_id, args, o->info.sandbox_dir + "/qemu.log");
+    auto p = spawn_qemu(spec, args, o->info.sandbox_dir + "/qemu.log");
     if (!p) return d(p.failure());
     o->process = *p;
     o->spawned = true;
@@ -703,13 +713,23 @@ Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const Runti
   return GuestSocket{.fd = std::move(*fd), .connected = false, .connect_port = *host_port};
 }
 
-Result<VmmProcess> QemuDriver::spawn_qemu(const std::string& sandbox_id, const std::vector<std::string>& args,
+Result<VmmProcess> QemuDriver::spawn_qemu(const SandboxSpec& spec, const std::vector<std::string>& args,
                                           const std::string& log) {
+  const std::string& sandbox_id = spec.id;
   if (!host_netns_.valid())
     return fail(Error::kUnsupported, "the QEMU driver cannot find the node's network namespace: " + host_netns_error_);
   netns_.erase(sandbox_id);  // an earlier instance's (a failed boot attempt): that QEMU is gone
   auto ns = create_netns(host_netns_.get());
   if (!ns) return fail(ns.error(), "sandbox " + sandbox_id + ": " + ns.message());
+  if (spec.allow_internet_access) {
+    // Before QEMU runs, so the guest's first connection already finds its route. The namespace has no
+    // process yet: the tools enter it through our own fd. A new namespace per spawn (a restore, a boot
+    // attempt) is attached again, which replaces the slot's earlier links.
+    if (egress_ == nullptr)
+      return fail(Error::kUnsupported, "sandbox " + sandbox_id + ": internet access: this node's QEMU driver has no egress");
+    if (Status s = egress_->attach(spec, "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(ns->get())); !s)
+      return fail(s.error(), "sandbox " + sandbox_id + ": " + s.message());
+  }
   // posix_spawn's child starts in the namespace of the thread that spawns it.
   std::optional<Result<VmmProcess>> spawned;
   if (Status s = in_netns(ns->get(), host_netns_.get(), [&] { spawned = spawn_vmm("qemu", options_.binary, args, log); });
@@ -768,8 +788,9 @@ std::string resolve_binary(const std::string& name) {
 }  // namespace
 
 std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port,
-                                         ImageLayers image_layers) {
-  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary), std::move(image_layers));
+                                         ImageLayers image_layers, SandboxEgress* egress) {
+  return std::make_unique<QemuDriver>(loop, cfg, agent_port, resolve_binary(cfg.qemu_binary), std::move(image_layers),
+                                      egress);
 }
 
 }  // namespace sg

@@ -15,14 +15,15 @@
 //               running guest has moved on, so restoring it again after a crash would roll the guest back.
 //   terminate = SIGKILL (a disk's overlay is removed with the sandbox dir, so nothing needs flushing); a
 //               hibernated sandbox has nothing to kill.
-//               The VM's network namespace goes with its QEMU.
+//               The VM's network namespace goes with its QEMU; its egress chain (internet access) is removed.
 //
-// Root filesystem: with node.qemu_image set, the guest boots a disk made from that image
+// Root filesystem: with an image (SandboxSpec::image: the create's `image`, node.qemu_image by default), the
+// guest boots a disk made from it
 // (noderuntime/guest_disk.h: a shared read-only ext4 base per image plus the sandbox's qcow2 overlay, made at
 // start before the first boot attempt and kept in driver_data, so restores and restarted nodes use the
 // same one); the initramfs mounts it (`sg.root=/dev/vda`), and runs the agent and the command chrooted into
 // it. QEMU flushes the disk when a migration completes, so a hibernated VM's state file and overlay agree.
-// Without an image, the initramfs is the whole root filesystem, as before.
+// Without an image (node.qemu_image empty and none asked for), the initramfs is the whole root filesystem.
 //
 // Plain migration of the whole RAM (not memory-backend-file + x-ignore-shared): the state is one
 // self-contained file of about the guest's touched memory, the guest's RAM is anonymous memory that is really
@@ -33,9 +34,13 @@
 //     spawn (a boot attempt, a restore) with only its loopback up, and kept open by fd. A restarted node
 //     finds it again through /proc/<pid>/ns/net of the adopted QEMU; a hibernated VM's died with its QEMU
 //     and the restored one gets a new one.
-//   - QEMU user networking (slirp, guest 10.0.2.15) with restrict=on (no internet access: the only mode until
-//     the API has allow_internet_access): the guest reaches nothing outside itself, not the host's loopback,
-//     not other VMs. Every exposed port, the agent port and the clock port get a
+//   - QEMU user networking (slirp, guest 10.0.2.15). Without internet access with restrict=on: the guest
+//     reaches nothing outside itself, not the host's loopback, not other VMs. With it (allow_internet_access)
+//     without restrict: the namespace is attached to the node's egress (noderuntime/sandbox_egress.h, the
+//     process driver's too) before QEMU starts, so slirp's sockets for the guest's connections leave
+//     through the slot's veth and the sandbox's nftables chain (deny_out, allow_out, node.deny_out, the
+//     always-denied link-local range, never the host). Each new namespace (a restore) is attached again;
+//     terminate removes the chain. Every exposed port, the agent port and the clock port get a
 //     `hostfwd=tcp:127.0.0.1:<port>-:<port>` whose listener is on the namespace's loopback, so nothing of
 //     the VM listens in the host's namespace. open_socket() creates the proxy's socket inside the namespace
 //     (a setns() pair) and hands it over unconnected with that port (kept in driver_data). Only the ports
@@ -79,13 +84,16 @@ inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).
 inline constexpr const char* kGuestAgentMarker = "SANDGATE-GUEST-AGENT";
 
+class SandboxEgress;
+
 // The layer trees (bottom first) of the image named `name`, or why there are none (the node's image store).
 using ImageLayers = std::function<Result<std::vector<std::string>>(const std::string& name)>;
 
 // `agent_port` is Config::agent_port: forwarded into every guest (the agent listens there when the image
 // has one). Missing kernel/initrd files are not an error here: start() builds them, or fails each sandbox
-// with the reason. `image_layers` resolves node.qemu_image (unused while it is empty).
+// with the reason. `image_layers` resolves a sandbox's image (unused by sandboxes without one). `egress` is
+// the node's (it must outlive the driver), shared with the process driver; null refuses internet access.
 std::unique_ptr<Driver> make_qemu_driver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port,
-                                         ImageLayers image_layers = nullptr);
+                                         ImageLayers image_layers = nullptr, SandboxEgress* egress = nullptr);
 
 }  // namespace sg

@@ -68,7 +68,8 @@ struct SandboxSpec {
   // no limit (the upper dir is a plain directory of the state dir's file system).
   uint32_t disk_mb = 0;
   // The image (snapshot/image_store.h) the root filesystem comes from, fixed at create so a restart or a
-  // resume runs on the same one. Empty only for sandboxes created before images existed.
+  // resume runs on the same one. Empty for sandboxes created before images existed and for QEMU sandboxes
+  // that boot the initramfs alone (no image asked for, node.qemu_image empty).
   std::string image;
   // First host uid/gid of the sandbox's user namespace (sandbox id 0 = this, 65536 ids), allocated by the
   // node at create and held until the sandbox is gone. 0 = none (created before user namespaces).

@@ -16,10 +16,13 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "tests/e2e/harness.h"
+#include "tests/netns.h"
 
 namespace sg::e2e {
 namespace {
@@ -264,39 +267,44 @@ TEST_F(Qemu, DiskFullDuringHibernateKeepsTheSandboxInMemory) {
   ASSERT_EQ(c.cli("rm q").exit_code, 0);
 }
 
-// A server on the host's loopback (127.0.0.1, an ephemeral port) that greets every connection with kBanner.
-class LoopbackBanner {
+// A server that greets every connection with its banner and closes it: on the host's loopback (127.0.0.1,
+// an ephemeral port) by default, or on a listening socket it is given (one made in another namespace).
+class BannerServer {
  public:
-  static constexpr const char* kBanner = "HOST-LOOPBACK-REACHED\n";
-  LoopbackBanner() {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  static constexpr const char* kHostLoopback = "HOST-LOOPBACK-REACHED\n";
+  BannerServer() : BannerServer(loopback_listener(), kHostLoopback) {}
+  BannerServer(UniqueFd listener, std::string banner) : fd_(std::move(listener)), banner_(std::move(banner)) {
     sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof a;
-    if (::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd_, 16) == 0 &&
-        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-      port_ = ntohs(a.sin_port);
+    if (fd_.valid() && ::getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&a), &len) == 0) port_ = ntohs(a.sin_port);
     thread_ = std::thread([this] {
       while (!stop_) {
-        pollfd p{fd_, POLLIN, 0};
+        pollfd p{fd_.get(), POLLIN, 0};
         if (::poll(&p, 1, 100) <= 0) continue;
-        int c = ::accept(fd_, nullptr, nullptr);
+        int c = ::accept(fd_.get(), nullptr, nullptr);
         if (c < 0) continue;
-        (void)!::send(c, kBanner, std::strlen(kBanner), MSG_NOSIGNAL);
+        (void)!::send(c, banner_.data(), banner_.size(), MSG_NOSIGNAL);
         ::close(c);
       }
     });
   }
-  ~LoopbackBanner() {
+  ~BannerServer() {
     stop_ = true;
     thread_.join();
-    ::close(fd_);
   }
   uint16_t port() const { return port_; }
 
  private:
-  int fd_ = -1;
+  static UniqueFd loopback_listener() {
+    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd.get(), 16) != 0) return {};
+    return fd;
+  }
+  UniqueFd fd_;
+  std::string banner_;
   uint16_t port_ = 0;
   std::atomic<bool> stop_{false};
   std::thread thread_;
@@ -332,7 +340,7 @@ std::string exec_in(Cluster& c, const std::string& host, const std::string& toke
 // their hostfwd ports), any local user reached every VM's agent on those ports, and the command and env were
 // readable in QEMU's command line. Two VMs in one test (each boot costs tens of seconds under TCG).
 TEST_F(Qemu, GuestIsSealedFromTheHostAndOtherVmsAndItsCommandIsNotInTheProcessList) {
-  LoopbackBanner host_server;
+  BannerServer host_server;
   ASSERT_NE(host_server.port(), 0);
   Cluster c(ClusterOptions::node(node_config()));
   auto other = c.cli("create --json --name vb --driver qemu --timeout 600 --memory-mb 256 -- /bin/sh -c 'exec sleep 100000'",
@@ -420,11 +428,12 @@ std::string kept_value(const std::string& out) {
   return out.substr(at, end == std::string::npos ? std::string::npos : end - at);
 }
 
-// Issue 10: the guest's root filesystem is a disk made from an image (a shared base plus the sandbox's qcow2
-// overlay), and what the guest writes there stays through both tiers and a node restart.
+// Issue 10: the guest's root filesystem is a disk made from the create's image (a shared base plus the
+// sandbox's qcow2 overlay), and what the guest writes there stays through both tiers and a node restart.
 TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart) {
-  // A store of its own: the image it imports must not stay behind in the test image's shared store.
-  Cluster c(ClusterOptions::node(node_config() + "qemu_image = \"qdisk\"\nimages_dir = \"\"\n"));
+  // A store of its own: the image it imports must not stay behind in the test image's shared store. No
+  // node.qemu_image: the disk comes from --image alone.
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
   const std::string archive = busybox_image(c.dir() + "/img");
   auto imported = c.cli("image import " + archive + " qdisk");
   ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
@@ -466,6 +475,139 @@ TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart
   }, std::chrono::seconds(60))) << c.get("vd").dump() << c.node().log();
   EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after a node restart";
   EXPECT_EQ(c.cli("rm vd").exit_code, 0);
+}
+
+// node.qemu_image is the default image of QEMU sandboxes (the create names none): the guest boots its disk,
+// the sandbox records the image, `image rm` is refused while the sandbox uses it and succeeds once it is gone.
+TEST_F(Qemu, ImageDiskFromTheNodeDefaultIsInUseUntilTheSandboxGoes) {
+  Cluster c(ClusterOptions::node(node_config() + "qemu_image = \"qdisk\"\nimages_dir = \"\"\n"));
+  const std::string archive = busybox_image(c.dir() + "/img");
+  auto imported = c.cli("image import " + archive + " qdisk");
+  ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
+  auto created = c.cli("create --json --name vn --driver qemu --timeout 600 --memory-mb 256 -- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto j = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string id = j.value("id", ""), token = j.value("token", "");
+  EXPECT_EQ(c.get("vn").value("image", ""), "qdisk");
+  const std::string out = exec_in(c, "vn.sandbox.localhost", token, "cat /etc/image-marker; grep ' / ' /proc/mounts");
+  EXPECT_NE(out.find("from-the-image"), std::string::npos) << out;
+  EXPECT_NE(out.find("/dev/vda / ext4"), std::string::npos) << out;
+
+  auto refused = c.cli("image rm qdisk");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE((refused.out + refused.err).find(id), std::string::npos) << refused.out << refused.err;
+  ASSERT_EQ(c.cli("rm vn").exit_code, 0);
+  const std::string bases = "ls " + c.dir() + "/node/qemu-disks | grep -c '[.]raw$'";
+  EXPECT_EQ(run(bases).out, "1\n");
+  auto removed = c.cli("image rm qdisk");
+  EXPECT_EQ(removed.exit_code, 0) << removed.out << removed.err;
+  EXPECT_EQ(run(bases).out, "0\n") << "the image's base disk stayed after `image rm`";
+}
+
+// Removes a node's egress bridge and table when the test ends, whatever happened.
+struct EgressCleanup {
+  std::string bridge;
+  ~EgressCleanup() {
+    (void)run_tool({"ip", "link", "del", bridge});
+    (void)run_tool({"nft", "delete", "table", "inet", bridge});
+  }
+};
+
+// A script for the guest that tries each target ("NAME HOST PORT") at once and prints REACHED-NAME when the
+// target's banner came back within 5 s, BLOCKED-NAME otherwise.
+std::string probe_script(const std::vector<std::string>& targets) {
+  std::string script;
+  for (const std::string& t : targets) {
+    std::istringstream in(t);
+    std::string name, host, port;
+    in >> name >> host >> port;
+    script += "(out=$(timeout 5 nc " + host + " " + port + " </dev/null 2>&1); case \"$out\" in *-REACHED*) echo REACHED-" +
+              name + ";; *) echo BLOCKED-" + name + ";; esac) &\n";
+  }
+  return script + "wait\n";
+}
+
+// Issue 10: QEMU sandboxes had no internet access (refused at create). Now the VM's namespace is attached to
+// the node's egress like a process sandbox (a veth, the sandbox's nftables chain) and slirp runs without
+// restrict=on, so the guest reaches the (fake) internet except what deny_out names, never the host, and keeps
+// it across a hibernation (a new namespace) and a node restart; a VM without it reaches nothing. The fake
+// internet is a namespace this test makes (198.51.100.0/24): nothing is routed anywhere else.
+TEST_F(Qemu, InternetAccessGoesThroughTheNodesEgressAndItsListsAndWithoutItNothing) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (network namespaces, nftables)";
+  const std::string tag = "sgqe" + std::to_string(::getpid() % 10000);
+  EgressCleanup cleanup{tag};
+  testing::FakeInternet internet(tag);
+  Status st = internet.start();
+  ASSERT_TRUE(st) << st.message();
+  std::vector<std::unique_ptr<BannerServer>> servers;
+  for (const char* addr : {"198.51.100.1", "198.51.100.2"}) {
+    UniqueFd fd = testing::in_netns(internet.ns().path(), [&] { return testing::listen_on(addr, 7070); });
+    ASSERT_TRUE(fd.valid()) << addr;
+    servers.push_back(std::make_unique<BannerServer>(std::move(fd), "FAKE-INTERNET-REACHED\n"));
+  }
+  Cluster c(ClusterOptions::node(node_config() + "egress_bridge = \"" + tag + "\"\negress_subnet = \"10.248.0.0/16\"\n"));
+  auto on = c.cli("create --json --name qon --driver qemu --internet --deny-out 198.51.100.2 --timeout 600 "
+                  "--hibernate-after 2 --memory-mb 256 -- /bin/sh -c 'exec sleep 100000'",
+                  180);
+  ASSERT_EQ(on.exit_code, 0) << on.out << on.err << c.node().log();
+  auto off = c.cli("create --json --name qoff --driver qemu --timeout 600 --memory-mb 256 -- /bin/sh -c 'exec sleep 100000'",
+                   180);
+  ASSERT_EQ(off.exit_code, 0) << off.out << off.err << c.node().log();
+  const std::string on_token = nlohmann::json::parse(on.out, nullptr, false).value("token", "");
+  const std::string off_id = nlohmann::json::parse(off.out, nullptr, false).value("id", "");
+  const std::string off_token = nlohmann::json::parse(off.out, nullptr, false).value("token", "");
+  EXPECT_EQ(c.get("qon").value("allow_internet_access", false), true);
+
+  // The host itself, at the bridge's gateway address (there since qon attached), is not for sandboxes.
+  UniqueFd gateway_fd = testing::listen_on("10.248.0.1", 0);
+  ASSERT_TRUE(gateway_fd.valid());
+  BannerServer host_server(std::move(gateway_fd), "HOST-GATEWAY-REACHED\n");
+  const std::string gw = "gw 10.248.0.1 " + std::to_string(host_server.port());
+
+  std::string out = exec_in(c, "qon.sandbox.localhost", on_token,
+                            probe_script({"one 198.51.100.1 7070", "two 198.51.100.2 7070", gw}));
+  EXPECT_NE(out.find("REACHED-one"), std::string::npos) << out << c.node().log();
+  EXPECT_NE(out.find("BLOCKED-two"), std::string::npos) << out;  // --deny-out
+  EXPECT_NE(out.find("BLOCKED-gw"), std::string::npos) << out;
+  out = exec_in(c, "qoff.sandbox.localhost", off_token, probe_script({"one 198.51.100.1 7070", gw}));
+  EXPECT_NE(out.find("BLOCKED-one"), std::string::npos) << out;
+  EXPECT_NE(out.find("BLOCKED-gw"), std::string::npos) << out;
+  // Without internet access the VM's namespace has no link out at all.
+  auto links = run("nsenter --net=/proc/" + std::to_string(qemu_pid(off_id)) + "/ns/net ip -o link show");
+  EXPECT_NE(links.out.find("lo:"), std::string::npos) << links.out << links.err;
+  EXPECT_EQ(links.out.find("eth0"), std::string::npos) << links.out;
+
+  // Hibernated: the restored QEMU's new namespace is attached again, with the same chain.
+  ASSERT_EQ(c.cli("suspend qon").exit_code, 0);
+  ASSERT_TRUE(eventually([&] {
+    auto j = c.get("qon");
+    return j["tier"] == "disk" && j["state"] == "suspended";
+  }, std::chrono::seconds(60))) << c.get("qon").dump() << c.node().log();
+  out = exec_in(c, "qon.sandbox.localhost", on_token, probe_script({"one 198.51.100.1 7070", "two 198.51.100.2 7070"}));
+  EXPECT_NE(out.find("REACHED-one"), std::string::npos) << "after hibernate + restore: " << out << c.node().log();
+  EXPECT_NE(out.find("BLOCKED-two"), std::string::npos) << "after hibernate + restore: " << out;
+
+  // A restarted node adopts the running VM with its links and rules as they were.
+  c.node().stop(SIGKILL);
+  c.start_node();
+  ASSERT_TRUE(eventually([&] { return c.get("qon")["state"] == "running"; }, std::chrono::seconds(60)))
+      << c.get("qon").dump() << c.node().log();
+  out = exec_in(c, "qon.sandbox.localhost", on_token, probe_script({"one 198.51.100.1 7070"}));
+  EXPECT_NE(out.find("REACHED-one"), std::string::npos) << "after a node restart: " << out << c.node().log();
+
+  // Removed: its chain goes with it.
+  auto chains = [&] {
+    auto table = run_tool({"nft", "list", "table", "inet", tag});
+    if (!table) return -1;
+    int n = 0;
+    for (size_t at = 0; (at = table->find("chain sb", at)) != std::string::npos; ++at) ++n;
+    return n;
+  };
+  EXPECT_EQ(chains(), 1);
+  ASSERT_EQ(c.cli("rm qon").exit_code, 0);
+  EXPECT_EQ(chains(), 0);
+  EXPECT_EQ(c.cli("rm qoff").exit_code, 0);
 }
 
 }  // namespace

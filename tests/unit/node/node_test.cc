@@ -23,6 +23,16 @@ using testing::run_for;
 using testing::run_until;
 using testing::TempDir;
 
+// A fake under another driver's name, for what the node decides by driver name (validate()).
+class NamedFakeDriver : public FakeDriver {
+ public:
+  NamedFakeDriver(uv_loop_t* loop, std::string name) : FakeDriver(loop), name_(std::move(name)) {}
+  std::string_view name() const override { return name_; }
+
+ private:
+  std::string name_;
+};
+
 class NodeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -35,8 +45,9 @@ class NodeTest : public ::testing::Test {
     EXPECT_EQ(uv_loop_close(&loop_), 0);
   }
 
-  // `node_toml`: extra lines for the [node] table.
-  void make_node(const std::string& node_toml = "", std::map<std::string, FakeDriver::Instance> instances = {}) {
+  // `node_toml`: extra lines for the [node] table. `more_drivers`: fakes named so, after the default one.
+  void make_node(const std::string& node_toml = "", std::map<std::string, FakeDriver::Instance> instances = {},
+                 const std::vector<std::string>& more_drivers = {}) {
     auto cfg = load_config_string("[node]\nstate_dir = \"" + dir_.path() + "\"\n" + node_toml, "test.toml");
     ASSERT_TRUE(cfg.ok()) << cfg.message();
     config_ = std::make_unique<ConfigHolder>(*cfg);
@@ -47,6 +58,7 @@ class NodeTest : public ::testing::Test {
     ASSERT_TRUE(store.ok()) << store.message();
     std::vector<std::unique_ptr<Driver>> drivers;
     drivers.push_back(std::move(driver));
+    for (const std::string& name : more_drivers) drivers.push_back(std::make_unique<NamedFakeDriver>(&loop_, name));
     node_ = std::make_unique<Node>(&loop_, config_.get(), std::move(drivers), std::move(*store));
   }
 
@@ -182,6 +194,53 @@ TEST_F(NodeTest, CreateStartsWatchesAndPersists) {
   ASSERT_EQ(rows->size(), 1u);
   EXPECT_EQ((*rows)[0].state, S::kRunning);
   EXPECT_EQ((*rows)[0].runtime.pid, info.runtime.pid);
+}
+
+// A QEMU sandbox's default image is node.qemu_image (empty: the initramfs alone, no image recorded, not
+// node.default_image); an explicit image wins and counts as in use. Internet access: process and qemu only.
+TEST_F(NodeTest, QemuSandboxesDefaultToTheQemuImageAndMayHaveInternetAccess) {
+  make_node("", {}, {"qemu", "firecracker"});
+  CreateRequest r = request("q");
+  r.driver = "qemu";
+  r.allow_internet_access = true;
+  auto initramfs = create_request(r);
+  ASSERT_TRUE(initramfs.ok()) << initramfs.message();
+  EXPECT_EQ(initramfs->spec.image, "");
+  EXPECT_TRUE(initramfs->spec.allow_internet_access);
+  EXPECT_FALSE(node_->image_users()->first_user("default"));
+
+  r.name = "qx";
+  r.image = "disk";
+  auto explicit_image = create_request(r);
+  ASSERT_TRUE(explicit_image.ok()) << explicit_image.message();
+  EXPECT_EQ(explicit_image->spec.image, "disk");
+  auto user = node_->image_users()->first_user("disk");
+  ASSERT_TRUE(user);
+  EXPECT_NE(user->find(explicit_image->spec.id), std::string::npos) << *user;
+
+  r.name = "qe";
+  r.image = "";
+  auto empty = create_request(r);
+  ASSERT_FALSE(empty.ok());
+  EXPECT_EQ(empty.error(), Error::kInvalidArgument);
+
+  r.name = "fc";
+  r.image.reset();
+  r.driver = "firecracker";
+  auto firecracker = create_request(r);
+  ASSERT_FALSE(firecracker.ok());
+  EXPECT_EQ(firecracker.error(), Error::kInvalidArgument);
+  EXPECT_NE(firecracker.message().find("only process and qemu"), std::string::npos) << firecracker.message();
+
+  node_.reset();
+  uv_run(&loop_, UV_RUN_NOWAIT);
+  make_node("qemu_image = \"qimg\"\n", {}, {"qemu"});
+  r.name = "qd";
+  r.driver = "qemu";
+  auto defaulted = create_request(r);
+  ASSERT_TRUE(defaulted.ok()) << defaulted.message();
+  EXPECT_EQ(defaulted->spec.image, "qimg");
+  EXPECT_EQ(create("p").spec.image, "default");  // process sandboxes keep node.default_image
 }
 
 TEST_F(NodeTest, DefaultTimeoutComesFromTheConfig) {

@@ -8,16 +8,21 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
 
+#include "common/subprocess.h"
+#include "noderuntime/guest_disk.h"
+#include "noderuntime/sandbox_egress.h"
 #include "tests/unit/node/fake_hypervisor.h"
 
 namespace sg {
@@ -206,7 +211,7 @@ class QemuDriverTest : public ::testing::Test {
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
   Driver& driver() {
-    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501, layers_);
+    if (!driver_) driver_ = make_qemu_driver(loop_.get(), cfg_, 9501, layers_, egress_.get());
     return *driver_;
   }
   Result<RuntimeInfo> wait_runtime(const std::function<void(Driver::RuntimeDone)>& op) {
@@ -274,6 +279,7 @@ class QemuDriverTest : public ::testing::Test {
   std::vector<std::string> sandbox_dirs_;
   NodeConfig cfg_;
   SandboxSpec spec_;
+  std::unique_ptr<SandboxEgress> egress_;  // before driver_: the driver uses it until it is gone
   std::unique_ptr<Driver> driver_;
   ImageLayers layers_;
 };
@@ -625,7 +631,8 @@ TEST_F(QemuDriverTest, NamespaceOfAQemuThatExitedByItselfIsReleased) {
   EXPECT_EQ(fds_holding(ns), 0u);
 }
 
-// node.qemu_image: a base disk per image (ext4 of the merged layer trees, read-only, shared), a qcow2
+// The sandbox's image (the create's, node.qemu_image by default): a base disk per image (ext4 of the merged
+// layer trees, read-only, shared), a qcow2
 // overlay per sandbox on it, booted as the guest's root. Real mkfs.ext4, qemu-img and overlayfs; fake QEMU.
 class QemuDiskTest : public QemuDriverTest {
  protected:
@@ -633,7 +640,7 @@ class QemuDiskTest : public QemuDriverTest {
     QemuDriverTest::SetUp();
     if (::geteuid() != 0) GTEST_SKIP() << "the image's layers are merged with an overlayfs mount (root)";
     cfg_.state_dir = dir_.path() + "/state";
-    cfg_.qemu_image = "img";
+    spec_.image = "img";
     // Two layers: the upper one replaces /etc/which and adds /etc/top.
     lower_ = dir_.path() + "/layers/lower";
     upper_ = dir_.path() + "/layers/upper";
@@ -672,11 +679,14 @@ TEST_F(QemuDiskTest, BootsAQcow2OverlayOnTheImagesSharedReadOnlyBaseDisk) {
   EXPECT_NE(argv.find("virtio-blk-device,drive=root"), std::string::npos);
   EXPECT_NE(argv.find("sg.root=/dev/vda"), std::string::npos);
 
-  std::vector<std::string> bases;
-  for (const auto& e : std::filesystem::directory_iterator(cfg_.state_dir + "/qemu-disks")) bases.push_back(e.path());
-  ASSERT_EQ(bases.size(), 1u);  // no temp file, mount point or log left
-  const std::string base = bases[0];
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(cfg_.state_dir + "/qemu-disks")) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  ASSERT_EQ(files.size(), 2u);  // the base and its .trees; no temp file, mount point or log left
+  const std::string base = files[0];
   EXPECT_EQ(base.substr(base.size() - 4), ".raw");
+  EXPECT_EQ(files[1], base.substr(0, base.size() - 4) + ".trees");
+  EXPECT_EQ(read_all(files[1]), lower_ + "\n" + upper_ + "\n");
   struct stat st{};
   ASSERT_EQ(::stat(base.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0444u);
@@ -715,12 +725,52 @@ TEST_F(QemuDiskTest, BootsAQcow2OverlayOnTheImagesSharedReadOnlyBaseDisk) {
   EXPECT_EQ(st.st_mtim.tv_nsec, overlay_made.tv_nsec);  // not recreated
 }
 
+// An image removed and made again under its name with other layers: a sandbox of the new one boots a new base
+// of the new content; the old base goes once its layers are gone (the layer store's GC after `image rm`), and
+// a base whose layers are all there stays.
+TEST_F(QemuDiskTest, ABaseIsKeyedByTheLayersAndGoesWithThem) {
+  auto first = start();
+  ASSERT_TRUE(first.ok()) << first.message();
+  const std::string disks = cfg_.state_dir + "/qemu-disks";
+  auto bases = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(disks))
+      if (e.path().extension() == ".raw") out.push_back(e.path());
+    return out;
+  };
+  ASSERT_EQ(bases().size(), 1u);
+  const std::string old_base = bases()[0];
+
+  const std::string again = dir_.path() + "/layers/again";  // "img" again, one other layer
+  std::filesystem::create_directories(again + "/etc");
+  std::ofstream(again + "/etc/which") << "again\n";
+  layers_ = [again](const std::string&) -> Result<std::vector<std::string>> { return std::vector<std::string>{again}; };
+  driver_.reset();
+  const std::string second = dir_.path() + "/sb2";
+  std::filesystem::create_directories(second);
+  sandbox_dirs_.push_back(second);
+  auto other = start_in(second);
+  ASSERT_TRUE(other.ok()) << other.message();
+  ASSERT_EQ(bases().size(), 2u);
+  std::string new_base;
+  for (const std::string& b : bases())
+    if (b != old_base) new_base = b;
+  EXPECT_EQ(read_in_disk(new_base, "/etc/which"), "again\n");
+
+  remove_orphaned_guest_disks(disks);
+  EXPECT_EQ(bases().size(), 2u);  // every layer is still there
+  std::filesystem::remove_all(upper_);
+  remove_orphaned_guest_disks(disks);
+  EXPECT_EQ(bases(), std::vector<std::string>{new_base});
+  EXPECT_FALSE(std::filesystem::exists(old_base.substr(0, old_base.size() - 4) + ".trees"));
+}
+
 TEST_F(QemuDiskTest, MissingImageFailsTheStartNamingItAndStartsNothing) {
-  cfg_.qemu_image = "gone";
+  spec_.image = "gone";
   auto r = start();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error(), Error::kNotFound);
-  EXPECT_NE(r.message().find("node.qemu_image 'gone'"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("image 'gone'"), std::string::npos) << r.message();
   EXPECT_TRUE(spawned_pids(sandbox_dir_).empty());
 }
 
@@ -731,6 +781,90 @@ TEST_F(QemuDriverTest, WithoutAnImageTheGuestBootsTheInitramfsAlone) {
   const std::string argv = read_all(sandbox_dir_ + "/argv");
   EXPECT_EQ(argv.find("-drive"), std::string::npos);
   EXPECT_EQ(argv.find("sg.root"), std::string::npos);
+}
+
+// Internet access: the VM's namespace is attached to the node's egress (a real bridge and nftables table of
+// the test's own; nothing is routed anywhere) before QEMU runs, and QEMU's user networking drops restrict=on.
+class QemuEgressTest : public QemuDriverTest {
+ protected:
+  void SetUp() override {
+    QemuDriverTest::SetUp();
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root (network namespaces, nftables)";
+    for (const char* tool : {"ip", "nft", "nsenter"})
+      if (!run_tool({"sh", "-c", std::string("command -v ") + tool})) GTEST_SKIP() << tool << " is not installed";
+    // The egress kernel tests' lock (egress_test.cc): they turn ip_forward on and off, one at a time.
+    lock_ = UniqueFd(::open(SANDGATE_BIN_DIR "/egress-kernel-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    ASSERT_TRUE(lock_.valid());
+    ASSERT_EQ(::flock(lock_.get(), LOCK_EX), 0);
+    forward_before_ = read_all("/proc/sys/net/ipv4/ip_forward");
+    cfg_.egress_bridge = tag_;
+    cfg_.egress_subnet = "10.249.0.0/16";
+    cfg_.deny_out = {"192.0.2.0/24"};
+    spec_.uid_base = cfg_.uid_range_base + 5 * kUidRangeSize;  // slot 5: 10.249.0.7
+    egress_ = std::make_unique<SandboxEgress>(cfg_);
+  }
+  void TearDown() override {
+    QemuDriverTest::TearDown();
+    (void)run_tool({"ip", "link", "del", tag_});
+    (void)run_tool({"nft", "delete", "table", "inet", tag_});
+    if (!forward_before_.empty()) std::ofstream("/proc/sys/net/ipv4/ip_forward") << forward_before_;
+  }
+  // `ip ARGS` inside the network namespace of QEMU `pid` ("" when that fails).
+  static std::string ip_in(int pid, std::vector<std::string> args) {
+    std::vector<std::string> argv = {"nsenter", "--net=/proc/" + std::to_string(pid) + "/ns/net", "ip"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto out = run_tool(std::move(argv));
+    return out ? *out : "";
+  }
+  Status terminate(const RuntimeInfo& info) {
+    return wait_status([&](Driver::Done d) { driver().terminate(spec_, info, std::move(d)); });
+  }
+  std::string tag_ = "sgq" + std::to_string(::getpid() % 100000);
+  std::string forward_before_;
+  UniqueFd lock_;
+};
+
+TEST_F(QemuEgressTest, InternetAccessAttachesEachNewNamespaceAndTerminateRemovesTheChain) {
+  spec_.allow_internet_access = true;
+  spec_.deny_out = {"198.51.100.7"};
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_NE(argv.find("user,id=net0,hostfwd="), std::string::npos) << argv;
+  EXPECT_EQ(argv.find("restrict"), std::string::npos) << argv;
+  // QEMU's own namespace has the slot's eth0 and a default route to the node's bridge.
+  EXPECT_NE(ip_in(info->pid, {"-o", "-4", "addr", "show", "dev", "eth0"}).find("10.249.0.7/16"), std::string::npos);
+  EXPECT_NE(ip_in(info->pid, {"route", "show", "default"}).find("via 10.249.0.1"), std::string::npos);
+  // The sandbox's chain: the always-denied range, node.deny_out and its own deny_out.
+  auto chain = run_tool({"nft", "list", "chain", "inet", tag_, "sb5"});
+  ASSERT_TRUE(chain) << chain.message();
+  for (const char* net : {"169.254.0.0/16", "192.0.2.0/24", "198.51.100.7"})
+    EXPECT_NE(chain->find(net), std::string::npos) << net << " in " << *chain;
+
+  // Hibernated, the namespace (and the veth in it) dies with QEMU; the restored QEMU's new one is attached.
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  ASSERT_NE(restored->pid, info->pid);
+  EXPECT_NE(ip_in(restored->pid, {"-o", "-4", "addr", "show", "dev", "eth0"}).find("10.249.0.7/16"), std::string::npos);
+  EXPECT_NE(read_all(sandbox_dir_ + "/argv").find("user,id=net0,hostfwd="), std::string::npos);
+
+  ASSERT_TRUE(terminate(*restored).ok());
+  EXPECT_FALSE(run_tool({"nft", "list", "chain", "inet", tag_, "sb5"}));
+  EXPECT_FALSE(run_tool({"ip", "link", "show", "dev", tag_ + "v5"}));
+}
+
+TEST_F(QemuEgressTest, WithoutInternetAccessNothingIsAttachedAndRestrictStays) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_NE(read_all(sandbox_dir_ + "/argv").find("user,id=net0,restrict=on,"), std::string::npos);
+  const std::string links = ip_in(info->pid, {"-o", "link", "show"});
+  EXPECT_NE(links.find("lo:"), std::string::npos) << links;
+  EXPECT_EQ(links.find("eth0"), std::string::npos) << links;
+  // The node's bridge is made only when a sandbox with internet access attaches.
+  EXPECT_FALSE(run_tool({"ip", "link", "show", "dev", tag_}));
 }
 
 }  // namespace
