@@ -207,14 +207,15 @@ TEST_F(NodeTest, QemuSandboxesDefaultToTheQemuImageAndMayHaveInternetAccess) {
   ASSERT_TRUE(initramfs.ok()) << initramfs.message();
   EXPECT_EQ(initramfs->spec.image, "");
   EXPECT_TRUE(initramfs->spec.allow_internet_access);
-  EXPECT_FALSE(node_->image_users()->first_user("default"));
+  EXPECT_FALSE(node_->image_users()->claim_for_removal("default"));  // no user: the claim succeeds
+  node_->image_users()->release_removal("default");
 
   r.name = "qx";
   r.image = "disk";
   auto explicit_image = create_request(r);
   ASSERT_TRUE(explicit_image.ok()) << explicit_image.message();
   EXPECT_EQ(explicit_image->spec.image, "disk");
-  auto user = node_->image_users()->first_user("disk");
+  auto user = node_->image_users()->claim_for_removal("disk");
   ASSERT_TRUE(user);
   EXPECT_NE(user->find(explicit_image->spec.id), std::string::npos) << *user;
 
