@@ -85,6 +85,7 @@ std::string AccessLog::format(const AccessRecord& r) {
       {"tls", r.tls_version.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.tls_version)},
       {"path", r.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.data_path)},
       {"cause", cause_name(r.cause)},
+      {"phase", r.phase.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phase)},
   };
   if (!r.detail.empty()) j["detail"] = r.detail;
   // Untrusted strings (SNI, Host) may hold invalid UTF-8: replace instead of throwing.

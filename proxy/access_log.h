@@ -69,6 +69,9 @@ struct AccessRecord {
   std::string tls_version;
   std::string data_path;  // "userspace", "ktls-tx-only", "ktls-splice"
   TerminationCause cause = TerminationCause::kClientClosed;
+  // The phase the connection ended in ("handshake", "head", "open", "connect", "forward"); for an answer the
+  // edge gave itself, the phase that decided on it (not the respond/linger that carried it out).
+  std::string_view phase;
   std::string detail;     // e.g. the OpenSSL error for a failed handshake
 };
 

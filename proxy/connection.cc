@@ -260,6 +260,20 @@ P& Connection::enter(Args&&... args) {
 
 Connection::PhaseKind Connection::phase() const { return phase_->kind(); }
 
+std::string_view Connection::phase_name(PhaseKind k) {
+  switch (k) {
+    case PhaseKind::kHandshake: return "handshake";
+    case PhaseKind::kHead: return "head";
+    case PhaseKind::kOpen: return "open";
+    case PhaseKind::kConnect: return "connect";
+    case PhaseKind::kForward: return "forward";
+    case PhaseKind::kRespond: return "respond";
+    case PhaseKind::kLinger: return "linger";
+    case PhaseKind::kClosed: return "closed";
+  }
+  return "unknown";
+}
+
 void Connection::drop_left_phases() { left_phases_.clear(); }
 
 // ---- The connection ------------------------------------------------------------------------------------
@@ -1146,6 +1160,7 @@ void Connection::respond(int status, std::string_view body, TerminationCause cau
 
 void Connection::respond_bytes(std::string out, TerminationCause cause) {
   uv_timer_stop(&deadline_);
+  if (rec_.phase.empty()) rec_.phase = phase_name(phase());  // the phase that decided on this answer
   auto& respond = enter<RespondPhase>(std::move(out), cause);
   // A response must not wait forever on a client that does not read.
   arm_deadline(cfg_->proxy.request_head_timeout_ms, cause);
@@ -1204,6 +1219,7 @@ void Connection::release_sandbox_slot() {
 
 void Connection::close(TerminationCause cause, std::string detail) {
   if (phase() == PhaseKind::kClosed) return;
+  if (rec_.phase.empty()) rec_.phase = phase_name(phase());
   enter<ClosedPhase>();
   rec_.cause = cause;
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);

@@ -75,6 +75,7 @@ class Connection {
   template <class P, class... Args>
   P& enter(Args&&... args);
   PhaseKind phase() const;
+  static std::string_view phase_name(PhaseKind k);
   // At the start of every event: the phases left during earlier ones are no longer running.
   void drop_left_phases();
 

@@ -22,6 +22,7 @@ TEST(AccessLog, OneJsonObjectWithEveryField) {
   r.wake_ms = 1.25;
   r.data_path = "userspace";
   r.cause = TerminationCause::kUpstreamClosed;
+  r.phase = "forward";
   std::string line = AccessLog::format(r);
   EXPECT_EQ(line.find('\n'), std::string::npos);
   auto j = nlohmann::json::parse(line);
@@ -34,6 +35,7 @@ TEST(AccessLog, OneJsonObjectWithEveryField) {
   EXPECT_EQ(j["woke"], true);
   EXPECT_DOUBLE_EQ(j["wake_ms"].get<double>(), 1.25);
   EXPECT_EQ(j["cause"], "upstream_closed");
+  EXPECT_EQ(j["phase"], "forward");
   EXPECT_TRUE(j["duration_ms"].is_number());
   EXPECT_TRUE(j["time"].get<std::string>().ends_with("Z"));
 }
