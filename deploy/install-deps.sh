@@ -10,6 +10,7 @@ PACKAGES=(
   libssl-dev libuv1-dev node-llhttp libnghttp2-dev libjemalloc-dev nlohmann-json3-dev libtomlplusplus-dev
   libcli11-dev libspdlog-dev libfmt-dev libsqlite3-dev
   libarchive-dev  # image import: docker-save / OCI archives and their (gzip, zstd) layers
+  libsystemd-dev  # sd_notify: both daemons tell systemd when they are ready, reloading or stopping
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev  # the Firecracker / Cloud Hypervisor contract tests read the hypervisors' YAML specs

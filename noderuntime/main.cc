@@ -28,6 +28,7 @@
 #include "noderuntime/process_driver.h"
 #include "noderuntime/qemu_driver.h"
 #include "noderuntime/sandbox_egress.h"
+#include "common/service_notify.h"
 #include "noderuntime/store.h"
 
 namespace {
@@ -80,8 +81,15 @@ struct Daemon {
   std::unique_ptr<sg::ApiServer> server;
   uv_signal_t sigint{}, sigterm{}, sighup{};
   bool stopping = false;
+  std::string ready_status;  // the STATUS= systemd shows while the node serves
 
+  // systemd hears RELOADING=1 first and READY=1 again whatever the outcome (a failed reload keeps serving).
   void reload() {
+    sg::notify_reloading();
+    apply_reload();
+    sg::notify_ready(ready_status);
+  }
+  void apply_reload() {
     auto next = load(config_path, overrides);
     if (!next) {
       spdlog::error("reload failed, keeping the current config:\n{}", next.message());
@@ -109,6 +117,7 @@ struct Daemon {
   void stop(int signum) {
     if (stopping) return;
     stopping = true;
+    sg::notify_stopping("stopping: closing the API, then the sandboxes per node.on_shutdown");
     spdlog::info("received {}, shutting down (on_shutdown = {})", signum == SIGINT ? "SIGINT" : "SIGTERM",
                  config->get()->node.on_shutdown == sg::ShutdownPolicy::kTerminate ? "terminate" : "keep");
     server->close([this] {
@@ -255,6 +264,9 @@ int main(int argc, char** argv) {
 
   std::printf("sandgate-node ready on %s\n", c.node_socket.to_string().c_str());
   std::fflush(stdout);
+  d.ready_status = "serving on " + c.node_socket.to_string() + " (" + std::to_string(d.node->sandbox_count()) +
+                   " sandboxes adopted)";
+  sg::notify_ready(d.ready_status);
   uv_run(d.loop, UV_RUN_DEFAULT);
 
   // Free what is left in order: server and node close their handles; one more turn runs the close callbacks.

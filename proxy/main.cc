@@ -17,6 +17,7 @@
 #include "common/operator_token.h"
 #include "config/config.h"
 #include "proxy/fd_limits.h"
+#include "common/service_notify.h"
 #include "proxy/metrics_server.h"
 #include "proxy/privileges.h"
 #include "proxy/worker.h"
@@ -31,6 +32,7 @@ struct Proxy {
   // proxy.user and proxy.group as applied at start ("" = none): a reload cannot change them.
   std::string user;
   std::string group;
+  std::string ready_status;  // the STATUS= systemd shows while the proxy serves
 };
 
 // Appended to a failure to read a file after the switch to proxy.user: the file is most likely fine but
@@ -41,7 +43,7 @@ std::string as_user_hint(const Proxy* p) {
          "certificates and keys, and the operator token file; docs/security.md#least-privilege)";
 }
 
-void reload(Proxy* p) {
+void apply_reload(Proxy* p) {
   const std::string hint = as_user_hint(p);
   auto cfg = sg::load_config_file(p->config_path);
   if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}{}", cfg.message(), hint);
@@ -55,6 +57,13 @@ void reload(Proxy* p) {
     spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
   p->shared->replace(std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*token)}));
   spdlog::info("config reloaded from {}", p->config_path);
+}
+
+// systemd hears RELOADING=1 first and READY=1 again whatever the outcome (a failed reload keeps serving).
+void reload(Proxy* p) {
+  sg::notify_reloading();
+  apply_reload(p);
+  sg::notify_ready(p->ready_status);
 }
 
 // Once the proxy runs as proxy.user: what every reload re-reads (config, certificates and keys, operator
@@ -195,6 +204,8 @@ int main(int argc, char** argv) {
   std::string listening;
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
   spdlog::info("sandgate-proxy ready on {} ({} workers, domain {})", listening, n, (*cfg)->domain);
+  proxy.ready_status = "serving on " + listening + " (" + std::to_string(n) + " workers)";
+  sg::notify_ready(proxy.ready_status);
 
   uv_loop_t* loop = uv_default_loop();
   uv_signal_t sigint, sigterm, sighup;
@@ -204,6 +215,7 @@ int main(int argc, char** argv) {
   }
   auto on_stop = [](uv_signal_t* s, int signum) {
     spdlog::info("signal {}: closing listeners and connections", signum);
+    sg::notify_stopping("stopping: closing listeners and connections");
     auto* p = static_cast<Proxy*>(s->data);
     for (auto& w : p->workers) w->stop();
     if (p->metrics) p->metrics->close();
