@@ -14,55 +14,19 @@ Rows (medians of RUNS):
     the overlay of idmapped lower layers costs per layer (sandgate-init mounts them after the 201).
 First HTTP is polled every 2 ms with a new connection each try (what a client retrying sees).
 """
+import hashlib
 import http.client
+import io
 import json
-import os
-import shutil
-import signal
 import socket
 import ssl
 import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
-import hashlib
-import io
 import time
 
-DOMAIN = "sandbox.localhost"
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path, timeout=120):
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
-
-
-def api(sock, method, path, body=None):
-    c = UnixHTTPConnection(sock)
-    c.request(method, path, body=json.dumps(body) if body is not None else None,
-              headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    data = r.read()
-    c.close()
-    return r.status, (json.loads(data) if data else None)
-
-
-def wait_for(what, pred, timeout_s, proc=None, log=None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            sys.exit(f"{what}: the process exited: {open(log).read()[-2000:] if log else ''}")
-        time.sleep(0.05)
-    sys.exit(f"{what}: not within {timeout_s} s")
+from sgbench import DOMAIN, Cluster
 
 
 def first_answer(connect, timeout_s=30.0):
@@ -125,91 +89,29 @@ def busybox_image(path, layers):
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    build = os.path.abspath(sys.argv[1])
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tmp = tempfile.mkdtemp(prefix="sandgate-start-bench.")
-    procs = []
-    cgroup = "sandgate-start-bench-%d" % os.getpid()
-
-    def cleanup():
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
-
+    c = Cluster(sys.argv[1], "start-bench")
     try:
-        subprocess.run([root + "/deploy/gen-cert.sh", tmp + "/tls", DOMAIN], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        images_dir = os.environ.get("IMAGES_DIR", "")
-        sock = tmp + "/node.sock"
-        with open(tmp + "/sandgate.toml", "w") as f:
-            f.write(f"""domain = "{DOMAIN}"
-node_socket = "unix:{sock}"
-log_level = "info"
-[proxy]
-listen = "127.0.0.1:0"
-workers = 1
-[[proxy.certificates]]
-cert = "{tmp}/tls/server.pem"
-key = "{tmp}/tls/server.key"
-[node]
-state_dir = "{tmp}/state"
-on_shutdown = "terminate"
-cgroup_name = "{cgroup}"
-init_path = "{build}/noderuntime/sandgate-init"
-{"images_dir = '%s'" % images_dir if images_dir else ""}
-""")
-        node_log, proxy_log = tmp + "/node.log", tmp + "/proxy.log"
-        procs.append(subprocess.Popen([build + "/noderuntime/sandgate-node", "--config", tmp + "/sandgate.toml"],
-                                      stdout=open(node_log, "w"), stderr=subprocess.STDOUT))
-        wait_for("sandgate-node", lambda: os.path.exists(sock), 30, procs[-1], node_log)
-        procs.append(subprocess.Popen([build + "/proxy/sandgate-proxy", "--config", tmp + "/sandgate.toml"],
-                                      stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT))
-        wait_for("sandgate-proxy", lambda: "ready on" in open(proxy_log).read(), 30, procs[-1], proxy_log)
-        line = [l for l in open(proxy_log) if "ready on 127.0.0.1:" in l][0]
-        port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
-        cli = [build + "/cli/sandgate", "--api", "unix:" + sock]
-        env = dict(os.environ, HOME=tmp, XDG_CONFIG_HOME=tmp + "/xdg")
-
-        if api(sock, "GET", "/v1/images/default")[0] != 200:
-            print("building the default image (mmdebstrap)...", file=sys.stderr)
-            subprocess.run(cli + ["image", "build", "default", "--packages", "python3"], check=True, env=env,
-                           stdout=subprocess.DEVNULL)
+        c.ensure_default_image()
         for n in (1, 8, 32):
-            busybox_image(f"{tmp}/bb{n}.tar", n)
-            subprocess.run(cli + ["image", "import", f"{tmp}/bb{n}.tar", f"bb{n}"], check=True, env=env,
+            busybox_image(f"{c.tmp}/bb{n}.tar", n)
+            subprocess.run(c.cli + ["image", "import", f"{c.tmp}/bb{n}.tar", f"bb{n}"], check=True, env=c.env,
                            stdout=subprocess.DEVNULL)
+        port, create, delete, tmp = c.port, c.create, c.delete, c.tmp
 
-        tls = ssl.create_default_context(cafile=tmp + "/tls/ca.pem")
+        tls = ssl.create_default_context(cafile=c.ca)
 
         def https_get(host, path, token=None):
             def go():
                 raw = socket.create_connection(("127.0.0.1", port), timeout=2)
-                c = http.client.HTTPSConnection(host, port, context=tls, timeout=2)
-                c.sock = tls.wrap_socket(raw, server_hostname=host)
-                c.request("GET", path, headers={"Authorization": "Bearer " + token} if token else {})
-                r = c.getresponse()
+                conn = http.client.HTTPSConnection(host, port, context=tls, timeout=2)
+                conn.sock = tls.wrap_socket(raw, server_hostname=host)
+                conn.request("GET", path, headers={"Authorization": "Bearer " + token} if token else {})
+                r = conn.getresponse()
                 r.read()
-                c.close()
+                conn.close()
                 return r.status
             return go
-
-        def create(body):
-            t0 = time.monotonic()
-            status, sb = api(sock, "POST", "/v1/sandboxes", body)
-            if status != 201:
-                raise RuntimeError(f"create: {status} {sb}")
-            return time.monotonic() - t0, sb
-
-        def delete(name):
-            status, _ = api(sock, "DELETE", "/v1/sandboxes/" + name)
-            if status != 200:
-                raise RuntimeError(f"delete {name}: {status}")
 
         rows = {}
 
@@ -270,7 +172,7 @@ init_path = "{build}/noderuntime/sandgate-init"
         for row, values in rows.items():
             print(f"| {row} | {len(values)} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
     finally:
-        cleanup()
+        c.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""What the Python benchmarks share (bench/sandbox_start.py, bench/soak.py): a sandgate-node and a
+sandgate-proxy on loopback in a temp dir, with a fresh wildcard certificate, and the node API over its unix
+socket. Imported, not run. Run as root (the node makes namespaces and cgroups)."""
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+DOMAIN = "sandbox.localhost"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path, timeout=120):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def wait_for(what, pred, timeout_s, proc=None, log=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            sys.exit(f"{what}: the process exited: {open(log).read()[-2000:] if log else ''}")
+        time.sleep(0.05)
+    sys.exit(f"{what}: not within {timeout_s} s")
+
+
+class Cluster:
+    """Node + proxy (one worker, userspace TLS unless `proxy_toml` says otherwise). IMAGES_DIR in the
+    environment reuses a node images dir (e.g. the quickstart's .state/images) so its images are there."""
+
+    def __init__(self, build, name, proxy_toml=""):
+        self.build = os.path.abspath(build)
+        self.tmp = tempfile.mkdtemp(prefix=f"sandgate-{name}.")
+        self.procs = []
+        self.sock = self.tmp + "/node.sock"
+        self.env = dict(os.environ, HOME=self.tmp, XDG_CONFIG_HOME=self.tmp + "/xdg")
+        self.cli = [self.build + "/cli/sandgate", "--api", "unix:" + self.sock]
+        subprocess.run([ROOT + "/deploy/gen-cert.sh", self.tmp + "/tls", DOMAIN], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.ca = self.tmp + "/tls/ca.pem"
+        images_dir = os.environ.get("IMAGES_DIR", "")
+        with open(self.tmp + "/sandgate.toml", "w") as f:
+            f.write(f"""domain = "{DOMAIN}"
+node_socket = "unix:{self.sock}"
+log_level = "info"
+[proxy]
+listen = "127.0.0.1:0"
+workers = 1
+access_log = ""
+{proxy_toml}
+[[proxy.certificates]]
+cert = "{self.tmp}/tls/server.pem"
+key = "{self.tmp}/tls/server.key"
+[node]
+state_dir = "{self.tmp}/state"
+on_shutdown = "terminate"
+cgroup_name = "sandgate-{name}-{os.getpid()}"
+init_path = "{self.build}/noderuntime/sandgate-init"
+{"images_dir = '%s'" % images_dir if images_dir else ""}
+""")
+        node_log, proxy_log = self.tmp + "/node.log", self.tmp + "/proxy.log"
+        self.node = self._start([self.build + "/noderuntime/sandgate-node"], node_log)
+        wait_for("sandgate-node", lambda: os.path.exists(self.sock), 30, self.node, node_log)
+        self.proxy = self._start([self.build + "/proxy/sandgate-proxy"], proxy_log)
+        wait_for("sandgate-proxy", lambda: "ready on" in open(proxy_log).read(), 30, self.proxy, proxy_log)
+        line = [l for l in open(proxy_log) if "ready on 127.0.0.1:" in l][0]
+        self.port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
+
+    def _start(self, argv, log):
+        p = subprocess.Popen(argv + ["--config", self.tmp + "/sandgate.toml"], stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def api(self, method, path, body=None):
+        c = UnixHTTPConnection(self.sock)
+        c.request(method, path, body=json.dumps(body) if body is not None else None,
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, (json.loads(data) if data else None)
+
+    def ensure_default_image(self):
+        if self.api("GET", "/v1/images/default")[0] != 200:
+            print("building the default image (mmdebstrap)...", file=sys.stderr)
+            subprocess.run(self.cli + ["image", "build", "default", "--packages", "python3"], check=True,
+                           env=self.env, stdout=subprocess.DEVNULL)
+
+    def create(self, body):
+        """(seconds until the 201, the sandbox JSON)."""
+        t0 = time.monotonic()
+        status, sb = self.api("POST", "/v1/sandboxes", body)
+        if status != 201:
+            raise RuntimeError(f"create: {status} {sb}")
+        return time.monotonic() - t0, sb
+
+    def delete(self, name):
+        status, _ = self.api("DELETE", "/v1/sandboxes/" + name)
+        if status != 200:
+            raise RuntimeError(f"delete {name}: {status}")
+
+    def close(self):
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
