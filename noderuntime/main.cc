@@ -21,6 +21,7 @@
 #include "config/config.h"
 #include "noderuntime/api_server.h"
 #include "noderuntime/image_service.h"
+#include "noderuntime/snapshot_service.h"
 #include "noderuntime/node.h"
 #include "noderuntime/cloud_hypervisor_driver.h"
 #include "noderuntime/firecracker_driver.h"
@@ -72,6 +73,7 @@ struct Daemon {
   Overrides overrides;
   std::unique_ptr<sg::ConfigHolder> config;
   std::unique_ptr<sg::Node> node;
+  std::unique_ptr<sg::SnapshotService> snapshots;  // before images: the image store's GC asks it
   std::unique_ptr<sg::ImageService> images;  // before server: the server points at it
   std::unique_ptr<sg::ApiServer> server;
   uv_signal_t sigint{}, sigterm{}, sighup{};
@@ -165,7 +167,15 @@ int main(int argc, char** argv) {
   }
   // Images and their layers (snapshot/image_store.h); opening collects layers an interrupted import left
   // unreferenced. Opened before the drivers: process sandboxes' root filesystems and QEMU disks come from it.
-  auto images = sg::snapshot::ImageStore::open(c.node.images_root());
+  // Snapshot records sit next to the layers they name, so every node sharing a layer store keeps them.
+  auto snapshot_store = sg::snapshot::SnapshotStore::open(c.node.images_root() + "/snapshots");
+  if (!snapshot_store) {
+    spdlog::critical("cannot open the snapshot store: {}", snapshot_store.message());
+    return 1;
+  }
+  auto snapshot_records = std::make_unique<sg::snapshot::SnapshotStore>(std::move(*snapshot_store));
+  auto images = sg::snapshot::ImageStore::open(
+      c.node.images_root(), [records = snapshot_records.get()] { return records->layers_in_use(); });
   if (!images) {
     spdlog::critical("cannot open the image store: {}", images.message());
     return 1;
@@ -207,9 +217,13 @@ int main(int argc, char** argv) {
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
   d.node->set_images(image_store);
-  // `image rm` is refused while a sandbox's root filesystem comes from the image.
-  image_store->set_user_check(
-      [users = d.node->image_users()](const std::string& name) { return users->first_user(name); });
+  d.snapshots = std::make_unique<sg::SnapshotService>(d.loop, std::move(snapshot_records), image_store);
+  d.node->set_snapshots(d.snapshots.get());
+  // `image rm` is refused while a sandbox's root filesystem comes from the image, or a snapshot's does.
+  image_store->set_user_check([users = d.node->image_users(), snapshots = d.snapshots.get()](const std::string& name) {
+    auto user = users->first_user(name);
+    return user ? user : snapshots->image_user(name);
+  });
   if (auto s = d.node->load_operator_token(c); !s) {
     spdlog::critical("{}", s.message());
     return 1;
@@ -221,6 +235,7 @@ int main(int argc, char** argv) {
   d.images = std::make_unique<sg::ImageService>(d.loop, std::move(*images));
   d.server = std::make_unique<sg::ApiServer>(d.loop, d.node.get(), d.config.get());
   d.server->set_images(d.images.get());
+  d.server->set_snapshots(d.snapshots.get());
   std::vector<sg::Endpoint> endpoints = {c.node_socket};
   endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
   for (const sg::Endpoint& ep : endpoints) {
@@ -248,6 +263,7 @@ int main(int argc, char** argv) {
   d.node.reset();
   uv_run(d.loop, UV_RUN_NOWAIT);
   d.images.reset();
+  d.snapshots.reset();
   spdlog::info("sandgate-node stopped");
   return 0;
 }
