@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <thread>
 
+#include "snapshot/checkpoint_delta.h"
 #include "tests/unit/snapshot/archive_builder.h"
 #include "tests/unit/temp_dir.h"
 
@@ -61,6 +64,14 @@ class CheckpointerTest : public ::testing::Test {
     return j;
   }
   Result<CheckpointResult> take() { return checkpoint(*images_, *snapshots_, job(), freezer_); }
+  // Waits until the file clock has moved a tick past every write so far, so none of them is "racy" (taken
+  // again by the next checkpoint whatever it looks like, checkpoint_delta.h) at the checkpoint that follows.
+  static void settle() {
+    struct timespec now{};
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    const int64_t written_by = int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec;
+    while (racy_threshold_now() <= written_by) std::this_thread::yield();
+  }
   void write(const std::string& rel, const std::string& data) {
     fs::create_directories(fs::path(upper_ + "/" + rel).parent_path());
     testing::write_file(upper_ + "/" + rel, data);
@@ -79,6 +90,7 @@ TEST_F(CheckpointerTest, ASecondCheckpointHoldsOnlyWhatChangedAndWhiteoutsForWha
   write("root/notes", "v1");
   write("root/big", std::string(4 * 1024 * 1024, 'x'));
   write("tmp/doomed", "bye");
+  settle();
   auto first = take();
   ASSERT_TRUE(first) << first.message();
   EXPECT_EQ(freezer_.freezes, 1);
@@ -92,6 +104,7 @@ TEST_F(CheckpointerTest, ASecondCheckpointHoldsOnlyWhatChangedAndWhiteoutsForWha
 
   write("root/notes", "v2");
   ASSERT_EQ(::unlink((upper_ + "/tmp/doomed").c_str()), 0);
+  settle();
   auto second = take();
   ASSERT_TRUE(second) << second.message();
   const Snapshot& b = second->snapshot;
