@@ -99,6 +99,11 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
   ASSERT_EQ(sh(c, "two", token_of(two), "echo mine > /root/file").code, 0);
   EXPECT_EQ(sh(c, "one", token_of(one), "cat /root/file").out, "v1\n");
   EXPECT_EQ(sh(c, "src", src_token, "cat /root/file").out, "v2\n");
+  // A sandbox made from a snapshot can be checkpointed in turn: its chain continues on the snapshot's.
+  const std::string snap3 = checkpoint(c, "two").value("snapshot_id", "");
+  ASSERT_FALSE(snap3.empty());
+  json three = create_with_agent(c, "three", "--from " + snap3);
+  EXPECT_EQ(sh(c, "three", token_of(three), "cat /root/file; test -e /root/doomed || echo absent").out, "mine\nabsent\n");
 
   // A memory checkpoint on the process driver is a clear 400, never a silent filesystem one.
   auto memory = c.api_raw("POST", "/v1/sandboxes/src/checkpoint", "{\"type\": \"memory\"}");
@@ -135,8 +140,9 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
   ASSERT_TRUE(snaps.is_object()) << listed.out;
   std::set<std::string> ids;
   for (const json& s : snaps["snapshots"]) ids.insert(s.value("id", ""));
-  EXPECT_EQ(ids, (std::set<std::string>{snap1, snap2}));
+  EXPECT_EQ(ids, (std::set<std::string>{snap1, snap2, snap3}));
   EXPECT_EQ(snaps["snapshots"][1]["layers"].size(), 3u) << "image layer + two checkpoint layers";
+  EXPECT_EQ(snaps["snapshots"][2]["layers"].size(), 4u) << "snap2's layers + the one two added";
   auto table = c.cli("snapshots");
   EXPECT_EQ(table.out.rfind("ID", 0), 0u) << table.out;
   std::string row = table.out.substr(table.out.find(snap1));
@@ -156,11 +162,16 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
   EXPECT_NE(corrupted.err.find("layer " + layer2 + " is corrupted"), std::string::npos) << corrupted.err;
 
   // Once no sandbox uses them, the snapshots go, and with them every byte they added to the store.
-  for (const char* name : {"one", "two", "src"}) ASSERT_EQ(c.cli(std::string("rm ") + name).exit_code, 0);
+  for (const char* name : {"one", "two", "three", "src"}) ASSERT_EQ(c.cli(std::string("rm ") + name).exit_code, 0);
+  // No sandbox uses the image now, but the snapshots stack on it.
+  auto image_held = c.cli("image rm test");
+  EXPECT_EQ(image_held.exit_code, 1);
+  EXPECT_NE(image_held.err.find("in use by snapshot snap-"), std::string::npos) << image_held.err;
   auto removed = c.cli("snapshot rm " + snap1);
   EXPECT_EQ(removed.exit_code, 0) << removed.err;
   EXPECT_EQ(removed.out, "removed snapshot " + snap1 + "\n");
   EXPECT_NE(stored_layers(c), baseline_layers) << "snap2 stacks on snap1's layer, which must stay";
+  ASSERT_EQ(c.cli("snapshot rm " + snap3).exit_code, 0);
   ASSERT_EQ(c.cli("snapshot rm " + snap2).exit_code, 0);
   EXPECT_EQ(stored_layers(c), baseline_layers);
   EXPECT_EQ(store_bytes(c), baseline_bytes);
