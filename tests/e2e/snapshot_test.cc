@@ -183,6 +183,36 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
   EXPECT_EQ(bad.out.substr(bad.out.rfind('\n') + 1), "400") << bad.out;
 }
 
+// Crash safety: the node dies (kill -9) while a checkpoint holds the sandbox frozen.
+TEST(Snapshot, ANodeKilledDuringACheckpointLeavesNoSnapshotAndTheSourceIntact) {
+  Cluster c(own_store_with_proxy());
+  import_test_image(c);
+  const std::set<std::string> baseline = stored_layers(c);
+  json src = create_with_agent(c, "src", "-- /bin/sleep 3600");
+  const std::string token = token_of(src);
+  const std::string id = src.value("id", "");
+  // Enough bytes that copying them keeps the sandbox frozen for a good part of a second.
+  ASSERT_EQ(sh(c, "src", token, "head -c 256M /dev/zero > /root/big && echo v1 > /root/file").code, 0);
+  run(c.sandgate() + " --api " + shell_quote(c.api()) + " checkpoint src < /dev/null > " +
+      shell_quote(c.dir() + "/checkpoint.out") + " 2>&1 &");
+  ASSERT_TRUE(eventually([&] { return c.cgroup_frozen(id); }, std::chrono::seconds(30)))
+      << "the checkpoint never froze the sandbox";
+  c.stop_node(SIGKILL);
+  c.start_node();
+
+  // No half snapshot is listed, and the store holds what it held before (the work dir is emptied at start).
+  EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n");
+  EXPECT_EQ(stored_layers(c), baseline);
+  EXPECT_TRUE(fs::is_empty(c.dir() + "/node/layers/tmp"));
+  // It was frozen when the node died: adopted as suspended, woken by the next request, its files intact.
+  EXPECT_EQ(c.get("src").value("state", ""), "suspended");
+  EXPECT_EQ(sh(c, "src", token, "cat /root/file").out, "v1\n");
+  EXPECT_EQ(c.get("src").value("id", ""), id);
+  // And a checkpoint now succeeds: a full one (the interrupted one left no index).
+  json again = checkpoint(c, "src");
+  EXPECT_GT(again["snapshot"].value("layer_bytes", uint64_t{0}), uint64_t{256} << 20);
+}
+
 // The cost requirement: a checkpoint's layer is the bytes changed since the previous checkpoint, not the
 // bytes the sandbox holds.
 TEST(Snapshot, ACheckpointCostsTheChangedBytesNotTheSandboxSize) {
