@@ -19,6 +19,7 @@
 #include "common/token_digest.h"
 #include "noderuntime/egress.h"
 #include "noderuntime/names.h"
+#include "noderuntime/snapshot_defaults.h"
 #include "noderuntime/state_machine.h"
 #include "noderuntime/uv_handles.h"
 
@@ -220,19 +221,7 @@ Result<std::optional<snapshot::Snapshot>> Node::apply_snapshot(CreateRequest& re
   if (snapshots_ == nullptr) return fail(Error::kUnavailable, "this node has no snapshot store");
   auto snap = snapshots_->get(*req.snapshot_id);
   if (!snap) return fail(snap.error(), "snapshot_id: " + snap.message());
-  if (req.image && *req.image != snap->image)
-    return fail(Error::kInvalidArgument, "image: a sandbox created from a snapshot runs on the snapshot's image (" +
-                                             snap->image + "), not '" + *req.image + "'");
-  if (req.driver && *req.driver != snap->driver)
-    return fail(Error::kInvalidArgument, "driver: snapshot " + snap->id + " is of a " + snap->driver +
-                                             " sandbox, so the sandbox made from it runs on that driver");
-  req.image = snap->image;
-  req.driver = snap->driver;
-  if (req.command.empty()) req.command = snap->command;
-  for (const auto& [key, value] : snap->env) req.env.emplace(key, value);  // what the request sets wins
-  if (!req.cwd) req.cwd = snap->cwd;
-  if (req.exposed_ports.empty() && req.ports.empty())
-    for (const snapshot::SnapshotPort& p : snap->ports) req.ports.push_back({p.port, p.is_public, p.protocol});
+  if (auto s = apply_snapshot_defaults(*snap, req); !s) return s.failure();
   return std::optional<snapshot::Snapshot>(std::move(*snap));
 }
 
@@ -895,18 +884,7 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
   job.shift = source->shift;
   job.index_path = sb.rec.runtime.sandbox_dir + "/checkpoint.index";
   job.base_layers = std::move(source->base_layers);
-  snapshot::Snapshot& record = job.record;
-  record.type = "filesystem";
-  record.source_id = sb.id();
-  record.source_name = spec.name;
-  record.driver = spec.driver;
-  record.image = spec.image;
-  record.command = spec.command;
-  record.env = spec.env;
-  record.cwd = spec.cwd;
-  for (uint16_t port : spec.exposed_ports)
-    if (auto policy = port_policy(spec, port))
-      record.ports.push_back({port, policy->is_public, std::string(protocol_name(policy->protocol))});
+  job.record = snapshot_record(spec);
   sb.checkpointing = true;
   spdlog::info("sandbox {}: checkpoint (filesystem) started", sb.id());
   snapshots_->checkpoint(std::move(job), std::move(source->freezer),
