@@ -141,11 +141,12 @@ Result<PortFlag> parse_port_flag(std::string_view flag, std::string_view value) 
 }
 
 Result<json> create_request_body(const CreateOptions& opts) {
-  if (opts.command.empty())
+  if (opts.command.empty() && !opts.from)
     return fail(Error::kInvalidArgument, "a command is required: sandgate create [OPTIONS] -- CMD [ARGS...]");
   json body = json::object();
   if (opts.name) body["name"] = *opts.name;
-  body["command"] = opts.command;
+  if (!opts.command.empty()) body["command"] = opts.command;
+  if (opts.from) body["snapshot_id"] = *opts.from;
   if (!opts.env.empty()) {
     json env = json::object();
     for (const std::string& kv : opts.env) {
@@ -321,6 +322,37 @@ std::string format_image_list(const json& answer, TimePoint now) {
       auto age = seconds_between(now, field(image, "created_at"));
       rows.push_back({text(image, "name"), std::to_string(layer_count(image)), format_bytes(image_size(image)),
                       text(image, "format"), age ? format_duration(-*age) : "-"});
+    }
+  }
+  return format_table(rows);
+}
+
+std::string snapshot_path(std::string_view id) { return resource_path("/v1/snapshots/", id); }
+
+Result<json> checkpoint_body(std::string_view type) {
+  if (type != "filesystem" && type != "memory")
+    return fail(Error::kInvalidArgument, "--type " + std::string(type) + ": must be filesystem or memory");
+  return json{{"type", type}};
+}
+
+std::string format_checkpoint(const json& answer) { return text(answer, "snapshot_id") + "\n"; }
+
+std::string format_snapshot_list(const json& answer, TimePoint now) {
+  std::vector<std::vector<std::string>> rows = {{"ID", "SOURCE", "TYPE", "LAYERS", "LAYER-SIZE", "AGE"}};
+  const json* list = field(answer, "snapshots");
+  if (list != nullptr && list->is_array()) {
+    for (const json& snap : *list) {
+      const json* source = field(snap, "source");
+      std::string from = "-";
+      if (source != nullptr && source->is_object()) {
+        const json* name = field(*source, "name");
+        from = name != nullptr && name->is_string() ? name->get<std::string>() : text(*source, "id");
+      }
+      const json* bytes = field(snap, "layer_bytes");
+      auto age = seconds_between(now, field(snap, "created_at"));
+      rows.push_back({text(snap, "id"), from, text(snap, "type"), std::to_string(layer_count(snap)),
+                      format_bytes(bytes != nullptr && bytes->is_number_unsigned() ? bytes->get<uint64_t>() : 0),
+                      age ? format_duration(-*age) : "-"});
     }
   }
   return format_table(rows);

@@ -40,6 +40,7 @@ struct CreateOptions {
   std::vector<std::string> deny_out;   // --deny-out CIDR[:PORT]
   std::vector<std::string> env;  // "K=V" as given
   std::optional<std::string> cwd;
+  std::optional<std::string> from;  // --from SNAP: the snapshot's root filesystem and defaults
   std::vector<std::string> command;
 };
 
@@ -52,7 +53,7 @@ struct PortFlag {
 Result<PortFlag> parse_port_flag(std::string_view flag, std::string_view value);
 
 // The POST /v1/sandboxes body. kInvalidArgument (a usage error) for what the CLI can tell is wrong by itself:
-// no command, a malformed or repeated port, an --env without '=', a --driver outside kDrivers. Everything
+// no command (unless --from: the snapshot's is the default), a malformed or repeated port, an --env without '=', a --driver outside kDrivers. Everything
 // else is left to the node. Private http1 ports go in "exposed_ports", every other port in "ports".
 Result<nlohmann::json> create_request_body(const CreateOptions& opts);
 
@@ -89,6 +90,15 @@ std::string format_bytes(uint64_t bytes);
 std::string format_image_imported(const nlohmann::json& image);
 // `sandgate image ls`: the {"images": [...]} answer as a table NAME LAYERS SIZE FORMAT AGE.
 std::string format_image_list(const nlohmann::json& answer, TimePoint now);
+
+// Snapshots (docs/snapshots.md). "/v1/snapshots/<id>", percent-encoded like sandbox_path.
+std::string snapshot_path(std::string_view id);
+// The POST /v1/sandboxes/<ref>/checkpoint body; kInvalidArgument for a --type other than filesystem, memory.
+Result<nlohmann::json> checkpoint_body(std::string_view type);
+// `sandgate checkpoint`: the snapshot id, alone on its line (scripts read it).
+std::string format_checkpoint(const nlohmann::json& answer);
+// `sandgate snapshots`: the {"snapshots": [...]} answer as a table ID SOURCE TYPE LAYERS LAYER-SIZE AGE.
+std::string format_snapshot_list(const nlohmann::json& answer, TimePoint now);
 
 // A 2xx answer's body, which must be a JSON object; `where` (the API address) is named when it is not one.
 Result<nlohmann::json> parse_object(std::string_view body, std::string_view where);

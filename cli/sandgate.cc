@@ -256,7 +256,27 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   auto* cwd_opt = create->add_option("--cwd", cwd, "working directory of CMD");
   create->add_flag("--json", raw_json, "print the node's JSON answer");
-  create->add_option("command", create_opts.command, "the command and its arguments, after --")->required();
+  std::string from;
+  auto* from_opt = create->add_option("--from", from,
+                                      "snapshot id (snap-...): start from its root filesystem, with its command, env, "
+                                      "cwd and ports unless given");
+  create->add_option("command", create_opts.command,
+                     "the command and its arguments, after -- (with --from: default the snapshot's)");
+
+  std::string checkpoint_type = "filesystem";
+  CLI::App* checkpoint = app.add_subcommand(
+      "checkpoint", "Checkpoint a running sandbox (it keeps running) and print the snapshot id");
+  checkpoint->add_option("sandbox", ref, "name or id")->required();
+  checkpoint->add_option("--type", checkpoint_type, "filesystem (the disk state) or memory (not on the process driver)")
+      ->capture_default_str();
+  checkpoint->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* snapshots = app.add_subcommand("snapshots", "List snapshots");
+  snapshots->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* snapshot_cmd = app.add_subcommand("snapshot", "Manage snapshots");
+  snapshot_cmd->require_subcommand(1);
+  CLI::App* snapshot_rm = snapshot_cmd->add_subcommand(
+      "rm", "Remove a snapshot (refused while a sandbox created from it lives) and the layers nothing else uses");
+  snapshot_rm->add_option("snapshot", ref, "snapshot id (snap-...)")->required();
 
   CLI::App* ls = app.add_subcommand("ls", "List sandboxes");
   ls->add_flag("--json", raw_json, "print the node's JSON answer");
@@ -433,6 +453,7 @@ int main(int argc, char** argv) {
     if (cpus_opt->count() > 0) create_opts.cpus = cpus;
     if (memory_opt->count() > 0) create_opts.memory_mb = memory_mb;
     if (cwd_opt->count() > 0) create_opts.cwd = cwd;
+    if (from_opt->count() > 0) create_opts.from = from;
     auto body = sg::cli::create_request_body(create_opts);
     if (!body) return error(body.message(), kExitUsage);
     return create_sandbox(node, *body, name, raw_json);
@@ -447,6 +468,20 @@ int main(int argc, char** argv) {
   if (resume->parsed()) return change_state(node, "resume", "resumed", ref);
   if (rm->parsed()) return remove_sandbox(node, ref);
   if (rotate->parsed()) return rotate_token(node, ref, raw_json);
+  if (checkpoint->parsed()) {
+    auto body = sg::cli::checkpoint_body(checkpoint_type);
+    if (!body) return error(body.message(), kExitUsage);
+    std::string raw;
+    auto answer = node.send("checkpoint", "POST", sg::cli::sandbox_path(ref, "checkpoint"), *body, ref, &raw);
+    if (!answer) return error(answer.message());
+    return print(*answer, raw, raw_json, sg::cli::format_checkpoint);
+  }
+  if (snapshots->parsed())
+    return call(node, "snapshots", "GET", "/v1/snapshots", "", raw_json,
+                [&](const json& j) { return sg::cli::format_snapshot_list(j, now); });
+  if (snapshot_rm->parsed())
+    return call(node, "snapshot rm", "DELETE", sg::cli::snapshot_path(ref), ref, false,
+                [&](const json&) { return "removed snapshot " + ref + "\n"; });
   if (image_import->parsed()) {
     std::error_code ec;
     std::string cwd = std::filesystem::current_path(ec).string();

@@ -182,7 +182,7 @@ Result<CreateRequest> parse_create(const json& body) {
   constexpr std::string_view kAllowed =
       "name, command, env, cwd, exposed_ports, ports, allow_unauthenticated_access, timeout_secs, "
       "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max, disk_mb, "
-      "allow_internet_access, allow_out, deny_out";
+      "allow_internet_access, allow_out, deny_out, snapshot_id";
   CreateRequest req;
   bool has_command = false;
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -238,6 +238,9 @@ Result<CreateRequest> parse_create(const json& body) {
     } else if (key == "image") {
       if (!v.is_string()) return wrong_type(key, "a string", v);
       req.image = v.get<std::string>();
+    } else if (key == "snapshot_id") {
+      if (!v.is_string()) return wrong_type(key, "a string (snap-...)", v);
+      req.snapshot_id = v.get<std::string>();
     } else if (key == "cpus") {
       if (!v.is_number()) return wrong_type(key, "a number", v);
       req.cpus = v.get<double>();
@@ -257,7 +260,9 @@ Result<CreateRequest> parse_create(const json& body) {
       return unknown_field(key, kAllowed);
     }
   }
-  if (!has_command) return fail(Error::kInvalidArgument, "command is required (an array of strings: argv)");
+  // From a snapshot, the snapshot's command is the default.
+  if (!has_command && !req.snapshot_id)
+    return fail(Error::kInvalidArgument, "command is required (an array of strings: argv)");
   return req;
 }
 
@@ -396,6 +401,43 @@ ordered_json image_json(const snapshot::Image& image) {
                         {"entrypoint", image.config.entrypoint},
                         {"cmd", image.config.cmd},
                         {"working_dir", image.config.working_dir}}}};
+}
+
+ordered_json snapshot_json(const snapshot::Snapshot& s) {
+  ordered_json ports = ordered_json::array();
+  for (const snapshot::SnapshotPort& p : s.ports)
+    ports.push_back({{"port", p.port}, {"public", p.is_public}, {"protocol", p.protocol}});
+  return ordered_json{{"id", s.id},
+                      {"type", s.type},
+                      {"source", {{"id", s.source_id}, {"name", s.source_name.empty() ? ordered_json(nullptr)
+                                                                                         : ordered_json(s.source_name)}}},
+                      {"driver", s.driver},
+                      {"image", s.image},
+                      {"layers", s.layers},
+                      {"layer", s.layer.empty() ? ordered_json(nullptr) : ordered_json(s.layer)},
+                      {"layer_bytes", s.layer_bytes},
+                      {"created_at", format_time(s.created_at_ms)},
+                      {"defaults", {{"command", s.command}, {"env", s.env}, {"cwd", s.cwd}, {"ports", std::move(ports)}}}};
+}
+
+Response snapshot_response(int status, const Result<snapshot::Snapshot>& s) {
+  return s ? Response{status, to_text(snapshot_json(*s)), {}, ""} : error_response(s.failure());
+}
+
+Response no_snapshots() { return error_response(503, Error::kUnavailable, "this node has no snapshot store"); }
+
+// {"type": "filesystem" | "memory"}; no body at all is a filesystem checkpoint.
+Result<std::string> parse_checkpoint(const std::string& text) {
+  if (text.empty()) return std::string("filesystem");
+  auto body = parse_object(text);
+  if (!body) return body.failure();
+  std::string type = "filesystem";
+  for (auto it = body->begin(); it != body->end(); ++it) {
+    if (it.key() != "type") return unknown_field(it.key(), "type");
+    if (!it->is_string()) return wrong_type("type", "a string (filesystem or memory)", *it);
+    type = it->get<std::string>();
+  }
+  return type;
 }
 
 Response image_response(int status, const Result<snapshot::Image>& image) {
@@ -999,6 +1041,7 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"cpus", info.spec.cpus},
       {"memory_mb", info.spec.memory_mb},
       {"image", info.spec.image},
+      {"snapshot", info.spec.snapshot.empty() ? ordered_json(nullptr) : ordered_json(info.spec.snapshot)},
       {"pids_max", info.spec.pids_max},
       {"disk_mb", info.spec.disk_mb},
       {"allow_internet_access", info.spec.allow_internet_access},
@@ -1108,6 +1151,26 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
       reply(image_response(200, image));
     });
   }
+  if (path == "/v1/snapshots") {
+    if (method != "GET") return method_not_allowed("GET");
+    if (snapshots_ == nullptr) return reply(no_snapshots());
+    auto all = snapshots_->list();
+    if (!all) return reply(error_response(all.failure()));
+    ordered_json list = ordered_json::array();
+    for (const snapshot::Snapshot& s : *all) list.push_back(snapshot_json(s));
+    return reply(Response{200, to_text(ordered_json{{"snapshots", std::move(list)}}), {}, ""});
+  }
+  constexpr std::string_view kSnapshots = "/v1/snapshots/";
+  if (path.starts_with(kSnapshots) && path.size() > kSnapshots.size()) {
+    // Snapshot ids are snap-[a-z0-9]{12} (check_snapshot_id), so the segment is the id as it is.
+    std::string id(path.substr(kSnapshots.size()));
+    if (method != "GET" && method != "DELETE") return method_not_allowed("GET, DELETE");
+    if (snapshots_ == nullptr) return reply(no_snapshots());
+    if (method == "GET") return reply(snapshot_response(200, snapshots_->get(id)));
+    return snapshots_->remove(id, [reply = std::move(reply)](Result<snapshot::Snapshot> s) {
+      reply(snapshot_response(200, s));
+    });
+  }
   constexpr std::string_view kSandboxes = "/v1/sandboxes/";
   if (path.starts_with(kSandboxes)) {
     std::string_view rest = path.substr(kSandboxes.size());
@@ -1127,6 +1190,19 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
       if (method != "POST") return method_not_allowed("POST");
       auto info = node_->rotate_token(ref);
       return reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
+    }
+    if (!ref.empty() && action == "checkpoint") {
+      if (method != "POST") return method_not_allowed("POST");
+      auto type = parse_checkpoint(request.body);
+      if (!type) return reply(error_response(type.failure()));
+      return node_->checkpoint(ref, *type, [reply = std::move(reply)](Result<snapshot::CheckpointResult> r) {
+        if (!r) return reply(error_response(r.failure()));
+        ordered_json j = {{"snapshot_id", r->snapshot.id},
+                          {"pause_ms", r->pause_ms},
+                          {"entries", r->entries},
+                          {"snapshot", snapshot_json(r->snapshot)}};
+        reply(Response{201, to_text(j), {}, ""});
+      });
     }
     if (!ref.empty() && (action == "suspend" || action == "resume")) {
       if (method != "POST") return method_not_allowed("POST");

@@ -21,6 +21,7 @@
 #include "config/config.h"
 #include "noderuntime/image_service.h"
 #include "noderuntime/node.h"
+#include "noderuntime/snapshot_service.h"
 
 namespace sg {
 
@@ -35,6 +36,8 @@ class ApiServer {
 
   // The node's images (/v1/images); without them those endpoints answer 503. `images` must outlive the server.
   void set_images(ImageService* images) { images_ = images; }
+  // The node's snapshots (/v1/snapshots); without them those endpoints answer 503. Must outlive the server.
+  void set_snapshots(SnapshotService* snapshots) { snapshots_ = snapshots; }
 
   // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
   Status listen(const Endpoint& ep);
@@ -100,6 +103,7 @@ class ApiServer {
   uv_loop_t* loop_;
   Node* node_;
   ImageService* images_ = nullptr;
+  SnapshotService* snapshots_ = nullptr;
   const ConfigHolder* config_;
   std::vector<Listener*> listeners_;
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;

@@ -19,11 +19,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "common/fd.h"
 #include "noderuntime/sandbox.h"
+#include "snapshot/checkpointer.h"
 
 namespace sg {
 
@@ -49,6 +52,15 @@ struct GuestSocket {
   // The port to connect to. Equal to the guest port when the socket lives in the sandbox's own network
   // namespace (process driver); a host port forwarded to the guest port otherwise (QEMU user networking).
   uint16_t connect_port = 0;
+};
+
+// What a filesystem checkpoint (snapshot/checkpointer.h) reads of a running instance: its writable layer,
+// the layers under it, and how to hold it still. The freezer may be used from another thread.
+struct CheckpointSource {
+  std::string upper_dir;
+  snapshot::IdShift shift;
+  std::vector<std::string> base_layers;
+  std::unique_ptr<snapshot::Freezer> freezer;
 };
 
 class Driver {
@@ -97,6 +109,10 @@ class Driver {
   virtual ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) = 0;
   // A socket through which the proxy reaches `port` of the running instance (see GuestSocket).
   virtual Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) = 0;
+  // Filesystem checkpoints of a running instance; kUnsupported (the default) for a driver that has none.
+  virtual Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo&) {
+    return fail(Error::kUnsupported, "the " + spec.driver + " driver cannot take filesystem checkpoints yet");
+  }
 };
 
 }  // namespace sg

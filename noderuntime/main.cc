@@ -22,6 +22,7 @@
 #include "noderuntime/api_server.h"
 #include "noderuntime/guest_disk.h"
 #include "noderuntime/image_service.h"
+#include "noderuntime/snapshot_service.h"
 #include "noderuntime/node.h"
 #include "noderuntime/cloud_hypervisor_driver.h"
 #include "noderuntime/firecracker_driver.h"
@@ -77,6 +78,7 @@ struct Daemon {
   // Before node: the drivers the node owns attach sandboxes to it until they are gone.
   std::unique_ptr<sg::SandboxEgress> egress;
   std::unique_ptr<sg::Node> node;
+  std::unique_ptr<sg::SnapshotService> snapshots;  // before images: the image store's GC asks it
   std::unique_ptr<sg::ImageService> images;  // before server: the server points at it
   std::unique_ptr<sg::ApiServer> server;
   uv_signal_t sigint{}, sigterm{}, sighup{};
@@ -178,7 +180,15 @@ int main(int argc, char** argv) {
   }
   // Images and their layers (snapshot/image_store.h); opening collects layers an interrupted import left
   // unreferenced. Opened before the drivers: process sandboxes' root filesystems and QEMU disks come from it.
-  auto images = sg::snapshot::ImageStore::open(c.node.images_root());
+  // Snapshot records sit next to the layers they name, so every node sharing a layer store keeps them.
+  auto snapshot_store = sg::snapshot::SnapshotStore::open(c.node.images_root() + "/snapshots");
+  if (!snapshot_store) {
+    spdlog::critical("cannot open the snapshot store: {}", snapshot_store.message());
+    return 1;
+  }
+  auto snapshot_records = std::make_unique<sg::snapshot::SnapshotStore>(std::move(*snapshot_store));
+  auto images = sg::snapshot::ImageStore::open(
+      c.node.images_root(), [records = snapshot_records.get()] { return records->layers_in_use(); });
   if (!images) {
     spdlog::critical("cannot open the image store: {}", images.message());
     return 1;
@@ -224,10 +234,17 @@ int main(int argc, char** argv) {
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));
   d.node->set_images(image_store);
-  // `image rm` is refused while a sandbox's root filesystem comes from the image, and no sandbox starts on an
-  // image while it is being removed.
-  image_store->set_users([users = d.node->image_users()](const std::string& name) { return users->claim_for_removal(name); },
-                         [users = d.node->image_users()](const std::string& name) { users->release_removal(name); });
+  d.snapshots = std::make_unique<sg::SnapshotService>(d.loop, std::move(snapshot_records), image_store);
+  d.node->set_snapshots(d.snapshots.get());
+  // `image rm` is refused while a sandbox's root filesystem comes from the image, or a snapshot's does, and no
+  // sandbox starts on an image while it is being removed. Snapshots first: a claim is only taken when it
+  // holds (a snapshot is made from a running sandbox, itself a user, so none can appear between the two).
+  image_store->set_users(
+      [users = d.node->image_users(), snapshots = d.snapshots.get()](const std::string& name) {
+        if (auto snapshot = snapshots->image_user(name)) return snapshot;
+        return users->claim_for_removal(name);
+      },
+      [users = d.node->image_users()](const std::string& name) { users->release_removal(name); });
   if (auto s = d.node->load_operator_token(c); !s) {
     spdlog::critical("{}", s.message());
     return 1;
@@ -244,6 +261,7 @@ int main(int argc, char** argv) {
   d.images->set_after_remove([qemu_disks] { sg::remove_orphaned_guest_disks(qemu_disks); });
   d.server = std::make_unique<sg::ApiServer>(d.loop, d.node.get(), d.config.get());
   d.server->set_images(d.images.get());
+  d.server->set_snapshots(d.snapshots.get());
   std::vector<sg::Endpoint> endpoints = {c.node_socket};
   endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
   for (const sg::Endpoint& ep : endpoints) {
@@ -274,6 +292,7 @@ int main(int argc, char** argv) {
   d.node.reset();
   uv_run(d.loop, UV_RUN_NOWAIT);
   d.images.reset();
+  d.snapshots.reset();
   spdlog::info("sandgate-node stopped");
   return 0;
 }

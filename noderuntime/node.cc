@@ -19,6 +19,7 @@
 #include "common/token_digest.h"
 #include "noderuntime/egress.h"
 #include "noderuntime/names.h"
+#include "noderuntime/snapshot_defaults.h"
 #include "noderuntime/state_machine.h"
 #include "noderuntime/uv_handles.h"
 
@@ -102,6 +103,8 @@ struct Node::Sandbox {
   SandboxCallback created;        // create()'s caller, answered when the start settles
   bool watched = false;
   bool terminating = false;
+  bool checkpointing = false;            // a checkpoint of it is on the thread pool (it may be frozen)
+  bool suspend_after_checkpoint = false; // the idle policy wanted to suspend it meanwhile
   std::string terminate_reason;
   std::vector<SandboxCallback> terminated_callbacks;
 
@@ -218,7 +221,18 @@ Result<SandboxInfo> Node::get(std::string_view ref) const {
 
 // ---- create ----
 
-Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
+Result<std::optional<snapshot::Snapshot>> Node::apply_snapshot(CreateRequest& req) const {
+  if (!req.snapshot_id) return std::optional<snapshot::Snapshot>();
+  if (snapshots_ == nullptr) return fail(Error::kUnavailable, "this node has no snapshot store");
+  auto snap = snapshots_->get(*req.snapshot_id);
+  if (!snap) return fail(snap.error(), "snapshot_id: " + snap.message());
+  if (auto s = apply_snapshot_defaults(*snap, req); !s) return s.failure();
+  return std::optional<snapshot::Snapshot>(std::move(*snap));
+}
+
+Result<SandboxSpec> Node::validate(CreateRequest req) const {
+  auto snap = apply_snapshot(req);
+  if (!snap) return snap.failure();
   auto cfg = config_->get();
   auto invalid = [](std::string msg) { return fail(Error::kInvalidArgument, std::move(msg)); };
   SandboxSpec spec;
@@ -342,6 +356,10 @@ Result<SandboxSpec> Node::validate(const CreateRequest& req) const {
     if (!req.cwd && !image->config.working_dir.empty() && image->config.working_dir.front() == '/')
       spec.cwd = image->config.working_dir;
   }
+  if (*snap) {
+    spec.snapshot = (*snap)->id;
+    spec.layers = (*snap)->layers;
+  }
   return spec;
 }
 
@@ -359,6 +377,19 @@ Result<uint32_t> Node::allocate_uid_base() const {
 }
 
 void Node::create(const CreateRequest& request, SandboxCallback done) {
+  if (shutting_down_) return done(fail(Error::kUnavailable, "node is shutting down"));
+  if (!request.snapshot_id || snapshots_ == nullptr) return create_now(request, std::move(done));
+  if (auto id = snapshot::check_snapshot_id(*request.snapshot_id); !id) return done(fail(id.error(), "snapshot_id: " + id.message()));
+  // A damaged checkpoint layer is refused before a sandbox stacks on it (hashing runs on the thread pool).
+  snapshots_->verify(*request.snapshot_id, [this, alive = std::weak_ptr<bool>(alive_), request,
+                                            done = std::move(done)](Status verified) mutable {
+    if (alive.expired()) return;
+    if (!verified) return done(verified.failure());
+    create_now(request, std::move(done));
+  });
+}
+
+void Node::create_now(const CreateRequest& request, SandboxCallback done) {
   if (shutting_down_) return done(fail(Error::kUnavailable, "node is shutting down"));
   auto spec = validate(request);
   if (!spec) return done(spec.failure());
@@ -416,6 +447,13 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   std::string id = sb.id();
   if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
   sandboxes_.emplace(id, std::move(owned));
+  if (!sb.rec.spec.snapshot.empty()) {
+    std::string snap = sb.rec.spec.snapshot;
+    if (auto s = snapshots_->add_user(snap, image_user); !s) {
+      forget(id);  // `sb` is gone from here on (its image user with it)
+      return done(fail(s.error(), "snapshot " + snap + " was removed while the sandbox was created: " + s.message()));
+    }
+  }
   sb.starting = true;
   sb.new_token = std::move(token);
   sb.created = std::move(done);
@@ -691,6 +729,7 @@ void Node::forget(const std::string& id) {
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
   reported_.erase(id);
   image_users_->remove(rec.spec.image, image_user_label(rec.spec));
+  if (snapshots_ != nullptr && !rec.spec.snapshot.empty()) snapshots_->remove_user(rec.spec.snapshot, image_user_label(rec.spec));
   sandboxes_.erase(it);
 }
 
@@ -733,6 +772,8 @@ Result<TransitionOutcome> Node::suspend(std::string_view ref) {
     return fail(Error::kUnsupported, "the " + sb.rec.spec.driver + " driver cannot suspend sandboxes");
   switch (sb.rec.state) {
     case S::kRunning:
+      if (sb.checkpointing)
+        return fail(Error::kConflict, "sandbox " + sb.id() + " is being checkpointed; suspend it once that is done");
       begin_suspend(sb, "suspended on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kSuspending:
@@ -858,6 +899,60 @@ ActivityAnswer Node::activity(const std::vector<ActivityReport>& reports) {
       answer.revoked.push_back(RevokedToken{sb->id(), sb->token_rotated_at});
   }
   return answer;
+}
+
+void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCallback done) {
+  auto found = find_usable(ref);
+  if (!found) return done(found.failure());
+  Sandbox& sb = **found;
+  const SandboxSpec& spec = sb.rec.spec;
+  if (type == "memory")
+    return done(fail(Error::kUnsupported, "memory checkpoints are not supported by the " + spec.driver +
+                                              " driver (it cannot save running processes); use --type filesystem"));
+  if (type != "filesystem")
+    return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
+  if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
+  if (sb.rec.state != S::kRunning)
+    return done(fail(Error::kConflict,
+                     "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
+                         "; only a running sandbox can be checkpointed" +
+                         (sb.rec.state == S::kSuspended ? " (resume it first: sandgate resume " + std::string(ref) + ")"
+                                                        : std::string())));
+  if (sb.checkpointing) return done(fail(Error::kConflict, "a checkpoint of sandbox " + sb.id() + " is in progress"));
+  auto source = driver(sb).checkpoint_source(spec, sb.rec.runtime);
+  if (!source) return done(source.failure());
+
+  snapshot::CheckpointJob job;
+  job.upper_dir = source->upper_dir;
+  job.shift = source->shift;
+  job.index_path = sb.rec.runtime.sandbox_dir + "/checkpoint.index";
+  job.base_layers = std::move(source->base_layers);
+  job.record = snapshot_record(spec);
+  sb.checkpointing = true;
+  spdlog::info("sandbox {}: checkpoint (filesystem) started", sb.id());
+  snapshots_->checkpoint(std::move(job), std::move(source->freezer),
+                         [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(),
+                          done = std::move(done)](Result<snapshot::CheckpointResult> r) {
+                           if (alive.expired()) return;
+                           if (r) {
+                             spdlog::info("sandbox {}: checkpoint {}: {} entries, {} bytes, frozen {:.1f} ms", id,
+                                          r->snapshot.id, r->entries, r->snapshot.layer_bytes, r->pause_ms);
+                           } else {
+                             spdlog::warn("sandbox {}: checkpoint failed: {}", id, r.message());
+                           }
+                           on_checkpoint_done(id);
+                           done(std::move(r));
+                         });
+}
+
+void Node::on_checkpoint_done(const std::string& id) {
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return;
+  Sandbox& sb = *it->second;
+  sb.checkpointing = false;
+  if (!sb.suspend_after_checkpoint) return;
+  sb.suspend_after_checkpoint = false;
+  if (sb.rec.state == S::kRunning && !sb.terminating) begin_suspend(sb, "idle (held back while a checkpoint ran)");
 }
 
 Result<SandboxInfo> Node::rotate_token(std::string_view ref) {
@@ -1041,6 +1136,11 @@ void Node::on_idle_timer() {
     }
     if (sb.rec.state != S::kRunning) continue;
     std::string reason = "idle for " + std::to_string(sb.rec.spec.timeout_secs) + " s";
+    if (sb.checkpointing && !sb.rec.spec.ephemeral) {
+      // The checkpoint freezes and thaws the cgroup itself; a pause now would be undone by its thaw.
+      sb.suspend_after_checkpoint = true;
+      continue;
+    }
     if (sb.rec.spec.ephemeral) {
       begin_terminate(sb, std::move(reason));
     } else if (driver(sb).capabilities().pause) {
@@ -1141,6 +1241,9 @@ Status Node::reconcile() {
     // Before the API listens, so no remove can have claimed the image; a refusal would be a bug worth a line.
     if (Status s = image_users_->add(sb.rec.spec.image, image_user_label(sb.rec.spec)); !s)
       spdlog::error("sandbox {}: {}", id, s.message());
+    if (snapshots_ != nullptr && !sb.rec.spec.snapshot.empty())
+      if (auto s = snapshots_->add_user(sb.rec.spec.snapshot, image_user_label(sb.rec.spec)); !s)
+        spdlog::warn("sandbox {}: its snapshot {}: {}", id, sb.rec.spec.snapshot, s.message());
     if (sb.rec.state == S::kFailed) {
       ++failed;
       continue;

@@ -39,6 +39,7 @@
 #include "noderuntime/image_users.h"
 #include "noderuntime/node_metrics.h"
 #include "noderuntime/sandbox.h"
+#include "noderuntime/snapshot_service.h"
 #include "noderuntime/store.h"
 #include "snapshot/image_store.h"
 
@@ -71,6 +72,9 @@ struct CreateRequest {
   std::optional<bool> allow_internet_access;  // default: node.default_allow_internet_access
   std::vector<std::string> allow_out;         // "CIDR[:PORT]"; need internet access
   std::vector<std::string> deny_out;
+  // Create from a snapshot (docs/snapshots.md): its layers are the root filesystem, and its command, env,
+  // cwd and ports are the defaults (command may then be left out).
+  std::optional<std::string> snapshot_id;
 };
 
 // A consistent snapshot of one sandbox for answers (the record may change right after).
@@ -202,6 +206,9 @@ class Node {
   void set_images(const snapshot::ImageStore* images) { images_ = images; }
   // The sandboxes using each image (for ImageStore::set_users); shared so the store's hooks outlive no one.
   std::shared_ptr<ImageUsers> image_users() const { return image_users_; }
+  // Where checkpoints go and creates from a snapshot look (without it both answer kUnavailable). It must
+  // outlive the Node.
+  void set_snapshots(SnapshotService* snapshots) { snapshots_ = snapshots; }
 
   // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
   // started it, or the error; it runs before create() returns when validation fails.
@@ -219,6 +226,12 @@ class Node {
   // Applies the proxies' counts: bytes keep a running sandbox's idle clock fresh, but never wake one. The
   // answer lists the reported sandboxes that are asleep.
   ActivityAnswer activity(const std::vector<ActivityReport>& reports);
+  // A checkpoint of a running sandbox: `type` "filesystem" (the disk state; the sandbox is frozen only while
+  // its upper dir is read and keeps its id, token and idle clock) or "memory" (kUnsupported: no driver here
+  // can save processes). kConflict while it is not running or another checkpoint of it runs. `done` runs on
+  // the loop, possibly before checkpoint() returns (a refusal).
+  using CheckpointCallback = std::function<void(Result<snapshot::CheckpointResult>)>;
+  void checkpoint(std::string_view ref, std::string_view type, CheckpointCallback done);
   // A new token for the sandbox (in the answer's `token`, shown this once): the old one is refused from now
   // on, and connections it opened are closed once their proxy next reports (activity()).
   Result<SandboxInfo> rotate_token(std::string_view ref);
@@ -270,7 +283,12 @@ class Node {
   Sandbox* find(std::string_view ref) const;
   Result<Sandbox*> find_usable(std::string_view ref) const;
   SandboxInfo snapshot(const Sandbox& sb) const;
-  Result<SandboxSpec> validate(const CreateRequest& request) const;
+  // create() once a snapshot's layers are verified (or when none is named).
+  void create_now(const CreateRequest& request, SandboxCallback done);
+  Result<SandboxSpec> validate(CreateRequest request) const;
+  // A create from a snapshot: the request with the snapshot's defaults filled in (nullopt: none was named).
+  Result<std::optional<snapshot::Snapshot>> apply_snapshot(CreateRequest& request) const;
+  void on_checkpoint_done(const std::string& id);
   // The lowest uid range (node.uid_range_base + slot * kUidRangeSize) no sandbox of this node holds.
   Result<uint32_t> allocate_uid_base() const;
   Driver& driver(const Sandbox& sb) const;
@@ -327,6 +345,9 @@ class Node {
   std::vector<std::unique_ptr<Driver>> drivers_;
   std::unique_ptr<Store> store_;
   const snapshot::ImageStore* images_ = nullptr;
+  SnapshotService* snapshots_ = nullptr;
+  // Callbacks from the thread pool (checkpoints) check it: a Node destroyed meanwhile has nothing to settle.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::shared_ptr<ImageUsers> image_users_ = std::make_shared<ImageUsers>();
   NodeMetrics metrics_;
   static std::string image_user_label(const SandboxSpec& spec);

@@ -12,11 +12,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/log.h"
@@ -342,6 +344,7 @@ class ProcessDriver final : public Driver {
   void unwatch(const SandboxSpec& spec) override;
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
+  Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo& info) override;
 
  private:
   enum class OpKind { kStart, kPause, kResume, kTerminate };
@@ -399,7 +402,8 @@ class ProcessDriver final : public Driver {
 
   Result<RuntimeInfo> start_now(const SandboxSpec& spec, const std::string& sandbox_dir);
   Result<int> spawn_init(const SandboxSpec& spec, const std::string& sandbox_dir, const SandboxCgroup& cgroup);
-  // The image's layer trees, bottom first.
+  // The layers under the sandbox's upper dir (its snapshot's, else its image's) and their trees, bottom first.
+  Result<std::vector<std::string>> base_layers(const SandboxSpec& spec);
   Result<std::vector<std::string>> layer_trees(const SandboxSpec& spec);
   Operation* add_operation(OpKind kind, const SandboxSpec& spec, Done done);
   void step(Operation* op);
@@ -498,18 +502,81 @@ Result<RuntimeInfo> ProcessDriver::start_now(const SandboxSpec& spec, const std:
   return RuntimeInfo{.pid = *pid, .start_time_ticks = st->start_time_ticks, .sandbox_dir = sandbox_dir, .driver_data = {}};
 }
 
-Result<std::vector<std::string>> ProcessDriver::layer_trees(const SandboxSpec& spec) {
+Result<std::vector<std::string>> ProcessDriver::base_layers(const SandboxSpec& spec) {
+  // A sandbox created from a snapshot has the snapshot's layers (which snapshot rm keeps while it lives).
+  if (!spec.layers.empty()) return spec.layers;
   if (spec.image.empty()) return fail(Error::kInvalidArgument, "no image (created before images existed)");
   auto image = images_->get(spec.image);
   if (!image) return fail(image.error(), "image '" + spec.image + "': " + image.message());
+  return image->layers;
+}
+
+Result<std::vector<std::string>> ProcessDriver::layer_trees(const SandboxSpec& spec) {
+  auto layers = base_layers(spec);
+  if (!layers) return layers.failure();
+  const std::string what = spec.snapshot.empty() ? "image '" + spec.image + "'" : "snapshot " + spec.snapshot;
   std::vector<std::string> trees;
-  for (const std::string& digest : image->layers) {
+  for (const std::string& digest : *layers) {
     if (!images_->layers().contains(digest))
-      return fail(Error::kNotFound, "image '" + spec.image + "': layer " + digest + " is not in the store");
+      return fail(Error::kNotFound, what + ": layer " + digest + " is not in the store");
     trees.push_back(images_->layers().tree_path(digest));
   }
-  if (trees.empty()) return fail(Error::kInvalidArgument, "image '" + spec.image + "' has no layers");
+  if (trees.empty()) return fail(Error::kInvalidArgument, what + " has no layers");
   return trees;
+}
+
+// Freezes through the sandbox's cgroup from the checkpoint's worker thread, waiting for the kernel's word
+// (a freeze of a busy tree is not instant). The node runs no pause or resume of the sandbox meanwhile.
+class CgroupFreezer final : public snapshot::Freezer {
+ public:
+  CgroupFreezer(SandboxCgroup cgroup, uint32_t timeout_ms) : cgroup_(std::move(cgroup)), timeout_ms_(timeout_ms) {}
+
+  Status freeze() override {
+    if (auto s = cgroup_.freeze(); !s) return s;
+    if (auto s = wait(true); !s) {
+      (void)cgroup_.thaw();  // never leave a half-frozen sandbox behind; the freeze's error is the one to report
+      return s;
+    }
+    return {};
+  }
+  Status thaw() override {
+    if (auto s = cgroup_.thaw(); !s) return s;
+    return wait(false);
+  }
+
+ private:
+  Status wait(bool frozen) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+    for (;;) {
+      auto state = cgroup_.is_frozen();
+      if (!state) return state.failure();
+      if (*state == frozen) return {};
+      if (std::chrono::steady_clock::now() > deadline)
+        return fail(Error::kTimeout, std::string(frozen ? "freeze" : "thaw") + " did not complete within " +
+                                         std::to_string(timeout_ms_) + " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(kFreezePollMs));
+    }
+  }
+
+  SandboxCgroup cgroup_;
+  uint32_t timeout_ms_;
+};
+
+Result<CheckpointSource> ProcessDriver::checkpoint_source(const SandboxSpec& spec, const RuntimeInfo& info) {
+  if (spec.disk_mb > 0)
+    return fail(Error::kUnsupported, "sandbox " + spec.id + " has disk_mb: its upper dir lives on an ext4 file "
+                                     "mounted only inside the sandbox, which checkpoints cannot read yet");
+  if (!capabilities().pause) return fail(Error::kUnsupported, "no cgroup freezer on this host: checkpoints need one");
+  if (spec.uid_base == 0 || info.sandbox_dir.empty())
+    return fail(Error::kUnsupported, "sandbox " + spec.id + " predates layered root filesystems");
+  auto layers = base_layers(spec);
+  if (!layers) return layers.failure();
+  CheckpointSource source;
+  source.upper_dir = info.sandbox_dir + "/upper";
+  source.shift = snapshot::IdShift{spec.uid_base, kUidRangeSize};
+  source.base_layers = std::move(*layers);
+  source.freezer = std::make_unique<CgroupFreezer>(cgroups_.sandbox(spec.id), suspend_timeout_ms_);
+  return source;
 }
 
 Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string& sandbox_dir,

@@ -71,6 +71,10 @@ struct SandboxSpec {
   // resume runs on the same one. Empty for sandboxes created before images existed and for QEMU sandboxes
   // that boot the initramfs alone (no image asked for, node.qemu_image empty).
   std::string image;
+  // Created from a snapshot (snapshot/snapshot_store.h): its id (snapshot rm is refused while this sandbox
+  // lives) and its layers, bottom first, which are then the root filesystem instead of the image's.
+  std::string snapshot;
+  std::vector<std::string> layers;
   // First host uid/gid of the sandbox's user namespace (sandbox id 0 = this, 65536 ids), allocated by the
   // node at create and held until the sandbox is gone. 0 = none (created before user namespaces).
   uint32_t uid_base = 0;

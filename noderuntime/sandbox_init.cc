@@ -333,7 +333,10 @@ void mount_root(const Options& opts, int userns_fd, uid_t owner) {
     int n = snprintf(options + used, sizeof options - used, "lower/%d%s", i, i > 0 ? ":" : "");
     used += static_cast<size_t>(n);
   }
-  snprintf(options + used, sizeof options - used,
+  // Every change a plain entry of the upper dir, whatever the kernel's defaults: a checkpoint seals the upper
+  // dir as a layer (snapshot/checkpoint_delta.h), which a redirect or a metacopy-only file would leave
+  // incomplete (the data would stay in a lower layer under another path).
+  snprintf(options + used, sizeof options - used, "%s,redirect_dir=off,index=off,metacopy=off",
            opts.disk != nullptr ? ",upperdir=disk/upper,workdir=disk/work" : ",upperdir=upper,workdir=work");
   if (mkdir("root", 0700) != 0 && errno != EEXIST) die("mkdir", "root");
   if (mount("overlay", "root", "overlay", MS_NOSUID | MS_NODEV, options) != 0) die("mount overlay on", "root");

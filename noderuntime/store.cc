@@ -35,6 +35,8 @@ std::string spec_to_json(const SandboxSpec& spec) {
             {"cpus", spec.cpus},
             {"memory_mb", spec.memory_mb},
             {"image", spec.image},
+            {"snapshot", spec.snapshot},
+            {"layers", spec.layers},
             {"pids_max", spec.pids_max},
             {"disk_mb", spec.disk_mb},
             {"uid_base", spec.uid_base},
@@ -90,6 +92,18 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
   if ((v = field("image"))) {
     if (!v->is_string()) return bad("image");
     spec.image = v->get<std::string>();
+  }
+  // Added with snapshots (issue 11); older rows have none.
+  if ((v = field("snapshot"))) {
+    if (!v->is_string()) return bad("snapshot");
+    spec.snapshot = v->get<std::string>();
+  }
+  if ((v = field("layers"))) {
+    if (!v->is_array()) return bad("layers");
+    for (const json& d : *v) {
+      if (!d.is_string()) return bad("layers");
+      spec.layers.push_back(d.get<std::string>());
+    }
   }
   if ((v = field("pids_max"))) {
     if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("pids_max");

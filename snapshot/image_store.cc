@@ -412,14 +412,14 @@ Status check_image_name(std::string_view name) {
   return {};
 }
 
-Result<std::unique_ptr<ImageStore>> ImageStore::open(const std::string& state_dir) {
+Result<std::unique_ptr<ImageStore>> ImageStore::open(const std::string& state_dir, LayerHolders holders) {
   std::error_code ec;
   std::string images = state_dir + "/images";
   fs::create_directories(images, ec);
   if (ec) return fail(Error::kIo, "create " + images + ": " + ec.message());
   auto layers = LayerStore::open(state_dir + "/layers");
   if (!layers) return layers.failure();
-  std::unique_ptr<ImageStore> store(new ImageStore(images, std::move(*layers)));
+  std::unique_ptr<ImageStore> store(new ImageStore(images, std::move(*layers), std::move(holders)));
   std::lock_guard lock(store->mu_);
   // A damaged image record must not stop the node: its layers stay (they may be its), the API names the file.
   if (auto s = store->collect_garbage(); !s)
@@ -594,10 +594,28 @@ Result<Image> ImageStore::create(Image image) {
   return image;
 }
 
+Status ImageStore::pin_existing(const std::vector<std::string>& layers) {
+  std::lock_guard lock(mu_);
+  for (const std::string& d : layers)
+    if (!layers_.contains(d)) return fail(Error::kNotFound, "layer " + d + " is not in the store");
+  pinned_.insert(layers.begin(), layers.end());
+  return {};
+}
+
+Status ImageStore::collect_unused() {
+  std::lock_guard lock(mu_);
+  return collect_garbage();
+}
+
 Status ImageStore::collect_garbage() {
   auto images = list();
   if (!images) return images.failure();
   std::set<std::string> used;
+  if (holders_) {
+    auto held = holders_();
+    if (!held) return held.failure();
+    used = std::move(*held);
+  }
   for (const Image& i : *images) used.insert(i.layers.begin(), i.layers.end());
   auto stored = layers_.list();
   if (!stored) return stored.failure();

@@ -62,8 +62,14 @@ class ImageStore {
   using ClaimForRemoval = std::function<std::optional<std::string>(const std::string& name)>;
   using ReleaseRemoval = std::function<void(const std::string& name)>;
 
-  // <state_dir>/images and <state_dir>/layers; collects layers no image uses (an import a crash interrupted).
-  static Result<std::unique_ptr<ImageStore>> open(const std::string& state_dir);
+  // The layers someone besides the images holds (snapshots, snapshot_store.h): the GC keeps them. A failure
+  // makes the GC remove nothing. Called under the store's lock, from any thread: it must be thread-safe and
+  // must not call back into the ImageStore.
+  using LayerHolders = std::function<Result<std::set<std::string>>()>;
+
+  // <state_dir>/images and <state_dir>/layers; collects layers no image and no holder uses (an import or a
+  // checkpoint a crash interrupted).
+  static Result<std::unique_ptr<ImageStore>> open(const std::string& state_dir, LayerHolders holders = {});
 
   void set_users(ClaimForRemoval claim, ReleaseRemoval release) {
     claim_ = std::move(claim);
@@ -87,13 +93,19 @@ class ImageStore {
   Result<std::string> add_pinned_layer(const std::string& blob_path, std::string_view digest, std::string_view label);
   // Ends a build's pins; the layers no image names then (a failed build's) are removed.
   void unpin(const std::vector<std::string>& layers);
+  // Pins layers that must already be in the store (a checkpoint's chain): kNotFound naming the first missing
+  // one, and then nothing is pinned.
+  Status pin_existing(const std::vector<std::string>& layers);
+  // Removes every layer no image, pin or holder names (after a snapshot record is removed).
+  Status collect_unused();
   // Writes the record of a built image whose layers are pinned: kAlreadyExists if the name was taken while
   // it was built, kNotFound if `image.parent` was removed meanwhile.
   Result<Image> create(Image image);
   LayerStore& layers() { return layers_; }
 
  private:
-  ImageStore(std::string images_dir, LayerStore layers) : images_dir_(std::move(images_dir)), layers_(std::move(layers)) {}
+  ImageStore(std::string images_dir, LayerStore layers, LayerHolders holders)
+      : images_dir_(std::move(images_dir)), layers_(std::move(layers)), holders_(std::move(holders)) {}
   std::string image_file(const std::string& name) const { return images_dir_ + "/" + name + ".json"; }
   // Removes every layer no image file names. Called with mu_ held.
   Status collect_garbage();
@@ -102,6 +114,7 @@ class ImageStore {
   LayerStore layers_;
   ClaimForRemoval claim_;
   ReleaseRemoval release_;
+  LayerHolders holders_;
   std::multiset<std::string> pinned_;  // layers of builds in progress, once per build using them
   std::mutex mu_;
 };

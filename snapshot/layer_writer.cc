@@ -40,17 +40,35 @@ class Writer {
 
   // `host` is the file on the host, `rel` its path in the image ("" for the upper dir's root, never written).
   Status walk(const std::string& host, const std::string& rel) {
+    const DeltaPlan* delta = source_.delta;
+    // Every parent of a planned entry is planned too, so nothing below an unplanned path is.
+    if (delta != nullptr && !rel.empty() && delta->entries.count(rel) == 0) return {};
     struct stat st{};
     if (::lstat(host.c_str(), &st) != 0) return fail_errno("lstat " + host, errno);
+    if (delta != nullptr && S_ISSOCK(st.st_mode)) return {};
     if (!rel.empty())
       if (auto s = emit(host, rel, st); !s) return s;
     if (!S_ISDIR(st.st_mode)) return {};
-    if (!rel.empty() && source_.kind == LayerSource::Kind::kOverlayUpper && is_opaque(host))
+    bool opaque = delta != nullptr ? delta->opaque.count(rel) != 0
+                                   : source_.kind == LayerSource::Kind::kOverlayUpper && is_opaque(host);
+    if (!rel.empty() && opaque)
       if (auto s = emit_marker(rel + "/" + std::string(kOpaqueMarker)); !s) return s;
     auto names = children(host);
     if (!names) return names.failure();
     for (const std::string& name : *names)
       if (auto s = walk(host + "/" + name, rel.empty() ? name : rel + "/" + name); !s) return s;
+    return {};
+  }
+
+  // A checkpoint's whiteouts (paths gone since the previous one), in the OCI form.
+  Status emit_whiteouts() {
+    if (source_.delta == nullptr) return {};
+    for (const std::string& path : source_.delta->whiteouts) {
+      size_t slash = path.rfind('/');
+      std::string parent = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+      std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+      if (auto s = emit_marker(parent + std::string(kWhiteoutPrefix) + base); !s) return s;
+    }
     return {};
   }
 
@@ -198,6 +216,7 @@ Result<WrittenLayer> write_layer(const LayerSource& source, const std::string& o
     return fail(Error::kIo, "open " + out_path + ": " + TarReader::message(out.get()));
   Writer writer(source, out.get());
   if (auto s = writer.walk(source.path, dest); !s) return s.failure();
+  if (auto s = writer.emit_whiteouts(); !s) return s.failure();
   if (archive_write_close(out.get()) != ARCHIVE_OK)
     return fail(Error::kIo, "write " + out_path + ": " + TarReader::message(out.get()));
   WrittenLayer layer;

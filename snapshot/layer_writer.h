@@ -17,6 +17,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "snapshot/checkpoint_delta.h"
 
 namespace sg::snapshot {
 
@@ -31,6 +32,9 @@ struct LayerSource {
   std::string dest;         // kCopy: where `path` lands in the image ("/app" or "app"); a directory's contents go under it
   IdShift shift;            // kOverlayUpper only
   uint64_t max_entries = 0; // a clear kLimitExceeded past it
+  // kOverlayUpper only, a checkpoint (checkpoint_delta.h): only these entries, opaque markers only on
+  // `opaque`, the whiteouts added, and sockets left out (a socket is a live process's, nothing to restore).
+  const DeltaPlan* delta = nullptr;
 };
 
 struct WrittenLayer {

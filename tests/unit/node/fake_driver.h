@@ -9,9 +9,12 @@
 #include <uv.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 
@@ -166,6 +169,49 @@ class FakeDriver : public Driver {
     if (fd < 0) return fail_errno("socket", errno);
     return GuestSocket{UniqueFd(fd), false, static_cast<uint16_t>(port + port_offset)};
   }
+
+  // A freezer the test holds: freeze() blocks (on the checkpoint's pool thread) until release().
+  struct HeldFreezer {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool released = false, frozen = false;
+    int freezes = 0;
+    void release() {
+      std::lock_guard lock(mu);
+      released = true;
+      cv.notify_all();
+    }
+  };
+  class Freezer final : public snapshot::Freezer {
+   public:
+    explicit Freezer(std::shared_ptr<HeldFreezer> held) : held_(std::move(held)) {}
+    Status freeze() override {
+      std::unique_lock lock(held_->mu);
+      ++held_->freezes;
+      held_->frozen = true;
+      held_->cv.wait(lock, [&] { return held_->released; });
+      return {};
+    }
+    Status thaw() override {
+      std::lock_guard lock(held_->mu);
+      held_->frozen = false;
+      return {};
+    }
+
+   private:
+    std::shared_ptr<HeldFreezer> held_;
+  };
+  // Filesystem checkpoints read `checkpoint_upper` (none when empty: the default kUnsupported).
+  Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo& info) override {
+    if (checkpoint_upper.empty()) return Driver::checkpoint_source(spec, info);
+    CheckpointSource source;
+    source.upper_dir = checkpoint_upper;
+    source.shift = snapshot::IdShift{0, 65536};
+    source.freezer = std::make_unique<Freezer>(freezer);
+    return source;
+  }
+  std::string checkpoint_upper;
+  std::shared_ptr<HeldFreezer> freezer = std::make_shared<HeldFreezer>();
 
   // The instance's process exits by itself.
   void exit(const std::string& id) {

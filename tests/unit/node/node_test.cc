@@ -1260,5 +1260,136 @@ TEST_F(NodeTest, ShutdownWithNothingToDo) {
   ASSERT_TRUE(run_until(&loop_, [&] { return done; }));
 }
 
+
+// ---- checkpoints (the node's part: when one may run, and what the idle policy does meanwhile) ----
+
+class NodeCheckpointTest : public NodeTest {
+ protected:
+  void SetUp() override {
+    NodeTest::SetUp();
+    auto records = snapshot::SnapshotStore::open(dir_.path() + "/images/snapshots");
+    ASSERT_TRUE(records) << records.message();
+    auto owned = std::make_unique<snapshot::SnapshotStore>(std::move(*records));
+    auto images = snapshot::ImageStore::open(dir_.path() + "/images",
+                                             [r = owned.get()] { return r->layers_in_use(); });
+    ASSERT_TRUE(images) << images.message();
+    images_ = std::move(*images);
+    snapshots_ = std::make_unique<SnapshotService>(&loop_, std::move(owned), images_.get());
+    node_->set_snapshots(snapshots_.get());
+    upper_ = dir_.path() + "/upper";
+    std::filesystem::create_directories(upper_);
+    std::ofstream(upper_ + "/file") << "v1";
+    driver_->checkpoint_upper = upper_;
+  }
+  void TearDown() override {
+    driver_->freezer->release();  // a test that failed midway must not leave a pool thread blocked
+    NodeTest::TearDown();
+  }
+  std::shared_ptr<std::optional<Result<snapshot::CheckpointResult>>> checkpoint(const std::string& ref,
+                                                                                const std::string& type) {
+    auto out = std::make_shared<std::optional<Result<snapshot::CheckpointResult>>>();
+    node_->checkpoint(ref, type, [out](Result<snapshot::CheckpointResult> r) { out->emplace(std::move(r)); });
+    return out;
+  }
+
+  std::unique_ptr<snapshot::ImageStore> images_;
+  std::unique_ptr<SnapshotService> snapshots_;
+  std::string upper_;
+};
+
+TEST_F(NodeCheckpointTest, RefusalsNameTheReason) {
+  create("box");
+  auto memory = checkpoint("box", "memory");
+  ASSERT_TRUE(memory->has_value());
+  EXPECT_EQ((*memory)->error(), Error::kUnsupported);
+  EXPECT_NE((*memory)->message().find("memory checkpoints are not supported"), std::string::npos);
+  auto other = checkpoint("box", "disk");
+  ASSERT_TRUE(other->has_value());
+  EXPECT_EQ((*other)->error(), Error::kInvalidArgument);
+  auto missing = checkpoint("nobody", "filesystem");
+  ASSERT_TRUE(missing->has_value());
+  EXPECT_EQ((*missing)->error(), Error::kNotFound);
+  suspend_and_wait("box");
+  auto suspended = checkpoint("box", "filesystem");
+  ASSERT_TRUE(suspended->has_value());
+  EXPECT_EQ((*suspended)->error(), Error::kConflict);
+  EXPECT_NE((*suspended)->message().find("resume it first"), std::string::npos) << (*suspended)->message();
+  EXPECT_EQ(driver_->freezer->freezes, 0);
+}
+
+TEST_F(NodeCheckpointTest, TheIdlePolicyWaitsForACheckpointAndTheSourceKeepsItsIdentity) {
+  SandboxInfo box = create("box", false, 1);
+  auto result = checkpoint("box", "filesystem");
+  // The freeze is held: the idle timeout passes meanwhile, and neither it nor a request pauses the sandbox
+  // (the checkpoint's own thaw would undo the pause).
+  ASSERT_TRUE(run_until(&loop_, [&] { std::lock_guard l(driver_->freezer->mu); return driver_->freezer->frozen; }));
+  auto again = checkpoint("box", "filesystem");
+  ASSERT_TRUE(again->has_value());
+  EXPECT_EQ((*again)->error(), Error::kConflict);
+  auto suspend = node_->suspend("box");
+  ASSERT_FALSE(suspend);
+  EXPECT_EQ(suspend.error(), Error::kConflict);
+  run_for(&loop_, 1500);
+  EXPECT_EQ(driver_->pauses, 0);
+  EXPECT_EQ(state("box"), S::kRunning);
+  EXPECT_FALSE(result->has_value());
+
+  driver_->freezer->release();
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_TRUE(**result) << (*result)->message();
+  const snapshot::Snapshot& snap = (**result)->snapshot;
+  EXPECT_EQ(snap.source_id, box.spec.id);
+  EXPECT_EQ(snap.command, box.spec.command);
+  ASSERT_EQ(snap.ports.size(), 1u);
+  EXPECT_EQ(snap.ports[0].port, 8080);
+  EXPECT_FALSE(driver_->freezer->frozen);
+  // The suspend the idle policy held back follows the checkpoint; the sandbox kept its id and token.
+  ASSERT_TRUE(wait_state("box", S::kSuspended));
+  EXPECT_EQ(driver_->pauses, 1);
+  auto info = node_->get("box");
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->spec.id, box.spec.id);
+  EXPECT_EQ(info->spec.token_sha256, box.spec.token_sha256);
+  ASSERT_TRUE(snapshots_->get(snap.id));
+}
+
+TEST_F(NodeCheckpointTest, ACreateFromASnapshotRunsOnItsLayersWithItsDefaults) {
+  create("box");
+  driver_->freezer->release();
+  auto result = checkpoint("box", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_TRUE(**result) << (*result)->message();
+  const snapshot::Snapshot snap = (**result)->snapshot;
+  CreateRequest from;
+  from.name = "copy";
+  from.snapshot_id = snap.id;
+  from.memory_mb = 256;
+  auto copy = create_request(from);
+  ASSERT_TRUE(copy) << copy.message();
+  EXPECT_EQ(copy->spec.snapshot, snap.id);
+  EXPECT_EQ(copy->spec.layers, snap.layers);
+  EXPECT_EQ(copy->spec.command, (std::vector<std::string>{"sleep", "infinity"}));
+  EXPECT_EQ(copy->spec.exposed_ports, (std::vector<uint16_t>{8080}));
+  EXPECT_EQ(copy->spec.memory_mb, 256u);
+  // Removal is refused while `copy` lives, then allowed.
+  std::optional<Result<snapshot::Snapshot>> removed;
+  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
+  ASSERT_FALSE(*removed);
+  EXPECT_EQ(removed->error(), Error::kConflict);
+  EXPECT_NE(removed->message().find("in use by sandbox copy"), std::string::npos) << removed->message();
+  std::optional<Result<SandboxInfo>> gone;
+  node_->remove("copy", [&](Result<SandboxInfo> r) { gone.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return gone.has_value(); }));
+  removed.reset();
+  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
+  EXPECT_TRUE(*removed) << removed->message();
+  // A missing snapshot is a 404-class error naming it.
+  auto missing = create_request(from);
+  ASSERT_FALSE(missing);
+  EXPECT_EQ(missing.error(), Error::kNotFound);
+}
+
 }  // namespace
 }  // namespace sg

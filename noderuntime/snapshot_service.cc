@@ -1,0 +1,105 @@
+#include "noderuntime/snapshot_service.h"
+
+#include <algorithm>
+#include <optional>
+
+#include <spdlog/spdlog.h>
+
+namespace sg {
+namespace {
+
+template <typename T>
+struct Work {
+  uv_work_t req;
+  std::function<Result<T>()> job;
+  std::function<void(Result<T>)> done;
+  std::optional<Result<T>> result;
+};
+
+}  // namespace
+
+template <typename T>
+void SnapshotService::run(std::function<Result<T>()> job, std::function<void(Result<T>)> done) {
+  auto* w = new Work<T>;
+  w->req.data = w;
+  w->job = std::move(job);
+  w->done = std::move(done);
+  int rc = uv_queue_work(
+      loop_, &w->req, [](uv_work_t* r) { static_cast<Work<T>*>(r->data)->result.emplace(static_cast<Work<T>*>(r->data)->job()); },
+      [](uv_work_t* r, int status) {
+        std::unique_ptr<Work<T>> w(static_cast<Work<T>*>(r->data));
+        if (status < 0 || !w->result) return w->done(fail(Error::kInternal, "snapshot job cancelled"));
+        w->done(std::move(*w->result));
+      });
+  if (rc < 0) {
+    std::unique_ptr<Work<T>> owned(w);
+    owned->done(fail(Error::kInternal, std::string("uv_queue_work: ") + uv_strerror(rc)));
+  }
+}
+
+void SnapshotService::checkpoint(snapshot::CheckpointJob job, std::unique_ptr<snapshot::Freezer> freezer,
+                                 CheckpointDone done) {
+  snapshot::ImageStore* images = images_;
+  snapshot::SnapshotStore* store = store_.get();
+  // shared_ptr: std::function needs a copyable callable.
+  std::shared_ptr<snapshot::Freezer> held(std::move(freezer));
+  run<snapshot::CheckpointResult>(
+      [images, store, job = std::move(job), held] { return snapshot::checkpoint(*images, *store, job, *held); },
+      std::move(done));
+}
+
+Status SnapshotService::add_user(const std::string& id, const std::string& user) {
+  std::lock_guard lock(mu_);
+  auto found = store_->get(id);
+  if (!found) return found.failure();
+  return users_.add(id, user);  // never claimed outside mu_, which this holds: always succeeds
+}
+
+std::optional<std::string> SnapshotService::image_user(const std::string& image) const {
+  auto user = store_->first_user_of_image(image);
+  // A record that cannot be read might name the image: keep the image rather than guess.
+  if (!user) return "a snapshot record that cannot be read (" + user.message() + ")";
+  return *user;
+}
+
+void SnapshotService::verify(std::string id, std::function<void(Status)> done) {
+  run<bool>(
+      [this, id = std::move(id)]() -> Result<bool> {
+        auto snap = store_->get(id);
+        if (!snap) return snap.failure();
+        auto image = images_->get(snap->image);
+        for (const std::string& layer : snap->layers) {
+          if (image && std::find(image->layers.begin(), image->layers.end(), layer) != image->layers.end()) continue;
+          if (auto s = images_->layers().verify(layer); !s)
+            return fail(s.error(), "snapshot " + id + ": " + s.message());
+        }
+        return true;
+      },
+      [done = std::move(done)](Result<bool> r) { done(r ? Status() : Status(r.failure())); });
+}
+
+void SnapshotService::remove(std::string id, Done done) {
+  run<snapshot::Snapshot>(
+      [this, id = std::move(id)]() -> Result<snapshot::Snapshot> {
+        Result<snapshot::Snapshot> found = fail(Error::kInternal, "not looked up");
+        {
+          std::lock_guard lock(mu_);
+          found = store_->get(id);
+          if (!found) return found.failure();
+          if (auto user = users_.claim_for_removal(id))
+            return fail(Error::kConflict, "snapshot " + id + " is in use by " + *user +
+                                              " (created from it); remove that first");
+          // add_user takes mu_ too, so the claim only has to last until the record is gone.
+          Status removed = store_->remove(id);
+          users_.release_removal(id);
+          if (!removed) return removed.failure();
+        }
+        // The record is gone either way; layers left behind go at the next removal or node start.
+        if (auto s = images_->collect_unused(); !s)
+          spdlog::warn("snapshot {} removed, its layers not collected: {}", id, s.message());
+        return found;
+      },
+      std::move(done));
+}
+
+}  // namespace sg

@@ -1,0 +1,62 @@
+// The node's snapshots (snapshot/snapshot_store.h) behind the libuv loop, as ImageService is for images: a
+// checkpoint walks an upper dir and writes a layer, a removal deletes layer trees, so both run on libuv's
+// thread pool and answer on the loop; list and get read small files and answer at once. The node (node.h)
+// decides whether a sandbox may be checkpointed and hands the job here, and registers each sandbox created
+// from a snapshot as its user: `snapshot rm` is refused (409 naming the sandbox) while one lives.
+#pragma once
+
+#include <uv.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "noderuntime/image_users.h"
+#include "snapshot/checkpointer.h"
+#include "snapshot/image_store.h"
+#include "snapshot/snapshot_store.h"
+
+namespace sg {
+
+class SnapshotService {
+ public:
+  using CheckpointDone = std::function<void(Result<snapshot::CheckpointResult>)>;
+  using Done = std::function<void(Result<snapshot::Snapshot>)>;
+
+  // `loop` and `images` must outlive the service; so must the service every job it started.
+  SnapshotService(uv_loop_t* loop, std::unique_ptr<snapshot::SnapshotStore> store, snapshot::ImageStore* images)
+      : loop_(loop), store_(std::move(store)), images_(images) {}
+
+  // `user` ("sandbox box (sb-...)") now runs on snapshot `id`: kNotFound if the record is gone (a removal
+  // that won the race). One lock with remove()'s check, so a snapshot is never removed under a new user.
+  Status add_user(const std::string& id, const std::string& user);
+  void remove_user(const std::string& id, const std::string& user) { users_.remove(id, user); }
+  // Which snapshots name `image` (for ImageStore::set_user_check; any thread).
+  std::optional<std::string> image_user(const std::string& image) const;
+  // `done` runs on the loop thread.
+  void checkpoint(snapshot::CheckpointJob job, std::unique_ptr<snapshot::Freezer> freezer, CheckpointDone done);
+  // Re-hashes the layers snapshot `id` added on top of its image (the image's are trusted as they are for
+  // any sandbox): kInvalidArgument naming a damaged one, so a create from it is refused rather than started.
+  void verify(std::string id, std::function<void(Status)> done);
+  // kConflict naming the sandbox while one created from the snapshot lives; the layers no image or other
+  // snapshot holds are removed with it.
+  void remove(std::string id, Done done);
+  Result<std::vector<snapshot::Snapshot>> list() const { return store_->list(); }
+  Result<snapshot::Snapshot> get(std::string_view id) const { return store_->get(id); }
+
+ private:
+  template <typename T>
+  void run(std::function<Result<T>()> job, std::function<void(Result<T>)> done);
+
+  uv_loop_t* loop_;
+  std::unique_ptr<snapshot::SnapshotStore> store_;
+  snapshot::ImageStore* images_;
+  ImageUsers users_;  // snapshot id -> the sandboxes created from it
+  std::mutex mu_;     // add_user's check against remove()'s
+};
+
+}  // namespace sg

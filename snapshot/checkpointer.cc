@@ -1,0 +1,127 @@
+#include "snapshot/checkpointer.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+#include <spdlog/spdlog.h>
+
+#include "common/fd.h"
+#include "snapshot/checkpoint_delta.h"
+
+namespace sg::snapshot {
+namespace {
+
+// An index is a few dozen bytes per upper dir entry: this bounds it at the layer entry limit.
+constexpr size_t kMaxIndexBytes = 512 * 1024 * 1024;
+
+// The index the next delta starts from, when it is consistent: it must stack on `base` (a sandbox's base
+// layers never change, so a chain that does not start with them is not this sandbox's).
+CheckpointIndex load_index(const std::string& path, const std::vector<std::string>& base) {
+  CheckpointIndex fresh{base, {}};
+  int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (raw < 0) {
+    if (errno != ENOENT) spdlog::warn("checkpoint: cannot open {} ({}); writing a full layer", path, std::strerror(errno));
+    return fresh;
+  }
+  UniqueFd fd(raw);
+  auto text = read_at_most(fd.get(), kMaxIndexBytes, path);
+  if (!text) {
+    spdlog::warn("checkpoint: {}; writing a full layer", text.message());
+    return fresh;
+  }
+  auto index = decode_index(*text);
+  if (!index || index->chain.size() < base.size() ||
+      !std::equal(base.begin(), base.end(), index->chain.begin())) {
+    spdlog::warn("checkpoint: {} is not this sandbox's last checkpoint; writing a full layer", path);
+    return fresh;
+  }
+  return std::move(*index);
+}
+
+}  // namespace
+
+Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots, const CheckpointJob& job,
+                                    Freezer& freezer) {
+  CheckpointIndex previous = load_index(job.index_path, job.base_layers);
+  if (!images.pin_existing(previous.chain)) {
+    // An earlier checkpoint's layer went with its snapshot (snapshot rm): start over from the base.
+    previous = CheckpointIndex{job.base_layers, {}};
+    if (auto s = images.pin_existing(previous.chain); !s) return fail(s.error(), "the sandbox's " + s.message());
+  }
+  std::vector<std::string> pinned = previous.chain;
+  struct Unpin {
+    ImageStore& images;
+    std::vector<std::string>& layers;
+    ~Unpin() { images.unpin(layers); }  // the GC then takes a layer no record names (a failed checkpoint's)
+  } unpin{images, pinned};
+  if (previous.chain.size() + 1 > kMaxImageLayers)
+    return fail(Error::kLimitExceeded, "the sandbox's root filesystem already has " +
+                                           std::to_string(previous.chain.size()) + " layers (at most " +
+                                           std::to_string(kMaxImageLayers) + "; chains are not flattened yet)");
+
+  auto dir = images.layers().make_temp_dir("checkpoint-");
+  if (!dir) return dir.failure();
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{*dir};
+  const std::string blob = *dir + "/layer.tar";
+
+  auto frozen_at = std::chrono::steady_clock::now();
+  if (auto s = freezer.freeze(); !s) return fail(s.error(), "freeze: " + s.message());
+  const int64_t racy_since = racy_threshold_now();
+  auto current = scan_upper(job.upper_dir, job.max_entries);
+  Result<WrittenLayer> written = fail(Error::kInternal, "not written");
+  if (current) {
+    DeltaPlan plan = plan_delta(previous.index, *current);
+    LayerSource source{LayerSource::Kind::kOverlayUpper, job.upper_dir, "", job.shift, job.max_entries, &plan};
+    written = write_layer(source, blob);
+  }
+  Status thawed = freezer.thaw();
+  CheckpointResult result;
+  result.pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - frozen_at).count();
+  if (!thawed) return fail(thawed.error(), "thaw after the checkpoint: " + thawed.message());
+  if (!current) return current.failure();
+  if (!written) return written.failure();
+
+  Snapshot record = job.record;
+  record.layers = previous.chain;
+  result.entries = written->entries;
+  if (written->entries > 0) {
+    auto added = images.add_pinned_layer(blob, written->digest, "checkpoint of " + record.source_id);
+    if (!added) return added.failure();
+    pinned.push_back(*added);
+    struct stat st{};
+    if (::stat((images.layers().layer_dir(*added) + "/blob").c_str(), &st) != 0)
+      return fail_errno("stat the checkpoint layer " + *added, errno);
+    record.layer = *added;
+    record.layer_bytes = static_cast<uint64_t>(st.st_size);
+    record.layers.push_back(*added);
+  }
+  record.created_at_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch()).count();
+  for (int attempt = 0;; ++attempt) {
+    record.id = generate_snapshot_id();
+    Status created = snapshots.create(record);
+    if (created) break;
+    if (created.error() != Error::kAlreadyExists || attempt == 8) return created.failure();
+  }
+  // After the record: an index must never describe a layer no snapshot holds. A failure here only makes the
+  // next checkpoint stack on the previous index's chain (a bigger layer, still a correct one).
+  mark_racy(*current, racy_since);
+  if (auto s = write_file_atomic(job.index_path, encode_index({record.layers, std::move(*current)})); !s)
+    spdlog::warn("checkpoint {}: the sandbox's index was not updated: {}", record.id, s.message());
+  result.snapshot = std::move(record);
+  return result;
+}
+
+}  // namespace sg::snapshot

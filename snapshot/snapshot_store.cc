@@ -1,0 +1,213 @@
+#include "snapshot/snapshot_store.h"
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "common/fd.h"
+#include "snapshot/layer_store.h"
+
+namespace sg::snapshot {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+constexpr std::string_view kPrefix = "snap-";
+constexpr size_t kRandomChars = 12;
+constexpr std::string_view kAlphabet = "abcdefghijklmnopqrstuvwxyz0123456789";
+
+ordered_json to_json(const Snapshot& s) {
+  ordered_json ports = ordered_json::array();
+  for (const SnapshotPort& p : s.ports)
+    ports.push_back({{"port", p.port}, {"public", p.is_public}, {"protocol", p.protocol}});
+  return ordered_json{{"id", s.id},
+                      {"type", s.type},
+                      {"source_id", s.source_id},
+                      {"source_name", s.source_name},
+                      {"driver", s.driver},
+                      {"image", s.image},
+                      {"layers", s.layers},
+                      {"layer", s.layer},
+                      {"layer_bytes", s.layer_bytes},
+                      {"command", s.command},
+                      {"env", s.env},
+                      {"cwd", s.cwd},
+                      {"ports", std::move(ports)},
+                      {"created_at_ms", s.created_at_ms}};
+}
+
+// The node's own file; parsed defensively all the same (a disk can be edited or damaged).
+Result<Snapshot> from_json(const std::string& text, const std::string& where) {
+  json j = json::parse(text, nullptr, false);
+  auto bad = [&](std::string_view field) {
+    return fail(Error::kIo, where + ": damaged snapshot record (field " + std::string(field) + ")");
+  };
+  if (!j.is_object()) return bad("<root>");
+  auto str = [&](const char* key, std::string& out) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_string()) return false;
+    out = it->get<std::string>();
+    return true;
+  };
+  auto strings = [&](const char* key, std::vector<std::string>& out) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_array()) return false;
+    for (const json& v : *it) {
+      if (!v.is_string()) return false;
+      out.push_back(v.get<std::string>());
+    }
+    return true;
+  };
+  Snapshot s;
+  for (auto [key, out] : {std::pair{"id", &s.id}, std::pair{"type", &s.type}, std::pair{"source_id", &s.source_id},
+                          std::pair{"source_name", &s.source_name}, std::pair{"driver", &s.driver},
+                          std::pair{"image", &s.image}, std::pair{"layer", &s.layer}, std::pair{"cwd", &s.cwd}})
+    if (!str(key, *out)) return bad(key);
+  if (!strings("layers", s.layers)) return bad("layers");
+  for (const std::string& d : s.layers)
+    if (!valid_digest(d)) return bad("layers");
+  if (!strings("command", s.command)) return bad("command");
+  auto env = j.find("env");
+  if (env == j.end() || !env->is_object()) return bad("env");
+  for (auto it = env->begin(); it != env->end(); ++it) {
+    if (!it.value().is_string()) return bad("env");
+    s.env[it.key()] = it.value().get<std::string>();
+  }
+  auto ports = j.find("ports");
+  if (ports == j.end() || !ports->is_array()) return bad("ports");
+  for (const json& p : *ports) {
+    if (!p.is_object() || !p.contains("port") || !p["port"].is_number_unsigned() || p["port"].get<uint64_t>() < 1 ||
+        p["port"].get<uint64_t>() > 65535 || !p.contains("public") || !p["public"].is_boolean() ||
+        !p.contains("protocol") || !p["protocol"].is_string())
+      return bad("ports");
+    s.ports.push_back({static_cast<uint16_t>(p["port"].get<uint64_t>()), p["public"].get<bool>(),
+                       p["protocol"].get<std::string>()});
+  }
+  auto bytes = j.find("layer_bytes");
+  if (bytes == j.end() || !bytes->is_number_unsigned()) return bad("layer_bytes");
+  s.layer_bytes = bytes->get<uint64_t>();
+  auto created = j.find("created_at_ms");
+  if (created == j.end() || !created->is_number_integer()) return bad("created_at_ms");
+  s.created_at_ms = created->get<int64_t>();
+  if (!check_snapshot_id(s.id)) return bad("id");
+  return s;
+}
+
+}  // namespace
+
+Status check_snapshot_id(std::string_view id) {
+  bool ok = id.size() == kPrefix.size() + kRandomChars && id.starts_with(kPrefix);
+  for (char c : id.substr(std::min(id.size(), kPrefix.size())))
+    ok = ok && kAlphabet.find(c) != std::string_view::npos;
+  if (!ok)
+    return fail(Error::kInvalidArgument, "invalid snapshot id '" + std::string(id.substr(0, 64)) +
+                                             "': snap- followed by 12 of a-z 0-9");
+  return {};
+}
+
+std::string generate_snapshot_id() {
+  // Rejection sampling keeps every character equally likely: 252 = 7 * 36 is the largest multiple below 256.
+  constexpr uint8_t kUnbiasedLimit = 252;
+  std::string id(kPrefix);
+  while (id.size() < kPrefix.size() + kRandomChars) {
+    uint8_t buf[32];
+    ssize_t n = ::getrandom(buf, sizeof buf, 0);
+    for (ssize_t i = 0; i < n && id.size() < kPrefix.size() + kRandomChars; ++i)
+      if (buf[i] < kUnbiasedLimit) id += kAlphabet[buf[i] % kAlphabet.size()];
+  }
+  return id;
+}
+
+Result<SnapshotStore> SnapshotStore::open(const std::string& root) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return fail(Error::kIo, "create " + root + ": " + ec.message());
+  // write_file_atomic's temp files (".<name>.tmp-XXXXXX") of a write a crash interrupted.
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.starts_with(".") && name.find(".tmp-") != std::string::npos) fs::remove(entry.path(), ec);
+  }
+  if (ec) return fail(Error::kIo, "read " + root + ": " + ec.message());
+  return SnapshotStore(root);
+}
+
+Status SnapshotStore::create(const Snapshot& snapshot) {
+  if (auto s = check_snapshot_id(snapshot.id); !s) return s;
+  if (::access(file(snapshot.id).c_str(), F_OK) == 0)
+    return fail(Error::kAlreadyExists, "snapshot " + snapshot.id + " already exists");
+  auto all = list();
+  if (!all) return all.failure();
+  if (all->size() >= kMaxSnapshots)
+    return fail(Error::kLimitExceeded, "this node already has " + std::to_string(all->size()) +
+                                           " snapshots (the limit); remove some with `sandgate snapshot rm`");
+  return write_file_atomic(file(snapshot.id), to_json(snapshot).dump(2) + "\n");
+}
+
+Result<Snapshot> SnapshotStore::get(std::string_view id) const {
+  if (auto s = check_snapshot_id(id); !s) return s.failure();
+  std::string path = file(id);
+  int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (raw < 0) {
+    if (errno == ENOENT) return fail(Error::kNotFound, "no snapshot " + std::string(id));
+    return fail_errno("open " + path, errno);
+  }
+  UniqueFd fd(raw);
+  auto text = read_at_most(fd.get(), kMaxSnapshotRecordBytes, path);
+  if (!text) return text.failure();
+  auto snapshot = from_json(*text, path);
+  if (snapshot && snapshot->id != id) return fail(Error::kIo, path + ": the record names " + snapshot->id);
+  return snapshot;
+}
+
+Result<std::vector<Snapshot>> SnapshotStore::list() const {
+  std::vector<Snapshot> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root_, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.starts_with(".") || !name.ends_with(".json")) continue;  // a write in progress
+    auto s = get(name.substr(0, name.size() - 5));
+    if (!s) return s.failure();
+    out.push_back(std::move(*s));
+  }
+  if (ec) return fail(Error::kIo, "read " + root_ + ": " + ec.message());
+  std::sort(out.begin(), out.end(), [](const Snapshot& a, const Snapshot& b) {
+    return a.created_at_ms != b.created_at_ms ? a.created_at_ms < b.created_at_ms : a.id < b.id;
+  });
+  return out;
+}
+
+Status SnapshotStore::remove(std::string_view id) {
+  if (auto s = check_snapshot_id(id); !s) return s;
+  if (::unlink(file(id).c_str()) != 0) {
+    if (errno == ENOENT) return fail(Error::kNotFound, "no snapshot " + std::string(id));
+    return fail_errno("remove " + file(id), errno);
+  }
+  return fsync_dir(root_);
+}
+
+Result<std::set<std::string>> SnapshotStore::layers_in_use() const {
+  auto all = list();
+  if (!all) return all.failure();
+  std::set<std::string> used;
+  for (const Snapshot& s : *all) used.insert(s.layers.begin(), s.layers.end());
+  return used;
+}
+
+Result<std::optional<std::string>> SnapshotStore::first_user_of_image(const std::string& image) const {
+  auto all = list();
+  if (!all) return all.failure();
+  for (const Snapshot& s : *all)
+    if (s.image == image) return std::optional<std::string>("snapshot " + s.id);
+  return std::optional<std::string>();
+}
+
+}  // namespace sg::snapshot

@@ -1,0 +1,244 @@
+// Filesystem checkpoints of process sandboxes (docs/snapshots.md), through the CLI and the node API as a user
+// would: checkpoint a running sandbox, create sandboxes from its snapshots, remove them, restart the node.
+// Each cluster has an image store of its own (so the layer store's bytes can be compared with a baseline),
+// into which the shared test image is imported once.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <set>
+
+#include "tests/e2e/harness.h"
+
+namespace sg::e2e {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+ClusterOptions own_store_with_proxy() {
+  ClusterOptions o;
+  o.node_extra = "images_dir = \"\"\ndefault_image = \"test\"\n";
+  return o;
+}
+
+void import_test_image(Cluster& c) {
+  auto imported = c.cli("image import " + shell_quote(test_image().archive) + " test", 300);
+  ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
+}
+
+std::string trimmed(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+// The layer store as the node keeps it: each layer's directory name and the bytes of everything in it.
+std::set<std::string> stored_layers(Cluster& c) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(c.dir() + "/node/layers/sha256", ec)) out.insert(e.path().filename());
+  return out;
+}
+uint64_t store_bytes(Cluster& c) {
+  auto r = run("du -sb " + shell_quote(c.dir() + "/node/layers/sha256") + " | cut -f1");
+  return std::stoull(r.out.empty() ? "0" : r.out);
+}
+
+json checkpoint(Cluster& c, const std::string& name) {
+  auto r = c.cli("checkpoint --json " + name);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  json j = json::parse(r.out, nullptr, false);
+  EXPECT_TRUE(j.is_object() && j.contains("snapshot_id")) << r.out;
+  return j.is_object() ? j : json::object();
+}
+
+std::string token_of(const json& created) { return created.value("token", ""); }
+
+TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
+  Cluster c(own_store_with_proxy());
+  import_test_image(c);
+  const std::set<std::string> baseline_layers = stored_layers(c);
+  const uint64_t baseline_bytes = store_bytes(c);
+
+  json src = create_with_agent(c, "src", "-- /bin/sleep 3600");
+  const std::string src_token = token_of(src);
+  ASSERT_FALSE(src_token.empty());
+  ASSERT_EQ(sh(c, "src", src_token, "echo v1 > /root/file && echo bye > /root/doomed").code, 0);
+
+  // The plain form prints the id alone.
+  auto first = c.cli("checkpoint src");
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  const std::string snap1 = trimmed(first.out);
+  ASSERT_EQ(snap1.rfind("snap-", 0), 0u) << first.out;
+  ASSERT_EQ(sh(c, "src", src_token, "echo v2 > /root/file && rm /root/doomed").code, 0);
+  const std::string snap2 = checkpoint(c, "src").value("snapshot_id", "");
+  ASSERT_FALSE(snap2.empty());
+
+  // The source kept running with its id and token, and reads what it wrote last.
+  json after = c.get("src");
+  EXPECT_EQ(after["id"], src["id"]);
+  EXPECT_EQ(after["state"], "running");
+  Exec src_reads = sh(c, "src", src_token, "cat /root/file");
+  EXPECT_EQ(src_reads.code, 0);
+  EXPECT_EQ(src_reads.out, "v2\n");
+
+  // From the first snapshot (no command given: the source's): v1, and the file deleted later is there.
+  json one = create_with_agent(c, "one", "--from " + snap1);
+  ASSERT_FALSE(token_of(one).empty());
+  EXPECT_NE(one["id"], src["id"]);
+  EXPECT_NE(token_of(one), src_token);
+  Exec one_reads = sh(c, "one", token_of(one), "cat /root/file /root/doomed");
+  EXPECT_EQ(one_reads.out, "v1\nbye\n");
+  // From the second: v2, and the deleted file is absent. Resources may differ from the source's.
+  json two = create_with_agent(c, "two", "--from " + snap2 + " --memory-mb 256 --cpus 0.5");
+  EXPECT_EQ(two["memory_mb"], 256);
+  Exec two_reads = sh(c, "two", token_of(two), "cat /root/file; test -e /root/doomed && echo present || echo absent");
+  EXPECT_EQ(two_reads.out, "v2\nabsent\n");
+  // Writes in a sandbox made from a snapshot stay its own.
+  ASSERT_EQ(sh(c, "two", token_of(two), "echo mine > /root/file").code, 0);
+  EXPECT_EQ(sh(c, "one", token_of(one), "cat /root/file").out, "v1\n");
+  EXPECT_EQ(sh(c, "src", src_token, "cat /root/file").out, "v2\n");
+  // A sandbox made from a snapshot can be checkpointed in turn: its chain continues on the snapshot's.
+  const std::string snap3 = checkpoint(c, "two").value("snapshot_id", "");
+  ASSERT_FALSE(snap3.empty());
+  json three = create_with_agent(c, "three", "--from " + snap3);
+  EXPECT_EQ(sh(c, "three", token_of(three), "cat /root/file; test -e /root/doomed || echo absent").out, "mine\nabsent\n");
+
+  // A memory checkpoint on the process driver is a clear 400, never a silent filesystem one.
+  auto memory = c.api_raw("POST", "/v1/sandboxes/src/checkpoint", "{\"type\": \"memory\"}");
+  EXPECT_EQ(memory.out.substr(memory.out.rfind('\n') + 1), "400") << memory.out;
+  EXPECT_NE(memory.out.find("\"error\":\"unsupported\""), std::string::npos) << memory.out;
+  auto memory_cli = c.cli("checkpoint src --type memory");
+  EXPECT_EQ(memory_cli.exit_code, 1);
+  EXPECT_NE(memory_cli.err.find("memory checkpoints are not supported by the process driver"), std::string::npos)
+      << memory_cli.err;
+
+  // A suspended sandbox is refused with the way out.
+  ASSERT_EQ(c.cli("suspend src").exit_code, 0);
+  ASSERT_TRUE(eventually([&] { return c.get("src").value("state", "") == "suspended"; }, std::chrono::seconds(10)));
+  auto suspended = c.cli("checkpoint src");
+  EXPECT_EQ(suspended.exit_code, 1);
+  EXPECT_NE(suspended.err.find("only a running sandbox can be checkpointed (resume it first"), std::string::npos)
+      << suspended.err;
+
+  // In use: snapshot rm is refused naming the sandbox, image rm naming a user.
+  auto refused = c.cli("snapshot rm " + snap1);
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_NE(refused.err.find("in use by sandbox one"), std::string::npos) << refused.err;
+  auto image_refused = c.cli("image rm test");
+  EXPECT_EQ(image_refused.exit_code, 1);
+  EXPECT_NE(image_refused.err.find("in use by"), std::string::npos) << image_refused.err;
+
+  // A node killed and started again lists the snapshots and adopts the sandboxes made from them; those
+  // survive a suspend and resume too.
+  c.stop_node(SIGKILL);
+  c.start_node();
+  auto listed = c.cli("snapshots --json");
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  json snaps = json::parse(listed.out, nullptr, false);
+  ASSERT_TRUE(snaps.is_object()) << listed.out;
+  std::set<std::string> ids;
+  for (const json& s : snaps["snapshots"]) ids.insert(s.value("id", ""));
+  EXPECT_EQ(ids, (std::set<std::string>{snap1, snap2, snap3}));
+  EXPECT_EQ(snaps["snapshots"][1]["layers"].size(), 3u) << "image layer + two checkpoint layers";
+  EXPECT_EQ(snaps["snapshots"][2]["layers"].size(), 4u) << "snap2's layers + the one two added";
+  auto table = c.cli("snapshots");
+  EXPECT_EQ(table.out.rfind("ID", 0), 0u) << table.out;
+  std::string row = table.out.substr(table.out.find(snap1));
+  row = row.substr(0, row.find('\n'));
+  EXPECT_NE(row.find(" src "), std::string::npos) << table.out;
+  EXPECT_NE(row.find(" filesystem "), std::string::npos) << table.out;
+  EXPECT_EQ(sh(c, "one", token_of(one), "cat /root/file").out, "v1\n");
+  ASSERT_EQ(c.cli("suspend one").exit_code, 0);
+  ASSERT_TRUE(eventually([&] { return c.get("one").value("state", "") == "suspended"; }, std::chrono::seconds(10)));
+  EXPECT_EQ(sh(c, "one", token_of(one), "cat /root/file").out, "v1\n") << "woken by the exec";
+
+  // A checkpoint layer whose bytes no longer match its digest is refused, naming it.
+  const std::string layer2 = snaps["snapshots"][1]["layer"].get<std::string>();
+  run("printf x >> " + shell_quote(c.dir() + "/node/layers/sha256/" + layer2.substr(7) + "/blob"));
+  auto corrupted = c.cli("create --from " + snap2);
+  EXPECT_EQ(corrupted.exit_code, 1);
+  EXPECT_NE(corrupted.err.find("layer " + layer2 + " is corrupted"), std::string::npos) << corrupted.err;
+
+  // Once no sandbox uses them, the snapshots go, and with them every byte they added to the store.
+  for (const char* name : {"one", "two", "three", "src"}) ASSERT_EQ(c.cli(std::string("rm ") + name).exit_code, 0);
+  // No sandbox uses the image now, but the snapshots stack on it.
+  auto image_held = c.cli("image rm test");
+  EXPECT_EQ(image_held.exit_code, 1);
+  EXPECT_NE(image_held.err.find("in use by snapshot snap-"), std::string::npos) << image_held.err;
+  auto removed = c.cli("snapshot rm " + snap1);
+  EXPECT_EQ(removed.exit_code, 0) << removed.err;
+  EXPECT_EQ(removed.out, "removed snapshot " + snap1 + "\n");
+  EXPECT_NE(stored_layers(c), baseline_layers) << "snap2 stacks on snap1's layer, which must stay";
+  ASSERT_EQ(c.cli("snapshot rm " + snap3).exit_code, 0);
+  ASSERT_EQ(c.cli("snapshot rm " + snap2).exit_code, 0);
+  EXPECT_EQ(stored_layers(c), baseline_layers);
+  EXPECT_EQ(store_bytes(c), baseline_bytes);
+  EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n");
+  auto gone = c.cli("create --from " + snap1 + " -- /bin/true");
+  EXPECT_EQ(gone.exit_code, 1);
+  EXPECT_NE(gone.err.find("no snapshot " + snap1), std::string::npos) << gone.err;
+  auto bad = c.api_raw("GET", "/v1/snapshots/..%2Fetc", "");
+  EXPECT_EQ(bad.out.substr(bad.out.rfind('\n') + 1), "400") << bad.out;
+}
+
+// Crash safety: the node dies (kill -9) while a checkpoint holds the sandbox frozen.
+TEST(Snapshot, ANodeKilledDuringACheckpointLeavesNoSnapshotAndTheSourceIntact) {
+  Cluster c(own_store_with_proxy());
+  import_test_image(c);
+  const std::set<std::string> baseline = stored_layers(c);
+  json src = create_with_agent(c, "src", "-- /bin/sleep 3600");
+  const std::string token = token_of(src);
+  const std::string id = src.value("id", "");
+  // Enough bytes that copying them keeps the sandbox frozen for a good part of a second.
+  ASSERT_EQ(sh(c, "src", token, "head -c 256M /dev/zero > /root/big && echo v1 > /root/file").code, 0);
+  run(c.sandgate() + " --api " + shell_quote(c.api()) + " checkpoint src < /dev/null > " +
+      shell_quote(c.dir() + "/checkpoint.out") + " 2>&1 &");
+  ASSERT_TRUE(eventually([&] { return c.cgroup_frozen(id); }, std::chrono::seconds(30)))
+      << "the checkpoint never froze the sandbox";
+  c.stop_node(SIGKILL);
+  c.start_node();
+
+  // No half snapshot is listed, and the store holds what it held before (the work dir is emptied at start).
+  EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n");
+  EXPECT_EQ(stored_layers(c), baseline);
+  EXPECT_TRUE(fs::is_empty(c.dir() + "/node/layers/tmp"));
+  // It was frozen when the node died: adopted as suspended, woken by the next request, its files intact.
+  EXPECT_EQ(c.get("src").value("state", ""), "suspended");
+  EXPECT_EQ(sh(c, "src", token, "cat /root/file").out, "v1\n");
+  EXPECT_EQ(c.get("src").value("id", ""), id);
+  // And a checkpoint now succeeds: a full one (the interrupted one left no index).
+  json again = checkpoint(c, "src");
+  EXPECT_GT(again["snapshot"].value("layer_bytes", uint64_t{0}), uint64_t{256} << 20);
+}
+
+// The cost requirement: a checkpoint's layer is the bytes changed since the previous checkpoint, not the
+// bytes the sandbox holds.
+TEST(Snapshot, ACheckpointCostsTheChangedBytesNotTheSandboxSize) {
+  Cluster c(own_store_with_proxy());
+  import_test_image(c);
+  for (int mib : {16, 64}) {
+    const std::string name = "held" + std::to_string(mib);
+    json box = create_with_agent(c, name, "-- /bin/sleep 3600");
+    const std::string token = token_of(box);
+    ASSERT_EQ(sh(c, name, token, "head -c " + std::to_string(mib) + "M /dev/urandom > /root/held").code, 0);
+    json full = checkpoint(c, name);
+    const uint64_t full_bytes = full["snapshot"].value("layer_bytes", uint64_t{0});
+    EXPECT_GT(full_bytes, uint64_t(mib) << 20);
+    ASSERT_EQ(sh(c, name, token, "head -c 1M /dev/urandom > /root/changed").code, 0);
+    auto started = std::chrono::steady_clock::now();
+    json delta = checkpoint(c, name);
+    double total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+    const uint64_t delta_bytes = delta["snapshot"].value("layer_bytes", uint64_t{0});
+    EXPECT_GT(delta_bytes, uint64_t{1} << 20);
+    EXPECT_LT(delta_bytes, uint64_t{2} << 20) << "the second checkpoint of a " << mib << " MiB sandbox";
+    std::cout << "[ cost ] " << mib << " MiB held: first layer " << full_bytes << " B (frozen "
+              << full.value("pause_ms", 0.0) << " ms); 1 MiB changed: layer " << delta_bytes << " B, frozen "
+              << delta.value("pause_ms", 0.0) << " ms, CLI round trip " << total_ms << " ms\n";
+    ASSERT_EQ(c.cli("rm " + name).exit_code, 0);
+  }
+}
+
+}  // namespace
+}  // namespace sg::e2e

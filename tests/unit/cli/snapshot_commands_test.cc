@@ -1,0 +1,54 @@
+// The `sandgate checkpoint / snapshots / snapshot rm / create --from` pieces: bodies, paths and tables.
+#include <gtest/gtest.h>
+
+#include "cli/commands.h"
+
+namespace sg::cli {
+namespace {
+
+using nlohmann::json;
+
+TEST(CheckpointBody, OnlyTheTwoTypes) {
+  EXPECT_EQ(*checkpoint_body("filesystem"), json::parse(R"({"type":"filesystem"})"));
+  EXPECT_EQ(*checkpoint_body("memory"), json::parse(R"({"type":"memory"})"));
+  auto bad = checkpoint_body("disk");
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error(), Error::kInvalidArgument);
+  EXPECT_NE(bad.message().find("--type disk: must be filesystem or memory"), std::string::npos) << bad.message();
+}
+
+TEST(CreateFromSnapshot, TheCommandBecomesOptional) {
+  CreateOptions o;
+  EXPECT_EQ(create_request_body(o).error(), Error::kInvalidArgument) << "no command and no --from";
+  o.from = "snap-abcdefghijkl";
+  auto body = create_request_body(o);
+  ASSERT_TRUE(body) << body.message();
+  EXPECT_EQ((*body)["snapshot_id"], "snap-abcdefghijkl");
+  EXPECT_FALSE(body->contains("command"));
+  o.command = {"/bin/sh"};
+  EXPECT_EQ((*create_request_body(o))["command"], json::array({"/bin/sh"}));
+}
+
+TEST(SnapshotFormat, IdLineAndList) {
+  EXPECT_EQ(format_checkpoint(json::parse(R"({"snapshot_id":"snap-abcdefghijkl","snapshot":{}})")),
+            "snap-abcdefghijkl\n");
+  json answer = json::parse(R"({"snapshots":[
+    {"id":"snap-abcdefghijkl","type":"filesystem","source":{"id":"sb-111111111111","name":"src"},
+     "layers":["a","b"],"layer_bytes":1048576,"created_at":"2026-11-29T10:00:00.000Z"},
+    {"id":"snap-mnopqrstuvwx","type":"filesystem","source":{"id":"sb-222222222222","name":null},
+     "layers":["a"],"layer_bytes":0,"created_at":"2026-11-29T10:04:00.000Z"}]})");
+  EXPECT_EQ(format_snapshot_list(answer, *parse_timestamp("2026-11-29T10:05:00Z")),
+            "ID                 SOURCE           TYPE        LAYERS  LAYER-SIZE  AGE\n"
+            "snap-abcdefghijkl  src              filesystem  2       1.0 MiB     5m\n"
+            "snap-mnopqrstuvwx  sb-222222222222  filesystem  1       0 B         1m\n");
+  EXPECT_EQ(format_snapshot_list(json::parse(R"({"snapshots":[]})"), *parse_timestamp("2026-11-29T10:05:00Z")),
+            "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n");
+}
+
+TEST(SnapshotPath, EncodesTheId) {
+  EXPECT_EQ(snapshot_path("snap-abcdefghijkl"), "/v1/snapshots/snap-abcdefghijkl");
+  EXPECT_EQ(snapshot_path("../x"), "/v1/snapshots/..%2Fx");
+}
+
+}  // namespace
+}  // namespace sg::cli

@@ -1,0 +1,193 @@
+#include "snapshot/checkpointer.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "snapshot/checkpoint_delta.h"
+#include "tests/unit/snapshot/archive_builder.h"
+#include "tests/unit/temp_dir.h"
+
+namespace sg::snapshot {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Records what the checkpoint did to the "sandbox"; can be told to fail.
+class FakeFreezer final : public Freezer {
+ public:
+  Status freeze() override {
+    ++freezes;
+    if (fail_freeze) return fail(Error::kTimeout, "freeze did not complete");
+    frozen = true;
+    return {};
+  }
+  Status thaw() override {
+    ++thaws;
+    frozen = false;
+    return {};
+  }
+  bool fail_freeze = false;
+  bool frozen = false;
+  int freezes = 0, thaws = 0;
+};
+
+class CheckpointerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(tmp_.path().empty());
+    upper_ = tmp_.path() + "/sandbox/upper";
+    fs::create_directories(upper_);
+    auto snapshots = SnapshotStore::open(tmp_.path() + "/store/snapshots");
+    ASSERT_TRUE(snapshots) << snapshots.message();
+    snapshots_ = std::make_unique<SnapshotStore>(std::move(*snapshots));
+    auto images = ImageStore::open(tmp_.path() + "/store", [s = snapshots_.get()] { return s->layers_in_use(); });
+    ASSERT_TRUE(images) << images.message();
+    images_ = std::move(*images);
+  }
+
+  CheckpointJob job() const {
+    CheckpointJob j;
+    j.upper_dir = upper_;
+    j.shift = IdShift{0, 65536};  // the test's files are owned by root: image root
+    j.index_path = tmp_.path() + "/sandbox/checkpoint.index";
+    j.record.type = "filesystem";
+    j.record.source_id = "sb-aaaaaaaaaaaa";
+    j.record.driver = "process";
+    j.record.image = "base";
+    j.record.command = {"/bin/true"};
+    return j;
+  }
+  Result<CheckpointResult> take() { return checkpoint(*images_, *snapshots_, job(), freezer_); }
+  // Waits until the file clock has moved a tick past every write so far, so none of them is "racy" (taken
+  // again by the next checkpoint whatever it looks like, checkpoint_delta.h) at the checkpoint that follows.
+  static void settle() {
+    struct timespec now{};
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    const int64_t written_by = int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec;
+    while (racy_threshold_now() <= written_by) std::this_thread::yield();
+  }
+  void write(const std::string& rel, const std::string& data) {
+    fs::create_directories(fs::path(upper_ + "/" + rel).parent_path());
+    testing::write_file(upper_ + "/" + rel, data);
+  }
+  std::string tree(const std::string& digest) const { return images_->layers().tree_path(digest); }
+  size_t stored_layers() const { return images_->layers().list()->size(); }
+
+  testing::TempDir tmp_;
+  std::string upper_;
+  std::unique_ptr<SnapshotStore> snapshots_;
+  std::unique_ptr<ImageStore> images_;
+  FakeFreezer freezer_;
+};
+
+TEST_F(CheckpointerTest, ASecondCheckpointHoldsOnlyWhatChangedAndWhiteoutsForWhatWent) {
+  write("root/notes", "v1");
+  write("root/big", std::string(4 * 1024 * 1024, 'x'));
+  write("tmp/doomed", "bye");
+  settle();
+  auto first = take();
+  ASSERT_TRUE(first) << first.message();
+  EXPECT_EQ(freezer_.freezes, 1);
+  EXPECT_EQ(freezer_.thaws, 1);
+  EXPECT_FALSE(freezer_.frozen);
+  const Snapshot& a = first->snapshot;
+  ASSERT_EQ(a.layers.size(), 1u);
+  EXPECT_EQ(a.layer, a.layers[0]);
+  EXPECT_GT(a.layer_bytes, 4u * 1024 * 1024);
+  EXPECT_EQ(testing::read_file(tree(a.layer) + "/root/notes"), "v1");
+
+  write("root/notes", "v2");
+  ASSERT_EQ(::unlink((upper_ + "/tmp/doomed").c_str()), 0);
+  settle();
+  auto second = take();
+  ASSERT_TRUE(second) << second.message();
+  const Snapshot& b = second->snapshot;
+  ASSERT_EQ(b.layers.size(), 2u);
+  EXPECT_EQ(b.layers[0], a.layer);
+  EXPECT_LT(b.layer_bytes, 64u * 1024) << "the unchanged 4 MiB file was copied again";
+  EXPECT_EQ(testing::read_file(tree(b.layer) + "/root/notes"), "v2");
+  EXPECT_FALSE(fs::exists(tree(b.layer) + "/root/big"));
+  struct stat st{};
+  ASSERT_EQ(::lstat((tree(b.layer) + "/tmp/doomed").c_str(), &st), 0) << "no whiteout for the deleted file";
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+  EXPECT_EQ(st.st_rdev, makedev(0, 0));
+
+  // Both records are listed; the first snapshot still reads v1 (its own layer is untouched).
+  EXPECT_EQ(snapshots_->list()->size(), 2u);
+  EXPECT_EQ(testing::read_file(tree(a.layer) + "/root/notes"), "v1");
+
+  // Nothing changed since: a snapshot with no new layer.
+  auto third = take();
+  ASSERT_TRUE(third) << third.message();
+  EXPECT_EQ(third->entries, 0u);
+  EXPECT_EQ(third->snapshot.layer, "");
+  EXPECT_EQ(third->snapshot.layers, b.layers);
+}
+
+TEST_F(CheckpointerTest, AChainWhoseLayerWasRemovedStartsOverWithAFullLayer) {
+  write("data", "one");
+  auto first = take();
+  ASSERT_TRUE(first) << first.message();
+  ASSERT_TRUE(snapshots_->remove(first->snapshot.id));
+  ASSERT_TRUE(images_->collect_unused());
+  EXPECT_EQ(stored_layers(), 0u);
+  write("other", "two");
+  auto second = take();
+  ASSERT_TRUE(second) << second.message();
+  ASSERT_EQ(second->snapshot.layers.size(), 1u) << "stacked on a layer that is gone";
+  EXPECT_EQ(testing::read_file(tree(second->snapshot.layer) + "/data"), "one");
+  EXPECT_EQ(testing::read_file(tree(second->snapshot.layer) + "/other"), "two");
+}
+
+TEST_F(CheckpointerTest, AFailedFreezeLeavesNothing) {
+  write("f", "x");
+  freezer_.fail_freeze = true;
+  auto r = take();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kTimeout);
+  EXPECT_NE(r.message().find("freeze"), std::string::npos);
+  EXPECT_TRUE(snapshots_->list()->empty());
+  EXPECT_EQ(stored_layers(), 0u);
+  EXPECT_FALSE(fs::exists(tmp_.path() + "/sandbox/checkpoint.index"));
+}
+
+TEST_F(CheckpointerTest, AFailureAfterTheLayerLeavesNoSnapshotAndTheSandboxThawed) {
+  write("f", "x");
+  // The record cannot be written: the snapshot directory is gone and a file stands in its place.
+  fs::remove_all(snapshots_->root());
+  testing::write_file(snapshots_->root(), "");
+  auto r = take();
+  ASSERT_FALSE(r);
+  EXPECT_FALSE(freezer_.frozen);
+  EXPECT_EQ(freezer_.thaws, 1);
+  EXPECT_FALSE(fs::exists(tmp_.path() + "/sandbox/checkpoint.index")) << "an index for a layer no record names";
+  // What the next node start sees: no record, and its GC takes the unnamed layer.
+  fs::remove(snapshots_->root());
+  auto reopened = SnapshotStore::open(snapshots_->root());
+  ASSERT_TRUE(reopened);
+  EXPECT_TRUE(reopened->list()->empty());
+  ASSERT_TRUE(images_->collect_unused());
+  EXPECT_EQ(stored_layers(), 0u);
+}
+
+TEST_F(CheckpointerTest, AnUnrepresentableUpperDirFailsWithTheSandboxThawed) {
+  write("f", "x");
+  ASSERT_EQ(::symlink("f", (upper_ + "/link").c_str()), 0);
+  ASSERT_EQ(::lchown((upper_ + "/link").c_str(), 70000, 70000), 0);  // outside the sandbox's id range
+  auto r = take();
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kInvalidArgument);
+  EXPECT_NE(r.message().find("'/link' is owned by host 70000:70000"), std::string::npos) << r.message();
+  EXPECT_FALSE(freezer_.frozen);
+  EXPECT_TRUE(snapshots_->list()->empty());
+  EXPECT_EQ(stored_layers(), 0u);
+}
+
+}  // namespace
+}  // namespace sg::snapshot

@@ -1,0 +1,122 @@
+#include "snapshot/snapshot_store.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "tests/unit/snapshot/archive_builder.h"
+#include "tests/unit/temp_dir.h"
+
+namespace sg::snapshot {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+const std::string kLayerA = "sha256:" + std::string(64, 'a');
+const std::string kLayerB = "sha256:" + std::string(64, 'b');
+
+Snapshot sample(std::string id) {
+  Snapshot s;
+  s.id = std::move(id);
+  s.type = "filesystem";
+  s.source_id = "sb-aaaaaaaaaaaa";
+  s.source_name = "box";
+  s.driver = "process";
+  s.image = "debian";
+  s.layers = {kLayerA, kLayerB};
+  s.layer = kLayerB;
+  s.layer_bytes = 10240;
+  s.command = {"/bin/sleep", "3600"};
+  s.env = {{"PATH", "/bin"}, {"MODE", "a b"}};
+  s.cwd = "/srv";
+  s.ports = {{8080, false, "http1"}, {22, true, "tcp"}};
+  s.created_at_ms = 1'700'000'000'000;
+  return s;
+}
+
+TEST(SnapshotStore, RecordsRoundTripAndSurviveReopening) {
+  TempDir tmp;
+  std::string id = generate_snapshot_id();
+  ASSERT_TRUE(check_snapshot_id(id)) << id;
+  {
+    auto store = SnapshotStore::open(tmp.path() + "/snapshots");
+    ASSERT_TRUE(store) << store.message();
+    ASSERT_TRUE(store->create(sample(id)));
+    EXPECT_EQ(store->create(sample(id)).error(), Error::kAlreadyExists);
+  }
+  // What a crash in the middle of a write leaves: a temp file, removed at open, never listed.
+  testing::write_file(tmp.path() + "/snapshots/." + generate_snapshot_id() + ".json.tmp-abcdef", "{\"id\":");
+  auto store = SnapshotStore::open(tmp.path() + "/snapshots");
+  ASSERT_TRUE(store) << store.message();
+  auto all = store->list();
+  ASSERT_TRUE(all) << all.message();
+  ASSERT_EQ(all->size(), 1u);
+  const Snapshot& got = (*all)[0];
+  Snapshot want = sample(id);
+  EXPECT_EQ(got.id, id);
+  EXPECT_EQ(got.layers, want.layers);
+  EXPECT_EQ(got.layer, want.layer);
+  EXPECT_EQ(got.layer_bytes, want.layer_bytes);
+  EXPECT_EQ(got.command, want.command);
+  EXPECT_EQ(got.env, want.env);
+  EXPECT_EQ(got.cwd, "/srv");
+  ASSERT_EQ(got.ports.size(), 2u);
+  EXPECT_EQ(got.ports[1].port, 22);
+  EXPECT_TRUE(got.ports[1].is_public);
+  EXPECT_EQ(got.ports[1].protocol, "tcp");
+  EXPECT_EQ(got.created_at_ms, want.created_at_ms);
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(tmp.path() + "/snapshots")) files += e.is_regular_file() ? 1 : 0;
+  EXPECT_EQ(files, 1u) << "the temp file of the interrupted write is still there";
+
+  auto held = store->layers_in_use();
+  ASSERT_TRUE(held) << held.message();
+  EXPECT_EQ(*held, (std::set<std::string>{kLayerA, kLayerB}));
+  auto user = store->first_user_of_image("debian");
+  ASSERT_TRUE(user);
+  EXPECT_EQ(user->value_or(""), "snapshot " + id);
+  EXPECT_FALSE(store->first_user_of_image("other")->has_value());
+
+  ASSERT_TRUE(store->remove(id));
+  EXPECT_EQ(store->get(id).error(), Error::kNotFound);
+  EXPECT_EQ(store->remove(id).error(), Error::kNotFound);
+  EXPECT_TRUE(store->layers_in_use()->empty());
+}
+
+TEST(SnapshotStore, IdsAreCheckedBeforeTheyNameAFile) {
+  TempDir tmp;
+  auto store = SnapshotStore::open(tmp.path());
+  ASSERT_TRUE(store) << store.message();
+  for (std::string bad : {"", "snap-", "snap-ABCDEFGHIJKL", "snap-../../etc/x", "sb-abcdefghijkl", "snap-abcdefghijklm",
+                          "snap-abc/efghijkl"}) {
+    auto got = store->get(bad);
+    ASSERT_FALSE(got) << bad;
+    EXPECT_EQ(got.error(), Error::kInvalidArgument) << bad;
+    EXPECT_NE(got.message().find("invalid snapshot id"), std::string::npos) << got.message();
+    EXPECT_EQ(store->remove(bad).error(), Error::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(store->get("snap-abcdefghijkl").error(), Error::kNotFound);
+}
+
+TEST(SnapshotStore, ADamagedRecordFailsTheListSoItsLayersAreNeverCollected) {
+  TempDir tmp;
+  auto store = SnapshotStore::open(tmp.path());
+  ASSERT_TRUE(store) << store.message();
+  ASSERT_TRUE(store->create(sample("snap-aaaaaaaaaaaa")));
+  testing::write_file(tmp.path() + "/snap-bbbbbbbbbbbb.json", "{\"id\": \"snap-bbbbbbbbbbbb\", \"layers\": 7}");
+  auto all = store->list();
+  ASSERT_FALSE(all);
+  EXPECT_EQ(all.error(), Error::kIo);
+  EXPECT_NE(all.message().find("snap-bbbbbbbbbbbb.json: damaged snapshot record"), std::string::npos) << all.message();
+  EXPECT_FALSE(store->layers_in_use());
+  // A record copied under another id's name is not that snapshot.
+  fs::copy_file(tmp.path() + "/snap-aaaaaaaaaaaa.json", tmp.path() + "/snap-bbbbbbbbbbbb.json",
+                fs::copy_options::overwrite_existing);
+  auto copied = store->get("snap-bbbbbbbbbbbb");
+  ASSERT_FALSE(copied);
+  EXPECT_NE(copied.message().find("the record names snap-aaaaaaaaaaaa"), std::string::npos) << copied.message();
+}
+
+}  // namespace
+}  // namespace sg::snapshot
