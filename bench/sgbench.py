@@ -43,6 +43,9 @@ class Cluster:
     environment reuses a node images dir (e.g. the quickstart's .state/images) so its images are there."""
 
     def __init__(self, build, name, proxy_toml=""):
+        # A TERM (timeout, pkill) unwinds through the caller's `finally: close()` rather than leaving the
+        # daemons and their sandboxes behind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         self.build = os.path.abspath(build)
         self.tmp = tempfile.mkdtemp(prefix=f"sandgate-{name}.")
         self.procs = []

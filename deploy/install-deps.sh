@@ -13,6 +13,7 @@ PACKAGES=(
   libsystemd-dev  # sd_notify: both daemons tell systemd when they are ready, reloading or stopping
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev
+  clang  # libFuzzer (-fsanitize=fuzzer) for the fuzz targets in tests/fuzz; gcc has no coverage-guided fuzzer
   libyaml-cpp-dev  # the Firecracker / Cloud Hypervisor contract tests read the hypervisors' YAML specs
   # runtime tools and the clients the tests and the quickstart use
   openssl ca-certificates curl python3 procps iproute2

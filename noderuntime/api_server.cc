@@ -1466,4 +1466,22 @@ void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
                  ""});
 }
 
+Status check_api_body(ApiBody kind, const std::string& body) {
+  auto object = parse_object(body);
+  if (!object) return object.failure();
+  auto outcome = [](const auto& parsed) -> Status {
+    if (!parsed) return parsed.failure();
+    return {};
+  };
+  switch (kind) {
+    case ApiBody::kCreate: return outcome(parse_create(*object));
+    case ApiBody::kBuild: return outcome(parse_build(*object));
+    case ApiBody::kOpen: return outcome(parse_port_request(*object, PortRequestKind::kOpen));
+    case ApiBody::kSockets: return outcome(parse_port_request(*object, PortRequestKind::kSockets));
+    case ApiBody::kLookup: return outcome(parse_port_request(*object, PortRequestKind::kLookup));
+    case ApiBody::kActivity: return outcome(parse_activity(*object));
+  }
+  return fail(Error::kInvalidArgument, "unknown request body kind");
+}
+
 }  // namespace sg

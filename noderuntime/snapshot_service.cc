@@ -1,5 +1,7 @@
 #include "noderuntime/snapshot_service.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -70,8 +72,22 @@ void SnapshotService::verify(std::string id, std::function<void(Status)> done) {
         auto image = images_->get(snap->image);
         for (const std::string& layer : snap->layers) {
           if (image && std::find(image->layers.begin(), image->layers.end(), layer) != image->layers.end()) continue;
+          struct stat st{};
+          std::string stamp;
+          if (::stat((images_->layers().layer_dir(layer) + "/blob").c_str(), &st) == 0)
+            stamp = std::to_string(st.st_ino) + " " + std::to_string(st.st_size) + " " +
+                    std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " " +
+                    std::to_string(st.st_ctim.tv_sec) + "." + std::to_string(st.st_ctim.tv_nsec);
+          {
+            std::lock_guard lock(verified_mu_);
+            if (auto it = verified_.find(layer); !stamp.empty() && it != verified_.end() && it->second == stamp) continue;
+          }
           if (auto s = images_->layers().verify(layer); !s)
             return fail(s.error(), "snapshot " + id + ": " + s.message());
+          if (!stamp.empty()) {
+            std::lock_guard lock(verified_mu_);
+            verified_[layer] = stamp;
+          }
         }
         return true;
       },

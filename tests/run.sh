@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command (and what .ci/run calls): install dependencies, build with warnings as
 # errors, run every test (unit + end to end with real clients), then run the suite again under
-# AddressSanitizer + UndefinedBehaviorSanitizer. Needs root (namespaces, cgroups).
+# AddressSanitizer + UndefinedBehaviorSanitizer, then a short run of every fuzz target (tests/fuzz/run.sh).
+# Needs root (namespaces, cgroups).
 #   SANDGATE_SKIP_SANITIZE=1  skip the sanitizer pass (quicker local runs)
 #   CTEST_ARGS="-R Slice"     pass a filter to ctest
 set -euo pipefail
@@ -35,4 +36,11 @@ if [[ ${SANDGATE_SKIP_SANITIZE:-0} != 1 ]]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     run_suite build-asan -DCMAKE_BUILD_TYPE=Debug -DSANDGATE_SANITIZE=ON -DSANDGATE_BENCH=OFF
 fi
+# Fuzz smoke: every libFuzzer target (tests/fuzz) for 15 s from its seeds; a crash fails the run and leaves its
+# input in build-fuzz/fuzz/artifacts/. Only the targets and the libraries they link are built (clang).
+echo "=== fuzz smoke: build-fuzz"
+cmake -S . -B build-fuzz -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSANDGATE_FUZZ=ON \
+  -DSANDGATE_WERROR=ON -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+ninja -C build-fuzz fuzz_targets
+tests/fuzz/run.sh build-fuzz 15
 echo "tests/run.sh: all suites passed"

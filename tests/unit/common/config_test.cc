@@ -20,6 +20,29 @@ TEST(Config, EmptyFileGivesDefaults) {
   EXPECT_EQ((*c)->node.on_shutdown, ShutdownPolicy::kKeep);
 }
 
+// tests/fuzz/config_fuzz found these: toml++ 3.3.0 hits __builtin_unreachable() on some non-ASCII code
+// points (U+025C after a value here). They get an error with the line; their neighbours still parse.
+TEST(Config, CodePointsTomlMishandlesAreRefusedWithTheirLine) {
+  static const char kCrash[] = "domain = \"sandbox.localhost\"\n"
+                               "[proxy]\n"
+                               "listen = \"126.0.0.1:8443\"\n"
+                               "workekers = 2\n"
+                               "ktls =+\"\x10\x00\x00\x00\x00\x00\x00\x00proxy\xC9\x9C"
+                               "ertificat0.0.1:7070\"\n";
+  const std::string crash(kCrash, sizeof kCrash - 1);
+  auto cfg = load_config_string(crash, "t.toml");
+  ASSERT_FALSE(cfg);
+  EXPECT_EQ(cfg.message(), "t.toml:5: character U+025C is not accepted in the config file (the TOML parser, "
+                           "toml++ 3.3.0, mishandles it)");
+  for (const char* text : {"a = 1\xC2\xA1\n", "# \xE3\x80\x81\n", "d = \"\xEF\xBB\xBE\"\n"}) {
+    auto refused = load_config_string(text, "t.toml");
+    ASSERT_FALSE(refused) << text;
+    EXPECT_NE(refused.message().find("is not accepted"), std::string::npos) << refused.message();
+  }
+  // Just outside those blocks (U+00A0, U+049A, U+3000, in a comment) toml++ works.
+  EXPECT_TRUE(load_config_string("domain = \"sandbox.localhost\"\n# \xC2\xA0 \xD2\x9A \xE3\x80\x80\n", "t.toml"));
+}
+
 TEST(Config, FullFile) {
   auto c = load(R"(
 domain = "sb.example.com"
