@@ -36,7 +36,7 @@ class SnapshotService {
   // that won the race). One lock with remove()'s check, so a snapshot is never removed under a new user.
   Status add_user(const std::string& id, const std::string& user);
   void remove_user(const std::string& id, const std::string& user) { users_.remove(id, user); }
-  // Which snapshots name `image` (for ImageStore::set_user_check; any thread).
+  // Which snapshots name `image` (for the claim main.cc hands ImageStore::set_users; any thread).
   std::optional<std::string> image_user(const std::string& image) const;
   // `done` runs on the loop thread.
   void checkpoint(snapshot::CheckpointJob job, std::unique_ptr<snapshot::Freezer> freezer, CheckpointDone done);
