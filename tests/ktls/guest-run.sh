@@ -46,6 +46,9 @@ state_dir = "$STATE/node"
 on_shutdown = "terminate"
 cgroup_name = "sgktls"
 init_path = "$SG/sandgate-init"
+# The state disk is 128 MiB: the default reserve (1 GiB free kept on the layer store's filesystem) would
+# refuse the backend image's import.
+store_free_space_reserve_mb = 8
 TOML
 }
 
