@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from sgbench import DOMAIN, Cluster
+from sgbench import DOMAIN, Cluster, print_ms_table
 
 CHUNK = b"\xa5" * (1 << 20)
 
@@ -134,10 +134,7 @@ def main():
             print(f"| {row} | {len(values)} | {statistics.median(v[0] for v in values):.1f} | "
                   f"{statistics.median(v[1] for v in values):.1f} | {int(statistics.median(v[2] for v in values)):,} |")
         print()
-        print("| start | runs | median ms | min | max |")
-        print("|---|--:|--:|--:|--:|")
-        for row, values in starts.items():
-            print(f"| {row} | {len(values)} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
+        print_ms_table("start", starts)
     finally:
         c.close()
 

@@ -20,13 +20,12 @@ import io
 import json
 import socket
 import ssl
-import statistics
 import subprocess
 import sys
 import tarfile
 import time
 
-from sgbench import DOMAIN, Cluster
+from sgbench import DOMAIN, Cluster, print_ms_table
 
 
 def first_answer(connect, timeout_s=30.0):
@@ -167,10 +166,7 @@ def main():
                 delete(name)
             print(f"run {r + 1}/{runs} done", file=sys.stderr)
 
-        print(f"| row | runs | median ms | min | max |")
-        print(f"|---|--:|--:|--:|--:|")
-        for row, values in rows.items():
-            print(f"| {row} | {len(values)} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
+        print_ms_table("row", rows)
     finally:
         c.close()
 

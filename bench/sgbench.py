@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,14 @@ def wait_for(what, pred, timeout_s, proc=None, log=None):
             sys.exit(f"{what}: the process exited: {open(log).read()[-2000:] if log else ''}")
         time.sleep(0.05)
     sys.exit(f"{what}: not within {timeout_s} s")
+
+
+def print_ms_table(title, rows):
+    """A Markdown table of `rows` ({row: [ms, ...]}): runs, median, min, max."""
+    print(f"| {title} | runs | median ms | min | max |")
+    print("|---|--:|--:|--:|--:|")
+    for row, values in rows.items():
+        print(f"| {row} | {len(values)} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
 
 
 class Cluster:

@@ -21,56 +21,47 @@ import time
 TRICKLE_S = 0.5
 
 
-async def slow_handshake(port, source, results):
+async def trickle(reader, writer, data, start, opened):
+    """Sends `data` a byte every TRICKLE_S until the proxy closes: the seconds that took, None if it never did."""
+    opened()
+    for b in data:
+        try:
+            writer.write(bytes([b]))
+            await writer.drain()
+            got = await asyncio.wait_for(reader.read(4096), TRICKLE_S)
+            if got == b"" or got.startswith(b"HTTP/1.1 408"):
+                return time.monotonic() - start
+        except asyncio.TimeoutError:
+            continue
+        except (OSError, ssl.SSLError):
+            return time.monotonic() - start
+    return None
+
+
+async def slow_handshake(port, source, results, opened):
     start = time.monotonic()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     except OSError as e:
         results.append({"kind": "handshake", "error": str(e)})
-        return
+        return opened()
     # A TLS record header and the start of a ClientHello, never finished.
     hello = bytes([0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xFC, 0x03, 0x03]) + bytes(64)
-    closed_at = None
-    for b in hello:
-        try:
-            writer.write(bytes([b]))
-            await writer.drain()
-            data = await asyncio.wait_for(reader.read(1024), TRICKLE_S)
-            if data == b"":
-                closed_at = time.monotonic() - start
-                break
-        except asyncio.TimeoutError:
-            continue
-        except OSError:
-            closed_at = time.monotonic() - start
-            break
+    closed_at = await trickle(reader, writer, hello, start, opened)
     writer.close()
     results.append({"kind": "handshake", "closed_after": closed_at})
 
 
-async def slow_head(port, ctx, host, source, results):
+async def slow_head(port, ctx, host, source, results, opened):
     start = time.monotonic()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=host,
                                                        local_addr=(source, 0))
     except (OSError, ssl.SSLError) as e:
         results.append({"kind": "head", "error": str(e)})
-        return
+        return opened()
     head = ("GET / HTTP/1.1\r\nHost: %s\r\n" % host + "X-Slow: " + "a" * 200).encode()
-    closed_at = None
-    for b in head:
-        try:
-            writer.write(bytes([b]))
-            await writer.drain()
-            data = await asyncio.wait_for(reader.read(4096), TRICKLE_S)
-            if data == b"" or data.startswith(b"HTTP/1.1 408"):
-                closed_at = time.monotonic() - start
-                break
-        except asyncio.TimeoutError:
-            continue
-        except (OSError, ssl.SSLError):
-            closed_at = time.monotonic() - start
-            break
+    closed_at = await trickle(reader, writer, head, start, opened)
     writer.close()
     results.append({"kind": "head", "closed_after": closed_at})
 
@@ -98,11 +89,20 @@ async def main():
     ctx = ssl.create_default_context(cafile=ca)
     results, legit_results = [], []
     tasks = []
+    # The legitimate load starts once every slow connection is open (or failed to open) and trickling.
+    all_open = asyncio.Event()
+    pending = [slow]
+
+    def opened():
+        pending[0] -= 1
+        if pending[0] == 0:
+            all_open.set()
     for i in range(slow):
         source = "127.0.2.%d" % (1 + i % sources)
-        tasks.append(slow_handshake(port, source, results) if i % 2 == 0 else slow_head(port, ctx, host, source, results))
+        tasks.append(slow_handshake(port, source, results, opened) if i % 2 == 0
+                     else slow_head(port, ctx, host, source, results, opened))
     slow_all = asyncio.gather(*tasks)
-    await asyncio.sleep(1)  # the slow ones are open and trickling before the legitimate load starts
+    await asyncio.wait_for(all_open.wait(), 60)
     await legit(port, ctx, host, legit_count, legit_results)
     await slow_all
     closed = [r["closed_after"] for r in results if r.get("closed_after") is not None]
