@@ -1,0 +1,49 @@
+// Who owns which sandbox in a fleet of nodes, as this process last saw it. The node side (registration,
+// name claims) writes the fleet's state to etcd; a Directory is the read side every proxy and node keeps
+// from a list + watch of it, and the proxy's routing reads only this interface, so it runs against a fake.
+//
+// etcd keys (values are JSON):
+//   /sandgate/nodes/<node>        NodeInfo, bound to the node's lease: gone when the node stops renewing it
+//   /sandgate/sandboxes/<name>    {"node": "<node>", "state": "<sandbox state>"}: the fleet-wide name claim
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sg::fleet {
+
+enum class NodeState { kReady, kDraining };
+
+struct NodeInfo {
+  std::string name;     // unique in the fleet
+  std::string api;      // the node API other nodes and the CLI reach it at (https://host:port)
+  std::string ingress;  // host:port of the node's fleet ingress listener (mutual TLS with the fleet CA)
+  NodeState state = NodeState::kReady;
+  int64_t capacity_sandboxes = 0;  // how many sandboxes it admits in all
+  int64_t sandboxes = 0;           // how many it holds now
+};
+
+struct SandboxOwner {
+  std::string node;
+  // Empty when the owner's node key is gone (lease expired): the sandbox exists but cannot be reached now,
+  // which a proxy answers with 503 + Retry-After, not 404.
+  std::optional<NodeInfo> node_info;
+};
+
+// Every method is safe to call from any thread (proxy workers share one directory).
+class Directory {
+ public:
+  virtual ~Directory() = default;
+  // nullopt: the fleet has no sandbox of that name (as far as this view knows).
+  virtual std::optional<SandboxOwner> owner_of(std::string_view sandbox) const = 0;
+  virtual std::optional<NodeInfo> node(std::string_view name) const = 0;
+  virtual std::vector<NodeInfo> nodes() const = 0;
+  // False while the view cannot follow etcd (watch broken, re-listing): entries may be stale. Routing goes
+  // on from the last view; a stale entry is corrected by the node it reaches (a redirect to the real owner).
+  virtual bool current() const = 0;
+};
+
+}  // namespace sg::fleet
