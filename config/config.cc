@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/un.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -203,6 +204,12 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.boolean("route_cache", &out->route_cache);
   r.string("access_log", &out->access_log);
   out->access_log = resolve_path(base_dir, out->access_log);
+  r.string("handover_socket", &out->handover_socket);
+  out->handover_socket = resolve_path(base_dir, out->handover_socket);
+  if (out->handover_socket.size() >= sizeof(sockaddr_un{}.sun_path))
+    r.error(*t.get("handover_socket"), "proxy.handover_socket",
+            "longer than a unix socket path can be (" + std::to_string(sizeof(sockaddr_un{}.sun_path) - 1) + " bytes)");
+  r.integer("drain_timeout_secs", &out->drain_timeout_secs, 1, 24 * 3600);
   r.string("user", &out->user);
   r.string("group", &out->group);
   if (!out->user.empty()) check_user(r, t, "user", out->user);

@@ -42,6 +42,11 @@ struct ProxyConfig {
   // (proxy/route_cache.h). Read at start; off: every connection's open goes to the node.
   bool route_cache = true;
   std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
+  // A unix socket a new proxy (`sandgate-proxy --takeover`) takes the listening sockets from, so a binary
+  // upgrade or restart refuses no connection (proxy/listener_handover.h). "" = none.
+  std::string handover_socket;
+  // After a takeover the old process finishes its connections for at most this long, then closes the rest.
+  uint32_t drain_timeout_secs = 300;
   // Plain-HTTP `GET /metrics` (Prometheus text format) listeners; none by default. Loopback only unless
   // metrics_listen_allow_remote: the counters name causes and rates an outsider should not read.
   std::vector<Endpoint> metrics_listen;

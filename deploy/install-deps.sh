@@ -27,7 +27,9 @@ PACKAGES=(
   uidmap                         # newuidmap/newgidmap: mmdebstrap's unshare mode
   qemu-utils                     # qemu-img: per-sandbox qcow2 overlays on an image's base disk
   nftables                       # egress filtering and NAT for sandboxes with internet access
+  wrk                            # the reload and takeover tests keep HTTP load on the proxy with it
   prometheus                     # promtool: the tests check both daemons' /metrics with `promtool check metrics`
+  testssl.sh                     # the TLS scanner the tests and bench/testssl.py run against the ingress
 )
 
 log() { echo "install-deps: $*" >&2; }

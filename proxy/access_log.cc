@@ -42,6 +42,7 @@ std::string_view cause_name(TerminationCause c) {
     case TerminationCause::kTokenRevoked: return "token_revoked";
     case TerminationCause::kKtlsRequired: return "ktls_required";
     case TerminationCause::kKtlsKeyUpdate: return "ktls_key_update";
+    case TerminationCause::kDrained: return "drained";
     case TerminationCause::kShutdown: return "shutdown";
   }
   return "unknown";

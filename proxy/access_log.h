@@ -46,6 +46,7 @@ enum class TerminationCause {
   kTokenRevoked,        // the sandbox's token was rotated while this connection (authorized by it) was open
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
   kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
+  kDrained,             // idle between HTTP/1.1 requests while the proxy handed its listeners to a new process
   kShutdown,
 };
 

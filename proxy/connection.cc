@@ -57,6 +57,8 @@ class Connection::Phase {
   virtual TerminationCause client_failure_cause() const { return TerminationCause::kClientClosed; }
   // The phase is left (or the connection closed): what it started must not call back.
   virtual void stop() {}
+  // The proxy drains (Worker::drain): a phase that can end the connection cleanly does so.
+  virtual void drain_tick() {}
 
  protected:
   Connection& c_;
@@ -150,6 +152,7 @@ class Connection::ForwardPhase final : public Phase {
   bool spliced_to_client() const { return u2c_.spliced(); }
   bool spliced_from_client() const { return c2u_.spliced(); }
   bool start() { return c2u_.run_stage(); }
+  void drain_tick() override;
 
  private:
   Direction::Hooks client_to_sandbox_hooks();
@@ -191,6 +194,9 @@ class Connection::ForwardPhase final : public Phase {
   // answered once the sandbox has answered (and closed) the requests before it.
   std::optional<RequestRefusal> pending_refusal_;
   bool client_closed_first_ = false;
+  // Draining: the h2 client was told GOAWAY; the bytes both ways at the last tick (UINT64_MAX: none yet).
+  bool drain_goaway_sent_ = false;
+  uint64_t drain_seen_bytes_ = UINT64_MAX;
   // h2: the client broke the connection in a later request (an HPACK failure, an oversized block). Its
   // GOAWAY is queued between the sandbox's frames; once it is out nothing more is read from either side,
   // and the connection ends with this cause when what is buffered has been delivered.
@@ -978,8 +984,31 @@ Http1Verdict Connection::ForwardPhase::check_http1_request(Http1Request& r) {
     return verdict;
   }
   strip_credentials(r.target, r.headers, consumed_);
+  // Draining: the sandbox is asked to close after this answer, which then says Connection: close, so the
+  // client opens its next connection to the new process instead of losing a request to a closed one.
+  if (c_.worker_->draining() && !r.upgrade) ask_to_close(r.headers);
   if (responses_) responses_->expect(r.method, r.upgrade);
   return {};
+}
+
+void Connection::ForwardPhase::drain_tick() {
+  if (h2_filter_) {
+    if (drain_goaway_sent_ || goaway_) return;
+    drain_goaway_sent_ = true;
+    // RFC 9113 §6.8: GOAWAY with the largest stream id announces the shutdown without refusing a stream the
+    // client may have sent meanwhile; the client opens no new ones and closes once its streams are done.
+    if (!h2_frames_->inject(h2_goaway_frame(0x7fffffff, H2ErrorCode::kNoError, "draining"))) return;
+    if (u2c_.run_stage()) c_.update_interest();
+    return;
+  }
+  // Only where the answers are followed can "between requests" be known; a tunnel, or a spliced response
+  // direction, finishes on its own or meets the drain deadline.
+  if (!h1_filter_ || !responses_) return;
+  const uint64_t moved = c_.rec_.bytes_in + c_.rec_.bytes_out;
+  const bool idle = h1_filter_->between_requests() && responses_->idle() && c2u_.pending() == 0 && u2c_.pending() == 0;
+  // Idle for a whole tick: a client that was about to send its next request has had the time to.
+  if (idle && moved == drain_seen_bytes_) return c_.close(TerminationCause::kDrained);
+  drain_seen_bytes_ = moved;
 }
 
 void Connection::ForwardPhase::observe_responses(std::string_view bytes) {
@@ -1197,6 +1226,11 @@ void Connection::LingerPhase::drain() {
 }
 
 // ---- The end ----
+
+void Connection::drain_tick() {
+  drop_left_phases();
+  phase_->drain_tick();
+}
 
 bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why) {
   if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase() == PhaseKind::kClosed)

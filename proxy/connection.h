@@ -51,6 +51,8 @@ class Connection {
   // Closes this connection if it belongs to `sandbox_id` and was opened before `stamp` (the node's stamps).
   // True when it was closed.
   bool cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why);
+  // Worker::drain's tick (the proxy handed its listeners over): ends the connection at the next clean point.
+  void drain_tick();
 
  private:
   // The connection's state is its current phase, one object at a time: each phase handles the events

@@ -260,7 +260,8 @@ Result<std::string> http1_refusal(int status, std::string_view content_type, std
                     "\r\nContent-Length: " + std::to_string(body.size()) +
                     // An answer from the edge (a 401, a redirect that sets the token cookie) must never be
                     // replayed from a cache.
-                    "\r\nCache-Control: no-store\r\nConnection: close\r\n";
+                    "\r\nCache-Control: no-store\r\nStrict-Transport-Security: " + std::string(kHstsValue) +
+                    "\r\nConnection: close\r\n";
   for (const HttpHeader& h : extra_headers) {
     if (h.name.empty())
       return fail(Error::kInvalidArgument, "empty header name");

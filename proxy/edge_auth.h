@@ -100,8 +100,13 @@ bool is_cross_origin_request(std::string_view authority, std::span<const HttpHea
 // the contents nor the length of the secret leak through timing.
 bool token_matches(std::string_view presented, std::string_view expected);
 
+// What the edge's own answers (HTTP/1.1 and h2) send as Strict-Transport-Security: a browser that reached
+// a host of the domain once over TLS never tries it in clear text for a year (a sandbox's own responses are
+// forwarded unchanged). Host-only, no includeSubDomains: the edge does not speak for names it does not serve.
+inline constexpr std::string_view kHstsValue = "max-age=31536000";
+
 // A complete HTTP/1.1 response from the edge itself: status line, Server, Content-Type, Content-Length,
-// Cache-Control: no-store, Connection: close, then `extra_headers` in order (e.g. WWW-Authenticate with
+// Cache-Control: no-store, Strict-Transport-Security, Connection: close, then `extra_headers` in order (e.g. WWW-Authenticate with
 // kBearerChallenge, Location, Set-Cookie, Retry-After), then `body`.
 // kInvalidArgument for a status outside 100..599, or a header name that is not a token or a value with
 // CR, LF or NUL: response splitting must be impossible whatever reaches a Location or a Set-Cookie.

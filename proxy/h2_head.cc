@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "proxy/edge_auth.h"
+
 namespace sg {
 namespace h2 {
 
@@ -423,6 +425,7 @@ Result<std::string> h2_refusal(uint32_t stream_id, int status, std::string_view 
       {"content-length", std::to_string(body.size())},
       // An answer from the edge (a 401, a redirect that sets the token cookie) must never be replayed from a cache.
       {"cache-control", "no-store"},
+      {"strict-transport-security", std::string(kHstsValue)},
   };
   for (const HttpHeader& h : extra_headers) {
     std::string name = h.name;

@@ -86,6 +86,33 @@ void Http1RequestFilter::resolve_upgrade(bool switched) {
 
 Http1RequestFilter::~Http1RequestFilter() = default;
 
+void ask_to_close(std::vector<HttpHeader>& headers) {
+  std::string value = "close";
+  auto is_connection = [](const HttpHeader& h) { return strcasecmp(h.name.c_str(), "connection") == 0; };
+  for (const HttpHeader& h : headers) {
+    if (!is_connection(h)) continue;
+    std::string_view rest = h.value;
+    while (!rest.empty()) {
+      const size_t comma = rest.find(',');
+      std::string_view option = rest.substr(0, comma);
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+      while (!option.empty() && (option.front() == ' ' || option.front() == '\t')) option.remove_prefix(1);
+      while (!option.empty() && (option.back() == ' ' || option.back() == '\t')) option.remove_suffix(1);
+      auto is = [&](std::string_view word) {
+        return option.size() == word.size() && strncasecmp(option.data(), word.data(), word.size()) == 0;
+      };
+      if (option.empty() || is("close") || is("keep-alive")) continue;
+      value.append(", ").append(option);
+    }
+  }
+  std::erase_if(headers, is_connection);
+  headers.push_back({"Connection", std::move(value)});
+}
+
+bool Http1RequestFilter::between_requests() const {
+  return state_ == State::kRequests && held_.empty() && parser_->in_head && parser_->head_bytes == 0;
+}
+
 namespace {
 
 // The request announced a body (a CONNECT never has one that llhttp would read).

@@ -66,6 +66,8 @@ class Http1RequestFilter {
   const Refusal& refusal() const { return refusal_; }
   // Requests whose heads were forwarded so far.
   size_t forwarded() const { return forwarded_; }
+  // No part of a request (head or body) has been read since the last one ended.
+  bool between_requests() const;
   // The sandbox answered the Upgrade/CONNECT request (kAwaitingSwitch): switched -> kTunnel, the held bytes
   // released as they are; refused -> kRequests, the held bytes parsed as requests. Either way what is released
   // goes out with the next feed() (which may be given no input).
@@ -86,6 +88,10 @@ class Http1RequestFilter {
   bool await_switch_ = false;
   std::string held_;  // kAwaitingSwitch: what the client sent after the Upgrade request; then until released
 };
+
+// Makes the request ask the server to close after answering it: every Connection field becomes one
+// "Connection: close, <the other options they named>" (keep-alive dropped), other fields untouched.
+void ask_to_close(std::vector<HttpHeader>& headers);
 
 // "METHOD target HTTP/x.y\r\n" + "name: value\r\n"... + "\r\n".
 std::string serialize_request_head(const Http1Request& r);

@@ -1,6 +1,7 @@
 // sandgate-proxy: the TLS ingress. Loads the config, binds one SO_REUSEPORT listener per worker thread,
 // switches to proxy.user if one is set, and runs until SIGINT/SIGTERM. SIGHUP reloads the config file, the
-// certificates and the operator token as one snapshot.
+// certificates and the operator token as one snapshot. `--takeover` starts it on the listening sockets of
+// the proxy running now (proxy.handover_socket), which then drains and exits: a binary upgrade.
 #include <signal.h>
 #include <unistd.h>
 #include <uv.h>
@@ -10,14 +11,16 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "common/log.h"
 #include "common/operator_token.h"
 #include "config/config.h"
-#include "proxy/fd_limits.h"
 #include "common/service_notify.h"
+#include "proxy/fd_limits.h"
+#include "proxy/listener_handover.h"
 #include "proxy/metrics_server.h"
 #include "proxy/privileges.h"
 #include "proxy/worker.h"
@@ -42,7 +45,63 @@ struct Proxy {
   std::string user;
   std::string group;
   std::string ready_status;  // the STATUS= systemd shows while the proxy serves
+  std::unique_ptr<sg::HandoverServer> handover;  // proxy.handover_socket, once this process serves
+  uv_timer_t drain_timer{};
+  uint64_t drain_deadline_ms = 0;
 };
+
+void stop_all(Proxy* p, uv_loop_t* loop) {
+  for (auto& w : p->workers) w->stop();
+  if (p->metrics) p->metrics->close();
+  if (p->handover) p->handover->close();
+  uv_stop(loop);
+}
+
+// A new process took the listeners: the workers stop accepting and finish their connections; the process
+// exits when none is left, or at proxy.drain_timeout_secs with what remains closed.
+void start_draining(Proxy* p, uv_loop_t* loop) {
+  const uint32_t timeout_s = p->shared->snapshot()->config->proxy.drain_timeout_secs;
+  spdlog::info("handed the listeners over: draining {} connections (at most {} s)",
+               p->shared->open_connections.load(std::memory_order_relaxed), timeout_s);
+  sg::notify_stopping("handed over: draining");
+  for (auto& w : p->workers) w->drain();
+  if (p->metrics) p->metrics->close();
+  p->drain_deadline_ms = uv_now(loop) + uint64_t{timeout_s} * 1000;
+  uv_timer_init(loop, &p->drain_timer);
+  p->drain_timer.data = p;
+  uv_timer_start(&p->drain_timer, [](uv_timer_t* t) {
+    auto* self = static_cast<Proxy*>(t->data);
+    const uint32_t open = self->shared->open_connections.load(std::memory_order_relaxed);
+    if (open != 0 && uv_now(t->loop) < self->drain_deadline_ms) return;
+    if (open != 0) spdlog::warn("drain deadline: closing the {} connections left", open);
+    else spdlog::info("drained: every connection finished");
+    uv_timer_stop(t);
+    stop_all(self, t->loop);
+  }, 100, 100);
+}
+
+// The listeners handed over by the previous process, per config endpoint (listen[i]), per worker: its worker
+// w's sockets go to worker w % workers here, so each keeps being polled; one for an address no longer in the
+// config is closed (with whatever waits in its queue, as the config says).
+std::vector<std::vector<std::vector<sg::UniqueFd>>> assign_inherited(std::vector<sg::HandedListener> handed,
+                                                                     const std::vector<sg::Endpoint>& listen,
+                                                                     unsigned workers) {
+  std::vector<std::vector<std::vector<sg::UniqueFd>>> out(workers);
+  for (auto& per_worker : out) per_worker.resize(listen.size());
+  for (sg::HandedListener& h : handed) {
+    bool placed = false;
+    for (size_t i = 0; i < listen.size() && !placed; ++i) {
+      const sg::Endpoint& want = listen[i];
+      // Port 0 (tests) means "whatever the previous process had" on that address.
+      if (want.kind != h.endpoint.kind || want.host != h.endpoint.host || (want.port != 0 && want.port != h.endpoint.port))
+        continue;
+      out[h.worker % workers][i].push_back(std::move(h.fd));
+      placed = true;
+    }
+    if (!placed) spdlog::warn("takeover: {} is not in proxy.listen any more: closing it", h.endpoint.to_string());
+  }
+  return out;
+}
 
 // Appended to a failure to read a file after the switch to proxy.user: the file is most likely fine but
 // readable by root only.
@@ -105,8 +164,12 @@ int main(int argc, char** argv) {
   CLI::App app{"sandgate-proxy: TLS ingress for sandboxes"};
   Proxy proxy;
   bool check_only = false;
+  bool takeover = false;
   app.add_option("--config", proxy.config_path, "configuration file (TOML)")->required();
   app.add_flag("--check", check_only, "validate the configuration and certificates, then exit");
+  app.add_flag("--takeover", takeover,
+               "take the listening sockets of the proxy running now (proxy.handover_socket), which then drains "
+               "its connections and exits");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -163,11 +226,27 @@ int main(int argc, char** argv) {
   proxy.shared->access_log = std::move(*access_log);
 
   const unsigned n = workers;
+  std::optional<sg::HandoverClient> predecessor;
+  if (takeover) {
+    if ((*cfg)->proxy.handover_socket.empty()) {
+      spdlog::error("--takeover needs proxy.handover_socket: the socket the running proxy hands its listeners on");
+      return 2;
+    }
+    auto taken = sg::HandoverClient::take_over((*cfg)->proxy.handover_socket);
+    if (!taken) {
+      spdlog::error("takeover: {}", taken.message());
+      return 1;
+    }
+    spdlog::info("takeover: received {} listening sockets from the running proxy", taken->listeners().size());
+    predecessor = std::move(*taken);
+  }
+  auto inherited = predecessor ? assign_inherited(std::move(predecessor->listeners()), (*cfg)->proxy.listen, n)
+                               : std::vector<std::vector<std::vector<sg::UniqueFd>>>(n);
   // Port 0 (tests) is resolved by the first worker's bind; the others join the same ports via SO_REUSEPORT.
   std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;
   for (unsigned i = 0; i < n; ++i) {
     auto w = std::make_unique<sg::Worker>(static_cast<int>(i), proxy.shared.get());
-    auto st = w->bind(listen);
+    auto st = w->bind(listen, std::move(inherited[i]));
     if (st && i == 0) listen = w->bound();
     if (!st) {
       spdlog::error("cannot start worker {}: {}", i, st.message());
@@ -214,9 +293,36 @@ int main(int argc, char** argv) {
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
   spdlog::info("sandgate-proxy ready on {} ({} workers, domain {})", listening, n, (*cfg)->domain);
   proxy.ready_status = "serving on " + listening + " (" + std::to_string(n) + " workers)";
+  if (predecessor) {
+    // The previous process stops accepting only now that this one serves, so no moment is without a poller.
+    if (auto done = predecessor->finish(); !done)
+      spdlog::warn("takeover: {} (serving anyway; the previous process may still accept too)", done.message());
+    else
+      spdlog::info("takeover: the previous process stopped accepting and drains its connections");
+    predecessor.reset();
+  }
+  uv_loop_t* loop = uv_default_loop();
+  if (const std::string& path = (*cfg)->proxy.handover_socket; !path.empty()) {
+    auto server = sg::HandoverServer::start(
+        loop, path,
+        [&proxy] {
+          std::vector<sg::HandoverServer::Listener> all;
+          for (size_t i = 0; i < proxy.workers.size(); ++i)
+            for (const auto& [ep, fd] : proxy.workers[i]->listeners())
+              all.push_back({static_cast<unsigned>(i), ep, fd});
+          return all;
+        },
+        [&proxy, loop] { start_draining(&proxy, loop); });
+    if (!server) {
+      spdlog::error("proxy.handover_socket: {}", server.message());
+      return 1;
+    }
+    proxy.handover = std::move(*server);
+    spdlog::info("handover socket {}: `sandgate-proxy --takeover` replaces this process without refusing a "
+                 "connection", path);
+  }
   sg::notify_ready(proxy.ready_status);
 
-  uv_loop_t* loop = uv_default_loop();
   uv_signal_t sigint, sigterm, sighup;
   for (uv_signal_t* s : {&sigint, &sigterm, &sighup}) {
     uv_signal_init(loop, s);
@@ -225,10 +331,7 @@ int main(int argc, char** argv) {
   auto on_stop = [](uv_signal_t* s, int signum) {
     spdlog::info("signal {}: closing listeners and connections", signum);
     sg::notify_stopping("stopping: closing listeners and connections");
-    auto* p = static_cast<Proxy*>(s->data);
-    for (auto& w : p->workers) w->stop();
-    if (p->metrics) p->metrics->close();
-    uv_stop(s->loop);
+    stop_all(static_cast<Proxy*>(s->data), s->loop);
   };
   uv_signal_start(&sigint, on_stop, SIGINT);
   uv_signal_start(&sigterm, on_stop, SIGTERM);

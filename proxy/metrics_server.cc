@@ -35,7 +35,9 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(uv_loop_t* loop, con
                                                              Render render) {
   std::unique_ptr<MetricsServer> s(new MetricsServer(loop, std::move(render)));
   for (const Endpoint& ep : listen) {
-    auto fd = listen_on(ep, /*reuse_port=*/false, 64);
+    // SO_REUSEPORT: during a takeover (proxy/listener_handover.h) the new process binds the metrics port
+    // while the old one still holds it; only a process of the same user can join the port.
+    auto fd = listen_on(ep, /*reuse_port=*/true, 64);
     if (!fd) return fail(fd.error(), "proxy.metrics_listen " + ep.to_string() + ": " + fd.message());
     Endpoint got = ep;
     if (ep.kind == Endpoint::Kind::kTcp) {

@@ -155,6 +155,8 @@ int TlsContexts::select_alpn(SSL* ssl, const unsigned char** out, unsigned char*
   return SSL_TLSEXT_ERR_NOACK;
 }
 
+constexpr const char* kTls12Ciphers = "ECDHE+AESGCM:ECDHE+CHACHA20";
+
 Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
   if (cfg.proxy.certificates.empty())
     return fail(Error::kInvalidArgument, "proxy.certificates: at least one certificate is needed");
@@ -170,6 +172,10 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
                                       // A peer that closes without close_notify is an ordinary EOF.
                                       SSL_OP_IGNORE_UNEXPECTED_EOF);
     if (self->ktls_mode_ != KtlsMode::kOff) SSL_CTX_set_options(ctx.get(), SSL_OP_ENABLE_KTLS);
+    // TLS 1.2 gets ECDHE with AEAD ciphers only (TLS 1.3's suites are all AEAD): CBC suites with HMAC are
+    // the ones padding-oracle attacks (Lucky13) aim at, and every client that speaks TLS 1.2 has an AEAD one.
+    if (SSL_CTX_set_cipher_list(ctx.get(), kTls12Ciphers) != 1)
+      return fail(Error::kInternal, "SSL_CTX_set_cipher_list: " + take_ssl_error());
     if (self->ktls_possible()) {
       // Receive for TLS 1.3 is handed to the kernel by the connection (proxy/ktls.h), which needs the
       // client traffic secret and a count of the records OpenSSL read. read_ahead stays off (the default)

@@ -43,21 +43,30 @@ Worker::~Worker() {
   uv_loop_close(&loop_);
 }
 
-Status Worker::bind(const std::vector<Endpoint>& listen) {
+Status Worker::bind(const std::vector<Endpoint>& listen, std::vector<std::vector<UniqueFd>> inherited) {
   auto cfg = shared_->snapshot()->config;
   // Every address first: a failure leaves nothing in the loop (the descriptors close with `fds`).
   std::vector<UniqueFd> fds;
   std::vector<Endpoint> bound;
-  for (Endpoint ep : listen) {
-    auto fd = listen_on(ep, /*reuse_port=*/true);
-    if (!fd) return fd.failure();
+  for (size_t i = 0; i < listen.size(); ++i) {
+    Endpoint ep = listen[i];
+    std::vector<UniqueFd> mine;
+    if (i < inherited.size()) mine = std::move(inherited[i]);
+    if (mine.empty()) {
+      auto fd = listen_on(ep, /*reuse_port=*/true);
+      if (!fd) return fd.failure();
+      mine.push_back(std::move(*fd));
+    }
     if (ep.port == 0) {
-      auto port = local_port(fd->get());
+      auto port = local_port(mine.front().get());
       if (!port) return port.failure();
       ep.port = *port;
     }
     bound.push_back(ep);
-    fds.push_back(std::move(*fd));
+    for (UniqueFd& fd : mine) {
+      listener_fds_.emplace_back(ep, fd.get());
+      fds.push_back(std::move(fd));
+    }
   }
   bound_ = std::move(bound);
   for (UniqueFd& fd : fds) {
@@ -72,8 +81,9 @@ Status Worker::bind(const std::vector<Endpoint>& listen) {
   accept_pause_timer_.data = this;
   uv_async_init(&loop_, &stop_async_, [](uv_async_t* a) {
     auto* self = static_cast<Worker*>(a->data);
-    for (auto& p : self->listen_polls_) uv_close(reinterpret_cast<uv_handle_t*>(p.get()), nullptr);
-    self->listen_fds_.clear();
+    self->close_listeners();
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->drain_async_), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->drain_timer_), nullptr);
     // Closing removes the connection from the set: iterate over a copy.
     std::vector<Connection*> open(self->connections_.begin(), self->connections_.end());
     for (Connection* c : open) c->close(TerminationCause::kShutdown);
@@ -87,6 +97,10 @@ Status Worker::bind(const std::vector<Endpoint>& listen) {
     self->report_in_flight_.reset();
   });
   stop_async_.data = this;
+  uv_async_init(&loop_, &drain_async_, [](uv_async_t* a) { static_cast<Worker*>(a->data)->start_draining(); });
+  drain_async_.data = this;
+  uv_timer_init(&loop_, &drain_timer_);
+  drain_timer_.data = this;
   uv_timer_init(&loop_, &report_timer_);
   report_timer_.data = this;
   uint32_t interval = cfg->proxy.activity_report_interval_ms;
@@ -104,6 +118,32 @@ void Worker::start() { thread_ = std::thread([this] { run(); }); }
 void Worker::run() { uv_run(&loop_, UV_RUN_DEFAULT); }
 
 void Worker::stop() { uv_async_send(&stop_async_); }
+
+void Worker::drain() { uv_async_send(&drain_async_); }
+
+void Worker::close_listeners() {
+  // The polls are closed (their memory freed once libuv is done with them); the sockets themselves live on
+  // in the process that took them over, so nothing queued in their backlogs is lost.
+  for (auto& p : listen_polls_)
+    uv_close(reinterpret_cast<uv_handle_t*>(p.release()), [](uv_handle_t* h) { delete reinterpret_cast<uv_poll_t*>(h); });
+  listen_polls_.clear();
+  listen_fds_.clear();
+  listener_fds_.clear();
+  uv_timer_stop(&accept_pause_timer_);
+}
+
+void Worker::start_draining() {
+  if (draining_) return;
+  draining_ = true;
+  close_listeners();
+  auto tick = [](uv_timer_t* t) {
+    auto* self = static_cast<Worker*>(t->data);
+    // Draining may close connections, which removes them from the set: iterate over a copy.
+    std::vector<Connection*> open(self->connections_.begin(), self->connections_.end());
+    for (Connection* c : open) c->drain_tick();
+  };
+  uv_timer_start(&drain_timer_, tick, 0, kDrainTickMs);
+}
 
 void Worker::join() {
   if (thread_.joinable()) thread_.join();

@@ -74,7 +74,9 @@ class Worker {
 
   // Binds this worker's listeners (synchronously, so bind errors surface at startup) and sets up its loop.
   // `listen` is the list to bind (port 0 already resolved by the first worker: all workers share ports).
-  Status bind(const std::vector<Endpoint>& listen);
+  // `inherited[i]`, when given, are sockets a previous proxy listened with on listen[i] (a takeover,
+  // proxy/listener_handover.h): this worker polls them instead of binding one of its own.
+  Status bind(const std::vector<Endpoint>& listen, std::vector<std::vector<UniqueFd>> inherited = {});
   // Starts the thread that runs the loop: after bind(), and after the proxy dropped root (proxy.user), so
   // that no connection is ever handled with root's privileges.
   void start();
@@ -82,6 +84,14 @@ class Worker {
   const std::vector<Endpoint>& bound() const { return bound_; }
   // Asks the loop to close listeners and connections and return; join() waits for that.
   void stop();
+  // Another process took over the listeners: stop accepting, and let the open connections finish. An
+  // HTTP/1.1 request forwarded from now on asks the sandbox to close after answering it (Connection: close),
+  // an HTTP/1.1 connection idle between requests for a drain tick is closed, an h2 client is told GOAWAY
+  // (no new streams; those in flight finish). What is left at the drain deadline goes with stop().
+  void drain();
+  bool draining() const { return draining_; }
+  // Each listening socket (endpoint, descriptor, still this worker's), for a takeover; set at bind.
+  std::vector<std::pair<Endpoint, int>> listeners() const { return listener_fds_; }
   void join();
 
   uv_loop_t* loop() { return &loop_; }
@@ -120,6 +130,13 @@ class Worker {
   uv_async_t stop_async_{};
   uv_timer_t report_timer_{};
   std::vector<UniqueFd> listen_fds_;
+  std::vector<std::pair<Endpoint, int>> listener_fds_;  // what listen_fds_ held at bind, by endpoint
+  uv_async_t drain_async_{};
+  uv_timer_t drain_timer_{};
+  bool draining_ = false;  // loop thread only
+  static constexpr uint64_t kDrainTickMs = 500;
+  void start_draining();
+  void close_listeners();
   std::vector<Endpoint> bound_;
   std::vector<std::unique_ptr<uv_poll_t>> listen_polls_;
   uv_timer_t accept_pause_timer_{};

@@ -199,6 +199,15 @@ int Daemon::stop(int sig, int timeout_ms) {
   return status;
 }
 
+int Daemon::wait_exit(int timeout_ms) {
+  if (pid_ <= 0) return -1;
+  int status = -1;
+  if (!eventually([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; }, std::chrono::milliseconds(timeout_ms)))
+    return -1;
+  pid_ = -1;
+  return status;
+}
+
 namespace {
 std::atomic<int> cluster_counter{0};
 

@@ -54,6 +54,9 @@ class Daemon {
   std::string wait_for(const std::string& needle, int timeout_ms, size_t from = 0);
   // Sends sig and waits for exit (SIGKILL after timeout). Returns the exit status as from waitpid.
   int stop(int sig = SIGTERM, int timeout_ms = 15000);
+  // Waits for the process to exit on its own: its status as from waitpid, or -1 if it still runs after
+  // timeout_ms (it is left running).
+  int wait_exit(int timeout_ms);
   bool running() const { return pid_ > 0; }
   pid_t pid() const { return pid_; }
   std::string log() const { return read_file(log_path_); }

@@ -15,7 +15,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 packages=python3,python3-websockets,openssh-server,busybox,procps,apt,iproute2,mount
 mirror=${SANDGATE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
-key=$( { cat "$0"; echo "$packages"; for f in "$here"/*; do echo "$f"; cat "$f"; done; } | sha256sum | cut -c1-16)
+# File names, not paths: two clones (or worktrees) of one commit share one image.
+key=$( { cat "$0"; echo "$packages"; for f in "$here"/*; do echo "${f##*/}"; cat "$f"; done; } | sha256sum | cut -c1-16)
 archive=$cache/test-image-$key.tar
 if [[ -f $archive ]]; then
   echo "$archive"

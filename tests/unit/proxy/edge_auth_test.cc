@@ -192,7 +192,8 @@ TEST(EdgeAuth, Http1Refusal) {
   ASSERT_TRUE(unauthorized.ok()) << unauthorized.message();
   EXPECT_EQ(*unauthorized,
             "HTTP/1.1 401 Unauthorized\r\nServer: sandgate\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            "Content-Length: 15\r\nCache-Control: no-store\r\nConnection: close\r\n"
+            "Content-Length: 15\r\nCache-Control: no-store\r\nStrict-Transport-Security: max-age=31536000\r\n"
+            "Connection: close\r\n"
             "WWW-Authenticate: Bearer realm=\"sandgate\"\r\n\r\ntoken required\n");
 
   const HttpHeader redirect_headers[] = {{"Location", "https://8080-demo.sandbox.localhost/app"},

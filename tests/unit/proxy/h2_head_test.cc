@@ -515,6 +515,7 @@ void refuse_and_check(int status, std::string_view body, const std::vector<HttpH
   expect_complete_answer(client, stream, *refusal, status, body);
   const Nghttp2Session::Stream& response = client.streams[stream];
   EXPECT_EQ(*field(response.headers, "cache-control"), "no-store");
+  EXPECT_EQ(*field(response.headers, "strict-transport-security"), "max-age=31536000");
   for (const HttpHeader& h : extra) {
     std::string name = h.name;
     for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

@@ -175,5 +175,31 @@ TEST(Http1Filter, AnEndlessHeadIsCutAtTheLimitWithoutBuffering) {
   EXPECT_EQ(f.refusal().status, 431);
 }
 
+TEST(Http1Filter, BetweenRequestsOnlyWhenNoPartOfARequestWasRead) {
+  Checker c;
+  Http1RequestFilter f(16 * 1024, c.fn());
+  std::string out;
+  EXPECT_TRUE(f.between_requests());
+  f.feed("POST /u HTTP/1.1\r\nHost: a.test\r\nContent-Length: 4\r\n\r\nab", out);
+  EXPECT_FALSE(f.between_requests()) << "inside a body";
+  f.feed("cd", out);
+  EXPECT_TRUE(f.between_requests());
+  f.feed("GET / HT", out);
+  EXPECT_FALSE(f.between_requests()) << "inside a head";
+}
+
+TEST(Http1Filter, AskToCloseReplacesKeepAliveAndKeepsTheOtherOptions) {
+  std::vector<HttpHeader> none = {{"Host", "a.test"}};
+  ask_to_close(none);
+  EXPECT_EQ(serialize_request_head({"GET", "/", 1, 1, none, false}), "GET / HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n");
+
+  std::vector<HttpHeader> several = {{"connection", "Keep-Alive, TE"}, {"TE", "trailers"}, {"Connection", " close ,x-opt"}};
+  ask_to_close(several);
+  ASSERT_EQ(several.size(), 2u);
+  EXPECT_EQ(several[0].name, "TE");
+  EXPECT_EQ(several[1].name, "Connection");
+  EXPECT_EQ(several[1].value, "close, TE, x-opt");
+}
+
 }  // namespace
 }  // namespace sg
