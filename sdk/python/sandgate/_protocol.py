@@ -4,6 +4,7 @@ Python objects. No I/O here, so both front ends behave the same and this is unit
 import base64
 import dataclasses
 import enum
+import hashlib
 import json
 
 from ._transport import Endpoint
@@ -49,11 +50,12 @@ def node_headers(settings, has_body):
     return headers
 
 
-def agent_endpoint(settings, ref):
+def agent_endpoint(settings, ref, token=""):
     name = settings.sandbox_host(ref)
     host, port = settings.ingress
     return Endpoint("tls", host=host, port=port, server_name=name,
-                    host_header=name if port == 443 else f"{name}:{port}", cafile=settings.cacert)
+                    host_header=name if port == 443 else f"{name}:{port}", cafile=settings.cacert,
+                    credential=hashlib.sha256(token.encode()).hexdigest() if token else "")
 
 
 def agent_headers(token, content_type=None):

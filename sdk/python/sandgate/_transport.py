@@ -28,6 +28,10 @@ class Endpoint:
     server_name: str = ""     # tls: SNI and the name the certificate must carry
     host_header: str = ""     # the request's Host
     cafile: str = ""          # tls: "" = the system's trust store
+    # Which credential the connection's requests carry (a digest of it, not the token): the ingress checks
+    # the token when a connection opens and routes its later requests on that, so a connection opened with
+    # one sandbox token must never carry another's requests.
+    credential: str = ""
 
     def describe(self):
         if self.kind == "unix":

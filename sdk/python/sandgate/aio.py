@@ -39,7 +39,7 @@ class AsyncClient:
         return P.json_answer(r.status, await r.read(P.MAX_JSON_ANSWER_BYTES), what or f"{method} {path}")
 
     async def agent(self, ref, token, method, target, body=None, content_type=None, timeout=None):
-        return await self._pool.request(P.agent_endpoint(self.settings, ref), method, target,
+        return await self._pool.request(P.agent_endpoint(self.settings, ref, token), method, target,
                                         P.agent_headers(token, content_type), body, timeout)
 
     def sandbox_token(self, ref, explicit=None):

@@ -43,7 +43,7 @@ class Client:
     # -- a sandbox's agent
     def agent(self, ref, token, method, target, body=None, content_type=None, timeout=None):
         """The raw answer (status checked by the caller: agent_json / agent_ok)."""
-        return self._pool.request(P.agent_endpoint(self.settings, ref), method, target,
+        return self._pool.request(P.agent_endpoint(self.settings, ref, token), method, target,
                                   P.agent_headers(token, content_type), body, timeout)
 
     def sandbox_token(self, ref, explicit=None):

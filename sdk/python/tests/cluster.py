@@ -2,14 +2,20 @@
 bench/sgbench.py start them: a fresh CA and wildcard certificate for sandbox.localhost, an operator token
 file, the proxy on a kernel-chosen port read back from its ready line, HOME inside the temp dir.
 
-The sandboxes run the e2e test image (tests/e2e/tools/make-test-image.sh; SANDGATE_TEST_IMAGE_DIR names its
-cache, which is only read here): it is imported into this cluster's own image store, because checkpoints
-write snapshots and layers into the store and the shared one must not change. SANDGATE_BUILD_DIR names the
-build with the daemons. Run as root (the node makes namespaces and cgroups)."""
+Images. By default the node uses the e2e test image (tests/e2e/tools/make-test-image.sh, cached in
+SANDGATE_TEST_IMAGE_DIR) from its shared store, as the e2e harness does (imported into it once, under the
+harness's lock, if it is not there yet). A checkpoint writes snapshots and layers into the node's store,
+which must not happen to the shared one, so Cluster(own_store=True) gets a store of its own holding a tiny
+busybox image made here (importing the 240 MB test image and removing it again would cost ~30 s).
+SANDGATE_BUILD_DIR names the build with the daemons. Run as root (the node makes namespaces and cgroups)."""
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import tempfile
 import time
 
@@ -51,7 +57,8 @@ def _read(path):
 
 
 class Cluster:
-    def __init__(self, name="sdk"):
+    def __init__(self, name="sdk", own_store=False):
+        self.own_store = own_store
         self.build = os.path.abspath(os.environ.get("SANDGATE_BUILD_DIR") or os.path.join(ROOT, "build"))
         self.tmp = tempfile.mkdtemp(prefix=f"sandgate-{name}.")
         self.procs = []
@@ -74,7 +81,7 @@ class Cluster:
         token_file = self.tmp + "/operator.token"
         with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(OPERATOR_TOKEN + "\n")
-        self.cgroup = f"sandgate-sdk-{os.getpid()}"
+        self.cgroup = f"sandgate-{name}-{os.getpid()}"
         with open(self.tmp + "/sandgate.toml", "w") as f:
             f.write(f"""domain = "{DOMAIN}"
 node_socket = "unix:{self.sock}"
@@ -92,8 +99,7 @@ state_dir = "{self.tmp}/state"
 on_shutdown = "terminate"
 cgroup_name = "{self.cgroup}"
 init_path = "{self.build}/noderuntime/sandgate-init"
-images_dir = ""
-default_image = "test"
+{self._image_config()}
 """)
         self.node_log, self.proxy_log = self.tmp + "/node.log", self.tmp + "/proxy.log"
         node = self._spawn([self.build + "/noderuntime/sandgate-node"], self.node_log)
@@ -104,20 +110,66 @@ default_image = "test"
                                                         if "ready on 127.0.0.1:" in l), None),
                         START_TIMEOUT_S, proxy, self.proxy_log)
         self.port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
-        self._import_test_image()
+        if self.own_store:
+            self._import(self._busybox_image(), "tiny")
+        elif not os.path.exists(f"{self.store}/images/{self.image}.json"):
+            # As harness.cc's ensure_test_image: one importer at a time, the others find it done.
+            with open(self.store + "/../.import-lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not os.path.exists(f"{self.store}/images/{self.image}.json"):
+                    self._import(self.archive, self.image)
 
-    def _import_test_image(self):
+    def _image_config(self):
+        if self.own_store:
+            return 'images_dir = ""\ndefault_image = "tiny"'
         cache = os.environ.get("SANDGATE_TEST_IMAGE_DIR") or os.path.join(self.build, "test-image")
         made = subprocess.run(["bash", ROOT + "/tests/e2e/tools/make-test-image.sh", cache], check=True,
                               capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S)
-        archive = made.stdout.splitlines()[0]
-        r = self.cli("image", "import", archive, "test", timeout=IMPORT_TIMEOUT_S)
+        self.archive = made.stdout.splitlines()[0]
+        key = os.path.basename(self.archive)[len("test-image-"):-len(".tar")]
+        self.image = "sandgate-test-" + key  # the name the e2e harness gives it
+        self.store = cache + "/store"
+        os.makedirs(self.store, exist_ok=True)
+        return f'images_dir = "{self.store}"\ndefault_image = "{self.image}"'
+
+    def _busybox_image(self):
+        """A one-layer docker-save archive: the host's static busybox (busybox-static) and its applets."""
+        work = self.tmp + "/tiny"
+        os.makedirs(work + "/root/bin")
+        for d in ("dev", "proc", "sys", "tmp", "etc", "root"):
+            os.makedirs(f"{work}/root/{d}")
+        os.chmod(work + "/root/tmp", 0o1777)
+        shutil.copy("/bin/busybox", work + "/root/bin/busybox")
+        applets = subprocess.run(["/bin/busybox", "--list"], check=True, capture_output=True, text=True).stdout
+        for applet in applets.split():
+            if applet != "busybox":
+                os.symlink("busybox", f"{work}/root/bin/{applet}")
+        os.makedirs(work + "/out/l0")
+        with tarfile.open(work + "/out/l0/layer.tar", "w", format=tarfile.GNU_FORMAT) as t:
+            t.add(work + "/root", arcname=".")
+        with open(work + "/out/l0/layer.tar", "rb") as f:
+            diff_id = "sha256:" + hashlib.sha256(f.read()).hexdigest()
+        config = json.dumps({"os": "linux", "config": {"Env": ["PATH=/bin"], "WorkingDir": "/"},
+                             "rootfs": {"type": "layers", "diff_ids": [diff_id]}}).encode()
+        config_name = hashlib.sha256(config).hexdigest() + ".json"
+        with open(f"{work}/out/{config_name}", "wb") as f:
+            f.write(config)
+        with open(work + "/out/manifest.json", "w") as f:
+            json.dump([{"Config": config_name, "RepoTags": ["tiny:latest"], "Layers": ["l0/layer.tar"]}], f)
+        with tarfile.open(work + "/image.tar", "w") as t:
+            for entry in sorted(os.listdir(work + "/out")):
+                t.add(f"{work}/out/{entry}", arcname=entry)
+        return work + "/image.tar"
+
+    def _import(self, archive, name):
+        r = self.cli("image", "import", archive, name, timeout=IMPORT_TIMEOUT_S)
         if r.returncode != 0:
-            raise RuntimeError(f"image import: {r.stdout}{r.stderr}")
+            raise RuntimeError(f"image import {name}: {r.stdout}{r.stderr}")
 
     def _spawn(self, argv, log):
-        p = subprocess.Popen(argv + ["--config", self.tmp + "/sandgate.toml"], stdout=open(log, "w"),
-                             stderr=subprocess.STDOUT)
+        with open(log, "w") as out:
+            p = subprocess.Popen(argv + ["--config", self.tmp + "/sandgate.toml"], stdout=out,
+                                 stderr=subprocess.STDOUT)
         self.procs.append(p)
         return p
 
