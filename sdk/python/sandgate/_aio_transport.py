@@ -145,6 +145,12 @@ class Pool:
             conn.reused = False
             idle.append(conn)
 
+    def discard(self, server_name):
+        """As _transport.Pool.discard."""
+        for endpoint in [e for e in self._idle if e.server_name == server_name]:
+            for conn in self._idle.pop(endpoint):
+                conn.close()
+
     def close(self):
         for idle in self._idle.values():
             for conn in idle:

@@ -230,6 +230,14 @@ class Pool:
                 conn.reused = False
                 idle.append(conn)
 
+    def discard(self, server_name):
+        """Closes the idle connections to one TLS name (a sandbox being suspended: the ingress closes them
+        anyway, and a request sent on one meanwhile could reach the sandbox and then be cut off)."""
+        with self._lock:
+            for endpoint in [e for e in self._idle if e.server_name == server_name]:
+                for conn in self._idle.pop(endpoint):
+                    conn.close()
+
     def close(self):
         with self._lock:
             for idle in self._idle.values():

@@ -165,6 +165,7 @@ class AsyncSandbox:
 
     async def suspend(self, wait=True, timeout_secs=P.STATE_TIMEOUT_S):
         self.info = await self._client.node("POST", P.sandbox_path(self.id, "suspend"), what=f"suspend {self.ref}")
+        self._client._pool.discard(self._client.settings.sandbox_host(self.ref))
         return await self._wait_state(("suspended",), timeout_secs) if wait else self
 
     async def resume(self, wait=True, timeout_secs=P.STATE_TIMEOUT_S):

@@ -197,6 +197,7 @@ class Sandbox:
         """Suspends the sandbox (in memory; the node may hibernate it later). The next call to its agent (or
         resume()) wakes it. With wait, returns once it is suspended."""
         self.info = self._client.node("POST", P.sandbox_path(self.id, "suspend"), what=f"suspend {self.ref}")
+        self._client._pool.discard(self._client.settings.sandbox_host(self.ref))
         return self._wait_state(("suspended",), timeout_secs) if wait else self
 
     def resume(self, wait=True, timeout_secs=P.STATE_TIMEOUT_S):

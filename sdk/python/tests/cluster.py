@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -68,7 +69,15 @@ class Cluster:
             self.close()
             raise
 
+    def _phase(self, what):
+        """Logs how long each start-up step took (stderr), so a slow start in CI says where it waited."""
+        now = time.monotonic()
+        print(f"cluster {self.name}: {what} {now - self._t:.1f} s", file=sys.stderr, flush=True)
+        self._t = now
+
     def _start(self, name):
+        self.name = name
+        self._t = time.monotonic()
         self.sock = self.tmp + "/node.sock"
         self.home = self.tmp + "/home"
         os.mkdir(self.home, 0o700)
@@ -102,14 +111,17 @@ init_path = "{self.build}/noderuntime/sandgate-init"
 {self._image_config()}
 """)
         self.node_log, self.proxy_log = self.tmp + "/node.log", self.tmp + "/proxy.log"
+        self._phase("certificate, config and image lookup")
         node = self._spawn([self.build + "/noderuntime/sandgate-node"], self.node_log)
         wait_for("sandgate-node", lambda: "sandgate-node ready" in _read(self.node_log), START_TIMEOUT_S, node,
                  self.node_log)
+        self._phase("node ready")
         proxy = self._spawn([self.build + "/proxy/sandgate-proxy"], self.proxy_log)
         line = wait_for("sandgate-proxy", lambda: next((l for l in _read(self.proxy_log).splitlines()
                                                         if "ready on 127.0.0.1:" in l), None),
                         START_TIMEOUT_S, proxy, self.proxy_log)
         self.port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
+        self._phase("proxy ready")
         if self.own_store:
             self._import(self._busybox_image(), "tiny")
         elif not os.path.exists(f"{self.store}/images/{self.image}.json"):
@@ -118,6 +130,7 @@ init_path = "{self.build}/noderuntime/sandgate-init"
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not os.path.exists(f"{self.store}/images/{self.image}.json"):
                     self._import(self.archive, self.image)
+        self._phase("image imported" if self.own_store else "image present")
 
     def _image_config(self):
         if self.own_store:

@@ -2,6 +2,7 @@
 against the cluster's CA, with the sandbox's token; node calls go to the node socket, or to api.<domain>
 through the ingress with the operator token. Needs SANDGATE_BUILD_DIR (ctest sets it) and root."""
 import asyncio
+import faulthandler
 import json
 import hashlib
 import os
@@ -18,13 +19,16 @@ from sandgate import (AsyncClient, AsyncSandbox, CheckpointType, Client, Conflic
                       NotFoundError, Sandbox, UnauthorizedError, UnavailableError, UnsupportedError)
 
 cluster = None
+SUITE_DEADLINE_S = 300
 
 
 def setUpModule():
     global cluster
     if not os.environ.get("SANDGATE_BUILD_DIR"):
         raise unittest.SkipTest("SANDGATE_BUILD_DIR is not set (run through ctest: ctest -R python_sdk_e2e)")
-    cluster = Cluster()
+    cluster = Cluster()  # may build the test image first (mmdebstrap, minutes), so the deadline starts after
+    # A hang fails the suite with every thread's traceback, well before ctest's own timeout kills it silently.
+    faulthandler.dump_traceback_later(SUITE_DEADLINE_S, exit=True)
 
 
 def tearDownModule():
@@ -32,6 +36,7 @@ def tearDownModule():
         c.close()
     if cluster is not None:
         cluster.close()
+    faulthandler.cancel_dump_traceback_later()
 
 
 _clients = []
@@ -44,7 +49,15 @@ def client(**extra):
     return c
 
 
-class SyncSandboxTest(unittest.TestCase):
+class TimedTest(unittest.TestCase):
+    """Prints each test's duration (stderr): the suite must stay quick, and a slow run should say where."""
+
+    def setUp(self):
+        t0 = time.monotonic()
+        self.addCleanup(lambda: print(f"  [{self.id()}: {time.monotonic() - t0:.1f} s]", file=sys.stderr, flush=True))
+
+
+class SyncSandboxTest(TimedTest):
     """One sandbox through its whole life, the way a user's script drives it."""
 
     def test_lifecycle(self):
@@ -66,6 +79,8 @@ class SyncSandboxTest(unittest.TestCase):
         self.assertEqual((r.stdout, r.stderr, r.exit_code), ("42\n", "oops\n", 3))
         self.assertEqual(sb.run("sh", ["-c", "printf '\\377'"]).stdout_bytes, b"\xff")  # exact bytes
         self.assertEqual(sb.run("cat", stdin="piped").stdout, "piped")
+        killed = sb.run("sleep", ["30"], timeout_secs=1)  # the agent kills it; the result says so
+        self.assertEqual((killed.timed_out, killed.signal, killed.exit_code), (True, 9, None))
         with self.assertRaises(NotFoundError) as missing:  # the agent cannot start it: a 400 before any event
             sb.run("/no/such/binary")
         self.assertEqual((missing.exception.status, missing.exception.kind), (400, "not_found"))
@@ -158,7 +173,7 @@ class SyncSandboxTest(unittest.TestCase):
         self.assertEqual((len(forwarded), len(forwarded) + len(refused)), (1, len(entries)), json.dumps(entries))
 
 
-class CheckpointTest(unittest.TestCase):
+class CheckpointTest(TimedTest):
     """On a node with a store of its own (a checkpoint writes into it) and a busybox image."""
 
     def test_checkpoint_restore_and_what_the_node_cannot_do(self):
@@ -191,7 +206,7 @@ class CheckpointTest(unittest.TestCase):
             own.close()
 
 
-class ErrorsTest(unittest.TestCase):
+class ErrorsTest(TimedTest):
     def test_typed_errors_carry_the_message(self):
         c = client()
         with self.assertRaises(NotFoundError) as nf:
@@ -238,7 +253,7 @@ class ErrorsTest(unittest.TestCase):
         c.close()
 
 
-class CliInteropTest(unittest.TestCase):
+class CliInteropTest(TimedTest):
     def test_a_script_configured_like_the_cli(self):
         # The CLI creates (and saves the token); a script with only the environment the quickstart prints
         # connects, runs, and removes it; the CLI then sees it gone.
@@ -255,7 +270,7 @@ class CliInteropTest(unittest.TestCase):
         self.assertFalse(os.path.exists(cluster.home + "/.config/sandgate/tokens/sdk-cli"))
 
 
-class AsyncSandboxTest(unittest.TestCase):
+class AsyncSandboxTest(TimedTest):
     def test_ten_sessions_concurrently(self):
         async def session(c, i):
             sb = await AsyncSandbox.create(name=f"sdk-async-{i}", client=c)
@@ -289,7 +304,7 @@ class AsyncSandboxTest(unittest.TestCase):
         self.assertLess(max(starts), min(ends), "the sessions ran one after the other")
 
 
-class RunCodeTest(unittest.TestCase):
+class RunCodeTest(TimedTest):
     """run_code needs an agent that serves /run_code and /contexts; an older agent answers 404 "no such
     endpoint", which the SDK raises as UnsupportedError, and these tests skip."""
 
