@@ -4,6 +4,7 @@ iterators: `async for ev in await sb.run(..., stream=True)`."""
 import asyncio
 import json
 import time
+import weakref
 
 from . import _protocol as P
 from ._aio_transport import Pool
@@ -50,7 +51,8 @@ class AsyncClient:
         return load_token(ref, self._env)
 
 
-_defaults = {}
+# Weak: a loop that asyncio.run() has closed takes its client (and its dead connections) with it.
+_defaults = weakref.WeakKeyDictionary()
 
 
 def default_client():

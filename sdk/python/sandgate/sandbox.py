@@ -42,7 +42,7 @@ class Client:
 
     # -- a sandbox's agent
     def agent(self, ref, token, method, target, body=None, content_type=None, timeout=None):
-        """The raw answer (status checked by the caller: agent_json / agent_ok)."""
+        """The raw answer; the caller checks its status (Sandbox._agent_json, _agent_stream, ...)."""
         return self._pool.request(P.agent_endpoint(self.settings, ref, token), method, target,
                                   P.agent_headers(token, content_type), body, timeout)
 

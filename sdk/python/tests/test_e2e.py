@@ -128,7 +128,7 @@ class SyncSandboxTest(TimedTest):
         self.assertEqual(url, f"https://8080-sdk-life.sandbox.localhost:{cluster.port}/")
 
         def served():
-            out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", cluster.ca,
+            out = subprocess.run(["curl", "-s", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", cluster.ca,
                                   "-H", "Authorization: Bearer " + sb.token, url], capture_output=True, text=True)
             return out.stdout == "200"
         wait_for("http.server in the sandbox", served, 20)
