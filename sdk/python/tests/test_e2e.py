@@ -164,7 +164,9 @@ class SyncSandboxTest(TimedTest):
         c.close()
         # The proxy logs each connection when it ends: the 20 calls (and create's readiness check) were one.
         sni = "sdk-reuse.sandbox.localhost"
-        wait_for("the connection's access log line", lambda: any(e.get("sni") == sni for e in cluster.access_log()), 10)
+        # (A readiness probe's refused connection may be logged first: wait for the one that carried data.)
+        wait_for("the connection's access log line",
+                 lambda: any(e.get("sni") == sni and e["bytes_in"] > 0 for e in cluster.access_log()), 10)
         entries = [e for e in cluster.access_log() if e.get("sni") == sni]
         forwarded = [e for e in entries if e["bytes_in"] > 0]
         # Other lines can only be readiness probes the ingress answered itself (502: the agent was not yet
