@@ -7,6 +7,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 sdk=$(dirname "$here")
 python=/usr/bin/python3
+# No __pycache__ next to the sources: tests write only in their own temp dirs.
+export PYTHONDONTWRITEBYTECODE=1
 case ${1:-} in
   unit)
     cd "$here"
