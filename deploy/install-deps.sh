@@ -20,6 +20,7 @@ PACKAGES=(
   openssh-client openssh-server  # ssh/scp through the ingress to an sshd inside a sandbox
   nghttp2-client                 # h2load and nghttp: HTTP/2 through the ingress
   python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
+  python3-pip python3-setuptools python3-venv  # the SDK suite pip-installs sdk/python into a venv, offline
   qemu-system-x86 busybox-static # the QEMU driver and the kTLS guest test (guest images from Debian packages)
   # the sandbox boundary and images (issue 10)
   mmdebstrap                     # image build: Debian root filesystems from Debian packages
