@@ -46,6 +46,9 @@ enum class TerminationCause {
   kTokenRevoked,        // the sandbox's token was rotated while this connection (authorized by it) was open
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
   kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
+  kFleetOwnerGone,      // the sandbox's owning node is gone from the fleet (its lease expired): 503 + Retry-After
+  kFleetHopFailed,      // the owning node's fleet ingress could not be reached or broke the hop protocol
+  kFleetRedirect,       // fleet ingress: this node does not own the sandbox; the hop was sent to the owner
   kShutdown,
 };
 
@@ -73,6 +76,9 @@ struct AccessRecord {
   // edge gave itself, the phase that decided on it (not the respond/linger that carried it out).
   std::string_view phase;
   std::string detail;     // e.g. the OpenSSL error for a failed handshake
+  // Cross-node hop: the node this proxy carried the connection to, or the node whose proxy carried it here.
+  std::string hop_to;
+  std::string hop_from;
 };
 
 class AccessLog {
