@@ -1,5 +1,7 @@
 #include "proxy/worker.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -158,6 +160,11 @@ void Worker::on_accept(int listen_fd) {
     uint32_t open = shared_->open_connections.fetch_add(1, std::memory_order_relaxed);
     std::string client = format_peer(reinterpret_cast<sockaddr*>(&peer));
     std::string address = client_address(client);
+    // Small writes go out at once: after a TLS 1.3 handshake the session tickets are still unacknowledged
+    // when the first response is written, and with Nagle that response waited for the client's delayed ACK
+    // (40 ms on Linux) whenever the client had nothing more to send (bench/fleet_hop.py).
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     const bool fleet = is_fleet_listener(listen_fd);
     auto* conn = new Connection(this, UniqueFd(fd), std::move(client), fleet);
     connections_.insert(conn);
