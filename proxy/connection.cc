@@ -870,6 +870,10 @@ void Connection::HopPhase::advance() {
     SSL_set_tlsext_host_name(ssl_, node_.name.c_str());
     // The peer must be the node the directory names, not merely some member of the fleet.
     SSL_set1_host(ssl_, node_.name.c_str());
+    if (SSL_SESSION* resumed = c_.fleet_->sessions->get(node_.name)) {
+      SSL_set_session(ssl_, resumed);
+      SSL_SESSION_free(resumed);
+    }
     step_ = Step::kHandshaking;
   }
   if (step_ == Step::kHandshaking) {

@@ -54,11 +54,43 @@ Result<SslCtxPtr> make_ctx(const ProxyConfig& pc, bool server) {
   // Both ends prove they belong to the fleet: a hop carries clients' credentials and client addresses the
   // owning proxy takes as given, so only a peer with a fleet certificate may open one.
   SSL_CTX_set_verify(ctx.get(), server ? SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT : SSL_VERIFY_PEER, nullptr);
-  if (server) SSL_CTX_set_options(ctx.get(), SSL_OP_NO_TICKET);
+  // Resumption: a session is only resumed where it was verified (a server that verifies its peers must
+  // name the context its sessions belong to, or OpenSSL refuses to resume them).
+  static constexpr unsigned char kSessionContext[] = "sandgate-fleet-hop";
+  if (server) SSL_CTX_set_session_id_context(ctx.get(), kSessionContext, sizeof kSessionContext - 1);
   return ctx;
 }
 
+// A client session arrived (TLS 1.3: a ticket after the handshake): kept for the next hop to that node.
+int on_new_hop_session(SSL* ssl, SSL_SESSION* session) {
+  auto* sessions = static_cast<HopSessions*>(SSL_CTX_get_app_data(SSL_get_SSL_CTX(ssl)));
+  const char* node = SSL_get_servername(ssl, TLSEXT_NAMETYPE_host_name);
+  if (!sessions || !node) return 0;
+  sessions->put(node, session);
+  return 1;  // the reference is ours now
+}
+
 }  // namespace
+
+HopSessions::~HopSessions() {
+  for (auto& [_, s] : sessions_) SSL_SESSION_free(s);
+}
+
+void HopSessions::put(const std::string& node, SSL_SESSION* s) {
+  std::lock_guard lock(mu_);
+  auto [it, added] = sessions_.try_emplace(node, s);
+  if (!added) {
+    SSL_SESSION_free(it->second);
+    it->second = s;
+  }
+}
+
+SSL_SESSION* HopSessions::get(const std::string& node) const {
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(node);
+  if (it == sessions_.end() || SSL_SESSION_up_ref(it->second) != 1) return nullptr;
+  return it->second;
+}
 
 std::string peer_node_name(SSL* ssl) {
   if (SSL_get_verify_result(ssl) != X509_V_OK) return {};
@@ -76,6 +108,9 @@ Result<std::shared_ptr<const FleetContext>> FleetContext::create(const Config& c
   if (!client) return client.failure();
   fleet->server = std::move(*server);
   fleet->client = std::move(*client);
+  SSL_CTX_set_session_cache_mode(fleet->client.get(), SSL_SESS_CACHE_CLIENT | SSL_SESS_CACHE_NO_INTERNAL_STORE);
+  SSL_CTX_set_app_data(fleet->client.get(), fleet->sessions.get());
+  SSL_CTX_sess_set_new_cb(fleet->client.get(), on_new_hop_session);
   fleet->self = certificate_node_name(SSL_CTX_get0_certificate(fleet->server.get()));
   if (!fleet::valid_node_name(fleet->self))
     return fail(Error::kInvalidArgument, "proxy.fleet_cert " + pc.fleet_cert + " names \"" + fleet->self +
