@@ -92,6 +92,8 @@ void check_access_as_user(const Proxy& p, const sg::Config& running) {
       spdlog::warn("a reload will fail: {}{}", tls.message(), as_user_hint(&p));
     if (auto token = sg::read_operator_token((*cfg)->operator_token_file); !token)
       spdlog::warn("a reload will fail: {}{}", token.message(), as_user_hint(&p));
+    if (auto fleet = sg::FleetContext::create(**cfg); !fleet)
+      spdlog::warn("a reload will fail: {}{}", fleet.message(), as_user_hint(&p));
   }
   // Connecting to a unix socket needs write permission on it (and search permission on its directories).
   // A socket that is not there yet (the node is still starting) says nothing either way.

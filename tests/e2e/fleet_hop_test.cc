@@ -82,13 +82,16 @@ TEST(FleetHop, AnotherNodesSandboxThroughThisProxy) {
   b.wait_until_serving("web", 8080);
   const std::string token = b.create_private_serving("priv");
   ASSERT_FALSE(token.empty());
+  auto tun = nlohmann::json::parse(b.cli("create --json --name tun --expose 7000/tcp -- /usr/bin/python3 " +
+                                         tool("testserver.py") + " tcp 7000").out, nullptr, false);
+  ASSERT_TRUE(tun.is_object() && tun.contains("token")) << tun.dump();
   a.create_http_sandbox("stale", 8080, "--timeout 600");
   a.wait_until_serving("stale", 8080);
   const nlohmann::json nodes = nlohmann::json::array(
       {{{"name", "a"}, {"ingress", "127.0.0.1:" + std::to_string(a_port)}},
        {{"name", "b"}, {"ingress", "127.0.0.1:" + std::to_string(b_port)}}});
   set_directory(a, certs.directory("a"),
-                {{"nodes", nodes}, {"sandboxes", {{"web", "b"}, {"priv", "b"}, {"stale", "b"}, {"ghost", "c"}}}});
+                {{"nodes", nodes}, {"sandboxes", {{"web", "b"}, {"priv", "b"}, {"tun", "b"}, {"stale", "b"}, {"ghost", "c"}}}});
   set_directory(b, certs.directory("b"), {{"nodes", nodes}, {"sandboxes", {{"web", "b"}, {"priv", "b"}, {"stale", "a"}}}});
 
   // b's sandbox answers through a's ingress (curl verifies a's certificate), and each proxy logs its end.
@@ -108,6 +111,20 @@ TEST(FleetHop, AnotherNodesSandboxThroughThisProxy) {
   auto p = a.curl("8080-priv.sandbox.localhost", "/", bearer(token));
   EXPECT_EQ(Cluster::http_code(p), 200) << p.out;
   EXPECT_EQ(Cluster::body(p), "hello from priv");
+
+  // sandgate ssh-proxy's CONNECT through a: b answers it and the tunnel carries bytes both ways, with the
+  // client's half-close (the server answers after EOF: the sha256 of "hello" and its length).
+  const std::string tunnel = "printf hello | " + a.sandgate() + " ssh-proxy --ingress 127.0.0.1:" +
+                             std::to_string(a.port()) + " --cacert " + a.ca() + " --domain sandbox.localhost --token " +
+                             tun["token"].get<std::string>() + " --port 7000 tun";
+  CommandResult tunneled;
+  EXPECT_TRUE(eventually(
+      [&] {
+        tunneled = run(tunnel, 20);
+        return tunneled.out == "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824 5\n";
+      },
+      std::chrono::seconds(20)))
+      << tunneled.out << tunneled.err;
 
   // A stale view: b redirects to a, which is this node, so a's own node serves it; b logs the redirect.
   auto s = a.curl("8080-stale.sandbox.localhost");
