@@ -217,6 +217,21 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
     if (out->user.empty()) r.error(*t.get("group"), "proxy.group", "needs proxy.user (the user to switch to)");
     else check_group(r, t, "group", out->group, /*unprivileged=*/true);
   }
+  r.endpoints("fleet_listen", &out->fleet_listen, false);
+  for (auto [key, field] : {std::pair{"fleet_cert", &out->fleet_cert}, std::pair{"fleet_key", &out->fleet_key},
+                            std::pair{"fleet_ca", &out->fleet_ca},
+                            std::pair{"fleet_static_directory_file", &out->fleet_static_directory_file}}) {
+    r.string(key, field);
+    *field = resolve_path(base_dir, *field);
+  }
+  const bool fleet_tls = !out->fleet_cert.empty() && !out->fleet_key.empty() && !out->fleet_ca.empty();
+  const bool fleet_any = !out->fleet_cert.empty() || !out->fleet_key.empty() || !out->fleet_ca.empty();
+  if (fleet_any && !fleet_tls)
+    r.error(t, "proxy.fleet_cert", "proxy.fleet_cert, proxy.fleet_key and proxy.fleet_ca go together");
+  if ((!out->fleet_listen.empty() || !out->fleet_static_directory_file.empty()) && !fleet_tls)
+    r.error(*t.get(!out->fleet_listen.empty() ? "fleet_listen" : "fleet_static_directory_file"),
+            !out->fleet_listen.empty() ? "proxy.fleet_listen" : "proxy.fleet_static_directory_file",
+            "needs proxy.fleet_cert, proxy.fleet_key and proxy.fleet_ca (the fleet's mutual TLS)");
   if (const toml::node* certs = r.find("certificates")) {
     const toml::array* arr = certs->as_array();
     if (!arr || !arr->is_array_of_tables()) {

@@ -57,6 +57,15 @@ struct ProxyConfig {
   std::string user;
   // The group to switch to with it; "" = the user's primary group. Needs `user`.
   std::string group;
+  // Fleet (docs/fleet.md#cross-node-routing): the mutual-TLS listener other nodes' proxies hop to, this
+  // node's fleet certificate (its name is the node's) and key, and the fleet CA both ends verify against
+  // (deploy/gen-fleet-ca.sh). Unset fleet_cert: no cross-node routing, the single-node path as ever.
+  std::vector<Endpoint> fleet_listen;
+  std::string fleet_cert;
+  std::string fleet_key;
+  std::string fleet_ca;
+  // TESTS ONLY: a JSON file standing in for the fleet's etcd view (proxy/fleet_static_directory.h).
+  std::string fleet_static_directory_file;
 };
 
 // Bounds of a sandbox's pids limit (node.default_pids_max, the create's pids_max): room for its init, agent

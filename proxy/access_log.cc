@@ -43,6 +43,9 @@ std::string_view cause_name(TerminationCause c) {
     case TerminationCause::kKtlsRequired: return "ktls_required";
     case TerminationCause::kKtlsKeyUpdate: return "ktls_key_update";
     case TerminationCause::kDrained: return "drained";
+    case TerminationCause::kFleetOwnerGone: return "fleet_owner_gone";
+    case TerminationCause::kFleetHopFailed: return "fleet_hop_failed";
+    case TerminationCause::kFleetRedirect: return "fleet_redirect";
     case TerminationCause::kShutdown: return "shutdown";
   }
   return "unknown";
@@ -89,6 +92,8 @@ std::string AccessLog::format(const AccessRecord& r) {
       {"phase", r.phase.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phase)},
   };
   if (!r.detail.empty()) j["detail"] = r.detail;
+  if (!r.hop_to.empty()) j["hop_to"] = r.hop_to;
+  if (!r.hop_from.empty()) j["hop_from"] = r.hop_from;
   // Untrusted strings (SNI, Host) may hold invalid UTF-8: replace instead of throwing.
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }

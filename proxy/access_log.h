@@ -47,6 +47,9 @@ enum class TerminationCause {
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
   kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
   kDrained,             // idle between HTTP/1.1 requests while the proxy handed its listeners to a new process
+  kFleetOwnerGone,      // the sandbox's owning node is gone from the fleet (its lease expired): 503 + Retry-After
+  kFleetHopFailed,      // the owning node's fleet ingress could not be reached or broke the hop protocol
+  kFleetRedirect,       // fleet ingress: this node does not own the sandbox; the hop was sent to the owner
   kShutdown,
 };
 
@@ -74,6 +77,9 @@ struct AccessRecord {
   // edge gave itself, the phase that decided on it (not the respond/linger that carried it out).
   std::string_view phase;
   std::string detail;     // e.g. the OpenSSL error for a failed handshake
+  // Cross-node hop: the node this proxy carried the connection to, or the node whose proxy carried it here.
+  std::string hop_to;
+  std::string hop_from;
 };
 
 class AccessLog {

@@ -1,7 +1,9 @@
 #include "proxy/connection.h"
 
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <openssl/err.h>
+#include <openssl/x509v3.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -11,6 +13,9 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "common/net.h"
+#include "proxy/fleet_context.h"
+#include "proxy/fleet_hop.h"
 #include "proxy/h2_filter.h"
 #include "proxy/h2_head.h"
 #include "proxy/http1_filter.h"
@@ -98,6 +103,8 @@ class Connection::HeadPhase final : public Phase {
   void read();
 
  private:
+  // Bytes already in the buffer when the phase starts (on a hop: what followed the preamble), parsed first.
+  size_t leftover_ = 0;
   std::unique_ptr<HttpParser> parser_;        // HTTP/1.1
   std::unique_ptr<H2RequestScanner> scanner_;  // h2
 };
@@ -113,6 +120,60 @@ class Connection::OpenPhase final : public Phase {
   void stop() override { call_.reset(); }
 
   std::unique_ptr<NodeCall> call_;
+};
+
+// The fleet listener, after the mutual-TLS handshake: the first proxy's preamble (fleet_hop.h) names the
+// client's host, protocol and address. This node's directory view decides: it owns the sandbox (or does not
+// know it: its own node answers, 404 if it has none) and answers "ok", or names the owner it knows of.
+class Connection::PreamblePhase final : public Phase {
+ public:
+  explicit PreamblePhase(Connection& c) : Phase(c) {
+    c.arm_deadline(c.cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
+  }
+  PhaseKind kind() const override { return PhaseKind::kPreamble; }
+  int client_interest() const override { return UV_READABLE; }
+  void on_client() override { read(); }
+  void on_deadline() override { c_.close(TerminationCause::kHeadTimeout, "no hop preamble in time"); }
+
+  void read();
+
+ private:
+  void received(fleet::Preamble p, size_t consumed);
+};
+
+// The first proxy's side of a hop: connect to the owning node's fleet listener, mutual TLS (the peer must
+// be the node the directory names), send the preamble, and wait for the answer before any client byte
+// goes: a redirect is then followed (once) with nothing sent anywhere yet.
+class Connection::HopPhase final : public Phase {
+ public:
+  HopPhase(Connection& c, fleet::NodeInfo node) : Phase(c), node_(std::move(node)) {}
+  ~HopPhase() override { close_attempt(); }
+  PhaseKind kind() const override { return PhaseKind::kHop; }
+  void on_deadline() override { failed("no answer within proxy.connect_timeout_ms"); }
+  void stop() override { close_attempt(); }
+
+  void begin();
+
+ private:
+  enum class Step { kConnecting, kHandshaking, kSending, kAwaitingAnswer };
+  void poll_for(int events);
+  void advance();
+  // TLS says what it waits for; false when the hop failed (answered).
+  bool wait_for(int ssl_result, const char* what);
+  void answered(const fleet::Answer& a);
+  void failed(const std::string& why);
+  void close_poll();
+  void close_attempt();
+
+  fleet::NodeInfo node_;
+  int redirects_ = 0;
+  Step step_ = Step::kConnecting;
+  UniqueFd fd_;
+  SSL* ssl_ = nullptr;
+  uv_poll_t* poll_ = nullptr;  // its own handle per attempt: a redirect's retry polls another socket
+  std::string out_;
+  size_t sent_ = 0;
+  std::string in_;
 };
 
 // A non-blocking connect to the sandbox port (or to the node's socket for api.<domain>).
@@ -269,6 +330,8 @@ Connection::PhaseKind Connection::phase() const { return phase_->kind(); }
 std::string_view Connection::phase_name(PhaseKind k) {
   switch (k) {
     case PhaseKind::kHandshake: return "handshake";
+    case PhaseKind::kPreamble: return "preamble";
+    case PhaseKind::kHop: return "hop";
     case PhaseKind::kHead: return "head";
     case PhaseKind::kOpen: return "open";
     case PhaseKind::kConnect: return "connect";
@@ -284,7 +347,7 @@ void Connection::drop_left_phases() { left_phases_.clear(); }
 
 // ---- The connection ------------------------------------------------------------------------------------
 
-Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
+Connection::Connection(Worker* worker, UniqueFd client, std::string peer, bool via_fleet)
     : worker_(worker),
       snapshot_(worker->shared()->snapshot()),
       cfg_(snapshot_->config.get()),
@@ -292,6 +355,8 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer)
       client_fd_(std::move(client)),
       // The head must fit in the buffer that later forwards it; one byte more detects "too large".
       request_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
+  fleet_ = snapshot_->fleet.get();
+  via_fleet_ = via_fleet;
   rec_.started_at = std::chrono::system_clock::now();
   rec_.started_steady = std::chrono::steady_clock::now();
   rec_.client = std::move(peer);
@@ -309,7 +374,9 @@ Connection::~Connection() = default;
 
 void Connection::start() {
   auto& handshake = static_cast<HandshakePhase&>(*phase_);
-  SSL* ssl = SSL_new(tls_->default_ctx());
+  // A reload may have turned the fleet off while the listener stays bound (listeners are read at start).
+  if (via_fleet_ && !fleet_) return close(TerminationCause::kHandshakeFailed, "proxy.fleet_cert is no longer set");
+  SSL* ssl = SSL_new(via_fleet_ ? fleet_->server.get() : tls_->default_ctx());
   if (!ssl) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
   client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), &ktls_rx_tracker_);
   SSL_set_fd(ssl, client_fd_.get());
@@ -449,6 +516,7 @@ void Connection::HandshakePhase::finished() {
   c.plan_data_path();
   if (c.cfg_->proxy.ktls == KtlsMode::kOn && (!c.client_->ktls_tx() || !c.client_->ktls_rx_planned()))
     return c.close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
+  if (c.via_fleet_) return c.enter<PreamblePhase>().read();
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
   if (c.hello_.policy_known && c.hello_.port_protocol == "tcp" && c.hello_.port_public) {
     auto route = parse_route(c.rec_.sni, c.cfg_->domain);
@@ -514,16 +582,18 @@ Connection::HeadPhase::HeadPhase(Connection& c) : Phase(c) {
     parser_ = std::make_unique<HttpParser>(
         HttpParser::Kind::kRequest, HttpLimits{c.cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
   }
+  leftover_ = c.request_.readable();
   c.arm_deadline(c.cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
 }
 
 void Connection::HeadPhase::read() {
   ByteBuffer& buf = c_.request_;
   for (;;) {
-    IoResult r = c_.client_->read(std::span<char>(buf.write_ptr(), buf.space()));
+    const size_t leftover = std::exchange(leftover_, 0);
+    IoResult r = leftover > 0 ? IoResult::ok(leftover) : c_.client_->read(std::span<char>(buf.write_ptr(), buf.space()));
     if (r.bytes > 0) {
-      const char* fresh = buf.write_ptr();
-      buf.produced(r.bytes);
+      const char* fresh = leftover > 0 ? buf.read_ptr() : buf.write_ptr();
+      if (leftover == 0) buf.produced(r.bytes);
       if (scanner_) {
         auto scanned = scanner_->scan(std::string_view(buf.read_ptr(), buf.readable()));
         if (!scanned) {
@@ -685,9 +755,278 @@ void Connection::log_refused_stream(uint32_t stream_id, std::string_view authori
   worker_->shared()->metrics.stream_refused(refusal.cause);
 }
 
+// ---- Preamble (the fleet listener) ----
+
+void Connection::PreamblePhase::read() {
+  ByteBuffer& buf = c_.request_;
+  for (;;) {
+    IoResult r = c_.client_->read(std::span<char>(buf.write_ptr(), buf.space()));
+    if (r.bytes > 0) {
+      buf.produced(r.bytes);
+      size_t consumed = 0;
+      auto p = fleet::parse_preamble(std::string_view(buf.read_ptr(), buf.readable()), &consumed);
+      if (!p)
+        return c_.close(p.error() == Error::kLimitExceeded ? TerminationCause::kHeadTooLarge : TerminationCause::kBadRequest,
+                        p.message());
+      if (*p) return received(std::move(**p), consumed);
+    }
+    switch (r.status) {
+      case IoResult::Status::kOk:
+        continue;
+      case IoResult::Status::kWouldBlock:
+        return c_.update_interest();
+      case IoResult::Status::kEof:
+        return c_.close(TerminationCause::kClientClosed, "the hop closed before its preamble");
+      case IoResult::Status::kError:
+      case IoResult::Status::kNotData:
+        return c_.close(TerminationCause::kClientReset, r.detail);
+    }
+  }
+}
+
+void Connection::PreamblePhase::received(fleet::Preamble p, size_t consumed) {
+  Connection& c = c_;  // this phase is left below
+  c.rec_.hop_from = peer_node_name(c.client_->ssl());
+  c.rec_.client = p.client;
+  c.request_.consumed(consumed);
+  fleet::Answer answer;  // ok
+  auto route = parse_route(p.host, c.cfg_->domain);
+  if (route && route->kind == RouteKind::kApi) {
+    // Each node's API is reached on its own (the CLI names it): a hop never carries the operator token.
+    c.rec_.host = p.host;
+    return c.close(TerminationCause::kMisdirected, "api." + c.cfg_->domain + " is not served over a hop");
+  }
+  if (route) {
+    c.rec_.sandbox = route->target;
+    fleet::Decision d = fleet::decide(c.fleet_->directory.get(), c.fleet_->self, route->target);
+    if (d.kind == fleet::Decision::Kind::kRemote) answer = {fleet::Answer::Kind::kRedirect, d.owner};
+    if (d.kind == fleet::Decision::Kind::kOwnerGone) answer = {fleet::Answer::Kind::kGone, d.owner};
+  }
+  // A malformed host gets "ok": the head phase answers it (400, 421) as it would the client itself.
+  const std::string line = fleet::encode_answer(answer);
+  // A fresh connection has room for these few bytes, so one write does it.
+  if (IoResult w = c.client_->write(line); w.bytes != line.size())
+    return c.close(TerminationCause::kClientReset, "hop answer: " + w.detail);
+  if (answer.kind != fleet::Answer::Kind::kOk) {
+    c.rec_.host = p.host;
+    c.client_->shutdown_write();
+    return c.close(TerminationCause::kFleetRedirect, "node " + answer.node + " owns it, as this node sees it");
+  }
+  // From here the connection is the client's own, as if it had arrived here with this SNI and ALPN.
+  c.hello_.sni = p.host;
+  c.rec_.sni = p.host;
+  c.h2_ = p.h2;
+  c.enter<HeadPhase>().read();
+}
+
+// ---- Hop (the first proxy) ----
+
+void Connection::HopPhase::begin() {
+  c_.rec_.hop_to = node_.name;
+  c_.arm_deadline(c_.cfg_->proxy.connect_timeout_ms, TerminationCause::kFleetHopFailed);
+  step_ = Step::kConnecting;
+  auto ep = parse_endpoint(node_.ingress);
+  if (!ep || ep->kind != Endpoint::Kind::kTcp) return failed("bad fleet ingress address \"" + node_.ingress + "\"");
+  auto sa = to_sockaddr(*ep);
+  if (!sa) return failed(sa.message());
+  fd_ = UniqueFd(::socket(sa->storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd_.valid()) return failed(std::string("socket: ") + std::strerror(errno));
+  int one = 1;
+  ::setsockopt(fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (::connect(fd_.get(), sa->get(), sa->len) != 0 && errno != EINPROGRESS)
+    return failed(std::string("connect: ") + std::strerror(errno));
+  poll_ = new uv_poll_t;
+  uv_poll_init(c_.worker_->loop(), poll_, fd_.get());
+  poll_->data = this;
+  poll_for(UV_WRITABLE);
+}
+
+void Connection::HopPhase::poll_for(int events) {
+  uv_poll_start(poll_, events, [](uv_poll_t* p, int status, int) {
+    auto* self = static_cast<HopPhase*>(p->data);
+    self->c_.drop_left_phases();
+    // A failed socket (POLLERR) says why in SO_ERROR, which the connect step reads.
+    if (status < 0 && self->step_ != Step::kConnecting) return self->failed(uv_strerror(status));
+    self->advance();
+  });
+}
+
+bool Connection::HopPhase::wait_for(int ssl_result, const char* what) {
+  int err = SSL_get_error(ssl_, ssl_result);
+  if (err == SSL_ERROR_WANT_READ) return poll_for(UV_READABLE), true;
+  if (err == SSL_ERROR_WANT_WRITE) return poll_for(UV_WRITABLE), true;
+  std::string why;
+  if (long v = SSL_get_verify_result(ssl_); v != X509_V_OK) why = X509_verify_cert_error_string(v);
+  else if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)) why = "closed";
+  else why = take_ssl_error();
+  failed(std::string(what) + ": " + why);
+  return false;
+}
+
+void Connection::HopPhase::advance() {
+  if (step_ == Step::kConnecting) {
+    int err = 0;
+    socklen_t len = sizeof err;
+    ::getsockopt(fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) return failed(std::string("connect: ") + std::strerror(err));
+    ssl_ = SSL_new(c_.fleet_->client.get());
+    if (!ssl_) return failed("SSL_new: " + take_ssl_error());
+    SSL_set_fd(ssl_, fd_.get());
+    SSL_set_connect_state(ssl_);
+    SSL_set_tlsext_host_name(ssl_, node_.name.c_str());
+    // The peer must be the node the directory names, not merely some member of the fleet.
+    SSL_set1_host(ssl_, node_.name.c_str());
+    if (SSL_SESSION* resumed = c_.fleet_->sessions->get(node_.name)) {
+      SSL_set_session(ssl_, resumed);
+      SSL_SESSION_free(resumed);
+    }
+    step_ = Step::kHandshaking;
+  }
+  if (step_ == Step::kHandshaking) {
+    ERR_clear_error();
+    if (int r = SSL_do_handshake(ssl_); r != 1) {
+      wait_for(r, "TLS handshake");
+      return;
+    }
+    out_ = fleet::encode_preamble({normalize_host(c_.rec_.host), c_.h2_, c_.rec_.client});
+    step_ = Step::kSending;
+  }
+  if (step_ == Step::kSending) {
+    while (sent_ < out_.size()) {
+      ERR_clear_error();
+      int n = SSL_write(ssl_, out_.data() + sent_, static_cast<int>(out_.size() - sent_));
+      if (n <= 0) {
+        wait_for(n, "sending the preamble");
+        return;
+      }
+      sent_ += static_cast<size_t>(n);
+    }
+    step_ = Step::kAwaitingAnswer;
+  }
+  char buf[fleet::kMaxAnswerBytes];
+  for (;;) {
+    ERR_clear_error();
+    int n = SSL_read(ssl_, buf, sizeof buf);
+    if (n <= 0) {
+      wait_for(n, "awaiting the answer");
+      return;
+    }
+    in_.append(buf, static_cast<size_t>(n));
+    size_t consumed = 0;
+    auto a = fleet::parse_answer(in_, &consumed);
+    if (!a) return failed(a.message());
+    if (!*a) continue;
+    // The owning proxy says nothing more until the request arrives: anything else is not the protocol.
+    if (consumed != in_.size()) return failed("bytes after the hop answer, before the request was sent");
+    return answered(**a);
+  }
+}
+
+void Connection::HopPhase::answered(const fleet::Answer& a) {
+  const std::string& target = c_.route_.target;
+  switch (a.kind) {
+    case fleet::Answer::Kind::kOk: {
+      // The connection polls the same socket from now on: this handle stops first.
+      close_poll();
+      return c_.begin_hop_forwarding(std::move(fd_), std::exchange(ssl_, nullptr));
+    }
+    case fleet::Answer::Kind::kGone:
+      c_.rec_.detail = "node " + node_.name + ": its owner " + a.node + " is gone";
+      return c_.respond(503, "sandbox " + target + " is on node " + a.node + ", which is not reachable now; try again shortly\n",
+                        TerminationCause::kFleetOwnerGone, {{"Retry-After", "5"}});
+    case fleet::Answer::Kind::kRedirect:
+      break;
+  }
+  // The client's bytes go only after "ok", so a redirect always comes before any was sent.
+  const fleet::RedirectAction action = fleet::on_redirect(redirects_, /*sent_upstream=*/false, a.node, c_.fleet_->self);
+  ++redirects_;
+  switch (action) {
+    case fleet::RedirectAction::kRefuse:
+      c_.rec_.detail = "node " + node_.name + " redirected to " + a.node + " after " + std::to_string(redirects_ - 1) +
+                       " redirect(s)";
+      return c_.respond(502, "the fleet's nodes disagree on who owns sandbox " + target + "; try again shortly\n",
+                        TerminationCause::kFleetHopFailed, {{"Retry-After", "1"}});
+    case fleet::RedirectAction::kRetryLocal:
+      spdlog::info("sandbox {}: node {} says this node owns it; opening it here", target, node_.name);
+      close_attempt();
+      c_.rec_.hop_to.clear();
+      return c_.open_local_sandbox();
+    case fleet::RedirectAction::kRetryRemote: {
+      auto info = c_.fleet_->directory ? c_.fleet_->directory->node(a.node) : std::nullopt;
+      if (!info || info->ingress.empty()) {
+        c_.rec_.detail = "node " + node_.name + " redirected to " + a.node + ", which is gone";
+        return c_.respond(503, "sandbox " + target + " is on node " + a.node + ", which is not reachable now; try again shortly\n",
+                          TerminationCause::kFleetOwnerGone, {{"Retry-After", "5"}});
+      }
+      spdlog::info("sandbox {}: node {} redirected the hop to node {}", target, node_.name, a.node);
+      close_attempt();
+      node_ = std::move(*info);
+      out_.clear();
+      in_.clear();
+      sent_ = 0;
+      return begin();
+    }
+  }
+}
+
+void Connection::HopPhase::failed(const std::string& why) {
+  c_.rec_.detail = "hop to node " + node_.name + " (" + node_.ingress + "): " + why;
+  c_.respond(503, "sandbox " + c_.route_.target + " is on node " + node_.name + ", which cannot be reached now; try again shortly\n",
+             TerminationCause::kFleetHopFailed, {{"Retry-After", "5"}});
+}
+
+void Connection::HopPhase::close_poll() {
+  // uv_close stops polling at once; the handle's memory goes when the loop is done with it.
+  if (!poll_) return;
+  poll_->data = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(poll_), [](uv_handle_t* h) { delete reinterpret_cast<uv_poll_t*>(h); });
+  poll_ = nullptr;
+}
+
+void Connection::HopPhase::close_attempt() {
+  close_poll();  // before the descriptor closes
+  if (ssl_) SSL_free(std::exchange(ssl_, nullptr));
+  fd_.reset();
+}
+
+void Connection::begin_hop_forwarding(UniqueFd fd, SSL* ssl) {
+  hopped_ = true;
+  // The owning node's proxy counts this connection's bytes for its node's idle tracking; here they belong
+  // to no sandbox of this node.
+  traffic_ = &node_api_traffic_;
+  upstream_fd_ = std::move(fd);
+  upstream_ = std::make_unique<TlsTransport>(ssl, upstream_fd_.get(), nullptr);
+  uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
+  upstream_poll_started_ = true;
+  ++handles_open_;
+  begin_forwarding();
+}
+
 // ---- Open ----
 
 void Connection::open_sandbox() {
+  // The fleet's routing decision, from this proxy's directory view (memory, no I/O). Fleet off: one test.
+  if (fleet_ && fleet_->directory && !via_fleet_) {
+    fleet::Decision d = fleet::decide(fleet_->directory.get(), fleet_->self, route_.target);
+    switch (d.kind) {
+      case fleet::Decision::Kind::kLocal:
+        break;
+      case fleet::Decision::Kind::kOwnerGone:
+        rec_.hop_to = d.owner;
+        rec_.detail = "owner " + d.owner + " is gone from the fleet";
+        return respond(503, "sandbox " + route_.target + " is on node " + d.owner + ", which is not reachable now; try again shortly\n",
+                       TerminationCause::kFleetOwnerGone, {{"Retry-After", "5"}});
+      case fleet::Decision::Kind::kRemote: {
+        auto& hop = enter<HopPhase>(std::move(*d.node));
+        update_interest();
+        return hop.begin();
+      }
+    }
+  }
+  open_local_sandbox();
+}
+
+void Connection::open_local_sandbox() {
   auto& open = enter<OpenPhase>();
   update_interest();
   uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
@@ -874,7 +1213,8 @@ void Connection::ConnectPhase::on_upstream(int) {
 
 void Connection::begin_forwarding() {
   uv_timer_stop(&deadline_);
-  if (tunnel_) {
+  // On a hop the owning node's proxy answers CONNECT, as it filters every request: the bytes go as they came.
+  if (tunnel_ && !hopped_) {
     // The head was for the proxy. A fresh socket has room for these few bytes, so one write does it.
     rec_.bytes_in += head_bytes_;
     traffic_->bytes_in += head_bytes_;
@@ -888,7 +1228,7 @@ void Connection::begin_forwarding() {
   rec_.bytes_in += request_.readable();
   traffic_->bytes_in += request_.readable();
   auto& forward = enter<ForwardPhase>();
-  if (!tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) forward.start_request_filters();
+  if (!hopped_ && !tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) forward.start_request_filters();
   last_activity_ms_ = now_ms(worker_->loop());
   uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
                  uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);

@@ -29,10 +29,12 @@ namespace sg {
 class Worker;
 struct Config;
 struct ProxySnapshot;
+struct FleetContext;
 
 class Connection {
  public:
-  Connection(Worker* worker, UniqueFd client, std::string peer);
+  // `via_fleet`: accepted on proxy.fleet_listen, a hop from another node's proxy (docs/fleet.md).
+  Connection(Worker* worker, UniqueFd client, std::string peer, bool via_fleet = false);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -61,9 +63,13 @@ class Connection {
   //   handshake -> head -> open -> connect -> forward, with respond -> linger from any of them (the
   //   proxy's own answer, then the client's unread input drained so closing does not turn into a TCP reset
   //   that destroys the answer before it is read), and closed at the end.
-  enum class PhaseKind { kHandshake, kHead, kOpen, kConnect, kForward, kRespond, kLinger, kClosed };
+  // A fleet: open -> hop -> forward when another node owns the sandbox (the first proxy), and
+  //   handshake -> preamble -> head -> ... on the fleet listener (the owning proxy).
+  enum class PhaseKind { kHandshake, kPreamble, kHead, kOpen, kHop, kConnect, kForward, kRespond, kLinger, kClosed };
   class Phase;
   class HandshakePhase;
+  class PreamblePhase;
+  class HopPhase;
   class HeadPhase;
   class OpenPhase;
   class ConnectPhase;
@@ -117,6 +123,10 @@ class Connection {
 
   // The one place that asks the node to open the sandbox port (waking it if needed): the open phase.
   void open_sandbox();
+  // After the fleet's routing decision: the local node opens the sandbox port.
+  void open_local_sandbox();
+  // The hop is answered "ok": its TLS stream is the upstream, and the client's bytes go through as they are.
+  void begin_hop_forwarding(UniqueFd fd, SSL* ssl);
   // The node's answer to the open: refusals are answered, a socket goes on to use_opened().
   void on_open_result(Result<OpenAnswer> r);
   // An opened sandbox port, from wherever it came (the node's open): checks the credential, takes the
@@ -140,7 +150,7 @@ class Connection {
   UniqueFd client_fd_;
   UniqueFd upstream_fd_;
   std::unique_ptr<TlsTransport> client_;    // the client's TLS (set by start())
-  std::unique_ptr<TcpTransport> upstream_;  // the sandbox's socket, once the node gave it
+  std::unique_ptr<Transport> upstream_;  // the sandbox's socket, once the node gave it (or the hop's TLS)
   uv_poll_t client_poll_{};
   uv_poll_t upstream_poll_{};
   bool upstream_poll_started_ = false;
@@ -182,6 +192,11 @@ class Connection {
   SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
   bool holds_sandbox_slot_ = false;
   std::string client_slot_;  // the address whose slot this connection holds; "" = none
+
+  // Fleet: this snapshot's fleet context (null: off), and which end of a hop this connection is.
+  const FleetContext* fleet_ = nullptr;
+  bool via_fleet_ = false;  // accepted on the fleet listener: it never hops again
+  bool hopped_ = false;     // forwarded to another node's proxy: that proxy filters, authenticates and counts
 
   AccessRecord rec_;
 };

@@ -119,11 +119,14 @@ void apply_reload(Proxy* p) {
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
   if (!token) return spdlog::error("reload failed, keeping the running config: {}{}", token.message(), hint);
+  auto fleet = sg::FleetContext::create(**cfg);
+  if (!fleet) return spdlog::error("reload failed, keeping the running config: {}{}", fleet.message(), hint);
   // Listeners, workers, the access log and the user the proxy runs as stay as they were; limits, timeouts,
   // routes, certificates and the operator token apply together to connections accepted from now on.
   if ((*cfg)->proxy.user != p->user || (*cfg)->proxy.group != p->group)
     spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
-  p->shared->replace(std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*token)}));
+  p->shared->replace(
+      std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*token), std::move(*fleet)}));
   spdlog::info("config reloaded from {}", p->config_path);
 }
 
@@ -148,6 +151,8 @@ void check_access_as_user(const Proxy& p, const sg::Config& running) {
       spdlog::warn("a reload will fail: {}{}", tls.message(), as_user_hint(&p));
     if (auto token = sg::read_operator_token((*cfg)->operator_token_file); !token)
       spdlog::warn("a reload will fail: {}{}", token.message(), as_user_hint(&p));
+    if (auto fleet = sg::FleetContext::create(**cfg); !fleet)
+      spdlog::warn("a reload will fail: {}{}", fleet.message(), as_user_hint(&p));
   }
   // Connecting to a unix socket needs write permission on it (and search permission on its directories).
   // A socket that is not there yet (the node is still starting) says nothing either way.
@@ -192,6 +197,11 @@ int main(int argc, char** argv) {
     spdlog::error("{}", operator_token.message());
     return 2;
   }
+  auto fleet = sg::FleetContext::create(**cfg);
+  if (!fleet) {
+    spdlog::error("{}", fleet.message());
+    return 2;
+  }
   if (check_only) {
     printf("configuration OK\n");
     return 0;
@@ -199,7 +209,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   proxy.shared = std::make_unique<sg::ProxyShared>(
-      std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*operator_token)}));
+      std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*operator_token), *fleet}));
   auto fd_limit = sg::raise_fd_limit();
   if (!fd_limit) {
     spdlog::error("{}", fd_limit.message());
@@ -244,10 +254,14 @@ int main(int argc, char** argv) {
                                : std::vector<std::vector<std::vector<sg::UniqueFd>>>(n);
   // Port 0 (tests) is resolved by the first worker's bind; the others join the same ports via SO_REUSEPORT.
   std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;
+  std::vector<sg::Endpoint> fleet_listen = (*cfg)->proxy.fleet_listen;
   for (unsigned i = 0; i < n; ++i) {
     auto w = std::make_unique<sg::Worker>(static_cast<int>(i), proxy.shared.get());
-    auto st = w->bind(listen, std::move(inherited[i]));
-    if (st && i == 0) listen = w->bound();
+    auto st = w->bind(listen, fleet_listen, std::move(inherited[i]));
+    if (st && i == 0) {
+      listen = w->bound();
+      fleet_listen = w->fleet_bound();
+    }
     if (!st) {
       spdlog::error("cannot start worker {}: {}", i, st.message());
       return 1;
@@ -291,6 +305,11 @@ int main(int argc, char** argv) {
   for (auto& w : proxy.workers) w->start();
   std::string listening;
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
+  if (*fleet) {
+    std::string fleet_where;
+    for (const auto& ep : fleet_listen) fleet_where += (fleet_where.empty() ? "" : ", ") + ep.to_string();
+    spdlog::info("fleet node {}: fleet ingress on {}", (*fleet)->self, fleet_where.empty() ? "(none)" : fleet_where);
+  }
   spdlog::info("sandgate-proxy ready on {} ({} workers, domain {})", listening, n, (*cfg)->domain);
   proxy.ready_status = "serving on " + listening + " (" + std::to_string(n) + " workers)";
   if (predecessor) {

@@ -1,5 +1,7 @@
 #include "proxy/worker.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -43,7 +45,8 @@ Worker::~Worker() {
   uv_loop_close(&loop_);
 }
 
-Status Worker::bind(const std::vector<Endpoint>& listen, std::vector<std::vector<UniqueFd>> inherited) {
+Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpoint>& fleet_listen,
+                    std::vector<std::vector<UniqueFd>> inherited) {
   auto cfg = shared_->snapshot()->config;
   // Every address first: a failure leaves nothing in the loop (the descriptors close with `fds`).
   std::vector<UniqueFd> fds;
@@ -68,6 +71,19 @@ Status Worker::bind(const std::vector<Endpoint>& listen, std::vector<std::vector
       fds.push_back(std::move(fd));
     }
   }
+  const size_t fleet_from = fds.size();
+  for (Endpoint ep : fleet_listen) {
+    auto fd = listen_on(ep, /*reuse_port=*/true);
+    if (!fd) return fd.failure();
+    if (ep.port == 0) {
+      auto port = local_port(fd->get());
+      if (!port) return port.failure();
+      ep.port = *port;
+    }
+    fleet_bound_.push_back(ep);
+    fds.push_back(std::move(*fd));
+  }
+  if (!fleet_listen.empty()) fleet_listeners_from_ = fleet_from;
   bound_ = std::move(bound);
   for (UniqueFd& fd : fds) {
     auto poll = std::make_unique<uv_poll_t>();
@@ -185,10 +201,22 @@ void Worker::on_accept(int listen_fd) {
     uint32_t open = shared_->open_connections.fetch_add(1, std::memory_order_relaxed);
     std::string client = format_peer(reinterpret_cast<sockaddr*>(&peer));
     std::string address = client_address(client);
-    auto* conn = new Connection(this, UniqueFd(fd), std::move(client));
+    // Small writes go out at once: after a TLS 1.3 handshake the session tickets are still unacknowledged
+    // when the first response is written, and with Nagle that response waited for the client's delayed ACK
+    // (40 ms on Linux) whenever the client had nothing more to send (bench/fleet_hop.py).
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    const bool fleet = is_fleet_listener(listen_fd);
+    auto* conn = new Connection(this, UniqueFd(fd), std::move(client), fleet);
     connections_.insert(conn);
     if (open >= std::min(cfg->proxy.max_connections, shared_->fd_max_connections)) {
       conn->close(TerminationCause::kTooManyConnections);
+      continue;
+    }
+    // A hop carries many clients from one proxy's address; each client's own limit was applied where it
+    // arrived, and the hop proves with its certificate that it is a fleet member.
+    if (fleet) {
+      conn->start();
       continue;
     }
     // Refused before the TLS handshake, like the global limit: one address cannot take all of the slots
@@ -200,6 +228,12 @@ void Worker::on_accept(int listen_fd) {
     conn->hold_client_slot(std::move(address));
     conn->start();
   }
+}
+
+bool Worker::is_fleet_listener(int fd) const {
+  for (size_t i = fleet_listeners_from_; i < listen_fds_.size(); ++i)
+    if (listen_fds_[i].get() == fd) return true;
+  return false;
 }
 
 void Worker::pause_accepting(int err) {

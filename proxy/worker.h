@@ -16,6 +16,7 @@
 #include "common/fd.h"
 #include "config/config.h"
 #include "proxy/access_log.h"
+#include "proxy/fleet_context.h"
 #include "proxy/metrics.h"
 #include "proxy/node_api.h"
 #include "proxy/route_cache.h"
@@ -33,6 +34,7 @@ struct ProxySnapshot {
   std::shared_ptr<const Config> config;
   std::shared_ptr<TlsContexts> tls;
   std::string operator_token;  // "" when operator_token_file is not set (read_operator_token)
+  std::shared_ptr<const FleetContext> fleet;  // null: proxy.fleet_cert unset, no cross-node routing
 };
 
 // State every worker reads.
@@ -74,14 +76,18 @@ class Worker {
 
   // Binds this worker's listeners (synchronously, so bind errors surface at startup) and sets up its loop.
   // `listen` is the list to bind (port 0 already resolved by the first worker: all workers share ports).
+  // `fleet_listen`: proxy.fleet_listen, the mutual-TLS listener other nodes' proxies hop to.
   // `inherited[i]`, when given, are sockets a previous proxy listened with on listen[i] (a takeover,
-  // proxy/listener_handover.h): this worker polls them instead of binding one of its own.
-  Status bind(const std::vector<Endpoint>& listen, std::vector<std::vector<UniqueFd>> inherited = {});
+  // proxy/listener_handover.h): this worker polls them instead of binding one of its own. The fleet
+  // listeners are bound anew (SO_REUSEPORT joins the previous process's).
+  Status bind(const std::vector<Endpoint>& listen, const std::vector<Endpoint>& fleet_listen = {},
+              std::vector<std::vector<UniqueFd>> inherited = {});
   // Starts the thread that runs the loop: after bind(), and after the proxy dropped root (proxy.user), so
   // that no connection is ever handled with root's privileges.
   void start();
   // The addresses this worker actually bound (port 0 resolved), in config order.
   const std::vector<Endpoint>& bound() const { return bound_; }
+  const std::vector<Endpoint>& fleet_bound() const { return fleet_bound_; }
   // Asks the loop to close listeners and connections and return; join() waits for that.
   void stop();
   // Another process took over the listeners: stop accepting, and let the open connections finish. An
@@ -107,6 +113,7 @@ class Worker {
  private:
   void run();
   void on_accept(int listen_fd);
+  bool is_fleet_listener(int fd) const;
   // Out of descriptors (or kernel memory) at accept: the level-triggered listener polls would fire again at
   // once and spin, so they are stopped for kAcceptPauseMs and then resumed. An episode (first failure to
   // next successful accept) logs once when it starts and once when it ends, not per attempt.
@@ -138,6 +145,8 @@ class Worker {
   void start_draining();
   void close_listeners();
   std::vector<Endpoint> bound_;
+  std::vector<Endpoint> fleet_bound_;
+  size_t fleet_listeners_from_ = SIZE_MAX;  // listen_fds_ from this index on are fleet_listen's
   std::vector<std::unique_ptr<uv_poll_t>> listen_polls_;
   uv_timer_t accept_pause_timer_{};
   uint64_t fd_shortage_since_ms_ = 0;  // loop time the current episode began; 0 = none

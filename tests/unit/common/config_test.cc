@@ -291,3 +291,36 @@ TEST(Config, EgressKeys) {
 
 }  // namespace
 }  // namespace sg
+
+namespace sg {
+namespace {
+
+TEST(Config, FleetHopKeysGoTogether) {
+  auto cfg = load_config_string(
+      "[proxy]\nfleet_listen = \"127.0.0.1:7443\"\nfleet_cert = \"fleet/a.pem\"\nfleet_key = \"fleet/a.key\"\n"
+      "fleet_ca = \"/etc/fleet-ca.pem\"\n",
+      "t.toml", "/base");
+  ASSERT_TRUE(cfg) << cfg.message();
+  ASSERT_EQ((*cfg)->proxy.fleet_listen.size(), 1u);
+  EXPECT_EQ((*cfg)->proxy.fleet_listen[0].port, 7443);
+  EXPECT_EQ((*cfg)->proxy.fleet_cert, "/base/fleet/a.pem");
+  EXPECT_EQ((*cfg)->proxy.fleet_ca, "/etc/fleet-ca.pem");
+  // Off by default: the single-node path.
+  auto plain = load_config_string("", "t.toml");
+  ASSERT_TRUE(plain);
+  EXPECT_TRUE((*plain)->proxy.fleet_cert.empty());
+  EXPECT_TRUE((*plain)->proxy.fleet_listen.empty());
+  // A listener or a directory without the fleet's mutual TLS, or half of the TLS keys: errors with their line.
+  auto bare = load_config_string("[proxy]\nfleet_listen = \"127.0.0.1:7443\"\n", "t.toml");
+  ASSERT_FALSE(bare);
+  EXPECT_NE(bare.message().find("t.toml:2: proxy.fleet_listen: needs proxy.fleet_cert"), std::string::npos)
+      << bare.message();
+  auto half = load_config_string("[proxy]\nfleet_cert = \"a.pem\"\n", "t.toml");
+  ASSERT_FALSE(half);
+  EXPECT_NE(half.message().find("go together"), std::string::npos) << half.message();
+  EXPECT_FALSE(load_config_string("[proxy]\nfleet_listen = \"/run/x.sock\"\nfleet_cert = \"a\"\nfleet_key = \"b\"\n"
+                                  "fleet_ca = \"c\"\n", "t.toml"));
+}
+
+}  // namespace
+}  // namespace sg
