@@ -293,10 +293,11 @@ def run(code, number):
                 namespace["_"] = value
                 _flush_streams()
                 send({"type": "result", "data": mimebundle(value)})
-        _show_figures()
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the context lives on
         _flush_streams()
         send(_error_event(e, 1))
+    # Figures drawn before an exception are shown too, as in Jupyter.
+    _show_figures()
 
 
 def _read_exact(n):
@@ -325,6 +326,8 @@ def main():
         number += 1
         _in_run = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A KeyboardInterrupt raised inside _send_raw's finally could have left SIGINT blocked.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
             run(request["code"], number)
             _flush_streams()

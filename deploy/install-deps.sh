@@ -20,6 +20,7 @@ PACKAGES=(
   openssh-client openssh-server  # ssh/scp through the ingress to an sshd inside a sandbox
   nghttp2-client                 # h2load and nghttp: HTTP/2 through the ingress
   python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
+  python3-pandas python3-matplotlib  # tests only: run_code's DataFrame (text/html) and plot (image/png) outputs
   qemu-system-x86 busybox-static # the QEMU driver and the kTLS guest test (guest images from Debian packages)
   # the sandbox boundary and images (issue 10)
   mmdebstrap                     # image build: Debian root filesystems from Debian packages
