@@ -88,15 +88,39 @@ def send(event):
     return _send_raw(_encode({"type": "stderr", "data": _note(str(kind), len(payload)) + "\n"}))
 
 
+class _Bytes(io.RawIOBase):
+    # sys.stdout.buffer: bytes written there are text to the stream (invalid UTF-8 replaced).
+    def __init__(self, text):
+        super().__init__()
+        self._text = text
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self._text.write(bytes(b).decode("utf-8", "replace"))
+        return len(b)
+
+    def flush(self):
+        self._text.flush()
+
+
 class _Stream(io.TextIOBase):
     # sys.stdout and sys.stderr of the code: each write goes out as an event on the event pipe, so stdout and
     # stderr keep their relative order. Text is held only until a newline (like a terminal's line buffering),
     # a switch to the other stream, a display, or the end of the run.
-    def __init__(self, name, other=None):
+    def __init__(self, name, fd, other=None):
         super().__init__()
         self._name = name
+        self._fd = fd
         self._buf = []
         self.other = other
+        self.buffer = _Bytes(self)
+
+    def fileno(self):
+        # The real fd (captured by the agent too): subprocess.run(stdout=sys.stdout) and faulthandler use it.
+        self.flush()
+        return self._fd
 
     @property
     def encoding(self):
@@ -127,8 +151,8 @@ class _Stream(io.TextIOBase):
                 send({"type": self._name, "data": text})
 
 
-_stdout = _Stream("stdout")
-_stderr = _Stream("stderr", _stdout)
+_stdout = _Stream("stdout", 1)
+_stderr = _Stream("stderr", 2, _stdout)
 _stdout.other = _stderr
 
 

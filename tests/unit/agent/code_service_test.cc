@@ -232,12 +232,16 @@ TEST_F(CodeTest, StdoutAndStderrKeepTheirOrderWithWhatSubprocessesWrite) {
       "subprocess.run(['sh', '-c', 'echo four >&2'])\n"
       "sys.stdout.write('fi'); sys.stdout.write('ve\\n')\n"
       "print('six', file=sys.stderr)\n"
-      "print('seven')\n");
+      "print('seven')\n"
+      "sys.stdout.buffer.write(b'eight\\n')\n"
+      "subprocess.run(['echo', 'nine'], stdout=sys.stdout)\n"
+      "print('ten', file=sys.stderr)\n");
   std::vector<std::string> got;
   for (const json& ev : e)
     if (ev.contains("data")) got.push_back(ev["type"].get<std::string>() + ":" + ev["data"].get<std::string>());
   EXPECT_EQ(got, (std::vector<std::string>{"stdout:one\n", "stderr:two\n", "stdout:three\n", "stderr:four\n",
-                                           "stdout:five\n", "stderr:six\n", "stdout:seven\n"}));
+                                           "stdout:five\n", "stderr:six\n", "stdout:seven\n",
+                                           "stdout:eight\n", "stdout:nine\n", "stderr:ten\n"}));
 }
 
 TEST_F(CodeTest, EventsStreamWhileTheCodeRuns) {
