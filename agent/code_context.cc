@@ -3,8 +3,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include <nlohmann/json.hpp>
 
 extern char** environ;
@@ -122,7 +120,6 @@ class Interpreter {
   bool exited_ = false;
   bool grace_ = false;
   bool detached_ = false;
-  bool paused_ = false;
 };
 
 Result<Interpreter*> Interpreter::spawn(uv_loop_t* loop, const CodeSettings& settings, CodeContext* owner) {
@@ -216,13 +213,11 @@ void Interpreter::start_timer(uint64_t ms, bool grace) {
 }
 
 void Interpreter::pause() {
-  paused_ = true;
   for (uv_pipe_t* pipe : {&out_, &err_, &ev_})
     if (!uv_is_closing(handle(pipe))) uv_read_stop(stream(pipe));
 }
 
 void Interpreter::resume() {
-  paused_ = false;
   for (uv_pipe_t* pipe : {&out_, &err_, &ev_}) {
     if (uv_is_closing(handle(pipe))) continue;
     uv_read_start(
@@ -310,7 +305,7 @@ Result<std::unique_ptr<CodeContext>> CodeContext::start(uv_loop_t* loop, std::st
 }
 
 CodeContext::~CodeContext() {
-  if (in_run_) end_run("ContextDeleted", "the context was deleted during the run");
+  if (in_run()) end_run("ContextDeleted", "the context was deleted during the run");
   kill_interpreter();
 }
 
@@ -358,7 +353,6 @@ Result<CodeContext::RunStart> CodeContext::run(const std::string& code, uint64_t
   }
   if (auto s = transition(ContextState::kRunning); !s) return s.failure();
   observer_ = observer;
-  in_run_ = true;
   timed_out_ = false;
   truncated_ = false;
   run_output_bytes_ = 0;
@@ -385,7 +379,7 @@ void CodeContext::resume_output() {
 }
 
 Status CodeContext::reset() {
-  if (in_run_) end_run("ContextReset", "the context was reset during the run: its state is gone");
+  if (in_run()) end_run("ContextReset", "the context was reset during the run: its state is gone");
   kill_interpreter();
   death_.clear();
   return spawn();
@@ -406,16 +400,16 @@ void CodeContext::end_run(std::string_view error_name, std::string_view message)
   ordered_json end = {{"type", "end"}, {"context", id_}, {"duration_ms", uv_now(loop_) - run_started_ms_}};
   if (timed_out_) end["timed_out"] = true;
   if (truncated_) end["output_truncated"] = true;
-  in_run_ = false;
   if (interp_ != nullptr) interp_->stop_timer();
   RunObserver* observer = std::exchange(observer_, nullptr);
   if (observer != nullptr) observer->on_end(line(end));
 }
 
 void CodeContext::broken(std::string_view why) {
+  bool was_running = in_run();
   kill_interpreter();
   death_ = "broke the driver protocol (" + std::string(why) + ") and was killed";
-  if (in_run_)
+  if (was_running)
     end_run("InterpreterDied", "the interpreter " + death_ +
                                    ": the context's state is lost; the next run starts a fresh interpreter");
 }
@@ -427,7 +421,7 @@ void CodeContext::on_frame(std::string_view payload) {
     return broken(payload.empty() ? "a frame over the event size limit" : "a frame that is not a JSON event");
   const std::string& type = j["type"].get_ref<const std::string&>();
   if (type == "ready") return;
-  if (!in_run_) return;  // output of a thread the code left running, between runs: nobody asked for it
+  if (!in_run()) return;  // output of a thread the code left running, between runs: nobody asked for it
   if (type == "done") {
     end_run({}, {});
     if (auto s = transition(ContextState::kIdle); !s) broken(s.message());
@@ -447,7 +441,7 @@ void CodeContext::on_frame(std::string_view payload) {
 }
 
 void CodeContext::on_raw_output(bool is_stderr, std::string_view bytes) {
-  if (!in_run_) return;
+  if (!in_run()) return;
   std::string text = carry_[is_stderr].take(bytes);
   if (text.empty()) return;
   std::string event = output_event(is_stderr, text);
@@ -467,8 +461,9 @@ void CodeContext::on_exit(int64_t code, int signal) {
   death_ = !kill_reason_.empty() ? std::exchange(kill_reason_, {})
            : signal != 0           ? "was killed by signal " + std::to_string(signal)
                                    : "exited with code " + std::to_string(code);
+  bool was_running = in_run();
   if (auto s = transition(ContextState::kDead); !s) return;  // dead already: reported when it happened
-  if (in_run_)
+  if (was_running)
     end_run("InterpreterDied", "the interpreter " + death_ +
                                    " during the run: the context's state is lost; the next run starts a fresh "
                                    "interpreter");

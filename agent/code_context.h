@@ -105,6 +105,8 @@ class CodeContext {
   void emit(std::string line);
   void end_run(std::string_view error_name, std::string_view message);
   void broken(std::string_view why);
+  // A run is in progress (its observer may be gone): it ends when the driver says done or the interpreter dies.
+  bool in_run() const { return state_ == ContextState::kRunning || state_ == ContextState::kInterrupting; }
 
   uv_loop_t* loop_;
   std::string id_;
@@ -115,7 +117,6 @@ class CodeContext {
   std::string death_;              // why the last interpreter died, for the next run's notice
   std::string kill_reason_;        // why the agent is killing it, once it has decided to
   RunObserver* observer_ = nullptr;
-  bool in_run_ = false;            // a run is in progress (its observer may be gone)
   bool timed_out_ = false;
   bool truncated_ = false;
   size_t run_output_bytes_ = 0;
