@@ -80,12 +80,6 @@ class ExecHandler : public Handler, public ExecObserver {
   Utf8Carry carry_[2];              // stdout, stderr
 };
 
-mode_t umask_now() {
-  mode_t mask = ::umask(0);
-  ::umask(mask);
-  return mask;
-}
-
 }  // namespace
 
 bool is_json_media_type(std::string_view value) {
@@ -97,6 +91,16 @@ bool is_json_media_type(std::string_view value) {
     if (std::tolower(static_cast<unsigned char>(type[i])) != kJson[i]) return false;
   return true;
 }
+
+namespace {
+
+mode_t umask_now() {
+  mode_t mask = ::umask(0);
+  ::umask(mask);
+  return mask;
+}
+
+}  // namespace
 
 void Responder::respond(int status, std::vector<HttpHeader> headers, std::string_view body) {
   start(status, std::move(headers), static_cast<int64_t>(body.size()));

@@ -44,8 +44,8 @@ class Router {
   uv_loop_t* loop_;
   AgentLimits limits_;
   size_t running_execs_ = 0;  // ExecProcess counts itself in and out
-  mode_t new_file_mode_;
-  CodeService code_;  // 0666 minus the umask the agent started with, as open(O_CREAT) would give
+  mode_t new_file_mode_;  // 0666 minus the umask the agent started with, as open(O_CREAT) would give
+  CodeService code_;
 };
 
 }  // namespace sg::agent
