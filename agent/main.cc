@@ -1,6 +1,7 @@
 // sandgate-agent: runs inside every sandbox and serves exec, files and health to the SDK (agent/README.md).
 //
 //   sandgate-agent [--listen 0.0.0.0:9501] [--max-upload-bytes N] [--max-execs N] [--max-connections N]
+//                  [--max-contexts N] [--python python3]
 //
 // Prints "sandgate-agent ready on <addr:port>" once listening. SIGINT/SIGTERM: stop accepting, kill the
 // commands still running (their whole process groups), close every connection, exit 0.
@@ -30,13 +31,17 @@ struct Daemon {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"sandgate-agent: exec, files and health inside a sandbox, over HTTP/1.1 and h2c"};
+  CLI::App app{"sandgate-agent: exec, files, run_code and health inside a sandbox, over HTTP/1.1 and h2c"};
   std::string listen = "0.0.0.0:9501";
   sg::agent::AgentLimits limits;
   app.add_option("--listen", listen, "address:port to listen on (port 0: any free port)")->capture_default_str();
   app.add_option("--max-upload-bytes", limits.max_upload_bytes, "largest PUT /files body")->capture_default_str();
   app.add_option("--max-execs", limits.max_execs, "commands running at once (429 beyond)")->capture_default_str();
   app.add_option("--max-connections", limits.max_connections, "open connections (closed at once beyond)")
+      ->capture_default_str();
+  app.add_option("--max-contexts", limits.code.max_contexts, "run_code interpreters at once (429 beyond)")
+      ->capture_default_str();
+  app.add_option("--python", limits.code.settings.python, "run_code's interpreter (looked up in PATH)")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 

@@ -80,7 +80,8 @@ class ExecHandler : public Handler, public ExecObserver {
   Utf8Carry carry_[2];              // stdout, stderr
 };
 
-// "application/json", any case, optionally followed by parameters ("; charset=utf-8").
+}  // namespace
+
 bool is_json_media_type(std::string_view value) {
   std::string_view type = value.substr(0, value.find(';'));
   while (!type.empty() && (type.back() == ' ' || type.back() == '\t')) type.remove_suffix(1);
@@ -90,6 +91,8 @@ bool is_json_media_type(std::string_view value) {
     if (std::tolower(static_cast<unsigned char>(type[i])) != kJson[i]) return false;
   return true;
 }
+
+namespace {
 
 mode_t umask_now() {
   mode_t mask = ::umask(0);
@@ -111,7 +114,7 @@ void Responder::respond_error(int status, Error code, std::string_view message, 
 }
 
 Router::Router(uv_loop_t* loop, AgentLimits limits)
-    : loop_(loop), limits_(limits), new_file_mode_(0666 & ~umask_now()) {}
+    : loop_(loop), limits_(limits), new_file_mode_(0666 & ~umask_now()), code_(loop, limits.code) {}
 
 std::unique_ptr<Handler> Router::route(const Request& request, Responder& out) {
   std::string_view path = request.target;
@@ -148,6 +151,7 @@ std::unique_ptr<Handler> Router::route(const Request& request, Responder& out) {
     return std::make_unique<ExecHandler>(loop_, limits_.max_exec_body_bytes, limits_.max_execs, &running_execs_,
                                          out);
   }
+  if (CodeService::serves(path)) return code_.route(request, path, out);
   if (path == "/files") {
     if (method != "GET" && method != "PUT") return method_not_allowed("GET, PUT");
     auto file = file_path_param(request.target);

@@ -210,6 +210,7 @@ void AgentServer::close() {
   if (listening_) uv_close(reinterpret_cast<uv_handle_t*>(&listener_), nullptr);
   std::vector<Connection*> open(connections_.begin(), connections_.end());
   for (Connection* conn : open) conn->close_now();
+  router_.close();
 }
 
 }  // namespace sg::agent
