@@ -102,8 +102,9 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   // ssh -L to the web server on the sandbox's loopback.
   const uint16_t local = static_cast<uint16_t>(20000 + ::getpid() % 20000);
   Daemon forward;
+  // exec: the Daemon's pid is ssh's own, so stop() ends ssh and not just a shell around it.
   ASSERT_TRUE(forward.start({"/bin/sh", "-c",
-                             ssh + " -N -o ExitOnForwardFailure=yes -L 127.0.0.1:" + std::to_string(local) +
+                             "exec " + ssh + " -N -o ExitOnForwardFailure=yes -L 127.0.0.1:" + std::to_string(local) +
                                  ":127.0.0.1:8123 nosshd"},
                             c.dir() + "/forward.log"));
   std::string page;
