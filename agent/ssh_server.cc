@@ -628,7 +628,6 @@ void serve_connection(int fd, const SshServerOptions& opts) {
 }
 
 [[noreturn]] void listener_main(int listen_fd, const SshServerOptions& opts) {
-  ssh_init();  // a static libssh has no constructor that does it
   size_t running = 0;
   for (;;) {
     int status = 0;
@@ -669,6 +668,12 @@ std::string find_sftp_server() {
 }
 
 Result<pid_t> start_ssh_listener(int listen_fd, const SshServerOptions& opts) {
+  ssh_init();  // a static libssh has no constructor that does it
+  // Checked here, once, so a missing key is one clear line in the log rather than every connection failing.
+  ssh_key host_key = nullptr;
+  if (ssh_pki_import_privkey_file(opts.host_key_file.c_str(), nullptr, nullptr, nullptr, &host_key) != SSH_OK)
+    return fail(Error::kNotFound, "cannot read the SSH host key " + opts.host_key_file);
+  ssh_key_free(host_key);
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) return fail_errno("fork the SSH listener", errno);

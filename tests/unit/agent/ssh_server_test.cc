@@ -1,0 +1,132 @@
+// The agent's SSH server on loopback, outside any sandbox, against OpenSSH's own ssh: what the e2e test
+// checks through the ingress, here at the unit's own boundary (the key file re-read per connection, the
+// refusal, the exit status, a host key file that cannot be read).
+#include "agent/ssh_server.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "common/fd.h"
+#include "common/net.h"
+#include "tests/unit/temp_dir.h"
+
+namespace sg::agent {
+namespace {
+
+struct Run {
+  int code = -1;
+  std::string out;
+};
+
+Run run(const std::string& cmd) {
+  Run r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class SshServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = tmp_.path();
+    ASSERT_EQ(run("ssh-keygen -q -t ed25519 -N '' -f " + dir_ + "/host").code, 0);
+    ASSERT_EQ(run("ssh-keygen -q -t ed25519 -N '' -C one -f " + dir_ + "/one").code, 0);
+    ASSERT_EQ(run("ssh-keygen -q -t ed25519 -N '' -C two -f " + dir_ + "/two").code, 0);
+    std::ofstream(dir_ + "/authorized_keys") << "# registered\n" << slurp(dir_ + "/one.pub");
+    std::ofstream(dir_ + "/known_hosts") << "[127.0.0.1]:PORT " << slurp(dir_ + "/host.pub");
+    auto ep = parse_endpoint("127.0.0.1:0");
+    ASSERT_TRUE(ep);
+    auto fd = listen_on(*ep, false, 16);
+    ASSERT_TRUE(fd) << fd.message();
+    listen_fd_ = std::move(*fd);
+    auto port = local_port(listen_fd_.get());
+    ASSERT_TRUE(port) << port.message();
+    port_ = *port;
+    // known_hosts names the port the listener got.
+    std::string kh = slurp(dir_ + "/known_hosts");
+    kh.replace(kh.find("PORT"), 4, std::to_string(port_));
+    std::ofstream(dir_ + "/known_hosts") << kh;
+  }
+  void start(const std::string& host_key) {
+    SshServerOptions opts;
+    opts.host_key_file = host_key;
+    opts.authorized_keys_file = dir_ + "/authorized_keys";
+    auto pid = start_ssh_listener(listen_fd_.get(), opts);
+    ASSERT_TRUE(pid) << pid.message();
+    listener_ = *pid;
+    listen_fd_.reset();  // the listener has its own copy
+  }
+  void TearDown() override {
+    if (listener_ > 0) {
+      ::kill(listener_, SIGTERM);
+      ::waitpid(listener_, nullptr, 0);
+    }
+  }
+  std::string ssh(const std::string& key) const {
+    return "HOME=" + dir_ + " ssh -F /dev/null -p " + std::to_string(port_) + " -i " + dir_ + "/" + key +
+           " -o IdentitiesOnly=yes -o IdentityAgent=none -o BatchMode=yes -o ConnectTimeout=10"
+           " -o StrictHostKeyChecking=yes -o UserKnownHostsFile=" + dir_ + "/known_hosts root@127.0.0.1 ";
+  }
+
+  testing::TempDir tmp_;
+  std::string dir_;
+  uint16_t port_ = 0;
+  UniqueFd listen_fd_;
+  pid_t listener_ = 0;
+};
+
+TEST_F(SshServerTest, RunsCommandsForRegisteredKeysOnlyAndRereadsTheKeys) {
+  start(dir_ + "/host");
+  auto ok = run(ssh("one") + "'echo hi $((6*7)); exit 5'");
+  EXPECT_EQ(ok.code, 5) << ok.out;
+  EXPECT_NE(ok.out.find("hi 42"), std::string::npos) << ok.out;
+  auto refused = run(ssh("two") + "true");
+  EXPECT_EQ(refused.code, 255);
+  EXPECT_NE(refused.out.find("Permission denied (publickey)"), std::string::npos) << refused.out;
+  // The file is read by every connection: a key added now works at once, without a restart.
+  std::ofstream(dir_ + "/authorized_keys", std::ios::app) << slurp(dir_ + "/two.pub");
+  auto added = run(ssh("two") + "'echo added'");
+  EXPECT_EQ(added.code, 0) << added.out;
+  EXPECT_NE(added.out.find("added"), std::string::npos);
+  // stdin reaches the command and its EOF ends it.
+  auto piped = run("printf 'a\\nb\\n' | " + ssh("one") + "'wc -l'");
+  EXPECT_EQ(piped.code, 0) << piped.out;
+  EXPECT_NE(piped.out.find("2"), std::string::npos) << piped.out;
+}
+
+TEST_F(SshServerTest, NoKeysFileRefusesEveryKey) {
+  ASSERT_EQ(::unlink((dir_ + "/authorized_keys").c_str()), 0);
+  start(dir_ + "/host");
+  auto refused = run(ssh("one") + "true");
+  EXPECT_EQ(refused.code, 255);
+  EXPECT_NE(refused.out.find("Permission denied (publickey)"), std::string::npos) << refused.out;
+}
+
+TEST_F(SshServerTest, AnUnreadableHostKeyIsRefusedAtStart) {
+  SshServerOptions opts;
+  opts.host_key_file = dir_ + "/no-such-host-key";
+  opts.authorized_keys_file = dir_ + "/authorized_keys";
+  auto pid = start_ssh_listener(listen_fd_.get(), opts);
+  ASSERT_FALSE(pid);
+  EXPECT_NE(pid.message().find("no-such-host-key"), std::string::npos) << pid.message();
+}
+
+}  // namespace
+}  // namespace sg::agent
