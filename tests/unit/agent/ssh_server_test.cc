@@ -111,6 +111,49 @@ TEST_F(SshServerTest, RunsCommandsForRegisteredKeysOnlyAndRereadsTheKeys) {
   EXPECT_NE(piped.out.find("2"), std::string::npos) << piped.out;
 }
 
+// A shell on a pty follows the terminal's size: python's pty gives ssh a real terminal, resizes it and sends
+// ssh the SIGWINCH a terminal emulator would; `stty size` in the sandbox's shell tells what the server did.
+TEST_F(SshServerTest, ThePtyFollowsWindowChanges) {
+  start(dir_ + "/host");
+  const std::string script = dir_ + "/winch.py";
+  std::ofstream(script) << R"py(
+import os, pty, fcntl, termios, struct, signal, select, sys, time
+pid, fd = pty.fork()
+if pid == 0:
+    os.execvp("sh", ["sh", "-c", sys.argv[1]])
+def size(rows, cols):
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+def expect(needle):
+    out, end = b"", time.time() + 20
+    while time.time() < end and needle not in out:
+        if select.select([fd], [], [], 0.2)[0]:
+            try: out += os.read(fd, 4096)
+            except OSError: break
+    if needle not in out: sys.exit("no %r in %r" % (needle, out))
+size(30, 100)
+os.write(fd, b"echo ready\n"); expect(b"ready\r\n")
+os.write(fd, b"stty size\n"); expect(b"30 100")
+size(40, 120); os.kill(pid, signal.SIGWINCH)
+# The resize reaches the server asynchronously: ask until it shows (bounded by expect's deadline).
+out, end = b"", time.time() + 20
+while b"40 120" not in out and time.time() < end:
+    os.write(fd, b"stty size\n")
+    if select.select([fd], [], [], 0.5)[0]: out += os.read(fd, 4096)
+if b"40 120" not in out: sys.exit("the resize never arrived: %r" % out)
+os.write(fd, b"exit 4\n")
+while True:
+    try:
+        if not os.read(fd, 4096): break
+    except OSError: break
+print("status", os.waitpid(pid, 0)[1] >> 8)
+)py";
+  std::string command = ssh("one");
+  command.replace(command.find("-o BatchMode"), 0, "-tt ");
+  auto r = run("python3 " + script + " '" + command + "'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("status 4"), std::string::npos) << r.out;
+}
+
 TEST_F(SshServerTest, NoKeysFileRefusesEveryKey) {
   ASSERT_EQ(::unlink((dir_ + "/authorized_keys").c_str()), 0);
   start(dir_ + "/host");
