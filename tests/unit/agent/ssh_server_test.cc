@@ -5,10 +5,18 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "common/fd.h"
@@ -42,6 +50,46 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
+// A raw TCP connection to the listener (no SSH client behind it).
+UniqueFd connect_raw(uint16_t port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  return fd;
+}
+
+// Everything the server sends until it closes the connection, or nullopt if it is still open at the deadline.
+std::optional<std::string> read_to_eof(int fd, int timeout_ms) {
+  std::string got;
+  auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    int left = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now()).count());
+    pollfd p{fd, POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, left) != 1) return std::nullopt;
+    char buf[1024];
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) return got;
+    got.append(buf, static_cast<size_t>(n));
+  }
+}
+
+// A new connection gets the server's banner within a deadline (polled: the listener reaps the closed
+// connection's process before it accepts the next one).
+bool eventually_served(uint16_t port) {
+  auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < end) {
+    UniqueFd fd = connect_raw(port);
+    pollfd p{fd.get(), POLLIN, 0};
+    char buf[8];
+    if (::poll(&p, 1, 2000) == 1 && ::read(fd.get(), buf, sizeof buf) == static_cast<ssize_t>(sizeof buf)) return true;
+  }
+  return false;
+}
+
 class SshServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -64,8 +112,7 @@ class SshServerTest : public ::testing::Test {
     kh.replace(kh.find("PORT"), 4, std::to_string(port_));
     std::ofstream(dir_ + "/known_hosts") << kh;
   }
-  void start(const std::string& host_key) {
-    SshServerOptions opts;
+  void start(const std::string& host_key, SshServerOptions opts = {}) {
     opts.host_key_file = host_key;
     opts.authorized_keys_file = dir_ + "/authorized_keys";
     auto pid = start_ssh_listener(listen_fd_.get(), opts);
@@ -152,6 +199,52 @@ print("status", os.waitpid(pid, 0)[1] >> 8)
   auto r = run("python3 " + script + " '" + command + "'");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("status 4"), std::string::npos) << r.out;
+}
+
+TEST_F(SshServerTest, AClientThatNeverAuthenticatesIsDroppedAtTheDeadline) {
+  SshServerOptions opts;
+  opts.auth_timeout_secs = 1;
+  start(dir_ + "/host", opts);
+  UniqueFd idle = connect_raw(port_);
+  auto start = std::chrono::steady_clock::now();
+  auto got = read_to_eof(idle.get(), 10'000);
+  ASSERT_TRUE(got) << "still open after 10 s";
+  EXPECT_TRUE(got->starts_with("SSH-2.0-")) << *got;
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(900));
+}
+
+TEST_F(SshServerTest, ConnectionsBeyondTheLimitAreClosedAtOnce) {
+  SshServerOptions opts;
+  opts.max_sessions = 1;
+  start(dir_ + "/host", opts);
+  UniqueFd first = connect_raw(port_);
+  char banner[8];
+  ASSERT_EQ(::read(first.get(), banner, sizeof banner), static_cast<ssize_t>(sizeof banner));  // it is served
+  UniqueFd second = connect_raw(port_);
+  auto got = read_to_eof(second.get(), 10'000);
+  ASSERT_TRUE(got) << "the connection beyond the limit was not closed";
+  EXPECT_EQ(*got, "");  // closed before any banner
+  first.reset();
+  // Once the first is gone, a new connection is served again.
+  EXPECT_TRUE(eventually_served(port_));
+}
+
+TEST_F(SshServerTest, AtMostMaxAuthAttemptsKeysAreTried) {
+  for (const char* k : {"x1", "x2"})
+    ASSERT_EQ(run("ssh-keygen -q -t ed25519 -N '' -f " + dir_ + "/" + k).code, 0);
+  SshServerOptions opts;
+  opts.max_auth_attempts = 2;
+  start(dir_ + "/host", opts);
+  // Three unregistered keys go first; the registered one would be the fourth try.
+  std::string many = ssh("two");
+  many.replace(many.find(" -o IdentitiesOnly"), 0, " -i " + dir_ + "/x1 -i " + dir_ + "/x2 -i " + dir_ + "/one");
+  auto refused = run(many + "true");
+  EXPECT_EQ(refused.code, 255) << refused.out;
+  // Within the limit the same client gets in.
+  std::string two_tries = ssh("x1");
+  two_tries.replace(two_tries.find(" -o IdentitiesOnly"), 0, " -i " + dir_ + "/one");
+  auto ok = run(two_tries + "true");
+  EXPECT_EQ(ok.code, 0) << ok.out;
 }
 
 TEST_F(SshServerTest, NoKeysFileRefusesEveryKey) {
