@@ -153,5 +153,25 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   EXPECT_NE(gone.err.find("Permission denied (publickey)"), std::string::npos) << gone.err;
 }
 
+// An open session counts as activity (the proxy's byte counts): a sandbox with a 2 s idle timeout stays
+// running through a 5 s command, which would be cut ("sandbox_suspended") if it were suspended under it.
+TEST(AgentSsh, AnOpenSessionKeepsTheSandboxAwake) {
+  Cluster c;
+  Keys keys = make_keys(c);
+  ASSERT_EQ(c.cli("ssh-keys add " + shell_quote(keys.good + ".pub")).exit_code, 0);
+  auto j = create_with_agent(c, "held", "--timeout 2 -- sleep infinity");
+  ASSERT_TRUE(j.contains("id")) << j.dump();
+  const std::string config = c.dir() + "/ssh_config";
+  auto block = c.cli("ssh-config held --ingress 127.0.0.1:" + std::to_string(c.port()) + " --cacert " + c.ca());
+  ASSERT_EQ(block.exit_code, 0) << block.err;
+  write_file(config, block.out);
+  const std::string ssh = client(c, "ssh", config, keys.good, keys.dir + "/known_hosts", "accept-new");
+  auto r = run(ssh + " held 'sleep 5; echo still-here'", 60);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "still-here\n");
+  // Closed: the idle clock starts and the sandbox suspends.
+  EXPECT_TRUE(eventually([&] { return c.get("held")["state"] == "suspended"; }, std::chrono::seconds(15)));
+}
+
 }  // namespace
 }  // namespace sg::e2e
