@@ -2,9 +2,15 @@
 //
 //   sandgate-agent [--listen 0.0.0.0:9501] [--max-upload-bytes N] [--max-execs N] [--max-connections N]
 //                  [--max-contexts N] [--python python3]
+//                  [--ssh-listen ADDR:PORT --ssh-host-key FILE --ssh-authorized-keys FILE]
 //
+// With --ssh-listen it also serves SSH there (agent/ssh_server.h, docs/ssh.md), from a listener process
+// forked before the event loop exists.
 // Prints "sandgate-agent ready on <addr:port>" once listening. SIGINT/SIGTERM: stop accepting, kill the
 // commands still running (their whole process groups), close every connection, exit 0.
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +19,7 @@
 #include <string>
 
 #include "agent/server.h"
+#include "agent/ssh_server.h"
 #include "common/net.h"
 
 namespace {
@@ -21,8 +28,11 @@ struct Daemon {
   uv_loop_t* loop = nullptr;
   sg::agent::AgentServer* server = nullptr;
   uv_signal_t sigint{}, sigterm{};
+  pid_t ssh_listener = 0;
 
   void stop() {
+    // Open SSH sessions are processes of their own and end with the sandbox, not with the agent.
+    if (ssh_listener > 0) ::kill(ssh_listener, SIGTERM);
     server->close();
     for (uv_signal_t* s : {&sigint, &sigterm}) uv_close(reinterpret_cast<uv_handle_t*>(s), nullptr);
   }
@@ -43,7 +53,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--python", limits.code.settings.python, "run_code's interpreter (looked up in PATH)")
       ->capture_default_str();
+  std::string ssh_listen;
+  sg::agent::SshServerOptions ssh;
+  app.add_option("--ssh-listen", ssh_listen, "address:port of the SSH server (none without it)");
+  app.add_option("--ssh-host-key", ssh.host_key_file, "the SSH host key (OpenSSH private key file)");
+  app.add_option("--ssh-authorized-keys", ssh.authorized_keys_file, "public keys SSH accepts, re-read per connection");
   CLI11_PARSE(app, argc, argv);
+  if (!ssh_listen.empty() && (ssh.host_key_file.empty() || ssh.authorized_keys_file.empty())) {
+    std::fprintf(stderr, "sandgate-agent: --ssh-listen needs --ssh-host-key and --ssh-authorized-keys\n");
+    return 2;
+  }
 
   auto ep = sg::parse_endpoint(listen);
   if (!ep) {
@@ -54,6 +73,19 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
 
   Daemon d;
+  if (!ssh_listen.empty()) {
+    // Bound before "ready" is printed, so whoever waits for the agent can connect to SSH at once too.
+    auto ssh_ep = sg::parse_endpoint(ssh_listen);
+    if (!ssh_ep) {
+      std::fprintf(stderr, "sandgate-agent: --ssh-listen: %s\n", ssh_ep.message().c_str());
+      return 2;
+    }
+    // Not fatal: the sandbox's own program may hold the port, and exec and files must keep working then.
+    auto fd = sg::listen_on(*ssh_ep, false, 64);
+    auto pid = fd ? sg::agent::start_ssh_listener(fd->get(), ssh) : sg::Result<pid_t>(fd.failure());
+    if (pid) d.ssh_listener = *pid;
+    else std::fprintf(stderr, "sandgate-agent: no SSH server: %s\n", pid.message().c_str());
+  }
   d.loop = uv_default_loop();
   sg::agent::AgentServer server(d.loop, limits);
   d.server = &server;

@@ -329,6 +329,26 @@ std::string format_image_list(const json& answer, TimePoint now) {
 
 std::string snapshot_path(std::string_view id) { return resource_path("/v1/snapshots/", id); }
 
+std::string ssh_key_path(std::string_view label) { return resource_path("/v1/ssh-keys/", label); }
+
+json ssh_key_add_body(std::string_view public_key, std::string_view label) {
+  json body = {{"public_key", public_key}};
+  if (!label.empty()) body["label"] = label;
+  return body;
+}
+
+std::string format_ssh_key_added(const json& key) {
+  return "added " + text(key, "label") + " (" + text(key, "type") + " " + text(key, "fingerprint") + ")\n";
+}
+
+std::string format_ssh_key_list(const json& answer) {
+  std::vector<std::vector<std::string>> rows = {{"LABEL", "TYPE", "FINGERPRINT"}};
+  const json* list = field(answer, "ssh_keys");
+  if (list != nullptr && list->is_array())
+    for (const json& key : *list) rows.push_back({text(key, "label"), text(key, "type"), text(key, "fingerprint")});
+  return format_table(rows);
+}
+
 Result<json> checkpoint_body(std::string_view type) {
   if (type != "filesystem" && type != "memory")
     return fail(Error::kInvalidArgument, "--type " + std::string(type) + ": must be filesystem or memory");

@@ -93,6 +93,13 @@ std::string format_image_list(const nlohmann::json& answer, TimePoint now);
 
 // Snapshots (docs/snapshots.md). "/v1/snapshots/<id>", percent-encoded like sandbox_path.
 std::string snapshot_path(std::string_view id);
+
+// `ssh-keys` (docs/ssh.md): DELETE's path, POST's body ({"public_key": the .pub file's text, "label" when
+// given}), and what add and ls print.
+std::string ssh_key_path(std::string_view label);
+nlohmann::json ssh_key_add_body(std::string_view public_key, std::string_view label);
+std::string format_ssh_key_added(const nlohmann::json& key);
+std::string format_ssh_key_list(const nlohmann::json& answer);
 // The POST /v1/sandboxes/<ref>/checkpoint body; kInvalidArgument for a --type other than filesystem, memory.
 Result<nlohmann::json> checkpoint_body(std::string_view type);
 // `sandgate checkpoint`: the snapshot id, alone on its line (scripts read it).

@@ -14,6 +14,7 @@
 #include "cli/commands.h"
 #include "cli/settings.h"
 #include "cli/ssh.h"
+#include "common/ssh_public_key.h"
 
 namespace {
 
@@ -278,6 +279,18 @@ int main(int argc, char** argv) {
       "rm", "Remove a snapshot (refused while a sandbox created from it lives) and the layers nothing else uses");
   snapshot_rm->add_option("snapshot", ref, "snapshot id (snap-...)")->required();
 
+  CLI::App* ssh_keys = app.add_subcommand("ssh-keys", "Manage the public keys `ssh NAME` accepts (every sandbox)");
+  ssh_keys->require_subcommand(1);
+  std::string key_file, key_label;
+  CLI::App* ssh_keys_add = ssh_keys->add_subcommand("add", "Register a public key (a .pub file)");
+  ssh_keys_add->add_option("file", key_file, "the public key file, e.g. ~/.ssh/id_ed25519.pub")->required();
+  ssh_keys_add->add_option("--name", key_label, "its label (default: the key's comment)");
+  ssh_keys_add->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* ssh_keys_ls = ssh_keys->add_subcommand("ls", "List the registered keys");
+  ssh_keys_ls->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* ssh_keys_rm = ssh_keys->add_subcommand("rm", "Remove a key: new connections with it are refused");
+  ssh_keys_rm->add_option("label", key_label, "its label (see ssh-keys ls)")->required();
+
   CLI::App* ls = app.add_subcommand("ls", "List sandboxes");
   ls->add_flag("--json", raw_json, "print the node's JSON answer");
 
@@ -476,6 +489,20 @@ int main(int argc, char** argv) {
     if (!answer) return error(answer.message());
     return print(*answer, raw, raw_json, sg::cli::format_checkpoint);
   }
+  if (ssh_keys_add->parsed()) {
+    auto text = sg::cli::read_small_file(key_file, sg::kMaxPublicKeyLine);
+    if (!text) return error("ssh-keys add: " + text.message());
+    std::string raw;
+    auto answer = node.send("ssh-keys add", "POST", "/v1/ssh-keys", sg::cli::ssh_key_add_body(*text, key_label), "",
+                            &raw);
+    if (!answer) return error(answer.message());
+    return print(*answer, raw, raw_json, sg::cli::format_ssh_key_added);
+  }
+  if (ssh_keys_ls->parsed())
+    return call(node, "ssh-keys ls", "GET", "/v1/ssh-keys", "", raw_json, sg::cli::format_ssh_key_list);
+  if (ssh_keys_rm->parsed())
+    return call(node, "ssh-keys rm", "DELETE", sg::cli::ssh_key_path(key_label), "", false,
+                [&](const json&) { return "removed " + key_label + "\n"; });
   if (snapshots->parsed())
     return call(node, "snapshots", "GET", "/v1/snapshots", "", raw_json,
                 [&](const json& j) { return sg::cli::format_snapshot_list(j, now); });

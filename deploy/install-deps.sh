@@ -11,13 +11,14 @@ PACKAGES=(
   libcli11-dev libspdlog-dev libfmt-dev libsqlite3-dev
   libarchive-dev  # image import: docker-save / OCI archives and their (gzip, zstd) layers
   libsystemd-dev  # sd_notify: both daemons tell systemd when they are ready, reloading or stopping
+  libssh-dev zlib1g-dev  # the agent's SSH server (static libssh.a + libz.a), the node's key checks (docs/ssh.md)
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   clang  # libFuzzer (-fsanitize=fuzzer) for the fuzz targets in tests/fuzz; gcc has no coverage-guided fuzzer
   libyaml-cpp-dev  # the Firecracker / Cloud Hypervisor contract tests read the hypervisors' YAML specs
   # runtime tools and the clients the tests and the quickstart use
   openssl ca-certificates curl python3 procps iproute2
-  openssh-client openssh-server  # ssh/scp through the ingress to an sshd inside a sandbox
+  openssh-client openssh-server  # ssh/scp/sftp through the ingress to the agent's SSH server or an sshd in a sandbox
   nghttp2-client                 # h2load and nghttp: HTTP/2 through the ingress
   python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
   python3-pip python3-setuptools python3-venv  # the SDK suite pip-installs sdk/python into a venv, offline

@@ -1171,6 +1171,7 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
       reply(snapshot_response(200, s));
     });
   }
+  if (path == "/v1/ssh-keys" || path.starts_with("/v1/ssh-keys/")) return handle_ssh_keys(request, path, std::move(reply));
   constexpr std::string_view kSandboxes = "/v1/sandboxes/";
   if (path.starts_with(kSandboxes)) {
     std::string_view rest = path.substr(kSandboxes.size());
@@ -1212,6 +1213,53 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     }
   }
   reply(error_response(404, Error::kNotFound, "no such endpoint: " + method + " " + std::string(path)));
+}
+
+namespace {
+
+ordered_json ssh_key_json(const SshKeyEntry& e) {
+  return ordered_json{{"label", e.label}, {"type", e.key.type}, {"fingerprint", e.fingerprint},
+                      {"public_key", e.key.canonical()}};
+}
+
+}  // namespace
+
+// GET /v1/ssh-keys, POST /v1/ssh-keys {"public_key": "...", "label": "..."}, DELETE /v1/ssh-keys/LABEL.
+void ApiServer::handle_ssh_keys(const HttpMessage& request, std::string_view path, Reply reply) {
+  const std::string& method = request.method;
+  auto not_allowed = [&](std::string_view allowed) {
+    Response r = error_response(405, Error::kUnsupported,
+                                method + " is not allowed on " + std::string(path) + " (use " + std::string(allowed) + ")");
+    r.extra_headers = "Allow: " + std::string(allowed) + "\r\n";
+    reply(std::move(r));
+  };
+  if (ssh_keys_ == nullptr) return reply(error_response(503, Error::kUnavailable, "this node has no SSH key store"));
+  if (path == "/v1/ssh-keys") {
+    if (method == "GET") {
+      ordered_json list = ordered_json::array();
+      for (const SshKeyEntry& e : ssh_keys_->list()) list.push_back(ssh_key_json(e));
+      return reply(Response{200, to_text(ordered_json{{"ssh_keys", std::move(list)}}), {}, ""});
+    }
+    if (method != "POST") return not_allowed("GET, POST");
+    auto body = parse_object(request.body);
+    if (!body) return reply(error_response(body.failure()));
+    std::string label, key;
+    for (auto it = body->begin(); it != body->end(); ++it) {
+      if (it.key() != "label" && it.key() != "public_key")
+        return reply(error_response(unknown_field(it.key(), "label, public_key")));
+      if (!it->is_string()) return reply(error_response(wrong_type(it.key(), "a string", *it)));
+      (it.key() == "label" ? label : key) = it->get<std::string>();
+    }
+    if (key.empty()) return reply(invalid("public_key is required: the content of a .pub file"));
+    auto added = ssh_keys_->add(label, key);
+    if (!added) return reply(error_response(added.failure()));
+    return reply(Response{201, to_text(ssh_key_json(*added)), {}, ""});
+  }
+  std::string_view label = path.substr(std::string_view("/v1/ssh-keys/").size());
+  if (method != "DELETE") return not_allowed("DELETE");
+  if (Status s = validate_ssh_key_label(label); !s) return reply(error_response(s.failure()));
+  if (Status s = ssh_keys_->remove(label); !s) return reply(error_response(s.failure()));
+  return reply(Response{200, to_text(ordered_json{{"removed", std::string(label)}}), {}, ""});
 }
 
 // The archive is a path on the node's own disk, which only the local operator (the unix socket) may name:

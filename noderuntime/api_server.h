@@ -22,6 +22,7 @@
 #include "noderuntime/image_service.h"
 #include "noderuntime/node.h"
 #include "noderuntime/snapshot_service.h"
+#include "noderuntime/ssh_keys.h"
 
 namespace sg {
 
@@ -38,6 +39,8 @@ class ApiServer {
   void set_images(ImageService* images) { images_ = images; }
   // The node's snapshots (/v1/snapshots); without them those endpoints answer 503. Must outlive the server.
   void set_snapshots(SnapshotService* snapshots) { snapshots_ = snapshots; }
+  // The registered SSH keys (/v1/ssh-keys); without them those endpoints answer 503. Must outlive the server.
+  void set_ssh_keys(SshKeyStore* keys) { ssh_keys_ = keys; }
 
   // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
   Status listen(const Endpoint& ep);
@@ -104,6 +107,8 @@ class ApiServer {
   Node* node_;
   ImageService* images_ = nullptr;
   SnapshotService* snapshots_ = nullptr;
+  SshKeyStore* ssh_keys_ = nullptr;
+  void handle_ssh_keys(const HttpMessage& request, std::string_view path, Reply reply);
   const ConfigHolder* config_;
   std::vector<Listener*> listeners_;
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;

@@ -80,6 +80,7 @@ struct Daemon {
   std::unique_ptr<sg::Node> node;
   std::unique_ptr<sg::SnapshotService> snapshots;  // before images: the image store's GC asks it
   std::unique_ptr<sg::ImageService> images;  // before server: the server points at it
+  std::unique_ptr<sg::SshKeyStore> ssh_keys;  // before server: the server points at it
   std::unique_ptr<sg::ApiServer> server;
   uv_signal_t sigint{}, sigterm{}, sighup{};
   bool stopping = false;
@@ -262,6 +263,13 @@ int main(int argc, char** argv) {
   d.server = std::make_unique<sg::ApiServer>(d.loop, d.node.get(), d.config.get());
   d.server->set_images(d.images.get());
   d.server->set_snapshots(d.snapshots.get());
+  auto ssh_keys = sg::SshKeyStore::open(sg::ssh_keys_dir(c.node.state_dir));
+  if (!ssh_keys) {
+    spdlog::critical("ssh keys: {}", ssh_keys.message());
+    return 1;
+  }
+  d.ssh_keys = std::make_unique<sg::SshKeyStore>(std::move(*ssh_keys));
+  d.server->set_ssh_keys(d.ssh_keys.get());
   std::vector<sg::Endpoint> endpoints = {c.node_socket};
   endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
   for (const sg::Endpoint& ep : endpoints) {

@@ -58,6 +58,7 @@ std::string describe_ports(const SandboxSpec& spec) {
   std::string out;
   for (uint16_t p : spec.exposed_ports) out += (out.empty() ? "" : ", ") + std::to_string(p);
   if (spec.agent_port != 0) out += (out.empty() ? "" : ", ") + std::to_string(spec.agent_port) + " (agent)";
+  if (sandbox_port(spec, kSshPort) != kSshPort) out += (out.empty() ? "" : ", ") + std::string("22 (ssh, the agent's)");
   return out.empty() ? "none" : out;
 }
 
@@ -1054,7 +1055,7 @@ void Node::expire_reports() {
 // ---- waiters ----
 
 Result<OpenedPort> Node::open_port(Sandbox& sb, uint16_t port, bool woke, Clock::time_point started) {
-  auto socket = driver(sb).open_socket(sb.rec.spec, sb.rec.runtime, port);
+  auto socket = driver(sb).open_socket(sb.rec.spec, sb.rec.runtime, sandbox_port(sb.rec.spec, port));
   if (!socket)
     return fail(socket.error(), "cannot open a socket in sandbox " + sb.id() + ": " + socket.message());
   OpenedPort opened;
@@ -1190,7 +1191,7 @@ Result<SpareSockets> Node::spare_sockets(std::string_view id, uint16_t port, siz
   if (!port_policy(sb->rec.spec, port)) return fail(Error::kPermissionDenied, "port not exposed");
   SpareSockets spares;
   for (size_t i = 0; i < std::min(count, kMaxSpareSockets); ++i) {
-    auto socket = driver(*sb).open_socket(sb->rec.spec, sb->rec.runtime, port);
+    auto socket = driver(*sb).open_socket(sb->rec.spec, sb->rec.runtime, sandbox_port(sb->rec.spec, port));
     if (!socket) return fail(socket.error(), "cannot open a socket in sandbox " + sb->id() + ": " + socket.message());
     if (socket->connected) return fail(Error::kUnsupported, "the driver's sockets are one connected stream each");
     spares.connect_port = socket->connect_port;

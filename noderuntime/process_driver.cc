@@ -25,6 +25,7 @@
 #include "noderuntime/cgroup.h"
 #include "noderuntime/companion_files.h"
 #include "noderuntime/sandbox_egress.h"
+#include "noderuntime/ssh_keys.h"
 #include "noderuntime/uv_handles.h"
 #include "snapshot/image_store.h"
 
@@ -309,6 +310,7 @@ class ProcessDriver final : public Driver {
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
+        ssh_keys_dir_(ssh_keys_dir(cfg.state_dir)),
         host_netns_(std::move(host_netns)),
         egress_(egress) {}
 
@@ -421,6 +423,7 @@ class ProcessDriver final : public Driver {
   CgroupManager cgroups_;
   std::string init_path_;
   std::string agent_path_;  // empty: no agent found, sandboxes run without one
+  std::string ssh_keys_dir_;  // the node's registered SSH keys (noderuntime/ssh_keys.h), bound into every sandbox
   UniqueFd host_netns_;
   Status attach_egress(const SandboxSpec& spec, int pid);
   SandboxEgress* egress_;  // the node's, shared with the QEMU driver; null: no internet access here
@@ -606,6 +609,17 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
   // sockets connect from.
   if (!agent_path_.empty() && spec.agent_port != 0) {
     args.insert(args.end(), {"--agent", agent_path_, "--agent-listen", "0.0.0.0:" + std::to_string(spec.agent_port)});
+    // SSH without an sshd (docs/ssh.md). The host key is made once, at the sandbox's first start, and kept
+    // in its directory of the node's state, so it survives suspends, node restarts and sandbox restarts.
+    if (uint16_t ssh_port = agent_ssh_port(spec); ssh_port != 0) {
+      const std::string host_dir = sandbox_dir + "/ssh";
+      auto host_key = ensure_host_key(host_dir, spec.uid_base);
+      if (!host_key) return host_key.failure();
+      if (::mkdir(ssh_keys_dir_.c_str(), 0755) != 0 && errno != EEXIST)
+        return fail_errno("mkdir " + ssh_keys_dir_, errno);
+      args.insert(args.end(), {"--agent-ssh-listen", "0.0.0.0:" + std::to_string(ssh_port), "--ssh-host-dir", host_dir,
+                               "--ssh-keys-dir", ssh_keys_dir_});
+    }
   }
   args.push_back("--");
   args.insert(args.end(), spec.command.begin(), spec.command.end());

@@ -64,7 +64,20 @@ std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port) {
   }
   if (spec.agent_port != 0 && port == spec.agent_port)
     return PortPolicy{port, false, PortProtocol::kH2c};  // see allow_unauthenticated_access
+  // Never public, like the agent port: the SSH keys do their own auth, but the edge asks for the token first.
+  if (port == kSshPort && agent_ssh_port(spec) != 0) return PortPolicy{port, false, PortProtocol::kTcp};
   return std::nullopt;
+}
+
+uint16_t agent_ssh_port(const SandboxSpec& spec) {
+  if (spec.driver != "process" || spec.agent_port == 0 || spec.agent_port == 65535) return 0;
+  return static_cast<uint16_t>(spec.agent_port + 1);
+}
+
+uint16_t sandbox_port(const SandboxSpec& spec, uint16_t port) {
+  if (port != kSshPort) return port;
+  bool exposed = std::find(spec.exposed_ports.begin(), spec.exposed_ports.end(), port) != spec.exposed_ports.end();
+  return exposed || agent_ssh_port(spec) == 0 ? port : agent_ssh_port(spec);
 }
 
 }  // namespace sg

@@ -90,6 +90,16 @@ struct SandboxSpec {
 // (h2c, always private), or nullopt when the port is not reachable at all.
 std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port);
 
+// SSH without an sshd (docs/ssh.md): a process sandbox's agent serves SSH on agent_port + 1, and port 22,
+// when the sandbox does not expose 22 itself, is routed there (private, raw TCP: `sandgate ssh-proxy`).
+inline constexpr uint16_t kSshPort = 22;
+// The agent's SSH port in this sandbox, or 0 when it has none (no agent, or a driver whose agent does not
+// serve SSH yet).
+uint16_t agent_ssh_port(const SandboxSpec& spec);
+// The port a connection to `port` reaches inside the sandbox: the agent's SSH port for 22 when that is
+// where 22 goes, else `port` itself.
+uint16_t sandbox_port(const SandboxSpec& spec, uint16_t port);
+
 // Driver-owned facts persisted with the sandbox so a restarted node can find the running instance again.
 struct RuntimeInfo {
   int pid = 0;                    // the sandbox's init process, as seen from the host

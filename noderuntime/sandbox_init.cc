@@ -1,7 +1,8 @@
 // sandgate-init: PID 1 inside a process sandbox's fresh PID, mount, network, UTS, IPC and cgroup namespaces.
 //
 //   sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD --uid-base UID
-//                 --layer TREE [--layer TREE]... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT] -- CMD ARGS...
+//                 --layer TREE [--layer TREE]... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT]
+//                 [--agent-ssh-listen ADDR:PORT --ssh-host-dir DIR --ssh-keys-dir DIR] -- CMD ARGS...
 //
 // The node starts it as host root in namespaces owned by the initial user namespace, so the mounts below are
 // made by host root and the sandbox's root (which only ever has capabilities in its own user namespace) can
@@ -27,7 +28,10 @@
 // With --agent it also runs `/.sandgate/agent --listen ADDR:PORT` next to CMD, same namespaces, cgroup and
 // environment. The agent is a helper, not the sandbox: when it exits it is restarted after a backoff
 // (1 s doubling to 30 s, back to 1 s after it has run for 30 s), and it never ends the sandbox. Signals go to
-// CMD only; the agent dies with the namespace when CMD ends.
+// CMD only; the agent dies with the namespace when CMD ends. With --agent-ssh-listen the agent also serves
+// SSH there (docs/ssh.md): the host's --ssh-host-dir (the sandbox's host key) appears read-only at
+// /.sandgate/ssh and --ssh-keys-dir (the node's authorized_keys, rewritten by renames the bind shows at
+// once) read-only at /.sandgate/ssh-keys.
 //
 // Deliberately libc-only (plus the static libseccomp of confinement.cc): it runs in every sandbox and
 // should start fast and never break with the daemon's dependencies.
@@ -72,6 +76,10 @@ constexpr long kAgentHealthyRunMs = 30'000;  // an agent that ran this long gets
 constexpr int kMaxLayers = 128;
 // Where the node's sandgate-agent appears inside every sandbox (read-only bind mount).
 constexpr const char* kAgentInSandbox = "/.sandgate/agent";
+constexpr const char* kSshHostDirInSandbox = "/.sandgate/ssh";
+constexpr const char* kSshKeysDirInSandbox = "/.sandgate/ssh-keys";
+constexpr const char* kSshHostKeyInSandbox = "/.sandgate/ssh/host_ed25519";
+constexpr const char* kSshAuthorizedKeysInSandbox = "/.sandgate/ssh-keys/authorized_keys";
 
 struct Options {
   const char* hostname = nullptr;
@@ -80,6 +88,9 @@ struct Options {
   const char* log_max = nullptr;       // bytes output.log may reach before it is rotated to <log>.1
   const char* agent = nullptr;         // optional: sandgate-agent's path
   const char* agent_listen = nullptr;  // its --listen argument
+  const char* agent_ssh_listen = nullptr;  // optional, with --agent: its --ssh-listen argument
+  const char* ssh_host_dir = nullptr;      // host dir holding host_ed25519, bound at kSshHostDirInSandbox
+  const char* ssh_keys_dir = nullptr;      // host dir holding authorized_keys, bound at kSshKeysDirInSandbox
   const char* sandbox_dir = nullptr;   // upper/, work/, lower/N and root/ live here
   const char* userns_fd = nullptr;     // the sandbox's user namespace, inherited from the node
   const char* uid_base = nullptr;      // host uid (and gid) of the sandbox's root
@@ -101,6 +112,9 @@ bool parse_options(int argc, char** argv, Options* out) {
     if (strcmp(argv[i], "--log-max") == 0) target = &out->log_max;
     if (strcmp(argv[i], "--agent") == 0) target = &out->agent;
     if (strcmp(argv[i], "--agent-listen") == 0) target = &out->agent_listen;
+    if (strcmp(argv[i], "--agent-ssh-listen") == 0) target = &out->agent_ssh_listen;
+    if (strcmp(argv[i], "--ssh-host-dir") == 0) target = &out->ssh_host_dir;
+    if (strcmp(argv[i], "--ssh-keys-dir") == 0) target = &out->ssh_keys_dir;
     if (strcmp(argv[i], "--sandbox-dir") == 0) target = &out->sandbox_dir;
     if (strcmp(argv[i], "--userns-fd") == 0) target = &out->userns_fd;
     if (strcmp(argv[i], "--uid-base") == 0) target = &out->uid_base;
@@ -117,6 +131,9 @@ bool parse_options(int argc, char** argv, Options* out) {
       !out->uid_base || out->layer_count == 0)
     return false;
   if ((out->agent == nullptr) != (out->agent_listen == nullptr)) return false;
+  bool ssh = out->agent_ssh_listen != nullptr;
+  if (ssh != (out->ssh_host_dir != nullptr) || ssh != (out->ssh_keys_dir != nullptr)) return false;
+  if (ssh && out->agent == nullptr) return false;
   out->command = argv + i + 1;
   return true;
 }
@@ -359,6 +376,8 @@ constexpr const char* kReadOnlyProc[] = {"proc/sys", "proc/irq", "proc/bus", "pr
 struct HostMounts {
   int devices[kDeviceCount];
   int agent = -1;
+  int ssh_host_dir = -1;
+  int ssh_keys_dir = -1;
 };
 
 int clone_tree(const char* path, unsigned int extra_attrs) {
@@ -378,6 +397,9 @@ HostMounts clone_host_mounts(const Options& opts) {
   char path[64];
   for (int i = 0; i < kDeviceCount; ++i) m.devices[i] = clone_tree(join(path, sizeof path, "/dev", kDevices[i]), 0);
   if (opts.agent != nullptr) m.agent = clone_tree(opts.agent, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
+  const unsigned int data_only = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+  if (opts.ssh_host_dir != nullptr) m.ssh_host_dir = clone_tree(opts.ssh_host_dir, data_only);
+  if (opts.ssh_keys_dir != nullptr) m.ssh_keys_dir = clone_tree(opts.ssh_keys_dir, data_only);
   return m;
 }
 
@@ -435,6 +457,14 @@ void populate_root(const HostMounts& host, uid_t owner) {
     make_file(kAgentInSandbox + 1, owner);
     attach(host.agent, kAgentInSandbox + 1);
   }
+  if (host.ssh_host_dir >= 0) {
+    make_dir(kSshHostDirInSandbox + 1, 0700, owner);
+    attach(host.ssh_host_dir, kSshHostDirInSandbox + 1);
+  }
+  if (host.ssh_keys_dir >= 0) {
+    make_dir(kSshKeysDirInSandbox + 1, 0755, owner);
+    attach(host.ssh_keys_dir, kSshKeysDirInSandbox + 1);
+  }
 }
 
 // Step 3: the overlay becomes "/", and nothing of the host's tree stays reachable.
@@ -491,6 +521,7 @@ long now_ms() {
 struct Agent {
   const char* path = nullptr;
   const char* listen = nullptr;
+  const char* ssh_listen = nullptr;  // NULL: no SSH server
   pid_t pid = 0;            // 0 while not running
   long started_ms = 0;
   long backoff_ms = kAgentBackoffMinMs;
@@ -510,8 +541,12 @@ void start_agent(Agent* agent, const sigset_t* original_mask) {
   if (pid == 0) {
     sigprocmask(SIG_SETMASK, original_mask, nullptr);
     if (dup2(agent->output, STDOUT_FILENO) < 0 || dup2(agent->output, STDERR_FILENO) < 0) _exit(kExitSetupFailed);
-    char* const args[] = {const_cast<char*>(agent->path), const_cast<char*>("--listen"),
-                          const_cast<char*>(agent->listen), nullptr};
+    char* args[] = {const_cast<char*>(agent->path), const_cast<char*>("--listen"),
+                          const_cast<char*>(agent->listen), const_cast<char*>("--ssh-listen"),
+                          const_cast<char*>(agent->ssh_listen), const_cast<char*>("--ssh-host-key"),
+                          const_cast<char*>(kSshHostKeyInSandbox), const_cast<char*>("--ssh-authorized-keys"),
+                          const_cast<char*>(kSshAuthorizedKeysInSandbox), nullptr};
+    if (agent->ssh_listen == nullptr) args[3] = nullptr;  // no SSH: the argument list ends after --listen
     execv(agent->path, args);
     fprintf(stderr, "sandgate-init: cannot execute %s: %s\n", agent->path, strerror(errno));
     _exit(kExitExecFailed);
@@ -537,7 +572,8 @@ int main(int argc, char** argv) {
   if (!parse_options(argc, argv, &opts)) {
     fprintf(stderr,
             "usage: sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD "
-            "--uid-base UID --layer TREE... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT] -- CMD [ARGS...]\n");
+            "--uid-base UID --layer TREE... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT] [--agent-ssh-listen ADDR:PORT --ssh-host-dir DIR "
+            "--ssh-keys-dir DIR] -- CMD [ARGS...]\n");
     return kExitUsage;
   }
   // The log comes first so that every later setup error lands where the sandbox's owner will look.
@@ -574,6 +610,7 @@ int main(int argc, char** argv) {
   Agent agent;
   agent.path = opts.agent != nullptr ? kAgentInSandbox : nullptr;
   agent.listen = opts.agent_listen;
+  agent.ssh_listen = opts.agent_ssh_listen;
   agent.output = log.pipe_write;
   if (agent.path != nullptr) start_agent(&agent, &original_mask);
 
