@@ -38,6 +38,8 @@ class ApiServer {
   void set_images(ImageService* images) { images_ = images; }
   // The node's snapshots (/v1/snapshots); without them those endpoints answer 503. Must outlive the server.
   void set_snapshots(SnapshotService* snapshots) { snapshots_ = snapshots; }
+  // [fleet]: GET /v1/fleet/nodes, POST/DELETE /v1/fleet/nodes/<node>/drain, and each sandbox's "node".
+  void set_fleet(FleetAdmin* fleet) { fleet_ = fleet; }
 
   // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
   Status listen(const Endpoint& ep);
@@ -104,6 +106,7 @@ class ApiServer {
   Node* node_;
   ImageService* images_ = nullptr;
   SnapshotService* snapshots_ = nullptr;
+  FleetAdmin* fleet_ = nullptr;
   const ConfigHolder* config_;
   std::vector<Listener*> listeners_;
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;
