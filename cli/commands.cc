@@ -353,31 +353,9 @@ std::string format_snapshot_list(const json& answer, TimePoint now) {
       rows.push_back({text(snap, "id"), from, text(snap, "type"), std::to_string(layer_count(snap)),
                       format_bytes(bytes != nullptr && bytes->is_number_unsigned() ? bytes->get<uint64_t>() : 0),
                       age ? format_duration(-*age) : "-"});
-      if (fleet) rows.back().insert(rows.back().begin() + 2, text(sb, "node"));
     }
   }
   return format_table(rows);
-}
-
-std::string format_nodes(const json& answer) {
-  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "SANDBOXES", "CAPACITY", "API"}};
-  std::string self = text(answer, "node");
-  const json* list = field(answer, "nodes");
-  if (list != nullptr && list->is_array()) {
-    for (const json& n : *list) {
-      std::string name = text(n, "name");
-      rows.push_back({name + (name == self ? " *" : ""), text(n, "state"), text(n, "sandboxes"),
-                      text(n, "capacity_sandboxes"), text(n, "api")});
-    }
-  }
-  return format_table(rows);
-}
-
-Status check_node_name(std::string_view name) {
-  bool ok = !name.empty() && name.size() <= 63;
-  for (char c : name) ok = ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-');
-  if (!ok) return fail(Error::kInvalidArgument, "node name must be 1-63 characters of [a-z0-9-]");
-  return {};
 }
 
 Result<json> parse_object(std::string_view body, std::string_view where) {

@@ -1124,7 +1124,11 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
                          {"capacity_sandboxes", n.capacity_sandboxes},
                          {"api", n.api},
                          {"ingress", n.ingress}});
-      return reply(Response{200, to_text(ordered_json{{"node", fleet_->node_name()}, {"nodes", std::move(nodes)}}), {}, ""});
+      return reply(Response{200,
+                            to_text(ordered_json{{"node", fleet_->node_name()},
+                                                 {"nodes", std::move(nodes)},
+                                                 {"conflicts", fleet_->conflicts()}}),
+                            {}, ""});
     }
     constexpr std::string_view kNodes = "/v1/fleet/nodes/";
     if (path.starts_with(kNodes) && path.ends_with("/drain")) {

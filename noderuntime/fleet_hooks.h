@@ -15,6 +15,8 @@ namespace sg {
 class FleetHooks {
  public:
   virtual ~FleetHooks() = default;
+  // This node's name in the fleet (the answers that name an owner use it).
+  virtual const std::string& node_name() const = 0;
   // kUnavailable while this node is fenced (it cannot renew its lease, so etcd may already consider it gone):
   // no creates and no wakes then. `what` words the error ("create", "wake").
   virtual Status admit(std::string_view what) const = 0;
@@ -35,6 +37,9 @@ class FleetAdmin {
   virtual std::vector<fleet::NodeInfo> fleet_nodes() const = 0;
   // Marks `node` draining (placement skips it) or ready again; `done` runs on the loop.
   virtual void set_draining(const std::string& node, bool draining, std::function<void(Status)> done) = 0;
+  // Sandbox names etcd gives to another node while this node has a sandbox of that name (found by the last
+  // reconcile or state write): for the operator to settle.
+  virtual std::vector<std::string> conflicts() const = 0;
 };
 
 }  // namespace sg

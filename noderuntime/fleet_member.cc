@@ -127,11 +127,6 @@ std::vector<std::string> FleetMember::conflicts() const {
   return conflicts_;
 }
 
-bool FleetMember::flush(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  return idle_cv_.wait_for(lock, timeout, [&] { return claims_.empty() && publish_order_.empty() && !writer_busy_; });
-}
-
 // ---- the writer ----
 
 void FleetMember::writer_loop() {
@@ -144,7 +139,6 @@ void FleetMember::writer_loop() {
       if (stop_deadline == Clock::time_point{}) stop_deadline = Clock::now() + std::chrono::seconds(5);
       if ((claims_.empty() && publish_order_.empty()) || Clock::now() > stop_deadline) break;
     }
-    writer_busy_ = true;
     if (!claims_.empty()) {
       Claim c = std::move(claims_.front());
       claims_.pop_front();
@@ -174,11 +168,7 @@ void FleetMember::writer_loop() {
       }
       lock.lock();
     }
-    writer_busy_ = false;
-    if (claims_.empty() && publish_order_.empty()) idle_cv_.notify_all();
   }
-  writer_busy_ = false;
-  idle_cv_.notify_all();
 }
 
 Status FleetMember::claim_now(const std::string& name) {

@@ -68,10 +68,7 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   // The list + watch view of the fleet this node keeps (for the API and, later, placement).
   const fleet::Directory& directory() const { return directory_; }
   const etcd::Client& client() const { return client_; }
-  // Sandbox names etcd gives to another node while this node has them (found by the last reconcile).
-  std::vector<std::string> conflicts() const;
-  // Blocks until the writer has no pending work or `timeout` passes (tests, shutdown).
-  bool flush(std::chrono::milliseconds timeout);
+  std::vector<std::string> conflicts() const override;
 
  private:
   struct Claim {
@@ -114,8 +111,6 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   std::map<std::string, std::string> pending_;  // key -> latest state not yet written
   std::map<std::string, std::string> local_;    // key -> state of every sandbox this node has
   std::vector<std::string> conflicts_;
-  bool writer_busy_ = false;
-  std::condition_variable idle_cv_;
 
   std::mutex posted_mu_;
   std::vector<std::function<void()>> posted_;

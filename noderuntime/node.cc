@@ -400,7 +400,8 @@ void Node::create_now(const CreateRequest& request, SandboxCallback done, bool c
   if (!spec->name.empty()) {
     auto taken = ids_by_name_.find(spec->name);
     if (taken != ids_by_name_.end())
-      return done(fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second));
+      return done(fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second +
+                                                  (fleet_ != nullptr ? " on node '" + fleet_->node_name() + "'" : "")));
   }
   if (fleet_ != nullptr && !claimed) {
     if (Status s = fleet_->admit("create"); !s) return done(s.failure());

@@ -99,7 +99,9 @@ TEST_F(Fleet, TwentyConcurrentCreatesOfOneNameThroughThreeNodesHaveOneWinner) {
   EXPECT_EQ((*owner)["state"], "running");
   // Every loser was told which node holds the name (the ones on the winner's own node too).
   for (auto& [status, body] : results)
-    if (status == 409) EXPECT_NE(body.find("node '" + winner + "'"), std::string::npos) << body;
+    if (status == 409) {
+      EXPECT_NE(body.find("node '" + winner + "'"), std::string::npos) << body;
+    }
   // Exactly one sandbox named dup exists, on the winner.
   int found = 0;
   for (int i = 0; i < 3; i++) {
@@ -110,8 +112,24 @@ TEST_F(Fleet, TwentyConcurrentCreatesOfOneNameThroughThreeNodesHaveOneWinner) {
     }
   }
   EXPECT_EQ(found, 1);
-  // rm gives the name back to the fleet.
+  // The CLI: ls has the NODE column, nodes lists the fleet, drain shows at the drained node's next renewal.
   Cluster& w = *n[winner.back() - '0'];
+  auto ls = w.cli("ls");
+  EXPECT_NE(ls.out.find("NODE"), std::string::npos) << ls.out;
+  EXPECT_NE(ls.out.find("  " + winner + "  "), std::string::npos) << ls.out;
+  auto nodes = n[0]->cli("nodes");
+  ASSERT_EQ(nodes.exit_code, 0) << nodes.err;
+  for (const char* name : {"n0 *", "n1 ", "n2 "}) EXPECT_NE(nodes.out.find(name), std::string::npos) << nodes.out;
+  ASSERT_EQ(n[0]->cli("node drain n2").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { return n[1]->cli("nodes").out.find("draining") != std::string::npos; }, 5s))
+      << n[1]->cli("nodes").out;
+  auto drained = key("/sandgate/nodes/n2");
+  ASSERT_TRUE(drained);
+  EXPECT_EQ((*drained)["state"], "draining");
+  ASSERT_EQ(n[0]->cli("node undrain n2").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/nodes/n2"); return k && (*k)["state"] == "ready"; }, 5s));
+  EXPECT_NE(n[0]->cli("node drain ../x").exit_code, 0);
+  // rm gives the name back to the fleet.
   ASSERT_EQ(w.cli("rm dup").exit_code, 0);
   EXPECT_TRUE(eventually([&] { return !key("/sandgate/sandboxes/dup"); }, 5s));
   auto again = create(*n[(winner.back() - '0' + 1) % 3], "dup");
@@ -137,14 +155,17 @@ TEST_F(Fleet, KillNineDropsTheNodeKeyKeepsItsSandboxesAndARestartReconciles) {
   ASSERT_TRUE(client_->delete_range("/sandgate/sandboxes/k10"));
   ASSERT_TRUE(client_->put("/sandgate/sandboxes/ghost", R"({"node":"k0","state":"running"})"));
   ASSERT_TRUE(client_->put("/sandgate/sandboxes/k9", R"({"node":"other","state":"running"})"));
+  size_t from = c.node().log().size();
   c.start_node();
-  ASSERT_FALSE(c.node().wait_for("fleet: reconciled", 10000).empty()) << c.node().log();
+  ASSERT_FALSE(c.node().wait_for("fleet: reconciled", 10000, from).empty()) << c.node().log();
   EXPECT_TRUE(key("/sandgate/nodes/k0"));
   auto k10 = key("/sandgate/sandboxes/k10");
   ASSERT_TRUE(k10) << "not re-claimed";
   EXPECT_EQ((*k10)["node"], "k0");
   EXPECT_FALSE(key("/sandgate/sandboxes/ghost")) << "stale key left";
-  EXPECT_EQ((*key("/sandgate/sandboxes/k9"))["node"], "other") << "another node's claim overwritten";
+  auto k9_after = key("/sandgate/sandboxes/k9");
+  ASSERT_TRUE(k9_after);
+  EXPECT_EQ((*k9_after)["node"], "other") << "another node's claim overwritten";
   EXPECT_NE(c.node().log().find("sandbox k9 exists on this node but etcd gives its name to another node"),
             std::string::npos);
   // Its sandboxes were adopted and serve requests again: a new create works.

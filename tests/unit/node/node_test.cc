@@ -1395,6 +1395,7 @@ TEST_F(NodeCheckpointTest, ACreateFromASnapshotRunsOnItsLayersWithItsDefaults) {
 
 class FakeFleet : public FleetHooks {
  public:
+  const std::string& node_name() const override { return name; }
   Status admit(std::string_view what) const override {
     if (fenced) return fail(Error::kUnavailable, "fleet: fenced, refuses to " + std::string(what));
     return {};
@@ -1409,6 +1410,7 @@ class FakeFleet : public FleetHooks {
     published.emplace_back(key, std::string(state));
     if (state == "terminated") taken.erase(key);
   }
+  std::string name = "me";
   bool fenced = false;
   std::map<std::string, std::string> taken;
   std::vector<std::string> claims;
@@ -1436,6 +1438,14 @@ TEST_F(NodeFleetTest, ANamedCreateClaimsFirstAndEveryStateThatRoutesIsPublished)
   SandboxInfo u = create(std::nullopt);
   EXPECT_EQ(fleet_.claims.size(), 1u);
   EXPECT_EQ(fleet_.published.back(), (P{u.spec.id, "running"}));
+}
+
+TEST_F(NodeFleetTest, ALocalDuplicateNamesThisNode) {
+  create("dup");
+  auto r = create_request(request("dup"));
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kAlreadyExists);
+  EXPECT_NE(r.message().find("on node 'me'"), std::string::npos) << r.message();
 }
 
 TEST_F(NodeFleetTest, ARefusedClaimIsTheCreatesAnswerAndStartsNothing) {
