@@ -114,6 +114,7 @@ void FleetMember::claim(const std::string& name, std::function<void(Status)> don
 void FleetMember::publish(const std::string& key, std::string_view state) {
   {
     std::lock_guard lock(mu_);
+    claimed_.erase(key);  // its create is over, one way or the other
     if (state == "terminated") local_.erase(key);
     else local_[key] = std::string(state);
     if (!pending_.count(key)) publish_order_.push_back(key);
@@ -151,7 +152,17 @@ void FleetMember::writer_loop() {
         auto r = *c.drain ? client_.put(key, "{}") : client_.delete_range(key);
         if (!r) s = fail(Error::kUnavailable, "fleet: cannot write " + key + ": " + r.message());
       } else {
+        {
+          std::lock_guard claim_lock(mu_);
+          claimed_.insert(c.name);  // before the txn: see claimed_
+        }
         s = claim_now(c.name);
+        if (!s) {
+          std::lock_guard claim_lock(mu_);
+          claimed_.erase(c.name);
+          // A timeout leaves the outcome unknown: the claim may land when etcd answers again.
+          if (s.error() == Error::kUnavailable) needs_reconcile_ = true;
+        }
       }
       post([done = std::move(c.done), s]() { done(s); });
       lock.lock();
@@ -324,12 +335,14 @@ Status FleetMember::put_node_key(bool force) {
 Status FleetMember::reconcile() {
   auto all = client_.range_prefix(kFleetSandboxesPrefix);
   if (!all) return all.failure();
+  // Taken after the range: a claim in that answer was added to claimed_ before its txn was sent.
   std::map<std::string, std::string> local;
+  std::set<std::string> claimed;
   {
     std::lock_guard lock(mu_);
     local = local_;
+    claimed = claimed_;
   }
-  const int64_t lease = lease_.load();
   std::set<std::string> in_etcd;
   std::vector<std::string> conflicts;
   size_t written = 0, removed = 0;
@@ -348,9 +361,9 @@ Status FleetMember::reconcile() {
     auto mine = local.find(name);
     Op op;
     if (mine == local.end()) {
-      // A claim of this node's current lease is a create in flight; anything else of ours we no longer
-      // have (removed while etcd was unreachable, or lost with a crash mid-create) is released.
-      if (rec->state == "creating" && kv.lease == lease) continue;
+      // A claim of a create in flight stays; anything else of ours we no longer have (removed while etcd
+      // was unreachable, lost with a crash mid-create, or a claim whose answer timed out) is released.
+      if (rec->state == "creating" && claimed.count(name)) continue;
       op = Op{.kind = Op::Kind::kDelete, .key = kv.key};
       removed++;
     } else {

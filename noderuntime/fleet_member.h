@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <optional>
 #include <string>
 #include <thread>
@@ -110,6 +111,10 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   std::deque<std::string> publish_order_;
   std::map<std::string, std::string> pending_;  // key -> latest state not yet written
   std::map<std::string, std::string> local_;    // key -> state of every sandbox this node has
+  // Names whose claim is being sent or was won, until their create publishes a state: reconcile keeps their
+  // "creating" keys and deletes every other "creating" key of this node (a claim whose answer timed out
+  // may still have landed once etcd came back).
+  std::set<std::string> claimed_;
   std::vector<std::string> conflicts_;
 
   std::mutex posted_mu_;
