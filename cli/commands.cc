@@ -528,6 +528,10 @@ std::string format_list(const json& answer, TimePoint now) {
   std::vector<std::vector<std::string>> rows = {
       {"ID", "NAME", "DRIVER", "STATE", "TIER", "PORTS", "IDLE-IN", "NEXT", "AGE"}};
   const json* list = field(answer, "sandboxes");
+  bool fleet = false;
+  if (list != nullptr && list->is_array())
+    for (const json& sb : *list) fleet = fleet || (sb.is_object() && sb.contains("node"));
+  if (fleet) rows[0].insert(rows[0].begin() + 2, "NODE");
   if (list != nullptr && list->is_array()) {
     for (const json& sb : *list) {
       auto idle = seconds_between(now, field(sb, "idle_deadline_at"));
@@ -539,9 +543,31 @@ std::string format_list(const json& answer, TimePoint now) {
       rows.push_back({text(sb, "id"), text(sb, "name"), text(sb, "driver"), text(sb, "state"), text(sb, "tier"),
                       ports(sb, ","), idle ? std::to_string(std::max<long long>(idle->count(), 0)) : "-", next_text,
                       age ? format_duration(-*age) : "-"});
+      if (fleet) rows.back().insert(rows.back().begin() + 2, text(sb, "node"));
     }
   }
   return format_table(rows);
+}
+
+std::string format_nodes(const json& answer) {
+  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "SANDBOXES", "CAPACITY", "API"}};
+  std::string self = text(answer, "node");
+  const json* list = field(answer, "nodes");
+  if (list != nullptr && list->is_array()) {
+    for (const json& n : *list) {
+      std::string name = text(n, "name");
+      rows.push_back({name + (name == self ? " *" : ""), text(n, "state"), text(n, "sandboxes"),
+                      text(n, "capacity_sandboxes"), text(n, "api")});
+    }
+  }
+  return format_table(rows);
+}
+
+Status check_node_name(std::string_view name) {
+  bool ok = !name.empty() && name.size() <= 63;
+  for (char c : name) ok = ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-');
+  if (!ok) return fail(Error::kInvalidArgument, "node name must be 1-63 characters of [a-z0-9-]");
+  return {};
 }
 
 std::string format_sandbox(const json& sandbox, TimePoint now) {

@@ -142,7 +142,12 @@ std::string shell_join(const std::vector<std::string>& args);
 std::string format_created(const nlohmann::json& sandbox);
 // `sandgate ls`: the {"sandboxes": [...]} answer as a table ID NAME DRIVER STATE TIER PORTS IDLE-IN NEXT AGE,
 // where TIER is memory/disk for a suspended sandbox and NEXT the idle policy's next step ("hibernate in 5m").
+// With a NODE column after NAME when the node is in a fleet (its sandboxes carry "node").
 std::string format_list(const nlohmann::json& answer, TimePoint now);
+// `sandgate nodes`: NAME STATE SANDBOXES CAPACITY API, the answering node marked with "*".
+std::string format_nodes(const nlohmann::json& answer);
+// A fleet node name as the config takes it ([a-z0-9-], 1-63 characters), checked before it goes in a path.
+Status check_node_name(std::string_view name);
 // `sandgate get`: one "key: value" line per field, timestamps with a relative hint.
 std::string format_sandbox(const nlohmann::json& sandbox, TimePoint now);
 // `sandgate suspend/resume/rm`: "<name or id>: <state>".

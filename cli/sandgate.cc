@@ -294,6 +294,16 @@ int main(int argc, char** argv) {
   CLI::App* ls = app.add_subcommand("ls", "List sandboxes");
   ls->add_flag("--json", raw_json, "print the node's JSON answer");
 
+  // A fleet ([fleet] on the node, docs/fleet.md).
+  CLI::App* nodes = app.add_subcommand("nodes", "List the fleet's nodes with their state and load");
+  nodes->add_flag("--json", raw_json, "print the node's JSON answer");
+  CLI::App* node_cmd = app.add_subcommand("node", "Manage fleet nodes");
+  node_cmd->require_subcommand(1);
+  CLI::App* node_drain = node_cmd->add_subcommand("drain", "Mark a node draining: placement skips it");
+  node_drain->add_option("node", ref, "node name")->required();
+  CLI::App* node_undrain = node_cmd->add_subcommand("undrain", "Mark a draining node ready again");
+  node_undrain->add_option("node", ref, "node name")->required();
+
   CLI::App* get = app.add_subcommand("get", "Show one sandbox");
   get->add_option("sandbox", ref, "name or id")->required();
   get->add_flag("--json", raw_json, "print the node's JSON answer");
@@ -474,6 +484,17 @@ int main(int argc, char** argv) {
   if (ls->parsed())
     return call(node, "ls", "GET", "/v1/sandboxes", "", raw_json,
                 [&](const json& j) { return sg::cli::format_list(j, now); });
+  if (nodes->parsed())
+    return call(node, "nodes", "GET", "/v1/fleet/nodes", "", raw_json,
+                [&](const json& j) { return sg::cli::format_nodes(j); });
+  if (node_drain->parsed() || node_undrain->parsed()) {
+    bool drain = node_drain->parsed();
+    if (auto valid = sg::cli::check_node_name(ref); !valid) return error(valid.message(), kExitUsage);
+    return call(node, drain ? "node drain" : "node undrain", drain ? "POST" : "DELETE",
+                "/v1/fleet/nodes/" + ref + "/drain", "", false, [&](const json&) {
+                  return "node " + ref + (drain ? " is draining\n" : " is ready\n");
+                });
+  }
   if (get->parsed())
     return call(node, "get", "GET", sg::cli::sandbox_path(ref), ref, raw_json,
                 [&](const json& j) { return sg::cli::format_sandbox(j, now); });

@@ -19,6 +19,7 @@
 
 #include "common/accounts.h"
 #include "common/egress_rule.h"
+#include "common/etcd_client.h"
 
 namespace sg {
 namespace {
@@ -254,6 +255,34 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   }
 }
 
+void read_fleet(const toml::table& t, std::string_view source, std::vector<std::string>* errors, FleetConfig* out) {
+  TableReader r(t, "fleet", source, errors);
+  out->enabled = true;
+  const toml::node& here = t;
+  auto at = [&](std::string_view key) -> const toml::node& { return t.get(key) ? *t.get(key) : here; };
+  r.strings("etcd_endpoints", &out->etcd_endpoints, [](const std::string& text) -> Status {
+    auto ep = etcd::parse_member(text);
+    if (!ep) return ep.failure();
+    return {};
+  });
+  if (out->etcd_endpoints.empty()) r.error(at("etcd_endpoints"), "fleet.etcd_endpoints", "needs at least one etcd member");
+  r.string("node_name", &out->node_name);
+  bool name_ok = !out->node_name.empty() && out->node_name.size() <= 63 && out->node_name.front() != '-' &&
+                 out->node_name.back() != '-';
+  for (char c : out->node_name) name_ok = name_ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-');
+  if (!name_ok) r.error(at("node_name"), "fleet.node_name", "must be 1-63 characters of [a-z0-9-], not starting or ending with '-'");
+  r.string("advertise_api", &out->advertise_api);
+  r.string("advertise_ingress", &out->advertise_ingress);
+  for (auto [key, value] : {std::pair{"advertise_api", &out->advertise_api}, std::pair{"advertise_ingress", &out->advertise_ingress}}) {
+    bool ok = value->size() <= 256;
+    for (char c : *value) ok = ok && c > ' ' && c < 0x7f && c != '"' && c != '\\';
+    if (!ok) r.error(at(key), std::string("fleet.") + key, "must be at most 256 printable characters without spaces or quotes");
+  }
+  r.integer("lease_ttl_secs", &out->lease_ttl_secs, 2, 300);
+  r.integer("capacity_sandboxes", &out->capacity_sandboxes, 0, 1'000'000);
+  r.integer("etcd_timeout_ms", &out->etcd_timeout_ms, 100, 60'000);
+}
+
 void read_node(const toml::table& t, std::string_view source, const std::string& base_dir,
                std::vector<std::string>* errors, NodeConfig* out) {
   TableReader r(t, "node", source, errors);
@@ -468,7 +497,7 @@ Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, 
     r.integer("agent_port", &cfg->agent_port, 1, 65535);
     r.string("operator_token_file", &cfg->operator_token_file);
     cfg->operator_token_file = resolve_path(base_dir, cfg->operator_token_file);
-    for (const char* section : {"proxy", "node"}) {
+    for (const char* section : {"proxy", "node", "fleet"}) {
       const toml::node* n = r.find(section);
       if (!n) continue;
       const toml::table* t = n->as_table();
@@ -477,7 +506,8 @@ Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, 
         continue;
       }
       if (std::string_view(section) == "proxy") read_proxy(*t, source_name, base_dir, &errors, &cfg->proxy);
-      else read_node(*t, source_name, base_dir, &errors, &cfg->node);
+      else if (std::string_view(section) == "node") read_node(*t, source_name, base_dir, &errors, &cfg->node);
+      else read_fleet(*t, source_name, &errors, &cfg->fleet);
     }
   }
   if (cfg->proxy.listen.empty()) errors.push_back(std::string(source_name) + ": proxy.listen: needs at least one address");

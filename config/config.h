@@ -144,6 +144,19 @@ struct NodeConfig {
   std::string images_root() const;
 };
 
+// [fleet]: this node is one of many that share sandbox names and placement through etcd (docs/fleet.md).
+// Absent: the single-node default, which talks to no etcd at all.
+struct FleetConfig {
+  bool enabled = false;                    // true once a [fleet] table is present
+  std::vector<std::string> etcd_endpoints; // http://IP:PORT of each etcd member (numeric addresses)
+  std::string node_name;                   // unique in the fleet: [a-z0-9-], 1-63 characters
+  std::string advertise_api;               // how other nodes and the CLI reach this node's API (https://host:port)
+  std::string advertise_ingress;           // host:port of this node's fleet ingress listener
+  uint32_t lease_ttl_secs = 10;            // the node key's lease; renewed every third of it
+  uint32_t capacity_sandboxes = 0;         // 0: node.max_sandboxes
+  uint32_t etcd_timeout_ms = 2000;         // per etcd member tried, per request
+};
+
 struct Config {
   std::string source;            // file the snapshot came from ("<defaults>" for the embedded one)
   std::string domain = "sandbox.localhost";
@@ -155,6 +168,7 @@ struct Config {
   std::string operator_token_file;
   ProxyConfig proxy;
   NodeConfig node;
+  FleetConfig fleet;
 
   uint16_t url_port() const;
   // https://<port>-<name>.<domain>[:port]/

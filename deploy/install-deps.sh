@@ -33,6 +33,7 @@ PACKAGES=(
   wrk                            # the reload and takeover tests keep HTTP load on the proxy with it
   prometheus                     # promtool: the tests check both daemons' /metrics with `promtool check metrics`
   testssl.sh                     # the TLS scanner the tests and bench/testssl.py run against the ingress
+  etcd-server etcd-client        # the fleet's shared state (issue 13): the tests and deploy/fleet-demo.sh run their own members
 )
 
 log() { echo "install-deps: $*" >&2; }
@@ -84,7 +85,7 @@ if needs_update; then
   run_apt update
 fi
 log "installing ${#missing[@]} package(s): ${missing[*]}"
-# No service a package brings (prometheus, sshd) is started by installing it: sandgate needs their programs,
+# No service a package brings (prometheus, etcd, sshd) is started by installing it: sandgate needs their programs,
 # not their daemons. A policy-rc.d the machine already has is left alone.
 own_policy=0
 if [[ ! -e /usr/sbin/policy-rc.d ]]; then
@@ -95,8 +96,12 @@ if [[ ! -e /usr/sbin/policy-rc.d ]]; then
 fi
 run_apt install -y --no-install-recommends "${missing[@]}"
 ((own_policy == 0)) || rm -f /usr/sbin/policy-rc.d
-# Only promtool is wanted from prometheus: its server is not enabled at boot by this install either.
+# Only promtool is wanted from prometheus: its server is not enabled at boot by this install either. Nor is
+# etcd-server's own single-member etcd: a fleet configures its members (docs/fleet.md), tests start theirs.
 if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
   systemctl disable --quiet prometheus.service 2>/dev/null || true
+fi
+if [[ " ${missing[*]} " == *" etcd-server "* ]] && command -v systemctl >/dev/null; then
+  systemctl disable --quiet etcd.service 2>/dev/null || true
 fi
 log "done"

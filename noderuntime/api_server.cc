@@ -70,7 +70,12 @@ Response error_response(int status, Error code, std::string_view message) {
   return Response{status, to_text(body), {}, ""};
 }
 
-Response error_response(const Failure& f) { return error_response(http_status(f.code), f.code, f.message); }
+Response error_response(const Failure& f) {
+  Response r = error_response(http_status(f.code), f.code, f.message);
+  // A fenced fleet node (or one whose etcd is unreachable) refuses for a moment, not for good.
+  if (f.code == Error::kUnavailable && f.message.starts_with("fleet:")) r.extra_headers = "Retry-After: 2\r\n";
+  return r;
+}
 
 Response invalid(std::string_view message) { return error_response(400, Error::kInvalidArgument, message); }
 
@@ -1060,6 +1065,7 @@ Response ApiServer::sandbox_response(int status, const SandboxInfo& info) const 
       {"resumes", info.resumes},
       {"urls", std::move(urls)},
   };
+  if (fleet_ != nullptr) j["node"] = fleet_->node_name();
   // Only create's answer has it: the node keeps nothing it could show again.
   if (!info.token.empty()) j["token"] = info.token;
   return Response{status, to_text(j), {}, ""};
@@ -1104,6 +1110,41 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     }
     body += "]}";
     return reply(Response{200, std::move(body), {}, ""});
+  }
+  if (path == "/v1/fleet/nodes" || path.starts_with("/v1/fleet/")) {
+    if (fleet_ == nullptr)
+      return reply(error_response(400, Error::kUnsupported, "this node is not in a fleet (no [fleet] in its config)"));
+    if (path == "/v1/fleet/nodes") {
+      if (method != "GET") return method_not_allowed("GET");
+      ordered_json nodes = ordered_json::array();
+      for (const fleet::NodeInfo& n : fleet_->fleet_nodes())
+        nodes.push_back({{"name", n.name},
+                         {"state", n.state == fleet::NodeState::kDraining ? "draining" : "ready"},
+                         {"sandboxes", n.sandboxes},
+                         {"capacity_sandboxes", n.capacity_sandboxes},
+                         {"api", n.api},
+                         {"ingress", n.ingress}});
+      return reply(Response{200,
+                            to_text(ordered_json{{"node", fleet_->node_name()},
+                                                 {"nodes", std::move(nodes)},
+                                                 {"conflicts", fleet_->conflicts()}}),
+                            {}, ""});
+    }
+    constexpr std::string_view kNodes = "/v1/fleet/nodes/";
+    if (path.starts_with(kNodes) && path.ends_with("/drain")) {
+      std::string node(path.substr(kNodes.size(), path.size() - kNodes.size() - 6));
+      bool name_ok = !node.empty() && node.size() <= 63;
+      for (char c : node) name_ok = name_ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-');
+      if (!name_ok) return reply(invalid("node name must be 1-63 characters of [a-z0-9-]"));
+      if (method != "POST" && method != "DELETE") return method_not_allowed("POST, DELETE");
+      bool draining = method == "POST";
+      fleet_->set_draining(node, draining, [reply, node, draining](Status s) {
+        if (!s) return reply(error_response(s.failure()));
+        reply(Response{200, to_text(ordered_json{{"node", node}, {"draining", draining}}), {}, ""});
+      });
+      return;
+    }
+    return reply(error_response(404, Error::kNotFound, "no such fleet path"));
   }
   if (path == "/v1/internal/open") {
     if (method != "POST") return method_not_allowed("POST");

@@ -41,6 +41,8 @@ class ApiServer {
   void set_snapshots(SnapshotService* snapshots) { snapshots_ = snapshots; }
   // The registered SSH keys (/v1/ssh-keys); without them those endpoints answer 503. Must outlive the server.
   void set_ssh_keys(SshKeyStore* keys) { ssh_keys_ = keys; }
+  // [fleet]: GET /v1/fleet/nodes, POST/DELETE /v1/fleet/nodes/<node>/drain, and each sandbox's "node".
+  void set_fleet(FleetAdmin* fleet) { fleet_ = fleet; }
 
   // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
   Status listen(const Endpoint& ep);
@@ -109,6 +111,7 @@ class ApiServer {
   SnapshotService* snapshots_ = nullptr;
   SshKeyStore* ssh_keys_ = nullptr;
   void handle_ssh_keys(const HttpMessage& request, std::string_view path, Reply reply);
+  FleetAdmin* fleet_ = nullptr;
   const ConfigHolder* config_;
   std::vector<Listener*> listeners_;
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;

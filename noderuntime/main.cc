@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "config/config.h"
+#include "noderuntime/fleet_member.h"
 #include "noderuntime/api_server.h"
 #include "noderuntime/guest_disk.h"
 #include "noderuntime/image_service.h"
@@ -77,6 +78,7 @@ struct Daemon {
   std::unique_ptr<sg::ConfigHolder> config;
   // Before node: the drivers the node owns attach sandboxes to it until they are gone.
   std::unique_ptr<sg::SandboxEgress> egress;
+  std::unique_ptr<sg::FleetMember> fleet;  // [fleet] only; before node: the node points at it
   std::unique_ptr<sg::Node> node;
   std::unique_ptr<sg::SnapshotService> snapshots;  // before images: the image store's GC asks it
   std::unique_ptr<sg::ImageService> images;  // before server: the server points at it
@@ -125,6 +127,9 @@ struct Daemon {
                  config->get()->node.on_shutdown == sg::ShutdownPolicy::kTerminate ? "terminate" : "keep");
     server->close([this] {
       node->shutdown([this] {
+        // The sandboxes' last states (terminated, with on_shutdown = terminate) reach etcd, then the lease is
+        // revoked: the node key goes now, the sandbox keys of those kept running stay.
+        if (fleet) fleet->stop();
         for (uv_signal_t* s : {&sigint, &sigterm, &sighup}) uv_close(reinterpret_cast<uv_handle_t*>(s), nullptr);
         // The driver may keep handles of its own open; the loop ends here regardless.
         uv_stop(loop);
@@ -237,6 +242,11 @@ int main(int argc, char** argv) {
   d.node->set_images(image_store);
   d.snapshots = std::make_unique<sg::SnapshotService>(d.loop, std::move(snapshot_records), image_store);
   d.node->set_snapshots(d.snapshots.get());
+  if (c.fleet.enabled) {
+    size_t capacity = c.fleet.capacity_sandboxes != 0 ? c.fleet.capacity_sandboxes : c.node.max_sandboxes;
+    d.fleet = std::make_unique<sg::FleetMember>(d.loop, c.fleet, capacity);
+    d.node->set_fleet(d.fleet.get());
+  }
   // `image rm` is refused while a sandbox's root filesystem comes from the image, or a snapshot's does, and no
   // sandbox starts on an image while it is being removed. Snapshots first: a claim is only taken when it
   // holds (a snapshot is made from a running sandbox, itself a user, so none can appear between the two).
@@ -254,6 +264,22 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot reconcile sandboxes from the store: {}", s.message());
     return 1;
   }
+  if (d.fleet) {
+    // What the store adopted is this node's: the first registration reconciles it against etcd (re-claims
+    // what etcd lost, reports names another node holds, removes keys of sandboxes gone from here).
+    for (const sg::SandboxInfo& info : d.node->list()) {
+      // The settled state each one is headed for (what the node publishes once it gets there).
+      std::string_view state = info.state == sg::SandboxState::kSuspending ? "suspended"
+                               : info.state == sg::SandboxState::kResuming ? "running"
+                                                                           : sg::state_name(info.state);
+      if (info.state != sg::SandboxState::kCreating)
+        d.fleet->publish(info.spec.name.empty() ? info.spec.id : info.spec.name, state);
+    }
+    if (auto s = d.fleet->start(); !s) {
+      spdlog::critical("cannot start the fleet membership: {}", s.message());
+      return 1;
+    }
+  }
   d.images = std::make_unique<sg::ImageService>(d.loop, std::move(*images));
   // A QEMU base disk goes once its image's layers do: at an `image rm`, and now for one removed while the
   // node was down.
@@ -270,6 +296,7 @@ int main(int argc, char** argv) {
   }
   d.ssh_keys = std::make_unique<sg::SshKeyStore>(std::move(*ssh_keys));
   d.server->set_ssh_keys(d.ssh_keys.get());
+  if (d.fleet) d.server->set_fleet(d.fleet.get());
   std::vector<sg::Endpoint> endpoints = {c.node_socket};
   endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
   for (const sg::Endpoint& ep : endpoints) {
@@ -297,8 +324,10 @@ int main(int argc, char** argv) {
 
   // Free what is left in order: server and node close their handles; one more turn runs the close callbacks.
   d.server.reset();
+  if (d.fleet) d.fleet->close();
   d.node.reset();
   uv_run(d.loop, UV_RUN_NOWAIT);
+  d.fleet.reset();
   d.images.reset();
   d.snapshots.reset();
   spdlog::info("sandgate-node stopped");

@@ -390,7 +390,7 @@ void Node::create(const CreateRequest& request, SandboxCallback done) {
   });
 }
 
-void Node::create_now(const CreateRequest& request, SandboxCallback done) {
+void Node::create_now(const CreateRequest& request, SandboxCallback done, bool claimed) {
   if (shutting_down_) return done(fail(Error::kUnavailable, "node is shutting down"));
   auto spec = validate(request);
   if (!spec) return done(spec.failure());
@@ -401,7 +401,30 @@ void Node::create_now(const CreateRequest& request, SandboxCallback done) {
   if (!spec->name.empty()) {
     auto taken = ids_by_name_.find(spec->name);
     if (taken != ids_by_name_.end())
-      return done(fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second));
+      return done(fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + taken->second +
+                                                  (fleet_ != nullptr ? " on node '" + fleet_->node_name() + "'" : "")));
+  }
+  if (fleet_ != nullptr && !claimed) {
+    if (Status s = fleet_->admit("create"); !s) return done(s.failure());
+    if (!spec->name.empty()) {
+      // The name is claimed fleet-wide first (in etcd, off the loop); the create then runs again from the
+      // top, so whatever changed meanwhile (config, this node's own names) is checked once more.
+      std::string name = spec->name;
+      fleet_->claim(name, [this, alive = std::weak_ptr<bool>(alive_), request, name,
+                           done = std::move(done)](Status got) mutable {
+        if (alive.expired()) return;
+        if (!got) return done(got.failure());
+        create_now(
+            request,
+            [this, name, done = std::move(done)](Result<SandboxInfo> r) {
+              // A create that failed before its sandbox existed gives the name back.
+              if (!r && fleet_ != nullptr && ids_by_name_.count(name) == 0) fleet_->publish(name, "terminated");
+              done(std::move(r));
+            },
+            true);
+      });
+      return;
+    }
   }
   do {
     spec->id = generate_id();
@@ -519,6 +542,9 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   }
   if (to == S::kSuspended && sb.rec.tier == SuspendTier::kMemory) start_hibernate_clock(sb);
   if (to != S::kTerminated) persist(sb);  // a terminated sandbox's row is erased by forget()
+  // What the fleet's proxies route by: the settled states (the transient ones would only add writes).
+  if (fleet_ != nullptr && (to == S::kRunning || to == S::kSuspended || to == S::kFailed || to == S::kTerminated))
+    fleet_->publish(sb.rec.spec.name.empty() ? sb.id() : sb.rec.spec.name, state_name(to));
   return {};
 }
 
@@ -796,9 +822,13 @@ Result<TransitionOutcome> Node::resume(std::string_view ref) {
     return fail(Error::kInvalidArgument, "sandbox " + sb.id() + " is ephemeral: it never suspends");
   switch (sb.rec.state) {
     case S::kSuspended:
+      if (fleet_ != nullptr)
+        if (Status s = fleet_->admit("wake a sandbox"); !s) return s.failure();
       begin_resume(sb, "resumed on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kSuspending:
+      if (fleet_ != nullptr)
+        if (Status s = fleet_->admit("wake a sandbox"); !s) return s.failure();
       wake(sb, "resumed on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kRunning:
@@ -834,9 +864,13 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
       return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " failed: " + sb.rec.state_reason));
     case S::kTerminated:
       return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state))));
-    case S::kCreating:
     case S::kSuspending:
     case S::kSuspended:
+      // A fenced node wakes nothing: etcd may already be handing this node's names to others.
+      if (fleet_ != nullptr)
+        if (Status s = fleet_->admit("wake a sandbox"); !s) return done(s.failure());
+      break;
+    case S::kCreating:
     case S::kResuming:
       break;
   }

@@ -35,6 +35,7 @@
 #include "common/fd.h"
 #include "config/config.h"
 #include "noderuntime/driver.h"
+#include "noderuntime/fleet_hooks.h"
 #include "noderuntime/idle_tracker.h"
 #include "noderuntime/image_users.h"
 #include "noderuntime/node_metrics.h"
@@ -209,6 +210,10 @@ class Node {
   // Where checkpoints go and creates from a snapshot look (without it both answer kUnavailable). It must
   // outlive the Node.
   void set_snapshots(SnapshotService* snapshots) { snapshots_ = snapshots; }
+  // The fleet this node belongs to ([fleet] in the config; none: the single-node default). Creates claim
+  // their name through it first, creates and wakes are refused while it is fenced, and every state change
+  // that proxies must see is published to it. Set before reconcile(); it must outlive the Node.
+  void set_fleet(FleetHooks* fleet) { fleet_ = fleet; }
 
   // Validates, persists (state creating) and starts. `done` gets the running sandbox once its driver has
   // started it, or the error; it runs before create() returns when validation fails.
@@ -284,7 +289,8 @@ class Node {
   Result<Sandbox*> find_usable(std::string_view ref) const;
   SandboxInfo snapshot(const Sandbox& sb) const;
   // create() once a snapshot's layers are verified (or when none is named).
-  void create_now(const CreateRequest& request, SandboxCallback done);
+  // `claimed`: the fleet has given this create its name (or there is no fleet).
+  void create_now(const CreateRequest& request, SandboxCallback done, bool claimed = false);
   Result<SandboxSpec> validate(CreateRequest request) const;
   // A create from a snapshot: the request with the snapshot's defaults filled in (nullopt: none was named).
   Result<std::optional<snapshot::Snapshot>> apply_snapshot(CreateRequest& request) const;
@@ -346,6 +352,7 @@ class Node {
   std::unique_ptr<Store> store_;
   const snapshot::ImageStore* images_ = nullptr;
   SnapshotService* snapshots_ = nullptr;
+  FleetHooks* fleet_ = nullptr;
   // Callbacks from the thread pool (checkpoints) check it: a Node destroyed meanwhile has nothing to settle.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::shared_ptr<ImageUsers> image_users_ = std::make_shared<ImageUsers>();

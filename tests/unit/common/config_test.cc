@@ -262,6 +262,43 @@ TEST(ConfigHolder, SwapIsWholeSnapshot) {
   EXPECT_EQ(holder.get()->domain, "b.test");
 }
 
+TEST(Config, FleetAbsentIsTheSingleNodeDefault) {
+  auto cfg = load("");
+  ASSERT_TRUE(cfg) << cfg.message();
+  EXPECT_FALSE((*cfg)->fleet.enabled);
+}
+
+TEST(Config, FleetKeys) {
+  auto cfg = load(
+      "[fleet]\netcd_endpoints = [\"http://127.0.0.1:2379\", \"127.0.0.2:2379\"]\nnode_name = \"n-1\"\n"
+      "advertise_api = \"https://10.0.0.1:9444\"\nadvertise_ingress = \"10.0.0.1:9443\"\nlease_ttl_secs = 3\n"
+      "capacity_sandboxes = 50\n");
+  ASSERT_TRUE(cfg) << cfg.message();
+  const FleetConfig& f = (*cfg)->fleet;
+  EXPECT_TRUE(f.enabled);
+  EXPECT_EQ(f.etcd_endpoints.size(), 2u);
+  EXPECT_EQ(f.node_name, "n-1");
+  EXPECT_EQ(f.lease_ttl_secs, 3u);
+  EXPECT_EQ(f.capacity_sandboxes, 50u);
+  auto defaults = load("[fleet]\netcd_endpoints = \"127.0.0.1:2379\"\nnode_name = \"a\"\n");
+  ASSERT_TRUE(defaults) << defaults.message();
+  EXPECT_EQ((*defaults)->fleet.lease_ttl_secs, 10u);
+}
+
+TEST(Config, FleetErrorsNameTheKey) {
+  auto cfg = load("[fleet]\netcd_endpoints = [\"https://x:1\"]\nnode_name = \"Bad_Name\"\nlease_ttl_secs = 1\n"
+                  "advertise_api = \"a b\"\n");
+  ASSERT_FALSE(cfg);
+  EXPECT_NE(cfg.message().find("t.toml:2: fleet.etcd_endpoints: etcd member https://x:1"), std::string::npos) << cfg.message();
+  EXPECT_NE(cfg.message().find("t.toml:3: fleet.node_name"), std::string::npos) << cfg.message();
+  EXPECT_NE(cfg.message().find("t.toml:4: fleet.lease_ttl_secs: must be between 2 and 300"), std::string::npos) << cfg.message();
+  EXPECT_NE(cfg.message().find("t.toml:5: fleet.advertise_api"), std::string::npos) << cfg.message();
+  auto empty = load("[fleet]\n");
+  ASSERT_FALSE(empty);
+  EXPECT_NE(empty.message().find("fleet.etcd_endpoints: needs at least one etcd member"), std::string::npos);
+  EXPECT_NE(empty.message().find("fleet.node_name"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace sg
 

@@ -1391,5 +1391,104 @@ TEST_F(NodeCheckpointTest, ACreateFromASnapshotRunsOnItsLayersWithItsDefaults) {
   EXPECT_EQ(missing.error(), Error::kNotFound);
 }
 
+// ---- the fleet hooks ([fleet]), with a fake in place of etcd ----
+
+class FakeFleet : public FleetHooks {
+ public:
+  const std::string& node_name() const override { return name; }
+  Status admit(std::string_view what) const override {
+    if (fenced) return fail(Error::kUnavailable, "fleet: fenced, refuses to " + std::string(what));
+    return {};
+  }
+  void claim(const std::string& name, std::function<void(Status)> done) override {
+    claims.push_back(name);
+    if (taken.count(name)) return done(fail(Error::kAlreadyExists, "name '" + name + "' is taken by node '" + taken[name] + "'"));
+    taken[name] = "me";
+    done({});
+  }
+  void publish(const std::string& key, std::string_view state) override {
+    published.emplace_back(key, std::string(state));
+    if (state == "terminated") taken.erase(key);
+  }
+  std::string name = "me";
+  bool fenced = false;
+  std::map<std::string, std::string> taken;
+  std::vector<std::string> claims;
+  std::vector<std::pair<std::string, std::string>> published;
+};
+
+class NodeFleetTest : public NodeTest {
+ protected:
+  void SetUp() override {
+    NodeTest::SetUp();
+    node_->set_fleet(&fleet_);
+  }
+  FakeFleet fleet_;
+};
+
+TEST_F(NodeFleetTest, ANamedCreateClaimsFirstAndEveryStateThatRoutesIsPublished) {
+  SandboxInfo a = create("a");
+  ASSERT_EQ(a.state, S::kRunning);
+  EXPECT_EQ(fleet_.claims, std::vector<std::string>{"a"});
+  suspend_and_wait("a");
+  ASSERT_TRUE(remove("a")->ok());
+  using P = std::pair<std::string, std::string>;
+  EXPECT_EQ(fleet_.published, (std::vector<P>{{"a", "running"}, {"a", "suspended"}, {"a", "terminated"}}));
+  // An unnamed sandbox claims nothing (its id is unique anyway) and is published under its id.
+  SandboxInfo u = create(std::nullopt);
+  EXPECT_EQ(fleet_.claims.size(), 1u);
+  EXPECT_EQ(fleet_.published.back(), (P{u.spec.id, "running"}));
+}
+
+TEST_F(NodeFleetTest, ALocalDuplicateNamesThisNode) {
+  create("dup");
+  auto r = create_request(request("dup"));
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kAlreadyExists);
+  EXPECT_NE(r.message().find("on node 'me'"), std::string::npos) << r.message();
+}
+
+TEST_F(NodeFleetTest, ARefusedClaimIsTheCreatesAnswerAndStartsNothing) {
+  fleet_.taken["web"] = "n2";
+  auto r = create_request(request("web"));
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kAlreadyExists);
+  EXPECT_NE(r.message().find("node 'n2'"), std::string::npos) << r.message();
+  EXPECT_EQ(driver_->starts, 0);
+  EXPECT_TRUE(node_->list().empty());
+}
+
+TEST_F(NodeFleetTest, AFailedStartGivesTheNameBack) {
+  driver_->fail_start = true;
+  auto r = create_request(request("x"));
+  ASSERT_FALSE(r);
+  EXPECT_EQ(fleet_.taken.count("x"), 0u);
+  ASSERT_FALSE(fleet_.published.empty());
+  EXPECT_EQ(fleet_.published.back().second, "terminated");
+}
+
+TEST_F(NodeFleetTest, AFencedNodeRefusesCreatesAndWakesButRunningSandboxesServe) {
+  create("up");
+  create("asleep");
+  suspend_and_wait("asleep");
+  fleet_.fenced = true;
+  auto r = create_request(request("new"));
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error(), Error::kUnavailable);
+  EXPECT_EQ(create_request(request(std::nullopt)).error(), Error::kUnavailable);
+  auto woken = open("asleep");
+  ASSERT_TRUE(run_until(&loop_, [&] { return woken->result.has_value(); }));
+  ASSERT_FALSE(*woken->result);
+  EXPECT_EQ(woken->result->error(), Error::kUnavailable);
+  EXPECT_EQ(state("asleep"), S::kSuspended);
+  EXPECT_EQ(node_->resume("asleep").error(), Error::kUnavailable);
+  auto served = open("up");
+  ASSERT_TRUE(run_until(&loop_, [&] { return served->result.has_value(); }));
+  EXPECT_TRUE(*served->result) << served->result->message();
+  fleet_.fenced = false;
+  EXPECT_TRUE(node_->resume("asleep"));
+  EXPECT_TRUE(wait_state("asleep", S::kRunning));
+}
+
 }  // namespace
 }  // namespace sg

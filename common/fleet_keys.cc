@@ -1,0 +1,61 @@
+#include "common/fleet_keys.h"
+
+#include <nlohmann/json.hpp>
+
+namespace sg {
+namespace {
+
+using json = nlohmann::json;
+
+std::string str_field(const json& j, const char* name) {
+  auto it = j.find(name);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+int64_t int_field(const json& j, const char* name) {
+  auto it = j.find(name);
+  return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
+}
+
+}  // namespace
+
+std::string node_info_json(const fleet::NodeInfo& info) {
+  json j = {{"name", info.name},
+            {"api", info.api},
+            {"ingress", info.ingress},
+            {"state", info.state == fleet::NodeState::kDraining ? "draining" : "ready"},
+            {"capacity_sandboxes", info.capacity_sandboxes},
+            {"sandboxes", info.sandboxes}};
+  return j.dump();
+}
+
+Result<fleet::NodeInfo> parse_node_info(std::string_view text) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return fail(Error::kInvalidArgument, "node key: not a JSON object");
+  fleet::NodeInfo info;
+  info.name = str_field(j, "name");
+  if (info.name.empty()) return fail(Error::kInvalidArgument, "node key: no name");
+  info.api = str_field(j, "api");
+  info.ingress = str_field(j, "ingress");
+  std::string state = str_field(j, "state");
+  if (state == "ready") info.state = fleet::NodeState::kReady;
+  else if (state == "draining") info.state = fleet::NodeState::kDraining;
+  else return fail(Error::kInvalidArgument, "node key: state must be ready or draining");
+  info.capacity_sandboxes = int_field(j, "capacity_sandboxes");
+  info.sandboxes = int_field(j, "sandboxes");
+  return info;
+}
+
+std::string sandbox_owner_json(std::string_view node, std::string_view state) {
+  return json{{"node", node}, {"state", state}}.dump();
+}
+
+Result<SandboxRecord> parse_sandbox_owner(std::string_view text) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return fail(Error::kInvalidArgument, "sandbox key: not a JSON object");
+  SandboxRecord r{str_field(j, "node"), str_field(j, "state")};
+  if (r.node.empty()) return fail(Error::kInvalidArgument, "sandbox key: no node");
+  return r;
+}
+
+}  // namespace sg

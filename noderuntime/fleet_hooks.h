@@ -1,0 +1,45 @@
+// What a Node asks of the fleet it belongs to (docs/fleet.md). The Node calls these on its loop only when
+// [fleet] is configured; FleetMember implements them on etcd, and unit tests use a fake.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fleet_directory.h"
+
+namespace sg {
+
+class FleetHooks {
+ public:
+  virtual ~FleetHooks() = default;
+  // This node's name in the fleet (the answers that name an owner use it).
+  virtual const std::string& node_name() const = 0;
+  // kUnavailable while this node is fenced (it cannot renew its lease, so etcd may already consider it gone):
+  // no creates and no wakes then. `what` words the error ("create", "wake").
+  virtual Status admit(std::string_view what) const = 0;
+  // Claims sandbox name `name` fleet-wide before a create uses it. `done` runs on the loop: ok; kAlreadyExists
+  // naming the node that holds it; kUnavailable when etcd cannot be reached or the node is fenced.
+  virtual void claim(const std::string& name, std::function<void(Status)> done) = 0;
+  // A sandbox's state as every proxy should see it ("running", "suspended", "failed"); "terminated" releases
+  // the name. `key` is the name, or the id for an unnamed sandbox. Written asynchronously.
+  virtual void publish(const std::string& key, std::string_view state) = 0;
+};
+
+// What the node API serves about the fleet (GET /v1/fleet/nodes, drain), on the loop.
+class FleetAdmin {
+ public:
+  virtual ~FleetAdmin() = default;
+  virtual const std::string& node_name() const = 0;
+  // The fleet's nodes as this node's view of etcd last saw them.
+  virtual std::vector<fleet::NodeInfo> fleet_nodes() const = 0;
+  // Marks `node` draining (placement skips it) or ready again; `done` runs on the loop.
+  virtual void set_draining(const std::string& node, bool draining, std::function<void(Status)> done) = 0;
+  // Sandbox names etcd gives to another node while this node has a sandbox of that name (found by the last
+  // reconcile or state write): for the operator to settle.
+  virtual std::vector<std::string> conflicts() const = 0;
+};
+
+}  // namespace sg

@@ -1,0 +1,128 @@
+// This node's membership in a fleet on etcd (docs/fleet.md): it registers /sandgate/nodes/<node> under a
+// lease it renews, claims sandbox names, publishes sandbox states, fences itself when it cannot renew, and
+// reconciles its sandboxes against etcd whenever it (re-)registers.
+//
+// Two threads, so a slow write never delays a renewal: the lease thread (register, renew every third of the
+// TTL, re-register after an expiry, reconcile, the node key's load and drain state) and the writer (claims
+// first, then state writes, coalesced per sandbox). Neither runs on the node's loop; a claim's answer is
+// posted back to it through a uv_async_t.
+//
+// Keys (the layout common/fleet_directory.h fixes):
+//   /sandgate/nodes/<node>       NodeInfo JSON, bound to the lease
+//   /sandgate/sandboxes/<name>   {"node": ..., "state": ...}: bound to the lease while "creating" (a node that
+//                                dies mid-create frees the name when its lease expires), then written without
+//                                a lease so a dead node's sandboxes stay known (503, not 404)
+//   /sandgate/drain/<node>       present: the node is draining (sandgate node drain); survives its restarts
+#pragma once
+
+#include <uv.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/etcd_client.h"
+#include "common/etcd_directory.h"
+#include "common/fleet_directory.h"
+#include "common/fleet_keys.h"
+#include "config/config.h"
+#include "noderuntime/fleet_hooks.h"
+
+namespace sg {
+
+class FleetMember : public FleetHooks, public FleetAdmin {
+ public:
+  // kLive: the lease was renewed recently enough that etcd still holds it. kFenced: not (or never
+  // registered): creates and wakes are refused until it registers again.
+  enum class State { kFenced, kLive };
+
+  FleetMember(uv_loop_t* loop, const FleetConfig& config, size_t capacity);
+  ~FleetMember() override;
+  FleetMember(const FleetMember&) = delete;
+  FleetMember& operator=(const FleetMember&) = delete;
+
+  // Starts both threads; registration happens on the lease thread (the node serves meanwhile, fenced).
+  Status start();
+  // Flushes pending writes (bounded), revokes the lease (the node key goes at once) and joins the threads.
+  void stop();
+  // Closes the loop handle (after stop(); the loop must run once more).
+  void close();
+
+  Status admit(std::string_view what) const override;
+  void claim(const std::string& name, std::function<void(Status)> done) override;
+  void publish(const std::string& key, std::string_view state) override;
+
+  State state() const { return state_.load(); }
+  bool draining() const { return draining_.load(); }
+  const std::string& node_name() const override { return config_.node_name; }
+  std::vector<fleet::NodeInfo> fleet_nodes() const override { return directory_.nodes(); }
+  void set_draining(const std::string& node, bool draining, std::function<void(Status)> done) override;
+  // The list + watch view of the fleet this node keeps (for the API and, later, placement).
+  const fleet::Directory& directory() const { return directory_; }
+  const etcd::Client& client() const { return client_; }
+  std::vector<std::string> conflicts() const override;
+
+ private:
+  struct Claim {
+    std::string name;
+    std::function<void(Status)> done;
+    // Not a claim but a drain flag write for node `name` (the same queue keeps etcd off the loop).
+    std::optional<bool> drain = std::nullopt;
+  };
+
+  void lease_loop();
+  void writer_loop();
+  Status register_node();
+  Status renew();
+  Status put_node_key(bool force);
+  Status reconcile();
+  Status claim_now(const std::string& name);
+  Status write_state(const std::string& key, const std::string& state);
+  void post(std::function<void()> fn);
+  void drain_posted();
+
+  uv_loop_t* loop_;
+  FleetConfig config_;
+  size_t capacity_;
+  etcd::Client client_;
+  fleet::EtcdDirectory directory_;
+  std::chrono::milliseconds period_;
+
+  std::atomic<State> state_{State::kFenced};
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> lease_{0};
+  std::atomic<bool> needs_reconcile_{true};
+  std::atomic<int64_t> last_renew_ms_{0};  // steady clock, when the last renewal that etcd took was sent
+  std::string last_node_json_;                             // lease thread only
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::deque<Claim> claims_;
+  std::deque<std::string> publish_order_;
+  std::map<std::string, std::string> pending_;  // key -> latest state not yet written
+  std::map<std::string, std::string> local_;    // key -> state of every sandbox this node has
+  // Names whose claim is being sent or was won, until their create publishes a state: reconcile keeps their
+  // "creating" keys and deletes every other "creating" key of this node (a claim whose answer timed out
+  // may still have landed once etcd came back).
+  std::set<std::string> claimed_;
+  std::vector<std::string> conflicts_;
+
+  std::mutex posted_mu_;
+  std::vector<std::function<void()>> posted_;
+  uv_async_t* async_ = nullptr;  // freed by close()
+
+  std::thread lease_thread_;
+  std::thread writer_thread_;
+};
+
+}  // namespace sg

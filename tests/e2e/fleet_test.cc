@@ -1,0 +1,208 @@
+// The node side of a fleet on etcd (docs/fleet.md): real etcd members started here, real sandgate-node
+// daemons with [fleet], the node API through curl. Name claims, the node key's lease, a dead node's sandbox
+// keys, fencing while etcd is unreachable, reconcile on restart.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "common/etcd_client.h"
+#include "tests/e2e/harness.h"
+#include "tests/etcd_process.h"
+
+namespace sg::e2e {
+namespace {
+
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+
+constexpr int kLeaseTtlSecs = 2;
+
+class Fleet : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!sg::testing::have_etcd()) GTEST_SKIP() << "/usr/bin/etcd is missing (apt-get install etcd-server)";
+    char tmpl[] = "/tmp/sg-e2e-etcd-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    etcd_ = std::make_unique<sg::testing::EtcdCluster>(dir_, 1);
+    ASSERT_TRUE(etcd_->start_all()) << read_file(dir_ + "/etcd-0.log");
+    client_ = std::make_unique<etcd::Client>(etcd_->options());
+  }
+  void TearDown() override {
+    nodes_.clear();
+    etcd_.reset();
+    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+  }
+
+  // A node named `name` in the fleet; returns once it has registered with etcd.
+  Cluster& add_node(const std::string& name) {
+    ClusterOptions o = ClusterOptions::node_only();
+    std::string endpoints;
+    for (const auto& url : etcd_->urls()) endpoints += (endpoints.empty() ? "\"" : ", \"") + url + "\"";
+    o.node_extra = "\n[fleet]\netcd_endpoints = [" + endpoints + "]\nnode_name = \"" + name +
+                   "\"\nadvertise_api = \"https://127.0.0.1:1\"\nadvertise_ingress = \"127.0.0.1:1\"\n" +
+                   "lease_ttl_secs = " + std::to_string(kLeaseTtlSecs) + "\netcd_timeout_ms = 300\n";
+    nodes_.push_back(std::make_unique<Cluster>(o));
+    Cluster& c = *nodes_.back();
+    EXPECT_FALSE(c.node().wait_for("fleet: node " + name + " registered", 10000).empty()) << c.node().log();
+    return c;
+  }
+
+  // POST /v1/sandboxes on `c`: {status, body}.
+  static std::pair<int, std::string> create(Cluster& c, const std::string& name) {
+    json req = {{"name", name}, {"command", {"/bin/sleep", "600"}}};
+    auto r = c.api_raw("POST", "/v1/sandboxes", req.dump());
+    return {Cluster::http_code(r), Cluster::body(r)};
+  }
+
+  std::optional<json> key(const std::string& k) {
+    auto r = client_->range(k);
+    if (!r || r->kvs.empty()) return std::nullopt;
+    return json::parse(r->kvs[0].value, nullptr, false);
+  }
+
+  std::string dir_;
+  std::unique_ptr<sg::testing::EtcdCluster> etcd_;
+  std::unique_ptr<etcd::Client> client_;
+  std::vector<std::unique_ptr<Cluster>> nodes_;
+};
+
+TEST_F(Fleet, TwentyConcurrentCreatesOfOneNameThroughThreeNodesHaveOneWinner) {
+  Cluster* n[3] = {&add_node("n0"), &add_node("n1"), &add_node("n2")};
+  auto node_key = key("/sandgate/nodes/n1");
+  ASSERT_TRUE(node_key);
+  EXPECT_EQ((*node_key)["state"], "ready");
+  std::vector<std::pair<int, std::string>> results(20);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 20; i++) threads.emplace_back([&, i] { results[i] = create(*n[i % 3], "dup"); });
+  for (auto& t : threads) t.join();
+  int created = 0, conflicts = 0;
+  std::string winner_body;
+  for (auto& [status, body] : results) {
+    if (status / 100 == 2) {
+      created++;
+      winner_body = body;
+    } else if (status == 409) {
+      conflicts++;
+    } else {
+      ADD_FAILURE() << status << " " << body;
+    }
+  }
+  EXPECT_EQ(created, 1);
+  EXPECT_EQ(conflicts, 19);
+  auto owner = key("/sandgate/sandboxes/dup");
+  ASSERT_TRUE(owner);
+  const std::string winner = (*owner)["node"];
+  EXPECT_EQ((*owner)["state"], "running");
+  // Every loser was told which node holds the name (the ones on the winner's own node too).
+  for (auto& [status, body] : results)
+    if (status == 409) {
+      EXPECT_NE(body.find("node '" + winner + "'"), std::string::npos) << body;
+    }
+  // Exactly one sandbox named dup exists, on the winner.
+  int found = 0;
+  for (int i = 0; i < 3; i++) {
+    auto j = n[i]->get("dup");
+    if (!j.empty()) {
+      found++;
+      EXPECT_EQ("n" + std::to_string(i), winner);
+    }
+  }
+  EXPECT_EQ(found, 1);
+  // The CLI: ls has the NODE column, nodes lists the fleet, drain shows at the drained node's next renewal.
+  Cluster& w = *n[winner.back() - '0'];
+  auto ls = w.cli("ls");
+  EXPECT_NE(ls.out.find("NODE"), std::string::npos) << ls.out;
+  EXPECT_NE(ls.out.find("  " + winner + "  "), std::string::npos) << ls.out;
+  auto nodes = n[0]->cli("nodes");
+  ASSERT_EQ(nodes.exit_code, 0) << nodes.err;
+  for (const char* name : {"n0 *", "n1 ", "n2 "}) EXPECT_NE(nodes.out.find(name), std::string::npos) << nodes.out;
+  ASSERT_EQ(n[0]->cli("node drain n2").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { return n[1]->cli("nodes").out.find("draining") != std::string::npos; }, 5s))
+      << n[1]->cli("nodes").out;
+  auto drained = key("/sandgate/nodes/n2");
+  ASSERT_TRUE(drained);
+  EXPECT_EQ((*drained)["state"], "draining");
+  ASSERT_EQ(n[0]->cli("node undrain n2").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/nodes/n2"); return k && (*k)["state"] == "ready"; }, 5s));
+  EXPECT_NE(n[0]->cli("node drain ../x").exit_code, 0);
+  // rm gives the name back to the fleet.
+  ASSERT_EQ(w.cli("rm dup").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { return !key("/sandgate/sandboxes/dup"); }, 5s));
+  auto again = create(*n[(winner.back() - '0' + 1) % 3], "dup");
+  EXPECT_EQ(again.first / 100, 2) << again.second;
+}
+
+TEST_F(Fleet, KillNineDropsTheNodeKeyKeepsItsSandboxesAndARestartReconciles) {
+  Cluster& c = add_node("k0");
+  ASSERT_EQ(create(c, "k9").first / 100, 2);
+  ASSERT_EQ(create(c, "k10").first / 100, 2);
+  ASSERT_TRUE(eventually([&] { auto k = key("/sandgate/sandboxes/k9"); return k && (*k)["state"] == "running"; }, 5s));
+  c.stop_node(SIGKILL);
+  auto killed = std::chrono::steady_clock::now();
+  // Gone within the lease TTL (plus etcd's expiry check and our polling).
+  ASSERT_TRUE(eventually([&] { return !key("/sandgate/nodes/k0"); }, std::chrono::seconds(kLeaseTtlSecs + 2)));
+  auto took = std::chrono::steady_clock::now() - killed;
+  EXPECT_LT(took, std::chrono::seconds(kLeaseTtlSecs + 2));
+  // The dead node's sandboxes are still known (proxies answer 503 + Retry-After, not 404).
+  auto k9 = key("/sandgate/sandboxes/k9");
+  ASSERT_TRUE(k9);
+  EXPECT_EQ((*k9)["node"], "k0");
+  // While it is down: one key lost, one stale key of a sandbox it no longer has, one name held by another node.
+  ASSERT_TRUE(client_->delete_range("/sandgate/sandboxes/k10"));
+  ASSERT_TRUE(client_->put("/sandgate/sandboxes/ghost", R"({"node":"k0","state":"running"})"));
+  ASSERT_TRUE(client_->put("/sandgate/sandboxes/k9", R"({"node":"other","state":"running"})"));
+  size_t from = c.node().log().size();
+  c.start_node();
+  ASSERT_FALSE(c.node().wait_for("fleet: reconciled", 10000, from).empty()) << c.node().log();
+  EXPECT_TRUE(key("/sandgate/nodes/k0"));
+  auto k10 = key("/sandgate/sandboxes/k10");
+  ASSERT_TRUE(k10) << "not re-claimed";
+  EXPECT_EQ((*k10)["node"], "k0");
+  EXPECT_FALSE(key("/sandgate/sandboxes/ghost")) << "stale key left";
+  auto k9_after = key("/sandgate/sandboxes/k9");
+  ASSERT_TRUE(k9_after);
+  EXPECT_EQ((*k9_after)["node"], "other") << "another node's claim overwritten";
+  EXPECT_NE(c.node().log().find("sandbox k9 exists on this node but etcd gives its name to another node"),
+            std::string::npos);
+  // Its sandboxes were adopted and serve requests again: a new create works.
+  EXPECT_EQ(create(c, "k11").first / 100, 2);
+}
+
+TEST_F(Fleet, ANodeThatCannotRenewFencesItselfAndRecovers) {
+  Cluster& c = add_node("f0");
+  ASSERT_EQ(create(c, "f1").first / 100, 2);
+  ASSERT_EQ(c.cli("suspend f1").exit_code, 0);
+  ASSERT_EQ(create(c, "f2").first / 100, 2);
+  // etcd stops answering (its connections stay open): the renewals time out. A create meanwhile may fail
+  // on its own claim's timeout first; the fence is the refusal that names the lease.
+  etcd_->pause(0);
+  std::pair<int, std::string> refused;
+  bool fenced = eventually([&] {
+    refused = create(c, "f3");
+    return refused.first == 503 && refused.second.find("cannot reach etcd") != std::string::npos;
+  }, std::chrono::seconds(kLeaseTtlSecs + 3));
+  // Running sandboxes keep running; a wake is refused like a create.
+  auto f2 = c.get("f2");
+  auto wake = c.cli("resume f1");
+  etcd_->resume(0);
+  ASSERT_TRUE(fenced) << refused.first << " " << refused.second << "\n" << c.node().log();
+  EXPECT_EQ(f2["state"], "running");
+  EXPECT_NE(wake.exit_code, 0);
+  EXPECT_NE((wake.out + wake.err).find("cannot reach etcd"), std::string::npos) << wake.out << wake.err;
+  EXPECT_EQ(c.get("f1")["state"], "suspended");
+  // etcd is back: the node renews (or registers again) and serves creates and wakes.
+  std::pair<int, std::string> accepted;
+  EXPECT_TRUE(eventually([&] {
+    accepted = create(c, "f3");
+    return accepted.first / 100 == 2;
+  }, 10s)) << accepted.first << " " << accepted.second;
+  EXPECT_EQ(c.cli("resume f1").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/sandboxes/f2"); return k && (*k)["node"] == "f0"; }, 5s));
+}
+
+}  // namespace
+}  // namespace sg::e2e

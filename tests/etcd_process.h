@@ -1,0 +1,160 @@
+// Real etcd members for tests (Debian's /usr/bin/etcd): a cluster of N members on loopback ports the kernel
+// picked, data and logs in the test's own directory. Shared by the unit tests (common/etcd_client) and the
+// e2e tests (fleet). Header-only like tests/netns.h.
+#pragma once
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/etcd_client.h"
+#include "common/net.h"
+
+namespace sg::testing {
+
+// Polls `pred` every 20 ms until it holds or `timeout` passes.
+template <typename Pred>
+bool wait_until(Pred pred, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (pred()) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+inline bool have_etcd() { return ::access("/usr/bin/etcd", X_OK) == 0; }
+
+// A free loopback TCP port (the kernel's pick; released before etcd binds it, which is racy only against
+// another process taking the same port in between).
+inline uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  (void)::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa);
+  socklen_t len = sizeof sa;
+  (void)::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  ::close(fd);
+  return ntohs(sa.sin_port);
+}
+
+class EtcdCluster {
+ public:
+  // `dir` must exist; member i keeps its data in dir/etcd-i and logs to dir/etcd-i.log.
+  EtcdCluster(std::string dir, int members) : dir_(std::move(dir)) {
+    std::string initial;
+    for (int i = 0; i < members; i++) {
+      Member m;
+      m.name = "m" + std::to_string(i);
+      m.client_port = free_port();
+      m.peer_port = free_port();
+      initial += (initial.empty() ? "" : ",") + m.name + "=http://127.0.0.1:" + std::to_string(m.peer_port);
+      members_.push_back(m);
+    }
+    initial_cluster_ = initial;
+  }
+  ~EtcdCluster() {
+    for (size_t i = 0; i < members_.size(); i++) stop(i, SIGKILL);
+  }
+  EtcdCluster(const EtcdCluster&) = delete;
+  EtcdCluster& operator=(const EtcdCluster&) = delete;
+
+  // Starts every member and waits (with a deadline) until the cluster answers a range.
+  bool start_all() {
+    for (size_t i = 0; i < members_.size(); i++)
+      if (!start(i)) return false;
+    return wait_ready(std::chrono::seconds(20));
+  }
+
+  bool start(size_t i) {
+    Member& m = members_[i];
+    if (m.pid > 0) return true;
+    std::string data = dir_ + "/etcd-" + std::to_string(i);
+    std::string log = data + ".log";
+    std::string client = "http://127.0.0.1:" + std::to_string(m.client_port);
+    std::string peer = "http://127.0.0.1:" + std::to_string(m.peer_port);
+    std::vector<std::string> argv = {"/usr/bin/etcd", "--name", m.name, "--data-dir", data,
+                                     "--listen-client-urls", client, "--advertise-client-urls", client,
+                                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                                     "--initial-cluster", initial_cluster_, "--initial-cluster-state", "new",
+                                     "--initial-cluster-token", "sandgate-test",
+                                     // Short elections keep the failover tests quick.
+                                     "--heartbeat-interval", "50", "--election-timeout", "500"};
+    pid_t pid = ::fork();
+    if (pid < 0) return false;
+    if (pid == 0) {
+      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      std::vector<char*> args;
+      for (auto& a : argv) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      ::_exit(127);
+    }
+    m.pid = pid;
+    return true;
+  }
+
+  void stop(size_t i, int sig = SIGTERM) {
+    Member& m = members_[i];
+    if (m.pid <= 0) return;
+    ::kill(m.pid, sig);
+    int status = 0;
+    ::waitpid(m.pid, &status, 0);
+    m.pid = -1;
+  }
+  // SIGSTOP / SIGCONT: a member that holds its connections but answers nothing (a partition, as its peers and
+  // clients see it).
+  void pause(size_t i) { if (members_[i].pid > 0) ::kill(members_[i].pid, SIGSTOP); }
+  void resume(size_t i) { if (members_[i].pid > 0) ::kill(members_[i].pid, SIGCONT); }
+
+  bool wait_ready(std::chrono::milliseconds timeout) {
+    etcd::Client client(options());
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (client.range("/ready-probe")) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  std::string url(size_t i) const { return "http://127.0.0.1:" + std::to_string(members_[i].client_port); }
+  std::vector<std::string> urls() const {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < members_.size(); i++) out.push_back(url(i));
+    return out;
+  }
+  etcd::ClientOptions options(std::chrono::milliseconds timeout = std::chrono::milliseconds(1000)) const {
+    etcd::ClientOptions o;
+    for (size_t i = 0; i < members_.size(); i++) o.endpoints.push_back(*etcd::parse_member(url(i)));
+    o.timeout = timeout;
+    return o;
+  }
+  size_t size() const { return members_.size(); }
+
+ private:
+  struct Member {
+    std::string name;
+    uint16_t client_port = 0;
+    uint16_t peer_port = 0;
+    pid_t pid = -1;
+  };
+  std::string dir_;
+  std::string initial_cluster_;
+  std::vector<Member> members_;
+};
+
+}  // namespace sg::testing
