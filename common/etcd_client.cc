@@ -169,6 +169,14 @@ std::string etcd_error(const std::string& body) {
 
 }  // namespace
 
+ClientOptions client_options(const std::vector<std::string>& members, uint32_t timeout_ms) {
+  ClientOptions o;
+  for (const auto& text : members)
+    if (auto ep = parse_member(text)) o.endpoints.push_back(*ep);
+  o.timeout = std::chrono::milliseconds(timeout_ms);
+  return o;
+}
+
 Result<Endpoint> parse_member(std::string_view text) {
   std::string_view rest = text;
   if (rest.starts_with("http://")) rest.remove_prefix(7);

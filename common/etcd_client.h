@@ -101,6 +101,9 @@ struct ClientOptions {
 
 // "http://127.0.0.1:2379" or "127.0.0.1:2379" (numeric addresses: nothing here resolves names).
 Result<Endpoint> parse_member(std::string_view text);
+// The options [fleet] gives (etcd_endpoints, etcd_timeout_ms), the members already checked by the config
+// loader; one that does not parse is left out.
+ClientOptions client_options(const std::vector<std::string>& members, uint32_t timeout_ms);
 // The range_end that makes a range or watch cover every key starting with `prefix`.
 std::string prefix_end(std::string_view prefix);
 

@@ -16,12 +16,7 @@ int64_t now_ms() {
 }
 
 etcd::ClientOptions client_options(const FleetConfig& config) {
-  etcd::ClientOptions o;
-  for (const auto& text : config.etcd_endpoints) {
-    if (auto ep = etcd::parse_member(text)) o.endpoints.push_back(*ep);  // the config loader checked them
-  }
-  o.timeout = std::chrono::milliseconds(config.etcd_timeout_ms);
-  return o;
+  return etcd::client_options(config.etcd_endpoints, config.etcd_timeout_ms);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/etcd_directory.h"
 #include "common/log.h"
 #include "common/operator_token.h"
 #include "config/config.h"
@@ -46,6 +47,9 @@ struct Proxy {
   std::string group;
   std::string ready_status;  // the STATUS= systemd shows while the proxy serves
   std::unique_ptr<sg::HandoverServer> handover;  // proxy.handover_socket, once this process serves
+  // [fleet]: the etcd view of which node owns which sandbox, kept across reloads (a reload that changed
+  // [fleet] needs a restart).
+  std::shared_ptr<sg::fleet::EtcdDirectory> fleet_view;
   uv_timer_t drain_timer{};
   uint64_t drain_deadline_ms = 0;
 };
@@ -119,7 +123,7 @@ void apply_reload(Proxy* p) {
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
   if (!token) return spdlog::error("reload failed, keeping the running config: {}{}", token.message(), hint);
-  auto fleet = sg::FleetContext::create(**cfg);
+  auto fleet = sg::FleetContext::create(**cfg, p->fleet_view);
   if (!fleet) return spdlog::error("reload failed, keeping the running config: {}{}", fleet.message(), hint);
   // Listeners, workers, the access log and the user the proxy runs as stay as they were; limits, timeouts,
   // routes, certificates and the operator token apply together to connections accepted from now on.
@@ -197,14 +201,23 @@ int main(int argc, char** argv) {
     spdlog::error("{}", operator_token.message());
     return 2;
   }
-  auto fleet = sg::FleetContext::create(**cfg);
+  if (check_only) {
+    if (auto fleet = sg::FleetContext::create(**cfg); !fleet) {
+      spdlog::error("{}", fleet.message());
+      return 2;
+    }
+    printf("configuration OK\n");
+    return 0;
+  }
+  if ((*cfg)->fleet.enabled) {
+    proxy.fleet_view = std::make_shared<sg::fleet::EtcdDirectory>(
+        sg::etcd::client_options((*cfg)->fleet.etcd_endpoints, (*cfg)->fleet.etcd_timeout_ms));
+    proxy.fleet_view->start();
+  }
+  auto fleet = sg::FleetContext::create(**cfg, proxy.fleet_view);
   if (!fleet) {
     spdlog::error("{}", fleet.message());
     return 2;
-  }
-  if (check_only) {
-    printf("configuration OK\n");
-    return 0;
   }
   signal(SIGPIPE, SIG_IGN);
 
@@ -357,6 +370,7 @@ int main(int argc, char** argv) {
   uv_signal_start(&sighup, [](uv_signal_t* s, int) { reload(static_cast<Proxy*>(s->data)); }, SIGHUP);
   uv_run(loop, UV_RUN_DEFAULT);
   for (auto& w : proxy.workers) w->join();
+  if (proxy.fleet_view) proxy.fleet_view->stop();
   spdlog::info("sandgate-proxy stopped");
   return 0;
 }

@@ -23,7 +23,7 @@ constexpr int kLeaseTtlSecs = 2;
 class Fleet : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!sg::testing::have_etcd()) GTEST_SKIP() << "/usr/bin/etcd is missing (apt-get install etcd-server)";
+    ASSERT_TRUE(sg::testing::have_etcd()) << "/usr/bin/etcd is missing: deploy/install-deps.sh installs etcd-server";
     char tmpl[] = "/tmp/sg-e2e-etcd-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
