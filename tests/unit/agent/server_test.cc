@@ -19,6 +19,8 @@
 #include <regex>
 #include <thread>
 
+#include "tests/unit/agent/agent_test_support.h"
+
 namespace sg::agent {
 namespace {
 
@@ -28,34 +30,9 @@ namespace fs = std::filesystem;
 
 constexpr const char* kH2 = "--http2-prior-knowledge ";
 
-struct Ran {
-  int status = -1;
-  std::string out;
-};
-
-Ran run(const std::string& command) {
-  Ran r;
-  FILE* f = ::popen(command.c_str(), "r");
-  if (f == nullptr) return r;
-  char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) r.out.append(buf, n);
-  int st = ::pclose(f);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-std::vector<json> ndjson(const std::string& text) {
-  std::vector<json> events;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    size_t nl = text.find('\n', pos);
-    if (nl == std::string::npos) nl = text.size();
-    if (nl > pos) events.push_back(json::parse(text.substr(pos, nl - pos), nullptr, false));
-    pos = nl + 1;
-  }
-  return events;
-}
+using test_support::Ran;
+using test_support::run;
+using test_support::ndjson;
 
 std::string stdout_of(const std::vector<json>& events) {
   std::string out;
