@@ -24,23 +24,7 @@ import sys
 import tempfile
 import time
 
-from sgbench import DOMAIN, ROOT, Cluster, wait_for
-
-SERVER = r'''
-import asyncio
-async def serve(reader, writer):
-    try:
-        while True:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-    except Exception:
-        writer.close()
-async def main():
-    server = await asyncio.start_server(serve, "127.0.0.1", 8080, backlog=4096)
-    await server.serve_forever()
-asyncio.run(main())
-'''
+from sgbench import DOMAIN, OK_SERVER, ROOT, Cluster, wait_for
 
 
 def cpu_s(pid):
@@ -100,7 +84,7 @@ fleet_static_directory_file = "{directory}"
         for c, name in ((a, "loc"), (b, "rem")):
             if image == "default":
                 c.ensure_default_image()
-            c.create({"name": name, "image": image, "command": ["python3", "-c", SERVER], "timeout_secs": 3600,
+            c.create({"name": name, "image": image, "command": ["python3", "-c", OK_SERVER], "timeout_secs": 3600,
                       "ports": [{"port": 8080, "public": True}]})
         with open(f"{certs}/directory-a.json", "w") as f:
             json.dump({"nodes": [{"name": k, "ingress": f"127.0.0.1:{v}"} for k, v in ports.items()],

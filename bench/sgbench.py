@@ -17,6 +17,25 @@ DOMAIN = "sandbox.localhost"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# A sandbox's HTTP/1.1 keep-alive server that answers every request "ok" (asyncio, so thousands of
+# connections cost it little): the backend of the benches that measure the proxy, not the application.
+OK_SERVER = r'''
+import asyncio
+async def serve(reader, writer):
+    try:
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    except Exception:
+        writer.close()
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 8080, backlog=4096)
+    await server.serve_forever()
+asyncio.run(main())
+'''
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, path, timeout=120):
         super().__init__("localhost", timeout=timeout)

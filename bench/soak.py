@@ -18,23 +18,7 @@ import ssl
 import sys
 import time
 
-from sgbench import DOMAIN, Cluster
-
-SERVER = r'''
-import asyncio
-async def serve(reader, writer):
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-    except Exception:
-        writer.close()
-async def main():
-    server = await asyncio.start_server(serve, "127.0.0.1", 8080, backlog=4096)
-    await server.serve_forever()
-asyncio.run(main())
-'''
+from sgbench import DOMAIN, OK_SERVER, Cluster
 
 
 def proc_stats(pid):
@@ -82,7 +66,7 @@ async def main():
                                      f"max_connections_per_sandbox = {limit}\n")
     try:
         c.ensure_default_image()
-        c.create({"name": "soak", "command": ["python3", "-c", SERVER], "timeout_secs": 3600,
+        c.create({"name": "soak", "command": ["python3", "-c", OK_SERVER], "timeout_secs": 3600,
                   "ports": [{"port": 8080, "public": True}]})
         host = f"8080-soak.{DOMAIN}"
         ctx = ssl.create_default_context(cafile=c.ca)
