@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # A fleet on one machine (docs/fleet.md): a 3-member etcd cluster and 3 sandgate-nodes, each with its own
-# state dir, cgroup and API socket, all on loopback. Prints what to try; Ctrl-C stops everything.
+# state dir, cgroup and API socket, and next to each its sandgate-proxy: a client listener on
+# 127.0.0.1:8441..8443 and a fleet listener (mutual TLS with the fleet CA) on 127.0.0.1:9451..9453, all on
+# loopback. Any proxy reaches any node's sandboxes. Prints what to try; Ctrl-C stops everything.
 #
 #   deploy/fleet-demo.sh                 # install deps, build, start
 #   SANDGATE_NO_BUILD=1 deploy/fleet-demo.sh
-#
-# TODO(fleet-hop): start 2 sandgate-proxy processes with the fleet ingress (cross-node routing) once the
-# proxy side exists; until then each node is reached through its own API socket.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
@@ -24,11 +23,13 @@ die() {
 
 if [[ ${SANDGATE_NO_BUILD:-} != 1 ]]; then
   "$ROOT/deploy/install-deps.sh"
-  BUILD_TARGETS="sandgate-node sandgate sandgate-init sandgate-agent" "$ROOT/deploy/build.sh" -DSANDGATE_BENCH=OFF
+  BUILD_TARGETS="sandgate-node sandgate-proxy sandgate sandgate-init sandgate-agent" "$ROOT/deploy/build.sh" -DSANDGATE_BENCH=OFF
 fi
 NODE_BIN=$BUILD_DIR/noderuntime/sandgate-node
+PROXY_BIN=$BUILD_DIR/proxy/sandgate-proxy
 CLI=$BUILD_DIR/cli/sandgate
-for bin in "$NODE_BIN" "$CLI" /usr/bin/etcd; do
+DOMAIN=sandbox.localhost
+for bin in "$NODE_BIN" "$PROXY_BIN" "$CLI" /usr/bin/etcd; do
   [[ -x $bin ]] || die "$bin not found (build first, or apt-get install etcd-server)"
 done
 
@@ -38,7 +39,7 @@ PIDS=()
 cleanup() {
   trap - INT TERM EXIT
   say "stopping"
-  # Nodes first (each revokes its lease: its node key goes at once), then etcd.
+  # Proxies, then nodes (each revokes its lease: its node key goes at once), then etcd.
   for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${PIDS[i]}" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
 }
@@ -69,11 +70,29 @@ curl -fsS --max-time 1 "http://127.0.0.1:$((ETCD_BASE_PORT + 1))/health" | grep 
   die "etcd did not become healthy within ${STARTUP_SECS}s (see $STATE/etcd-*.log)"
 say "etcd is up (3 members: $ENDPOINTS)"
 
+# The ingress certificate (*.$DOMAIN, a local CA) and the fleet CA with one certificate per node.
+"$ROOT/deploy/gen-cert.sh" "$STATE/tls" "$DOMAIN" >/dev/null
+"$ROOT/deploy/gen-fleet-ca.sh" "$STATE/fleet-ca" node1 node2 node3 >/dev/null
+
 for i in 1 2 3; do
   dir=$STATE/node$i
   mkdir -p -m 0700 "$dir"
   cat >"$dir/sandgate.toml" <<EOF
+domain = "$DOMAIN"
 node_socket = "unix:$dir/node.sock"
+
+[proxy]
+listen = ["127.0.0.1:$((8440 + i))"]
+workers = 1
+access_log = "$dir/access.log"
+fleet_listen = "127.0.0.1:$((9450 + i))"
+fleet_cert = "$STATE/fleet-ca/node$i.pem"
+fleet_key = "$STATE/fleet-ca/node$i.key"
+fleet_ca = "$STATE/fleet-ca/fleet-ca.pem"
+
+[[proxy.certificates]]
+cert = "$STATE/tls/server.pem"
+key = "$STATE/tls/server.key"
 
 [node]
 state_dir = "$dir/state"
@@ -103,6 +122,19 @@ for i in 1 2 3; do
     die "node$i did not register within ${STARTUP_SECS}s (see $STATE/node$i/node.log)"
 done
 say "3 nodes registered"
+for i in 1 2 3; do
+  "$PROXY_BIN" --config "$STATE/node$i/sandgate.toml" >>"$STATE/node$i/proxy.log" 2>&1 &
+  PIDS+=($!)
+done
+for i in 1 2 3; do
+  for ((t = 0; t < STARTUP_SECS * 5; t++)); do
+    grep -q "sandgate-proxy ready" "$STATE/node$i/proxy.log" 2>/dev/null && break
+    sleep 0.2
+  done
+  grep -q "sandgate-proxy ready" "$STATE/node$i/proxy.log" ||
+    die "the proxy of node$i did not start within ${STARTUP_SECS}s (see $STATE/node$i/proxy.log)"
+done
+say "3 proxies serving: 127.0.0.1:8441..8443"
 if ! SANDGATE_API=unix:$STATE/node1/node.sock "$CLI" image ls 2>/dev/null | grep -q "^$IMAGE "; then
   say "building the '$IMAGE' image once (Debian bookworm + python3, one to two minutes)"
   SANDGATE_API=unix:$STATE/node1/node.sock "$CLI" image build "$IMAGE" --packages python3,curl,ca-certificates ||
@@ -115,14 +147,18 @@ Try:
   n1() { SANDGATE_API=unix:$STATE/node1/node.sock $CLI "\$@"; }
   n2() { SANDGATE_API=unix:$STATE/node2/node.sock $CLI "\$@"; }
   n1 nodes                                   # NAME STATE SANDBOXES CAPACITY API
-  n1 create --name web -- python3 -m http.server 8080
+  n1 create --name web --public 8080 -- python3 -m http.server 8080
   n2 create --name web -- python3 -m http.server 8080   # 409: the name is taken on node1
+  # node1's sandbox through node2's and node3's proxies (the hop over mutual TLS):
+  curl --cacert $STATE/tls/ca.pem https://8080-web.$DOMAIN:8442/
+  curl --cacert $STATE/tls/ca.pem https://8080-web.$DOMAIN:8443/
   n1 ls                                      # with a NODE column
   n1 node drain node3; n1 nodes              # node3: draining
   etcdctl --endpoints=http://127.0.0.1:$((ETCD_BASE_PORT + 1)) get --prefix /sandgate/
   kill -9 of a node: its node key goes within 10 s, its sandbox keys stay
 
-Logs: $STATE/node*/node.log, $STATE/etcd-*.log.  Ctrl-C stops all.
+Logs: $STATE/node*/node.log, $STATE/node*/proxy.log, $STATE/node*/access.log, $STATE/etcd-*.log.
+Ctrl-C stops all.
 EOF
 wait -n "${PIDS[@]}" || true
 say "a process exited; stopping the rest"
