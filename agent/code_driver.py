@@ -6,12 +6,14 @@
 import ast
 import base64
 import builtins
+import codecs
 import importlib.abc
 import importlib.util
 import io
 import json
 import linecache
 import os
+import select
 import signal
 import struct
 import sys
@@ -28,7 +30,11 @@ os.set_inheritable(REQUESTS_FD, False)
 os.set_inheritable(EVENTS_FD, False)
 sys.argv = [""]
 
-_write_lock = threading.Lock()
+# Every frame goes out under this lock, after what fd 1 and 2 hold has gone out (_Capture): one order for
+# the code's own output and what the programs it runs write. Reentrant: draining sends frames itself.
+_order_lock = threading.RLock()
+_draining = False
+_captures = []
 _in_run = False
 
 
@@ -37,12 +43,74 @@ def _send_raw(payload):
     # one would leave half a frame on the pipe and break the protocol for good. It is delivered right after.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        with _write_lock:
+        with _order_lock:
+            if not _draining:
+                _drain_all()
             data = struct.pack(">I", len(payload)) + payload
             while data:
                 data = data[os.write(EVENTS_FD, data):]
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _Capture:
+    # fd 1 or 2 of this process, where os.system, subprocesses and C code write: a pipe this process reads
+    # itself (a thread, as it comes; and before each of its own frames, all there is), so that output leaves on
+    # the event pipe in the order it was written relative to the code's own events. Two pipes the agent read
+    # side by side could not say which came first: a print() followed by os.system("echo") could arrive
+    # swapped. Between the two captures (a program's stdout against its stderr) the order is as read.
+    def __init__(self, fd, name):
+        r, w = os.pipe()
+        os.dup2(w, fd)  # inheritable: the programs the code starts write here
+        os.close(w)
+        os.set_blocking(r, False)
+        self.read_fd = r
+        self.name = name
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def drain(self):
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(self.read_fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        if chunks:
+            text = self._decoder.decode(b"".join(chunks))
+            if text and _in_run:
+                send({"type": self.name, "data": text})
+
+
+def _capture_output():
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        _captures.append(_Capture(fd, name))
+    poller = select.poll()
+    for capture in _captures:
+        poller.register(capture.read_fd, select.POLLIN)
+
+    def pump():
+        by_fd = {c.read_fd: c for c in _captures}
+        while True:
+            for fd, _ in poller.poll():
+                with _order_lock:
+                    _drain_all(by_fd[fd])
+
+    threading.Thread(target=pump, name="sandgate-output", daemon=True).start()
+
+
+def _drain_all(only=None):
+    # Under _order_lock: what the captures hold (or `only` one of them) goes out as frames; their own frames
+    # do not drain again.
+    global _draining
+    _draining = True
+    try:
+        for capture in [only] if only is not None else _captures:
+            capture.drain()
+    finally:
+        _draining = False
 
 
 def _encode(event):
@@ -118,7 +186,7 @@ class _Stream(io.TextIOBase):
         self.buffer = _Bytes(self)
 
     def fileno(self):
-        # The real fd (captured by the agent too): subprocess.run(stdout=sys.stdout) and faulthandler use it.
+        # The real fd (a _Capture): subprocess.run(stdout=sys.stdout) and faulthandler write there.
         self.flush()
         return self._fd
 
@@ -338,6 +406,7 @@ def _read_exact(n):
 def main():
     global _in_run
     sys.stdout, sys.stderr = _stdout, _stderr
+    _capture_output()
     sys.meta_path.insert(0, _PyplotHook())
     # The agent interrupts a run with SIGINT (timeout_secs); between runs it is ignored, so a late one cannot
     # break the protocol code.
@@ -360,6 +429,9 @@ def main():
             send(_error_event(e, 0))
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # What the run's programs wrote last belongs to this run: out before the run is over.
+        with _order_lock:
+            _drain_all()
         _in_run = False
         _send_raw(_encode({"type": "done"}))
 
