@@ -247,8 +247,9 @@ void Interpreter::on_events(std::string_view data) {
   std::vector<std::string> frames;
   Status s = reader_.feed(data, frames);
   for (const std::string& frame : frames) {
-    // What programs the code started wrote before the driver sent this event is in the output pipes now:
-    // reporting it first keeps their output in order with the code's own.
+    // The driver reads its fds 1 and 2 itself (code_driver.py, _Capture) and sends their output as events;
+    // these pipes carry only what the interpreter wrote before it took them over or after it lost them
+    // (Python's own startup and fatal errors), reported ahead of the frame that followed it.
     drain(&out_);
     drain(&err_);
     if (owner_ == nullptr) return;
