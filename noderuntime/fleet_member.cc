@@ -147,12 +147,13 @@ void FleetMember::writer_loop() {
         auto r = *c.drain ? client_.put(key, "{}") : client_.delete_range(key);
         if (!r) s = fail(Error::kUnavailable, "fleet: cannot write " + key + ": " + r.message());
       } else {
+        bool held = false;
         {
           std::lock_guard claim_lock(mu_);
-          claimed_.insert(c.name);  // before the txn: see claimed_
+          held = !claimed_.insert(c.name).second;  // before the txn: see claimed_
         }
-        s = claim_now(c.name);
-        if (!s) {
+        s = claim_now(c.name, /*stale_claim_is_ours=*/!held);
+        if (!s && !held) {
           std::lock_guard claim_lock(mu_);
           claimed_.erase(c.name);
           // A timeout leaves the outcome unknown: the claim may land when etcd answers again.
@@ -177,20 +178,32 @@ void FleetMember::writer_loop() {
   }
 }
 
-Status FleetMember::claim_now(const std::string& name) {
+Status FleetMember::claim_now(const std::string& name, bool stale_claim_is_ours) {
   if (Status s = admit("create"); !s) return s;
   std::string key = std::string(kFleetSandboxesPrefix) + name;
   int64_t lease = lease_.load();
+  const std::string value = sandbox_owner_json(config_.node_name, "creating");
   // Bound to the lease while creating: if this node dies before the sandbox runs, the name comes free
   // when the lease expires.
   auto r = client_.txn({{.key = key, .target = Compare::Target::kCreateRevision, .op = Compare::Op::kEqual, .number = 0}},
-                       {{.kind = Op::Kind::kPut, .key = key, .value = sandbox_owner_json(config_.node_name, "creating"), .lease = lease}},
+                       {{.kind = Op::Kind::kPut, .key = key, .value = value, .lease = lease}},
                        {{.kind = Op::Kind::kRange, .key = key}});
   if (!r) return fail(Error::kUnavailable, "fleet: cannot claim the name '" + name + "' in etcd: " + r.message());
   if (r->succeeded) return {};
   std::string owner = "another node";
   if (!r->ranges.empty() && !r->ranges[0].kvs.empty()) {
-    if (auto rec = parse_sandbox_owner(r->ranges[0].kvs[0].value)) owner = "node '" + rec->node + "'";
+    const etcd::KeyValue& kv = r->ranges[0].kvs[0];
+    auto rec = parse_sandbox_owner(kv.value);
+    // This node's own claim that no create holds: an earlier create whose claim timed out while etcd was
+    // unreachable, and that etcd carried out once it answered again. It is taken over (unless it changed
+    // since it was read), not reported as a conflict with ourselves.
+    if (rec && rec->node == config_.node_name && rec->state == "creating" && stale_claim_is_ours) {
+      auto t = client_.txn({{.key = key, .target = Compare::Target::kModRevision, .op = Compare::Op::kEqual, .number = kv.mod_revision}},
+                           {{.kind = Op::Kind::kPut, .key = key, .value = value, .lease = lease}}, {});
+      if (!t) return fail(Error::kUnavailable, "fleet: cannot claim the name '" + name + "' in etcd: " + t.message());
+      if (t->succeeded) return {};
+    }
+    if (rec) owner = "node '" + rec->node + "'";
   }
   return fail(Error::kAlreadyExists, "name '" + name + "' is already used in the fleet by a sandbox on " + owner);
 }

@@ -85,7 +85,9 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   Status renew();
   Status put_node_key(bool force);
   Status reconcile();
-  Status claim_now(const std::string& name);
+  // `stale_claim_is_ours`: no other create of this name is in flight here, so a "creating" claim of this
+  // node's in etcd is a leftover (a timed-out claim etcd carried out later) and may be taken over.
+  Status claim_now(const std::string& name, bool stale_claim_is_ours);
   Status write_state(const std::string& key, const std::string& state);
   void post(std::function<void()> fn);
   void drain_posted();

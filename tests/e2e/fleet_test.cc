@@ -204,5 +204,20 @@ TEST_F(Fleet, ANodeThatCannotRenewFencesItselfAndRecovers) {
   EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/sandboxes/f2"); return k && (*k)["node"] == "f0"; }, 5s));
 }
 
+// A claim etcd carried out after the node had given up on it (its answer timed out while etcd was away)
+// is this node's own leftover: the next create of that name takes it over instead of a 409 naming itself.
+// Another node's claim is never taken.
+TEST_F(Fleet, ALeftoverClaimOfThisNodeIsTakenOverByTheNextCreate) {
+  Cluster& c = add_node("s0");
+  ASSERT_TRUE(client_->put("/sandgate/sandboxes/left", R"({"node":"s0","state":"creating"})"));
+  ASSERT_TRUE(client_->put("/sandgate/sandboxes/theirs", R"({"node":"other","state":"creating"})"));
+  auto left = create(c, "left");
+  EXPECT_EQ(left.first / 100, 2) << left.second;
+  EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/sandboxes/left"); return k && (*k)["state"] == "running"; }, 5s));
+  auto theirs = create(c, "theirs");
+  EXPECT_EQ(theirs.first, 409) << theirs.second;
+  EXPECT_NE(theirs.second.find("node 'other'"), std::string::npos) << theirs.second;
+}
+
 }  // namespace
 }  // namespace sg::e2e
