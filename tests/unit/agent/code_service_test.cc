@@ -86,9 +86,9 @@ uint32_t be32(const std::string& s, size_t at) {
 
 const std::string kJson = "-H 'Content-Type: application/json' ";
 
-class CodeTest : public ::testing::Test {
+class CodeTest : public test_support::InProcessAgentTest {
  protected:
-  static AgentLimits limits() {
+  AgentLimits limits() const override {
     AgentLimits l;
     l.code.max_contexts = 3;
     l.code.max_code_bytes = 64 * 1024;
@@ -97,41 +97,6 @@ class CodeTest : public ::testing::Test {
     l.code.settings.max_run_output_bytes = 1024 * 1024;
     l.code.settings.interrupt_grace_ms = 500;
     return l;
-  }
-
-  void SetUp() override {
-    std::signal(SIGPIPE, SIG_IGN);
-    char dir[] = "/tmp/sandgate-code-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(dir), nullptr);
-    dir_ = dir;
-    uv_loop_init(&loop_);
-    server_ = std::make_unique<AgentServer>(&loop_, limits());
-    auto s = server_->listen(*parse_endpoint("127.0.0.1:0"));
-    ASSERT_TRUE(s.ok()) << s.message();
-    uv_async_init(&loop_, &stop_, [](uv_async_t* a) {
-      static_cast<AgentServer*>(a->data)->close();
-      uv_close(reinterpret_cast<uv_handle_t*>(a), nullptr);
-    });
-    stop_.data = server_.get();
-    thread_ = std::thread([this] { uv_run(&loop_, UV_RUN_DEFAULT); });
-  }
-
-  void TearDown() override {
-    if (thread_.joinable()) {
-      uv_async_send(&stop_);
-      thread_.join();  // the loop ends once every interpreter was killed and reaped
-    }
-    server_.reset();
-    uv_loop_close(&loop_);
-    fs::remove_all(dir_);
-  }
-
-  std::string url(std::string_view path) const { return "http://" + server_->address() + std::string(path); }
-
-  std::string write_file(const std::string& name, const std::string& content) {
-    std::string path = dir_ + "/" + name;
-    std::ofstream(path, std::ios::binary) << content;
-    return path;
   }
 
   // A POST with a JSON body through curl: the status code on the last line, after the body.
@@ -174,12 +139,7 @@ class CodeTest : public ::testing::Test {
     return std::atoi(run("curl -sS -o /dev/null -w '%{http_code}' " + curl_args).out.c_str());
   }
 
-  std::string dir_;
   int bodies_ = 0;
-  uv_loop_t loop_{};
-  uv_async_t stop_{};
-  std::unique_ptr<AgentServer> server_;
-  std::thread thread_;
 };
 
 TEST_F(CodeTest, StateIsKeptAcrossCallsAndAFinalExpressionIsTheResult) {

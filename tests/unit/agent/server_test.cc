@@ -98,50 +98,14 @@ const std::string kJson = "-H 'Content-Type: application/json' ";
 
 std::string exec_body(const std::string& script) { return json{{"command", {"sh", "-c", script}}}.dump(); }
 
-class AgentTest : public ::testing::Test {
+class AgentTest : public test_support::InProcessAgentTest {
  protected:
-  virtual AgentLimits limits() const { return {}; }
-
-  void SetUp() override {
-    std::signal(SIGPIPE, SIG_IGN);
-    char dir[] = "/tmp/sandgate-agent-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(dir), nullptr);
-    dir_ = dir;
-    uv_loop_init(&loop_);
-    server_ = std::make_unique<AgentServer>(&loop_, limits());
-    auto s = server_->listen(*parse_endpoint("127.0.0.1:0"));
-    ASSERT_TRUE(s.ok()) << s.message();
-    uv_async_init(&loop_, &stop_, [](uv_async_t* a) {
-      static_cast<AgentServer*>(a->data)->close();
-      uv_close(reinterpret_cast<uv_handle_t*>(a), nullptr);
-    });
-    stop_.data = server_.get();
-    thread_ = std::thread([this] { uv_run(&loop_, UV_RUN_DEFAULT); });
-  }
-
-  void TearDown() override {
-    if (thread_.joinable()) {
-      uv_async_send(&stop_);
-      thread_.join();  // the loop ends once every connection closed and every killed command was reaped
-    }
-    server_.reset();
-    uv_loop_close(&loop_);
-    fs::remove_all(dir_);
-  }
-
-  std::string url(std::string_view path) const { return "http://" + server_->address() + std::string(path); }
   std::string file_url(const std::string& path) const { return url("/files?path=" + path); }
 
   UniqueFd connect() {
     auto fd = connect_blocking(*parse_endpoint(server_->address()), 2000);
     EXPECT_TRUE(fd.ok());
     return fd.ok() ? std::move(*fd) : UniqueFd();
-  }
-
-  std::string write_file(const std::string& name, const std::string& content) {
-    std::string path = dir_ + "/" + name;
-    std::ofstream(path, std::ios::binary) << content;
-    return path;
   }
 
   std::string random_file(const std::string& name, size_t bytes) {
@@ -180,11 +144,6 @@ class AgentTest : public ::testing::Test {
 
   bool healthy() { return run("curl -sS --max-time 3 " + url("/health")).out.find("\"ok\"") != std::string::npos; }
 
-  std::string dir_;
-  uv_loop_t loop_{};
-  uv_async_t stop_{};
-  std::unique_ptr<AgentServer> server_;
-  std::thread thread_;
 };
 
 // ---- health, routing, errors ----
