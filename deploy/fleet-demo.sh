@@ -20,6 +20,15 @@ die() {
   say "error: $*"
   exit 1
 }
+# Waits (STARTUP_SECS at most) for a daemon's log to show LINE; dies with WHAT otherwise.
+wait_for_line() {
+  local line=$1 log=$2 what=$3
+  for ((t = 0; t < STARTUP_SECS * 5; t++)); do
+    grep -q "$line" "$log" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  die "$what within ${STARTUP_SECS}s (see $log)"
+}
 
 if [[ ${SANDGATE_NO_BUILD:-} != 1 ]]; then
   "$ROOT/deploy/install-deps.sh"
@@ -114,12 +123,7 @@ EOF
   PIDS+=($!)
 done
 for i in 1 2 3; do
-  for ((t = 0; t < STARTUP_SECS * 5; t++)); do
-    grep -q "fleet: node node$i registered" "$STATE/node$i/node.log" 2>/dev/null && break
-    sleep 0.2
-  done
-  grep -q "fleet: node node$i registered" "$STATE/node$i/node.log" ||
-    die "node$i did not register within ${STARTUP_SECS}s (see $STATE/node$i/node.log)"
+  wait_for_line "fleet: node node$i registered" "$STATE/node$i/node.log" "node$i did not register"
 done
 say "3 nodes registered"
 for i in 1 2 3; do
@@ -127,12 +131,7 @@ for i in 1 2 3; do
   PIDS+=($!)
 done
 for i in 1 2 3; do
-  for ((t = 0; t < STARTUP_SECS * 5; t++)); do
-    grep -q "sandgate-proxy ready" "$STATE/node$i/proxy.log" 2>/dev/null && break
-    sleep 0.2
-  done
-  grep -q "sandgate-proxy ready" "$STATE/node$i/proxy.log" ||
-    die "the proxy of node$i did not start within ${STARTUP_SECS}s (see $STATE/node$i/proxy.log)"
+  wait_for_line "sandgate-proxy ready" "$STATE/node$i/proxy.log" "the proxy of node$i did not start"
 done
 say "3 proxies serving: 127.0.0.1:8441..8443"
 if ! SANDGATE_API=unix:$STATE/node1/node.sock "$CLI" image ls 2>/dev/null | grep -q "^$IMAGE "; then
