@@ -120,18 +120,4 @@ class ApiServer {
   std::function<void()> close_done_;
 };
 
-// The JSON request bodies the API parses before acting on them, by route.
-enum class ApiBody {
-  kCreate,    // POST /v1/sandboxes
-  kBuild,     // POST /v1/images/build
-  kOpen,      // POST /v1/internal/open
-  kSockets,   // POST /v1/internal/sockets
-  kLookup,    // POST /v1/internal/lookup
-  kActivity,  // POST /v1/internal/activity
-};
-// Parses `body` as its route does (the same functions), without acting on it: ok, or the kInvalidArgument
-// the route answers with. The entry point of the fuzz target for API bodies (tests/fuzz/api_body_fuzz.cc)
-// and of its regression tests, since the parsers themselves are private to the server.
-Status check_api_body(ApiBody kind, const std::string& body);
-
 }  // namespace sg

@@ -403,8 +403,17 @@ void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
       return boot->done(fail(Error::kTimeout, "the guest did not boot within " + std::to_string(boot_timeout_ms_) +
                                                   " ms, " + std::to_string(boot->attempt) + " attempts"));
     }
-    // QEMU's own log is empty when the guest ended itself (a kernel panic, e.g. an initramfs too large for
-    // the guest's memory): then the console's last lines say why.
+    // The kernel unpacks the initramfs into guest RAM; when it does not fit, the boot ends in a panic whose
+    // last lines (no root to mount) hide that cause, so it is named, with what to change.
+    if (read_file(boot->console).find(kInitramfsTooLarge) != std::string::npos) {
+      return boot->done(fail(Error::kInvalidArgument,
+                             "the guest's initramfs (" + initrd_ + ") does not fit in the sandbox's " +
+                                 std::to_string(boot->spec.memory_mb) +
+                                 " MiB of memory (the guest kernel said \"" + kInitramfsTooLarge +
+                                 "\"): create it with more memory"));
+    }
+    // QEMU's own log is empty when the guest ended itself (a kernel panic): then the console's last lines
+    // say why.
     std::string why = tail_of(boot->log, 600);
     if (why.empty()) why = "the guest stopped; its console ended with: " + tail_of(boot->console, 600);
     boot->done(fail(Error::kUnavailable, "qemu exited during boot: " + why));

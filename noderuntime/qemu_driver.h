@@ -83,6 +83,8 @@ inline constexpr size_t kMaxGuestCommandBytes = 256 * 1024;
 inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).
 inline constexpr const char* kGuestAgentMarker = "SANDGATE-GUEST-AGENT";
+// What Linux prints when the initramfs does not fit in the guest's RAM (it then panics, finding no root).
+inline constexpr const char* kInitramfsTooLarge = "Initramfs unpacking failed";
 
 class SandboxEgress;
 

@@ -401,17 +401,6 @@ Result<Image> from_json(const std::string& text, const std::string& where) {
 
 }  // namespace
 
-Status check_image_name(std::string_view name) {
-  auto ok = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); };
-  bool valid = !name.empty() && name.size() <= kMaxNameLength && ok(name[0]);
-  for (char c : name) valid = valid && (ok(c) || c == '.' || c == '_' || c == ':' || c == '-');
-  if (!valid)
-    return fail(Error::kInvalidArgument, "invalid image name '" + std::string(name) + "': 1 to " +
-                                             std::to_string(kMaxNameLength) +
-                                             " of A-Z a-z 0-9 . _ : -, starting with a letter or digit");
-  return {};
-}
-
 Result<std::unique_ptr<ImageStore>> ImageStore::open(const std::string& state_dir, LayerHolders holders) {
   std::error_code ec;
   std::string images = state_dir + "/images";

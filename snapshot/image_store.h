@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "snapshot/names.h"
 #include "snapshot/layer_store.h"
 
 namespace sg::snapshot {
@@ -29,7 +30,6 @@ namespace sg::snapshot {
 inline constexpr size_t kMaxImageLayers = 128;           // overlayfs stacks about this many lowerdirs
 inline constexpr size_t kMaxArchiveMembers = 4096;       // files in the outer archive
 inline constexpr size_t kMaxJsonBytes = 1024 * 1024;     // manifest.json, index.json, configs, OCI manifests
-inline constexpr size_t kMaxNameLength = 128;
 
 struct ImageConfig {
   std::vector<std::string> env;  // "K=V"
@@ -49,8 +49,6 @@ struct Image {
   int64_t created_at_ms = 0;
 };
 
-// [A-Za-z0-9][A-Za-z0-9._:-]* up to kMaxNameLength: a file name and a URL path segment as it is.
-Status check_image_name(std::string_view name);
 
 class ImageStore {
  public:

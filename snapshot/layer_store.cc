@@ -122,31 +122,6 @@ void drop_trusted_xattrs(archive_entry* e) {
 
 }  // namespace
 
-std::optional<std::string> normalize_relative(std::string_view path, bool resolve_dotdot) {
-  if (path.starts_with('/')) return std::nullopt;
-  std::vector<std::string_view> parts;
-  size_t i = 0;
-  while (i <= path.size()) {
-    size_t j = path.find('/', i);
-    if (j == std::string_view::npos) j = path.size();
-    std::string_view part = path.substr(i, j - i);
-    i = j + 1;
-    if (part.empty() || part == ".") continue;
-    if (part == "..") {
-      if (!resolve_dotdot || parts.empty()) return std::nullopt;
-      parts.pop_back();
-      continue;
-    }
-    parts.push_back(part);
-  }
-  std::string out;
-  for (std::string_view p : parts) {
-    if (!out.empty()) out += '/';
-    out += p;
-  }
-  return out;
-}
-
 bool valid_digest(std::string_view digest) {
   if (!digest.starts_with(kSha256Prefix) || digest.size() != kSha256Prefix.size() + 64) return false;
   return std::all_of(digest.begin() + kSha256Prefix.size(), digest.end(),

@@ -20,16 +20,13 @@
 #include <vector>
 
 #include "common/error.h"
+#include "snapshot/names.h"
 
 namespace sg::snapshot {
 
 // Bounds on one layer's contents (untrusted input): a clear error past them, never unbounded work.
 inline constexpr uint64_t kMaxLayerEntries = 1'000'000;
 
-// `path` without "." and empty components: "./a//b/" -> "a/b", "" for the root. nullopt for an absolute path,
-// and for a ".." unless `resolve_dotdot`, which then resolves it but never above the root ("a/../b" -> "b",
-// "../b" -> nullopt).
-std::optional<std::string> normalize_relative(std::string_view path, bool resolve_dotdot);
 // "sha256:<64 lowercase hex>"?
 bool valid_digest(std::string_view digest);
 // "sha256:<hex>" of the file's bytes (OpenSSL EVP, streamed).

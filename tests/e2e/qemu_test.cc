@@ -96,8 +96,10 @@ class Qemu : public ::testing::Test {
 
 TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   Cluster c(ClusterOptions::node(node_config()));
+  // 256 MiB: the initramfs is unpacked into guest RAM, and a sanitizer build's agent (~40 MiB) does not fit
+  // in 128 MiB (the node's create then names that cause).
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 3 --hibernate-after 4 "
-                       "--memory-mb 128 -- /bin/sh -c " + shell_quote(kGuestServer),
+                       "--memory-mb 256 -- /bin/sh -c " + shell_quote(kGuestServer),
                        180);
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
   const std::string id = nlohmann::json::parse(created.out, nullptr, false).value("id", "");
@@ -251,7 +253,7 @@ TEST_F(Qemu, DiskFullDuringHibernateKeepsTheSandboxInMemory) {
     ~LazyUnmount() { run("umount -l " + path); }
   } unmount{sandboxes};
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 2 --hibernate-after 2 "
-                       "--memory-mb 128 -- /bin/sh -c " + shell_quote(kGuestServer),
+                       "--memory-mb 256 -- /bin/sh -c " + shell_quote(kGuestServer),
                        180);
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
   c.wait_until_serving("q", 8080);

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "noderuntime/api_server.h"
+#include "noderuntime/api_request.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string body(reinterpret_cast<const char*>(data), size);

@@ -145,6 +145,21 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         os.makedirs(self.store, exist_ok=True)
         return f'images_dir = "{self.store}"\ndefault_image = "{self.image}"'
 
+    def _copy_agent_libraries(self, root):
+        """The agent is bind-mounted into every sandbox and runs on the image's libraries. The normal build's
+        agent is static and needs none; a sanitizer build's cannot be (ASan has no static runtime), so its
+        loader and libraries (ldd) go into this image, which otherwise has only a static busybox."""
+        agent = self.build + "/agent/sandgate-agent"
+        listed = subprocess.run(["ldd", agent], capture_output=True, text=True)
+        if listed.returncode != 0:  # "not a dynamic executable"
+            return
+        for line in listed.stdout.splitlines():
+            words = line.split()
+            path = words[2] if len(words) >= 3 and words[1] == "=>" else words[0] if words else ""
+            if path.startswith("/"):
+                os.makedirs(root + os.path.dirname(path), exist_ok=True)
+                shutil.copy(path, root + path)  # follows links: the file the loader opens by this name
+
     def _busybox_image(self):
         """A one-layer docker-save archive: the host's static busybox (busybox-static) and its applets."""
         work = self.tmp + "/tiny"
@@ -157,6 +172,7 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         for applet in applets.split():
             if applet != "busybox":
                 os.symlink("busybox", f"{work}/root/bin/{applet}")
+        self._copy_agent_libraries(work + "/root")
         os.makedirs(work + "/out/l0")
         with tarfile.open(work + "/out/l0/layer.tar", "w", format=tarfile.GNU_FORMAT) as t:
             t.add(work + "/root", arcname=".")

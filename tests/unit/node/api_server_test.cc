@@ -239,24 +239,6 @@ class ApiServerTest : public ::testing::Test {
   std::unique_ptr<ApiServer> server_;
 };
 
-// check_api_body is the fuzz target's way in (tests/fuzz/api_body_fuzz.cc): it must run the routes' own
-// parsers, each with its own fields.
-TEST(ApiBodyTest, EachRouteParsesItsOwnBody) {
-  EXPECT_TRUE(check_api_body(ApiBody::kLookup, R"({"sandbox": "demo", "port": 8080})"));
-  EXPECT_TRUE(check_api_body(ApiBody::kOpen, R"({"sandbox": "demo", "port": 3000, "credentials": ["a"], "spare_sockets": 2})"));
-  EXPECT_TRUE(check_api_body(ApiBody::kSockets, R"({"sandbox": "demo", "port": 22, "count": 4})"));
-  EXPECT_TRUE(check_api_body(ApiBody::kActivity, R"({"sandboxes": [{"id": "sb-1", "bytes_in": 1}]})"));
-  EXPECT_TRUE(check_api_body(ApiBody::kCreate, R"({"command": ["sleep", "1"]})"));
-  EXPECT_TRUE(check_api_body(ApiBody::kBuild, R"({"name": "web", "steps": [{"run": "true"}]})"));
-
-  Status lookup_with_credentials = check_api_body(ApiBody::kLookup, R"({"sandbox": "demo", "port": 1, "credentials": []})");
-  EXPECT_EQ(lookup_with_credentials.error(), Error::kInvalidArgument);
-  EXPECT_EQ(check_api_body(ApiBody::kCreate, "[]").message(), "request body must be a JSON object, got array");
-  EXPECT_EQ(check_api_body(ApiBody::kOpen, R"({"sandbox": "demo", "port": 70000})").message(),
-            "port is required and must be between 1 and 65535");
-  EXPECT_EQ(check_api_body(ApiBody::kBuild, "{\"name\": ").message(), "request body is not valid JSON");
-}
-
 TEST_F(ApiServerTest, SocketIsGroupOnly) {
   struct stat st{};
   ASSERT_EQ(::stat(socket_path_.c_str(), &st), 0);

@@ -31,7 +31,8 @@ namespace {
 using testing::TempDir;
 using testing::TestLoop;
 
-// FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | stall | qmp-error | migrate-die | migrate-fail.
+// FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | initramfs-too-large | stall | qmp-error | migrate-die |
+// migrate-fail.
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
 // Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
@@ -54,6 +55,11 @@ with open(os.path.join(d, "argv"), "w") as f:
 if mode == "die-at-boot":
     sys.stderr.write("qemu-system-x86_64: Could not set up host forwarding rule 'tcp:127.0.0.1:1-:80'\n")
     sys.exit(1)
+if mode == "initramfs-too-large":  # what Linux prints, then the panic that hides it (QEMU's own log is empty)
+    with open(console, "a") as f:
+        f.write("[    1.2] Initramfs unpacking failed: write error\n[    1.4] Kernel panic - not syncing: VFS: "
+                "Unable to mount root fs on unknown-block(0,0)\n[    1.5]  mount_block_root+0x14e/0x1e6\n")
+    sys.exit(0)
 def forward(port):
     l = socket.socket()
     l.bind(("127.0.0.1", port))
@@ -300,6 +306,16 @@ TEST_F(QemuDriverTest, QemuDyingDuringBootFailsWithItsMessage) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.message().find("Could not set up host forwarding"), std::string::npos) << r.message();
   EXPECT_EQ(spawned_pids(sandbox_dir_).size(), 1u);  // an error, not a stall: no retry
+}
+
+TEST_F(QemuDriverTest, AnInitramfsTooLargeForTheGuestsMemoryIsNamedWithWhatToChange) {
+  mode("initramfs-too-large");
+  auto r = start();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), Error::kInvalidArgument);
+  EXPECT_NE(r.message().find("does not fit in the sandbox's"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("more memory"), std::string::npos) << r.message();
+  EXPECT_EQ(spawned_pids(sandbox_dir_).size(), 1u);  // not retried: the same memory fails the same way
 }
 
 TEST_F(QemuDriverTest, StalledBootIsKilledAndRetriedThenFails) {

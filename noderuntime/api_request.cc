@@ -1,0 +1,333 @@
+#include "noderuntime/api_request.h"
+
+#include <limits>
+
+namespace sg {
+namespace {
+
+using json = nlohmann::json;
+
+// JSON integers arrive as signed or unsigned; huge unsigned values saturate so range checks still see them.
+int64_t as_int64(const json& v) {
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    return u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
+                                                                           : static_cast<int64_t>(u);
+  }
+  return v.get<int64_t>();
+}
+
+// {"port": 22, "public": true, "protocol": "tcp"}: only port is required. Ranges, duplicates and the protocol
+// name are Node::create's to check, so the messages are the same however a port was given.
+Result<CreateRequest::Port> parse_port_entry(const json& entry) {
+  if (!entry.is_object()) return wrong_type("ports[]", "an object", entry);
+  CreateRequest::Port port;
+  bool has_port = false;
+  for (auto it = entry.begin(); it != entry.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (key == "port") {
+      if (!v.is_number_integer()) return wrong_type("ports[].port", "an integer", v);
+      port.port = as_int64(v);
+      has_port = true;
+    } else if (key == "public") {
+      if (!v.is_boolean()) return wrong_type("ports[].public", "true or false", v);
+      port.is_public = v.get<bool>();
+    } else if (key == "protocol") {
+      if (!v.is_string()) return wrong_type("ports[].protocol", "a string (http1, h2c or tcp)", v);
+      port.protocol = v.get<std::string>();
+    } else {
+      return unknown_field("ports[]." + key, "port, public, protocol");
+    }
+  }
+  if (!has_port) return fail(Error::kInvalidArgument, "ports[].port is required");
+  return port;
+}
+
+Result<uint64_t> non_negative(std::string_view field, const json& v) {
+  if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0))
+    return wrong_type(field, "a non-negative integer", v);
+  return v.get<uint64_t>();
+}
+
+Result<std::vector<std::string>> string_list(const json& value, std::string_view field) {
+  if (!value.is_array()) return wrong_type(field, "an array of strings", value);
+  std::vector<std::string> out;
+  for (const json& v : value) {
+    if (!v.is_string()) return wrong_type(field, "an array of strings", value);
+    out.push_back(v.get<std::string>());
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<json> parse_object(const std::string& body) {
+  if (body.empty()) return fail(Error::kInvalidArgument, "request body must be a JSON object, got nothing");
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded()) return fail(Error::kInvalidArgument, "request body is not valid JSON");
+  if (!j.is_object())
+    return fail(Error::kInvalidArgument, std::string("request body must be a JSON object, got ") + j.type_name());
+  return j;
+}
+
+Failure wrong_type(std::string_view field, std::string_view expected, const json& got) {
+  return fail(Error::kInvalidArgument,
+              std::string(field) + ": must be " + std::string(expected) + ", got " + got.type_name());
+}
+
+Failure unknown_field(std::string_view field, std::string_view allowed) {
+  return fail(Error::kInvalidArgument,
+              "unknown field '" + std::string(field) + "' (allowed: " + std::string(allowed) + ")");
+}
+
+Result<CreateRequest> parse_create(const json& body) {
+  constexpr std::string_view kAllowed =
+      "name, command, env, cwd, exposed_ports, ports, allow_unauthenticated_access, timeout_secs, "
+      "hibernate_after_secs, cpus, memory_mb, ephemeral, driver, image, pids_max, disk_mb, "
+      "allow_internet_access, allow_out, deny_out, snapshot_id";
+  CreateRequest req;
+  bool has_command = false;
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (key == "name") {
+      if (v.is_null()) continue;
+      if (!v.is_string()) return wrong_type(key, "a string or null", v);
+      req.name = v.get<std::string>();
+    } else if (key == "command") {
+      if (!v.is_array()) return wrong_type(key, "an array of strings", v);
+      for (const json& arg : v) {
+        if (!arg.is_string()) return wrong_type("command[]", "a string", arg);
+        req.command.push_back(arg.get<std::string>());
+      }
+      has_command = true;
+    } else if (key == "env") {
+      if (!v.is_object()) return wrong_type(key, "an object of strings", v);
+      for (auto e = v.begin(); e != v.end(); ++e) {
+        if (!e.value().is_string()) return wrong_type("env." + e.key(), "a string", e.value());
+        req.env[e.key()] = e.value().get<std::string>();
+      }
+    } else if (key == "cwd") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.cwd = v.get<std::string>();
+    } else if (key == "exposed_ports") {
+      if (!v.is_array()) return wrong_type(key, "an array of integers", v);
+      for (const json& port : v) {
+        if (!port.is_number_integer()) return wrong_type("exposed_ports[]", "an integer", port);
+        req.exposed_ports.push_back(as_int64(port));
+      }
+    } else if (key == "ports") {
+      if (!v.is_array()) return wrong_type(key, "an array of objects", v);
+      for (const json& entry : v) {
+        auto port = parse_port_entry(entry);
+        if (!port) return port.failure();
+        req.ports.push_back(std::move(*port));
+      }
+    } else if (key == "allow_unauthenticated_access") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.allow_unauthenticated_access = v.get<bool>();
+    } else if (key == "timeout_secs" || key == "memory_mb" || key == "hibernate_after_secs" || key == "pids_max" ||
+               key == "disk_mb") {
+      if (!v.is_number_integer()) return wrong_type(key, "an integer", v);
+      (key == "timeout_secs"  ? req.timeout_secs
+       : key == "memory_mb"   ? req.memory_mb
+       : key == "pids_max"    ? req.pids_max
+       : key == "disk_mb"     ? req.disk_mb
+                              : req.hibernate_after_secs) = as_int64(v);
+    } else if (key == "driver") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.driver = v.get<std::string>();
+    } else if (key == "image") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.image = v.get<std::string>();
+    } else if (key == "snapshot_id") {
+      if (!v.is_string()) return wrong_type(key, "a string (snap-...)", v);
+      req.snapshot_id = v.get<std::string>();
+    } else if (key == "cpus") {
+      if (!v.is_number()) return wrong_type(key, "a number", v);
+      req.cpus = v.get<double>();
+    } else if (key == "ephemeral") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.ephemeral = v.get<bool>();
+    } else if (key == "allow_internet_access") {
+      if (!v.is_boolean()) return wrong_type(key, "true or false", v);
+      req.allow_internet_access = v.get<bool>();
+    } else if (key == "allow_out" || key == "deny_out") {
+      if (!v.is_array()) return wrong_type(key, "an array of strings", v);
+      for (const json& entry : v) {
+        if (!entry.is_string()) return wrong_type(key + "[]", "a string", entry);
+        (key == "allow_out" ? req.allow_out : req.deny_out).push_back(entry.get<std::string>());
+      }
+    } else {
+      return unknown_field(key, kAllowed);
+    }
+  }
+  // From a snapshot, the snapshot's command is the default.
+  if (!has_command && !req.snapshot_id)
+    return fail(Error::kInvalidArgument, "command is required (an array of strings: argv)");
+  return req;
+}
+
+Result<std::vector<ActivityReport>> parse_activity(const json& body) {
+  std::string default_reporter;
+  const json* list = nullptr;
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    if (it.key() == "sandboxes") {
+      if (!it.value().is_array()) return wrong_type("sandboxes", "an array of objects", it.value());
+      list = &it.value();
+    } else if (it.key() == "reporter") {
+      if (!it.value().is_string()) return wrong_type("reporter", "a string", it.value());
+      default_reporter = it.value().get<std::string>();
+    } else {
+      return unknown_field(it.key(), "sandboxes, reporter");
+    }
+  }
+  if (list == nullptr) return fail(Error::kInvalidArgument, "sandboxes is required (an array of objects)");
+  std::vector<ActivityReport> reports;
+  reports.reserve(list->size());
+  for (const json& entry : *list) {
+    if (!entry.is_object()) return wrong_type("sandboxes[]", "an object", entry);
+    ActivityReport r;
+    r.reporter = default_reporter;
+    bool has_id = false;
+    for (auto it = entry.begin(); it != entry.end(); ++it) {
+      const std::string& key = it.key();
+      const json& v = it.value();
+      if (key == "id") {
+        if (!v.is_string()) return wrong_type("sandboxes[].id", "a string", v);
+        r.id = v.get<std::string>();
+        has_id = true;
+      } else if (key == "reporter") {
+        if (!v.is_string()) return wrong_type("sandboxes[].reporter", "a string", v);
+        r.reporter = v.get<std::string>();
+      } else if (key == "bytes_in" || key == "bytes_out" || key == "connections") {
+        auto n = non_negative("sandboxes[]." + key, v);
+        if (!n) return n.failure();
+        (key == "bytes_in" ? r.bytes_in : key == "bytes_out" ? r.bytes_out : r.connections) = *n;
+      } else {
+        return unknown_field("sandboxes[]." + key, "id, bytes_in, bytes_out, connections, reporter");
+      }
+    }
+    if (!has_id) return fail(Error::kInvalidArgument, "sandboxes[].id is required");
+    reports.push_back(std::move(r));
+  }
+  return reports;
+}
+
+Result<PortRequest> parse_port_request(const json& body, PortRequestKind kind) {
+  const bool open = kind == PortRequestKind::kOpen;
+  PortRequest out;
+  int64_t port = -1;
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const json& v = it.value();
+    if (it.key() == "sandbox") {
+      if (!v.is_string()) return wrong_type("sandbox", "a string", v);
+      out.ref = v.get<std::string>();
+    } else if (it.key() == "port") {
+      if (!v.is_number_integer()) return wrong_type("port", "an integer", v);
+      port = as_int64(v);
+    } else if ((it.key() == "spare_sockets" && open) || (it.key() == "count" && kind == PortRequestKind::kSockets)) {
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > Node::kMaxSpareSockets)
+        return fail(Error::kInvalidArgument,
+                    it.key() + ": an integer from 0 to " + std::to_string(Node::kMaxSpareSockets));
+      out.sockets = v.get<size_t>();
+    } else if (it.key() == "credentials" && open) {
+      if (!v.is_array()) return wrong_type("credentials", "an array of strings", v);
+      if (v.size() > kMaxCredentialsPerOpen)
+        return fail(Error::kInvalidArgument,
+                    "credentials: at most " + std::to_string(kMaxCredentialsPerOpen) + " candidates");
+      for (const json& c : v) {
+        if (!c.is_string()) return wrong_type("credentials[]", "a string", c);
+        out.credentials.push_back(c.get<std::string>());
+      }
+    } else {
+      return unknown_field(it.key(), open                                 ? "sandbox, port, credentials, spare_sockets"
+                                     : kind == PortRequestKind::kSockets ? "sandbox, port, count"
+                                                                         : "sandbox, port");
+    }
+  }
+  if (out.ref.empty()) return fail(Error::kInvalidArgument, "sandbox is required (an id or a name)");
+  if (port < 1 || port > 65535)
+    return fail(Error::kInvalidArgument, "port is required and must be between 1 and 65535");
+  out.port = static_cast<uint16_t>(port);
+  return out;
+}
+
+Result<std::string> parse_checkpoint(const std::string& text) {
+  if (text.empty()) return std::string("filesystem");
+  auto body = parse_object(text);
+  if (!body) return body.failure();
+  std::string type = "filesystem";
+  for (auto it = body->begin(); it != body->end(); ++it) {
+    if (it.key() != "type") return unknown_field(it.key(), "type");
+    if (!it->is_string()) return wrong_type("type", "a string (filesystem or memory)", *it);
+    type = it->get<std::string>();
+  }
+  return type;
+}
+
+Result<BuildRequest> parse_build(const json& body) {
+  BuildRequest r;
+  constexpr std::string_view kFields = "name, from, variant, packages, steps, workdir, env, timeout_secs";
+  constexpr std::string_view kStepShape =
+      "an array of steps, each {\"run\": \"shell command\"} or {\"copy\": {\"source\": \"/on/the/node\", \"dest\": \"/in/the/image\"}}";
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = *it;
+    if (k == "name" || k == "from" || k == "variant" || k == "workdir") {
+      if (!v.is_string()) return wrong_type(k, "a string", v);
+      (k == "name" ? r.name : k == "from" ? r.from : k == "variant" ? r.variant : r.workdir) = v.get<std::string>();
+    } else if (k == "packages" || k == "env") {
+      auto list = string_list(v, k);
+      if (!list) return list.failure();
+      (k == "packages" ? r.packages : r.env) = std::move(*list);
+    } else if (k == "steps") {
+      if (!v.is_array()) return wrong_type(k, kStepShape, v);
+      for (const json& s : v) {
+        if (!s.is_object() || s.size() != 1) return wrong_type(k, kStepShape, v);
+        BuildStep step;
+        if (const json* run = s.contains("run") ? &s["run"] : nullptr; run != nullptr && run->is_string()) {
+          step.run = run->get<std::string>();
+        } else if (const json* c = s.contains("copy") ? &s["copy"] : nullptr;
+                   c != nullptr && c->is_object() && c->size() == 2 && c->contains("source") && c->contains("dest") &&
+                   (*c)["source"].is_string() && (*c)["dest"].is_string()) {
+          step.kind = BuildStep::Kind::kCopy;
+          step.copy = {(*c)["source"].get<std::string>(), (*c)["dest"].get<std::string>()};
+        } else {
+          return wrong_type(k, kStepShape, v);
+        }
+        r.steps.push_back(std::move(step));
+      }
+    } else if (k == "timeout_secs") {
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > kMaxBuildTimeoutSecs)
+        return wrong_type(k, "an integer of 1 to " + std::to_string(kMaxBuildTimeoutSecs), v);
+      r.timeout_secs = v.get<uint32_t>();
+    } else {
+      return unknown_field(k, kFields);
+    }
+  }
+  if (r.name.empty()) return fail(Error::kInvalidArgument, "name is required");
+  if (auto s = check_build_request(r); !s) return s.failure();
+  return r;
+}
+
+Status check_api_body(ApiBody kind, const std::string& body) {
+  auto object = parse_object(body);
+  if (!object) return object.failure();
+  auto outcome = [](const auto& parsed) -> Status {
+    if (!parsed) return parsed.failure();
+    return {};
+  };
+  switch (kind) {
+    case ApiBody::kCreate: return outcome(parse_create(*object));
+    case ApiBody::kBuild: return outcome(parse_build(*object));
+    case ApiBody::kOpen: return outcome(parse_port_request(*object, PortRequestKind::kOpen));
+    case ApiBody::kSockets: return outcome(parse_port_request(*object, PortRequestKind::kSockets));
+    case ApiBody::kLookup: return outcome(parse_port_request(*object, PortRequestKind::kLookup));
+    case ApiBody::kActivity: return outcome(parse_activity(*object));
+  }
+  return fail(Error::kInvalidArgument, "unknown request body kind");
+}
+
+}  // namespace sg

@@ -1,0 +1,84 @@
+// The API's body parsers on their own: the typed requests they make, and the error naming the field for
+// each kind of bad input (the server's tests check the same answers through HTTP).
+#include "noderuntime/api_request.h"
+
+#include <gtest/gtest.h>
+
+#include <limits>
+
+namespace sg {
+namespace {
+
+using json = nlohmann::json;
+
+// check_api_body is the fuzz target's way in (tests/fuzz/api_body_fuzz.cc): it must run the routes' own
+// parsers, each with its own fields.
+TEST(ApiBodyTest, EachRouteParsesItsOwnBody) {
+  EXPECT_TRUE(check_api_body(ApiBody::kLookup, R"({"sandbox": "demo", "port": 8080})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kOpen, R"({"sandbox": "demo", "port": 3000, "credentials": ["a"], "spare_sockets": 2})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kSockets, R"({"sandbox": "demo", "port": 22, "count": 4})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kActivity, R"({"sandboxes": [{"id": "sb-1", "bytes_in": 1}]})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kCreate, R"({"command": ["sleep", "1"]})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kBuild, R"({"name": "web", "steps": [{"run": "true"}]})"));
+
+  Status lookup_with_credentials = check_api_body(ApiBody::kLookup, R"({"sandbox": "demo", "port": 1, "credentials": []})");
+  EXPECT_EQ(lookup_with_credentials.error(), Error::kInvalidArgument);
+  EXPECT_EQ(check_api_body(ApiBody::kCreate, "[]").message(), "request body must be a JSON object, got array");
+  EXPECT_EQ(check_api_body(ApiBody::kOpen, R"({"sandbox": "demo", "port": 70000})").message(),
+            "port is required and must be between 1 and 65535");
+  EXPECT_EQ(check_api_body(ApiBody::kBuild, "{\"name\": ").message(), "request body is not valid JSON");
+}
+
+TEST(ApiRequestTest, ACreateBodyBecomesItsRequest) {
+  auto req = parse_create(json::parse(R"({"name": "web", "command": ["python3", "-m", "http.server"],
+      "env": {"A": "1"}, "ports": [{"port": 8080, "public": true, "protocol": "h2c"}], "memory_mb": 512,
+      "cpus": 1.5, "allow_out": ["10.0.0.0/8"], "timeout_secs": 600})"));
+  ASSERT_TRUE(req) << req.message();
+  EXPECT_EQ(req->name, "web");
+  EXPECT_EQ(req->command, (std::vector<std::string>{"python3", "-m", "http.server"}));
+  EXPECT_EQ(req->env.at("A"), "1");
+  ASSERT_EQ(req->ports.size(), 1u);
+  EXPECT_EQ(req->ports[0].port, 8080);
+  EXPECT_EQ(req->ports[0].is_public, true);
+  EXPECT_EQ(req->ports[0].protocol, "h2c");
+  EXPECT_EQ(req->memory_mb, 512);
+  EXPECT_EQ(req->cpus, 1.5);
+  EXPECT_EQ(req->allow_out, (std::vector<std::string>{"10.0.0.0/8"}));
+}
+
+TEST(ApiRequestTest, EachBadFieldIsNamed) {
+  auto message = [](const char* body) { return parse_create(json::parse(body)).message(); };
+  EXPECT_EQ(message(R"({"command": "ls"})"), "command: must be an array of strings, got string");
+  EXPECT_EQ(message(R"({"command": ["ls", 1]})"), "command[]: must be a string, got number");
+  EXPECT_EQ(message(R"({"command": ["ls"], "env": {"A": 1}})"), "env.A: must be a string, got number");
+  EXPECT_EQ(message(R"({"command": ["ls"], "ports": [{"public": true}]})"), "ports[].port is required");
+  EXPECT_NE(message(R"({"command": ["ls"], "colour": "red"})").find("unknown field 'colour' (allowed: name, command"),
+            std::string::npos);
+  EXPECT_EQ(message(R"({})"), "command is required (an array of strings: argv)");
+  EXPECT_TRUE(parse_create(json::parse(R"({"snapshot_id": "snap-1"})")));  // the snapshot's command is the default
+  // Huge unsigned integers saturate rather than wrap, so the node's range checks still refuse them.
+  auto big = parse_create(json::parse(R"({"command": ["ls"], "timeout_secs": 18446744073709551615})"));
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->timeout_secs, std::numeric_limits<int64_t>::max());
+}
+
+TEST(ApiRequestTest, AnOpenCarriesAtMostItsCredentialLimit) {
+  json open = {{"sandbox", "demo"}, {"port", 443}, {"credentials", json::array()}};
+  for (size_t i = 0; i < kMaxCredentialsPerOpen; ++i) open["credentials"].push_back("sgt_" + std::to_string(i));
+  auto ok = parse_port_request(open, PortRequestKind::kOpen);
+  ASSERT_TRUE(ok) << ok.message();
+  EXPECT_EQ(ok->credentials.size(), kMaxCredentialsPerOpen);
+  open["credentials"].push_back("one-more");
+  EXPECT_EQ(parse_port_request(open, PortRequestKind::kOpen).message(), "credentials: at most 4 candidates");
+  json many_spares = {{"sandbox", "demo"}, {"port", 443}, {"spare_sockets", Node::kMaxSpareSockets + 1}};
+  EXPECT_EQ(parse_port_request(many_spares, PortRequestKind::kOpen).error(), Error::kInvalidArgument);
+}
+
+TEST(ApiRequestTest, ACheckpointWithoutABodyIsAFilesystemOne) {
+  EXPECT_EQ(*parse_checkpoint(""), "filesystem");
+  EXPECT_EQ(*parse_checkpoint(R"({"type": "memory"})"), "memory");
+  EXPECT_EQ(parse_checkpoint(R"({"kind": "memory"})").message(), "unknown field 'kind' (allowed: type)");
+}
+
+}  // namespace
+}  // namespace sg
