@@ -6,7 +6,7 @@
 #include <set>
 #include <utility>
 
-#include "cli/api_client.h"
+#include "common/api_client.h"
 #include "common/egress_rule.h"
 #include "common/http.h"
 

@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "cli/api_client.h"
+#include "common/api_client.h"
 #include "cli/commands.h"
 #include "cli/settings.h"
 #include "cli/ssh.h"
@@ -19,7 +19,7 @@
 namespace {
 
 using nlohmann::json;
-using sg::cli::ApiClient;
+using sg::ApiClient;
 
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
   app.fallthrough();
   app.set_version_flag("--version", "sandgate " + std::string(sg::cli::kVersion));
 
-  std::string api(sg::cli::kDefaultApi);
+  std::string api(sg::kDefaultApi);
   app.add_option("--api", api,
                  "node API address: unix:/path, http://127.0.0.1:PORT, or https://api.DOMAIN[:PORT] through the "
                  "ingress (needs --token)")
@@ -392,7 +392,7 @@ int main(int argc, char** argv) {
   }
 
   const sg::cli::Environment env = sg::cli::process_environment();
-  auto address = sg::cli::parse_api_address(api);
+  auto address = sg::parse_api_address(api);
   if (!address)
     return error(address.message() + " (from --api or SANDGATE_API): set it to the address sandgate-node serves, "
                                      "e.g. export SANDGATE_API=unix:$PWD/.state/node.sock as deploy/quickstart.sh "
@@ -419,7 +419,7 @@ int main(int argc, char** argv) {
     }
     auto host = sg::cli::parse_ssh_host(ref, in.domain);
     if (!host) return error(host.message(), kExitUsage);
-    auto where = sg::cli::parse_ingress(in.ingress);
+    auto where = sg::parse_ingress(in.ingress);
     if (!where) return error(where.message(), kExitUsage);
     token = sg::cli::setting(token, env, "SANDGATE_TOKEN", "");
     if (token.empty()) {
@@ -445,21 +445,21 @@ int main(int argc, char** argv) {
     return sg::cli::run_ssh_proxy(o, STDIN_FILENO, STDOUT_FILENO);
   }
 
-  sg::cli::IngressAccess access;
+  sg::IngressAccess access;
   // The ingress and the node's TCP listener (node.api_listen) both need the operator token; only the unix
   // socket trusts whoever can open it.
-  if (address->kind == sg::cli::ApiAddress::Kind::kHttps || address->endpoint.kind == sg::Endpoint::Kind::kTcp)
+  if (address->kind == sg::ApiAddress::Kind::kHttps || address->endpoint.kind == sg::Endpoint::Kind::kTcp)
     access.token = sg::cli::setting(token, env, "SANDGATE_TOKEN", "");
-  if (address->kind == sg::cli::ApiAddress::Kind::kHttps) {
+  if (address->kind == sg::ApiAddress::Kind::kHttps) {
     access.cacert = sg::cli::setting(cacert, env, "SANDGATE_CACERT", "");
     if (std::string dial = sg::cli::setting(connect_to, env, "SANDGATE_INGRESS", ""); !dial.empty()) {
-      auto where = sg::cli::parse_ingress(dial);
+      auto where = sg::parse_ingress(dial);
       if (!where) return error(where.message() + " (from --connect-to or SANDGATE_INGRESS)", kExitUsage);
       access.connect_to = *where;
     }
   }
   const bool sent_token = !access.token.empty();
-  const Node node{ApiClient(*address, kRequestTimeoutMs, std::move(access)), sg::cli::api_address_string(*address),
+  const Node node{ApiClient(*address, kRequestTimeoutMs, std::move(access)), sg::api_address_string(*address),
                   sent_token};
   auto now = std::chrono::system_clock::now();
 

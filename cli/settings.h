@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "cli/api_client.h"
+#include "common/api_client.h"
 #include "common/error.h"
 
 namespace sg::cli {

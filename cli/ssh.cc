@@ -192,37 +192,6 @@ Status validate_ref(std::string_view ref) {
   return {};
 }
 
-Result<Ingress> parse_ingress(std::string_view text) {
-  auto bad = [&](std::string_view why) {
-    return fail(Error::kInvalidArgument, "invalid ingress '" + std::string(text) + "': " + std::string(why) +
-                                             " (expected HOST:PORT or [IPV6]:PORT)");
-  };
-  Ingress out;
-  std::string_view host, port;
-  if (text.starts_with("[")) {
-    size_t close = text.find("]:");
-    if (close == std::string_view::npos) return bad("no ]: after the IPv6 address");
-    host = text.substr(1, close - 1);
-    port = text.substr(close + 2);
-    for (char c : host)
-      if (!std::isxdigit(static_cast<unsigned char>(c)) && c != ':' && c != '.') return bad("not an IPv6 address");
-  } else {
-    size_t colon = text.rfind(':');
-    if (colon == std::string_view::npos) return bad("no port");
-    host = text.substr(0, colon);
-    port = text.substr(colon + 1);
-    for (char c : host)
-      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-') return bad("not a host name");
-  }
-  if (host.empty()) return bad("no host");
-  int n = 0;
-  auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), n);
-  if (ec != std::errc() || end != port.data() + port.size() || n < 1 || n > 65535) return bad("port must be 1-65535");
-  out.host = std::string(host);
-  out.port = static_cast<uint16_t>(n);
-  return out;
-}
-
 Status validate_domain(std::string_view domain) {
   auto bad = [&](std::string_view why) {
     return fail(Error::kInvalidArgument, "invalid domain '" + std::string(domain) + "': " + std::string(why));

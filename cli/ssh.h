@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "cli/tls_client.h"
+#include "common/tls_client.h"
 #include "common/error.h"
 
 namespace sg::cli {
@@ -21,8 +21,6 @@ inline constexpr std::string_view kDefaultDomain = "sandbox.localhost";
 // a '%' token or a path.
 Status validate_ref(std::string_view ref);
 
-// "HOST:PORT" or "[V6]:PORT"; HOST limited to letters, digits, '.', '-' (and ':' inside brackets).
-Result<Ingress> parse_ingress(std::string_view text);
 // "D" made of DNS labels ([a-z0-9-], dots between).
 Status validate_domain(std::string_view domain);
 

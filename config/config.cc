@@ -18,6 +18,7 @@
 #include <toml++/toml.h>
 
 #include "common/accounts.h"
+#include "common/api_client.h"
 #include "common/egress_rule.h"
 #include "common/etcd_client.h"
 
@@ -255,7 +256,8 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   }
 }
 
-void read_fleet(const toml::table& t, std::string_view source, std::vector<std::string>* errors, FleetConfig* out) {
+void read_fleet(const toml::table& t, std::string_view source, const std::string& base_dir,
+                std::vector<std::string>* errors, FleetConfig* out) {
   TableReader r(t, "fleet", source, errors);
   out->enabled = true;
   const toml::node& here = t;
@@ -281,6 +283,12 @@ void read_fleet(const toml::table& t, std::string_view source, std::vector<std::
   r.integer("lease_ttl_secs", &out->lease_ttl_secs, 2, 300);
   r.integer("capacity_sandboxes", &out->capacity_sandboxes, 0, 1'000'000);
   r.integer("etcd_timeout_ms", &out->etcd_timeout_ms, 100, 60'000);
+  r.string("api_cacert", &out->api_cacert);
+  out->api_cacert = out->api_cacert.empty() ? "" : resolve_path(base_dir, out->api_cacert);
+  // Other nodes send placed creates there, and the CLI talks to the node there: refused now, not then.
+  if (!out->advertise_api.empty()) {
+    if (auto a = parse_api_address(out->advertise_api); !a) r.error(at("advertise_api"), "fleet.advertise_api", a.message());
+  }
 }
 
 void read_node(const toml::table& t, std::string_view source, const std::string& base_dir,
@@ -507,7 +515,7 @@ Result<std::shared_ptr<const Config>> load_config_string(std::string_view text, 
       }
       if (std::string_view(section) == "proxy") read_proxy(*t, source_name, base_dir, &errors, &cfg->proxy);
       else if (std::string_view(section) == "node") read_node(*t, source_name, base_dir, &errors, &cfg->node);
-      else read_fleet(*t, source_name, &errors, &cfg->fleet);
+      else read_fleet(*t, source_name, base_dir, &errors, &cfg->fleet);
     }
   }
   if (cfg->proxy.listen.empty()) errors.push_back(std::string(source_name) + ": proxy.listen: needs at least one address");

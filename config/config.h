@@ -155,6 +155,9 @@ struct FleetConfig {
   uint32_t lease_ttl_secs = 10;            // the node key's lease; renewed every third of it
   uint32_t capacity_sandboxes = 0;         // 0: node.max_sandboxes
   uint32_t etcd_timeout_ms = 2000;         // per etcd member tried, per request
+  // Placement sends creates to other nodes' advertise_api; an https one is verified against this CA file
+  // ("" = the system's trust store).
+  std::string api_cacert;
 };
 
 struct Config {

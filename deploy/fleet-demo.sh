@@ -146,9 +146,10 @@ Try:
   n1() { SANDGATE_API=unix:$STATE/node1/node.sock $CLI "\$@"; }
   n2() { SANDGATE_API=unix:$STATE/node2/node.sock $CLI "\$@"; }
   n1 nodes                                   # NAME STATE SANDBOXES CAPACITY API
-  n1 create --name web --public 8080 -- python3 -m http.server 8080
-  n2 create --name web -- python3 -m http.server 8080   # 409: the name is taken on node1
-  # node1's sandbox through node2's and node3's proxies (the hop over mutual TLS):
+  n1 create --name web --public 8080 -- python3 -m http.server 8080   # placed on one of the 3 (NODE in n1 ls)
+  n2 create --name web -- python3 -m http.server 8080   # 409: the name is taken on that node
+  # the sandbox through each node's proxy (the two that do not own it hop over mutual TLS):
+  curl --cacert $STATE/tls/ca.pem https://8080-web.$DOMAIN:8441/
   curl --cacert $STATE/tls/ca.pem https://8080-web.$DOMAIN:8442/
   curl --cacert $STATE/tls/ca.pem https://8080-web.$DOMAIN:8443/
   n1 ls                                      # with a NODE column

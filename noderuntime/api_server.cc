@@ -1122,9 +1122,26 @@ void ApiServer::handle_create(const HttpMessage& request, Reply reply) {
   if (!body) return reply(error_response(body.failure()));
   auto create = parse_create(*body);
   if (!create) return reply(error_response(create.failure()));
-  node_->create(*create, [this, reply = std::move(reply)](Result<SandboxInfo> info) {
-    reply(info ? sandbox_response(201, *info) : error_response(info.failure()));
-  });
+  // A snapshot lives in this node's store, so a create from it stays here; so does a create another node
+  // placed here (admitted or refused, never sent on).
+  const bool stays_here = placer_ == nullptr || fleet_ == nullptr || create->snapshot_id.has_value() ||
+                          request.header(kPlacedByHeader) != nullptr;
+  auto here = [this, create = std::move(*create)](CreatePlacer::Done done) {
+    node_->create(create, [this, done = std::move(done)](Result<SandboxInfo> info) {
+      Response r = info ? sandbox_response(201, *info) : error_response(info.failure());
+      done({r.status, std::move(r.body), std::move(r.extra_headers)});
+    });
+  };
+  auto answer = [reply = std::move(reply)](CreatePlacer::Answer a) {
+    reply(Response{a.status, std::move(a.body), {}, std::move(a.extra_headers)});
+  };
+  if (stays_here) return here(std::move(answer));
+  placer_->place(request.body, placement_order(fleet_->fleet_nodes(), placement_rng_), std::move(here),
+                 std::move(answer));
+}
+
+void ApiServer::enable_placement(PlacementOptions options, CreatePlacer::RemoteCreate remote) {
+  placer_ = std::make_unique<CreatePlacer>(loop_, std::move(options), std::move(remote));
 }
 
 void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply reply) {

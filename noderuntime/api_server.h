@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "config/config.h"
 #include "noderuntime/image_service.h"
 #include "noderuntime/node.h"
+#include "noderuntime/placement.h"
 #include "noderuntime/snapshot_service.h"
 #include "noderuntime/ssh_keys.h"
 
@@ -43,6 +45,9 @@ class ApiServer {
   void set_ssh_keys(SshKeyStore* keys) { ssh_keys_ = keys; }
   // [fleet]: GET /v1/fleet/nodes, POST/DELETE /v1/fleet/nodes/<node>/drain, and each sandbox's "node".
   void set_fleet(FleetAdmin* fleet) { fleet_ = fleet; }
+  // With a fleet: a create that does not name the node that placed it is placed on a node chosen from the
+  // fleet's view (noderuntime/placement.h), this one included.
+  void enable_placement(PlacementOptions options, CreatePlacer::RemoteCreate remote = {});
 
   // Starts accepting on `ep`: a unix socket (replacing a stale file, mode 0660) or a TCP address.
   Status listen(const Endpoint& ep);
@@ -112,6 +117,8 @@ class ApiServer {
   SshKeyStore* ssh_keys_ = nullptr;
   void handle_ssh_keys(const HttpMessage& request, std::string_view path, Reply reply);
   FleetAdmin* fleet_ = nullptr;
+  std::unique_ptr<CreatePlacer> placer_;
+  std::mt19937_64 placement_rng_{std::random_device{}()};
   const ConfigHolder* config_;
   std::vector<Listener*> listeners_;
   std::unordered_map<Connection*, std::shared_ptr<Connection>> connections_;

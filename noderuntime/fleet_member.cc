@@ -92,7 +92,15 @@ Status FleetMember::admit(std::string_view what) const {
   // Fresh enough that etcd still holds the lease: half the TTL since the last renewal. The lease thread
   // may be stuck in a call to an unreachable member, so the age is checked here, not only by that thread.
   int64_t age = now_ms() - last_renew_ms_.load();
-  if (state_.load() == State::kLive && age < static_cast<int64_t>(config_.lease_ttl_secs) * 500) return {};
+  if (state_.load() == State::kLive && age < static_cast<int64_t>(config_.lease_ttl_secs) * 500) {
+    // Placement leaves a draining node out; a create that reached it anyway (a view a moment old) is
+    // refused with a 503, which the placing node takes as "try the next one". Wakes go on: its sandboxes
+    // stay its own until they move.
+    if (what == "create" && draining_.load())
+      return fail(Error::kUnavailable, "fleet: node " + config_.node_name + " is draining (sandgate node undrain " +
+                                           config_.node_name + " to admit again): it admits no new sandboxes");
+    return {};
+  }
   return fail(Error::kUnavailable, "fleet: node " + config_.node_name + " cannot reach etcd to renew its lease, so it " +
                                        "refuses to " + std::string(what) + " (its running sandboxes keep running); retry shortly");
 }

@@ -296,7 +296,10 @@ int main(int argc, char** argv) {
   }
   d.ssh_keys = std::make_unique<sg::SshKeyStore>(std::move(*ssh_keys));
   d.server->set_ssh_keys(d.ssh_keys.get());
-  if (d.fleet) d.server->set_fleet(d.fleet.get());
+  if (d.fleet) {
+    d.server->set_fleet(d.fleet.get());
+    d.server->enable_placement(sg::PlacementOptions{c.fleet.node_name, c.operator_token_file, c.fleet.api_cacert});
+  }
   std::vector<sg::Endpoint> endpoints = {c.node_socket};
   endpoints.insert(endpoints.end(), c.node.api_listen.begin(), c.node.api_listen.end());
   for (const sg::Endpoint& ep : endpoints) {

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -118,7 +120,29 @@ class EtcdCluster {
   }
   // SIGSTOP / SIGCONT: a member that holds its connections but answers nothing (a partition, as its peers and
   // clients see it).
-  void pause(size_t i) { if (members_[i].pid > 0) ::kill(members_[i].pid, SIGSTOP); }
+  // SIGSTOP takes effect when each of etcd's threads is next scheduled, not when kill() returns, so this
+  // waits (up to 5 s) until /proc shows every thread stopped: a request sent after pause() is never answered.
+  bool pause(size_t i) {
+    if (members_[i].pid <= 0) return false;
+    ::kill(members_[i].pid, SIGSTOP);
+    const std::string tasks = "/proc/" + std::to_string(members_[i].pid) + "/task";
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (std::chrono::steady_clock::now() < deadline) {
+      bool all_stopped = true;
+      std::error_code ec;
+      for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+        std::ifstream stat(task.path() / "stat");
+        std::string line;
+        std::getline(stat, line);
+        size_t close = line.rfind(')');  // the state follows "(comm)", which may hold spaces
+        if (close == std::string::npos || close + 2 >= line.size() || (line[close + 2] != 'T' && line[close + 2] != 't'))
+          all_stopped = false;
+      }
+      if (!ec && all_stopped) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
   void resume(size_t i) { if (members_[i].pid > 0) ::kill(members_[i].pid, SIGCONT); }
 
   bool wait_ready(std::chrono::milliseconds timeout) {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -43,7 +44,7 @@ class Fleet : public ::testing::Test {
     std::string endpoints;
     for (const auto& url : etcd_->urls()) endpoints += (endpoints.empty() ? "\"" : ", \"") + url + "\"";
     o.node_extra = "\n[fleet]\netcd_endpoints = [" + endpoints + "]\nnode_name = \"" + name +
-                   "\"\nadvertise_api = \"https://127.0.0.1:1\"\nadvertise_ingress = \"127.0.0.1:1\"\n" +
+                   "\"\nadvertise_api = \"unix:$CLUSTER_DIR/node.sock\"\nadvertise_ingress = \"127.0.0.1:1\"\n" +
                    "lease_ttl_secs = " + std::to_string(kLeaseTtlSecs) + "\netcd_timeout_ms = 300\n";
     nodes_.push_back(std::make_unique<Cluster>(o));
     Cluster& c = *nodes_.back();
@@ -51,11 +52,30 @@ class Fleet : public ::testing::Test {
     return c;
   }
 
-  // POST /v1/sandboxes on `c`: {status, body}.
+  // POST /v1/sandboxes on `c`: {status, body}. In a fleet the node places it (on itself or another node).
   static std::pair<int, std::string> create(Cluster& c, const std::string& name) {
     json req = {{"name", name}, {"command", {"/bin/sleep", "600"}}};
     auto r = c.api_raw("POST", "/v1/sandboxes", req.dump());
     return {Cluster::http_code(r), Cluster::body(r)};
+  }
+  // The same as another node's placement sends it: admitted or refused here, never sent on.
+  static std::pair<int, std::string> create_placed(Cluster& c, const std::string& name) {
+    json req = {{"name", name}, {"command", {"/bin/sleep", "600"}}};
+    auto r = run("curl -sS --unix-socket " + shell_quote(c.api().substr(5)) +
+                 " -X POST -H 'Content-Type: application/json' -H 'X-Sandgate-Placed-By: test' --data-binary " +
+                 shell_quote(req.dump()) + " -w '\\n%{http_code}' http://node/v1/sandboxes");
+    return {Cluster::http_code(r), Cluster::body(r)};
+  }
+  // Until `c`'s view of the fleet lists `count` nodes, `draining` of them draining.
+  static bool view_has(Cluster& c, size_t count, size_t draining) {
+    return eventually([&] {
+      auto r = c.api_raw("GET", "/v1/fleet/nodes", "");
+      json j = json::parse(Cluster::body(r), nullptr, false);
+      if (!j.is_object() || !j["nodes"].is_array() || j["nodes"].size() != count) return false;
+      size_t d = 0;
+      for (const json& n : j["nodes"]) d += n.value("state", "") == "draining";
+      return d == draining;
+    }, 10s);
   }
 
   std::optional<json> key(const std::string& k) {
@@ -136,6 +156,50 @@ TEST_F(Fleet, TwentyConcurrentCreatesOfOneNameThroughThreeNodesHaveOneWinner) {
   EXPECT_EQ(again.first / 100, 2) << again.second;
 }
 
+// Placement: a create through any node lands on a ready node (the answer names it, and that node has the
+// sandbox); never on a draining one, whose own admission refuses a create placed on it by a stale view; a
+// node killed with -9 takes none, whether the placing node's view still lists it (its socket refuses, so the
+// next node is asked) or not; with every node draining the create is refused with the reason.
+TEST_F(Fleet, CreatesArePlacedOnReadyNodesNeverOnADrainingOrDeadOne) {
+  Cluster* n[3] = {&add_node("p0"), &add_node("p1"), &add_node("p2")};
+  auto index = [](const std::string& node) { return node.size() == 2 ? node[1] - '0' : -1; };
+  ASSERT_TRUE(view_has(*n[1], 3, 0));
+  ASSERT_EQ(n[0]->cli("node drain p1").exit_code, 0);
+  ASSERT_TRUE(view_has(*n[1], 3, 1));
+  std::map<std::string, int> placed;
+  for (int i = 0; i < 6; i++) {
+    const std::string name = "pl" + std::to_string(i);
+    auto [status, body] = create(*n[1], name);
+    ASSERT_EQ(status, 201) << body;
+    const std::string node = json::parse(body, nullptr, false).value("node", "");
+    ASSERT_TRUE(node == "p0" || node == "p2") << body;
+    placed[node]++;
+    EXPECT_FALSE(n[index(node)]->get(name).empty()) << name << " is not on " << node;
+    EXPECT_TRUE(n[1]->get(name).empty()) << name << " is on the draining node";
+  }
+  EXPECT_NE(n[1]->node().log().find("fleet: placed a create on node"), std::string::npos) << n[1]->node().log();
+
+  auto refused = create_placed(*n[1], "pl-direct");
+  EXPECT_EQ(refused.first, 503) << refused.second;
+  EXPECT_NE(refused.second.find("node p1 is draining"), std::string::npos) << refused.second;
+
+  n[2]->stop_node(SIGKILL);
+  for (int i = 0; i < 4; i++) {
+    const std::string name = "pk" + std::to_string(i);
+    auto [status, body] = create(*n[0], name);
+    ASSERT_EQ(status, 201) << body;
+    EXPECT_EQ(json::parse(body, nullptr, false).value("node", ""), "p0") << body;
+  }
+  ASSERT_TRUE(eventually([&] { return !key("/sandgate/nodes/p2"); }, std::chrono::seconds(kLeaseTtlSecs + 3)));
+
+  ASSERT_EQ(n[0]->cli("node drain p0").exit_code, 0);
+  ASSERT_TRUE(view_has(*n[0], 2, 2));
+  auto none = create(*n[0], "pl-none");
+  EXPECT_EQ(none.first, 503) << none.second;
+  EXPECT_NE(none.second.find("is draining"), std::string::npos) << none.second;
+  EXPECT_FALSE(key("/sandgate/sandboxes/pl-none"));
+}
+
 TEST_F(Fleet, KillNineDropsTheNodeKeyKeepsItsSandboxesAndARestartReconciles) {
   Cluster& c = add_node("k0");
   ASSERT_EQ(create(c, "k9").first / 100, 2);
@@ -179,7 +243,7 @@ TEST_F(Fleet, ANodeThatCannotRenewFencesItselfAndRecovers) {
   ASSERT_EQ(create(c, "f2").first / 100, 2);
   // etcd stops answering (its connections stay open): the renewals time out. A create meanwhile may fail
   // on its own claim's timeout first; the fence is the refusal that names the lease.
-  etcd_->pause(0);
+  ASSERT_TRUE(etcd_->pause(0));
   std::pair<int, std::string> refused;
   bool fenced = eventually([&] {
     refused = create(c, "f3");

@@ -251,6 +251,9 @@ Cluster::~Cluster() {
 }
 
 void Cluster::write_config() {
+  // Known only now: what the node advertises of itself (its socket, in a fleet) lives in this dir.
+  std::string node_extra = opts_.node_extra;
+  for (size_t at; (at = node_extra.find("$CLUSTER_DIR")) != std::string::npos;) node_extra.replace(at, 12, dir_);
   std::string top = "domain = \"sandbox.localhost\"\nnode_socket = \"" + api_ + "\"\nlog_level = \"debug\"\n";
   if (!opts_.operator_token.empty()) {
     write_file(dir_ + "/operator.token", opts_.operator_token + "\n");
@@ -269,7 +272,7 @@ void Cluster::write_config() {
                     (shares_test_image() ? "images_dir = \"" + test_image().store + "\"\ndefault_image = \"" +
                                                test_image().name + "\"\n"
                                          : std::string()) +
-                    opts_.node_extra + "\n";
+                    node_extra + "\n";
   write_file(config_path(), cfg);
 }
 

@@ -68,7 +68,7 @@ class Daemon {
 
 struct ClusterOptions {
   std::string proxy_extra;  // TOML lines appended to [proxy]
-  std::string node_extra;   // TOML lines appended to [node]
+  std::string node_extra;   // TOML lines appended to [node]; "$CLUSTER_DIR" in them is the cluster's temp dir
   std::string operator_token;  // non-empty: written to a file that operator_token_file names
   bool start_proxy = true;
 

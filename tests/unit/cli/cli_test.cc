@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "cli/api_client.h"
+#include "common/api_client.h"
 #include "cli/commands.h"
 #include "tests/unit/cli/fake_ingress.h"
 
@@ -558,7 +558,7 @@ class HttpsApi : public ::testing::Test {
     EXPECT_TRUE(a) << a.message();
     return ApiClient(a ? *a : ApiAddress{}, 5000, std::move(access));
   }
-  IngressAccess access(std::string token = "op-secret") { return {std::move(token), dir_ + "/ca.pem", {}}; }
+  IngressAccess access(std::string token = "op-secret") { return {std::move(token), dir_ + "/ca.pem", {}, {}}; }
 
   std::string dir_;
   TestCert cert_;

@@ -272,9 +272,10 @@ TEST(Config, FleetKeys) {
   auto cfg = load(
       "[fleet]\netcd_endpoints = [\"http://127.0.0.1:2379\", \"127.0.0.2:2379\"]\nnode_name = \"n-1\"\n"
       "advertise_api = \"https://10.0.0.1:9444\"\nadvertise_ingress = \"10.0.0.1:9443\"\nlease_ttl_secs = 3\n"
-      "capacity_sandboxes = 50\n");
+      "capacity_sandboxes = 50\napi_cacert = \"/etc/sandgate/fleet-ca.pem\"\n");
   ASSERT_TRUE(cfg) << cfg.message();
   const FleetConfig& f = (*cfg)->fleet;
+  EXPECT_EQ(f.api_cacert, "/etc/sandgate/fleet-ca.pem");
   EXPECT_TRUE(f.enabled);
   EXPECT_EQ(f.etcd_endpoints.size(), 2u);
   EXPECT_EQ(f.node_name, "n-1");
@@ -297,6 +298,12 @@ TEST(Config, FleetErrorsNameTheKey) {
   ASSERT_FALSE(empty);
   EXPECT_NE(empty.message().find("fleet.etcd_endpoints: needs at least one etcd member"), std::string::npos);
   EXPECT_NE(empty.message().find("fleet.node_name"), std::string::npos);
+  // Other nodes place creates at advertise_api: one they could not use is refused at load, naming the key.
+  auto other_scheme = load("[fleet]\netcd_endpoints = \"127.0.0.1:2379\"\nnode_name = \"a\"\n"
+                           "advertise_api = \"tcp://10.0.0.1:8081\"\n");
+  ASSERT_FALSE(other_scheme);
+  EXPECT_NE(other_scheme.message().find("t.toml:4: fleet.advertise_api: invalid node API address"), std::string::npos)
+      << other_scheme.message();
 }
 
 }  // namespace

@@ -236,7 +236,7 @@ TEST_F(EtcdClientTest, AMemberThatHangsTimesOut) {
   std::filesystem::create_directories(dir);
   EtcdCluster paused(dir, 1);
   ASSERT_TRUE(paused.start_all());
-  paused.pause(0);
+  ASSERT_TRUE(paused.pause(0));
   Client c(paused.options(300ms));
   auto start = std::chrono::steady_clock::now();
   auto r = c.range("/x");

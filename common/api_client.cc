@@ -1,11 +1,10 @@
-#include "cli/api_client.h"
+#include "common/api_client.h"
 
 #include <chrono>
 
-#include "cli/ssh.h"
 #include "common/http_client.h"
 
-namespace sg::cli {
+namespace sg {
 namespace {
 
 // A list of every sandbox on a busy node is the largest answer; max_sandboxes can reach a million.
@@ -150,7 +149,8 @@ std::string api_address_string(const ApiAddress& address) {
 }
 
 Result<std::string> build_request(std::string_view method, std::string_view target, const ApiAddress& address,
-                                  std::string_view token, const nlohmann::json& body) {
+                                  std::string_view token, const nlohmann::json& body,
+                                  const std::vector<HttpHeader>& headers) {
   std::string payload;
   // replace: a non-UTF-8 argument (an env value, say) must not make dump() throw.
   if (!body.is_null()) payload = body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -167,12 +167,14 @@ Result<std::string> build_request(std::string_view method, std::string_view targ
   req.headers.push_back({"Accept", "application/json"});
   req.headers.push_back({"Connection", "close"});
   if (!body.is_null()) req.headers.push_back({"Content-Type", "application/json"});
+  req.headers.insert(req.headers.end(), headers.begin(), headers.end());
   // Content-Length always goes, even when 0: a POST without a length is ambiguous to some servers.
   return build_http_request(req);
 }
 
 Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view target,
-                                       const nlohmann::json& body) const {
+                                       const nlohmann::json& body, bool* reached) const {
+  if (reached != nullptr) *reached = false;
   const std::string where = api_address_string(address_);
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms_);
   // Every timeout, whichever step it hit, reads the same: the user only set one limit.
@@ -191,6 +193,7 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
       if (conn.error() != Error::kUnavailable) return worded(conn.failure());
       return fail(conn.error(), "cannot reach sandgate-node at " + where + ": " + conn.message());
     }
+    if (reached != nullptr) *reached = true;
     auto res = exchange(tls_stream(conn->ssl.get(), conn->sock.get(), deadline), *req, where);
     return res ? res : Result<ApiResponse>(worded(res.failure()));
   }
@@ -204,19 +207,20 @@ Result<ApiResponse> ApiClient::request(std::string_view method, std::string_view
     Error code = fd.error() == Error::kTimeout ? Error::kTimeout : Error::kUnavailable;
     return fail(code, "cannot reach sandgate-node at " + where + ": " + reason + ". " + std::string(kNodeDownHint));
   }
+  if (reached != nullptr) *reached = true;
   auto res = exchange(http_fd_stream(fd->get(), deadline), *req, where);
   return res ? res : Result<ApiResponse>(worded(res.failure()));
 }
 
-}  // namespace sg::cli
+}  // namespace sg
 
-namespace sg::cli {
+namespace sg {
 
 Result<std::string> ApiClient::prepare(std::string_view method, std::string_view target,
                                       const nlohmann::json& body) const {
   if (!access_.token.empty() && !token_fits_header(access_.token))
     return fail(Error::kInvalidArgument, "the token is malformed (one line, no spaces)");
-  return build_request(method, target, address_, access_.token, body);
+  return build_request(method, target, address_, access_.token, body, access_.headers);
 }
 
 TlsClientOptions ApiClient::tls_options() const {
@@ -243,4 +247,4 @@ Result<ApiResponse> ApiClient::stream(std::string_view method, std::string_view 
   return read_stream(http_fd_stream(fd->get(), deadline), *req, where, on_line);
 }
 
-}  // namespace sg::cli
+}  // namespace sg

@@ -1,4 +1,5 @@
-// A small blocking HTTP/1.1 client for the sandgate-node API (docs/node-api.md), used by the `sandgate` CLI.
+// A small blocking HTTP/1.1 client for the sandgate-node API (docs/node-api.md), used by the `sandgate` CLI
+// and by a node that places a create on another node of its fleet (noderuntime/placement.h).
 // The API is reached directly (its unix socket or loopback port) or through the TLS ingress at
 // https://api.<domain>, which wants the operator token. Both speak the same HTTP/1.1 over a different stream.
 // One request per connection: the CLI makes one call per run, so keep-alive would buy nothing.
@@ -11,12 +12,13 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
-#include "cli/tls_client.h"
+#include "common/tls_client.h"
 #include "common/error.h"
 #include "common/net.h"
 
-namespace sg::cli {
+namespace sg {
 
 inline constexpr std::string_view kDefaultApi = "unix:/run/sandgate/node.sock";
 // The next step when nothing answers at the API address.
@@ -47,6 +49,7 @@ struct IngressAccess {
   std::string token;                  // sent as "Authorization: Bearer" when set
   std::string cacert;                 // https: the CA file; empty = the system's trust store
   std::optional<Ingress> connect_to;  // https: dial this instead of the URL's host (still verified as that host)
+  std::vector<HttpHeader> headers;    // sent with every request, after the client's own
 };
 
 struct ApiResponse {
@@ -58,7 +61,8 @@ struct ApiResponse {
 // `token` sends no Authorization header. kInvalidArgument for a target or token that could split a line,
 // kLimitExceeded for a body over the node's 1 MiB (build_http_request's limits).
 Result<std::string> build_request(std::string_view method, std::string_view target, const ApiAddress& address,
-                                  std::string_view token, const nlohmann::json& body);
+                                  std::string_view token, const nlohmann::json& body,
+                                  const std::vector<HttpHeader>& headers = {});
 
 class ApiClient {
  public:
@@ -69,9 +73,11 @@ class ApiClient {
   // Any HTTP status is a success here; failures are only about reaching the node and reading its answer:
   // kUnavailable (cannot connect, connection dropped, certificate not trusted), kTimeout, kIo (malformed
   // answer), kInvalidArgument (a token or target that cannot go in a request line or header, an unreadable CA
-  // file), kLimitExceeded (a body over the node's 1 MiB).
+  // file), kLimitExceeded (a body over the node's 1 MiB). `reached`, when given, says whether the connection
+  // (and handshake) succeeded, so the request may have been acted on: a caller that retries elsewhere
+  // (fleet placement) does so only when it was not.
   Result<ApiResponse> request(std::string_view method, std::string_view target,
-                              const nlohmann::json& body = nullptr) const;
+                              const nlohmann::json& body = nullptr, bool* reached = nullptr) const;
   // A streamed answer (POST /v1/images/build): the body of a 2xx answer goes line by line to `on_line` as it
   // arrives, until the node closes the connection (the body is then empty in the result); any other status
   // comes back whole, as from request(). `timeout_ms` bounds the whole stream, instead of the client's own.
@@ -88,4 +94,4 @@ class ApiClient {
   IngressAccess access_;
 };
 
-}  // namespace sg::cli
+}  // namespace sg

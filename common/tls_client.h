@@ -15,7 +15,7 @@
 #include "common/fd.h"
 #include "common/http_client.h"
 
-namespace sg::cli {
+namespace sg {
 
 using Clock = std::chrono::steady_clock;
 
@@ -23,6 +23,9 @@ struct Ingress {
   std::string host;  // a DNS name or an IP address (IPv6 without brackets)
   uint16_t port = 0;
 };
+
+// "HOST:PORT" or "[V6]:PORT"; HOST limited to letters, digits, '.', '-' (and ':' inside brackets).
+Result<Ingress> parse_ingress(std::string_view text);
 
 // remaining_ms() and wait_fd() (the deadline-bound poll every step here uses) are sg's, from
 // common/http_client.h.
@@ -68,4 +71,4 @@ Result<size_t> ssl_read_some(SSL* ssl, int fd, char* buf, size_t cap, Clock::tim
                              std::string_view what);
 Status ssl_write_all(SSL* ssl, int fd, std::string_view data, Clock::time_point deadline, std::string_view what);
 
-}  // namespace sg::cli
+}  // namespace sg

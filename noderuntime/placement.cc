@@ -1,0 +1,176 @@
+#include "noderuntime/placement.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "common/api_client.h"
+#include "common/operator_token.h"
+
+namespace sg {
+namespace {
+
+using json = nlohmann::json;
+
+// The message of a node API error answer, else the body as it came (cut short).
+std::string answer_message(const std::string& body) {
+  json j = json::parse(body, nullptr, false);
+  if (j.is_object() && j.contains("message") && j["message"].is_string()) return j["message"].get<std::string>();
+  return body.substr(0, 200);
+}
+
+CreatePlacer::Answer error_answer(int status, std::string_view code, const std::string& message,
+                                  std::string extra_headers = {}) {
+  json body = {{"error", code}, {"message", message}};
+  return {status, body.dump(-1, ' ', false, json::error_handler_t::replace), std::move(extra_headers)};
+}
+
+CreatePlacer::RemoteAnswer http_create(const PlacementOptions& options, const fleet::NodeInfo& node,
+                                       const std::string& body) {
+  CreatePlacer::RemoteAnswer out;
+  auto address = parse_api_address(node.api);
+  if (!address) {
+    out.error = "its API address '" + node.api + "' is not usable: " + address.message();
+    return out;
+  }
+  auto token = read_operator_token(options.token_file);
+  if (!token) {
+    out.error = token.message();
+    return out;
+  }
+  IngressAccess access;
+  access.token = *token;
+  access.cacert = options.cacert;
+  access.headers.push_back({std::string(kPlacedByHeader), options.self});
+  ApiClient client(*address, options.timeout_ms, std::move(access));
+  auto answer = client.request("POST", "/v1/sandboxes", json::parse(body, nullptr, false), &out.reached);
+  if (!answer) {
+    out.error = answer.message();
+    return out;
+  }
+  out.ok = true;
+  out.status = answer->status;
+  out.body = std::move(answer->body);
+  return out;
+}
+
+}  // namespace
+
+int64_t free_capacity(const fleet::NodeInfo& node) {
+  if (node.capacity_sandboxes <= 0) return std::numeric_limits<int64_t>::max();
+  return node.capacity_sandboxes - node.sandboxes;
+}
+
+std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng) {
+  std::vector<fleet::NodeInfo> candidates;
+  for (const fleet::NodeInfo& n : nodes)
+    if (n.state == fleet::NodeState::kReady && free_capacity(n) > 0) candidates.push_back(n);
+  if (candidates.size() < 2) return candidates;
+  // Shuffled first, so that among nodes with the same room the order is random too.
+  std::shuffle(candidates.begin(), candidates.end(), rng);
+  if (free_capacity(candidates[1]) > free_capacity(candidates[0])) std::swap(candidates[0], candidates[1]);
+  std::stable_sort(candidates.begin() + 2, candidates.end(), [](const fleet::NodeInfo& a, const fleet::NodeInfo& b) {
+    return free_capacity(a) > free_capacity(b);
+  });
+  return candidates;
+}
+
+bool placement_retries(int status) { return status == 503 || status == 429; }
+
+struct CreatePlacer::Placement {
+  std::string body;
+  std::vector<fleet::NodeInfo> order;
+  size_t next = 0;
+  LocalCreate local;
+  Done done;
+  std::vector<std::string> refusals;  // "<node>: <why>", for the answer when every node refused
+};
+
+CreatePlacer::CreatePlacer(uv_loop_t* loop, PlacementOptions options, RemoteCreate remote)
+    : loop_(loop), options_(std::move(options)), remote_(std::move(remote)), alive_(std::make_shared<bool>(true)) {
+  if (!remote_) {
+    remote_ = [opts = options_](const fleet::NodeInfo& node, const std::string& body) {
+      return http_create(opts, node, body);
+    };
+  }
+}
+
+CreatePlacer::~CreatePlacer() { *alive_ = false; }
+
+void CreatePlacer::place(std::string body, std::vector<fleet::NodeInfo> order, LocalCreate local, Done done) {
+  if (order.empty()) return local(std::move(done));
+  auto p = std::make_shared<Placement>();
+  p->body = std::move(body);
+  p->order = std::move(order);
+  p->local = std::move(local);
+  p->done = std::move(done);
+  next(std::move(p));
+}
+
+void CreatePlacer::next(std::shared_ptr<Placement> p) {
+  if (p->next == p->order.size()) {
+    std::string why;
+    for (const std::string& r : p->refusals) why += (why.empty() ? "" : "; ") + r;
+    return p->done(error_answer(503, "unavailable", "fleet: no node admitted the create (" + why + "); retry shortly",
+                                "Retry-After: 2\r\n"));
+  }
+  const fleet::NodeInfo node = p->order[p->next++];
+  if (node.name == options_.self) {
+    return p->local([this, p, alive = alive_, name = node.name](Answer a) {
+      if (!*alive) return;
+      if (!placement_retries(a.status)) return p->done(std::move(a));
+      p->refusals.push_back(name + ": " + answer_message(a.body));
+      next(p);
+    });
+  }
+  struct Work {
+    uv_work_t req{};
+    CreatePlacer* placer;
+    std::shared_ptr<bool> alive;
+    std::shared_ptr<Placement> placement;
+    fleet::NodeInfo node;
+    RemoteCreate remote;
+    RemoteAnswer answer;
+  };
+  auto* w = new Work{{}, this, alive_, p, node, remote_, {}};
+  w->req.data = w;
+  int rc = uv_queue_work(
+      loop_, &w->req,
+      [](uv_work_t* r) {
+        auto* x = static_cast<Work*>(r->data);
+        x->answer = x->remote(x->node, x->placement->body);
+      },
+      [](uv_work_t* r, int status) {
+        std::unique_ptr<Work> x(static_cast<Work*>(r->data));
+        if (!*x->alive) return;
+        Placement& pl = *x->placement;
+        const RemoteAnswer& a = x->answer;
+        if (status < 0) {
+          pl.refusals.push_back(x->node.name + ": the request was cancelled");
+          return x->placer->next(x->placement);
+        }
+        if (a.ok && !placement_retries(a.status)) {
+          spdlog::info("fleet: placed a create on node {} ({})", x->node.name, a.status);
+          return pl.done(Answer{a.status, a.body, {}});
+        }
+        if (a.ok || !a.reached) {
+          pl.refusals.push_back(x->node.name + ": " + (a.ok ? answer_message(a.body) : a.error));
+          return x->placer->next(x->placement);
+        }
+        // The node had the request and may have acted on it: creating elsewhere could make a second sandbox.
+        pl.done(error_answer(502, "unreachable",
+                             "fleet: node " + x->node.name + " took the create but its answer did not come (" + a.error +
+                                 "); see `sandgate ls` before creating it again"));
+      });
+  if (rc < 0) {
+    std::unique_ptr<Work> owned(w);
+    p->refusals.push_back(node.name + ": uv_queue_work: " + uv_strerror(rc));
+    next(p);
+  }
+}
+
+}  // namespace sg

@@ -1,0 +1,200 @@
+// Fleet placement without etcd: the order nodes are asked in, and the placer's retries against a fake remote
+// node API (the e2e Fleet.* tests place creates between real nodes).
+#include "noderuntime/placement.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/unit/node/fake_hypervisor.h"
+
+namespace sg {
+namespace {
+
+using testing::TestLoop;
+
+fleet::NodeInfo node(std::string name, int64_t capacity, int64_t sandboxes,
+                     fleet::NodeState state = fleet::NodeState::kReady) {
+  fleet::NodeInfo n;
+  n.name = std::move(name);
+  n.api = "unix:/nonexistent/" + n.name + ".sock";
+  n.state = state;
+  n.capacity_sandboxes = capacity;
+  n.sandboxes = sandboxes;
+  return n;
+}
+
+std::vector<std::string> names(const std::vector<fleet::NodeInfo>& nodes) {
+  std::vector<std::string> out;
+  for (const auto& n : nodes) out.push_back(n.name);
+  return out;
+}
+
+std::set<std::string> name_set(const std::vector<fleet::NodeInfo>& nodes) {
+  std::set<std::string> out;
+  for (const auto& n : nodes) out.insert(n.name);
+  return out;
+}
+
+TEST(PlacementOrder, LeavesOutDrainingAndFullNodes) {
+  std::mt19937_64 rng(1);
+  auto order = placement_order({node("full", 2, 2), node("draining", 10, 0, fleet::NodeState::kDraining),
+                                node("ok", 10, 3), node("unlimited", 0, 50)},
+                               rng);
+  EXPECT_EQ(name_set(order),
+            (std::set<std::string>{"ok", "unlimited"}));
+  EXPECT_EQ(free_capacity(node("unlimited", 0, 50)), std::numeric_limits<int64_t>::max());
+  EXPECT_TRUE(placement_order({node("full", 1, 1)}, rng).empty());
+}
+
+TEST(PlacementOrder, OfTwoNodesTheOneWithMoreRoomComesFirst) {
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    std::mt19937_64 rng(seed);
+    EXPECT_EQ(names(placement_order({node("busy", 10, 9), node("idle", 10, 1)}, rng)),
+              (std::vector<std::string>{"idle", "busy"}));
+  }
+}
+
+// The power of two choices: the emptiest node is not always first (two placers with the same view would
+// both pick it), but the fullest of three never is, and every node is still in the order for retries.
+TEST(PlacementOrder, TheFirstIsTheBetterOfTwoRandomNodesAndTheRestFollowByRoom) {
+  std::map<std::string, int> first;
+  for (uint64_t seed = 0; seed < 300; ++seed) {
+    std::mt19937_64 rng(seed);
+    auto order = placement_order({node("a", 10, 1), node("b", 10, 5), node("c", 10, 9)}, rng);
+    ASSERT_EQ(order.size(), 3u);
+    ++first[order[0].name];
+    EXPECT_GE(free_capacity(order[0]), free_capacity(order[1]));
+    EXPECT_EQ(name_set(order), (std::set<std::string>{"a", "b", "c"}));
+  }
+  EXPECT_EQ(first["c"], 0);
+  EXPECT_GT(first["a"], first["b"]);  // a wins both of its pairs, b one of its two
+  EXPECT_GT(first["b"], 0);
+}
+
+TEST(PlacementRetries, OnlyForWantOfRoomOrAvailability) {
+  EXPECT_TRUE(placement_retries(503));
+  EXPECT_TRUE(placement_retries(429));
+  for (int status : {201, 400, 401, 404, 409, 500, 502, 504}) EXPECT_FALSE(placement_retries(status)) << status;
+}
+
+class CreatePlacerTest : public ::testing::Test {
+ protected:
+  using Remote = CreatePlacer::RemoteAnswer;
+  // Each remote node's answer, by name; a node not listed is one that cannot be reached.
+  void answer(const std::string& name, Remote a) {
+    std::lock_guard lock(mu_);
+    remote_[name] = std::move(a);
+  }
+  static Remote status(int code, const std::string& message = "") {
+    Remote r;
+    r.reached = r.ok = true;
+    r.status = code;
+    r.body = nlohmann::json{{"error", "x"}, {"message", message}}.dump();
+    return r;
+  }
+  CreatePlacer placer() {
+    return CreatePlacer(loop_.get(), PlacementOptions{"self", "", "", 1000},
+                        [this](const fleet::NodeInfo& n, const std::string& body) {
+                          std::lock_guard lock(mu_);
+                          asked_.push_back(n.name);
+                          bodies_.push_back(body);
+                          auto it = remote_.find(n.name);
+                          if (it != remote_.end()) return it->second;
+                          Remote unreachable;
+                          unreachable.error = "cannot reach sandgate-node at " + n.api;
+                          return unreachable;
+                        });
+  }
+  // Places with a local create that answers `local_status`, and waits for the answer.
+  CreatePlacer::Answer place(CreatePlacer& p, std::vector<fleet::NodeInfo> order, int local_status = 201) {
+    std::optional<CreatePlacer::Answer> out;
+    p.place(R"({"name":"web","command":["sleep","1"]})", std::move(order),
+            [this, local_status](CreatePlacer::Done done) {
+              {
+                std::lock_guard lock(mu_);
+                asked_.push_back("self");
+              }
+              done({local_status, local_status == 201 ? R"({"id":"sb-1","node":"self"})"
+                                                      : R"({"error":"unavailable","message":"self is draining"})",
+                    ""});
+            },
+            [&](CreatePlacer::Answer a) { out = std::move(a); });
+    EXPECT_TRUE(loop_.run_until([&] { return out.has_value(); }));
+    return out.value_or(CreatePlacer::Answer{});
+  }
+
+  TestLoop loop_;
+  std::mutex mu_;
+  std::map<std::string, Remote> remote_;
+  std::vector<std::string> asked_;
+  std::vector<std::string> bodies_;
+};
+
+TEST_F(CreatePlacerTest, ARefusalIsRetriedOnTheNextNode) {
+  answer("n2", status(503, "fleet: node n2 is draining"));
+  answer("n3", status(201));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("n3", 0, 0), node("self", 0, 0)});
+  EXPECT_EQ(a.status, 201);
+  EXPECT_EQ(asked_, (std::vector<std::string>{"n2", "n3"}));
+  EXPECT_EQ(bodies_[0], R"({"name":"web","command":["sleep","1"]})");  // the client's body as it came
+}
+
+TEST_F(CreatePlacerTest, ThisNodeIsAskedInItsTurnAndAnUnreachableNodeIsSkipped) {
+  answer("n2", status(429, "at most 10 sandboxes"));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("down", 0, 0), node("self", 0, 0)});
+  EXPECT_EQ(a.status, 201);
+  EXPECT_EQ(asked_, (std::vector<std::string>{"n2", "down", "self"}));
+}
+
+TEST_F(CreatePlacerTest, WhenEveryNodeRefusesTheAnswerNamesEachReason) {
+  answer("n2", status(503, "fleet: node n2 is draining"));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("self", 0, 0), node("down", 0, 0)}, 503);
+  EXPECT_EQ(a.status, 503);
+  EXPECT_EQ(a.extra_headers, "Retry-After: 2\r\n");
+  const std::string message = nlohmann::json::parse(a.body).value("message", "");
+  EXPECT_NE(message.find("no node admitted the create"), std::string::npos) << message;
+  EXPECT_NE(message.find("n2: fleet: node n2 is draining"), std::string::npos) << message;
+  EXPECT_NE(message.find("self: self is draining"), std::string::npos) << message;
+  EXPECT_NE(message.find("down: cannot reach"), std::string::npos) << message;
+}
+
+TEST_F(CreatePlacerTest, AnAnswerThatIsNotARefusalIsTheAnswer) {
+  answer("n2", status(409, "name 'web' is already used in the fleet by a sandbox on node 'n9'"));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("self", 0, 0)});
+  EXPECT_EQ(a.status, 409);
+  EXPECT_EQ(asked_, (std::vector<std::string>{"n2"}));
+}
+
+// A node that had the request may have created the sandbox: no second one elsewhere.
+TEST_F(CreatePlacerTest, ANodeThatTookTheRequestButDidNotAnswerIsNotRetried) {
+  Remote lost;
+  lost.reached = true;
+  lost.error = "sandgate-node at unix:/x did not answer within 1 s";
+  answer("n2", lost);
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("self", 0, 0)});
+  EXPECT_EQ(a.status, 502);
+  EXPECT_NE(a.body.find("took the create but its answer did not come"), std::string::npos) << a.body;
+  EXPECT_EQ(asked_, (std::vector<std::string>{"n2"}));
+}
+
+TEST_F(CreatePlacerTest, NoCandidatesCreatesHere) {
+  auto p = placer();
+  auto a = place(p, {});
+  EXPECT_EQ(a.status, 201);
+  EXPECT_EQ(asked_, (std::vector<std::string>{"self"}));
+}
+
+}  // namespace
+}  // namespace sg
