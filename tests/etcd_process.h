@@ -12,11 +12,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "common/etcd_client.h"
 #include "common/net.h"
@@ -144,6 +147,27 @@ class EtcdCluster {
     return false;
   }
   void resume(size_t i) { if (members_[i].pid > 0) ::kill(members_[i].pid, SIGCONT); }
+
+  // The member that leads now: the live member whose /v3/maintenance/status names itself as the leader; -1
+  // when none does (no quorum, an election under way).
+  int leader() const {
+    auto id = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+    for (size_t i = 0; i < members_.size(); i++) {
+      if (members_[i].pid <= 0) continue;
+      std::string cmd = "curl -s -m 2 -X POST -d '{}' " + url(i) + "/v3/maintenance/status";
+      std::string out;
+      if (FILE* p = ::popen(cmd.c_str(), "r")) {
+        char buf[4096];
+        for (size_t n; (n = ::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+        ::pclose(p);
+      }
+      auto j = nlohmann::json::parse(out, nullptr, false);
+      if (j.is_object() && j.contains("leader") && j.contains("header") && j["header"].contains("member_id") &&
+          id(j["leader"]) == id(j["header"]["member_id"]))
+        return static_cast<int>(i);
+    }
+    return -1;
+  }
 
   bool wait_ready(std::chrono::milliseconds timeout) {
     etcd::Client client(options());

@@ -26,7 +26,7 @@ class FleetRouting : public ::testing::Test {
     char tmpl[] = "/tmp/sg-e2e-fleet-route-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    etcd_ = std::make_unique<sg::testing::EtcdCluster>(dir_, 1);
+    etcd_ = std::make_unique<sg::testing::EtcdCluster>(dir_, etcd_members());
     ASSERT_TRUE(etcd_->start_all()) << read_file(dir_ + "/etcd-0.log");
     auto gen = run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/certs a b");
     ASSERT_EQ(gen.exit_code, 0) << gen.err;
@@ -37,6 +37,8 @@ class FleetRouting : public ::testing::Test {
     if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
   }
 
+  virtual size_t etcd_members() const { return 1; }
+
   Cluster& add(const std::string& name) {
     const uint16_t fleet = free_port();
     const std::string certs = dir_ + "/certs/";
@@ -44,7 +46,11 @@ class FleetRouting : public ::testing::Test {
     o.proxy_extra = "activity_report_interval_ms = 200\nfleet_listen = \"127.0.0.1:" + std::to_string(fleet) +
                     "\"\nfleet_cert = \"" + certs + name + ".pem\"\nfleet_key = \"" + certs + name +
                     ".key\"\nfleet_ca = \"" + certs + "fleet-ca.pem\"\n";
-    o.node_extra = "\n[fleet]\netcd_endpoints = [\"" + etcd_->url(0) + "\"]\nnode_name = \"" + name +
+    std::string endpoints;
+    for (const auto& url : etcd_->urls()) endpoints += (endpoints.empty() ? "\"" : ", \"") + url + "\"";
+    // advertise_api is not reachable, so placement falls back to the node asked: each create stays where
+    // the test sent it (placement itself: Fleet.CreatesArePlaced...).
+    o.node_extra = "\n[fleet]\netcd_endpoints = [" + endpoints + "]\nnode_name = \"" + name +
                    "\"\nadvertise_api = \"https://127.0.0.1:1\"\nadvertise_ingress = \"127.0.0.1:" +
                    std::to_string(fleet) + "\"\nlease_ttl_secs = 3\netcd_timeout_ms = 500\n";
     nodes_.push_back(std::make_unique<Cluster>(o));
@@ -83,6 +89,58 @@ TEST_F(FleetRouting, ASandboxOnAnotherNodeAnswersThroughThisProxyFromTheEtcdView
   auto dup = a.cli("create --name web -- /bin/sleep 60");
   EXPECT_NE(dup.exit_code, 0);
   EXPECT_NE((dup.out + dup.err).find("'b'"), std::string::npos) << dup.out << dup.err;
+}
+
+// etcd with three members: with the leader killed everything goes on (a new leader within the election
+// timeout); with a second member killed there is no quorum: running sandboxes keep answering through both
+// proxies from their last view, creates are refused with a 503 that says why, and all recovers once the
+// members are back.
+class FleetQuorum : public FleetRouting {
+ protected:
+  size_t etcd_members() const override { return 3; }
+};
+
+TEST_F(FleetQuorum, OneMemberDownChangesNothingTwoDownKeepRunningSandboxesAndRefuseCreatesThenAllRecovers) {
+  using namespace std::chrono_literals;
+  Cluster& a = add("a");
+  Cluster& b = add("b");
+  b.create_http_sandbox("web", 8080, "--timeout 600");
+  b.wait_until_serving("web", 8080);
+  CommandResult r;
+  ASSERT_TRUE(eventually([&] { return Cluster::http_code(r = a.curl("8080-web.sandbox.localhost")) == 200; }, 10s))
+      << r.out << r.err << a.proxy().log();
+
+  int leader = -1;
+  ASSERT_TRUE(eventually([&] { return (leader = etcd_->leader()) >= 0; }, 10s));
+  etcd_->stop(static_cast<size_t>(leader), SIGKILL);
+  // A create through a: the claim waits out the election at most.
+  CommandResult created;
+  ASSERT_TRUE(eventually([&] { return (created = a.cli("create --name after-leader -- /bin/sleep 600")).exit_code == 0; },
+                         15s))
+      << created.out << created.err << a.node().log();
+  EXPECT_EQ(Cluster::http_code(a.curl("8080-web.sandbox.localhost")), 200);
+
+  const size_t second = (static_cast<size_t>(leader) + 1) % 3;
+  etcd_->stop(second, SIGKILL);
+  // No quorum: the nodes cannot renew, so within half the lease TTL (3 s) they fence themselves.
+  CommandResult refused;
+  const std::string body = R"({"name": "no-quorum", "command": ["/bin/sleep", "600"]})";
+  ASSERT_TRUE(eventually([&] {
+    refused = a.api_raw("POST", "/v1/sandboxes", body);
+    return Cluster::http_code(refused) == 503 && Cluster::body(refused).find("etcd") != std::string::npos;
+  }, 20s)) << refused.out << refused.err;
+  for (int i = 0; i < 5; i++) {
+    EXPECT_EQ(Cluster::body(a.curl("8080-web.sandbox.localhost")), "hello from web") << a.proxy().log();
+    EXPECT_EQ(Cluster::body(b.curl("8080-web.sandbox.localhost")), "hello from web") << b.proxy().log();
+  }
+
+  ASSERT_TRUE(etcd_->start(static_cast<size_t>(leader)));
+  ASSERT_TRUE(etcd_->start(second));
+  ASSERT_TRUE(eventually([&] { return (created = a.cli("create --name recovered -- /bin/sleep 600")).exit_code == 0; },
+                         30s))
+      << created.out << created.err << a.node().log();
+  EXPECT_EQ(Cluster::http_code(a.curl("8080-web.sandbox.localhost")), 200);
+  EXPECT_EQ(b.cli("create --name no-quorum -- /bin/sleep 600").exit_code, 0) << "the refused create claimed the name";
 }
 
 }  // namespace
