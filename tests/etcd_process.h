@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -55,15 +56,17 @@ inline uint16_t free_port() {
 
 class EtcdCluster {
  public:
-  // `dir` must exist; member i keeps its data in dir/etcd-i and logs to dir/etcd-i.log.
-  EtcdCluster(std::string dir, int members) : dir_(std::move(dir)) {
+  // `dir` must exist; member i keeps its data in dir/etcd-i and logs to dir/etcd-i.log. The members run in the
+  // network namespace at `netns` (a /proc/PID/ns/net path; "" = this one) and listen on `host`.
+  EtcdCluster(std::string dir, int members, std::string netns = "", std::string host = "127.0.0.1")
+      : dir_(std::move(dir)), netns_(std::move(netns)), host_(std::move(host)) {
     std::string initial;
     for (int i = 0; i < members; i++) {
       Member m;
       m.name = "m" + std::to_string(i);
       m.client_port = free_port();
       m.peer_port = free_port();
-      initial += (initial.empty() ? "" : ",") + m.name + "=http://127.0.0.1:" + std::to_string(m.peer_port);
+      initial += (initial.empty() ? "" : ",") + m.name + "=http://" + host_ + ":" + std::to_string(m.peer_port);
       members_.push_back(m);
     }
     initial_cluster_ = initial;
@@ -86,8 +89,8 @@ class EtcdCluster {
     if (m.pid > 0) return true;
     std::string data = dir_ + "/etcd-" + std::to_string(i);
     std::string log = data + ".log";
-    std::string client = "http://127.0.0.1:" + std::to_string(m.client_port);
-    std::string peer = "http://127.0.0.1:" + std::to_string(m.peer_port);
+    std::string client = "http://" + host_ + ":" + std::to_string(m.client_port);
+    std::string peer = "http://" + host_ + ":" + std::to_string(m.peer_port);
     std::vector<std::string> argv = {"/usr/bin/etcd", "--name", m.name, "--data-dir", data,
                                      "--listen-client-urls", client, "--advertise-client-urls", client,
                                      "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -98,6 +101,10 @@ class EtcdCluster {
     pid_t pid = ::fork();
     if (pid < 0) return false;
     if (pid == 0) {
+      if (!netns_.empty()) {
+        int ns = ::open(netns_.c_str(), O_RDONLY | O_CLOEXEC);
+        if (ns < 0 || ::setns(ns, CLONE_NEWNET) != 0) ::_exit(126);
+      }
       int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
       if (fd >= 0) {
         ::dup2(fd, 1);
@@ -179,7 +186,8 @@ class EtcdCluster {
     return false;
   }
 
-  std::string url(size_t i) const { return "http://127.0.0.1:" + std::to_string(members_[i].client_port); }
+  std::string url(size_t i) const { return "http://" + host_ + ":" + std::to_string(members_[i].client_port); }
+  uint16_t client_port(size_t i) const { return members_[i].client_port; }
   std::vector<std::string> urls() const {
     std::vector<std::string> out;
     for (size_t i = 0; i < members_.size(); i++) out.push_back(url(i));
@@ -201,6 +209,8 @@ class EtcdCluster {
     pid_t pid = -1;
   };
   std::string dir_;
+  std::string netns_;
+  std::string host_;
   std::string initial_cluster_;
   std::vector<Member> members_;
 };

@@ -12,6 +12,7 @@
 #include "common/etcd_client.h"
 #include "tests/e2e/harness.h"
 #include "tests/etcd_process.h"
+#include "tests/netns.h"
 
 namespace sg::e2e {
 namespace {
@@ -281,6 +282,72 @@ TEST_F(Fleet, ALeftoverClaimOfThisNodeIsTakenOverByTheNextCreate) {
   auto theirs = create(c, "theirs");
   EXPECT_EQ(theirs.first, 409) << theirs.second;
   EXPECT_NE(theirs.second.find("node 'other'"), std::string::npos) << theirs.second;
+}
+
+// A real partition, not a stopped process: etcd runs in a network namespace of its own, reached over a veth
+// pair; an nftables rule in that namespace drops the node's packets to it (connections hang, nothing is
+// refused). The node fences itself (creates answer 503 naming etcd, a running sandbox keeps running) and,
+// once the rule goes, renews or registers again and creates work. Nothing leaves the machine.
+TEST(FleetPartition, ANodeCutOffFromEtcdFencesItselfAndServesAgainWhenHealed) {
+  ASSERT_TRUE(sg::testing::have_etcd()) << "/usr/bin/etcd is missing: deploy/install-deps.sh installs etcd-server";
+  sg::testing::Netns ns;
+  ASSERT_TRUE(ns.valid());
+  const std::string tag = std::to_string(::getpid() % 100000);
+  const std::string host_end = "sgph" + tag, ns_end = "sgpn" + tag;
+  const std::string subnet = "10.213." + std::to_string(::getpid() % 250) + ".";
+  ASSERT_TRUE(ns.ip("link add " + ns_end + " type veth peer name " + host_end + " netns 1\naddr add " + subnet +
+                    "2/30 dev " + ns_end + "\nlink set " + ns_end + " up\nlink set lo up\n"));
+  struct DeleteLink {
+    std::string name;
+    ~DeleteLink() { run("ip link del " + name + " 2>/dev/null"); }
+  } link{host_end};
+  ASSERT_EQ(run("ip addr add " + subnet + "1/30 dev " + host_end + " && ip link set " + host_end + " up").exit_code, 0);
+
+  char tmpl[] = "/tmp/sg-e2e-partition-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  struct RemoveIfPassed {  // after etcd has stopped writing into it (destroyed after it)
+    std::string dir;
+    ~RemoveIfPassed() {
+      if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
+    }
+  } remove_dir{dir};
+  sg::testing::EtcdCluster etcd(dir, 1, ns.path(), subnet + "2");
+  ASSERT_TRUE(etcd.start_all()) << read_file(dir + "/etcd-0.log");
+
+  ClusterOptions o = ClusterOptions::node_only();
+  o.node_extra = "\n[fleet]\netcd_endpoints = [\"" + etcd.url(0) +
+                 "\"]\nnode_name = \"cut\"\nadvertise_api = \"unix:$CLUSTER_DIR/node.sock\"\n"
+                 "advertise_ingress = \"127.0.0.1:1\"\nlease_ttl_secs = 2\netcd_timeout_ms = 300\n";
+  Cluster c(o);
+  ASSERT_FALSE(c.node().wait_for("fleet: node cut registered", 10000).empty()) << c.node().log();
+  auto create = [&](const std::string& name) {
+    auto r = c.api_raw("POST", "/v1/sandboxes", json{{"name", name}, {"command", {"/bin/sleep", "600"}}}.dump());
+    return std::pair{Cluster::http_code(r), Cluster::body(r)};
+  };
+  ASSERT_EQ(create("before").first, 201);
+
+  const std::string nft = "nsenter --net=" + ns.path() + " nft ";
+  auto cut = run(nft + "-f - <<'EOF'\ntable inet sgpartition {\n chain input {\n  type filter hook input priority 0;\n"
+                "  tcp dport " + std::to_string(etcd.client_port(0)) + " drop\n }\n}\nEOF");
+  ASSERT_EQ(cut.exit_code, 0) << cut.err;
+  std::pair<int, std::string> refused;
+  bool fenced = eventually([&] {
+    // A create may first fail on its own claim's timeout; the fence is the refusal that names the lease.
+    refused = create("during");
+    return refused.first == 503 && refused.second.find("cannot reach etcd to renew its lease") != std::string::npos;
+  }, 15s);
+  const std::string state_during = c.get("before").value("state", "");
+  // The refusal goes by the last renewal's age; the log line comes once the lease thread's call gives up.
+  const bool logged = !c.node().wait_for("fleet: node cut fenced", 10000).empty();
+  ASSERT_EQ(run(nft + "delete table inet sgpartition").exit_code, 0);
+  ASSERT_TRUE(fenced) << refused.first << " " << refused.second << "\n" << c.node().log();
+  EXPECT_EQ(state_during, "running");
+  EXPECT_TRUE(logged) << c.node().log();
+
+  std::pair<int, std::string> accepted;
+  EXPECT_TRUE(eventually([&] { return (accepted = create("after")).first == 201; }, 20s))
+      << accepted.first << " " << accepted.second << "\n" << c.node().log();
 }
 
 }  // namespace
