@@ -15,6 +15,7 @@
 #include <iterator>
 #include <set>
 
+#include "common/failpoint.h"
 #include "common/operator_token.h"
 #include "common/token_digest.h"
 #include "noderuntime/egress.h"
@@ -468,6 +469,7 @@ void Node::create_now(const CreateRequest& request, SandboxCallback done, bool c
     image_users_->remove(sb.rec.spec.image, image_user);
     return done(s.failure());
   }
+  failpoint("after:creating");
   std::string id = sb.id();
   if (!sb.rec.spec.name.empty()) ids_by_name_[sb.rec.spec.name] = id;
   sandboxes_.emplace(id, std::move(owned));
@@ -528,6 +530,9 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
     spdlog::error("sandbox {}: {} ({})", sb.id(), s.message(), reason);
     return s;
   }
+  // Tests kill the node on either side of each transition's write (docs/tests.md#failpoints).
+  const std::string edge = failpoints_armed() ? std::string(state_name(from)) + "->" + std::string(state_name(to)) : "";
+  if (!edge.empty()) failpoint("before:" + edge);
   sb.rec.state = to;
   sb.rec.state_reason = std::move(reason);
   if (to == S::kSuspending) sb.suspended_at = stamp();  // also for a sandbox adopted paused
@@ -542,6 +547,7 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   }
   if (to == S::kSuspended && sb.rec.tier == SuspendTier::kMemory) start_hibernate_clock(sb);
   if (to != S::kTerminated) persist(sb);  // a terminated sandbox's row is erased by forget()
+  if (!edge.empty()) failpoint("after:" + edge);
   // What the fleet's proxies route by: the settled states (the transient ones would only add writes).
   if (fleet_ != nullptr && (to == S::kRunning || to == S::kSuspended || to == S::kFailed || to == S::kTerminated))
     fleet_->publish(sb.rec.spec.name.empty() ? sb.id() : sb.rec.spec.name, state_name(to));
@@ -1288,9 +1294,17 @@ Status Node::reconcile() {
       (void)transition(sb, S::kFailed, "its driver '" + sb.rec.spec.driver + "' is not enabled on this node");
       continue;
     }
-    // Creating with pid 0: the node stopped between persisting `creating` and the start answering.
+    // Creating with pid 0: the node stopped between persisting `creating` and the start answering. The
+    // driver may have started the sandbox, but no process was recorded to adopt, and its caller never got an
+    // answer. What it started is killed (the driver's terminate reaches it through the sandbox's cgroup) and
+    // the record and the name go, as after a failed start.
+    if (sb.rec.state == S::kCreating && sb.rec.runtime.pid == 0) {
+      ++failed;
+      begin_terminate(sb, "its create did not finish before the node restarted");
+      continue;
+    }
     ObservedInstance seen;
-    if (sb.rec.state != S::kCreating || sb.rec.runtime.pid > 0) seen = driver(sb).observe(sb.rec.spec, sb.rec.runtime);
+    if (sb.rec.state != S::kCreating) seen = driver(sb).observe(sb.rec.spec, sb.rec.runtime);
     if (!seen.alive && seen.hibernated && sb.rec.state != S::kCreating) {
       adopt_hibernated(sb);
       ++adopted;

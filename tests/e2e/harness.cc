@@ -140,7 +140,8 @@ Daemon::~Daemon() {
   if (pid_ > 0) stop(SIGKILL, 5000);
 }
 
-bool Daemon::start(const std::vector<std::string>& argv, const std::string& log_path) {
+bool Daemon::start(const std::vector<std::string>& argv, const std::string& log_path,
+                   const std::vector<std::string>& env) {
   log_path_ = log_path;
   pid_t pid = ::fork();
   if (pid < 0) return false;
@@ -150,6 +151,7 @@ bool Daemon::start(const std::vector<std::string>& argv, const std::string& log_
     ::dup2(fd, 2);
     int devnull = ::open("/dev/null", O_RDONLY);
     ::dup2(devnull, 0);
+    for (const std::string& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -276,9 +278,9 @@ void Cluster::write_config() {
   write_file(config_path(), cfg);
 }
 
-void Cluster::start_node() {
+void Cluster::start_node(const std::vector<std::string>& env) {
   size_t from = node_.running() ? 0 : read_file(dir_ + "/node.log").size();
-  ASSERT_TRUE(node_.start({bin("noderuntime/sandgate-node"), "--config", config_path()}, dir_ + "/node.log"));
+  ASSERT_TRUE(node_.start({bin("noderuntime/sandgate-node"), "--config", config_path()}, dir_ + "/node.log", env));
   std::string line = node_.wait_for("sandgate-node ready", 15000, from);
   ASSERT_FALSE(line.empty()) << "node did not start:\n" << node_.log();
 }

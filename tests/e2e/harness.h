@@ -48,8 +48,10 @@ class Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
-  // Starts argv with stdout+stderr appended to log_path; returns false if exec failed.
-  bool start(const std::vector<std::string>& argv, const std::string& log_path);
+  // Starts argv with stdout+stderr appended to log_path, `env` ("NAME=value") added to this process's
+  // environment; returns false if exec failed.
+  bool start(const std::vector<std::string>& argv, const std::string& log_path,
+             const std::vector<std::string>& env = {});
   // Waits until the log contains `needle` (after `from` bytes); returns the line containing it.
   std::string wait_for(const std::string& needle, int timeout_ms, size_t from = 0);
   // Sends sig and waits for exit (SIGKILL after timeout). Returns the exit status as from waitpid.
@@ -110,7 +112,8 @@ class Cluster {
   explicit Cluster(ClusterOptions opts = {});
   ~Cluster();
 
-  void start_node();
+  // `env` ("NAME=value") goes to the node only: SANDGATE_FAILPOINTS=... (docs/tests.md#failpoints).
+  void start_node(const std::vector<std::string>& env = {});
   void start_proxy();
   int stop_node(int sig = SIGTERM);
   int stop_proxy(int sig = SIGTERM);

@@ -1216,6 +1216,24 @@ TEST_F(NodeTest, ReconcileFindsHibernatedAndHalfHibernatedSandboxes) {
   EXPECT_EQ(driver_->restores, 1);
 }
 
+// The node stopped between the `creating` record and the start's answer: no process was recorded, so there is
+// nothing to adopt, and the caller never got an answer. The restarted node has the driver clean up what it
+// may have started, and the record and the name go (e2e: NodeKill.ACreateKilledBefore...).
+TEST_F(NodeTest, ReconcileRemovesACreateWhoseStartNeverAnswered) {
+  driver_->start_delay_ms = 10'000;
+  std::optional<Result<SandboxInfo>> created;
+  node_->create(request("half"), [&](Result<SandboxInfo> r) { created.emplace(std::move(r)); });
+  ASSERT_EQ(state("half"), S::kCreating);
+  restart();
+  ASSERT_TRUE(node_->reconcile().ok());
+  ASSERT_TRUE(run_until(&loop_, [&] { return !node_->get("half").ok(); }));
+  EXPECT_EQ(node_->get("half").error(), Error::kNotFound);
+  EXPECT_EQ(driver_->terminates, 1) << "what the start may have left is released";
+  EXPECT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->empty());
+  driver_->start_delay_ms = 5;
+  EXPECT_TRUE(create_request(request("half")).ok()) << "the name is free again";
+}
+
 TEST_F(NodeTest, OpensDuringCreateWaitForTheStart) {
   driver_->start_delay_ms = 200;
   std::optional<Result<SandboxInfo>> created;
