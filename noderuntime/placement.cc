@@ -88,6 +88,7 @@ struct CreatePlacer::Placement {
   LocalCreate local;
   Done done;
   std::vector<std::string> refusals;  // "<node>: <why>", for the answer when every node refused
+  bool asked_self = false;
 };
 
 CreatePlacer::CreatePlacer(uv_loop_t* loop, PlacementOptions options, RemoteCreate remote)
@@ -112,6 +113,13 @@ void CreatePlacer::place(std::string body, std::vector<fleet::NodeInfo> order, L
 }
 
 void CreatePlacer::next(std::shared_ptr<Placement> p) {
+  // A view a moment old may not list this node yet (its key was written just now): it is asked last then,
+  // and its own admission decides, so a create never fails only because the view lags.
+  if (p->next == p->order.size() && !p->asked_self) {
+    fleet::NodeInfo self;
+    self.name = options_.self;
+    p->order.push_back(std::move(self));
+  }
   if (p->next == p->order.size()) {
     std::string why;
     for (const std::string& r : p->refusals) why += (why.empty() ? "" : "; ") + r;
@@ -120,6 +128,7 @@ void CreatePlacer::next(std::shared_ptr<Placement> p) {
   }
   const fleet::NodeInfo node = p->order[p->next++];
   if (node.name == options_.self) {
+    p->asked_self = true;
     return p->local([this, p, alive = alive_, name = node.name](Answer a) {
       if (!*alive) return;
       if (!placement_retries(a.status)) return p->done(std::move(a));

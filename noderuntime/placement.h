@@ -69,8 +69,9 @@ class CreatePlacer {
   CreatePlacer& operator=(const CreatePlacer&) = delete;
 
   // Asks the nodes of `order` in turn (this node through `local`), `done` on the loop with the first answer
-  // that is not a retried refusal; when every node refused, a 503 naming each node's reason. An empty order
-  // (no view of the fleet yet, or no node with room in it) creates here, whose answer says why not.
+  // that is not a retried refusal; when every node refused, a 503 naming each node's reason. This node is
+  // asked last if `order` does not hold it (a view that does not list it yet), so an empty order (no view of
+  // the fleet yet, or no node with room in it) creates here, whose answer says why not.
   void place(std::string body, std::vector<fleet::NodeInfo> order, LocalCreate local, Done done);
 
  private:

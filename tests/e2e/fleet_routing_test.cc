@@ -60,6 +60,19 @@ class FleetRouting : public ::testing::Test {
     return c;
   }
 
+  // Pairs a and b, with sandbox `name` (idle timeout 600 s) serving on b and answering through a once a's
+  // view has seen its claim.
+  std::pair<Cluster&, Cluster&> a_and_b_serving(const std::string& name) {
+    Cluster& a = add("a");
+    Cluster& b = add("b");
+    b.create_http_sandbox(name, 8080, "--timeout 600");
+    b.wait_until_serving(name, 8080);
+    EXPECT_TRUE(eventually([&] { return Cluster::http_code(a.curl("8080-" + name + ".sandbox.localhost")) == 200; },
+                           std::chrono::seconds(10)))
+        << a.proxy().log();
+    return {a, b};
+  }
+
   std::string dir_;
   std::unique_ptr<sg::testing::EtcdCluster> etcd_;
   std::vector<std::unique_ptr<Cluster>> nodes_;
@@ -100,12 +113,8 @@ TEST_F(FleetRouting, ASandboxOnAnotherNodeAnswersThroughThisProxyFromTheEtcdView
 // its watch, is reported by the client (EtcdClientTest); that window is not hit here.)
 TEST_F(FleetRouting, AProxyWhoseWatchBrokeAcrossACompactionListsAgainAndARestartedOneRoutesRight) {
   using namespace std::chrono_literals;
-  Cluster& a = add("a");
-  Cluster& b = add("b");
-  b.create_http_sandbox("old", 8080, "--timeout 600");
-  b.wait_until_serving("old", 8080);
-  ASSERT_TRUE(eventually([&] { return Cluster::http_code(a.curl("8080-old.sandbox.localhost")) == 200; }, 10s))
-      << a.proxy().log();
+  auto [a, b] = a_and_b_serving("old");
+  ASSERT_FALSE(HasFailure());
 
   ASSERT_EQ(::kill(a.proxy().pid(), SIGSTOP), 0);
   struct Resume {
@@ -152,13 +161,8 @@ class FleetQuorum : public FleetRouting {
 
 TEST_F(FleetQuorum, OneMemberDownChangesNothingTwoDownKeepRunningSandboxesAndRefuseCreatesThenAllRecovers) {
   using namespace std::chrono_literals;
-  Cluster& a = add("a");
-  Cluster& b = add("b");
-  b.create_http_sandbox("web", 8080, "--timeout 600");
-  b.wait_until_serving("web", 8080);
-  CommandResult r;
-  ASSERT_TRUE(eventually([&] { return Cluster::http_code(r = a.curl("8080-web.sandbox.localhost")) == 200; }, 10s))
-      << r.out << r.err << a.proxy().log();
+  auto [a, b] = a_and_b_serving("web");
+  ASSERT_FALSE(HasFailure());
 
   int leader = -1;
   ASSERT_TRUE(eventually([&] { return (leader = etcd_->leader()) >= 0; }, 10s));

@@ -189,6 +189,14 @@ TEST_F(CreatePlacerTest, ANodeThatTookTheRequestButDidNotAnswerIsNotRetried) {
   EXPECT_EQ(asked_, (std::vector<std::string>{"n2"}));
 }
 
+// A view that does not list this node yet (its key was just written) must not make a create fail.
+TEST_F(CreatePlacerTest, ThisNodeMissingFromTheViewIsAskedLast) {
+  auto p = placer();
+  auto a = place(p, {node("down", 0, 0)});
+  EXPECT_EQ(a.status, 201);
+  EXPECT_EQ(asked_, (std::vector<std::string>{"down", "self"}));
+}
+
 TEST_F(CreatePlacerTest, NoCandidatesCreatesHere) {
   auto p = placer();
   auto a = place(p, {});
