@@ -19,6 +19,11 @@ namespace {
 // How long the listeners rest after accept ran out of descriptors: long enough that a flood held open
 // costs nothing while it lasts, short enough that a client arriving after it ends waits unnoticed.
 constexpr uint64_t kAcceptPauseMs = 100;
+// The clients' listeners queue as many connections as the kernel allows (listen(2) caps this at
+// net.core.somaxconn, 4096 by default): a SYN that meets a full queue is dropped and retried by the client a
+// second later, so a flood queued while accepts pause (or a burst) would cost every client behind it that
+// second (FdLimits.AcceptBacksOff...: 2,000 queued connections against a queue of 1,024 did, now and then).
+constexpr int kClientListenBacklog = 65535;
 
 // The part of format_peer's "address:port" that identifies the client ("127.0.0.1", "[::1]").
 std::string client_address(const std::string& peer) { return peer.substr(0, peer.rfind(':')); }
@@ -56,7 +61,7 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
     std::vector<UniqueFd> mine;
     if (i < inherited.size()) mine = std::move(inherited[i]);
     if (mine.empty()) {
-      auto fd = listen_on(ep, /*reuse_port=*/true);
+      auto fd = listen_on(ep, /*reuse_port=*/true, kClientListenBacklog);
       if (!fd) return fd.failure();
       mine.push_back(std::move(*fd));
     }
@@ -73,7 +78,7 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
   }
   const size_t fleet_from = fds.size();
   for (Endpoint ep : fleet_listen) {
-    auto fd = listen_on(ep, /*reuse_port=*/true);
+    auto fd = listen_on(ep, /*reuse_port=*/true, kClientListenBacklog);
     if (!fd) return fd.failure();
     if (ep.port == 0) {
       auto port = local_port(fd->get());
