@@ -284,7 +284,7 @@ void read_fleet(const toml::table& t, std::string_view source, const std::string
   r.integer("capacity_sandboxes", &out->capacity_sandboxes, 0, 1'000'000);
   r.integer("etcd_timeout_ms", &out->etcd_timeout_ms, 100, 60'000);
   r.string("api_cacert", &out->api_cacert);
-  out->api_cacert = out->api_cacert.empty() ? "" : resolve_path(base_dir, out->api_cacert);
+  out->api_cacert = resolve_path(base_dir, out->api_cacert);
   // Other nodes send placed creates there, and the CLI talks to the node there: refused now, not then.
   if (!out->advertise_api.empty()) {
     if (auto a = parse_api_address(out->advertise_api); !a) r.error(at("advertise_api"), "fleet.advertise_api", a.message());

@@ -12,14 +12,24 @@
 
 namespace sg {
 
+// What a node admits only while it is live in the fleet.
+enum class FleetAdmission {
+  kCreate,  // a new sandbox (refused while draining too)
+  kWake,    // a suspended sandbox of this node
+};
+// The words of the refusals: "refuses to create", "refuses to wake a sandbox".
+inline std::string_view admission_words(FleetAdmission what) {
+  return what == FleetAdmission::kCreate ? "create" : "wake a sandbox";
+}
+
 class FleetHooks {
  public:
   virtual ~FleetHooks() = default;
   // This node's name in the fleet (the answers that name an owner use it).
   virtual const std::string& node_name() const = 0;
   // kUnavailable while this node is fenced (it cannot renew its lease, so etcd may already consider it gone):
-  // no creates and no wakes then. `what` words the error ("create", "wake").
-  virtual Status admit(std::string_view what) const = 0;
+  // no creates and no wakes then; and for a create, while the node drains.
+  virtual Status admit(FleetAdmission what) const = 0;
   // Claims sandbox name `name` fleet-wide before a create uses it. `done` runs on the loop: ok; kAlreadyExists
   // naming the node that holds it; kUnavailable when etcd cannot be reached or the node is fenced.
   virtual void claim(const std::string& name, std::function<void(Status)> done) = 0;

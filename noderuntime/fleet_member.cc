@@ -88,7 +88,7 @@ void FleetMember::drain_posted() {
   for (auto& fn : batch) fn();
 }
 
-Status FleetMember::admit(std::string_view what) const {
+Status FleetMember::admit(FleetAdmission what) const {
   // Fresh enough that etcd still holds the lease: half the TTL since the last renewal. The lease thread
   // may be stuck in a call to an unreachable member, so the age is checked here, not only by that thread.
   int64_t age = now_ms() - last_renew_ms_.load();
@@ -96,17 +96,17 @@ Status FleetMember::admit(std::string_view what) const {
     // Placement leaves a draining node out; a create that reached it anyway (a view a moment old) is
     // refused with a 503, which the placing node takes as "try the next one". Wakes go on: its sandboxes
     // stay its own until they move.
-    if (what == "create" && draining_.load())
+    if (what == FleetAdmission::kCreate && draining_.load())
       return fail(Error::kUnavailable, "fleet: node " + config_.node_name + " is draining (sandgate node undrain " +
                                            config_.node_name + " to admit again): it admits no new sandboxes");
     return {};
   }
   return fail(Error::kUnavailable, "fleet: node " + config_.node_name + " cannot reach etcd to renew its lease, so it " +
-                                       "refuses to " + std::string(what) + " (its running sandboxes keep running); retry shortly");
+                                       "refuses to " + std::string(admission_words(what)) + " (its running sandboxes keep running); retry shortly");
 }
 
 void FleetMember::claim(const std::string& name, std::function<void(Status)> done) {
-  if (Status s = admit("create"); !s) return done(s);
+  if (Status s = admit(FleetAdmission::kCreate); !s) return done(s);
   {
     std::lock_guard lock(mu_);
     claims_.push_back(Claim{name, std::move(done)});
@@ -187,7 +187,7 @@ void FleetMember::writer_loop() {
 }
 
 Status FleetMember::claim_now(const std::string& name, bool stale_claim_is_ours) {
-  if (Status s = admit("create"); !s) return s;
+  if (Status s = admit(FleetAdmission::kCreate); !s) return s;
   std::string key = std::string(kFleetSandboxesPrefix) + name;
   int64_t lease = lease_.load();
   const std::string value = sandbox_owner_json(config_.node_name, "creating");

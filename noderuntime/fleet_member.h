@@ -57,7 +57,7 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   // Closes the loop handle (after stop(); the loop must run once more).
   void close();
 
-  Status admit(std::string_view what) const override;
+  Status admit(FleetAdmission what) const override;
   void claim(const std::string& name, std::function<void(Status)> done) override;
   void publish(const std::string& key, std::string_view state) override;
 

@@ -406,7 +406,7 @@ void Node::create_now(const CreateRequest& request, SandboxCallback done, bool c
                                                   (fleet_ != nullptr ? " on node '" + fleet_->node_name() + "'" : "")));
   }
   if (fleet_ != nullptr && !claimed) {
-    if (Status s = fleet_->admit("create"); !s) return done(s.failure());
+    if (Status s = fleet_->admit(FleetAdmission::kCreate); !s) return done(s.failure());
     if (!spec->name.empty()) {
       // The name is claimed fleet-wide first (in etcd, off the loop); the create then runs again from the
       // top, so whatever changed meanwhile (config, this node's own names) is checked once more.
@@ -829,12 +829,12 @@ Result<TransitionOutcome> Node::resume(std::string_view ref) {
   switch (sb.rec.state) {
     case S::kSuspended:
       if (fleet_ != nullptr)
-        if (Status s = fleet_->admit("wake a sandbox"); !s) return s.failure();
+        if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return s.failure();
       begin_resume(sb, "resumed on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kSuspending:
       if (fleet_ != nullptr)
-        if (Status s = fleet_->admit("wake a sandbox"); !s) return s.failure();
+        if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return s.failure();
       wake(sb, "resumed on request");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kRunning:
@@ -874,7 +874,7 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
     case S::kSuspended:
       // A fenced node wakes nothing: etcd may already be handing this node's names to others.
       if (fleet_ != nullptr)
-        if (Status s = fleet_->admit("wake a sandbox"); !s) return done(s.failure());
+        if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return done(s.failure());
       break;
     case S::kCreating:
     case S::kResuming:

@@ -130,10 +130,7 @@ void CreatePlacer::next(std::shared_ptr<Placement> p) {
   if (node.name == options_.self) {
     p->asked_self = true;
     return p->local([this, p, alive = alive_, name = node.name](Answer a) {
-      if (!*alive) return;
-      if (!placement_retries(a.status)) return p->done(std::move(a));
-      p->refusals.push_back(name + ": " + answer_message(a.body));
-      next(p);
+      if (*alive) answered(p, name, std::move(a));
     });
   }
   struct Work {
@@ -156,30 +153,32 @@ void CreatePlacer::next(std::shared_ptr<Placement> p) {
       [](uv_work_t* r, int status) {
         std::unique_ptr<Work> x(static_cast<Work*>(r->data));
         if (!*x->alive) return;
-        Placement& pl = *x->placement;
-        const RemoteAnswer& a = x->answer;
-        if (status < 0) {
-          pl.refusals.push_back(x->node.name + ": the request was cancelled");
-          return x->placer->next(x->placement);
+        RemoteAnswer& a = x->answer;
+        if (status < 0) return x->placer->refused(x->placement, x->node.name, "the request was cancelled");
+        if (a.ok) {
+          if (!placement_retries(a.status)) spdlog::info("fleet: placed a create on node {} ({})", x->node.name, a.status);
+          return x->placer->answered(x->placement, x->node.name, Answer{a.status, std::move(a.body), {}});
         }
-        if (a.ok && !placement_retries(a.status)) {
-          spdlog::info("fleet: placed a create on node {} ({})", x->node.name, a.status);
-          return pl.done(Answer{a.status, a.body, {}});
-        }
-        if (a.ok || !a.reached) {
-          pl.refusals.push_back(x->node.name + ": " + (a.ok ? answer_message(a.body) : a.error));
-          return x->placer->next(x->placement);
-        }
+        if (!a.reached) return x->placer->refused(x->placement, x->node.name, a.error);
         // The node had the request and may have acted on it: creating elsewhere could make a second sandbox.
-        pl.done(error_answer(502, "unreachable",
-                             "fleet: node " + x->node.name + " took the create but its answer did not come (" + a.error +
-                                 "); see `sandgate ls` before creating it again"));
+        x->placement->done(error_answer(502, "unreachable",
+                                        "fleet: node " + x->node.name + " took the create but its answer did not come (" +
+                                            a.error + "); see `sandgate ls` before creating it again"));
       });
   if (rc < 0) {
     std::unique_ptr<Work> owned(w);
-    p->refusals.push_back(node.name + ": uv_queue_work: " + uv_strerror(rc));
-    next(p);
+    refused(p, node.name, std::string("uv_queue_work: ") + uv_strerror(rc));
   }
+}
+
+void CreatePlacer::answered(std::shared_ptr<Placement> p, const std::string& node, Answer a) {
+  if (!placement_retries(a.status)) return p->done(std::move(a));
+  refused(std::move(p), node, answer_message(a.body));
+}
+
+void CreatePlacer::refused(std::shared_ptr<Placement> p, const std::string& node, const std::string& why) {
+  p->refusals.push_back(node + ": " + why);
+  next(std::move(p));
 }
 
 }  // namespace sg

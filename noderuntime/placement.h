@@ -77,6 +77,10 @@ class CreatePlacer {
  private:
   struct Placement;
   void next(std::shared_ptr<Placement> p);
+  // `node`'s answer: the placement's, unless it is a refusal to retry elsewhere.
+  void answered(std::shared_ptr<Placement> p, const std::string& node, Answer a);
+  // `node` did not take the create (`why`): the next node is asked.
+  void refused(std::shared_ptr<Placement> p, const std::string& node, const std::string& why);
 
   uv_loop_t* loop_;
   PlacementOptions options_;

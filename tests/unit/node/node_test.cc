@@ -1414,8 +1414,8 @@ TEST_F(NodeCheckpointTest, ACreateFromASnapshotRunsOnItsLayersWithItsDefaults) {
 class FakeFleet : public FleetHooks {
  public:
   const std::string& node_name() const override { return name; }
-  Status admit(std::string_view what) const override {
-    if (fenced) return fail(Error::kUnavailable, "fleet: fenced, refuses to " + std::string(what));
+  Status admit(FleetAdmission what) const override {
+    if (fenced) return fail(Error::kUnavailable, "fleet: fenced, refuses to " + std::string(admission_words(what)));
     return {};
   }
   void claim(const std::string& name, std::function<void(Status)> done) override {
