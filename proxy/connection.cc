@@ -1251,6 +1251,8 @@ Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
   return {
       .received = [this](size_t n) { count(c_.rec_.bytes_in, c_.traffic_->bytes_in, n); },
       .observe = nullptr,  // the request filter is this direction's stage
+      .splice_budget = nullptr,
+      .passed_unseen = nullptr,
       .source_finished =
           [this] {
             if (!u2c_.source_done()) client_closed_first_ = true;
@@ -1274,6 +1276,12 @@ Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
       .observe =
           [this](std::string_view bytes) {
             if (responses_) observe_responses(bytes);
+          },
+      // Spliced into kTLS, a response's body passes unseen; heads and chunk framing are copied and parsed.
+      .splice_budget = [this] { return responses_ ? responses_->unseen_allowed() : UINT64_MAX; },
+      .passed_unseen =
+          [this](size_t n) {
+            if (responses_) responses_->skip(n);
           },
       .source_finished =
           [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
@@ -1306,9 +1314,9 @@ void Connection::ForwardPhase::start_request_filters() {
     h2_frames_ = std::make_unique<H2ServerFrames>();
     u2c_.set_stage([this](std::string_view in, std::string& out) { return frame_upstream_bytes(in, out); });
   } else {
-    if (!c_.client_->can_splice_out()) responses_ = std::make_unique<Http1ResponseTracker>();
+    responses_ = std::make_unique<Http1ResponseTracker>();
     h1_filter_ = std::make_unique<Http1RequestFilter>(
-        max_head, [this](Http1Request& r) { return check_http1_request(r); }, /*await_switch=*/responses_ != nullptr);
+        max_head, [this](Http1Request& r) { return check_http1_request(r); });
   }
   c2u_.set_stage([this](std::string_view in, std::string& out) { return filter_client_bytes(in, out); });
 }
@@ -1425,6 +1433,7 @@ bool Connection::ForwardPhase::frame_upstream_bytes(std::string_view in, std::st
     return false;
   }
   if (*announced) h2_filter_->set_sandbox_header_table_size(**announced);
+  if (auto enabled = h2_frames_->extended_connect()) h2_filter_->set_sandbox_extended_connect(*enabled);
   return !goaway_ || stop_after_goaway();
 }
 

@@ -28,7 +28,11 @@ Direction::Direction(Transport* source, Transport* sink, ByteBuffer buffer, Hook
 bool Direction::has_room() const {
   // Spliced bytes go out only after what the buffer holds (the request head), so the pipe fills once the
   // buffer is empty.
-  if (pipe_) return buffer_.readable() == 0 && out_pending() == 0 && pipe_->accepts_more() && !record_waits_;
+  if (pipe_) {
+    if (out_pending() > 0 || record_waits_) return false;
+    if (copy_while_spliced()) return pipe_->buffered() == 0 && buffer_.space() > 0;
+    return buffer_.readable() == 0 && pipe_->accepts_more();
+  }
   return buffer_.space() > 0 && out_pending() < kMaxStagedBytes;
 }
 
@@ -85,7 +89,11 @@ bool Direction::fill() {
     if (started && !has_room()) return true;
   }
   if (!source_ready_ && !source_->has_buffered_input()) return true;
-  if (pipe_) return splice_from_source();
+  if (pipe_ && !copy_while_spliced()) return splice_from_source();
+  return read_into_buffer();
+}
+
+bool Direction::read_into_buffer() {
   buffer_.make_room();
   const char* fresh = buffer_.write_ptr();
   IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
@@ -118,7 +126,9 @@ bool Direction::source_ended() {
 }
 
 bool Direction::splice_from_source() {
-  IoResult r = source_->splice_in(*pipe_);
+  const uint64_t budget = hooks_.splice_budget ? hooks_.splice_budget() : UINT64_MAX;
+  IoResult r = source_->splice_in(*pipe_, budget);
+  if (r.bytes > 0 && hooks_.passed_unseen) hooks_.passed_unseen(r.bytes);
   if (r.status != IoResult::Status::kNotData) return received(r);
   // Read once the pipe has delivered what came before it.
   if (pipe_->buffered() == 0) return read_source_record();

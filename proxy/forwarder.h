@@ -5,6 +5,7 @@
 // the h2 frame pass (the proxy's own frames inserted) on sandbox -> client.
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -57,6 +58,12 @@ class Direction {
     std::function<void(size_t)> received;           // bytes taken from the source (counted, activity)
     // Optional: the bytes themselves, when copied (a watcher of the stream; it must not change them).
     std::function<void(std::string_view)> observe;
+    // Optional, for a watcher on a spliced direction: how many of the source's next bytes may pass unseen
+    // (spliced); while it says fewer than kMinSplicedRun they are copied and shown to `observe`. Absent:
+    // any number.
+    std::function<uint64_t()> splice_budget;
+    // Optional: that many bytes passed spliced, unseen (in order with what `observe` was shown).
+    std::function<void(size_t)> passed_unseen;
     std::function<bool()> source_finished;           // the source sent its last byte (EOF, close_notify)
     std::function<bool(IoResult)> source_failed;     // always false
     std::function<bool(IoResult)> sink_failed;       // always false
@@ -105,6 +112,8 @@ class Direction {
   // whole pipe full: 128 KiB (32 slots) moves eight TLS records per splice without letting 10k stalled
   // connections pin more than ~2.5 GiB.
   static constexpr size_t kSplicePipeBytes = 128 * 1024;
+  // With a splice budget, fewer unseen bytes than this are copied (and shown) instead.
+  static constexpr uint64_t kMinSplicedRun = 16 * 1024;
   // Staged bytes waiting to be sent before the source is read again.
   static constexpr size_t kMaxStagedBytes = 64 * 1024;
 
@@ -118,6 +127,11 @@ class Direction {
   bool splice_to_sink();
   // Both ends can splice and the connection allows it: the pipe takes over (false when closed).
   bool start_splice_if_possible(bool* started);
+  // While spliced, the watcher needs to see the next bytes: they are read into the buffer instead, once
+  // the pipe has delivered what came before them.
+  // A run shorter than one TLS record costs more in syscalls spliced than copied.
+  bool copy_while_spliced() const { return hooks_.splice_budget && hooks_.splice_budget() < kMinSplicedRun; }
+  bool read_into_buffer();
   bool received(const IoResult& r);
   bool source_ended();
 

@@ -278,6 +278,10 @@ Status H2ClientFilter::finish_block(std::string& to_sandbox, std::string& to_cli
         return decoded.failure();
       }
       Result<H2Request>& request = *decoded;
+      if (request && !request->protocol.empty() && sandbox_extended_connect_ == false)
+        request = fail(Error::kInvalidArgument,
+                       "HTTP/2: extended CONNECT (:protocol " + request->protocol +
+                           ") before the sandbox enabled it (SETTINGS_ENABLE_CONNECT_PROTOCOL, RFC 8441)");
       if (!request) {
         if (on_malformed_) on_malformed_(stream, request.message());
         return refuse(stream, 400, block_end_stream_, to_client);
@@ -402,7 +406,9 @@ Result<std::optional<uint32_t>> H2ServerFrames::feed(std::string_view in, std::s
         entry_len_ = 0;
         const auto b = [&](size_t i) { return static_cast<uint32_t>(static_cast<uint8_t>(entry_[i])); };
         const uint32_t id = (b(0) << 8) | b(1);
-        if (id == kSettingsHeaderTableSize) frame_table_size_ = (b(2) << 24) | (b(3) << 16) | (b(4) << 8) | b(5);
+        const uint32_t value = (b(2) << 24) | (b(3) << 16) | (b(4) << 8) | b(5);
+        if (id == kSettingsHeaderTableSize) frame_table_size_ = value;
+        if (id == kSettingsEnableConnectProtocol) frame_connect_protocol_ = value;
       }
     }
     payload_left_ -= chunk.size();
@@ -447,6 +453,7 @@ Status H2ServerFrames::start_frame() {
       in_settings_ = true;
       entry_len_ = 0;
       frame_table_size_.reset();
+      frame_connect_protocol_.reset();
       return {};
     default:
       return {};
@@ -460,6 +467,7 @@ void H2ServerFrames::end_frame(std::optional<uint32_t>& announced, std::string& 
     in_settings_ = false;
     // The client applies SETTINGS once the frame is complete, so that is when the value counts.
     if (frame_table_size_) announced = std::max(announced.value_or(0), *frame_table_size_);
+    if (frame_connect_protocol_ == 1u || !extended_connect_) extended_connect_ = frame_connect_protocol_ == 1u;
   }
   flush(out);
 }

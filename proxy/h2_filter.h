@@ -98,6 +98,12 @@ class H2ClientFilter {
   // for the larger one, and since the sandbox never decodes the client's HPACK, enforcing the smaller value
   // would only break such clients.
   void set_sandbox_header_table_size(uint32_t bytes);
+  // The sandbox's first SETTINGS arrived, enabling extended CONNECT or not (H2ServerFrames::extended_connect).
+  // Once it is known not to be enabled, an extended CONNECT (:protocol) is malformed (RFC 8441 §3: a client may
+  // send one only after SETTINGS_ENABLE_CONNECT_PROTOCOL = 1) and its stream is answered 400 by the edge, as any
+  // malformed request. Before that (the first request, which the sandbox is connected for) it is forwarded,
+  // and the sandbox's server judges it.
+  void set_sandbox_extended_connect(bool enabled) { sandbox_extended_connect_ = enabled; }
 
   // After feed() failed: the GOAWAY error code for it (COMPRESSION_ERROR for an HPACK failure, which leaves
   // the connection's decoder unusable; ENHANCE_YOUR_CALM past a limit; PROTOCOL_ERROR otherwise).
@@ -128,6 +134,7 @@ class H2ClientFilter {
   H2ErrorCode goaway_code_ = H2ErrorCode::kNoError;  // set with failed_
   uint32_t last_forwarded_stream_ = 0;
   size_t hpack_table_limit_;        // what the inflater accepts as the client's table size
+  std::optional<bool> sandbox_extended_connect_;  // unknown until the sandbox's first SETTINGS
 
   size_t preface_matched_ = 0;
   bool frame_seen_ = false;                          // the first frame must be SETTINGS
@@ -173,6 +180,9 @@ class H2ServerFrames {
   Result<std::optional<uint32_t>> feed(std::string_view in, std::string& out);
 
   bool has_queued() const { return !queue_.empty(); }
+  // Whether the sandbox enabled extended CONNECT (SETTINGS_ENABLE_CONNECT_PROTOCOL = 1 in a complete SETTINGS
+  // frame; RFC 8441: it cannot be turned off again); unknown until its first SETTINGS frame is complete.
+  std::optional<bool> extended_connect() const { return extended_connect_; }
 
  private:
   Status start_frame();
@@ -197,6 +207,8 @@ class H2ServerFrames {
   std::array<char, h2::kSettingsEntryBytes> entry_{};
   size_t entry_len_ = 0;
   std::optional<uint32_t> frame_table_size_;
+  std::optional<uint32_t> frame_connect_protocol_;
+  std::optional<bool> extended_connect_;
 };
 
 }  // namespace sg

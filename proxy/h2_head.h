@@ -146,6 +146,7 @@ inline constexpr size_t kDefaultHpackTableBytes = 4096;
 inline constexpr uint32_t kMaxStreamId = 0x7fffffff;
 inline constexpr size_t kSettingsEntryBytes = 6;
 inline constexpr uint16_t kSettingsHeaderTableSize = 0x1;
+inline constexpr uint16_t kSettingsEnableConnectProtocol = 0x8;  // RFC 8441
 
 enum FrameType : uint8_t {
   kData = 0x0,

@@ -67,11 +67,10 @@ struct Http1RequestFilter::Parser {
   }
 };
 
-Http1RequestFilter::Http1RequestFilter(size_t max_head_bytes, OnRequest on_request, bool await_switch)
+Http1RequestFilter::Http1RequestFilter(size_t max_head_bytes, OnRequest on_request)
     : parser_(std::make_unique<Parser>()),
       on_request_(std::move(on_request)),
-      max_head_bytes_(max_head_bytes),
-      await_switch_(await_switch) {}
+      max_head_bytes_(max_head_bytes) {}
 
 void Http1RequestFilter::resolve_upgrade(bool switched) {
   if (state_ != State::kAwaitingSwitch) return;
@@ -186,7 +185,7 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
       ++forwarded_;
       if (p.upgrade && !has_body(p.parser)) {
         // What follows is the new protocol's or the next request: it waits for the sandbox's answer.
-        state_ = await_switch_ ? State::kAwaitingSwitch : State::kTunnel;
+        state_ = State::kAwaitingSwitch;
         break;
       }
       continue;
@@ -196,7 +195,7 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
     in.remove_prefix(used);
     if (err == HPE_PAUSED_UPGRADE || (err == HPE_PAUSED && p.upgrade)) {
       if (err == HPE_PAUSED) llhttp_resume_after_upgrade(&p.parser);
-      state_ = await_switch_ ? State::kAwaitingSwitch : State::kTunnel;
+      state_ = State::kAwaitingSwitch;
       break;
     }
     if (err == HPE_PAUSED) {  // the message is complete: a new head follows

@@ -51,10 +51,9 @@ class Http1RequestFilter {
     std::string reason;  // for the answer's body and the access log
   };
 
-  // `max_head_bytes` bounds each head (431 beyond it). `await_switch`: after an Upgrade/CONNECT request, hold
-  // what follows until resolve_upgrade() (the connection watches the answers); without it the filter
-  // switches to kTunnel at once.
-  Http1RequestFilter(size_t max_head_bytes, OnRequest on_request, bool await_switch = false);
+  // `max_head_bytes` bounds each head (431 beyond it). After an Upgrade/CONNECT request, what follows is held
+  // until resolve_upgrade() (the connection watches the answers).
+  Http1RequestFilter(size_t max_head_bytes, OnRequest on_request);
   ~Http1RequestFilter();
   Http1RequestFilter(const Http1RequestFilter&) = delete;
   Http1RequestFilter& operator=(const Http1RequestFilter&) = delete;
@@ -85,7 +84,6 @@ class Http1RequestFilter {
   State state_ = State::kRequests;
   Refusal refusal_;
   size_t forwarded_ = 0;
-  bool await_switch_ = false;
   std::string held_;  // kAwaitingSwitch: what the client sent after the Upgrade request; then until released
 };
 

@@ -9,6 +9,8 @@ Http1ResponseTracker::Http1ResponseTracker() {
   settings_.on_message_begin = &Http1ResponseTracker::on_message_begin;
   settings_.on_headers_complete = &Http1ResponseTracker::on_headers_complete;
   settings_.on_message_complete = &Http1ResponseTracker::on_message_complete;
+  settings_.on_chunk_header = &Http1ResponseTracker::on_chunk_header;
+  settings_.on_chunk_complete = &Http1ResponseTracker::on_chunk_complete;
   llhttp_init(&parser_, HTTP_RESPONSE, &settings_);
   parser_.data = this;
 }
@@ -70,6 +72,18 @@ int Http1ResponseTracker::on_message_complete(llhttp_t* p) {
   return 0;
 }
 
+// llhttp has read a chunk's size line: parser_.content_length is its data's size, counted down as the data
+// is consumed (0 for the last chunk).
+int Http1ResponseTracker::on_chunk_header(llhttp_t* p) {
+  static_cast<Http1ResponseTracker*>(p->data)->in_chunk_data_ = p->content_length > 0;
+  return 0;
+}
+
+int Http1ResponseTracker::on_chunk_complete(llhttp_t* p) {
+  static_cast<Http1ResponseTracker*>(p->data)->in_chunk_data_ = false;
+  return 0;
+}
+
 void Http1ResponseTracker::finish_response() {
   if (!pending_.empty()) pending_.pop_front();
   ++answered_;
@@ -90,12 +104,8 @@ void Http1ResponseTracker::observe(std::string_view bytes) {
         return;
       case State::kFixedBody: {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(fixed_left_, bytes.size()));
-        fixed_left_ -= n;
+        count_fixed_body(n);
         bytes.remove_prefix(n);
-        if (fixed_left_ == 0) {
-          state_ = State::kHead;
-          finish_response();
-        }
         break;
       }
       case State::kHead: {
@@ -119,6 +129,45 @@ void Http1ResponseTracker::observe(std::string_view bytes) {
         return;
       }
     }
+  }
+}
+
+void Http1ResponseTracker::count_fixed_body(uint64_t n) {
+  fixed_left_ -= n;
+  if (fixed_left_ == 0) {
+    state_ = State::kHead;
+    finish_response();
+  }
+}
+
+uint64_t Http1ResponseTracker::unseen_allowed() const {
+  switch (state_) {
+    case State::kUntilClose:
+    case State::kSwitched:
+    case State::kLost:
+      return UINT64_MAX;
+    case State::kFixedBody:
+      return fixed_left_;
+    case State::kHead:
+      return in_chunk_data_ ? parser_.content_length : 0;
+  }
+  return 0;
+}
+
+void Http1ResponseTracker::skip(uint64_t n) {
+  if (state_ == State::kFixedBody) return count_fixed_body(std::min(n, fixed_left_));
+  if (state_ != State::kHead || !in_chunk_data_) return;
+  // llhttp counts chunk data down without looking at it, so it is given as many placeholder bytes: the same
+  // parser then reads the chunk's end and the framing after it from the real bytes.
+  static const char kPlaceholder[16384] = {};
+  n = std::min(n, parser_.content_length);
+  while (n > 0) {
+    const size_t piece = static_cast<size_t>(std::min<uint64_t>(n, sizeof kPlaceholder));
+    if (llhttp_execute(&parser_, kPlaceholder, piece) != HPE_OK) {
+      state_ = State::kLost;
+      return;
+    }
+    n -= piece;
   }
 }
 

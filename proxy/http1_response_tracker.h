@@ -6,11 +6,15 @@
 //     accepts it (101, or 2xx to CONNECT); otherwise the requests after it are parsed and checked as usual.
 // Heads are parsed with llhttp; a Content-Length body is counted, not parsed; chunked bodies are parsed for
 // their framing; a body delimited by the close, and everything after a protocol switch, is not looked at.
+// What is only counted need not be seen at all: unseen_allowed() says how many of the next bytes may pass
+// without being shown (spliced), and skip() counts them, so a kTLS connection splices response bodies and
+// copies only heads and chunk framing.
 #pragma once
 
 #include <llhttp.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <optional>
 #include <string_view>
@@ -34,8 +38,13 @@ class Http1ResponseTracker {
   // A request went to the sandbox (in order): its method decides whether the response has a body (HEAD) or
   // what switches (CONNECT); `upgrade` that it asks to switch protocols.
   void expect(std::string_view method, bool upgrade);
-  // Bytes the sandbox sent, in order, each exactly once.
+  // Bytes the sandbox sent, in order, each exactly once (observed or skipped).
   void observe(std::string_view bytes);
+  // How many of the sandbox's next bytes the tracker needs not see: the rest of a Content-Length body or of
+  // a chunk's data, everything once the stream is not followed; 0 while a head or chunk framing comes.
+  uint64_t unseen_allowed() const;
+  // `n` (at most unseen_allowed()) bytes passed without being shown.
+  void skip(uint64_t n);
 
   State state() const { return state_; }
   // Final responses received whole (1xx interim responses do not count; a switch counts as the answer).
@@ -55,7 +64,11 @@ class Http1ResponseTracker {
   static int on_message_begin(llhttp_t* p);
   static int on_headers_complete(llhttp_t* p);
   static int on_message_complete(llhttp_t* p);
+  static int on_chunk_header(llhttp_t* p);
+  static int on_chunk_complete(llhttp_t* p);
   void finish_response();
+  // The Content-Length body's next n bytes (n <= fixed_left_) went by.
+  void count_fixed_body(uint64_t n);
 
   llhttp_settings_t settings_{};
   llhttp_t parser_{};
@@ -65,6 +78,7 @@ class Http1ResponseTracker {
   size_t answered_ = 0;
   bool in_message_ = false;  // llhttp is inside a response (head or chunked body)
   bool interim_ = false;     // the response being read is 1xx (not the final answer)
+  bool in_chunk_data_ = false;  // llhttp is inside a chunk's data (parser_.content_length bytes left)
   std::optional<bool> upgrade_outcome_;
 };
 

@@ -19,8 +19,9 @@ Result<std::unique_ptr<SplicePipe>> SplicePipe::create(size_t capacity) {
       new SplicePipe(std::move(read_end), std::move(write_end), static_cast<size_t>(size)));
 }
 
-ssize_t SplicePipe::fill(int from) {
-  ssize_t n = ::splice(from, nullptr, write_end_.get(), nullptr, capacity_ - buffered_,
+ssize_t SplicePipe::fill(int from, uint64_t max) {
+  const size_t room = capacity_ - buffered_;
+  ssize_t n = ::splice(from, nullptr, write_end_.get(), nullptr, max < room ? static_cast<size_t>(max) : room,
                        SPLICE_F_NONBLOCK | SPLICE_F_MOVE);
   if (n > 0) {
     buffered_ += static_cast<size_t>(n);

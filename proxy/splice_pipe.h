@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "common/error.h"
@@ -18,9 +19,9 @@ class SplicePipe {
   // page limit) is not an error: the pipe keeps the kernel's default size and still works.
   static Result<std::unique_ptr<SplicePipe>> create(size_t capacity);
 
-  // Moves what `from` has, up to the free room, into the pipe. Returns the bytes moved, 0 at EOF, or -1
-  // with errno set (EAGAIN: nothing to move now).
-  ssize_t fill(int from);
+  // Moves what `from` has, up to the free room and at most `max` bytes, into the pipe. Returns the bytes
+  // moved, 0 at EOF, or -1 with errno set (EAGAIN: nothing to move now).
+  ssize_t fill(int from, uint64_t max = UINT64_MAX);
   // Moves buffered bytes into `to`; a short move leaves the rest buffered, in order. Same returns as fill.
   ssize_t drain(int to);
 

@@ -25,8 +25,8 @@ bool ssl_finished(int err) { return err == SSL_ERROR_ZERO_RETURN || (err == SSL_
 
 }  // namespace
 
-IoResult Transport::splice_in(SplicePipe& pipe) {
-  ssize_t n = pipe.fill(fd());
+IoResult Transport::splice_in(SplicePipe& pipe, uint64_t max) {
+  ssize_t n = pipe.fill(fd(), max);
   if (n > 0) return IoResult::ok(static_cast<size_t>(n));
   // kTLS: the next record is not application data (an alert, a post-handshake message); splice cannot
   // carry it.

@@ -12,6 +12,7 @@
 #include <openssl/ssl.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
@@ -75,7 +76,8 @@ class Transport {
   virtual Status start_splice_in() { return {}; }
   // kNotYet -> kNever: the caller will not splice after all (it has no pipe).
   virtual void give_up_splice_in() {}
-  IoResult splice_in(SplicePipe& pipe);
+  // At most `max` bytes.
+  IoResult splice_in(SplicePipe& pipe, uint64_t max = UINT64_MAX);
   IoResult splice_out(SplicePipe& pipe);
   // After splice_in returned kNotData: that record, read with recvmsg into `into` (at least 16 KiB).
   virtual IoResult read_record(std::span<char> into);

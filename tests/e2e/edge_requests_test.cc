@@ -154,7 +154,8 @@ TEST(EdgeRequests, Http2MalformedFirstRequestGetsAReadable400) {
 }
 
 // RFC 8441: WebSockets over HTTP/2 to a sandbox that enables extended CONNECT. The CONNECT reaches it with its
-// :protocol and without the sandgate credential, as a later request and as the first one of a connection.
+// :protocol and without the sandgate credential, as a later request and as the first one of a connection; to
+// one that does not enable it, a later CONNECT gets 400 from the edge.
 TEST(EdgeRequests, Http2ExtendedConnectReachesASandboxThatEnablesIt) {
   Cluster c;
   Created ws = create(c, "--name ws --expose 7000/h2c -- " + tool("h2_recorder") + " 7000 --extended-connect");
@@ -185,6 +186,20 @@ TEST(EdgeRequests, Http2ExtendedConnectReachesASandboxThatEnablesIt) {
   EXPECT_NE(first.out.find("stream 1 :protocol: websocket"), std::string::npos) << first.out;
   EXPECT_EQ(first.out.find(ws.token), std::string::npos) << first.out;
   EXPECT_EQ(first.out.find("authorization"), std::string::npos) << first.out;
+
+  // A sandbox whose SETTINGS do not enable it never gets an extended CONNECT: once those SETTINGS passed the
+  // edge, the stream is answered 400 as malformed (RFC 8441 §3), and the connection serves the next one.
+  Created plain = create(c, "--name wsno --expose 7000/h2c -- " + tool("h2_recorder") + " 7000");
+  const std::string plain_host = "7000-wsno.sandbox.localhost";
+  const std::string plain_auth = "|authorization: Bearer " + plain.token;
+  wait_serving(c, plain_host, "--http2 " + bearer(plain.token));
+  auto refused = h2_requests(c, plain_host,
+                             {plain_host + "|/page" + plain_auth, plain_host + "|/chat" + websocket + plain_auth,
+                              plain_host + "|/after" + plain_auth});
+  EXPECT_NE(refused.out.find("--- stream 1 status 200"), std::string::npos) << refused.out;
+  EXPECT_NE(refused.out.find("--- stream 3 status 400"), std::string::npos) << refused.out;
+  EXPECT_NE(refused.out.find("--- stream 5 status 200"), std::string::npos) << refused.out;
+  EXPECT_EQ(refused.out.find("stream 3 :method"), std::string::npos) << "the sandbox saw the CONNECT: " << refused.out;
 }
 
 TEST(EdgeRequests, NoCredentialReachesAPortBackend) {

@@ -41,8 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       4096,
       [](sg::Http1Request& r) {
         return r.target.find("refuse") == std::string::npos ? sg::Http1Verdict{} : sg::Http1Verdict{421, "fuzz"};
-      },
-      /*await_switch=*/true);
+      });
   std::string out;
   for (size_t at = 0; at < size && filter.state() != sg::Http1RequestFilter::State::kRefused; at += chunk) {
     if (filter.state() == sg::Http1RequestFilter::State::kAwaitingSwitch) filter.resolve_upgrade(data[at] & 1);

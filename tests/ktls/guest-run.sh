@@ -7,7 +7,9 @@
 # close_notify half-close in both directions, the access log's path = ktls-splice, and the kernel's
 # /proc/net/tls_stat software TX and RX counters rising with no decrypt errors. Then a TLS 1.3 KeyUpdate
 # must end the connection with cause ktls_key_update, and a fatal alert from the client with cause
-# client_closed. BENCH=1 adds a ktls-splice vs userspace run.
+# client_closed. Then pipelined HTTP/1.1 requests on an HTTP port: Content-Length and chunked bodies spliced
+# intact, a refused Upgrade, and a request for another route answered 421 without waiting for the backend's
+# close. BENCH=1 adds a ktls-splice vs userspace run.
 # Prints "KTLS-CASE PASS|FAIL ..." per case and "KTLS-GUEST-RESULT PASS|FAIL".
 #   env: SG (binaries, certs), RUN (scratch dir), STATE (the node's state dir goes here: a file system that
 #        takes idmapped mounts, for the image's layers), SIZE (bytes each way), BIG_SIZE (one more TLS 1.3
@@ -158,6 +160,35 @@ case "$entry" in
   *'"cause":"client_closed"'*'alert'*) echo "KTLS-CASE PASS TLS1.3 fatal alert ends the connection: $out" ;;
   *) echo "KTLS-CASE FAIL TLS1.3 fatal alert: $out; access log: $entry"; failures=$((failures + 1)) ;;
 esac
+
+# An HTTP port: each request head is read by the edge, and on kTLS the response bodies splice past the
+# edge's response tracker while heads and chunk framing are copied and parsed. Four pipelined requests (a
+# Content-Length body, a chunked body, an Upgrade the backend refuses, a Host of another route): the bodies
+# arrive intact, the requests after the refused Upgrade are still checked (421), and the 421 comes as soon
+# as the backend's answers are through, not when it closes (it lingers 30 s).
+"$SG/sandgate" --api "unix:$RUN/node.sock" create --name kh --image ktls-backend --public 9001 -- /ktls_backend 9001 http \
+  >/dev/null || { echo "sandbox create failed"; cat "$RUN/node.log"; exit 1; }
+http_client() { timeout 60 "$SG/ktls_client" $PORT 9001-kh.sandbox.localhost "$SG/tls/ca.pem" 1.3 TLS_AES_128_GCM_SHA256 0 "$@"; }
+i=0
+until http_client 8 pipeline 9001-nobody.sandbox.localhost >/dev/null 2>&1; do
+  i=$((i + 1))
+  [ $i -gt 100 ] && break
+  sleep 0.2
+done
+lines=$(log_lines)
+out=$(http_client 4194304 pipeline 9001-nobody.sandbox.localhost 2>&1)
+rc=$?
+entry=$(next_access_line "$lines")
+why=""
+[ $rc -eq 0 ] || why="client: $out"
+case "$entry" in *'"path":"ktls-splice"'*'"status":421'* | *'"status":421'*'"path":"ktls-splice"'*) ;;
+  *) why="$why; access log: $entry" ;; esac
+if [ -z "$why" ]; then
+  echo "KTLS-CASE PASS TLS1.3 HTTP pipelined responses on kTLS: $out"
+else
+  echo "KTLS-CASE FAIL TLS1.3 HTTP pipelined responses on kTLS:$why"
+  failures=$((failures + 1))
+fi
 
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 bench() { # $1 = label

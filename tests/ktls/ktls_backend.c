@@ -1,7 +1,15 @@
-/* Backend for the kTLS guest test; runs in a sandbox behind a raw TCP port. For each connection: skips the
- * client's HTTP-like head ("GET /?down=N ...", the test's own framing: the edge does not read it), reads the client's bytes until EOF (the proxy's half-close), then answers
- * "<sha256 hex of those bytes> <count>\n" followed by N bytes of the test stream, and closes.
- *   ktls_backend PORT */
+/* Backend for the kTLS guest test; runs in a sandbox.
+ *   ktls_backend PORT        behind a raw TCP port. For each connection: skips the client's HTTP-like head
+ *                            ("GET /?down=N ...", the test's own framing: the edge does not read it), reads
+ *                            the client's bytes until EOF (the proxy's half-close), then answers
+ *                            "<sha256 hex of those bytes> <count>\n" followed by N bytes of the test stream,
+ *                            and closes.
+ *   ktls_backend PORT http   behind an HTTP port: a keep-alive HTTP/1.1 server. GET /len/N answers N bytes of
+ *                            the test stream with a Content-Length, /chunked/N the same in 100,000-byte
+ *                            chunks; any other request (an Upgrade included) gets 404 with a short body. It
+ *                            answers every request, pipelined ones too, and once the client has finished it
+ *                            keeps its side open for 30 s, as a server that closes lazily does: whoever waits
+ *                            for the sandbox's close waits that long. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -75,11 +83,72 @@ out:
   return NULL;
 }
 
+static int send_stream(int fd, char* buf, size_t cap, struct test_stream* s, unsigned long long n) {
+  while (n > 0) {
+    size_t k = n < cap ? (size_t)n : cap;
+    test_stream_fill(s, (unsigned char*)buf, k);
+    if (write_all(fd, buf, k) != 0) return -1;
+    n -= k;
+  }
+  return 0;
+}
+
+static int answer_http(int fd, const char* head, char* buf, size_t cap) {
+  unsigned long long n = 0;
+  char line[128];
+  struct test_stream s;
+  test_stream_init(&s, KTLS_DOWN_SEED);
+  if (sscanf(head, "GET /len/%llu ", &n) == 1) {
+    int len = snprintf(line, sizeof line, "HTTP/1.1 200 OK\r\nContent-Length: %llu\r\n\r\n", n);
+    return write_all(fd, line, (size_t)len) == 0 ? send_stream(fd, buf, cap, &s, n) : -1;
+  }
+  if (sscanf(head, "GET /chunked/%llu ", &n) == 1) {
+    static const char start[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    if (write_all(fd, start, sizeof start - 1) != 0) return -1;
+    while (n > 0) {
+      unsigned long long k = n < 100000 ? n : 100000;
+      int len = snprintf(line, sizeof line, "%llx\r\n", k);
+      if (write_all(fd, line, (size_t)len) != 0 || send_stream(fd, buf, cap, &s, k) != 0 || write_all(fd, "\r\n", 2) != 0)
+        return -1;
+      n -= k;
+    }
+    return write_all(fd, "0\r\n\r\n", 5);
+  }
+  static const char missing[] = "HTTP/1.1 404 Not Found\r\nContent-Length: 10\r\n\r\nnot found\n";
+  return write_all(fd, missing, sizeof missing - 1);
+}
+
+static void* serve_http(void* arg) {
+  int fd = (int)(intptr_t)arg;
+  static __thread char in[1 << 14], out[1 << 16];
+  size_t have = 0;
+  for (;;) {
+    char* end;
+    while ((end = memmem(in, have, "\r\n\r\n", 4)) != NULL) {  /* no request here has a body */
+      *end = 0;
+      if (answer_http(fd, in, out, sizeof out) != 0) goto out;
+      size_t used = (size_t)(end + 4 - in);
+      memmove(in, in + used, have - used);
+      have -= used;
+    }
+    if (have == sizeof in) goto out;
+    ssize_t n = read(fd, in + have, sizeof in - have);
+    if (n < 0) goto out;
+    if (n == 0) break;
+    have += (size_t)n;
+  }
+  sleep(30);
+out:
+  close(fd);
+  return NULL;
+}
+
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: %s PORT\n", argv[0]);
+  if (argc != 2 && !(argc == 3 && strcmp(argv[2], "http") == 0)) {
+    fprintf(stderr, "usage: %s PORT [http]\n", argv[0]);
     return 2;
   }
+  void* (*handler)(void*) = argc == 3 ? serve_http : serve;
   signal(SIGPIPE, SIG_IGN);
   int ls = socket(AF_INET, SOCK_STREAM, 0);
   int one = 1;
@@ -94,7 +163,7 @@ int main(int argc, char** argv) {
     int c = accept(ls, NULL, NULL);
     if (c < 0) continue;
     pthread_t t;
-    if (pthread_create(&t, NULL, serve, (void*)(intptr_t)c) == 0) pthread_detach(t);
+    if (pthread_create(&t, NULL, handler, (void*)(intptr_t)c) == 0) pthread_detach(t);
     else close(c);
   }
 }

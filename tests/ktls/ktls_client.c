@@ -6,6 +6,11 @@
  * KeyUpdate halfway through the upload and expects the proxy to close the connection. With "alert" it sends
  * a fatal internal_error alert there instead (OpenSSL has no call for that, so the client's own transmit is
  * offloaded to the kernel and the alert goes out as a record of type 21 through TLS_SET_RECORD_TYPE).
+ *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER 0 DOWN pipeline OTHER_HOST
+ * sends four pipelined requests to an HTTP port (ktls_backend's http mode) in one write: GET /len/DOWN,
+ * GET /chunked/DOWN, an Upgrade the backend refuses (404), and one whose Host is OTHER_HOST. It expects both
+ * bodies intact, the 404, then 421 from the edge and the connection closed by it within 10 s of the second
+ * body, although the backend keeps its side open for 30 s.
  * Prints one line "ok ..." or "error: ..." and exits 0 or 1. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -78,9 +83,82 @@ static size_t ssl_read_full(SSL* ssl, unsigned char* p, size_t n) {
   return got;
 }
 
+/* One response head, up to and including its blank line (read a byte at a time: heads are short). */
+static int read_head(SSL* ssl, char* head, size_t cap) {
+  size_t n = 0;
+  while (n + 1 < cap) {
+    if (SSL_read(ssl, head + n, 1) != 1) return -1;
+    ++n;
+    if (n >= 4 && memcmp(head + n - 4, "\r\n\r\n", 4) == 0) {
+      head[n] = 0;
+      return 0;
+    }
+  }
+  return -1;
+}
+
+/* n bytes of the download stream, checked against `s`. */
+static int read_stream(SSL* ssl, struct test_stream* s, unsigned long long n) {
+  static unsigned char buf[CHUNK], expect[CHUNK];
+  while (n > 0) {
+    size_t k = n < CHUNK ? (size_t)n : CHUNK;
+    test_stream_fill(s, expect, k);
+    if (ssl_read_full(ssl, buf, k) != k || memcmp(buf, expect, k) != 0) return -1;
+    n -= k;
+  }
+  return 0;
+}
+
+static int pipeline(SSL* ssl, const char* sni, const char* other, unsigned long long down) {
+  char requests[1024], head[4096];
+  int len = snprintf(requests, sizeof requests,
+                     "GET /len/%llu HTTP/1.1\r\nHost: %s\r\n\r\n"
+                     "GET /chunked/%llu HTTP/1.1\r\nHost: %s\r\n\r\n"
+                     "GET /ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+                     "GET / HTTP/1.1\r\nHost: %s\r\n\r\n",
+                     down, sni, down, sni, sni, other);
+  if (ssl_write_all(ssl, (const unsigned char*)requests, (size_t)len) != 0) return fail("write requests");
+  struct test_stream s;
+  double start = now_s();
+  test_stream_init(&s, KTLS_DOWN_SEED);
+  if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 200", 12) != 0)
+    return printf("error: first answer: %s\n", head), 1;
+  if (read_stream(ssl, &s, down) != 0) return printf("error: the Content-Length body is not the stream\n"), 1;
+  if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 200", 12) != 0 || !strstr(head, "chunked"))
+    return printf("error: second answer: %s\n", head), 1;
+  test_stream_init(&s, KTLS_DOWN_SEED);
+  for (;;) {
+    char line[32];
+    size_t n = 0;
+    while (n + 1 < sizeof line && SSL_read(ssl, line + n, 1) == 1 && line[n] != '\n') ++n;
+    line[n] = 0;
+    unsigned long long size = strtoull(line, NULL, 16);
+    if (size == 0) break;
+    if (read_stream(ssl, &s, size) != 0 || ssl_read_full(ssl, (unsigned char*)line, 2) != 2)
+      return printf("error: the chunked body is not the stream\n"), 1;
+  }
+  char crlf[2];
+  if (ssl_read_full(ssl, (unsigned char*)crlf, 2) != 2) return printf("error: chunked body not ended\n"), 1;
+  double bodies = now_s();
+  if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 404", 12) != 0)
+    return printf("error: the refused Upgrade's answer: %s\n", head), 1;
+  char body[16];
+  if (ssl_read_full(ssl, (unsigned char*)body, 10) != 10) return printf("error: the 404's body\n"), 1;
+  if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 421", 12) != 0)
+    return printf("error: the request for %s got, instead of 421: %s\n", other, head), 1;
+  static unsigned char rest[CHUNK];
+  while (SSL_read(ssl, rest, sizeof rest) > 0) {
+  }
+  double end = now_s();
+  if (end - bodies > 10) return printf("error: 421 and the close came %.1f s after the bodies\n", end - bodies), 1;
+  printf("ok pipelined: 2 x %llu bytes (length, chunked) in %.3f s, 404 to the Upgrade, 421 and close %.3f s later\n",
+         down, bodies - start, end - bodies);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 8) {
-    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate]\n", argv[0]);
+    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate|alert|pipeline OTHER_HOST]\n", argv[0]);
     return 2;
   }
   const char* sni = argv[2];
@@ -89,6 +167,7 @@ int main(int argc, char** argv) {
   unsigned long long down = strtoull(argv[7], NULL, 10);
   int keyupdate = argc > 8 && strcmp(argv[8], "keyupdate") == 0;
   int alert = argc > 8 && strcmp(argv[8], "alert") == 0;
+  const char* pipeline_other = argc > 9 && strcmp(argv[8], "pipeline") == 0 ? argv[9] : NULL;
 
   SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
   int version = tls13 ? TLS1_3_VERSION : TLS1_2_VERSION;
@@ -112,6 +191,7 @@ int main(int argc, char** argv) {
   if (SSL_connect(ssl) != 1) return fail("handshake");
   const char* negotiated = SSL_get_cipher_name(ssl);
   if (alert && !BIO_get_ktls_send(SSL_get_wbio(ssl))) return fail("the alert case needs the client's transmit in kTLS");
+  if (pipeline_other) return pipeline(ssl, sni, pipeline_other, down);
 
   char head[256];
   int head_len = snprintf(head, sizeof head, "GET /?down=%llu HTTP/1.1\r\nHost: %s\r\n\r\n", down, sni);

@@ -45,6 +45,8 @@ class DirectionTest : public ::testing::Test {
     Direction::Hooks hooks{
         .received = [this](size_t n) { events_.received += n; },
         .observe = [this](std::string_view bytes) { events_.observed.append(bytes); },
+        .splice_budget = nullptr,
+        .passed_unseen = nullptr,
         .source_finished =
             [this] {
               events_.finished = true;
@@ -125,6 +127,48 @@ TEST_F(DirectionTest, SplicesWhenBothEndsCanAndTheBufferGoesFirst) {
   EXPECT_TRUE(dir_->spliced());
   EXPECT_EQ(events_.received, data.size()) << "the buffer's bytes were counted by whoever filled it";
   EXPECT_EQ(dir_->pending(), 0u);
+}
+
+// A watcher on a spliced direction (the response tracker on kTLS) lets through unseen only what it need not
+// read: here bytes [64 KiB, 576 KiB) of the stream, a body between two parts it must see.
+TEST_F(DirectionTest, ASpliceBudgetSplicesOnlyWhatTheWatcherNeedNotSee) {
+  constexpr uint64_t kSeenUntil = 64 * 1024, kSeenFrom = 576 * 1024;
+  uint64_t position = 0;  // stream bytes taken from the source so far
+  uint64_t unseen = 0;
+  bool unseen_outside = false;
+  make(/*may_splice=*/true);
+  dir_ = std::make_unique<Direction>(
+      &source_, &sink_, ByteBuffer(4096),
+      Direction::Hooks{
+          .received = [this](size_t n) { events_.received += n; },
+          .observe =
+              [&](std::string_view bytes) {
+                events_.observed.append(bytes);
+                position += bytes.size();
+              },
+          .splice_budget =
+              [&]() -> uint64_t { return position >= kSeenUntil && position < kSeenFrom ? kSeenFrom - position : 0; },
+          .passed_unseen =
+              [&](size_t n) {
+                if (position < kSeenUntil || position + n > kSeenFrom) unseen_outside = true;
+                position += n;
+                unseen += n;
+              },
+          .source_finished = [] { return true; },
+          .source_failed = [](IoResult) { return false; },
+          .sink_failed = [](IoResult) { return false; },
+          .may_splice = [] { return true; },
+          .splice_refused = [](std::string) { return false; },
+      });
+  const std::string data = pattern(640 * 1024);
+  EXPECT_EQ(pass(data, data.size()), data) << "in order, whether copied or spliced";
+  EXPECT_FALSE(unseen_outside) << "no byte the watcher must see was spliced past it";
+  EXPECT_EQ(position, data.size()) << "every byte was either shown or counted as unseen, once";
+  EXPECT_EQ(events_.observed.size() + unseen, data.size());
+  EXPECT_EQ(events_.observed.substr(0, kSeenUntil), data.substr(0, kSeenUntil));
+  EXPECT_EQ(events_.observed.substr(events_.observed.size() - 64 * 1024), data.substr(kSeenFrom))
+      << "the part after the body was shown";
+  EXPECT_GT(unseen, 400u * 1024) << "the body was spliced, not copied through the 4 KiB buffer";
 }
 
 TEST_F(DirectionTest, AStageSeesEveryByteAndWhatItWritesIsSent) {

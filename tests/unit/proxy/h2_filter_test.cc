@@ -67,6 +67,7 @@ class Link {
       auto announced = frames.feed(from_server, out);
       ASSERT_TRUE(announced.ok()) << announced.message();
       if (*announced) filter.set_sandbox_header_table_size(**announced);
+      if (auto enabled = frames.extended_connect()) filter.set_sandbox_extended_connect(*enabled);
       if (!out.empty()) {
         ASSERT_EQ(client.receive(out), static_cast<ssize_t>(out.size()));
       }
@@ -359,6 +360,29 @@ TEST(H2Filter, ExtendedConnectIsForwardedWithItsProtocol) {
   link.pump();
   expect_refused(link.client, 3, "421");
   EXPECT_EQ(link.server.streams.count(3), 0u);
+}
+
+// A sandbox whose SETTINGS did not enable extended CONNECT never gets one: once those SETTINGS passed, the
+// edge answers the stream 400 as malformed (RFC 8441 §3), and the connection goes on.
+TEST(H2Filter, ExtendedConnectToASandboxThatDidNotEnableItIsMalformed) {
+  Link link;
+  link.policy = demo_only;
+  std::vector<std::string> malformed;
+  link.filter.set_on_malformed([&](uint32_t stream, std::string_view why) {
+    malformed.push_back(std::to_string(stream) + ": " + std::string(why));
+  });
+  ASSERT_EQ(link.client.submit(browser_request(kDemo, "/page")), 1);
+  link.pump();
+  ASSERT_EQ(link.frames.extended_connect(), std::optional<bool>(false));
+  ASSERT_EQ(link.client.submit(websocket_request(kDemo, "/chat")), 3);
+  link.pump();
+  expect_refused(link.client, 3, "400");
+  EXPECT_EQ(link.server.streams.count(3), 0u) << "the sandbox never saw the CONNECT";
+  ASSERT_EQ(malformed.size(), 1u);
+  EXPECT_NE(malformed[0].find("3: HTTP/2: extended CONNECT (:protocol websocket)"), std::string::npos) << malformed[0];
+  ASSERT_EQ(link.client.submit(browser_request(kDemo, "/after")), 5);
+  link.pump();
+  expect_served(link.client, 5, "/after");
 }
 
 TEST(H2Filter, TrailersAreReencodedWithoutTheCallback) {

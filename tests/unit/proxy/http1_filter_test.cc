@@ -73,23 +73,12 @@ TEST(Http1Filter, BodiesPassUnchangedAndTheNextHeadIsFound) {
   }
 }
 
-TEST(Http1Filter, AnUpgradeTurnsTheRestIntoATunnel) {
-  Checker c;
-  Http1RequestFilter f(16 * 1024, c.fn());
-  std::string out;
-  const std::string head = "GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
-  f.feed(head, out);
-  EXPECT_EQ(f.feed("\x81\x05hello GET / HTTP/1.1\r\nHost: b.test\r\n\r\n", out), State::kTunnel);
-  EXPECT_EQ(out, head + "\x81\x05hello GET / HTTP/1.1\r\nHost: b.test\r\n\r\n");
-  EXPECT_EQ(c.seen.size(), 1u);
-}
-
 TEST(Http1Filter, AwaitingTheSandboxsAnswerToAnUpgradeHoldsWhatFollows) {
   const std::string head = "GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
   const std::string next = "GET / HTTP/1.1\r\nHost: b.test\r\n\r\n";
   {  // accepted: the held bytes go out as they are
     Checker c;
-    Http1RequestFilter f(16 * 1024, c.fn(), /*await_switch=*/true);
+    Http1RequestFilter f(16 * 1024, c.fn());
     std::string out;
     EXPECT_EQ(f.feed(head + "\x81\x05hello", out), State::kAwaitingSwitch);
     EXPECT_EQ(out, head);
@@ -103,7 +92,7 @@ TEST(Http1Filter, AwaitingTheSandboxsAnswerToAnUpgradeHoldsWhatFollows) {
   }
   {  // refused: the held bytes are requests again, each checked
     Checker c;
-    Http1RequestFilter f(16 * 1024, c.fn(), /*await_switch=*/true);
+    Http1RequestFilter f(16 * 1024, c.fn());
     std::string out;
     EXPECT_EQ(f.feed(head + next, out), State::kAwaitingSwitch);
     f.resolve_upgrade(false);
@@ -113,7 +102,7 @@ TEST(Http1Filter, AwaitingTheSandboxsAnswerToAnUpgradeHoldsWhatFollows) {
   }
   {  // bounded
     Checker c;
-    Http1RequestFilter f(16 * 1024, c.fn(), /*await_switch=*/true);
+    Http1RequestFilter f(16 * 1024, c.fn());
     std::string out;
     f.feed(head, out);
     EXPECT_EQ(f.feed(std::string(Http1RequestFilter::kMaxHeldBytes + 1, 'x'), out), State::kRefused);

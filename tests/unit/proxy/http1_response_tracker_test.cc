@@ -36,6 +36,35 @@ TEST(Http1ResponseTracker, CountsAnswersWithLengthChunkedAndNoBody) {
   }
 }
 
+// On a kTLS connection response bodies are spliced past the tracker: it says how many bytes it needs not
+// see, and follows the stream as well when they are skipped as when they are shown.
+TEST(Http1ResponseTracker, BodiesAndChunkDataMayPassUnseen) {
+  Http1ResponseTracker t;
+  t.expect("GET", false);
+  t.expect("GET", false);
+  t.expect("GET", false);
+  EXPECT_EQ(t.unseen_allowed(), 0u) << "a head comes first";
+  t.observe("HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n0123456789");
+  EXPECT_EQ(t.unseen_allowed(), 99990u);
+  t.skip(50000);
+  EXPECT_EQ(t.unseen_allowed(), 49990u);
+  t.skip(49990);
+  EXPECT_EQ(t.answered(), 1u);
+  EXPECT_EQ(t.unseen_allowed(), 0u) << "the next head must be read";
+
+  t.observe("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n186a0\r\nabcde");  // 100000 bytes
+  EXPECT_EQ(t.unseen_allowed(), 99995u);
+  t.skip(99995);
+  EXPECT_EQ(t.unseen_allowed(), 0u) << "the chunk's end and the next size line are read";
+  t.observe("\r\n3\r\nxyz\r\n0\r\n\r\n");
+  EXPECT_EQ(t.answered(), 2u);
+  EXPECT_FALSE(t.idle()) << "a third request is still unanswered";
+
+  t.observe("HTTP/1.1 200 OK\r\n\r\nbody until the close");
+  EXPECT_EQ(t.state(), State::kUntilClose);
+  EXPECT_EQ(t.unseen_allowed(), UINT64_MAX) << "nothing more is followed";
+}
+
 TEST(Http1ResponseTracker, IsNotIdleInsideAResponse) {
   Http1ResponseTracker t;
   t.expect("GET", false);
