@@ -65,6 +65,9 @@ TEST(TlsConfig, TestsslFindsNoWeakProtocolCipherOrVulnerability) {
     ++checked;
     // A certificate from a local CA has no revocation endpoint; a production certificate brings its own.
     if (id == "cert_revocation" || id == "DNS_CAArecord") continue;
+    // About the machine running testssl (its openssl has no GOST engine), not about the proxy: seen on a
+    // fresh Debian 12 machine in a clean-clone CI run.
+    if (id == "engine_problem") continue;
     EXPECT_TRUE(severity == "OK" || severity == "INFO") << id << " " << severity << ": " << finding;
     if (id == "TLS1" || id == "TLS1_1" || id == "SSLv2" || id == "SSLv3") {
       EXPECT_EQ(finding, "not offered") << id;
