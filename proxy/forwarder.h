@@ -127,9 +127,9 @@ class Direction {
   bool splice_to_sink();
   // Both ends can splice and the connection allows it: the pipe takes over (false when closed).
   bool start_splice_if_possible(bool* started);
-  // While spliced, the watcher needs to see the next bytes: they are read into the buffer instead, once
-  // the pipe has delivered what came before them.
-  // A run shorter than one TLS record costs more in syscalls spliced than copied.
+  // While spliced, the watcher needs to see the next bytes (or so few may pass unseen that a splice would
+  // cost more syscalls than a copy): they are read into the buffer, once the pipe has delivered what came
+  // before them.
   bool copy_while_spliced() const { return hooks_.splice_budget && hooks_.splice_budget() < kMinSplicedRun; }
   bool read_into_buffer();
   bool received(const IoResult& r);

@@ -467,7 +467,7 @@ void H2ServerFrames::end_frame(std::optional<uint32_t>& announced, std::string& 
     in_settings_ = false;
     // The client applies SETTINGS once the frame is complete, so that is when the value counts.
     if (frame_table_size_) announced = std::max(announced.value_or(0), *frame_table_size_);
-    if (frame_connect_protocol_ == 1u || !extended_connect_) extended_connect_ = frame_connect_protocol_ == 1u;
+    extended_connect_ = extended_connect_.value_or(false) || frame_connect_protocol_ == 1u;
   }
   flush(out);
 }
