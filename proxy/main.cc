@@ -315,6 +315,22 @@ int main(int argc, char** argv) {
     proxy.group = pc.group;
     check_access_as_user(proxy, **cfg);
   }
+  // Signals are caught before anything says "ready": a SIGHUP sent the moment the log line or READY=1 appears
+  // (systemd's ExecReload, a test) would otherwise meet the default action and end the process.
+  uv_loop_t* loop = uv_default_loop();
+  uv_signal_t sigint, sigterm, sighup;
+  for (uv_signal_t* s : {&sigint, &sigterm, &sighup}) {
+    uv_signal_init(loop, s);
+    s->data = &proxy;
+  }
+  auto on_stop = [](uv_signal_t* s, int signum) {
+    spdlog::info("signal {}: closing listeners and connections", signum);
+    sg::notify_stopping("stopping: closing listeners and connections");
+    stop_all(static_cast<Proxy*>(s->data), s->loop);
+  };
+  uv_signal_start(&sigint, on_stop, SIGINT);
+  uv_signal_start(&sigterm, on_stop, SIGTERM);
+  uv_signal_start(&sighup, [](uv_signal_t* s, int) { reload(static_cast<Proxy*>(s->data)); }, SIGHUP);
   for (auto& w : proxy.workers) w->start();
   std::string listening;
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
@@ -333,7 +349,6 @@ int main(int argc, char** argv) {
       spdlog::info("takeover: the previous process stopped accepting and drains its connections");
     predecessor.reset();
   }
-  uv_loop_t* loop = uv_default_loop();
   if (const std::string& path = (*cfg)->proxy.handover_socket; !path.empty()) {
     auto server = sg::HandoverServer::start(
         loop, path,
@@ -355,19 +370,6 @@ int main(int argc, char** argv) {
   }
   sg::notify_ready(proxy.ready_status);
 
-  uv_signal_t sigint, sigterm, sighup;
-  for (uv_signal_t* s : {&sigint, &sigterm, &sighup}) {
-    uv_signal_init(loop, s);
-    s->data = &proxy;
-  }
-  auto on_stop = [](uv_signal_t* s, int signum) {
-    spdlog::info("signal {}: closing listeners and connections", signum);
-    sg::notify_stopping("stopping: closing listeners and connections");
-    stop_all(static_cast<Proxy*>(s->data), s->loop);
-  };
-  uv_signal_start(&sigint, on_stop, SIGINT);
-  uv_signal_start(&sigterm, on_stop, SIGTERM);
-  uv_signal_start(&sighup, [](uv_signal_t* s, int) { reload(static_cast<Proxy*>(s->data)); }, SIGHUP);
   uv_run(loop, UV_RUN_DEFAULT);
   for (auto& w : proxy.workers) w->join();
   if (proxy.fleet_view) proxy.fleet_view->stop();
