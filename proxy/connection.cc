@@ -1349,8 +1349,8 @@ void Connection::ForwardPhase::drain_tick() {
     if (u2c_.run_stage()) c_.update_interest();
     return;
   }
-  // Only where the answers are followed can "between requests" be known; a tunnel, or a spliced response
-  // direction, finishes on its own or meets the drain deadline.
+  // Only where the answers are followed (every HTTP/1 route, spliced responses included) can "between
+  // requests" be known; a tunnel finishes on its own or meets the drain deadline.
   if (!h1_filter_ || !responses_) return;
   const uint64_t moved = c_.rec_.bytes_in + c_.rec_.bytes_out;
   const bool idle = h1_filter_->between_requests() && responses_->idle() && c2u_.pending() == 0 && u2c_.pending() == 0;

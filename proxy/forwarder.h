@@ -18,7 +18,8 @@
 namespace sg {
 
 // A fixed-size byte buffer filled at the end and drained from the front; never reallocated. The memory is
-// taken at the first write, so a direction that only ever splices holds none.
+// taken at the first write and may be given back whenever the buffer is empty (release), so a direction
+// that only ever splices, or waits for its source, holds none.
 class ByteBuffer {
  public:
   explicit ByteBuffer(size_t capacity) : cap_(capacity) {}
@@ -33,6 +34,11 @@ class ByteBuffer {
   void consumed(size_t n) {
     start_ += n;
     if (start_ == end_) start_ = end_ = 0;
+  }
+  bool holds_memory() const { return data_ != nullptr; }
+  // Gives the memory back to the allocator, only when nothing is unread.
+  void release() {
+    if (readable() == 0) data_.reset();
   }
   // Moves unread bytes to the front when the tail is full (rare: only after a partial drain).
   void make_room() {
@@ -96,6 +102,8 @@ class Direction {
   bool spliced() const { return splice_ == Splice::kRunning; }
   // Bytes taken from the source and not yet delivered to the sink.
   size_t pending() const { return buffer_.readable() + out_pending() + (pipe_ ? pipe_->buffered() : 0); }
+  // The direction holds forwarding memory (a buffer, a staging string larger than kKeptStagingBytes).
+  bool holds_memory() const { return buffer_.holds_memory() || out_.capacity() > kKeptStagingBytes; }
   // Reading the source can make progress.
   bool has_room() const;
   bool wants_source_readable() const { return state_ == State::kMoving && has_room(); }
@@ -116,6 +124,8 @@ class Direction {
   static constexpr uint64_t kMinSplicedRun = 16 * 1024;
   // Staged bytes waiting to be sent before the source is read again.
   static constexpr size_t kMaxStagedBytes = 64 * 1024;
+  // A staging string larger than this is freed while idle; a smaller one stays (it fits in the object).
+  static constexpr size_t kKeptStagingBytes = 256;
 
  private:
   size_t out_pending() const { return out_.size() - out_sent_; }
@@ -132,6 +142,10 @@ class Direction {
   // before them.
   bool copy_while_spliced() const { return hooks_.splice_budget && hooks_.splice_budget() < kMinSplicedRun; }
   bool read_into_buffer();
+  // Waiting for the source with nothing in flight: the buffer and the staging string go back to the
+  // allocator (its per-thread cache hands them out again at the next read), so an idle connection holds no
+  // forwarding memory.
+  void release_while_idle();
   bool received(const IoResult& r);
   bool source_ended();
 

@@ -193,6 +193,47 @@ TEST_F(DirectionTest, AFailingSinkIsReported) {
   EXPECT_FALSE(events_.sink_detail.empty());
 }
 
+// Issue 12 (RSS per idle connection): a direction waiting for its source holds no buffer and no staging
+// string; bytes in flight keep theirs; the next bytes get memory again.
+TEST_F(DirectionTest, AnIdleDirectionGivesItsMemoryBackAndTakesItAgainForTheNextBytes) {
+  make(/*may_splice=*/false);
+  dir_->set_stage([](std::string_view in, std::string& out) {
+    out.append(in);
+    return true;
+  });
+  EXPECT_FALSE(dir_->holds_memory()) << "nothing read yet";
+  const std::string first = pattern(100000);
+  EXPECT_EQ(pass(first, first.size()), first);
+  ASSERT_TRUE(dir_->move());  // the source has nothing more: the read would block
+  EXPECT_FALSE(dir_->holds_memory()) << "idle, everything delivered";
+  EXPECT_EQ(dir_->pending(), 0u);
+
+  // Bytes the sink cannot take yet stay, and keep their memory.
+  std::string filler(1 << 20, 'f');
+  while (::send(dst_.ours.get(), filler.data(), filler.size(), MSG_NOSIGNAL) > 0) {
+  }
+  const std::string second = pattern(3000);
+  ASSERT_EQ(::send(src_.theirs.get(), second.data(), second.size(), MSG_NOSIGNAL), 3000);
+  dir_->source_readable();
+  ASSERT_TRUE(dir_->move());
+  ASSERT_TRUE(dir_->move());
+  EXPECT_EQ(dir_->pending(), 3000u);
+  EXPECT_TRUE(dir_->holds_memory()) << "bytes in flight";
+
+  // Once the sink drains they go out whole, after the filler, and the memory goes again.
+  std::string got;
+  for (int spins = 0; spins < 100000 && got.size() < second.size(); ++spins) {
+    ASSERT_TRUE(dir_->move());
+    char buf[65536];
+    ssize_t n = ::recv(dst_.theirs.get(), buf, sizeof buf, 0);
+    if (n > 0) got.append(buf, static_cast<size_t>(n));
+    got.erase(0, std::min(got.find_first_not_of('f'), got.size()));
+  }
+  EXPECT_EQ(got, second);
+  ASSERT_TRUE(dir_->move());
+  EXPECT_FALSE(dir_->holds_memory());
+}
+
 TEST_F(DirectionTest, StopsReadingWhenTheBufferIsFull) {
   make(/*may_splice=*/false, ByteBuffer(16));
   const std::string data = pattern(64);
