@@ -2,6 +2,7 @@
 #include <benchmark/benchmark.h>
 
 #include "common/http.h"
+#include "noderuntime/api_request.h"
 #include "proxy/route.h"
 #include "proxy/traffic.h"
 
@@ -49,6 +50,22 @@ void BM_TakeReport(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_TakeReport)->Arg(100)->Arg(10000);
+
+// The node's side of the same report: the body parsed and checked into ActivityReports.
+void BM_ParseActivityReport(benchmark::State& state) {
+  WorkerTraffic traffic;
+  std::vector<SandboxTraffic*> all;
+  for (int i = 0; i < state.range(0); ++i) all.push_back(traffic.open_connection("sb-" + std::to_string(i)));
+  for (auto* t : all) t->bytes_out += 1;
+  const std::string body = traffic.take_report("w0");
+  for (auto _ : state) {
+    auto reports = parse_activity(body);
+    if (!reports || reports->size() != all.size()) state.SkipWithError("report did not parse whole");
+    benchmark::DoNotOptimize(reports);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * body.size()));
+}
+BENCHMARK(BM_ParseActivityReport)->Arg(100)->Arg(10000);
 
 void BM_ParseRequestHead(benchmark::State& state) {
   const std::string head =

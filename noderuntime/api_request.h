@@ -26,8 +26,9 @@ Failure unknown_field(std::string_view field, std::string_view allowed);
 
 // POST /v1/sandboxes.
 Result<CreateRequest> parse_create(const nlohmann::json& body);
-// POST /v1/internal/activity: {"sandboxes": [{"id", "bytes_in", "bytes_out", "connections"}], "reporter"}.
-Result<std::vector<ActivityReport>> parse_activity(const nlohmann::json& body);
+// POST /v1/internal/activity: {"sandboxes": [{"id", "bytes_in", "bytes_out", "connections"}], "reporter"},
+// read from the text (no JSON tree: it is the one body that comes every second from every proxy worker).
+Result<std::vector<ActivityReport>> parse_activity(const std::string& body);
 
 // The body of internal/open and internal/lookup: {"sandbox": "<ref>", "port": N} and, for open only,
 // "credentials": every token candidate the request carried, so one open settles auth (the first that verifies

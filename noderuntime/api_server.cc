@@ -1237,9 +1237,7 @@ void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& r
 }
 
 void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
-  auto body = parse_object(request.body);
-  if (!body) return reply(error_response(body.failure()));
-  auto reports = parse_activity(*body);
+  auto reports = parse_activity(request.body);
   if (!reports) return reply(error_response(reports.failure()));
   ActivityAnswer answer = node_->activity(*reports);
   ordered_json asleep = ordered_json::array(), revoked = ordered_json::array();

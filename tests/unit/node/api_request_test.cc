@@ -13,6 +13,53 @@ using json = nlohmann::json;
 
 // check_api_body is the fuzz target's way in (tests/fuzz/api_body_fuzz.cc): it must run the routes' own
 // parsers, each with its own fields.
+// The activity report is read from the text, without a JSON tree: the same answers as the other bodies, for
+// every kind of misplaced value, and the body's reporter applies wherever in the body it stands.
+TEST(ApiBodyTest, TheActivityReaderNamesWhatIsWrongAndAppliesTheBodysReporter) {
+  auto ok = parse_activity(
+      R"({"sandboxes": [{"id": "sb-1", "bytes_in": 1, "bytes_out": 2, "connections": 3},
+                        {"id": "sb-2", "reporter": "own"}], "reporter": "w0"})");
+  ASSERT_TRUE(ok) << ok.message();
+  ASSERT_EQ(ok->size(), 2u);
+  EXPECT_EQ((*ok)[0].id, "sb-1");
+  EXPECT_EQ((*ok)[0].reporter, "w0") << "named after the list, still the default";
+  EXPECT_EQ((*ok)[0].bytes_in, 1u);
+  EXPECT_EQ((*ok)[0].bytes_out, 2u);
+  EXPECT_EQ((*ok)[0].connections, 3u);
+  EXPECT_EQ((*ok)[1].reporter, "own");
+  EXPECT_TRUE(parse_activity(R"({"sandboxes": []})"));
+
+  auto error = [](const std::string& body) {
+    auto r = parse_activity(body);
+    EXPECT_FALSE(r) << body;
+    return r ? std::string() : r.message();
+  };
+  EXPECT_EQ(error(""), "request body must be a JSON object, got nothing");
+  EXPECT_EQ(error("[]"), "request body must be a JSON object, got array");
+  EXPECT_EQ(error("7"), "request body must be a JSON object, got number");
+  EXPECT_EQ(error(R"({"sandboxes": [)"), "request body is not valid JSON");
+  EXPECT_EQ(error(R"({"sandboxes": []} x)"), "request body is not valid JSON");
+  EXPECT_EQ(error("{}"), "sandboxes is required (an array of objects)");
+  EXPECT_EQ(error(R"({"sandboxes": {}})"), "sandboxes: must be an array of objects, got object");
+  EXPECT_EQ(error(R"({"sandboxes": [], "sandboxes": []})"), "sandboxes: given twice");
+  EXPECT_EQ(error(R"({"reporter": 1, "sandboxes": []})"), "reporter: must be a string, got number");
+  EXPECT_EQ(error(R"({"extra": 1})"), "unknown field 'extra' (allowed: sandboxes, reporter)");
+  EXPECT_EQ(error(R"({"sandboxes": ["sb-1"]})"), "sandboxes[]: must be an object, got string");
+  EXPECT_EQ(error(R"({"sandboxes": [[]]})"), "sandboxes[]: must be an object, got array");
+  EXPECT_EQ(error(R"({"sandboxes": [{"bytes_in": 1}]})"), "sandboxes[].id is required");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": 5}]})"), "sandboxes[].id: must be a string, got number");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "bytes_in": -1}]})"),
+            "sandboxes[].bytes_in: must be a non-negative integer, got number");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "bytes_out": 1.5}]})"),
+            "sandboxes[].bytes_out: must be a non-negative integer, got number");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "connections": {"deep": [1]}}]})"),
+            "sandboxes[].connections: must be a non-negative integer, got object");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "reporter": null}]})"),
+            "sandboxes[].reporter: must be a string, got null");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "port": 1}]})"),
+            "unknown field 'sandboxes[].port' (allowed: id, bytes_in, bytes_out, connections, reporter)");
+}
+
 TEST(ApiBodyTest, EachRouteParsesItsOwnBody) {
   EXPECT_TRUE(check_api_body(ApiBody::kLookup, R"({"sandbox": "demo", "port": 8080})"));
   EXPECT_TRUE(check_api_body(ApiBody::kOpen, R"({"sandbox": "demo", "port": 3000, "credentials": ["a"], "spare_sockets": 2})"));

@@ -1,8 +1,11 @@
 #include "proxy/traffic.h"
 
+#include "noderuntime/api_request.h"
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,7 +23,7 @@ TEST(WorkerTraffic, ReportsDeltasAndDropsClosedSandboxes) {
   EXPECT_EQ(j["sandboxes"][0]["bytes_in"], 10);
   EXPECT_EQ(j["sandboxes"][0]["bytes_out"], 20);
   EXPECT_EQ(j["sandboxes"][0]["connections"], 1);
-  EXPECT_EQ(j["sandboxes"][0]["reporter"], "w0");
+  EXPECT_EQ(j["reporter"], "w0") << "named once for every entry";
   // Nothing moved, but the connection is still open: it is re-asserted (the node expires silent reporters).
   j = nlohmann::json::parse(t.take_report("w0"));
   EXPECT_EQ(j["sandboxes"][0]["bytes_in"], 0);
@@ -34,6 +37,34 @@ TEST(WorkerTraffic, ReportsDeltasAndDropsClosedSandboxes) {
   EXPECT_EQ(j["sandboxes"][0]["connections"], 0);
   // Closed and reported once: nothing more to say.
   EXPECT_EQ(t.take_report("w0"), "");
+}
+
+// The report is written by hand (no JSON tree); the node's reader must get back exactly what was counted,
+// whatever bytes an id holds.
+TEST(WorkerTraffic, TheNodeReadsTheReportAsWritten) {
+  WorkerTraffic t;
+  const std::string odd = std::string("sb-\"q\\\x01\x1f\xc3\xa9", 10);
+  SandboxTraffic* a = t.open_connection("sb-a");
+  SandboxTraffic* b = t.open_connection(odd);
+  a->bytes_in += 18446744073709551615ull;
+  b->bytes_out += 7;
+  t.open_connection(odd);
+  auto reports = parse_activity(t.take_report("worker \"1\""));
+  ASSERT_TRUE(reports) << reports.message();
+  ASSERT_EQ(reports->size(), 2u);
+  for (const ActivityReport& r : *reports) {
+    EXPECT_EQ(r.reporter, "worker \"1\"");
+    if (r.id == "sb-a") {
+      EXPECT_EQ(r.bytes_in, 18446744073709551615ull);
+      EXPECT_EQ(r.bytes_out, 0u);
+      EXPECT_EQ(r.connections, 1u);
+    } else {
+      EXPECT_EQ(r.id, odd);
+      EXPECT_EQ(r.bytes_in, 0u);
+      EXPECT_EQ(r.bytes_out, 7u);
+      EXPECT_EQ(r.connections, 2u);
+    }
+  }
 }
 
 TEST(WorkerTraffic, PointerStaysValidWhileConnectionsOpen) {
