@@ -31,16 +31,21 @@ run_suite() {
   ctest --test-dir "$dir" --output-on-failure -j "$jobs" --timeout 300 ${CTEST_ARGS:-}
 }
 
-run_suite build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# Line tables only (-g1): stack traces (the sanitizers', a core's) still name file and line, and compiling,
+# most of what this script spends, takes less (a cold RelWithDebInfo build on 2 cores: 2,421 s of compile jobs
+# with -g, 1,879 s with -g1; api_server_test.cc alone 30.9 s -> 17.7 s).
+line_tables=(-DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG")
+run_suite build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
 if [[ ${SANDGATE_SKIP_SANITIZE:-0} != 1 ]]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    run_suite build-asan -DCMAKE_BUILD_TYPE=Debug -DSANDGATE_SANITIZE=ON -DSANDGATE_BENCH=OFF
+    run_suite build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
+    -DSANDGATE_SANITIZE=ON -DSANDGATE_BENCH=OFF
 fi
 # Fuzz smoke: every libFuzzer target (tests/fuzz) for 15 s from its seeds; a crash fails the run and leaves its
 # input in build-fuzz/fuzz/artifacts/. Only the targets and the libraries they link are built (clang).
 echo "=== fuzz smoke: build-fuzz"
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSANDGATE_FUZZ=ON \
-  -DSANDGATE_WERROR=ON -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  -DSANDGATE_WERROR=ON -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}" >/dev/null
 ninja -C build-fuzz fuzz_targets
 tests/fuzz/run.sh build-fuzz 15
 echo "tests/run.sh: all suites passed"
