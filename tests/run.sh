@@ -20,32 +20,62 @@ mkdir -p build
 tests/e2e/tools/make-test-image.sh "$SANDGATE_TEST_IMAGE_DIR" >/dev/null
 
 jobs=$(nproc)
-run_suite() {
+configure() {
   local dir=$1
   shift
-  echo "=== configure + build: $dir ($*)"
+  echo "=== configure: $dir ($*)"
   cmake -S . -B "$dir" -G Ninja -DSANDGATE_WERROR=ON "$@" >/dev/null
-  ninja -C "$dir"
-  echo "=== tests: $dir"
+}
+run_tests() {
+  echo "=== tests: $1"
   # Unit tests run in parallel; end-to-end tests are RUN_SERIAL (they share cgroup trees and CPU).
-  ctest --test-dir "$dir" --output-on-failure -j "$jobs" --timeout 300 ${CTEST_ARGS:-}
+  ctest --test-dir "$1" --output-on-failure -j "$jobs" --timeout 300 ${CTEST_ARGS:-}
 }
 
 # Line tables only (-g1): stack traces (the sanitizers', a core's) still name file and line, and compiling,
 # most of what this script spends, takes less (a cold RelWithDebInfo build on 2 cores: 2,421 s of compile jobs
 # with -g, 1,879 s with -g1; api_server_test.cc alone 30.9 s -> 17.7 s).
 line_tables=(-DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG")
-run_suite build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
-if [[ ${SANDGATE_SKIP_SANITIZE:-0} != 1 ]]; then
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    run_suite build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
+configure build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
+echo "=== build: build"
+ninja -C build
+
+# The sanitizer and fuzz trees are built while the first pass's tests run, at a lower priority: most of those
+# tests are end to end and serial, waiting on daemons and clients, and leave a core idle that the compiler
+# takes (it yields the CPU whenever a test wants it). Their output goes to build-later.log, shown on failure.
+sanitize=1
+[[ ${SANDGATE_SKIP_SANITIZE:-0} == 1 ]] && sanitize=0
+if ((sanitize)); then
+  configure build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
     -DSANDGATE_SANITIZE=ON -DSANDGATE_BENCH=OFF
 fi
 # Fuzz smoke: every libFuzzer target (tests/fuzz) for 15 s from its seeds; a crash fails the run and leaves its
 # input in build-fuzz/fuzz/artifacts/. Only the targets and the libraries they link are built (clang).
+configure build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSANDGATE_FUZZ=ON \
+  -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
+later_log=$PWD/build/build-later.log
+(
+  if ((sanitize)); then nice -n 10 ninja -C build-asan; fi
+  nice -n 10 ninja -C build-fuzz fuzz_targets
+) >"$later_log" 2>&1 &
+later_pid=$!
+# A failing first pass ends the script: the compilers go with it.
+trap 'pkill -P "$later_pid" 2>/dev/null; kill "$later_pid" 2>/dev/null || true' EXIT
+wait_for_later_builds() {
+  echo "=== build (in the background since the first tests): build-asan, build-fuzz"
+  if ! wait "$later_pid"; then
+    tail -n 60 "$later_log" >&2
+    echo "tests/run.sh: the sanitizer or fuzz build failed (whole log: $later_log)" >&2
+    exit 1
+  fi
+  trap - EXIT
+}
+
+run_tests build
+wait_for_later_builds
+if ((sanitize)); then
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_tests build-asan
+fi
 echo "=== fuzz smoke: build-fuzz"
-cmake -S . -B build-fuzz -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSANDGATE_FUZZ=ON \
-  -DSANDGATE_WERROR=ON -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}" >/dev/null
-ninja -C build-fuzz fuzz_targets
 tests/fuzz/run.sh build-fuzz 15
 echo "tests/run.sh: all suites passed"
