@@ -15,19 +15,23 @@ deploy/install-deps.sh
 # Every e2e sandbox runs on one test image (a Debian tree with the test servers, tests/e2e/tools/
 # make-test-image.sh): made once here, cached under build/ by a key of its inputs, and shared with both
 # passes (and its layer store with every test node) through this directory.
+# Made while the first tree builds (it is mostly dpkg unpacking), waited for before the tests.
 export SANDGATE_TEST_IMAGE_DIR=$PWD/build/test-image
 mkdir -p build
-tests/e2e/tools/make-test-image.sh "$SANDGATE_TEST_IMAGE_DIR" >/dev/null
+tests/e2e/tools/make-test-image.sh "$SANDGATE_TEST_IMAGE_DIR" >build/test-image.log 2>&1 &
+image_pid=$!
 
 jobs=$(nproc)
+# Each phase is stamped, so a run's log says where its time went.
+phase() { echo "=== $(date +%T) $*"; }
 configure() {
   local dir=$1
   shift
-  echo "=== configure: $dir ($*)"
+  phase "configure: $dir ($*)"
   cmake -S . -B "$dir" -G Ninja -DSANDGATE_WERROR=ON "$@" >/dev/null
 }
 run_tests() {
-  echo "=== tests: $1"
+  phase "tests: $1"
   # Unit tests run in parallel; end-to-end tests are RUN_SERIAL (they share cgroup trees and CPU).
   ctest --test-dir "$1" --output-on-failure -j "$jobs" --timeout 300 ${CTEST_ARGS:-}
 }
@@ -37,12 +41,15 @@ run_tests() {
 # with -g, 1,879 s with -g1; api_server_test.cc alone 30.9 s -> 17.7 s).
 line_tables=(-DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG")
 configure build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
-echo "=== build: build"
+phase "build: build"
 ninja -C build
+wait "$image_pid" || { cat build/test-image.log >&2; echo "tests/run.sh: the test image could not be made" >&2; exit 1; }
 
-# The sanitizer and fuzz trees are built while the first pass's tests run, at a lower priority: most of those
-# tests are end to end and serial, waiting on daemons and clients, and leave a core idle that the compiler
-# takes (it yields the CPU whenever a test wants it). Their output goes to build-later.log, shown on failure.
+# The sanitizer and fuzz trees are built in the background at a lower priority, one after the other: the
+# sanitizer tree while the first pass's tests run, the fuzz tree while the sanitizer pass's tests run. Most of
+# those tests are end to end and serial, waiting on daemons and clients, and leave a core idle that the
+# compiler takes (it yields the CPU whenever a test wants it). Their output goes to build/later-*.log, shown
+# on failure.
 sanitize=1
 [[ ${SANDGATE_SKIP_SANITIZE:-0} == 1 ]] && sanitize=0
 if ((sanitize)); then
@@ -53,29 +60,36 @@ fi
 # input in build-fuzz/fuzz/artifacts/. Only the targets and the libraries they link are built (clang).
 configure build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSANDGATE_FUZZ=ON \
   -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
-later_log=$PWD/build/build-later.log
+later=$PWD/build/later
+rm -f "$later"-*
 (
-  if ((sanitize)); then nice -n 10 ninja -C build-asan; fi
-  nice -n 10 ninja -C build-fuzz fuzz_targets
-) >"$later_log" 2>&1 &
-later_pid=$!
-# A failing first pass ends the script: the compilers go with it.
-trap 'pkill -P "$later_pid" 2>/dev/null; kill "$later_pid" 2>/dev/null || true' EXIT
-wait_for_later_builds() {
-  echo "=== build (in the background since the first tests): build-asan, build-fuzz"
-  if ! wait "$later_pid"; then
-    tail -n 60 "$later_log" >&2
-    echo "tests/run.sh: the sanitizer or fuzz build failed (whole log: $later_log)" >&2
-    exit 1
+  rc=0
+  if ((sanitize)); then
+    nice -n 10 ninja -C build-asan >"$later-asan.log" 2>&1 || rc=$?
   fi
-  trap - EXIT
+  echo "$rc" >"$later-asan.rc"
+  nice -n 10 ninja -C build-fuzz fuzz_targets >"$later-fuzz.log" 2>&1
+) &
+later_pid=$!
+# A failing pass ends the script: the compilers go with it.
+trap 'pkill -P "$later_pid" 2>/dev/null; kill "$later_pid" 2>/dev/null || true' EXIT
+build_failed() {
+  tail -n 60 "$later-$1.log" >&2
+  echo "tests/run.sh: the build of build-$1 failed (whole log: $later-$1.log)" >&2
+  exit 1
 }
 
 run_tests build
-wait_for_later_builds
+phase "build (in the background since the first tests): build-asan"
+# The rc file appears when the sanitizer build ends (a child's child: no wait for it).
+while [[ ! -s $later-asan.rc ]] && kill -0 "$later_pid" 2>/dev/null; do sleep 1; done
+[[ $(cat "$later-asan.rc" 2>/dev/null) == 0 ]] || build_failed asan
 if ((sanitize)); then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_tests build-asan
 fi
-echo "=== fuzz smoke: build-fuzz"
+phase "build (in the background since the sanitizer tests): build-fuzz"
+wait "$later_pid" || build_failed fuzz
+trap - EXIT
+phase "fuzz smoke: build-fuzz"
 tests/fuzz/run.sh build-fuzz 15
-echo "tests/run.sh: all suites passed"
+phase "tests/run.sh: all suites passed"
