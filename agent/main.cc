@@ -3,6 +3,7 @@
 //   sandgate-agent [--listen 0.0.0.0:9501] [--max-upload-bytes N] [--max-execs N] [--max-connections N]
 //                  [--max-contexts N] [--python python3]
 //                  [--ssh-listen ADDR:PORT --ssh-host-key FILE --ssh-authorized-keys FILE]
+//   sandgate-agent --reseed-rng HEX   (agent/identity.h)
 //
 // With --ssh-listen it also serves SSH there (agent/ssh_server.h, docs/ssh.md), from a listener process
 // forked before the event loop exists.
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <string>
 
+#include "agent/identity.h"
 #include "agent/server.h"
 #include "agent/ssh_server.h"
 #include "common/net.h"
@@ -58,7 +60,20 @@ int main(int argc, char** argv) {
   app.add_option("--ssh-listen", ssh_listen, "address:port of the SSH server (none without it)");
   app.add_option("--ssh-host-key", ssh.host_key_file, "the SSH host key (OpenSSH private key file)");
   app.add_option("--ssh-authorized-keys", ssh.authorized_keys_file, "public keys SSH accepts, re-read per connection");
+  std::string reseed;
+  app.add_option("--reseed-rng", reseed,
+                 "reseed the kernel's RNG with these hex bytes and exit (the guest's init, after a restore)");
   CLI11_PARSE(app, argc, argv);
+  if (!reseed.empty()) {
+    sg::Status s = sg::agent::reseed_rng(reseed);
+    if (!s) {
+      std::fprintf(stderr, "sandgate-agent: reseed: %s\n", s.message().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "sandgate-agent: kernel RNG reseeded with %zu bytes from the node (sandbox %s)\n",
+                 reseed.size() / 2, sg::agent::sandbox_identity().c_str());
+    return 0;
+  }
   if (!ssh_listen.empty() && (ssh.host_key_file.empty() || ssh.authorized_keys_file.empty())) {
     std::fprintf(stderr, "sandgate-agent: --ssh-listen needs --ssh-host-key and --ssh-authorized-keys\n");
     return 2;

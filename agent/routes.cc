@@ -8,6 +8,7 @@
 
 #include "agent/exec.h"
 #include "agent/files.h"
+#include "agent/identity.h"
 
 namespace sg::agent {
 namespace {
@@ -130,8 +131,11 @@ std::unique_ptr<Handler> Router::route(const Request& request, Responder& out) {
 
   if (path == "/health") {
     if (method != "GET") return method_not_allowed("GET");
-    out.respond(200, {{"Content-Type", "application/json"}},
-                to_text(ordered_json{{"status", "ok"}, {"version", kAgentVersion}}));
+    ordered_json health{{"status", "ok"}, {"version", kAgentVersion}};
+    // Which sandbox this is, as the node last told the guest (QEMU guests: deploy/build-guest-image.sh); a
+    // guest restored from a memory snapshot learns its new identity that way, so this is the id to trust.
+    if (std::string id = sandbox_identity(); !id.empty()) health["sandbox_id"] = id;
+    out.respond(200, {{"Content-Type", "application/json"}}, to_text(health));
     return answered();
   }
   if (path == "/exec") {

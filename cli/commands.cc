@@ -355,6 +355,14 @@ Result<json> checkpoint_body(std::string_view type) {
   return json{{"type", type}};
 }
 
+std::string format_fork(const json& answer) {
+  std::string out = "snapshot " + text(answer, "snapshot_id") + "\n";
+  auto forks = answer.find("sandboxes");
+  if (forks != answer.end() && forks->is_array())
+    for (const json& sb : *forks) out += format_created(sb);
+  return out;
+}
+
 std::string format_checkpoint(const json& answer) { return text(answer, "snapshot_id") + "\n"; }
 
 std::string format_snapshot_list(const json& answer, TimePoint now) {

@@ -103,6 +103,8 @@ std::string format_ssh_key_list(const nlohmann::json& answer);
 // The POST /v1/sandboxes/<ref>/checkpoint body; kInvalidArgument for a --type other than filesystem, memory.
 Result<nlohmann::json> checkpoint_body(std::string_view type);
 // `sandgate checkpoint`: the snapshot id, alone on its line (scripts read it).
+// `sandgate fork`: "snapshot snap-...", then one line per fork as create prints it.
+std::string format_fork(const nlohmann::json& answer);
 std::string format_checkpoint(const nlohmann::json& answer);
 // `sandgate snapshots`: the {"snapshots": [...]} answer as a table ID SOURCE TYPE LAYERS LAYER-SIZE AGE.
 std::string format_snapshot_list(const nlohmann::json& answer, TimePoint now);

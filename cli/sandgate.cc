@@ -153,6 +153,20 @@ int create_sandbox(const Node& node, const json& body, std::string_view name, bo
   return printed;
 }
 
+// `sandgate fork`: the node makes the memory checkpoint and the forks (all or none of them); each fork's
+// token is saved as create saves one.
+int fork_sandbox(const Node& node, const std::string& ref, uint32_t count, const std::string& prefix, bool raw_json) {
+  json body = {{"count", count}};
+  if (!prefix.empty()) body["name_prefix"] = prefix;
+  std::string raw;
+  auto answer = node.send("fork", "POST", sg::cli::sandbox_path(ref, "fork"), body, ref, &raw);
+  if (!answer) return error(answer.message());
+  const json& forks = (*answer)["sandboxes"];
+  if (forks.is_array())
+    for (const json& sb : forks) save_shown_token(sb);
+  return print(*answer, raw, raw_json, sg::cli::format_fork);
+}
+
 // `sandgate token rotate`: a new token replaces the old one at once (the node refuses the old one, and the
 // proxies close the connections it opened); the new one is printed and saved.
 int rotate_token(const Node& node, const std::string& ref, bool raw_json) {
@@ -271,6 +285,18 @@ int main(int argc, char** argv) {
   checkpoint->add_option("--type", checkpoint_type, "filesystem (the disk state) or memory (not on the process driver)")
       ->capture_default_str();
   checkpoint->add_flag("--json", raw_json, "print the node's JSON answer");
+  uint32_t fork_count = 1;
+  std::string fork_prefix;
+  CLI::App* fork_cmd = app.add_subcommand(
+      "fork", "Fork a running sandbox: a memory checkpoint, then COUNT sandboxes from it, its processes continuing "
+              "in each (each its own id, token, hostname and RNG)");
+  fork_cmd->add_option("sandbox", ref, "name or id")->required();
+  fork_cmd->add_option("--count", fork_count, "how many sandboxes (at most 64)")->check(CLI::Range(1u, 64u))
+      ->capture_default_str();
+  fork_cmd->add_option("--name-prefix", fork_prefix,
+                   "name them PREFIX-1 ... PREFIX-COUNT (default: the sandbox's name followed by -fork; none when "
+                   "it has no name)");
+  fork_cmd->add_flag("--json", raw_json, "print the node's JSON answer (the snapshot and the sandboxes)");
   CLI::App* snapshots = app.add_subcommand("snapshots", "List snapshots");
   snapshots->add_flag("--json", raw_json, "print the node's JSON answer");
   CLI::App* snapshot_cmd = app.add_subcommand("snapshot", "Manage snapshots");
@@ -510,6 +536,7 @@ int main(int argc, char** argv) {
     if (!answer) return error(answer.message());
     return print(*answer, raw, raw_json, sg::cli::format_checkpoint);
   }
+  if (fork_cmd->parsed()) return fork_sandbox(node, ref, fork_count, fork_prefix, raw_json);
   if (ssh_keys_add->parsed()) {
     auto text = sg::cli::read_small_file(key_file, sg::kMaxPublicKeyLine);
     if (!text) return error("ssh-keys add: " + text.message());

@@ -16,7 +16,8 @@
 #     runs as the sandbox's command (fw_cfg, not the kernel command line, so it never shows in the host's
 #     process list); kernel command line `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
 #     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
-#     guest clock stood still while the VM was stopped).
+#     guest clock stood still while the VM was stopped), followed by the sandbox's id, hostname and an RNG
+#     seed (after a start too: a guest restored from a memory snapshot takes its new identity from it).
 #   - kernel command line `sg.root=/dev/vda` (a QEMU sandbox booting an image's disk): the init mounts that
 #     ext4 disk and runs the agent and the command chrooted into it (the agent with the libraries it was
 #     copied with, from a tmpfs at /run/sandgate, so the image needs none of them; the command with the
@@ -142,10 +143,6 @@ echo 'nameserver 10.0.2.3' >/etc/resolv.conf
 arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
 clock=$(arg sg.clock)
 agent=$(arg sg.agent)
-if [ -n "$clock" ]; then
-  # One connection per sync, carrying the host's epoch seconds.
-  (while :; do t=$(nc -l -p "$clock" </dev/null); [ -n "$t" ] && date -s "@$t" >/dev/null; done) &
-fi
 # With an image's disk: mount it, give it /proc, /sys, /dev and a tmpfs /run holding the agent and its
 # libraries, and run the agent and the command chrooted into it.
 in_root=
@@ -172,6 +169,22 @@ if [ -n "$rootdev" ]; then
   else
     echo "SANDGATE-GUEST cannot mount $rootdev; running from the initramfs"
   fi
+fi
+if [ -n "$clock" ]; then
+  # One connection per sync: "<epoch seconds> <sandbox id> <hostname> <seed hex>" (the last three from
+  # drivers that send them). The id goes where the agent's /health reads it; the seed is mixed into the
+  # kernel's RNG with a forced reseed, so guests restored from one memory snapshot draw different numbers.
+  (while :; do
+    set -- $(nc -l -p "$clock" </dev/null)
+    [ -n "$1" ] && date -s "@$1" >/dev/null
+    if [ -n "$2" ]; then
+      # The id last: once /health reports it, the hostname and the reseed are done.
+      hostname "$3"
+      [ -n "$4" ] && [ -x /sandgate/sandgate-agent ] && $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1
+      echo "$2" >/run/sandgate-id
+      [ -n "$in_root" ] && echo "$2" >/newroot/run/sandgate-id
+    fi
+  done) &
 fi
 # The driver routes the SDK (exec, files, health) to the agent, so it must know whether one listens: a
 # connection forwarded to a guest port nobody listens on is reset by QEMU only after the request was sent.

@@ -383,6 +383,28 @@ Result<std::string> parse_checkpoint(const std::string& text) {
   return type;
 }
 
+Result<ForkRequest> parse_fork(const std::string& text) {
+  ForkRequest r;
+  if (text.empty()) return r;
+  auto body = parse_object(text);
+  if (!body) return body.failure();
+  for (auto it = body->begin(); it != body->end(); ++it) {
+    if (it.key() == "count") {
+      if (!it->is_number_integer()) return wrong_type("count", "an integer", *it);
+      int64_t n = it->get<int64_t>();
+      if (n < 1 || n > kMaxForks)
+        return fail(Error::kInvalidArgument, "count: must be between 1 and " + std::to_string(kMaxForks));
+      r.count = static_cast<uint32_t>(n);
+    } else if (it.key() == "name_prefix") {
+      if (!it->is_string()) return wrong_type("name_prefix", "a string", *it);
+      r.name_prefix = it->get<std::string>();
+    } else {
+      return unknown_field(it.key(), "count, name_prefix");
+    }
+  }
+  return r;
+}
+
 Result<BuildRequest> parse_build(const json& body) {
   BuildRequest r;
   constexpr std::string_view kFields = "name, from, variant, packages, steps, workdir, env, timeout_secs";
@@ -434,6 +456,8 @@ Status check_api_body(ApiBody kind, const std::string& body) {
     return {};
   };
   if (kind == ApiBody::kActivity) return outcome(parse_activity(body));
+  if (kind == ApiBody::kCheckpoint) return outcome(parse_checkpoint(body));
+  if (kind == ApiBody::kFork) return outcome(parse_fork(body));
   auto object = parse_object(body);
   if (!object) return object.failure();
   switch (kind) {
@@ -442,7 +466,9 @@ Status check_api_body(ApiBody kind, const std::string& body) {
     case ApiBody::kOpen: return outcome(parse_port_request(*object, PortRequestKind::kOpen));
     case ApiBody::kSockets: return outcome(parse_port_request(*object, PortRequestKind::kSockets));
     case ApiBody::kLookup: return outcome(parse_port_request(*object, PortRequestKind::kLookup));
-    case ApiBody::kActivity: break;  // read above, from the text
+    case ApiBody::kActivity:
+    case ApiBody::kCheckpoint:
+    case ApiBody::kFork: break;  // read above, from the text
   }
   return fail(Error::kInvalidArgument, "unknown request body kind");
 }

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -57,17 +58,28 @@ Result<PortRequest> parse_port_request(const nlohmann::json& body, PortRequestKi
 // checkpoint. The type's name, checked by the node.
 Result<std::string> parse_checkpoint(const std::string& text);
 
+// POST /v1/sandboxes/NAME/fork: {"count": 1..kMaxForks, "name_prefix": "p"} (both optional; names are
+// "<prefix>-<i>", checked by the create).
+inline constexpr uint32_t kMaxForks = 64;
+struct ForkRequest {
+  uint32_t count = 1;
+  std::optional<std::string> name_prefix;
+};
+Result<ForkRequest> parse_fork(const std::string& text);
+
 // POST /v1/images/build, checked as the builder checks it (check_build_request).
 Result<BuildRequest> parse_build(const nlohmann::json& body);
 
 // The JSON request bodies the API parses before acting on them, by route.
 enum class ApiBody {
-  kCreate,    // POST /v1/sandboxes
-  kBuild,     // POST /v1/images/build
-  kOpen,      // POST /v1/internal/open
-  kSockets,   // POST /v1/internal/sockets
-  kLookup,    // POST /v1/internal/lookup
-  kActivity,  // POST /v1/internal/activity
+  kCreate,      // POST /v1/sandboxes
+  kBuild,       // POST /v1/images/build
+  kOpen,        // POST /v1/internal/open
+  kSockets,     // POST /v1/internal/sockets
+  kCheckpoint,  // POST /v1/sandboxes/NAME/checkpoint
+  kFork,        // POST /v1/sandboxes/NAME/fork
+  kLookup,      // POST /v1/internal/lookup
+  kActivity,    // POST /v1/internal/activity
 };
 // Parses `body` as its route does: ok, or the kInvalidArgument the route answers with. The entry point of
 // the fuzz target for API bodies.

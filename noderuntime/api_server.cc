@@ -1,6 +1,7 @@
 #include "noderuntime/api_server.h"
 
 #include "noderuntime/api_request.h"
+#include "noderuntime/fork.h"
 #include "noderuntime/uv_handles.h"
 #include "common/accounts.h"
 #include "common/metrics.h"
@@ -158,7 +159,7 @@ ordered_json snapshot_json(const snapshot::Snapshot& s) {
   ordered_json ports = ordered_json::array();
   for (const snapshot::SnapshotPort& p : s.ports)
     ports.push_back({{"port", p.port}, {"public", p.is_public}, {"protocol", p.protocol}});
-  return ordered_json{{"id", s.id},
+  ordered_json j{{"id", s.id},
                       {"type", s.type},
                       {"source", {{"id", s.source_id}, {"name", s.source_name.empty() ? ordered_json(nullptr)
                                                                                          : ordered_json(s.source_name)}}},
@@ -169,6 +170,13 @@ ordered_json snapshot_json(const snapshot::Snapshot& s) {
                       {"layer_bytes", s.layer_bytes},
                       {"created_at", format_time(s.created_at_ms)},
                       {"defaults", {{"command", s.command}, {"env", s.env}, {"cwd", s.cwd}, {"ports", std::move(ports)}}}};
+  if (s.type == "memory") {
+    j["memory_mb"] = s.memory_mb;
+    j["cpus"] = s.cpus;
+    j["state_bytes"] = s.state_bytes;
+    j["disk_bytes"] = s.disk_bytes;
+  }
+  return j;
 }
 
 Response snapshot_response(int status, const Result<snapshot::Snapshot>& s) {
@@ -976,6 +984,19 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
                           {"entries", r->entries},
                           {"snapshot", snapshot_json(r->snapshot)}};
         reply(Response{201, to_text(j), {}, ""});
+      });
+    }
+    if (!ref.empty() && action == "fork") {
+      if (method != "POST") return method_not_allowed("POST");
+      auto fork = parse_fork(request.body);
+      if (!fork) return reply(error_response(fork.failure()));
+      return fork_sandbox(*node_, std::string(ref), *fork, [this, reply = std::move(reply)](Result<ForkResult> r) {
+        if (!r) return reply(error_response(r.failure()));
+        std::string body = "{\"snapshot_id\":" + ordered_json(r->snapshot.id).dump() +
+                           ",\"snapshot\":" + to_text(snapshot_json(r->snapshot)) + ",\"sandboxes\":[";
+        for (size_t i = 0; i < r->sandboxes.size(); ++i)
+          body += (i ? "," : "") + sandbox_response(201, r->sandboxes[i]).body;
+        reply(Response{201, body + "]}", {}, ""});
       });
     }
     if (!ref.empty() && (action == "suspend" || action == "resume")) {

@@ -34,6 +34,7 @@ struct DriverCapabilities {
   bool pause = false;      // pause()/resume(): memory tier
   bool hibernate = false;  // hibernate()/restore(): disk tier (requires pause)
   bool disk_limit = false; // enforces spec.disk_mb (so the node's default_disk_mb applies to its sandboxes)
+  bool memory_checkpoint = false;  // checkpoint_memory(), and start() from a memory snapshot's files
 };
 
 // What a driver sees when it looks at an instance (used to reconcile after a node restart).
@@ -62,6 +63,15 @@ struct CheckpointSource {
   std::vector<std::string> base_layers;
   std::unique_ptr<snapshot::Freezer> freezer;
 };
+
+// What a memory checkpoint wrote into its directory (kMemoryState, and kMemoryDisk when the VM has a disk).
+struct MemoryCheckpoint {
+  uint64_t state_bytes = 0;
+  uint64_t disk_bytes = 0;
+  double pause_ms = 0;  // how long the guest stood still
+};
+inline constexpr const char* kMemoryState = "state";
+inline constexpr const char* kMemoryDisk = "disk.qcow2";
 
 class Driver {
  public:
@@ -112,6 +122,15 @@ class Driver {
   // Filesystem checkpoints of a running instance; kUnsupported (the default) for a driver that has none.
   virtual Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo&) {
     return fail(Error::kUnsupported, "the " + spec.driver + " driver cannot take filesystem checkpoints yet");
+  }
+  // Memory checkpoints (capabilities().memory_checkpoint): saves the running instance's devices, RAM and disk
+  // into `dir` (empty, made by the caller), standing it still only meanwhile; it runs again afterwards,
+  // whatever the outcome. Serialised with the other operations like them (the node holds suspends back).
+  // start() with spec.memory_snapshot_dir set starts an instance from such a directory instead of booting:
+  // its processes continue where they were, under the new spec's identity.
+  virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/,
+                                 std::function<void(Result<MemoryCheckpoint>)> done) {
+    done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
   }
 };
 

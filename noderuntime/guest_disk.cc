@@ -158,6 +158,51 @@ Result<std::string> make_overlay(const std::vector<std::string>& trees, const st
   return disk;
 }
 
+Result<std::string> make_overlay_on(const std::string& backing, const std::string& sandbox_dir) {
+  const std::string disk = sandbox_dir + "/disk.qcow2";
+  if (::access(disk.c_str(), F_OK) == 0) return disk;
+  const std::string tmp = disk + ".tmp";
+  if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", "qcow2", tmp},
+                          sandbox_dir + "/disk.log");
+      !s)
+    return s.failure();
+  if (::rename(tmp.c_str(), disk.c_str()) != 0) return fail_errno("rename " + tmp, errno);
+  std::error_code ec;
+  fs::remove(sandbox_dir + "/disk.log", ec);
+  return disk;
+}
+
+// Data extents only (SEEK_DATA/SEEK_HOLE), each with copy_file_range, which shares the blocks on a
+// filesystem that can (XFS, btrfs) and copies in the kernel elsewhere.
+Result<std::string> sparse_copy(const std::string& from, const std::string& to) {
+  UniqueFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!in.valid()) return fail_errno("open " + from, errno);
+  struct stat st{};
+  if (::fstat(in.get(), &st) != 0) return fail_errno("stat " + from, errno);
+  UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!out.valid()) return fail_errno("open " + to, errno);
+  if (::ftruncate(out.get(), st.st_size) != 0) return fail_errno("truncate " + to, errno);
+  off_t at = 0;
+  while (at < st.st_size) {
+    off_t data = ::lseek(in.get(), at, SEEK_DATA);
+    if (data < 0) {
+      if (errno == ENXIO) break;  // only a hole is left
+      return fail_errno("seek " + from, errno);
+    }
+    off_t hole = ::lseek(in.get(), data, SEEK_HOLE);
+    if (hole < 0) return fail_errno("seek " + from, errno);
+    off_t src = data, dst = data;
+    while (src < hole) {
+      ssize_t n = ::copy_file_range(in.get(), &src, out.get(), &dst, static_cast<size_t>(hole - src), 0);
+      if (n < 0) return fail_errno("copy " + from + " to " + to, errno);
+      if (n == 0) break;  // the file shrank under us: what is there is copied
+    }
+    at = hole;
+  }
+  if (::fsync(out.get()) != 0) return fail_errno("fsync " + to, errno);
+  return to;
+}
+
 }  // namespace
 
 void remove_orphaned_guest_disks(const std::string& dir) {
@@ -181,8 +226,7 @@ namespace {
 
 struct Work {
   uv_work_t req;
-  std::vector<std::string> trees;
-  std::string dir, sandbox_dir;
+  std::function<Result<std::string>()> job;
   std::optional<Result<std::string>> result;
   std::shared_ptr<bool> alive;
   GuestDisks::Done done;
@@ -196,18 +240,32 @@ GuestDisks::GuestDisks(uv_loop_t* loop, std::string dir)
 GuestDisks::~GuestDisks() { *alive_ = false; }
 
 void GuestDisks::overlay(std::vector<std::string> trees, std::string sandbox_dir, Done done) {
+  submit([trees = std::move(trees), dir = dir_, sandbox_dir = std::move(sandbox_dir)] {
+    return make_overlay(trees, dir, sandbox_dir);
+  }, std::move(done));
+}
+
+void GuestDisks::overlay_on(std::string backing, std::string sandbox_dir, Done done) {
+  submit([backing = std::move(backing), sandbox_dir = std::move(sandbox_dir)] {
+    return make_overlay_on(backing, sandbox_dir);
+  }, std::move(done));
+}
+
+void GuestDisks::copy(std::string from, std::string to, Done done) {
+  submit([from = std::move(from), to = std::move(to)] { return sparse_copy(from, to); }, std::move(done));
+}
+
+void GuestDisks::submit(std::function<Result<std::string>()> job, Done done) {
   auto* w = new Work{};
   w->req.data = w;
-  w->trees = std::move(trees);
-  w->dir = dir_;
-  w->sandbox_dir = std::move(sandbox_dir);
+  w->job = std::move(job);
   w->alive = alive_;
   w->done = std::move(done);
   int rc = uv_queue_work(
       loop_, &w->req,
       [](uv_work_t* r) {
         auto* x = static_cast<Work*>(r->data);
-        x->result.emplace(make_overlay(x->trees, x->dir, x->sandbox_dir));
+        x->result.emplace(x->job());
       },
       [](uv_work_t* r, int status) {
         std::unique_ptr<Work> x(static_cast<Work*>(r->data));

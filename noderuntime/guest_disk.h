@@ -52,8 +52,15 @@ class GuestDisks {
   // (built first if missing) unless it exists already. `done` runs on the loop, after this returns (at once
   // only if the loop refuses the work, which it does only while closing).
   void overlay(std::vector<std::string> trees, std::string sandbox_dir, Done done);
+  // Makes <sandbox_dir>/disk.qcow2 on `backing` (a memory snapshot's qcow2 disk) unless it exists already.
+  void overlay_on(std::string backing, std::string sandbox_dir, Done done);
+  // Copies the qcow2 file `from` to `to` (sparse: holes stay holes; reflinked where the filesystem can),
+  // synced. `done` gets `to`.
+  void copy(std::string from, std::string to, Done done);
 
  private:
+  void submit(std::function<Result<std::string>()> job, Done done);
+
   uv_loop_t* loop_;
   std::string dir_;
   std::shared_ptr<bool> alive_;

@@ -336,8 +336,10 @@ Result<SandboxSpec> Node::validate(CreateRequest req) const {
   // (an ext4 base made from the image) only where the operator or the request asks for one.
   const bool qemu = spec.driver == "qemu";
   const char* default_key = qemu ? "node.qemu_image" : "node.default_image";
-  spec.image = req.image.value_or(qemu ? cfg->node.qemu_image : cfg->node.default_image);
-  if ((spec.image.empty() && (req.image || !qemu)) || has_nul(spec.image))
+  // A memory snapshot's guest already runs on its root: the image it booted (none for an initramfs guest).
+  const bool from_memory = *snap && (*snap)->type == "memory";
+  spec.image = from_memory ? (*snap)->image : req.image.value_or(qemu ? cfg->node.qemu_image : cfg->node.default_image);
+  if ((spec.image.empty() && !from_memory && (req.image || !qemu)) || has_nul(spec.image))
     return invalid("image: must be a non-empty image name");
   if (images_ != nullptr && !spec.image.empty()) {
     auto image = images_->get(spec.image);
@@ -361,6 +363,7 @@ Result<SandboxSpec> Node::validate(CreateRequest req) const {
   if (*snap) {
     spec.snapshot = (*snap)->id;
     spec.layers = (*snap)->layers;
+    if ((*snap)->type == "memory") spec.memory_snapshot_dir = snapshots_->files_dir((*snap)->id);
   }
   return spec;
 }
@@ -947,10 +950,10 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
   if (!found) return done(found.failure());
   Sandbox& sb = **found;
   const SandboxSpec& spec = sb.rec.spec;
-  if (type == "memory")
+  if (type == "memory" && !driver(sb).capabilities().memory_checkpoint)
     return done(fail(Error::kUnsupported, "memory checkpoints are not supported by the " + spec.driver +
                                               " driver (it cannot save running processes); use --type filesystem"));
-  if (type != "filesystem")
+  if (type != "filesystem" && type != "memory")
     return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
   if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
   if (sb.rec.state != S::kRunning)
@@ -960,6 +963,7 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
                          (sb.rec.state == S::kSuspended ? " (resume it first: sandgate resume " + std::string(ref) + ")"
                                                         : std::string())));
   if (sb.checkpointing) return done(fail(Error::kConflict, "a checkpoint of sandbox " + sb.id() + " is in progress"));
+  if (type == "memory") return checkpoint_memory(sb, std::move(done));
   auto source = driver(sb).checkpoint_source(spec, sb.rec.runtime);
   if (!source) return done(source.failure());
 
@@ -984,6 +988,48 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
                            on_checkpoint_done(id);
                            done(std::move(r));
                          });
+}
+
+void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
+  snapshot::Snapshot record = snapshot_record(sb.rec.spec);
+  record.type = "memory";
+  record.id = snapshot::generate_snapshot_id();
+  record.memory_mb = sb.rec.spec.memory_mb;
+  record.cpus = sb.rec.spec.cpus;
+  // The guest's root is its disk (copied into the snapshot) or its initramfs: no layers to stack.
+  record.layers.clear();
+  auto dir = snapshots_->begin_memory(record.id);
+  if (!dir) return done(dir.failure());
+  sb.checkpointing = true;
+  spdlog::info("sandbox {}: checkpoint (memory) {} started", sb.id(), record.id);
+  driver(sb).checkpoint_memory(
+      sb.rec.spec, sb.rec.runtime, *dir,
+      [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
+       done = std::move(done)](Result<MemoryCheckpoint> saved) mutable {
+        if (alive.expired()) return;
+        auto finish = [this, id, done = std::move(done)](Result<snapshot::CheckpointResult> r) {
+          if (r)
+            spdlog::info("sandbox {}: checkpoint {}: state {} bytes, disk {} bytes, paused {:.1f} ms", id,
+                         r->snapshot.id, r->snapshot.state_bytes, r->snapshot.disk_bytes, r->pause_ms);
+          else
+            spdlog::warn("sandbox {}: memory checkpoint failed: {}", id, r.message());
+          on_checkpoint_done(id);
+          done(std::move(r));
+        };
+        if (!saved) {
+          snapshots_->discard_memory(record.id);
+          return finish(saved.failure());
+        }
+        record.state_bytes = saved->state_bytes;
+        record.disk_bytes = saved->disk_bytes;
+        record.created_at_ms = wall_now_ms();
+        snapshots_->commit_memory(std::move(record), [alive, pause_ms = saved->pause_ms,
+                                                      finish = std::move(finish)](Result<snapshot::Snapshot> r) {
+          if (alive.expired()) return;
+          if (!r) return finish(r.failure());
+          finish(snapshot::CheckpointResult{.snapshot = std::move(*r), .pause_ms = pause_ms, .entries = 0});
+        });
+      });
 }
 
 void Node::on_checkpoint_done(const std::string& id) {

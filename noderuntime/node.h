@@ -294,6 +294,7 @@ class Node {
   Result<SandboxSpec> validate(CreateRequest request) const;
   // A create from a snapshot: the request with the snapshot's defaults filled in (nullopt: none was named).
   Result<std::optional<snapshot::Snapshot>> apply_snapshot(CreateRequest& request) const;
+  void checkpoint_memory(Sandbox& sb, CheckpointCallback done);
   void on_checkpoint_done(const std::string& id);
   // The lowest uid range (node.uid_range_base + slot * kUidRangeSize) no sandbox of this node holds.
   Result<uint32_t> allocate_uid_base() const;

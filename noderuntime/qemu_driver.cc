@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -160,6 +161,11 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::string_view name() const override { return "qemu"; }
+  DriverCapabilities capabilities() const override {
+    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
+  }
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         std::function<void(Result<MemoryCheckpoint>)> done) override;
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
   void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
   void resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
@@ -243,9 +249,15 @@ class QemuDriver final : public VmmDriver {
   void poll_boot(Op* op, std::shared_ptr<Boot> boot);
   Step connect_step(bool just_spawned);
   Step command_step(std::string command, nlohmann::json args = nullptr);
-  Step migrate_step(const std::string& tmp);
+  Step migrate_step(const std::string& tmp, bool cancellable);
   Step wait_incoming_step();
-  Step clock_step();
+  // Loads the saved state at `path` into the QEMU just spawned with -incoming defer.
+  Step incoming_step(std::string path);
+  // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
+  // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
+  Step clock_step(const SandboxSpec& spec);
+  // start() from a memory snapshot's files: the saved guest continues instead of booting.
+  void start_from_memory(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done);
   void poll_migration(Op* op, StepDone done);
   Step settle_migration_step();
   void settle_migration(Op* op, StepDone done, bool cancel_sent);
@@ -330,6 +342,7 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
 }
 
 void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
+  if (!spec.memory_snapshot_dir.empty()) return start_from_memory(spec, sandbox_dir, std::move(done));
   RuntimeInfo initial;
   initial.sandbox_dir = sandbox_dir;
   auto op = new_op(spec, "starting", initial);
@@ -365,6 +378,7 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
     boot->done = std::move(d);
     boot_attempt(o, boot);
   });
+  steps.push_back(clock_step(spec));
   run(std::move(op), std::move(steps), kill_step(), [this, spec, done = std::move(done)](Op* o, Status s) {
     if (!s) {
       netns_.erase(o->sandbox_id);
@@ -373,6 +387,106 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
     }
     done(o->info);
   });
+}
+
+void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
+  RuntimeInfo initial;
+  initial.sandbox_dir = sandbox_dir;
+  auto op = new_op(spec, "starting from a memory snapshot", initial);
+  const std::string saved = spec.memory_snapshot_dir + "/" + kMemoryState;
+  const std::string saved_disk = spec.memory_snapshot_dir + "/" + kMemoryDisk;
+  std::vector<Step> steps;
+  steps.push_back([this](Op*, StepDone d) { image_.ensure(std::move(d)); });
+  steps.push_back([this, spec, saved](Op* o, StepDone d) {
+    struct stat st{};
+    if (::stat(saved.c_str(), &st) != 0 || st.st_size == 0)
+      return d(fail(Error::kNotFound, "the memory snapshot has no saved state at " + saved));
+    auto prepared = prepare(spec, o->info.sandbox_dir);
+    if (!prepared) return d(prepared.failure());
+    o->info = std::move(*prepared);
+    d({});
+  });
+  // The snapshot's disk stays as it is, under this sandbox's own overlay; every sandbox from it shares it.
+  if (::access(saved_disk.c_str(), F_OK) == 0) {
+    steps.push_back([this, saved_disk](Op* o, StepDone d) {
+      disks_.overlay_on(saved_disk, o->info.sandbox_dir, [o, d](Result<std::string> disk) {
+        if (!disk) return d(disk.failure());
+        o->info.driver_data[kDisk] = *disk;
+        d({});
+      });
+    });
+  }
+  steps.push_back([this, spec](Op* o, StepDone d) {
+    std::vector<std::string> args = qemu_args(spec, o->info);
+    for (const char* a : {"-S", "-incoming", "defer"}) args.emplace_back(a);
+    std::error_code ec;
+    std::filesystem::remove(o->info.driver_data[kApiSocket], ec);
+    auto p = spawn_qemu(spec, args, o->info.sandbox_dir + "/qemu.log");
+    if (!p) return d(p.failure());
+    o->process = *p;
+    o->spawned = true;
+    o->info.pid = p->pid;
+    o->info.start_time_ticks = p->start_time_ticks;
+    d({});
+  });
+  steps.push_back(connect_step(true));
+  steps.push_back(incoming_step(saved));
+  steps.push_back(command_step("cont"));
+  steps.push_back(clock_step(spec));
+  run(std::move(op), std::move(steps), kill_step(), [this, done = std::move(done)](Op* o, Status s) {
+    if (!s) {
+      netns_.erase(o->sandbox_id);
+      return done(fail(s.error(), "from memory snapshot: " + s.message()));
+    }
+    done(o->info);
+  });
+}
+
+void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                                   std::function<void(Result<MemoryCheckpoint>)> done) {
+  auto op = new_op(spec, "checkpointing", info);
+  auto result = std::make_shared<MemoryCheckpoint>();
+  auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
+  const std::string state_file = dir + "/" + kMemoryState;
+  std::vector<Step> steps;
+  steps.push_back(connect_step(false));
+  steps.push_back([this, stopped_at](Op* op, StepDone d) {
+    *stopped_at = std::chrono::steady_clock::now();
+    command_step("stop")(op, std::move(d));
+  });
+  // Stopped first, so the migration is one pass over a still guest (a live one would chase its writes).
+  steps.push_back(migrate_step(state_file, false));
+  auto disk = info.driver_data.find(kDisk);
+  if (disk != info.driver_data.end()) {
+    // After the migration QEMU has flushed the disk and holds it inactive until `cont`: the copy is of
+    // exactly what the saved guest wrote.
+    steps.push_back([this, from = disk->second, to = dir + "/" + kMemoryDisk](Op*, StepDone d) {
+      disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+    });
+  }
+  steps.push_back([this, stopped_at, result](Op* op, StepDone d) {
+    command_step("cont")(op, [stopped_at, result, d](Status s) {
+      result->pause_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
+      d(std::move(s));
+    });
+  });
+  // Whatever failed, the guest runs again (a migration still going is cancelled first).
+  Step on_failure = [this](Op* op, StepDone d) {
+    if (!state(op).qmp) return d({});
+    settle_migration(op, [this, op, d](Status) {
+      state(op).qmp->execute("cont", nullptr, [d](Result<nlohmann::json>) { d({}); });
+    }, false);
+  };
+  run(std::move(op), std::move(steps), std::move(on_failure),
+      [result, state_file, dir, done = std::move(done)](Op*, Status s) {
+        if (!s) return done(s.failure());
+        struct stat st{};
+        if (::stat(state_file.c_str(), &st) == 0) result->state_bytes = static_cast<uint64_t>(st.st_size);
+        if (::stat((dir + "/" + kMemoryDisk).c_str(), &st) == 0)
+          result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+        done(*result);
+      });
 }
 
 void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {
@@ -462,8 +576,9 @@ QemuDriver::Step QemuDriver::command_step(std::string command, nlohmann::json ar
   };
 }
 
-QemuDriver::Step QemuDriver::clock_step() {
-  return [this](Op* op, StepDone done) {
+QemuDriver::Step QemuDriver::clock_step(const SandboxSpec& spec) {
+  const std::string hostname = spec.name.empty() ? spec.id : spec.name;
+  return [this, id = spec.id, hostname](Op* op, StepDone done) {
     // Best effort: a guest whose clock listener is gone still runs, just with a late clock.
     auto it = op->info.driver_data.find(kClockPort);
     auto port = it == op->info.driver_data.end() ? std::nullopt : parse_port(it->second);
@@ -482,9 +597,19 @@ QemuDriver::Step QemuDriver::clock_step() {
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(*port);
-    const std::string now = std::to_string(std::time(nullptr)) + "\n";
+    // "<epoch> <sandbox id> <hostname> <seed>": the guest's init sets its clock and hostname, records the
+    // id (the agent's /health reports it) and mixes the seed into its RNG with a forced reseed, so two
+    // sandboxes started from one memory snapshot never share a random stream.
+    unsigned char seed[32];
+    std::string line = std::to_string(std::time(nullptr)) + " " + id + " " + hostname;
+    if (::getrandom(seed, sizeof seed, 0) == static_cast<ssize_t>(sizeof seed)) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      line += ' ';
+      for (unsigned char b : seed) line += {kHex[b >> 4], kHex[b & 15]};
+    }
+    line += '\n';
     if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-        ::send(fd.get(), now.data(), now.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(now.size()))
+        ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size()))
       spdlog::warn("sandbox {}: cannot set the guest clock: {}", op->sandbox_id, std::strerror(errno));
     done({});
   };
@@ -496,14 +621,15 @@ void QemuDriver::pause(const SandboxSpec& spec, const RuntimeInfo& info, Done do
 }
 
 void QemuDriver::resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) {
-  run(new_op(spec, "resuming", info), {connect_step(false), settle_migration_step(), command_step("cont"), clock_step()},
+  run(new_op(spec, "resuming", info),
+      {connect_step(false), settle_migration_step(), command_step("cont"), clock_step(spec)},
       nullptr,
       [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
 }
 
-QemuDriver::Step QemuDriver::migrate_step(const std::string& tmp) {
-  return [this, tmp](Op* op, StepDone done) {
-    op->cancellable = true;
+QemuDriver::Step QemuDriver::migrate_step(const std::string& tmp, bool cancellable) {
+  return [this, tmp, cancellable](Op* op, StepDone done) {
+    op->cancellable = cancellable;
     // The default bandwidth cap (128 MiB/s) is for live migration over a network; this is a local file.
     nlohmann::json params = {{"max-bandwidth", int64_t{1} << 40}};
     state(op).qmp->execute("migrate-set-parameters", params, [this, op, tmp, done](Result<nlohmann::json> r) {
@@ -575,7 +701,7 @@ void QemuDriver::hibernate(const SandboxSpec& spec, const RuntimeInfo& info, Run
     std::filesystem::remove(tmp, ec);
     d({});
   };
-  run(std::move(op), {connect_step(false), migrate_step(tmp), cancel_point_step(), commit, end_watch, kill_step()},
+  run(std::move(op), {connect_step(false), migrate_step(tmp, true), cancel_point_step(), commit, end_watch, kill_step()},
       on_failure, [this, done = std::move(done)](Op* o, Status s) {
         if (!s) return done(s.failure());
         netns_.erase(o->sandbox_id);  // QEMU is gone, and its namespace with our fd
@@ -599,9 +725,12 @@ void QemuDriver::poll_incoming(Op* op, uint64_t started_ms, StepDone done) {
 }
 
 QemuDriver::Step QemuDriver::wait_incoming_step() {
-  return [this](Op* op, StepDone done) {
-    auto it = op->info.driver_data.find(kStateFile);
-    nlohmann::json args = {{"uri", "exec:cat " + sh_quote(it->second)}};
+  return [this](Op* op, StepDone done) { incoming_step(op->info.driver_data[kStateFile])(op, std::move(done)); };
+}
+
+QemuDriver::Step QemuDriver::incoming_step(std::string path) {
+  return [this, path = std::move(path)](Op* op, StepDone done) {
+    nlohmann::json args = {{"uri", "exec:cat " + sh_quote(path)}};
     state(op).qmp->execute("migrate-incoming", args, [this, op, done](Result<nlohmann::json> r) {
       if (!r) return done(fail(r.error(), r.message() + ": " + tail_of(op->info.sandbox_dir + "/qemu.log", 400)));
       uv_update_time(loop_);
@@ -644,7 +773,7 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
   steps.push_back(connect_step(true));
   steps.push_back(wait_incoming_step());
   steps.push_back(command_step("cont"));
-  steps.push_back(clock_step());
+  steps.push_back(clock_step(spec));
   steps.push_back([](Op* o, StepDone d) {
     // The guest has moved on from the saved state; see the header.
     std::error_code ec;

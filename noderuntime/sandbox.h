@@ -75,6 +75,8 @@ struct SandboxSpec {
   // lives) and its layers, bottom first, which are then the root filesystem instead of the image's.
   std::string snapshot;
   std::vector<std::string> layers;
+  // A memory snapshot's files (snapshot_store.h files_dir): start() restores them instead of booting.
+  std::string memory_snapshot_dir;
   // First host uid/gid of the sandbox's user namespace (sandbox id 0 = this, 65536 ids), allocated by the
   // node at create and held until the sandbox is gone. 0 = none (created before user namespaces).
   uint32_t uid_base = 0;

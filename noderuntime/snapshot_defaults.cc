@@ -25,6 +25,18 @@ Status apply_snapshot_defaults(const snapshot::Snapshot& snap, CreateRequest& re
   if (req.driver && *req.driver != snap.driver)
     return fail(Error::kInvalidArgument, "driver: snapshot " + snap.id + " is of a " + snap.driver +
                                              " sandbox, so the sandbox made from it runs on that driver");
+  if (snap.type == "memory") {
+    // The saved RAM and devices are of this shape; a guest cannot continue in another.
+    if (req.memory_mb && *req.memory_mb != static_cast<int64_t>(snap.memory_mb))
+      return fail(Error::kInvalidArgument, "memory_mb: snapshot " + snap.id + " is a memory snapshot of a " +
+                                               std::to_string(snap.memory_mb) +
+                                               " MiB guest, so the sandbox made from it has that much");
+    if (req.cpus && *req.cpus != snap.cpus)
+      return fail(Error::kInvalidArgument, "cpus: snapshot " + snap.id + " is a memory snapshot of a guest with " +
+                                               std::to_string(snap.cpus) + " cpus, so the sandbox made from it has as many");
+    req.memory_mb = snap.memory_mb;
+    req.cpus = snap.cpus;
+  }
   req.image = snap.image;
   req.driver = snap.driver;
   if (req.command.empty()) req.command = snap.command;

@@ -1,11 +1,17 @@
 #include "noderuntime/snapshot_service.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <filesystem>
 #include <optional>
 
 #include <spdlog/spdlog.h>
+
+#include "common/fd.h"
 
 namespace sg {
 namespace {
@@ -47,6 +53,54 @@ void SnapshotService::checkpoint(snapshot::CheckpointJob job, std::unique_ptr<sn
   std::shared_ptr<snapshot::Freezer> held(std::move(freezer));
   run<snapshot::CheckpointResult>(
       [images, store, job = std::move(job), held] { return snapshot::checkpoint(*images, *store, job, *held); },
+      std::move(done));
+}
+
+Result<std::string> SnapshotService::begin_memory(const std::string& id) {
+  const std::string dir = store_->new_files_dir(id);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (::mkdir(dir.c_str(), 0700) != 0) return fail_errno("mkdir " + dir, errno);
+  return dir;
+}
+
+void SnapshotService::discard_memory(const std::string& id) {
+  run<bool>(
+      [dir = store_->new_files_dir(id)]() -> Result<bool> {
+        std::error_code ec;
+        std::filesystem::remove_all(dir, ec);
+        return true;
+      },
+      [](Result<bool>) {});
+}
+
+void SnapshotService::commit_memory(snapshot::Snapshot record, Done done) {
+  snapshot::SnapshotStore* store = store_.get();
+  run<snapshot::Snapshot>(
+      [store, record = std::move(record)]() -> Result<snapshot::Snapshot> {
+        const std::string tmp = store->new_files_dir(record.id);
+        const std::string dir = store->files_dir(record.id);
+        auto sync = [](const std::string& path, int flags) -> Status {
+          UniqueFd fd(::open(path.c_str(), flags | O_CLOEXEC));
+          if (!fd.valid() || ::fsync(fd.get()) != 0) return fail_errno("fsync " + path, errno);
+          return {};
+        };
+        auto discard = [&](Status why) -> Result<snapshot::Snapshot> {
+          std::error_code ec;
+          std::filesystem::remove_all(tmp, ec);
+          std::filesystem::remove_all(dir, ec);
+          return why.failure();
+        };
+        std::error_code ec;
+        for (const auto& entry : std::filesystem::directory_iterator(tmp, ec))
+          if (Status s = sync(entry.path().string(), O_RDONLY); !s) return discard(s);
+        if (ec) return discard(fail(Error::kIo, "read " + tmp + ": " + ec.message()));
+        if (Status s = sync(tmp, O_RDONLY | O_DIRECTORY); !s) return discard(s);
+        if (::rename(tmp.c_str(), dir.c_str()) != 0) return discard(fail_errno("rename " + tmp, errno));
+        // The record last: until it exists the files are nobody's, and the next start sweeps them.
+        if (Status s = store->create(record); !s) return discard(s);
+        return record;
+      },
       std::move(done));
 }
 

@@ -37,6 +37,7 @@ std::string spec_to_json(const SandboxSpec& spec) {
             {"image", spec.image},
             {"snapshot", spec.snapshot},
             {"layers", spec.layers},
+            {"memory_snapshot_dir", spec.memory_snapshot_dir},
             {"pids_max", spec.pids_max},
             {"disk_mb", spec.disk_mb},
             {"uid_base", spec.uid_base},
@@ -104,6 +105,10 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
       if (!d.is_string()) return bad("layers");
       spec.layers.push_back(d.get<std::string>());
     }
+  }
+  if ((v = field("memory_snapshot_dir"))) {  // added with memory snapshots
+    if (!v->is_string()) return bad("memory_snapshot_dir");
+    spec.memory_snapshot_dir = v->get<std::string>();
   }
   if ((v = field("pids_max"))) {
     if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("pids_max");

@@ -42,7 +42,11 @@ ordered_json to_json(const Snapshot& s) {
                       {"env", s.env},
                       {"cwd", s.cwd},
                       {"ports", std::move(ports)},
-                      {"created_at_ms", s.created_at_ms}};
+                      {"created_at_ms", s.created_at_ms},
+                      {"memory_mb", s.memory_mb},
+                      {"cpus", s.cpus},
+                      {"state_bytes", s.state_bytes},
+                      {"disk_bytes", s.disk_bytes}};
 }
 
 // The node's own file; parsed defensively all the same (a disk can be edited or damaged).
@@ -98,6 +102,23 @@ Result<Snapshot> from_json(const std::string& text, const std::string& where) {
   auto created = j.find("created_at_ms");
   if (created == j.end() || !created->is_number_integer()) return bad("created_at_ms");
   s.created_at_ms = created->get<int64_t>();
+  // Added with memory snapshots; a filesystem record written before has none.
+  for (auto [key, out] : {std::pair{"state_bytes", &s.state_bytes}, std::pair{"disk_bytes", &s.disk_bytes}}) {
+    auto it = j.find(key);
+    if (it == j.end()) continue;
+    if (!it->is_number_unsigned()) return bad(key);
+    *out = it->get<uint64_t>();
+  }
+  if (auto it = j.find("memory_mb"); it != j.end()) {
+    if (!it->is_number_unsigned() || it->get<uint64_t>() > UINT32_MAX) return bad("memory_mb");
+    s.memory_mb = it->get<uint32_t>();
+  }
+  if (auto it = j.find("cpus"); it != j.end()) {
+    if (!it->is_number() || it->get<double>() < 0 || it->get<double>() > 1024) return bad("cpus");
+    s.cpus = it->get<double>();
+  }
+  if (s.type != "filesystem" && s.type != "memory") return bad("type");
+  if (s.type == "memory" && (s.memory_mb == 0 || s.cpus <= 0)) return bad("memory_mb");
   if (!check_snapshot_id(s.id)) return bad("id");
   return s;
 }
@@ -131,10 +152,15 @@ Result<SnapshotStore> SnapshotStore::open(const std::string& root) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return fail(Error::kIo, "create " + root + ": " + ec.message());
-  // write_file_atomic's temp files (".<name>.tmp-XXXXXX") of a write a crash interrupted.
+  // write_file_atomic's temp files (".<name>.tmp-XXXXXX") of a write a crash interrupted, a memory
+  // checkpoint's files still being written (".d.tmp"), and files whose record never came or already went.
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     std::string name = entry.path().filename().string();
-    if (name.starts_with(".") && name.find(".tmp-") != std::string::npos) fs::remove(entry.path(), ec);
+    std::error_code ignored;
+    if (name.starts_with(".") && name.find(".tmp-") != std::string::npos) fs::remove(entry.path(), ignored);
+    if (name.ends_with(".d.tmp")) fs::remove_all(entry.path(), ignored);
+    if (name.ends_with(".d") && !fs::exists(root + "/" + name.substr(0, name.size() - 2) + ".json", ignored))
+      fs::remove_all(entry.path(), ignored);
   }
   if (ec) return fail(Error::kIo, "read " + root + ": " + ec.message());
   return SnapshotStore(root);
@@ -191,6 +217,9 @@ Status SnapshotStore::remove(std::string_view id) {
     if (errno == ENOENT) return fail(Error::kNotFound, "no snapshot " + std::string(id));
     return fail_errno("remove " + file(id), errno);
   }
+  // Without the record nothing uses them; a crash before this leaves them to open()'s sweep.
+  std::error_code ec;
+  fs::remove_all(files_dir(id), ec);
   return fsync_dir(root_);
 }
 

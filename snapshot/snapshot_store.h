@@ -4,6 +4,8 @@
 // content-addressed LayerStore (layer_store.h); a record only names them.
 //
 //   <root>/<snap-id>.json   one record, written by write_file_atomic (temp + fsync + rename)
+//   <root>/<snap-id>.d/     a memory snapshot's files (the VM's saved state, its disk), renamed into place
+//                           complete before the record is written, removed after it
 //
 // A checkpoint writes its record LAST, after its layer is complete in the store: a crash before that leaves an
 // unnamed layer (collected by the image store's GC at the next start, which asks layers_in_use()) and no
@@ -34,7 +36,7 @@ struct SnapshotPort {
 
 struct Snapshot {
   std::string id;    // "snap-" + 12 of [a-z0-9]
-  std::string type;  // "filesystem" (the only type this node makes)
+  std::string type;  // "filesystem" (layers) or "memory" (a VM's saved state and disk, in files_dir)
   std::string source_id;
   std::string source_name;
   std::string driver;  // the source's driver; a sandbox from the snapshot runs on it too
@@ -48,6 +50,12 @@ struct Snapshot {
   std::string cwd = "/";
   std::vector<SnapshotPort> ports;
   int64_t created_at_ms = 0;
+  // Memory snapshots: the VM's shape, which a sandbox made from it must have (the saved devices and RAM are
+  // of that shape), and the sizes of its files.
+  uint32_t memory_mb = 0;
+  double cpus = 0;
+  uint64_t state_bytes = 0;  // the saved state (devices + RAM pages)
+  uint64_t disk_bytes = 0;   // the copy of its disk overlay (0: it booted without a disk)
 };
 
 // "snap-" + 12 of [a-z0-9]: a file name and a URL path segment as it is. kInvalidArgument naming it otherwise.
@@ -56,17 +64,21 @@ std::string generate_snapshot_id();
 
 class SnapshotStore {
  public:
-  // Creates `root` as needed and removes what an interrupted write left (temp files).
+  // Creates `root` as needed and removes what an interrupted write left (temp files, files dirs without a
+  // record).
   static Result<SnapshotStore> open(const std::string& root);
 
   const std::string& root() const { return root_; }
+  // Where a memory snapshot's files are (complete once its record exists), and where they are written first.
+  std::string files_dir(std::string_view id) const { return root_ + "/" + std::string(id) + ".d"; }
+  std::string new_files_dir(std::string_view id) const { return root_ + "/" + std::string(id) + ".d.tmp"; }
   // kAlreadyExists if the id is taken, kLimitExceeded past kMaxSnapshots. Written crash-safely.
   Status create(const Snapshot& snapshot);
   Result<Snapshot> get(std::string_view id) const;
   // Every record, oldest first. A damaged record is an error naming its file (never skipped: its layers
   // must not be collected).
   Result<std::vector<Snapshot>> list() const;
-  // Deletes the record (kNotFound if absent). The caller collects its layers afterwards.
+  // Deletes the record (kNotFound if absent), then its files. The caller collects its layers afterwards.
   Status remove(std::string_view id);
   // Every layer some record names: what the image store's GC must keep.
   Result<std::set<std::string>> layers_in_use() const;

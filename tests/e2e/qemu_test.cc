@@ -63,8 +63,8 @@ struct Answer {
   long guest_time = 0;
 };
 
-Answer counter(Cluster& c) {
-  auto r = c.curl("8080-q.sandbox.localhost", "/cgi-bin/c", "", 90);
+Answer counter(Cluster& c, const std::string& name = "q") {
+  auto r = c.curl("8080-" + name + ".sandbox.localhost", "/cgi-bin/c", "", 90);
   Answer a;
   a.code = Cluster::http_code(r);
   std::istringstream in(Cluster::body(r));
@@ -610,6 +610,118 @@ TEST_F(Qemu, InternetAccessGoesThroughTheNodesEgressAndItsListsAndWithoutItNothi
   ASSERT_EQ(c.cli("rm qon").exit_code, 0);
   EXPECT_EQ(chains(), 0);
   EXPECT_EQ(c.cli("rm qoff").exit_code, 0);
+}
+
+// Issue 11: a memory checkpoint saves the running guest (RAM, devices, disk) while the source keeps running;
+// a sandbox created from it continues its processes, and so does each fork, each with its own identity.
+TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentity) {
+  // A store of its own: the snapshots go where the test dir is removed, whatever the outcome.
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
+  const auto boot_started = std::chrono::steady_clock::now();
+  auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
+                       "/bin/sh -c " + shell_quote(kGuestServer),
+                       180);
+  std::fprintf(stderr, "cold create (a boot under TCG): %.0f ms (CLI round trip)\n",
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - boot_started).count());
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto source = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string source_id = source.value("id", ""), source_token = source.value("token", "");
+  c.wait_until_serving("q", 8080);
+  ASSERT_EQ(counter(c).count, 1);
+  ASSERT_EQ(counter(c).count, 2);
+
+  auto checkpoint = c.cli("checkpoint q --type memory --json", 180);
+  ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
+  const auto cp = nlohmann::json::parse(checkpoint.out, nullptr, false);
+  const std::string snap = cp.value("snapshot_id", "");
+  ASSERT_FALSE(snap.empty()) << checkpoint.out;
+  EXPECT_EQ(cp["snapshot"]["type"], "memory");
+  EXPECT_EQ(cp["snapshot"]["memory_mb"], 256);
+  EXPECT_GT(cp["snapshot"].value("state_bytes", 0), 0) << checkpoint.out;
+  std::fprintf(stderr, "memory checkpoint of a 256 MiB guest: paused %.1f ms, state %llu bytes\n",
+               cp.value("pause_ms", 0.0), static_cast<unsigned long long>(cp["snapshot"].value("state_bytes", 0ull)));
+  // The source kept running, under its own id, and counts on from where it was.
+  EXPECT_EQ(c.get("q")["state"], "running");
+  EXPECT_EQ(c.get("q")["id"], source_id);
+  EXPECT_EQ(counter(c).count, 3);
+
+  // A shape the saved guest cannot continue in is refused, naming why.
+  auto resized = c.cli("create --from " + snap + " --memory-mb 512");
+  EXPECT_NE(resized.exit_code, 0);
+  EXPECT_NE(resized.err.find("memory snapshot of a 256 MiB guest"), std::string::npos) << resized.err;
+
+  // Created from the snapshot: the guest's processes continue from the checkpointed value (2), not from 0.
+  const auto create_started = std::chrono::steady_clock::now();
+  auto restored = c.cli("create --json --name r --from " + snap, 180);
+  std::fprintf(stderr, "create from the memory snapshot: %.0f ms (CLI round trip)\n",
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - create_started).count());
+  ASSERT_EQ(restored.exit_code, 0) << restored.out << restored.err << c.node().log();
+  const auto r = nlohmann::json::parse(restored.out, nullptr, false);
+  EXPECT_NE(r.value("id", ""), source_id);
+  EXPECT_NE(r.value("token", ""), source_token);
+  Answer from_snapshot = counter(c, "r");
+  EXPECT_EQ(from_snapshot.code, 200) << c.node().log();
+  EXPECT_EQ(from_snapshot.count, 3) << "the restored guest did not continue from the checkpoint";
+  EXPECT_LE(std::labs(from_snapshot.guest_time - static_cast<long>(std::time(nullptr))), 3) << "clock not set";
+
+  // fork: a memory checkpoint of the source (now at 3), then two sandboxes from it.
+  auto forked = c.cli("fork q --count 2 --name-prefix f --json", 300);
+  ASSERT_EQ(forked.exit_code, 0) << forked.out << forked.err << c.node().log();
+  const auto f = nlohmann::json::parse(forked.out, nullptr, false);
+  ASSERT_EQ(f["sandboxes"].size(), 2u) << forked.out;
+  const std::string fork_snap = f.value("snapshot_id", "");
+  std::vector<std::string> ids, tokens;
+  for (const auto& sb : f["sandboxes"]) {
+    ids.push_back(sb.value("id", ""));
+    tokens.push_back(sb.value("token", ""));
+  }
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_EQ(counter(c, "f-1").count, 4);
+  EXPECT_EQ(counter(c, "f-2").count, 4);
+  EXPECT_EQ(counter(c, "f-1").count, 5) << "the forks diverge: each counts on its own";
+  EXPECT_EQ(counter(c, "q").count, 4);
+
+  // Each fork knows who it is (the agent's /health, the hostname) and draws its own random numbers.
+  std::vector<std::string> random;
+  for (int i = 0; i < 2; ++i) {
+    const std::string name = "f-" + std::to_string(i + 1);
+    const std::string host = name + ".sandbox.localhost";
+    EXPECT_TRUE(eventually([&] {
+      auto h = c.curl(host, "/health", bearer(tokens[i]), 30);
+      return Cluster::body(h).find(ids[i]) != std::string::npos;
+    }, std::chrono::seconds(30))) << Cluster::body(c.curl(host, "/health", bearer(tokens[i]), 30));
+    std::string out = exec_in(c, host, tokens[i], "hostname; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'");
+    EXPECT_NE(out.find(name), std::string::npos) << out;
+    random.push_back(out.substr(out.find(name) + name.size()));
+    // Logged before the id is recorded; the serial console reaches its file a moment later.
+    const std::string console = c.dir() + "/node/sandboxes/" + ids[i] + "/console.log";
+    EXPECT_TRUE(eventually([&] {
+      std::ifstream in(console);
+      std::stringstream text;
+      text << in.rdbuf();
+      return text.str().find("kernel RNG reseeded") != std::string::npos;
+    }, std::chrono::seconds(10))) << "the guest logs its reseed";
+  }
+  EXPECT_NE(random[0], random[1]) << "two forks read the same /dev/urandom bytes";
+
+  // A snapshot in use stays; the records outlive a node restart, and so do the sandboxes made from them.
+  auto in_use = c.cli("snapshot rm " + snap);
+  EXPECT_NE(in_use.exit_code, 0);
+  EXPECT_NE(in_use.err.find("in use by"), std::string::npos) << in_use.err;
+  c.node().stop(SIGKILL);
+  c.start_node();
+  auto listed = c.cli("snapshots --json");
+  EXPECT_NE(listed.out.find(snap), std::string::npos) << listed.out;
+  EXPECT_NE(listed.out.find(fork_snap), std::string::npos) << listed.out;
+  EXPECT_EQ(counter(c, "r").count, 4) << c.node().log();
+
+  for (const char* name : {"r", "f-1", "f-2", "q"}) EXPECT_EQ(c.cli(std::string("rm ") + name).exit_code, 0) << name;
+  for (const std::string& id : {snap, fork_snap}) {
+    auto removed = c.cli("snapshot rm " + id);
+    EXPECT_EQ(removed.exit_code, 0) << removed.out << removed.err;
+  }
+  EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "")
+      << "the snapshots' files are gone with their records";
 }
 
 }  // namespace

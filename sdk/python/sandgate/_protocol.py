@@ -155,10 +155,13 @@ def checkpoint_from(answer):
                       answer.get("snapshot") or {})
 
 
-def fork_body(count):
+def fork_body(count, name_prefix=None):
     if not isinstance(count, int) or not 1 <= count <= MAX_FORK_COUNT:
         raise InvalidArgumentError(f"fork count must be 1-{MAX_FORK_COUNT}, got {count!r}")
-    return json.dumps({"count": count}).encode()
+    body = {"count": count}
+    if name_prefix is not None:
+        body["name_prefix"] = name_prefix
+    return json.dumps(body).encode()
 
 
 # ---- /exec -----------------------------------------------------------------------------------------------

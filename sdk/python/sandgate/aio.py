@@ -186,8 +186,8 @@ class AsyncSandbox:
                                          P.checkpoint_body(checkpoint_type), what=f"checkpoint {self.ref}")
         return P.checkpoint_from(answer)
 
-    async def fork(self, count=1):
-        answer = await self._client.node("POST", P.sandbox_path(self.id, "fork"), P.fork_body(count),
+    async def fork(self, count=1, name_prefix=None):
+        answer = await self._client.node("POST", P.sandbox_path(self.id, "fork"), P.fork_body(count, name_prefix),
                                          what=f"fork {self.ref}")
         forks = []
         for info in answer.get("sandboxes", []):

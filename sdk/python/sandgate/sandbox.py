@@ -219,9 +219,11 @@ class Sandbox:
                                    what=f"checkpoint {self.ref}")
         return P.checkpoint_from(answer)
 
-    def fork(self, count=1):
-        """`count` copies of the running sandbox, if the node can fork (it raises UnsupportedError if not)."""
-        answer = self._client.node("POST", P.sandbox_path(self.id, "fork"), P.fork_body(count),
+    def fork(self, count=1, name_prefix=None):
+        """`count` sandboxes continuing the running sandbox's processes (a memory checkpoint, then creates from
+        it; QEMU sandboxes), named `name_prefix`-1... (default: this sandbox's name + "-fork"). A driver that
+        cannot save processes raises the node's UnsupportedError."""
+        answer = self._client.node("POST", P.sandbox_path(self.id, "fork"), P.fork_body(count, name_prefix),
                                    what=f"fork {self.ref}")
         forks = []
         for info in answer.get("sandboxes", []):

@@ -36,6 +36,8 @@ class BodiesTest(unittest.TestCase):
         self.assertEqual(json.loads(P.checkpoint_body("filesystem")), {"type": "filesystem"})
         with self.assertRaises(ValueError):
             P.checkpoint_body("disk")
+        self.assertEqual(json.loads(P.fork_body(2)), {"count": 2})
+        self.assertEqual(json.loads(P.fork_body(3, "b")), {"count": 3, "name_prefix": "b"})
         for bad in (0, P.MAX_FORK_COUNT + 1, "2"):
             with self.assertRaises(InvalidArgumentError):
                 P.fork_body(bad)

@@ -29,6 +29,13 @@ TEST(CreateFromSnapshot, TheCommandBecomesOptional) {
   EXPECT_EQ((*create_request_body(o))["command"], json::array({"/bin/sh"}));
 }
 
+TEST(ForkFormat, TheSnapshotThenEachForkAsCreatePrintsIt) {
+  json fork = json::parse(R"({"id":"sb-111111111111","name":"f-1","state":"running","token":"t1","urls":{}})");
+  json answer = {{"snapshot_id", "snap-abcdefghijkl"}, {"sandboxes", {fork}}};
+  EXPECT_EQ(format_fork(answer), "snapshot snap-abcdefghijkl\n" + format_created(fork));
+  EXPECT_EQ(format_fork(json{{"snapshot_id", "snap-abcdefghijkl"}}), "snapshot snap-abcdefghijkl\n");
+}
+
 TEST(SnapshotFormat, IdLineAndList) {
   EXPECT_EQ(format_checkpoint(json::parse(R"({"snapshot_id":"snap-abcdefghijkl","snapshot":{}})")),
             "snap-abcdefghijkl\n");

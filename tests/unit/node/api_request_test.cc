@@ -67,6 +67,8 @@ TEST(ApiBodyTest, EachRouteParsesItsOwnBody) {
   EXPECT_TRUE(check_api_body(ApiBody::kActivity, R"({"sandboxes": [{"id": "sb-1", "bytes_in": 1}]})"));
   EXPECT_TRUE(check_api_body(ApiBody::kCreate, R"({"command": ["sleep", "1"]})"));
   EXPECT_TRUE(check_api_body(ApiBody::kBuild, R"({"name": "web", "steps": [{"run": "true"}]})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kCheckpoint, R"({"type": "memory"})"));
+  EXPECT_TRUE(check_api_body(ApiBody::kFork, R"({"count": 2})"));
 
   Status lookup_with_credentials = check_api_body(ApiBody::kLookup, R"({"sandbox": "demo", "port": 1, "credentials": []})");
   EXPECT_EQ(lookup_with_credentials.error(), Error::kInvalidArgument);
@@ -125,6 +127,23 @@ TEST(ApiRequestTest, ACheckpointWithoutABodyIsAFilesystemOne) {
   EXPECT_EQ(*parse_checkpoint(""), "filesystem");
   EXPECT_EQ(*parse_checkpoint(R"({"type": "memory"})"), "memory");
   EXPECT_EQ(parse_checkpoint(R"({"kind": "memory"})").message(), "unknown field 'kind' (allowed: type)");
+}
+
+TEST(ApiRequestTest, AForkTakesACountWithinItsBoundAndAPrefix) {
+  auto none = parse_fork("");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->count, 1u);
+  EXPECT_FALSE(none->name_prefix);
+  auto both = parse_fork(R"({"count": 3, "name_prefix": "branch"})");
+  ASSERT_TRUE(both) << both.message();
+  EXPECT_EQ(both->count, 3u);
+  EXPECT_EQ(both->name_prefix, "branch");
+  EXPECT_EQ(parse_fork(R"({"count": 0})").message(), "count: must be between 1 and 64");
+  EXPECT_EQ(parse_fork(R"({"count": 65})").message(), "count: must be between 1 and 64");
+  EXPECT_EQ(parse_fork(R"({"count": "2"})").error(), Error::kInvalidArgument);
+  EXPECT_EQ(parse_fork(R"({"name_prefix": 7})").error(), Error::kInvalidArgument);
+  EXPECT_EQ(parse_fork(R"({"n": 1})").message(), "unknown field 'n' (allowed: count, name_prefix)");
+  EXPECT_EQ(parse_fork("[1]").error(), Error::kInvalidArgument);
 }
 
 }  // namespace

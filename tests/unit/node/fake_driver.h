@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -63,10 +64,13 @@ class FakeDriver : public Driver {
   }
 
   std::string_view name() const override { return "fake"; }
-  DriverCapabilities capabilities() const override { return {can_pause, can_hibernate, limits_disk}; }
+  DriverCapabilities capabilities() const override {
+    return {can_pause, can_hibernate, limits_disk, can_checkpoint_memory};
+  }
 
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {
     ++starts;
+    started_from_memory = spec.memory_snapshot_dir;
     Result<RuntimeInfo> result = fail(Error::kIo, "exec failed: no such file");
     if (!fail_start) result = RuntimeInfo{next_pid_++, 4242, sandbox_dir, {{"boot", "1"}}};
     later_with(start_delay_ms, spec.id, [done = std::move(done), result, this, id = spec.id](bool) {
@@ -212,6 +216,21 @@ class FakeDriver : public Driver {
   }
   std::string checkpoint_upper;
   std::shared_ptr<HeldFreezer> freezer = std::make_shared<HeldFreezer>();
+  // Memory checkpoints (with can_checkpoint_memory): writes a "state" file of `memory_state` into the dir.
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         std::function<void(Result<MemoryCheckpoint>)> done) override {
+    if (!can_checkpoint_memory) return Driver::checkpoint_memory(spec, info, dir, std::move(done));
+    ++memory_checkpoints;
+    later_with(op_delay_ms, spec.id, [this, dir, done = std::move(done)](bool) {
+      if (fail_memory_checkpoint) return done(fail(Error::kIo, "migration to the state file failed"));
+      std::ofstream(dir + "/" + kMemoryState) << memory_state;
+      done(MemoryCheckpoint{.state_bytes = memory_state.size(), .disk_bytes = 0, .pause_ms = 1.5});
+    });
+  }
+  bool can_checkpoint_memory = false, fail_memory_checkpoint = false;
+  std::string memory_state = "saved guest";
+  int memory_checkpoints = 0;
+  std::string started_from_memory;  // the last start's spec.memory_snapshot_dir
 
   // The instance's process exits by itself.
   void exit(const std::string& id) {

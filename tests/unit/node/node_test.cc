@@ -1,5 +1,6 @@
 #include "common/token_digest.h"
 #include "noderuntime/node.h"
+#include "noderuntime/fork.h"
 
 #include <gtest/gtest.h>
 
@@ -1407,6 +1408,141 @@ TEST_F(NodeCheckpointTest, ACreateFromASnapshotRunsOnItsLayersWithItsDefaults) {
   auto missing = create_request(from);
   ASSERT_FALSE(missing);
   EXPECT_EQ(missing.error(), Error::kNotFound);
+}
+
+TEST_F(NodeCheckpointTest, AMemoryCheckpointIsCommittedWholeAndACreateFromItKeepsItsShape) {
+  driver_->can_checkpoint_memory = true;
+  CreateRequest req;
+  req.name = "vm";
+  req.command = {"sleep", "infinity"};
+  req.memory_mb = 512;
+  req.cpus = 2;
+  auto vm = create_request(req);
+  ASSERT_TRUE(vm) << vm.message();
+  auto result = checkpoint("vm", "memory");
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_TRUE(**result) << (*result)->message();
+  const snapshot::Snapshot snap = (**result)->snapshot;
+  EXPECT_EQ(snap.type, "memory");
+  EXPECT_EQ(snap.memory_mb, 512u);
+  EXPECT_EQ(snap.cpus, 2);
+  EXPECT_EQ(snap.state_bytes, driver_->memory_state.size());
+  EXPECT_EQ((**result)->pause_ms, 1.5);
+  EXPECT_EQ(state("vm"), S::kRunning);
+  // The files are in place under the record's name, nothing half-written is left.
+  const std::string files = snapshots_->files_dir(snap.id);
+  std::ifstream saved(files + "/" + kMemoryState);
+  std::string text((std::istreambuf_iterator<char>(saved)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, driver_->memory_state);
+  EXPECT_FALSE(std::filesystem::exists(files + ".tmp"));
+
+  // A create from it runs the saved guest in its shape: another is refused, naming it.
+  CreateRequest bigger;
+  bigger.snapshot_id = snap.id;
+  bigger.memory_mb = 1024;
+  auto refused = create_request(bigger);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error(), Error::kInvalidArgument);
+  EXPECT_NE(refused.message().find("memory snapshot of a 512 MiB guest"), std::string::npos) << refused.message();
+  CreateRequest from;
+  from.name = "vm-copy";
+  from.snapshot_id = snap.id;
+  auto copy = create_request(from);
+  ASSERT_TRUE(copy) << copy.message();
+  EXPECT_EQ(copy->spec.memory_mb, 512u);
+  EXPECT_EQ(copy->spec.cpus, 2);
+  EXPECT_TRUE(copy->spec.layers.empty());
+  EXPECT_EQ(copy->spec.memory_snapshot_dir, files);
+  EXPECT_EQ(driver_->started_from_memory, files);
+  EXPECT_NE(copy->spec.id, vm->spec.id);
+
+  // Removal waits for the last sandbox made from it, and takes its files.
+  std::optional<Result<snapshot::Snapshot>> removed;
+  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
+  EXPECT_EQ(removed->error(), Error::kConflict);
+  std::optional<Result<SandboxInfo>> gone;
+  node_->remove("vm-copy", [&](Result<SandboxInfo> r) { gone.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return gone.has_value(); }));
+  removed.reset();
+  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
+  EXPECT_TRUE(*removed) << removed->message();
+  EXPECT_FALSE(std::filesystem::exists(files));
+}
+
+TEST_F(NodeCheckpointTest, AFailedMemoryCheckpointLeavesNoSnapshotAndTheSandboxRunning) {
+  driver_->can_checkpoint_memory = true;
+  driver_->fail_memory_checkpoint = true;
+  create("vm");
+  auto result = checkpoint("vm", "memory");
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_FALSE(**result);
+  EXPECT_NE((*result)->message().find("migration to the state file failed"), std::string::npos);
+  EXPECT_EQ(state("vm"), S::kRunning);
+  auto all = snapshots_->list();
+  ASSERT_TRUE(all);
+  EXPECT_TRUE(all->empty());
+  // The half-written files go too (on the pool: wait for them).
+  EXPECT_TRUE(run_until(&loop_, [&] {
+    std::error_code ec;
+    auto it = std::filesystem::directory_iterator(dir_.path() + "/images/snapshots", ec);
+    return !ec && it == std::filesystem::directory_iterator();
+  }));
+  // And a second checkpoint is not refused as "in progress".
+  driver_->fail_memory_checkpoint = false;
+  auto again = checkpoint("vm", "memory");
+  ASSERT_TRUE(run_until(&loop_, [&] { return again->has_value(); }));
+  EXPECT_TRUE(**again) << (*again)->message();
+}
+
+// noderuntime/fork.h, on the node with the fake driver (the fixture above).
+TEST_F(NodeCheckpointTest, AForkMakesEverySandboxFromOneMemorySnapshotOrNoneOfThem) {
+  driver_->can_checkpoint_memory = true;
+  create("vm");
+  std::optional<Result<ForkResult>> forked;
+  fork_sandbox(*node_, "vm", ForkRequest{.count = 2, .name_prefix = std::nullopt},
+               [&](Result<ForkResult> r) { forked.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return forked.has_value(); }));
+  ASSERT_TRUE(*forked) << forked->message();
+  ASSERT_EQ((*forked)->sandboxes.size(), 2u);
+  EXPECT_EQ((*forked)->sandboxes[0].spec.name, "vm-fork-1");
+  EXPECT_EQ((*forked)->sandboxes[1].spec.name, "vm-fork-2");
+  EXPECT_NE((*forked)->sandboxes[0].token, (*forked)->sandboxes[1].token);
+  for (const SandboxInfo& f : (*forked)->sandboxes) {
+    EXPECT_EQ(f.spec.snapshot, (*forked)->snapshot.id);
+    EXPECT_EQ(state(f.spec.name), S::kRunning);
+  }
+  EXPECT_EQ(driver_->memory_checkpoints, 1);
+
+  // The second name is taken: the first fork goes again, the snapshot stays, the error says all of it.
+  create("x-2");
+  forked.reset();
+  fork_sandbox(*node_, "vm", ForkRequest{.count = 2, .name_prefix = "x"},
+               [&](Result<ForkResult> r) { forked.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return forked.has_value(); }));
+  ASSERT_FALSE(*forked);
+  EXPECT_EQ(forked->error(), Error::kAlreadyExists);
+  EXPECT_NE(forked->message().find("fork 2 of 2"), std::string::npos) << forked->message();
+  EXPECT_NE(forked->message().find("stays"), std::string::npos) << forked->message();
+  EXPECT_TRUE(run_until(&loop_, [&] { return !node_->get("x-1"); }));
+  auto all = snapshots_->list();
+  ASSERT_TRUE(all);
+  EXPECT_EQ(all->size(), 2u);
+
+  // A driver that cannot save processes cannot fork.
+  driver_->can_checkpoint_memory = false;
+  forked.reset();
+  fork_sandbox(*node_, "vm", ForkRequest{}, [&](Result<ForkResult> r) { forked.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return forked.has_value(); }));
+  EXPECT_EQ(forked->error(), Error::kUnsupported);
+}
+
+TEST(ForkNames, TheSourcesNameWithForkUnlessThereIsNoneOrNoRoom) {
+  EXPECT_EQ(default_fork_prefix("alice"), "alice-fork");
+  EXPECT_EQ(default_fork_prefix(""), "");
+  EXPECT_EQ(default_fork_prefix(std::string(56, 'a')), "") << "no room for -fork-NN in a DNS label";
+  EXPECT_EQ(default_fork_prefix(std::string(55, 'a')), std::string(55, 'a') + "-fork");
 }
 
 // ---- the fleet hooks ([fleet]), with a fake in place of etcd ----

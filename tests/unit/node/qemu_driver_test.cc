@@ -363,6 +363,68 @@ TEST_F(QemuDriverTest, PauseHibernateRestoreTerminate) {
   EXPECT_TRUE(none_alive());
 }
 
+TEST_F(QemuDriverTest, AMemoryCheckpointLeavesTheGuestRunningAndAStartFromItContinuesIt) {
+  ASSERT_TRUE(driver().capabilities().memory_checkpoint);
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string snap = dir_.path() + "/snap";
+  std::filesystem::create_directories(snap);
+  std::optional<Result<MemoryCheckpoint>> saved;
+  driver().checkpoint_memory(spec_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
+  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
+  ASSERT_TRUE(*saved) << saved->message();
+  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE");
+  EXPECT_EQ((*saved)->state_bytes, std::string("SANDGATE-FAKE-STATE").size());
+  EXPECT_EQ((*saved)->disk_bytes, 0u);  // booted without a disk
+  EXPECT_GT((*saved)->pause_ms, 0);
+  auto seen = driver().observe(spec_, *info);
+  EXPECT_TRUE(seen.alive);
+  EXPECT_FALSE(seen.paused) << "the source must run again after its checkpoint";
+
+  // A second sandbox from it: QEMU loads the saved state instead of booting, and runs.
+  auto [other_spec, other_dir] = other_sandbox();
+  SandboxSpec spec = other_spec;
+  const std::string dir = other_dir;
+  spec.memory_snapshot_dir = snap;
+  auto from = wait_runtime([&](Driver::RuntimeDone d) { driver().start(spec, dir, std::move(d)); });
+  ASSERT_TRUE(from.ok()) << from.message();
+  EXPECT_NE(from->pid, info->pid);
+  auto running = driver().observe(spec, *from);
+  EXPECT_TRUE(running.alive);
+  EXPECT_FALSE(running.paused);
+  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE") << "the snapshot is not consumed";
+  EXPECT_EQ(read_all(dir + "/console.log").find("SANDGATE-GUEST-READY"), std::string::npos) << "it did not boot";
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *info, std::move(d)); }).ok());
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec, *from, std::move(d)); }).ok());
+
+  // Without the state there is nothing to continue: named, nothing started.
+  auto empty = other_sandbox();
+  SandboxSpec empty_spec = empty.first;
+  const std::string empty_dir = empty.second;
+  empty_spec.id = "sb-qemutest0003";
+  empty_spec.memory_snapshot_dir = dir_.path() + "/no-snapshot";
+  auto none = wait_runtime([&](Driver::RuntimeDone d) { driver().start(empty_spec, empty_dir, std::move(d)); });
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error(), Error::kNotFound);
+  EXPECT_NE(none.message().find("no saved state"), std::string::npos) << none.message();
+}
+
+TEST_F(QemuDriverTest, AFailedMemoryCheckpointSetsTheGuestRunningAgain) {
+  mode("migrate-fail");
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string snap = dir_.path() + "/snap";
+  std::filesystem::create_directories(snap);
+  std::optional<Result<MemoryCheckpoint>> saved;
+  driver().checkpoint_memory(spec_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
+  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
+  ASSERT_FALSE(*saved);
+  EXPECT_NE(saved->message().find("No space left on device"), std::string::npos) << saved->message();
+  auto seen = driver().observe(spec_, *info);
+  EXPECT_TRUE(seen.alive);
+  EXPECT_FALSE(seen.paused);
+}
+
 TEST_F(QemuDriverTest, QmpErrorFailsThePauseWithItsDescription) {
   mode("qmp-error");
   auto info = start();

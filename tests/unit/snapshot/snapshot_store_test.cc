@@ -118,5 +118,58 @@ TEST(SnapshotStore, ADamagedRecordFailsTheListSoItsLayersAreNeverCollected) {
   EXPECT_NE(copied.message().find("the record names snap-aaaaaaaaaaaa"), std::string::npos) << copied.message();
 }
 
+TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWithoutOne) {
+  TempDir tmp;
+  const std::string root = tmp.path() + "/snapshots";
+  std::string id = generate_snapshot_id();
+  Snapshot memory = sample(id);
+  memory.type = "memory";
+  memory.layers.clear();
+  memory.layer.clear();
+  memory.memory_mb = 256;
+  memory.cpus = 1.5;
+  memory.state_bytes = 123456;
+  memory.disk_bytes = 4096;
+  // Files whose record never came (a crash before it) and a write in progress are swept at open; the
+  // files of a record that exists stay.
+  const std::string orphan = generate_snapshot_id(), half = generate_snapshot_id();
+  {
+    auto store = SnapshotStore::open(root);
+    ASSERT_TRUE(store) << store.message();
+    fs::create_directories(store->files_dir(id));
+    testing::write_file(store->files_dir(id) + "/state", "saved");
+    ASSERT_TRUE(store->create(memory));
+    fs::create_directories(store->files_dir(orphan));
+    fs::create_directories(store->new_files_dir(half));
+  }
+  auto store = SnapshotStore::open(root);
+  ASSERT_TRUE(store) << store.message();
+  EXPECT_TRUE(fs::exists(store->files_dir(id) + "/state"));
+  EXPECT_FALSE(fs::exists(store->files_dir(orphan)));
+  EXPECT_FALSE(fs::exists(store->new_files_dir(half)));
+  auto got = store->get(id);
+  ASSERT_TRUE(got) << got.message();
+  EXPECT_EQ(got->type, "memory");
+  EXPECT_EQ(got->memory_mb, 256u);
+  EXPECT_EQ(got->cpus, 1.5);
+  EXPECT_EQ(got->state_bytes, 123456u);
+  EXPECT_EQ(got->disk_bytes, 4096u);
+  ASSERT_TRUE(store->remove(id));
+  EXPECT_FALSE(fs::exists(store->files_dir(id)));
+
+  // A memory record without its shape, or of an unknown type, is damaged, not guessed at.
+  Snapshot shapeless = sample(generate_snapshot_id());
+  shapeless.type = "memory";
+  ASSERT_TRUE(store->create(shapeless));
+  auto bad = store->get(shapeless.id);
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("field memory_mb"), std::string::npos) << bad.message();
+  ASSERT_TRUE(store->remove(shapeless.id));  // a damaged record fails the list, and so the next create
+  Snapshot odd = sample(generate_snapshot_id());
+  odd.type = "disk";
+  ASSERT_TRUE(store->create(odd));
+  EXPECT_NE(store->get(odd.id).message().find("field type"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace sg::snapshot
