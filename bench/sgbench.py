@@ -70,7 +70,7 @@ class Cluster:
     """Node + proxy (one worker, userspace TLS unless `proxy_toml` says otherwise). IMAGES_DIR in the
     environment reuses a node images dir (e.g. the quickstart's .state/images) so its images are there."""
 
-    def __init__(self, build, name, proxy_toml=""):
+    def __init__(self, build, name, proxy_toml="", node_toml=""):
         # A TERM (timeout, pkill) unwinds through the caller's `finally: close()` rather than leaving the
         # daemons and their sandboxes behind.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -102,6 +102,7 @@ on_shutdown = "terminate"
 cgroup_name = "sandgate-{name}-{os.getpid()}"
 init_path = "{self.build}/noderuntime/sandgate-init"
 {"images_dir = '%s'" % images_dir if images_dir else ""}
+{node_toml}
 """)
         node_log, proxy_log = self.tmp + "/node.log", self.tmp + "/proxy.log"
         self.node = self._start([self.build + "/noderuntime/sandgate-node"], node_log)
