@@ -256,6 +256,8 @@ class QemuDriver final : public VmmDriver {
   // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
+  // Spawns QEMU waiting for a saved state (args end in -incoming defer) as `op`'s instance.
+  Status spawn_incoming(Op* op, const SandboxSpec& spec, const std::vector<std::string>& args);
   // start() from a memory snapshot's files: the saved guest continues instead of booting.
   void start_from_memory(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done);
   void poll_migration(Op* op, StepDone done);
@@ -389,6 +391,18 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
   });
 }
 
+Status QemuDriver::spawn_incoming(Op* op, const SandboxSpec& spec, const std::vector<std::string>& args) {
+  std::error_code ec;
+  std::filesystem::remove(op->info.driver_data[kApiSocket], ec);  // a dead QEMU's socket would fail the bind
+  auto p = spawn_qemu(spec, args, op->info.sandbox_dir + "/qemu.log");
+  if (!p) return p.failure();
+  op->process = *p;
+  op->spawned = true;
+  op->info.pid = p->pid;
+  op->info.start_time_ticks = p->start_time_ticks;
+  return {};
+}
+
 void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) {
   RuntimeInfo initial;
   initial.sandbox_dir = sandbox_dir;
@@ -419,15 +433,7 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
   steps.push_back([this, spec](Op* o, StepDone d) {
     std::vector<std::string> args = qemu_args(spec, o->info);
     for (const char* a : {"-S", "-incoming", "defer"}) args.emplace_back(a);
-    std::error_code ec;
-    std::filesystem::remove(o->info.driver_data[kApiSocket], ec);
-    auto p = spawn_qemu(spec, args, o->info.sandbox_dir + "/qemu.log");
-    if (!p) return d(p.failure());
-    o->process = *p;
-    o->spawned = true;
-    o->info.pid = p->pid;
-    o->info.start_time_ticks = p->start_time_ticks;
-    d({});
+    d(spawn_incoming(o, spec, args));
   });
   steps.push_back(connect_step(true));
   steps.push_back(incoming_step(saved));
@@ -759,16 +765,8 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
     // QEMU reads the fw_cfg file again at start (a VM hibernated by a driver without it has none yet); the
     // restored guest does not run its command again.
     if (Status s = write_command_file(command_path(o->info.sandbox_dir), command_script(spec)); !s) return d(s);
-    std::error_code ec;
-    std::filesystem::remove(o->info.driver_data[kApiSocket], ec);  // a dead QEMU's socket would fail the bind
     // A hibernated VM's namespace died with its QEMU: the restored one gets a new one, same ports inside.
-    auto p = spawn_qemu(spec, args, o->info.sandbox_dir + "/qemu.log");
-    if (!p) return d(p.failure());
-    o->process = *p;
-    o->spawned = true;
-    o->info.pid = p->pid;
-    o->info.start_time_ticks = p->start_time_ticks;
-    d({});
+    d(spawn_incoming(o, spec, args));
   });
   steps.push_back(connect_step(true));
   steps.push_back(wait_incoming_step());

@@ -245,6 +245,14 @@ class QemuDriverTest : public ::testing::Test {
   Result<RuntimeInfo> hibernate(const RuntimeInfo& info) {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec_, info, std::move(d)); });
   }
+  // A memory checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
+  std::optional<Result<MemoryCheckpoint>> checkpoint_memory(const RuntimeInfo& info, const std::string& dir) {
+    std::filesystem::create_directories(dir);
+    std::optional<Result<MemoryCheckpoint>> saved;
+    driver().checkpoint_memory(spec_, info, dir, [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
+    EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
+    return saved;
+  }
   Result<RuntimeInfo> restore(const RuntimeInfo& info) {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().restore(spec_, info, std::move(d)); });
   }
@@ -368,10 +376,8 @@ TEST_F(QemuDriverTest, AMemoryCheckpointLeavesTheGuestRunningAndAStartFromItCont
   auto info = start();
   ASSERT_TRUE(info.ok()) << info.message();
   const std::string snap = dir_.path() + "/snap";
-  std::filesystem::create_directories(snap);
-  std::optional<Result<MemoryCheckpoint>> saved;
-  driver().checkpoint_memory(spec_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
-  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
+  auto saved = checkpoint_memory(*info, snap);
+  ASSERT_TRUE(saved.has_value());
   ASSERT_TRUE(*saved) << saved->message();
   EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE");
   EXPECT_EQ((*saved)->state_bytes, std::string("SANDGATE-FAKE-STATE").size());
@@ -414,10 +420,8 @@ TEST_F(QemuDriverTest, AFailedMemoryCheckpointSetsTheGuestRunningAgain) {
   auto info = start();
   ASSERT_TRUE(info.ok()) << info.message();
   const std::string snap = dir_.path() + "/snap";
-  std::filesystem::create_directories(snap);
-  std::optional<Result<MemoryCheckpoint>> saved;
-  driver().checkpoint_memory(spec_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
-  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
+  auto saved = checkpoint_memory(*info, snap);
+  ASSERT_TRUE(saved.has_value());
   ASSERT_FALSE(*saved);
   EXPECT_NE(saved->message().find("No space left on device"), std::string::npos) << saved->message();
   auto seen = driver().observe(spec_, *info);
