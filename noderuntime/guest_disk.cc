@@ -132,6 +132,21 @@ Status write_trees_file(const std::vector<std::string>& trees, const std::string
   return {};
 }
 
+// <sandbox_dir>/disk.qcow2 on `backing` (of `format`), made under a temp name, unless it exists already.
+Result<std::string> make_overlay_on(const std::string& backing, const char* format, const std::string& sandbox_dir) {
+  const std::string disk = sandbox_dir + "/disk.qcow2";
+  if (::access(disk.c_str(), F_OK) == 0) return disk;  // the sandbox's own: never recreated
+  const std::string tmp = disk + ".tmp";
+  if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", format, tmp},
+                          sandbox_dir + "/disk.log");
+      !s)
+    return s.failure();
+  if (::rename(tmp.c_str(), disk.c_str()) != 0) return fail_errno("rename " + tmp, errno);
+  std::error_code ec;
+  fs::remove(sandbox_dir + "/disk.log", ec);
+  return disk;
+}
+
 Result<std::string> make_overlay(const std::vector<std::string>& trees, const std::string& dir,
                                  const std::string& sandbox_dir) {
   const std::string disk = sandbox_dir + "/disk.qcow2";
@@ -148,28 +163,7 @@ Result<std::string> make_overlay(const std::vector<std::string>& trees, const st
       if (Status s = build_base(trees, base); !s) return fail(s.error(), "base disk " + base + ": " + s.message());
     }
   }
-  const std::string tmp = disk + ".tmp";
-  if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", tmp},
-                          sandbox_dir + "/disk.log");
-      !s)
-    return s.failure();
-  if (::rename(tmp.c_str(), disk.c_str()) != 0) return fail_errno("rename " + tmp, errno);
-  fs::remove(sandbox_dir + "/disk.log", ec);
-  return disk;
-}
-
-Result<std::string> make_overlay_on(const std::string& backing, const std::string& sandbox_dir) {
-  const std::string disk = sandbox_dir + "/disk.qcow2";
-  if (::access(disk.c_str(), F_OK) == 0) return disk;
-  const std::string tmp = disk + ".tmp";
-  if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", "qcow2", tmp},
-                          sandbox_dir + "/disk.log");
-      !s)
-    return s.failure();
-  if (::rename(tmp.c_str(), disk.c_str()) != 0) return fail_errno("rename " + tmp, errno);
-  std::error_code ec;
-  fs::remove(sandbox_dir + "/disk.log", ec);
-  return disk;
+  return make_overlay_on(base, "raw", sandbox_dir);
 }
 
 // Data extents only (SEEK_DATA/SEEK_HOLE), each with copy_file_range, which shares the blocks on a
@@ -247,7 +241,7 @@ void GuestDisks::overlay(std::vector<std::string> trees, std::string sandbox_dir
 
 void GuestDisks::overlay_on(std::string backing, std::string sandbox_dir, Done done) {
   submit([backing = std::move(backing), sandbox_dir = std::move(sandbox_dir)] {
-    return make_overlay_on(backing, sandbox_dir);
+    return make_overlay_on(backing, "qcow2", sandbox_dir);
   }, std::move(done));
 }
 

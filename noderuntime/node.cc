@@ -995,9 +995,7 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
   record.type = "memory";
   record.id = snapshot::generate_snapshot_id();
   record.memory_mb = sb.rec.spec.memory_mb;
-  record.cpus = sb.rec.spec.cpus;
-  // The guest's root is its disk (copied into the snapshot) or its initramfs: no layers to stack.
-  record.layers.clear();
+  record.cpus = sb.rec.spec.cpus;  // no layers: the guest's root is its disk (copied into the snapshot) or initramfs
   auto dir = snapshots_->begin_memory(record.id);
   if (!dir) return done(dir.failure());
   sb.checkpointing = true;

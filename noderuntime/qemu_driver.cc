@@ -250,12 +250,16 @@ class QemuDriver final : public VmmDriver {
   Step connect_step(bool just_spawned);
   Step command_step(std::string command, nlohmann::json args = nullptr);
   Step migrate_step(const std::string& tmp, bool cancellable);
-  Step wait_incoming_step();
   // Loads the saved state at `path` into the QEMU just spawned with -incoming defer.
   Step incoming_step(std::string path);
   // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
+  // What a failed start leaves: the namespace we hold and, with internet access, its chain.
+  void forget_failed_start(const SandboxSpec& spec) {
+    netns_.erase(spec.id);
+    if (egress_ != nullptr) egress_->detach(spec);
+  }
   // Spawns QEMU waiting for a saved state (args end in -incoming defer) as `op`'s instance.
   Status spawn_incoming(Op* op, const SandboxSpec& spec, const std::vector<std::string>& args);
   // start() from a memory snapshot's files: the saved guest continues instead of booting.
@@ -383,8 +387,7 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
   steps.push_back(clock_step(spec));
   run(std::move(op), std::move(steps), kill_step(), [this, spec, done = std::move(done)](Op* o, Status s) {
     if (!s) {
-      netns_.erase(o->sandbox_id);
-      if (egress_ != nullptr) egress_->detach(spec);  // a failed start leaves no chain behind
+      forget_failed_start(spec);
       return done(s.failure());
     }
     done(o->info);
@@ -439,9 +442,9 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
   steps.push_back(incoming_step(saved));
   steps.push_back(command_step("cont"));
   steps.push_back(clock_step(spec));
-  run(std::move(op), std::move(steps), kill_step(), [this, done = std::move(done)](Op* o, Status s) {
+  run(std::move(op), std::move(steps), kill_step(), [this, spec, done = std::move(done)](Op* o, Status s) {
     if (!s) {
-      netns_.erase(o->sandbox_id);
+      forget_failed_start(spec);
       return done(fail(s.error(), "from memory snapshot: " + s.message()));
     }
     done(o->info);
@@ -730,10 +733,6 @@ void QemuDriver::poll_incoming(Op* op, uint64_t started_ms, StepDone done) {
   });
 }
 
-QemuDriver::Step QemuDriver::wait_incoming_step() {
-  return [this](Op* op, StepDone done) { incoming_step(op->info.driver_data[kStateFile])(op, std::move(done)); };
-}
-
 QemuDriver::Step QemuDriver::incoming_step(std::string path) {
   return [this, path = std::move(path)](Op* op, StepDone done) {
     nlohmann::json args = {{"uri", "exec:cat " + sh_quote(path)}};
@@ -769,7 +768,7 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
     d(spawn_incoming(o, spec, args));
   });
   steps.push_back(connect_step(true));
-  steps.push_back(wait_incoming_step());
+  steps.push_back(incoming_step(path));
   steps.push_back(command_step("cont"));
   steps.push_back(clock_step(spec));
   steps.push_back([](Op* o, StepDone d) {

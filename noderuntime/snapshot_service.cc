@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/fd.h"
+#include "snapshot/layer_store.h"
 
 namespace sg {
 namespace {
@@ -80,8 +81,8 @@ void SnapshotService::commit_memory(snapshot::Snapshot record, Done done) {
       [store, record = std::move(record)]() -> Result<snapshot::Snapshot> {
         const std::string tmp = store->new_files_dir(record.id);
         const std::string dir = store->files_dir(record.id);
-        auto sync = [](const std::string& path, int flags) -> Status {
-          UniqueFd fd(::open(path.c_str(), flags | O_CLOEXEC));
+        auto sync_file = [](const std::string& path) -> Status {
+          UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
           if (!fd.valid() || ::fsync(fd.get()) != 0) return fail_errno("fsync " + path, errno);
           return {};
         };
@@ -93,9 +94,9 @@ void SnapshotService::commit_memory(snapshot::Snapshot record, Done done) {
         };
         std::error_code ec;
         for (const auto& entry : std::filesystem::directory_iterator(tmp, ec))
-          if (Status s = sync(entry.path().string(), O_RDONLY); !s) return discard(s);
+          if (Status s = sync_file(entry.path().string()); !s) return discard(s);
         if (ec) return discard(fail(Error::kIo, "read " + tmp + ": " + ec.message()));
-        if (Status s = sync(tmp, O_RDONLY | O_DIRECTORY); !s) return discard(s);
+        if (Status s = snapshot::fsync_dir(tmp); !s) return discard(s);
         if (::rename(tmp.c_str(), dir.c_str()) != 0) return discard(fail_errno("rename " + tmp, errno));
         // The record last: until it exists the files are nobody's, and the next start sweeps them.
         if (Status s = store->create(record); !s) return discard(s);

@@ -1311,6 +1311,19 @@ class NodeCheckpointTest : public NodeTest {
     return out;
   }
 
+  Result<snapshot::Snapshot> remove_snapshot(const std::string& id) {
+    std::optional<Result<snapshot::Snapshot>> removed;
+    snapshots_->remove(id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
+    EXPECT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
+    return removed ? std::move(*removed) : Result<snapshot::Snapshot>(fail(Error::kInternal, "no answer"));
+  }
+  Result<SandboxInfo> remove_sandbox(const std::string& ref) {
+    std::optional<Result<SandboxInfo>> gone;
+    node_->remove(ref, [&](Result<SandboxInfo> r) { gone.emplace(std::move(r)); });
+    EXPECT_TRUE(run_until(&loop_, [&] { return gone.has_value(); }));
+    return gone ? std::move(*gone) : Result<SandboxInfo>(fail(Error::kInternal, "no answer"));
+  }
+
   std::unique_ptr<snapshot::ImageStore> images_;
   std::unique_ptr<SnapshotService> snapshots_;
   std::string upper_;
@@ -1391,19 +1404,13 @@ TEST_F(NodeCheckpointTest, ACreateFromASnapshotRunsOnItsLayersWithItsDefaults) {
   EXPECT_EQ(copy->spec.exposed_ports, (std::vector<uint16_t>{8080}));
   EXPECT_EQ(copy->spec.memory_mb, 256u);
   // Removal is refused while `copy` lives, then allowed.
-  std::optional<Result<snapshot::Snapshot>> removed;
-  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
-  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
-  ASSERT_FALSE(*removed);
-  EXPECT_EQ(removed->error(), Error::kConflict);
-  EXPECT_NE(removed->message().find("in use by sandbox copy"), std::string::npos) << removed->message();
-  std::optional<Result<SandboxInfo>> gone;
-  node_->remove("copy", [&](Result<SandboxInfo> r) { gone.emplace(std::move(r)); });
-  ASSERT_TRUE(run_until(&loop_, [&] { return gone.has_value(); }));
-  removed.reset();
-  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
-  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
-  EXPECT_TRUE(*removed) << removed->message();
+  auto refused = remove_snapshot(snap.id);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error(), Error::kConflict);
+  EXPECT_NE(refused.message().find("in use by sandbox copy"), std::string::npos) << refused.message();
+  ASSERT_TRUE(remove_sandbox("copy"));
+  auto removed = remove_snapshot(snap.id);
+  EXPECT_TRUE(removed) << removed.message();
   // A missing snapshot is a 404-class error naming it.
   auto missing = create_request(from);
   ASSERT_FALSE(missing);
@@ -1457,17 +1464,10 @@ TEST_F(NodeCheckpointTest, AMemoryCheckpointIsCommittedWholeAndACreateFromItKeep
   EXPECT_NE(copy->spec.id, vm->spec.id);
 
   // Removal waits for the last sandbox made from it, and takes its files.
-  std::optional<Result<snapshot::Snapshot>> removed;
-  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
-  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
-  EXPECT_EQ(removed->error(), Error::kConflict);
-  std::optional<Result<SandboxInfo>> gone;
-  node_->remove("vm-copy", [&](Result<SandboxInfo> r) { gone.emplace(std::move(r)); });
-  ASSERT_TRUE(run_until(&loop_, [&] { return gone.has_value(); }));
-  removed.reset();
-  snapshots_->remove(snap.id, [&](Result<snapshot::Snapshot> r) { removed.emplace(std::move(r)); });
-  ASSERT_TRUE(run_until(&loop_, [&] { return removed.has_value(); }));
-  EXPECT_TRUE(*removed) << removed->message();
+  EXPECT_EQ(remove_snapshot(snap.id).error(), Error::kConflict);
+  ASSERT_TRUE(remove_sandbox("vm-copy"));
+  auto removed = remove_snapshot(snap.id);
+  EXPECT_TRUE(removed) << removed.message();
   EXPECT_FALSE(std::filesystem::exists(files));
 }
 
