@@ -5,27 +5,22 @@
 #include <sys/random.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <fstream>
 #include <string>
+
+#include "tests/unit/temp_dir.h"
 
 namespace sg::agent {
 namespace {
 
 class IdentityTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = ::testing::TempDir() + "identity-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { std::system(("rm -rf '" + dir_ + "'").c_str()); }
   std::string write(const std::string& text) {
-    std::string path = dir_ + "/id";
+    std::string path = dir_.path() + "/id";
     std::ofstream(path) << text;
     return path;
   }
-  std::string dir_;
+  sg::testing::TempDir dir_{"identity"};
 };
 
 TEST_F(IdentityTest, TheIdIsTheFirstLineWhenItIsAnIdAndNothingOtherwise) {
@@ -35,7 +30,7 @@ TEST_F(IdentityTest, TheIdIsTheFirstLineWhenItIsAnIdAndNothingOtherwise) {
   EXPECT_EQ(sandbox_identity(write("sb abc\n").c_str()), "");  // a space: not an id
   EXPECT_EQ(sandbox_identity(write("<script>\n").c_str()), "");
   EXPECT_EQ(sandbox_identity(write(std::string(65, 'a')).c_str()), "");
-  EXPECT_EQ(sandbox_identity((dir_ + "/missing").c_str()), "");
+  EXPECT_EQ(sandbox_identity((dir_.path() + "/missing").c_str()), "");
 }
 
 TEST(SeedTest, ASeedIsAnEvenRunOfHexDigitsWithinItsBounds) {
