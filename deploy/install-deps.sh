@@ -14,7 +14,7 @@ PACKAGES=(
   libssh-dev zlib1g-dev  # the agent's SSH server (static libssh.a + libz.a), the node's key checks (docs/ssh.md)
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev
-  clang  # libFuzzer (-fsanitize=fuzzer) for the fuzz targets in tests/fuzz; gcc has no coverage-guided fuzzer
+  clang  # the sanitizer + fuzz tree (tests/run.sh): libFuzzer (-fsanitize=fuzzer), which gcc lacks
   libyaml-cpp-dev  # the Firecracker / Cloud Hypervisor contract tests read the hypervisors' YAML specs
   # runtime tools and the clients the tests and the quickstart use
   openssl ca-certificates curl python3 procps iproute2

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The README's second command (and what .ci/run calls): install dependencies, build with warnings as
-# errors, run every test (unit + end to end with real clients), then run the suite again under
-# AddressSanitizer + UndefinedBehaviorSanitizer, then a short run of every fuzz target (tests/fuzz/run.sh).
-# Needs root (namespaces, cgroups).
-#   SANDGATE_SKIP_SANITIZE=1  skip the sanitizer pass (quicker local runs)
+# errors, run the end-to-end tests (real daemons, real clients) against the plain build, then the whole suite
+# (unit + end to end) under AddressSanitizer + UndefinedBehaviorSanitizer, with a short run of every fuzz
+# target (tests/fuzz/run.sh) beside it. Needs root (namespaces, cgroups).
+#   SANDGATE_SKIP_SANITIZE=1  only the plain tree, with every test (quicker local runs; no fuzz smoke)
 #   CTEST_ARGS="-R Slice"     pass a filter to ctest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,65 +31,73 @@ configure() {
   cmake -S . -B "$dir" -G Ninja -DSANDGATE_WERROR=ON "$@" >/dev/null
 }
 run_tests() {
-  phase "tests: $1"
-  # Unit tests run in parallel; end-to-end tests are RUN_SERIAL (they share cgroup trees and CPU).
-  ctest --test-dir "$1" --output-on-failure -j "$jobs" --timeout 300 ${CTEST_ARGS:-}
+  local dir=$1
+  shift
+  phase "tests: $dir $*"
+  # Unit tests run in parallel, end-to-end tests one at a time beside them (tests/CMakeLists.txt).
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" --timeout 300 "$@" ${CTEST_ARGS:-}
 }
 
+sanitize=1
+[[ ${SANDGATE_SKIP_SANITIZE:-0} == 1 ]] && sanitize=0
+
+# Two trees. build: the daemons as shipped (RelWithDebInfo), which the end-to-end tests run. build-asan: clang
+# with ASan + UBSan and libFuzzer's coverage hooks, which runs the whole suite again (unit tests included) and
+# whose fuzz targets the smoke run uses. The unit tests run only there (they test the libraries, and a
+# sanitized run of them is the stricter one), so the plain tree builds what the end-to-end tests need; with
+# SANDGATE_SKIP_SANITIZE=1 the plain tree builds and runs everything.
 # Line tables only (-g1): stack traces (the sanitizers', a core's) still name file and line, and compiling,
 # most of what this script spends, takes less (a cold RelWithDebInfo build on 2 cores: 2,421 s of compile jobs
 # with -g, 1,879 s with -g1; api_server_test.cc alone 30.9 s -> 17.7 s).
 line_tables=(-DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG")
 configure build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
 phase "build: build"
-ninja -C build
-wait "$image_pid" || { cat build/test-image.log >&2; echo "tests/run.sh: the test image could not be made" >&2; exit 1; }
-
-# The sanitizer and fuzz trees are built in the background at a lower priority, one after the other: the
-# sanitizer tree while the first pass's tests run, the fuzz tree while the sanitizer pass's tests run. Most of
-# those tests are end to end and serial, waiting on daemons and clients, and leave a core idle that the
-# compiler takes (it yields the CPU whenever a test wants it). Their output goes to build/later-*.log, shown
-# on failure.
-sanitize=1
-[[ ${SANDGATE_SKIP_SANITIZE:-0} == 1 ]] && sanitize=0
 if ((sanitize)); then
-  configure build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
-    -DSANDGATE_SANITIZE=ON -DSANDGATE_BENCH=OFF
+  ninja -C build e2e_tests
+else
+  ninja -C build
 fi
-# Fuzz smoke: every libFuzzer target (tests/fuzz) for 15 s from its seeds; a crash fails the run and leaves its
-# input in build-fuzz/fuzz/artifacts/. Only the targets and the libraries they link are built (clang).
-configure build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSANDGATE_FUZZ=ON \
-  -DSANDGATE_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${line_tables[@]}"
+wait "$image_pid" || { cat build/test-image.log >&2; echo "tests/run.sh: the test image could not be made" >&2; exit 1; }
+if ((!sanitize)); then
+  run_tests build
+  phase "tests/run.sh: all suites passed (no sanitizer pass, no fuzz smoke: SANDGATE_SKIP_SANITIZE=1)"
+  exit 0
+fi
+
+# The sanitizer tree is built in the background at a lower priority while the first pass's tests run: they
+# are end to end and serial, waiting on daemons and clients, and leave CPU that the compiler takes (it
+# yields whenever a test wants it). clang, because it compiles this code at -O0 with the sanitizers in about
+# two thirds of GCC's time and is the compiler libFuzzer needs. Its output goes to build/later-asan.log.
+configure build-asan -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Debug \
+  -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DSANDGATE_FUZZ=ON -DSANDGATE_BENCH=OFF
 later=$PWD/build/later
 rm -f "$later"-*
-(
-  rc=0
-  if ((sanitize)); then
-    nice -n 10 ninja -C build-asan >"$later-asan.log" 2>&1 || rc=$?
-  fi
-  echo "$rc" >"$later-asan.rc"
-  nice -n 10 ninja -C build-fuzz fuzz_targets >"$later-fuzz.log" 2>&1
-) &
-later_pid=$!
-# A failing pass ends the script: the compilers go with it.
-trap 'pkill -P "$later_pid" 2>/dev/null; kill "$later_pid" 2>/dev/null || true' EXIT
-build_failed() {
-  tail -n 60 "$later-$1.log" >&2
-  echo "tests/run.sh: the build of build-$1 failed (whole log: $later-$1.log)" >&2
-  exit 1
-}
+nice -n 10 ninja -C build-asan >"$later-asan.log" 2>&1 &
+asan_pid=$!
+# A failing pass ends the script: the compiler (or the fuzzers) go with it.
+trap 'pkill -P "$asan_pid" 2>/dev/null; kill "$asan_pid" 2>/dev/null || true' EXIT
 
-run_tests build
+run_tests build -L e2e
 phase "build (in the background since the first tests): build-asan"
-# The rc file appears when the sanitizer build ends (a child's child: no wait for it).
-while [[ ! -s $later-asan.rc ]] && kill -0 "$later_pid" 2>/dev/null; do sleep 1; done
-[[ $(cat "$later-asan.rc" 2>/dev/null) == 0 ]] || build_failed asan
-if ((sanitize)); then
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_tests build-asan
+if ! wait "$asan_pid"; then
+  tail -n 60 "$later-asan.log" >&2
+  echo "tests/run.sh: the build of build-asan failed (whole log: $later-asan.log)" >&2
+  exit 1
 fi
-phase "build (in the background since the sanitizer tests): build-fuzz"
-wait "$later_pid" || build_failed fuzz
+
+# Fuzz smoke: every libFuzzer target (tests/fuzz) for 15 s from its seeds, beside the sanitizer tests at a
+# lower priority (time-bounded, so it only runs fewer inputs when the tests are busy); a crash fails the run
+# and leaves its input in build-asan/fuzz/artifacts/.
+phase "fuzz smoke: build-asan (in the background)"
+nice -n 10 tests/fuzz/run.sh build-asan 15 >"$later-fuzz.log" 2>&1 &
+fuzz_pid=$!
+trap 'pkill -P "$fuzz_pid" 2>/dev/null; kill "$fuzz_pid" 2>/dev/null || true' EXIT
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_tests build-asan
+phase "fuzz smoke: waiting for it"
+if ! wait "$fuzz_pid"; then
+  cat "$later-fuzz.log" >&2
+  exit 1
+fi
 trap - EXIT
-phase "fuzz smoke: build-fuzz"
-tests/fuzz/run.sh build-fuzz 15
+cat "$later-fuzz.log"
 phase "tests/run.sh: all suites passed"

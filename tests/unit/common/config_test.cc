@@ -32,6 +32,13 @@ TEST(Config, CodePointsTomlMishandlesAreRefusedWithTheirLine) {
   const std::string crash(kCrash, sizeof kCrash - 1);
   auto cfg = load_config_string(crash, "t.toml");
   ASSERT_FALSE(cfg);
+  EXPECT_EQ(cfg.message(), "t.toml:5: control character U+0010 is not allowed in TOML (in a string, write it as "
+                           "an escape)");
+  // The same with the control characters gone: the code point toml++ mishandles is what is refused.
+  std::string printable = crash;
+  std::erase_if(printable, [](char ch) { return ch == '\x10' || ch == '\0'; });
+  cfg = load_config_string(printable, "t.toml");
+  ASSERT_FALSE(cfg);
   EXPECT_EQ(cfg.message(), "t.toml:5: character U+025C is not accepted in the config file (the TOML parser, "
                            "toml++ 3.3.0, mishandles it)");
   for (const char* text : {"a = 1\xC2\xA1\n", "# \xE3\x80\x81\n", "d = \"\xEF\xBB\xBE\"\n"}) {
@@ -41,6 +48,23 @@ TEST(Config, CodePointsTomlMishandlesAreRefusedWithTheirLine) {
   }
   // Just outside those blocks (U+00A0, U+049A, U+3000, in a comment) toml++ works.
   EXPECT_TRUE(load_config_string("domain = \"sandbox.localhost\"\n# \xC2\xA0 \xD2\x9A \xE3\x80\x80\n", "t.toml"));
+}
+
+// config_fuzz (assertions on): a NUL in a table header failed toml++'s assertion in parse_key.
+TEST(Config, RawControlCharactersAreRefusedWithTheirLine) {
+  static const char kHeader[] = "domain = \"sandbox.localhost\"\n[\0p\0r\0ox\0\0y]\nworkers = 2\n";
+  auto cfg = load_config_string(std::string(kHeader, sizeof kHeader - 1), "t.toml");
+  ASSERT_FALSE(cfg);
+  EXPECT_EQ(cfg.message(), "t.toml:2: control character U+0000 is not allowed in TOML (in a string, write it as "
+                           "an escape)");
+  for (const char* text : {"a = \"\x01\"\n", "# \x1b[31m\n", "\n\na = 1\x7f\n"}) {
+    auto refused = load_config_string(text, "t.toml");
+    ASSERT_FALSE(refused) << text;
+    EXPECT_NE(refused.message().find("control character"), std::string::npos) << refused.message();
+  }
+  EXPECT_EQ(load_config_string("\n\na = 1\x7f\n", "t.toml").message().substr(0, 8), "t.toml:3");
+  // Tab, CR LF and escapes are TOML and stay accepted.
+  EXPECT_TRUE(load_config_string("domain =\t\"sandbox.localhost\"\r\n# \\u0001\r\n", "t.toml"));
 }
 
 TEST(Config, FullFile) {
