@@ -188,6 +188,13 @@ if [ -z "$why" ]; then
 else
   echo "KTLS-CASE FAIL TLS1.3 HTTP pipelined responses on kTLS:$why"
   failures=$((failures + 1))
+  # The guest's logs are gone with it (tmpfs): what a hang needs to be understood goes to the console.
+  echo "access log since the case:"
+  sed -n "$((lines + 1)),\$p" "$RUN/access.log"
+  echo "proxy log (last 40 lines):"
+  tail -n 40 "$RUN/proxy.log"
+  echo "kernel TLS counters:"
+  cat /proc/net/tls_stat 2>/dev/null
 fi
 
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
