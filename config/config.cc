@@ -416,16 +416,17 @@ bool raw_control_character(unsigned char c) { return (c < 0x20 && c != '\t' && c
 // control character as "<source>:<line>: ...", or ok.
 Status check_toml_safe(std::string_view text, std::string_view source_name) {
   size_t line = 1;
+  auto refuse = [&](char32_t c, std::string_view what, std::string_view why) {
+    char code[16];
+    std::snprintf(code, sizeof code, "U+%04X", static_cast<unsigned>(c));
+    return fail(Error::kInvalidArgument, std::string(source_name) + ":" + std::to_string(line) + ": " +
+                                             std::string(what) + " " + code + " " + std::string(why));
+  };
   for (size_t i = 0; i < text.size();) {
     const auto lead = static_cast<unsigned char>(text[i]);
     if (lead == '\n') ++line;
-    if (raw_control_character(lead)) {
-      char code[16];
-      std::snprintf(code, sizeof code, "U+%04X", static_cast<unsigned>(lead));
-      return fail(Error::kInvalidArgument, std::string(source_name) + ":" + std::to_string(line) +
-                                               ": control character " + code +
-                                               " is not allowed in TOML (in a string, write it as an escape)");
-    }
+    if (raw_control_character(lead))
+      return refuse(lead, "control character", "is not allowed in TOML (in a string, write it as an escape)");
     const size_t len = lead < 0xC0 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
     bool well_formed = len > 1 && i + len <= text.size();
     char32_t c = lead & (0x7F >> len);
@@ -438,13 +439,8 @@ Status check_toml_safe(std::string_view text, std::string_view source_name) {
       ++i;
       continue;
     }
-    if (trips_toml_whitespace_table(c)) {
-      char code[16];
-      std::snprintf(code, sizeof code, "U+%04X", static_cast<unsigned>(c));
-      return fail(Error::kInvalidArgument,
-                  std::string(source_name) + ":" + std::to_string(line) + ": character " + code +
-                      " is not accepted in the config file (the TOML parser, toml++ 3.3.0, mishandles it)");
-    }
+    if (trips_toml_whitespace_table(c))
+      return refuse(c, "character", "is not accepted in the config file (the TOML parser, toml++ 3.3.0, mishandles it)");
     i += len;
   }
   return {};

@@ -72,10 +72,11 @@ configure build-asan -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMA
   -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DSANDGATE_FUZZ=ON -DSANDGATE_BENCH=OFF
 later=$PWD/build/later
 rm -f "$later"-*
+# A failing pass ends the script: what runs in the background (the compiler, then the fuzzers) goes with it.
+stop_on_exit() { trap "pkill -P $1 2>/dev/null; kill $1 2>/dev/null || true" EXIT; }
 nice -n 10 ninja -C build-asan >"$later-asan.log" 2>&1 &
 asan_pid=$!
-# A failing pass ends the script: the compiler (or the fuzzers) go with it.
-trap 'pkill -P "$asan_pid" 2>/dev/null; kill "$asan_pid" 2>/dev/null || true' EXIT
+stop_on_exit "$asan_pid"
 
 run_tests build -L e2e
 phase "build (in the background since the first tests): build-asan"
@@ -91,7 +92,7 @@ fi
 phase "fuzz smoke: build-asan (in the background)"
 nice -n 10 tests/fuzz/run.sh build-asan 15 >"$later-fuzz.log" 2>&1 &
 fuzz_pid=$!
-trap 'pkill -P "$fuzz_pid" 2>/dev/null; kill "$fuzz_pid" 2>/dev/null || true' EXIT
+stop_on_exit "$fuzz_pid"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_tests build-asan
 phase "fuzz smoke: waiting for it"
 if ! wait "$fuzz_pid"; then
