@@ -9,11 +9,12 @@ One sandgate-node + sandgate-proxy on loopback, QEMU under TCG on this machine (
 KVM: the cold boot of the same run is the anchor). The guest runs busybox httpd on a public port 8080 and keeps
 a counter in its RAM. Rows, medians of RUNS:
   - `checkpoint --type memory` of a guest of 128, 256 and 512 MiB: the node's pause_ms (the guest stopped), the
-    POST until its 201, and the saved state's size;
+    POST until its 201, the saved device state's size and the RAM file's allocated bytes;
   - create to the first HTTP answer through the proxy: from a memory snapshot of the 256 MiB guest, and a cold
     create (a boot) of the same guest;
-  - fork N = 1, 2, 4 of the 256 MiB guest: POST .../fork until its 201, per fork, and the forks' QEMUs' private
-    memory (smaps_rollup Private_Clean + Private_Dirty) against N x 256 MiB.
+  - fork N = 1, 2, 4 of the 256 MiB guest: POST .../fork until its 201, per fork, and the forks' QEMUs' memory
+    against N x 256 MiB: the sum of their Pss (shared pages divided among those mapping them, so the sum is
+    what the forks cost together) and of their Private_Dirty (what each wrote, and QEMU's own heap).
 """
 import http.client
 import os
@@ -76,15 +77,16 @@ def main():
         status, answer = c.api("POST", f"/v1/sandboxes/{name}/checkpoint", {"type": "memory"})
         if status != 201:
             raise RuntimeError(f"checkpoint {name}: {status} {answer}")
-        return answer["pause_ms"], (time.monotonic() - t0) * 1000, answer["snapshot"]["state_bytes"], answer["snapshot_id"]
+        snapshot = answer["snapshot"]
+        return (answer["pause_ms"], (time.monotonic() - t0) * 1000, snapshot["state_bytes"], snapshot.get("ram_bytes", 0),
+                answer["snapshot_id"])
 
-    def private_kib(sandbox_id):
+    def rollup_kib(sandbox_id, field):
         pid = subprocess.run(["pgrep", "-f", "sandgate-" + sandbox_id], capture_output=True, text=True).stdout.split()
-        total = 0
         for line in open(f"/proc/{pid[0]}/smaps_rollup"):
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1])
-        return total
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        return 0
 
     try:
         checkpoints = {}
@@ -92,20 +94,21 @@ def main():
             boot(f"m{mb}", mb)
             counter(f"m{mb}")
             for _ in range(runs):
-                pause, total, size, snap = checkpoint(f"m{mb}")
-                checkpoints.setdefault(mb, []).append((pause, total, size))
+                pause, total, size, ram, snap = checkpoint(f"m{mb}")
+                checkpoints.setdefault(mb, []).append((pause, total, size, ram))
                 c.api("DELETE", f"/v1/snapshots/{snap}")
             if mb != 256:
                 c.delete(f"m{mb}")
-        print("| memory checkpoint | runs | paused ms (median) | POST to 201 ms (median) | state bytes (median) |")
-        print("|---|--:|--:|--:|--:|")
+        print("| memory checkpoint | runs | paused ms (median) | POST to 201 ms (median) | device state bytes (median) | RAM file bytes (median) |")
+        print("|---|--:|--:|--:|--:|--:|")
         for mb, values in checkpoints.items():
             print(f"| {mb} MiB guest | {len(values)} | {statistics.median(v[0] for v in values):.1f} | "
-                  f"{statistics.median(v[1] for v in values):.1f} | {int(statistics.median(v[2] for v in values)):,} |")
+                  f"{statistics.median(v[1] for v in values):.1f} | {int(statistics.median(v[2] for v in values)):,} | "
+                  f"{int(statistics.median(v[3] for v in values)):,} |")
         print()
 
         starts = {}
-        _, _, _, snap = checkpoint("m256")
+        snap = checkpoint("m256")[-1]
         for r in range(runs):
             t0 = time.monotonic()
             c.create({"name": f"from{r}", "snapshot_id": snap, "timeout_secs": 86400})
@@ -119,10 +122,10 @@ def main():
         print_ms_table("start", starts)
         print()
 
-        print("| fork of the 256 MiB guest | runs | POST to 201 per fork ms (median) | forks' private memory MiB (median) | N x 256 MiB |")
-        print("|---|--:|--:|--:|--:|")
+        print("| fork of the 256 MiB guest | runs | POST to 201 per fork ms (median) | forks' Pss sum MiB (median) | forks' Private_Dirty sum MiB (median) | N x 256 MiB |")
+        print("|---|--:|--:|--:|--:|--:|")
         for n in (1, 2, 4):
-            per_fork, private = [], []
+            per_fork, pss, dirty = [], [], []
             for r in range(runs):
                 t0 = time.monotonic()
                 status, answer = c.api("POST", "/v1/sandboxes/m256/fork", {"count": n, "name_prefix": f"f{n}r{r}"})
@@ -131,11 +134,13 @@ def main():
                 per_fork.append((time.monotonic() - t0) * 1000 / n)
                 for sb in answer["sandboxes"]:
                     counter(sb["name"])
-                private.append(sum(private_kib(sb["id"]) for sb in answer["sandboxes"]) / 1024)
+                pss.append(sum(rollup_kib(sb["id"], "Pss") for sb in answer["sandboxes"]) / 1024)
+                dirty.append(sum(rollup_kib(sb["id"], "Private_Dirty") for sb in answer["sandboxes"]) / 1024)
                 for sb in answer["sandboxes"]:
                     c.delete(sb["name"])
                 c.api("DELETE", f"/v1/snapshots/{answer['snapshot_id']}")
-            print(f"| N = {n} | {runs} | {statistics.median(per_fork):.1f} | {statistics.median(private):.0f} | {n * 256} |")
+            print(f"| N = {n} | {runs} | {statistics.median(per_fork):.1f} | {statistics.median(pss):.0f} | "
+                  f"{statistics.median(dirty):.0f} | {n * 256} |")
     finally:
         c.close()
 

@@ -363,6 +363,23 @@ std::string format_fork(const json& answer) {
   return out;
 }
 
+Result<ExposeCall> expose_call(std::string_view ref, std::string_view port_flag, bool is_public) {
+  auto flag = parse_port_flag("PORT", port_flag);
+  if (!flag) return flag.failure();
+  return ExposeCall{sandbox_path(ref, "ports/" + std::to_string(flag->port)),
+                    json{{"public", is_public}, {"protocol", flag->protocol}}};
+}
+
+std::string format_exposed(const json& sandbox, int port) {
+  std::string url = "-", note;
+  if (const json* urls = field(sandbox, "urls"); urls != nullptr && urls->is_object())
+    url = text(*urls, std::to_string(port));
+  if (const json* ports = field(sandbox, "ports"); ports != nullptr && ports->is_array())
+    for (const json& p : *ports)
+      if (p.is_object() && p.value("port", 0) == port && p.value("public", false)) note = " (public: no token needed)";
+  return url + note + "\n";
+}
+
 std::string format_checkpoint(const json& answer) { return text(answer, "snapshot_id") + "\n"; }
 
 std::string format_snapshot_list(const json& answer, TimePoint now) {

@@ -106,6 +106,15 @@ Result<nlohmann::json> checkpoint_body(std::string_view type);
 // `sandgate fork`: "snapshot snap-...", then one line per fork as create prints it.
 std::string format_fork(const nlohmann::json& answer);
 std::string format_checkpoint(const nlohmann::json& answer);
+// `sandgate expose NAME PORT[/PROTO] [--public]`: the PUT /v1/sandboxes/<ref>/ports/<port> path and body;
+// kInvalidArgument (a usage error) for a malformed PORT[/PROTO].
+struct ExposeCall {
+  std::string path;
+  nlohmann::json body;
+};
+Result<ExposeCall> expose_call(std::string_view ref, std::string_view port_flag, bool is_public);
+// Its answer (the sandbox): the port's URL, alone on its line, and "(public: no token needed)" when it is.
+std::string format_exposed(const nlohmann::json& sandbox, int port);
 // `sandgate snapshots`: the {"snapshots": [...]} answer as a table ID SOURCE TYPE LAYERS LAYER-SIZE AGE.
 std::string format_snapshot_list(const nlohmann::json& answer, TimePoint now);
 

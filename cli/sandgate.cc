@@ -297,6 +297,18 @@ int main(int argc, char** argv) {
                    "name them PREFIX-1 ... PREFIX-COUNT (default: the sandbox's name followed by -fork; none when "
                    "it has no name)");
   fork_cmd->add_flag("--json", raw_json, "print the node's JSON answer (the snapshot and the sandboxes)");
+  std::string port_flag;
+  bool expose_public = false;
+  CLI::App* expose = app.add_subcommand(
+      "expose", "Expose a port of a sandbox (or change how it is exposed) and print its URL");
+  expose->add_option("sandbox", ref, "name or id")->required();
+  expose->add_option("port", port_flag, "PORT[/PROTO]: PROTO is http1 (default), h2c or tcp")->required();
+  expose->add_flag("--public", expose_public, "reachable without the sandbox token");
+  expose->add_flag("--json", raw_json, "print the node's JSON answer (the sandbox)");
+  CLI::App* unexpose = app.add_subcommand(
+      "unexpose", "Close an exposed port: new connections to it are refused (open ones go on)");
+  unexpose->add_option("sandbox", ref, "name or id")->required();
+  unexpose->add_option("port", port_flag, "PORT")->required();
   CLI::App* snapshots = app.add_subcommand("snapshots", "List snapshots");
   snapshots->add_flag("--json", raw_json, "print the node's JSON answer");
   CLI::App* snapshot_cmd = app.add_subcommand("snapshot", "Manage snapshots");
@@ -537,6 +549,20 @@ int main(int argc, char** argv) {
     return print(*answer, raw, raw_json, sg::cli::format_checkpoint);
   }
   if (fork_cmd->parsed()) return fork_sandbox(node, ref, fork_count, fork_prefix, raw_json);
+  if (expose->parsed() || unexpose->parsed()) {
+    auto call = sg::cli::expose_call(ref, port_flag, expose_public);
+    if (!call) return error(call.message(), kExitUsage);
+    if (unexpose->parsed() && port_flag.find('/') != std::string::npos)
+      return error("unexpose takes a PORT, not PORT/PROTO", kExitUsage);
+    std::string raw;
+    auto answer = expose->parsed() ? node.send("expose", "PUT", call->path, call->body, ref, &raw)
+                                   : node.send("unexpose", "DELETE", call->path, nullptr, ref, &raw);
+    if (!answer) return error(answer.message());
+    if (unexpose->parsed())
+      return print(*answer, raw, raw_json, [&](const json&) { return "port " + port_flag + " of " + ref + " closed\n"; });
+    const int port = std::stoi(port_flag);  // parse_port_flag checked it
+    return print(*answer, raw, raw_json, [port](const json& j) { return sg::cli::format_exposed(j, port); });
+  }
   if (ssh_keys_add->parsed()) {
     auto text = sg::cli::read_small_file(key_file, sg::kMaxPublicKeyLine);
     if (!text) return error("ssh-keys add: " + text.message());

@@ -405,6 +405,25 @@ Result<ForkRequest> parse_fork(const std::string& text) {
   return r;
 }
 
+Result<ExposeRequest> parse_expose(const std::string& text) {
+  ExposeRequest r;
+  if (text.empty()) return r;
+  auto body = parse_object(text);
+  if (!body) return body.failure();
+  for (auto it = body->begin(); it != body->end(); ++it) {
+    if (it.key() == "public") {
+      if (!it->is_boolean()) return wrong_type("public", "true or false", *it);
+      r.is_public = it->get<bool>();
+    } else if (it.key() == "protocol") {
+      if (!it->is_string()) return wrong_type("protocol", "a string (http1, h2c or tcp)", *it);
+      r.protocol = it->get<std::string>();
+    } else {
+      return unknown_field(it.key(), "public, protocol");
+    }
+  }
+  return r;
+}
+
 Result<BuildRequest> parse_build(const json& body) {
   BuildRequest r;
   constexpr std::string_view kFields = "name, from, variant, packages, steps, workdir, env, timeout_secs";
@@ -458,6 +477,7 @@ Status check_api_body(ApiBody kind, const std::string& body) {
   if (kind == ApiBody::kActivity) return outcome(parse_activity(body));
   if (kind == ApiBody::kCheckpoint) return outcome(parse_checkpoint(body));
   if (kind == ApiBody::kFork) return outcome(parse_fork(body));
+  if (kind == ApiBody::kExpose) return outcome(parse_expose(body));
   auto object = parse_object(body);
   if (!object) return object.failure();
   switch (kind) {
@@ -468,7 +488,8 @@ Status check_api_body(ApiBody kind, const std::string& body) {
     case ApiBody::kLookup: return outcome(parse_port_request(*object, PortRequestKind::kLookup));
     case ApiBody::kActivity:
     case ApiBody::kCheckpoint:
-    case ApiBody::kFork: break;  // read above, from the text
+    case ApiBody::kFork:
+    case ApiBody::kExpose: break;  // read above, from the text
   }
   return fail(Error::kInvalidArgument, "unknown request body kind");
 }

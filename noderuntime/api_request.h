@@ -67,6 +67,10 @@ struct ForkRequest {
 };
 Result<ForkRequest> parse_fork(const std::string& text);
 
+// PUT /v1/sandboxes/NAME/ports/PORT: {"public": bool, "protocol": "http1" | "h2c" | "tcp"} (both optional;
+// no body at all is a private http1 port). The protocol's name is checked by the node.
+Result<ExposeRequest> parse_expose(const std::string& text);
+
 // POST /v1/images/build, checked as the builder checks it (check_build_request).
 Result<BuildRequest> parse_build(const nlohmann::json& body);
 
@@ -80,6 +84,7 @@ enum class ApiBody {
   kFork,        // POST /v1/sandboxes/NAME/fork
   kLookup,      // POST /v1/internal/lookup
   kActivity,    // POST /v1/internal/activity
+  kExpose,      // PUT /v1/sandboxes/NAME/ports/PORT
 };
 // Parses `body` as its route does: ok, or the kInvalidArgument the route answers with. The entry point of
 // the fuzz target for API bodies.

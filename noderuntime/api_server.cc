@@ -174,6 +174,7 @@ ordered_json snapshot_json(const snapshot::Snapshot& s) {
     j["memory_mb"] = s.memory_mb;
     j["cpus"] = s.cpus;
     j["state_bytes"] = s.state_bytes;
+    j["ram_bytes"] = s.ram_bytes;
     j["disk_bytes"] = s.disk_bytes;
   }
   return j;
@@ -997,6 +998,25 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
         for (size_t i = 0; i < r->sandboxes.size(); ++i)
           body += (i ? "," : "") + sandbox_response(201, r->sandboxes[i]).body;
         reply(Response{201, body + "]}", {}, ""});
+      });
+    }
+    constexpr std::string_view kPorts = "ports/";
+    if (!ref.empty() && action.starts_with(kPorts)) {
+      std::string_view digits = action.substr(kPorts.size());
+      int64_t port = 0;
+      auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), port);
+      if (digits.empty() || digits.size() > 5 || ec != std::errc() || end != digits.data() + digits.size())
+        return reply(error_response(400, Error::kInvalidArgument,
+                                    "'" + std::string(digits) + "' is not a port number (1-65535)"));
+      if (method == "DELETE") {
+        auto info = node_->close_port(ref, port);
+        return reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
+      }
+      if (method != "PUT") return method_not_allowed("PUT, DELETE");
+      auto expose = parse_expose(request.body);
+      if (!expose) return reply(error_response(expose.failure()));
+      return node_->expose_port(ref, port, *expose, [this, reply = std::move(reply)](Result<SandboxInfo> info) {
+        reply(info ? sandbox_response(200, *info) : error_response(info.failure()));
       });
     }
     if (!ref.empty() && (action == "suspend" || action == "resume")) {

@@ -66,12 +66,14 @@ struct CheckpointSource {
 
 // What a memory checkpoint wrote into its directory (kMemoryState, and kMemoryDisk when the VM has a disk).
 struct MemoryCheckpoint {
-  uint64_t state_bytes = 0;
+  uint64_t state_bytes = 0;  // device state only when the RAM is saved apart (ram_bytes > 0)
+  uint64_t ram_bytes = 0;    // the RAM file's allocated bytes (0: the RAM pages are in the state)
   uint64_t disk_bytes = 0;
   double pause_ms = 0;  // how long the guest stood still
 };
 inline constexpr const char* kMemoryState = "state";
 inline constexpr const char* kMemoryDisk = "disk.qcow2";
+inline constexpr const char* kMemoryRam = "ram";  // the guest's RAM as a file, when saved apart from the state
 
 class Driver {
  public:
@@ -131,6 +133,17 @@ class Driver {
   virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/,
                                  std::function<void(Result<MemoryCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
+  }
+  // A port exposed after start (not in `spec.exposed_ports` yet): makes open_socket() reach it in the live
+  // instance, running or paused; a later start or restore forwards it from the spec. Drivers whose sockets
+  // reach any guest port (a network namespace, vsock) need nothing: the default. `done` may run before this
+  // returns.
+  virtual void forward_port(const SandboxSpec& /*spec*/, const RuntimeInfo&, uint16_t /*port*/, Done done) {
+    done({});
+  }
+  // The reverse, best effort, after the port left the spec (the node refuses it from then on either way).
+  virtual void unforward_port(const SandboxSpec& /*spec*/, const RuntimeInfo&, uint16_t /*port*/, Done done) {
+    done({});
   }
 };
 

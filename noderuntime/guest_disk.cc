@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <vector>
 
 #include "common/fd.h"
 
@@ -166,6 +168,37 @@ Result<std::string> make_overlay(const std::vector<std::string>& trees, const st
   return make_overlay_on(base, "raw", sandbox_dir);
 }
 
+// Copies [src, end) of `in` to the same offsets of `out` through a buffer, leaving all-zero pages as holes:
+// for a source on another filesystem than its copy (a guest's RAM memfd), where copy_file_range gives EXDEV.
+Status copy_through_buffer(int in, int out, off_t src, off_t end, const std::string& what) {
+  constexpr size_t kChunk = size_t{1} << 20, kPage = 4096;
+  static const char zeros[kPage] = {};
+  std::vector<char> buf(kChunk);
+  while (src < end) {
+    ssize_t n = ::pread(in, buf.data(), std::min<off_t>(kChunk, end - src), src);
+    if (n < 0) return fail_errno("read " + what, errno);
+    if (n == 0) break;  // the file shrank under us: what is there is copied
+    // Runs of non-zero pages are written whole; zero pages are skipped.
+    for (ssize_t at = 0; at < n;) {
+      auto page_len = [&](ssize_t i) { return static_cast<size_t>(std::min<ssize_t>(kPage, n - i)); };
+      if (std::memcmp(buf.data() + at, zeros, page_len(at)) == 0) {
+        at += static_cast<ssize_t>(page_len(at));
+        continue;
+      }
+      ssize_t run = at;
+      while (run < n && std::memcmp(buf.data() + run, zeros, page_len(run)) != 0) run += static_cast<ssize_t>(page_len(run));
+      for (ssize_t w = at; w < run;) {
+        ssize_t k = ::pwrite(out, buf.data() + w, static_cast<size_t>(run - w), src + w);
+        if (k < 0) return fail_errno("write the copy of " + what, errno);
+        w += k;
+      }
+      at = run;
+    }
+    src += n;
+  }
+  return {};
+}
+
 // Data extents only (SEEK_DATA/SEEK_HOLE), each with copy_file_range, which shares the blocks on a
 // filesystem that can (XFS, btrfs) and copies in the kernel elsewhere.
 Result<std::string> sparse_copy(const std::string& from, const std::string& to) {
@@ -188,13 +221,16 @@ Result<std::string> sparse_copy(const std::string& from, const std::string& to) 
     off_t src = data, dst = data;
     while (src < hole) {
       ssize_t n = ::copy_file_range(in.get(), &src, out.get(), &dst, static_cast<size_t>(hole - src), 0);
+      if (n < 0 && (errno == EXDEV || errno == EOPNOTSUPP || errno == EINVAL)) {
+        if (Status s = copy_through_buffer(in.get(), out.get(), src, hole, from); !s) return s.failure();
+        break;
+      }
       if (n < 0) return fail_errno("copy " + from + " to " + to, errno);
       if (n == 0) break;  // the file shrank under us: what is there is copied
     }
     at = hole;
   }
-  if (::fsync(out.get()) != 0) return fail_errno("fsync " + to, errno);
-  return to;
+  return to;  // not synced here: see GuestDisks::copy
 }
 
 }  // namespace

@@ -54,8 +54,10 @@ class GuestDisks {
   void overlay(std::vector<std::string> trees, std::string sandbox_dir, Done done);
   // Makes <sandbox_dir>/disk.qcow2 on `backing` (a memory snapshot's qcow2 disk) unless it exists already.
   void overlay_on(std::string backing, std::string sandbox_dir, Done done);
-  // Copies the qcow2 file `from` to `to` (sparse: holes stay holes; reflinked where the filesystem can),
-  // synced. `done` gets `to`.
+  // Copies the file `from` (a qcow2 disk, a guest's RAM) to `to`, sparse (holes stay holes; from another
+  // filesystem, zero pages become holes too; reflinked where the filesystem can). Not synced: a memory
+  // checkpoint copies while its guest stands still, and syncs every file of the snapshot once the guest runs
+  // again. `done` gets `to`.
   void copy(std::string from, std::string to, Done done);
 
  private:

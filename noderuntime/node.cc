@@ -1007,8 +1007,9 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
         if (alive.expired()) return;
         auto finish = [this, id, done = std::move(done)](Result<snapshot::CheckpointResult> r) {
           if (r)
-            spdlog::info("sandbox {}: checkpoint {}: state {} bytes, disk {} bytes, paused {:.1f} ms", id,
-                         r->snapshot.id, r->snapshot.state_bytes, r->snapshot.disk_bytes, r->pause_ms);
+            spdlog::info("sandbox {}: checkpoint {}: state {} bytes, RAM {} bytes, disk {} bytes, paused {:.1f} ms",
+                         id, r->snapshot.id, r->snapshot.state_bytes, r->snapshot.ram_bytes, r->snapshot.disk_bytes,
+                         r->pause_ms);
           else
             spdlog::warn("sandbox {}: memory checkpoint failed: {}", id, r.message());
           on_checkpoint_done(id);
@@ -1019,6 +1020,7 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
           return finish(saved.failure());
         }
         record.state_bytes = saved->state_bytes;
+        record.ram_bytes = saved->ram_bytes;
         record.disk_bytes = saved->disk_bytes;
         record.created_at_ms = wall_now_ms();
         snapshots_->commit_memory(std::move(record), [alive, pause_ms = saved->pause_ms,
@@ -1056,6 +1058,61 @@ Result<SandboxInfo> Node::rotate_token(std::string_view ref) {
   SandboxInfo info = snapshot(sb);
   info.token = std::move(token);
   return info;
+}
+
+void Node::expose_port(std::string_view ref, int64_t port, const ExposeRequest& request, SandboxCallback done) {
+  auto found = find_usable(ref);
+  if (!found) return done(found.failure());
+  Sandbox& sb = **found;
+  if ((sb.rec.state != S::kRunning && sb.rec.state != S::kSuspended) || sb.checkpointing)
+    return done(fail(Error::kConflict, "sandbox " + sb.id() + " is " +
+                                           std::string(sb.checkpointing ? "being checkpointed"
+                                                                        : state_name(sb.rec.state)) +
+                                           "; expose a port once it is running or suspended"));
+  auto checked = with_port_exposed(sb.rec.spec, port, request, kMaxExposedPorts);
+  if (!checked) return done(checked.failure());
+  const auto p = static_cast<uint16_t>(port);
+  driver(sb).forward_port(sb.rec.spec, sb.rec.runtime, p, [this, id = sb.id(), port, request, p,
+                                                           done = std::move(done)](Status forwarded) {
+    Sandbox* now = find(id);
+    if (now == nullptr || now->terminating) return done(fail(Error::kNotFound, "sandbox " + id + " is gone"));
+    if (!forwarded)
+      return done(fail(forwarded.error(), "sandbox " + id + ": cannot forward port " + std::to_string(p) + ": " +
+                                              forwarded.message()));
+    // Again, on the spec as it is now: another change may have landed while the driver worked.
+    auto next = with_port_exposed(now->rec.spec, port, request, kMaxExposedPorts);
+    if (!next) return done(next.failure());
+    SandboxSpec before = now->rec.spec;
+    now->rec.spec = std::move(*next);
+    if (auto s = store_->upsert(now->rec); !s) {
+      now->rec.spec = std::move(before);
+      return done(fail(Error::kIo, "sandbox " + id + ": cannot store its ports: " + s.message()));
+    }
+    publish(now, "ports");
+    spdlog::info("sandbox {}: port {} exposed ({})", id, p, describe_ports(now->rec.spec));
+    done(snapshot(*now));
+  });
+}
+
+Result<SandboxInfo> Node::close_port(std::string_view ref, int64_t port) {
+  auto found = find_usable(ref);
+  if (!found) return found.failure();
+  Sandbox& sb = **found;
+  auto next = with_port_closed(sb.rec.spec, port);
+  if (!next) return next.failure();
+  SandboxSpec before = sb.rec.spec;
+  sb.rec.spec = std::move(*next);
+  if (auto s = store_->upsert(sb.rec); !s) {
+    sb.rec.spec = std::move(before);
+    return fail(Error::kIo, "sandbox " + sb.id() + ": cannot store its ports: " + s.message());
+  }
+  publish(&sb, "ports");
+  spdlog::info("sandbox {}: port {} closed", sb.id(), port);
+  // The node refuses the port from now on whatever the driver does; the forward is only tidied away.
+  driver(sb).unforward_port(sb.rec.spec, sb.rec.runtime, static_cast<uint16_t>(port), [id = sb.id(), port](Status s) {
+    if (!s) spdlog::warn("sandbox {}: port {} closed, its forward stays: {}", id, port, s.message());
+  });
+  return snapshot(sb);
 }
 
 // ---- connections hold sandboxes awake ----

@@ -39,6 +39,7 @@
 #include "noderuntime/idle_tracker.h"
 #include "noderuntime/image_users.h"
 #include "noderuntime/node_metrics.h"
+#include "noderuntime/port_exposure.h"
 #include "noderuntime/sandbox.h"
 #include "noderuntime/snapshot_service.h"
 #include "noderuntime/store.h"
@@ -154,13 +155,13 @@ struct RevokedToken {
   uint64_t rotated_at = 0;
 };
 
-// What a proxy's route cache must forget (Node::subscribe): a sandbox that stops running or gets a new token
-// (`id` set), or the operator token changed (`id` empty: every entry). `stamp` orders it against opens: an
-// open answered before it (opened_at < stamp) must not be cached after it.
+// What a proxy's route cache must forget (Node::subscribe): a sandbox that stops running, gets a new token or
+// changes its ports (`id` set), or the operator token changed (`id` empty: every entry). `stamp` orders it
+// against opens: an open answered before it (opened_at < stamp) must not be cached after it.
 struct RouteEvent {
   std::string id;
   std::string name;    // empty for unnamed sandboxes
-  std::string reason;  // "suspending", "terminating", "failed", "token", "operator_token"
+  std::string reason;  // "suspending", "terminating", "failed", "token", "operator_token", "ports"
   uint64_t stamp = 0;
 };
 
@@ -240,6 +241,13 @@ class Node {
   // A new token for the sandbox (in the answer's `token`, shown this once): the old one is refused from now
   // on, and connections it opened are closed once their proxy next reports (activity()).
   Result<SandboxInfo> rotate_token(std::string_view ref);
+  // Opens `port` after create (PUT /v1/sandboxes/{ref}/ports/{port}) with `request`'s policy, or replaces the
+  // policy of an exposed one: once the driver forwards it into the live instance, the spec is stored and the
+  // proxies drop what they cached of the sandbox (a "ports" route event). kConflict while the sandbox is
+  // starting, changing state or being checkpointed. `done` may run before this returns.
+  void expose_port(std::string_view ref, int64_t port, const ExposeRequest& request, SandboxCallback done);
+  // Closes an exposed port (DELETE): refused from the answer on; connections already open to it go on.
+  Result<SandboxInfo> close_port(std::string_view ref, int64_t port);
 
   // Route-cache invalidations (RouteEvent), delivered synchronously on the loop, before the call that caused
   // them returns: a rotation's answer leaves after every subscriber was told. Returns the id unsubscribe()

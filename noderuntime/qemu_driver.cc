@@ -43,6 +43,14 @@ constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host
 // the SANDGATE-GUEST-AGENT line, which are trusted to have one.
 constexpr const char* kAgentState = "agent";
 constexpr const char* kDisk = "disk";  // the sandbox's qcow2 overlay, when it boots an image
+// The memory snapshot's RAM file this guest maps privately (copy on write), while it does: from its start
+// from that snapshot until it is hibernated (its saved state then holds all of its RAM).
+constexpr const char* kRamFile = "ram_file";
+// Guest RAM is a memory backend with microvm's own name for its RAM block, so that the states saved by
+// QEMUs started with a plain -m (before the backend) load into ours and back.
+constexpr const char* kRamBackendId = "microvm.ram";
+// QEMU names a memory-backend-memfd's memfd after the backend's type, not its id.
+constexpr std::string_view kRamMemfdLink = "/memfd:memory-backend-memfd";
 constexpr uint64_t kPollMs = 20;                  // console / query-migrate polling
 
 std::string sh_quote(std::string_view s) {
@@ -71,6 +79,27 @@ uint64_t measure_tsc_khz() {
 }
 
 std::string command_path(const std::string& sandbox_dir) { return sandbox_dir + "/guest-command.sh"; }
+
+// A value inside a QEMU option list, where a comma must be doubled.
+std::string qemu_opt_value(std::string_view v) {
+  std::string out;
+  for (char c : v) out += c == ',' ? std::string(",,") : std::string(1, c);
+  return out;
+}
+
+// The guest's RAM as QEMU `pid` holds it (a path under /proc that opens the memfd), or "" for a QEMU whose
+// RAM is not a memfd: one started before the memory backend, or a guest on a snapshot's RAM file.
+std::string ram_memfd_path(pid_t pid) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(dir, ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    std::error_code link_ec;
+    auto target = std::filesystem::read_symlink(it->path(), link_ec);
+    if (!link_ec && target.string().rfind(kRamMemfdLink, 0) == 0) return it->path().string();
+  }
+  return "";
+}
 
 // QEMU user networking (guest 10.0.2.15). A sandbox without internet access gets restrict=on: slirp then
 // forwards nothing the guest sends, not even to 10.0.2.2; only the hostfwd rules, node -> guest, work. With
@@ -166,6 +195,8 @@ class QemuDriver final : public VmmDriver {
   }
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
                          std::function<void(Result<MemoryCheckpoint>)> done) override;
+  void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
+  void unforward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
   void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
   void resume(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
@@ -249,9 +280,13 @@ class QemuDriver final : public VmmDriver {
   void poll_boot(Op* op, std::shared_ptr<Boot> boot);
   Step connect_step(bool just_spawned);
   Step command_step(std::string command, nlohmann::json args = nullptr);
-  Step migrate_step(const std::string& tmp, bool cancellable);
-  // Loads the saved state at `path` into the QEMU just spawned with -incoming defer.
-  Step incoming_step(std::string path);
+  Step hmp_step(std::string command_line, std::optional<std::string> expect);
+  Step ignore_shared_step(bool ignore_shared);
+  // Saves the guest's state to `tmp`; `ignore_shared`: without its shared RAM (the memfd), devices only.
+  Step migrate_step(const std::string& tmp, bool cancellable, bool ignore_shared);
+  // Loads the saved state at `path` into the QEMU just spawned with -incoming defer; `ignore_shared`: a
+  // state without RAM, whose RAM the QEMU maps from the snapshot's file.
+  Step incoming_step(std::string path, bool ignore_shared);
   // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
@@ -322,15 +357,28 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
     if (key.rfind(kPortPrefix, 0) == 0)
       netdev += ",hostfwd=tcp:127.0.0.1:" + value + "-:" + key.substr(std::strlen(kPortPrefix));
   }
+  // Ports exposed after the create are in the spec only, forwarded from the same port (forward_port).
+  for (uint16_t gp : spec.exposed_ports)
+    if (!info.driver_data.contains(kPortPrefix + std::to_string(gp)))
+      netdev += ",hostfwd=tcp:127.0.0.1:" + std::to_string(gp) + "-:" + std::to_string(gp);
   auto clock = info.driver_data.find(kClockPort);
   if (clock != info.driver_data.end())
     netdev += ",hostfwd=tcp:127.0.0.1:" + clock->second + "-:" + std::to_string(kClockGuestPort);
   const int cpus = std::max(1, static_cast<int>(std::ceil(spec.cpus)));
+  const std::string memory_mb = std::to_string(std::max<uint32_t>(spec.memory_mb, 64));
+  // A memfd, shared, so that a memory checkpoint saves the device state alone (x-ignore-shared) and copies
+  // the RAM from the memfd; a guest from a memory snapshot maps the snapshot's RAM file privately, so the
+  // sandboxes from one snapshot share every page none of them wrote.
+  std::string ram = std::string("memory-backend-memfd,id=") + kRamBackendId + ",size=" + memory_mb + "M,share=on";
+  if (auto file = info.driver_data.find(kRamFile); file != info.driver_data.end())
+    ram = std::string("memory-backend-file,id=") + kRamBackendId + ",size=" + memory_mb +
+          "M,mem-path=" + qemu_opt_value(file->second) + ",share=off";
   std::vector<std::string> args = {"-name", "sandgate-" + spec.id,
-          "-M", "microvm",
+          "-M", std::string("microvm,memory-backend=") + kRamBackendId,
+          "-object", ram,
           "-accel", kvm_ ? "kvm" : "tcg",
           "-cpu", kvm_ ? "host" : "max",
-          "-m", std::to_string(std::max<uint32_t>(spec.memory_mb, 64)),
+          "-m", memory_mb,
           "-smp", std::to_string(cpus),
           "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
           "-chardev", "file,id=console,append=on,path=" + dir + "/console.log",
@@ -412,15 +460,27 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
   auto op = new_op(spec, "starting from a memory snapshot", initial);
   const std::string saved = spec.memory_snapshot_dir + "/" + kMemoryState;
   const std::string saved_disk = spec.memory_snapshot_dir + "/" + kMemoryDisk;
+  const std::string saved_ram = spec.memory_snapshot_dir + "/" + kMemoryRam;
+  // Snapshots taken of a guest whose RAM was no memfd have the RAM pages in their state instead.
+  const bool ram_apart = ::access(saved_ram.c_str(), F_OK) == 0;
   std::vector<Step> steps;
   steps.push_back([this](Op*, StepDone d) { image_.ensure(std::move(d)); });
-  steps.push_back([this, spec, saved](Op* o, StepDone d) {
+  steps.push_back([this, spec, saved, saved_ram, ram_apart](Op* o, StepDone d) {
     struct stat st{};
     if (::stat(saved.c_str(), &st) != 0 || st.st_size == 0)
       return d(fail(Error::kNotFound, "the memory snapshot has no saved state at " + saved));
     auto prepared = prepare(spec, o->info.sandbox_dir);
     if (!prepared) return d(prepared.failure());
     o->info = std::move(*prepared);
+    if (ram_apart) {
+      const uint64_t want = uint64_t{std::max<uint32_t>(spec.memory_mb, 64)} << 20;
+      if (::stat(saved_ram.c_str(), &st) != 0) return d(fail_errno("stat " + saved_ram, errno));
+      if (static_cast<uint64_t>(st.st_size) != want)
+        return d(fail(Error::kInvalidArgument, "the memory snapshot's RAM file " + saved_ram + " holds " +
+                                                   std::to_string(st.st_size) + " bytes, not the " +
+                                                   std::to_string(want >> 20) + " MiB of its guest"));
+      o->info.driver_data[kRamFile] = saved_ram;
+    }
     d({});
   });
   // The snapshot's disk stays as it is, under this sandbox's own overlay; every sandbox from it shares it.
@@ -439,7 +499,7 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
     d(spawn_incoming(o, spec, args));
   });
   steps.push_back(connect_step(true));
-  steps.push_back(incoming_step(saved));
+  steps.push_back(incoming_step(saved, ram_apart));
   steps.push_back(command_step("cont"));
   steps.push_back(clock_step(spec));
   run(std::move(op), std::move(steps), kill_step(), [this, spec, done = std::move(done)](Op* o, Status s) {
@@ -457,6 +517,7 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   auto result = std::make_shared<MemoryCheckpoint>();
   auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
   const std::string state_file = dir + "/" + kMemoryState;
+  auto ram = std::make_shared<std::string>();  // the guest's RAM memfd, if it has one
   std::vector<Step> steps;
   steps.push_back(connect_step(false));
   steps.push_back([this, stopped_at](Op* op, StepDone d) {
@@ -464,7 +525,16 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
     command_step("stop")(op, std::move(d));
   });
   // Stopped first, so the migration is one pass over a still guest (a live one would chase its writes).
-  steps.push_back(migrate_step(state_file, false));
+  // With the RAM in a memfd the state is the devices' alone (KiB), and the RAM is copied from the memfd
+  // while the guest still stands; otherwise every RAM page goes into the state.
+  steps.push_back([this, ram, state_file](Op* op, StepDone d) {
+    *ram = ram_memfd_path(static_cast<pid_t>(op->info.pid));
+    migrate_step(state_file, false, !ram->empty())(op, std::move(d));
+  });
+  steps.push_back([this, ram, to = dir + "/" + kMemoryRam](Op*, StepDone d) {
+    if (ram->empty()) return d({});
+    disks_.copy(*ram, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+  });
   auto disk = info.driver_data.find(kDisk);
   if (disk != info.driver_data.end()) {
     // After the migration QEMU has flushed the disk and holds it inactive until `cont`: the copy is of
@@ -492,6 +562,8 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
         if (!s) return done(s.failure());
         struct stat st{};
         if (::stat(state_file.c_str(), &st) == 0) result->state_bytes = static_cast<uint64_t>(st.st_size);
+        if (::stat((dir + "/" + kMemoryRam).c_str(), &st) == 0)
+          result->ram_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
         if (::stat((dir + "/" + kMemoryDisk).c_str(), &st) == 0)
           result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
         done(*result);
@@ -624,6 +696,49 @@ QemuDriver::Step QemuDriver::clock_step(const SandboxSpec& spec) {
   };
 }
 
+// slirp's rules change through the human monitor (QMP has no command for them), which answers in text: a
+// failure is a message, where an add says nothing and a remove "host forwarding rule for ... removed".
+// `expect` nullopt: any answer will do.
+QemuDriver::Step QemuDriver::hmp_step(std::string command_line, std::optional<std::string> expect) {
+  return [this, command_line, expect](Op* op, StepDone done) {
+    state(op).qmp->execute("human-monitor-command", {{"command-line", command_line}},
+                           [command_line, expect, done = std::move(done)](Result<nlohmann::json> r) {
+                             if (!r) return done(r.failure());
+                             std::string said = r->is_string() ? r->get<std::string>() : std::string();
+                             while (!said.empty() && (said.back() == '\n' || said.back() == '\r')) said.pop_back();
+                             bool ok = !expect || (expect->empty() ? said.empty() : said.find(*expect) != std::string::npos);
+                             if (!ok) return done(fail(Error::kUnavailable, "QEMU refused `" + command_line + "`: " + said));
+                             done({});
+                           });
+  };
+}
+
+void QemuDriver::forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) {
+  auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
+  // Forwarded since the start (from another host port, for a record older than the VM's own namespace), or
+  // no QEMU to tell: the next start or restore forwards it from the spec.
+  if ((it != info.driver_data.end() && it->second != std::to_string(port)) ||
+      !vmm_alive(VmmProcess{info.pid, info.start_time_ticks}))
+    return done({});
+  const std::string rule = "tcp:127.0.0.1:" + std::to_string(port);
+  // The rule is removed first, unchecked, so a port closed and exposed again (or forwarded since the
+  // start) ends with exactly one rule.
+  run(new_op(spec, "forwarding port " + std::to_string(port), info),
+      {connect_step(false), hmp_step("hostfwd_remove net0 " + rule, std::nullopt),
+       hmp_step("hostfwd_add net0 " + rule + "-:" + std::to_string(port), "")},
+      nullptr, [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
+}
+
+void QemuDriver::unforward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) {
+  auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
+  if ((it != info.driver_data.end() && it->second != std::to_string(port)) ||
+      !vmm_alive(VmmProcess{info.pid, info.start_time_ticks}))
+    return done({});
+  run(new_op(spec, "closing port " + std::to_string(port), info),
+      {connect_step(false), hmp_step("hostfwd_remove net0 tcp:127.0.0.1:" + std::to_string(port), "removed")}, nullptr,
+      [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
+}
+
 void QemuDriver::pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) {
   run(new_op(spec, "pausing", info), {connect_step(false), command_step("stop")}, nullptr,
       [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
@@ -636,17 +751,27 @@ void QemuDriver::resume(const SandboxSpec& spec, const RuntimeInfo& info, Done d
       [done = std::move(done)](Op*, Status s) { done(std::move(s)); });
 }
 
-QemuDriver::Step QemuDriver::migrate_step(const std::string& tmp, bool cancellable) {
-  return [this, tmp, cancellable](Op* op, StepDone done) {
+// Capabilities stay set in QEMU from one migration to the next: every migration sets x-ignore-shared to
+// what it needs, so that a hibernation after a memory checkpoint saves the RAM again.
+QemuDriver::Step QemuDriver::ignore_shared_step(bool ignore_shared) {
+  nlohmann::json caps = {{"capabilities", {{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}}}};
+  return command_step("migrate-set-capabilities", std::move(caps));
+}
+
+QemuDriver::Step QemuDriver::migrate_step(const std::string& tmp, bool cancellable, bool ignore_shared) {
+  return [this, tmp, cancellable, ignore_shared](Op* op, StepDone done) {
     op->cancellable = cancellable;
-    // The default bandwidth cap (128 MiB/s) is for live migration over a network; this is a local file.
-    nlohmann::json params = {{"max-bandwidth", int64_t{1} << 40}};
-    state(op).qmp->execute("migrate-set-parameters", params, [this, op, tmp, done](Result<nlohmann::json> r) {
-      if (!r) return done(r.failure());
-      nlohmann::json args = {{"uri", "exec:cat > " + sh_quote(tmp)}};
-      state(op).qmp->execute("migrate", args, [this, op, done](Result<nlohmann::json> r2) {
-        if (!r2) return done(r2.failure());
-        poll_migration(op, done);
+    ignore_shared_step(ignore_shared)(op, [this, op, tmp, done](Status caps) {
+      if (!caps) return done(caps);
+      // The default bandwidth cap (128 MiB/s) is for live migration over a network; this is a local file.
+      nlohmann::json params = {{"max-bandwidth", int64_t{1} << 40}};
+      state(op).qmp->execute("migrate-set-parameters", params, [this, op, tmp, done](Result<nlohmann::json> r) {
+        if (!r) return done(r.failure());
+        nlohmann::json args = {{"uri", "exec:cat > " + sh_quote(tmp)}};
+        state(op).qmp->execute("migrate", args, [this, op, done](Result<nlohmann::json> r2) {
+          if (!r2) return done(r2.failure());
+          poll_migration(op, done);
+        });
       });
     });
   };
@@ -710,13 +835,15 @@ void QemuDriver::hibernate(const SandboxSpec& spec, const RuntimeInfo& info, Run
     std::filesystem::remove(tmp, ec);
     d({});
   };
-  run(std::move(op), {connect_step(false), migrate_step(tmp, true), cancel_point_step(), commit, end_watch, kill_step()},
+  run(std::move(op),
+      {connect_step(false), migrate_step(tmp, true, false), cancel_point_step(), commit, end_watch, kill_step()},
       on_failure, [this, done = std::move(done)](Op* o, Status s) {
         if (!s) return done(s.failure());
         netns_.erase(o->sandbox_id);  // QEMU is gone, and its namespace with our fd
         RuntimeInfo saved = o->info;
         saved.pid = 0;
         saved.start_time_ticks = 0;
+        saved.driver_data.erase(kRamFile);  // the state holds all of the RAM: the restored guest gets a memfd
         done(saved);
       });
 }
@@ -733,13 +860,16 @@ void QemuDriver::poll_incoming(Op* op, uint64_t started_ms, StepDone done) {
   });
 }
 
-QemuDriver::Step QemuDriver::incoming_step(std::string path) {
-  return [this, path = std::move(path)](Op* op, StepDone done) {
-    nlohmann::json args = {{"uri", "exec:cat " + sh_quote(path)}};
-    state(op).qmp->execute("migrate-incoming", args, [this, op, done](Result<nlohmann::json> r) {
-      if (!r) return done(fail(r.error(), r.message() + ": " + tail_of(op->info.sandbox_dir + "/qemu.log", 400)));
-      uv_update_time(loop_);
-      poll_incoming(op, uv_now(loop_), done);
+QemuDriver::Step QemuDriver::incoming_step(std::string path, bool ignore_shared) {
+  return [this, path = std::move(path), ignore_shared](Op* op, StepDone done) {
+    ignore_shared_step(ignore_shared)(op, [this, op, path, done](Status caps) {
+      if (!caps) return done(caps);
+      nlohmann::json args = {{"uri", "exec:cat " + sh_quote(path)}};
+      state(op).qmp->execute("migrate-incoming", args, [this, op, done](Result<nlohmann::json> r) {
+        if (!r) return done(fail(r.error(), r.message() + ": " + tail_of(op->info.sandbox_dir + "/qemu.log", 400)));
+        uv_update_time(loop_);
+        poll_incoming(op, uv_now(loop_), done);
+      });
     });
   };
 }
@@ -768,7 +898,7 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
     d(spawn_incoming(o, spec, args));
   });
   steps.push_back(connect_step(true));
-  steps.push_back(incoming_step(path));
+  steps.push_back(incoming_step(path, false));
   steps.push_back(command_step("cont"));
   steps.push_back(clock_step(spec));
   steps.push_back([](Op* o, StepDone d) {
@@ -827,6 +957,9 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
 Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) {
   auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
   auto host_port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
+  const auto& exposed = spec.exposed_ports;
+  if (it == info.driver_data.end() && std::find(exposed.begin(), exposed.end(), port) != exposed.end())
+    host_port = port;  // exposed after the create: forward_port() and qemu_args() forward it from itself
   if (!host_port)
     return fail(Error::kUnreachable, "guest port " + std::to_string(port) + " is not forwarded");
   // QEMU accepts every forwarded connection on the host and resets it only once the guest refuses, which the

@@ -57,6 +57,15 @@ void SnapshotService::checkpoint(snapshot::CheckpointJob job, std::unique_ptr<sn
       std::move(done));
 }
 
+// "ino size mtime ctime" of `path`, empty when it cannot be read: what tells a file changed since it hashed.
+std::string SnapshotService::file_stamp(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return std::to_string(st.st_ino) + " " + std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) +
+         "." + std::to_string(st.st_mtim.tv_nsec) + " " + std::to_string(st.st_ctim.tv_sec) + "." +
+         std::to_string(st.st_ctim.tv_nsec);
+}
+
 Result<std::string> SnapshotService::begin_memory(const std::string& id) {
   const std::string dir = store_->new_files_dir(id);
   std::error_code ec;
@@ -78,7 +87,7 @@ void SnapshotService::discard_memory(const std::string& id) {
 void SnapshotService::commit_memory(snapshot::Snapshot record, Done done) {
   snapshot::SnapshotStore* store = store_.get();
   run<snapshot::Snapshot>(
-      [store, record = std::move(record)]() -> Result<snapshot::Snapshot> {
+      [this, store, record = std::move(record)]() -> Result<snapshot::Snapshot> {
         const std::string tmp = store->new_files_dir(record.id);
         const std::string dir = store->files_dir(record.id);
         auto sync_file = [](const std::string& path) -> Status {
@@ -92,15 +101,25 @@ void SnapshotService::commit_memory(snapshot::Snapshot record, Done done) {
           std::filesystem::remove_all(dir, ec);
           return why.failure();
         };
+        snapshot::Snapshot out = record;
         std::error_code ec;
-        for (const auto& entry : std::filesystem::directory_iterator(tmp, ec))
+        for (const auto& entry : std::filesystem::directory_iterator(tmp, ec)) {
           if (Status s = sync_file(entry.path().string()); !s) return discard(s);
+          // Hashed here, after the guest runs again: a create from the snapshot checks the files against it.
+          auto digest = snapshot::sha256_file(entry.path().string());
+          if (!digest) return discard(digest.failure());
+          out.file_digests[entry.path().filename().string()] = *digest;
+        }
         if (ec) return discard(fail(Error::kIo, "read " + tmp + ": " + ec.message()));
         if (Status s = snapshot::fsync_dir(tmp); !s) return discard(s);
         if (::rename(tmp.c_str(), dir.c_str()) != 0) return discard(fail_errno("rename " + tmp, errno));
         // The record last: until it exists the files are nobody's, and the next start sweeps them.
-        if (Status s = store->create(record); !s) return discard(s);
-        return record;
+        if (Status s = store->create(out); !s) return discard(s);
+        // Just hashed: the first create from a golden snapshot does not read its RAM file a second time.
+        std::lock_guard lock(verified_mu_);
+        for (const auto& [name, digest] : out.file_digests)
+          if (std::string stamp = file_stamp(dir + "/" + name); !stamp.empty()) verified_[out.id + "/" + name] = stamp;
+        return out;
       },
       std::move(done));
 }
@@ -124,25 +143,41 @@ void SnapshotService::verify(std::string id, std::function<void(Status)> done) {
       [this, id = std::move(id)]() -> Result<bool> {
         auto snap = store_->get(id);
         if (!snap) return snap.failure();
+        // A file that hashed right is not hashed again while it is unchanged (same inode, size, times).
+        auto check = [this](const std::string& key, const std::string& path,
+                            const std::function<Status()>& hash) -> Status {
+          const std::string stamp = file_stamp(path);
+          {
+            std::lock_guard lock(verified_mu_);
+            if (auto it = verified_.find(key); !stamp.empty() && it != verified_.end() && it->second == stamp) return {};
+          }
+          if (Status s = hash(); !s) return s;
+          if (!stamp.empty()) {
+            std::lock_guard lock(verified_mu_);
+            verified_[key] = stamp;
+          }
+          return {};
+        };
         auto image = images_->get(snap->image);
         for (const std::string& layer : snap->layers) {
           if (image && std::find(image->layers.begin(), image->layers.end(), layer) != image->layers.end()) continue;
-          struct stat st{};
-          std::string stamp;
-          if (::stat((images_->layers().layer_dir(layer) + "/blob").c_str(), &st) == 0)
-            stamp = std::to_string(st.st_ino) + " " + std::to_string(st.st_size) + " " +
-                    std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " " +
-                    std::to_string(st.st_ctim.tv_sec) + "." + std::to_string(st.st_ctim.tv_nsec);
-          {
-            std::lock_guard lock(verified_mu_);
-            if (auto it = verified_.find(layer); !stamp.empty() && it != verified_.end() && it->second == stamp) continue;
-          }
-          if (auto s = images_->layers().verify(layer); !s)
-            return fail(s.error(), "snapshot " + id + ": " + s.message());
-          if (!stamp.empty()) {
-            std::lock_guard lock(verified_mu_);
-            verified_[layer] = stamp;
-          }
+          Status s = check(layer, images_->layers().layer_dir(layer) + "/blob",
+                           [&] { return images_->layers().verify(layer); });
+          if (!s) return fail(s.error(), "snapshot " + id + ": " + s.message());
+        }
+        for (const auto& file : snap->file_digests) {
+          const std::string& name = file.first;  // not a structured binding: clang 14 cannot capture one
+          const std::string& digest = file.second;
+          const std::string path = store_->files_dir(id) + "/" + name;
+          Status s = check(id + "/" + name, path, [&]() -> Status {
+            auto got = snapshot::sha256_file(path);
+            if (!got) return got.failure();
+            if (*got != digest)
+              return fail(Error::kInvalidArgument, "its file " + name + " is corrupted: it hashes to " + *got +
+                                                       ", not to the " + digest + " it was saved with");
+            return {};
+          });
+          if (!s) return fail(s.error(), "snapshot " + id + ": " + s.message());
         }
         return true;
       },
@@ -164,6 +199,10 @@ void SnapshotService::remove(std::string id, Done done) {
           Status removed = store_->remove(id);
           users_.release_removal(id);
           if (!removed) return removed.failure();
+        }
+        {
+          std::lock_guard lock(verified_mu_);
+          std::erase_if(verified_, [&](const auto& entry) { return entry.first.starts_with(id + "/"); });
         }
         // The record is gone either way; layers left behind go at the next removal or node start.
         if (auto s = images_->collect_unused(); !s)

@@ -48,7 +48,8 @@ class SnapshotService {
   // `done` runs on the loop thread.
   void checkpoint(snapshot::CheckpointJob job, std::unique_ptr<snapshot::Freezer> freezer, CheckpointDone done);
   // Re-hashes the layers snapshot `id` added on top of its image (the image's are trusted as they are for
-  // any sandbox): kInvalidArgument naming a damaged one, so a create from it is refused rather than started.
+  // any sandbox) and a memory snapshot's files (state, RAM, disk) against the digests its record holds:
+  // kInvalidArgument naming a damaged one, so a create from it is refused rather than started.
   // A blob that hashed right is not hashed again while its file is unchanged (same inode, size, mtime and
   // ctime): a golden snapshot's sessions would otherwise each re-read all of its layers (2 s for 256 MiB,
   // bench/RESULTS.md). Bit rot under an unchanged file after the first check is not caught.
@@ -62,13 +63,14 @@ class SnapshotService {
  private:
   template <typename T>
   void run(std::function<Result<T>()> job, std::function<void(Result<T>)> done);
+  static std::string file_stamp(const std::string& path);
 
   uv_loop_t* loop_;
   std::unique_ptr<snapshot::SnapshotStore> store_;
   snapshot::ImageStore* images_;
   ImageUsers users_;  // snapshot id -> the sandboxes created from it
   std::mutex mu_;     // add_user's check against remove()'s
-  // Layers that hashed right, with the stat of their blob then ("ino size mtime ctime"), under verified_mu_.
+  // Layers and files that hashed right, with their stat then ("ino size mtime ctime"), under verified_mu_.
   std::map<std::string, std::string> verified_;
   std::mutex verified_mu_;
 };

@@ -52,7 +52,7 @@ struct ActivityCuts {
 struct RouteStreamEvent {
   enum class Kind {
     kHello,       // the stream is up: events from `stamp` on will follow
-    kInvalidate,  // sandbox `id` stopped running or got a new token
+    kInvalidate,  // sandbox `id` stopped running, got a new token or changed its ports (reason "ports")
     kFlush,       // the operator token changed: every route
   };
   Kind kind = Kind::kHello;

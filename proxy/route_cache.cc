@@ -193,6 +193,11 @@ void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {
   at = std::max(at, stamp);
 }
 
+void RouteCache::forget(std::string_view sandbox_id, uint64_t stamp) {
+  invalidate(sandbox_id, stamp);
+  erase_sandbox(sandbox_id);
+}
+
 void RouteCache::flush(uint64_t stamp) {
   for (auto& [k, e] : entries_) drop_route(e);
   floor_stamp_ = std::max(floor_stamp_, stamp);

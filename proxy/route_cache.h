@@ -121,6 +121,8 @@ class RouteCache {
   void stream_down();
   bool stream_is_up() const { return stream_up_; }
   void invalidate(std::string_view sandbox_id, uint64_t stamp);
+  // As invalidate, and the sandbox's port policies go too: its ports changed (exposed, closed, public or not).
+  void forget(std::string_view sandbox_id, uint64_t stamp);
   void flush(uint64_t stamp);
 
   // Closes the spares of expired routes (each holds a sandbox's network namespace alive).

@@ -309,7 +309,8 @@ void Worker::on_route_event(const RouteStreamEvent& e) {
       routes_.stream_up(e.stamp);
       return;
     case RouteStreamEvent::Kind::kInvalidate:
-      routes_.invalidate(e.id, e.stamp);
+      if (e.reason == "ports") routes_.forget(e.id, e.stamp);
+      else routes_.invalidate(e.id, e.stamp);
       return;
     case RouteStreamEvent::Kind::kFlush:
       routes_.flush(e.stamp);

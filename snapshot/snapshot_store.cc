@@ -46,7 +46,9 @@ ordered_json to_json(const Snapshot& s) {
                       {"memory_mb", s.memory_mb},
                       {"cpus", s.cpus},
                       {"state_bytes", s.state_bytes},
-                      {"disk_bytes", s.disk_bytes}};
+                      {"ram_bytes", s.ram_bytes},
+                      {"disk_bytes", s.disk_bytes},
+                      {"file_digests", s.file_digests}};
 }
 
 // The node's own file; parsed defensively all the same (a disk can be edited or damaged).
@@ -103,7 +105,8 @@ Result<Snapshot> from_json(const std::string& text, const std::string& where) {
   if (created == j.end() || !created->is_number_integer()) return bad("created_at_ms");
   s.created_at_ms = created->get<int64_t>();
   // Added with memory snapshots; a filesystem record written before has none.
-  for (auto [key, out] : {std::pair{"state_bytes", &s.state_bytes}, std::pair{"disk_bytes", &s.disk_bytes}}) {
+  for (auto [key, out] : {std::pair{"state_bytes", &s.state_bytes}, std::pair{"ram_bytes", &s.ram_bytes},
+                          std::pair{"disk_bytes", &s.disk_bytes}}) {
     auto it = j.find(key);
     if (it == j.end()) continue;
     if (!it->is_number_unsigned()) return bad(key);
@@ -116,6 +119,16 @@ Result<Snapshot> from_json(const std::string& text, const std::string& where) {
   if (auto it = j.find("cpus"); it != j.end()) {
     if (!it->is_number() || it->get<double>() < 0 || it->get<double>() > 1024) return bad("cpus");
     s.cpus = it->get<double>();
+  }
+  if (auto it = j.find("file_digests"); it != j.end()) {  // added with the digests of memory snapshots
+    if (!it->is_object() || it->size() > 8) return bad("file_digests");
+    for (const auto& [name, digest] : it->items()) {
+      // Plain names inside the snapshot's own directory only: a damaged record must not point elsewhere.
+      if (name.empty() || name.size() > 64 || name.find('/') != std::string::npos || name == "." || name == ".." ||
+          !digest.is_string() || !valid_digest(digest.get<std::string>()))
+        return bad("file_digests");
+      s.file_digests[name] = digest.get<std::string>();
+    }
   }
   if (s.type != "filesystem" && s.type != "memory") return bad("type");
   if (s.type == "memory" && (s.memory_mb == 0 || s.cpus <= 0)) return bad("memory_mb");

@@ -54,8 +54,12 @@ struct Snapshot {
   // of that shape), and the sizes of its files.
   uint32_t memory_mb = 0;
   double cpus = 0;
-  uint64_t state_bytes = 0;  // the saved state (devices + RAM pages)
+  uint64_t state_bytes = 0;  // the saved state: devices, and the RAM pages when ram_bytes is 0
+  uint64_t ram_bytes = 0;    // the guest's RAM saved as a file of its own (allocated bytes)
   uint64_t disk_bytes = 0;   // the copy of its disk overlay (0: it booted without a disk)
+  // Each of its files (state, ram, disk.qcow2) -> "sha256:<hex>", checked before a sandbox starts from it.
+  // Empty for memory records written before the digests.
+  std::map<std::string, std::string> file_digests;
 };
 
 // "snap-" + 12 of [a-z0-9]: a file name and a URL path segment as it is. kInvalidArgument naming it otherwise.

@@ -640,9 +640,13 @@ TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentit
   ASSERT_FALSE(snap.empty()) << checkpoint.out;
   EXPECT_EQ(cp["snapshot"]["type"], "memory");
   EXPECT_EQ(cp["snapshot"]["memory_mb"], 256);
+  // The RAM is saved apart from the device state, which is KiB whatever the guest's memory.
   EXPECT_GT(cp["snapshot"].value("state_bytes", 0), 0) << checkpoint.out;
-  std::fprintf(stderr, "memory checkpoint of a 256 MiB guest: paused %.1f ms, state %llu bytes\n",
-               cp.value("pause_ms", 0.0), static_cast<unsigned long long>(cp["snapshot"].value("state_bytes", 0ull)));
+  EXPECT_LT(cp["snapshot"].value("state_bytes", 0), 1 << 20) << checkpoint.out;
+  EXPECT_GT(cp["snapshot"].value("ram_bytes", 0), 0) << checkpoint.out;
+  std::fprintf(stderr, "memory checkpoint of a 256 MiB guest: paused %.1f ms, state %llu bytes, RAM %llu bytes\n",
+               cp.value("pause_ms", 0.0), static_cast<unsigned long long>(cp["snapshot"].value("state_bytes", 0ull)),
+               static_cast<unsigned long long>(cp["snapshot"].value("ram_bytes", 0ull)));
   // The source kept running, under its own id, and counts on from where it was.
   EXPECT_EQ(c.get("q")["state"], "running");
   EXPECT_EQ(c.get("q")["id"], source_id);
@@ -706,6 +710,12 @@ TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentit
     }, std::chrono::seconds(10))) << "the guest logs its reseed";
   }
   EXPECT_NE(random[0], random[1]) << "two forks read the same /dev/urandom bytes";
+  // Both forks map the fork snapshot's RAM file (privately): the pages neither wrote are one copy in memory.
+  const std::string fork_ram = "/" + fork_snap + ".d/ram";
+  for (const std::string& id : ids) {
+    const std::string maps = read_file("/proc/" + std::to_string(qemu_pid(id)) + "/maps");
+    EXPECT_NE(maps.find(fork_ram), std::string::npos) << id << " does not map " << fork_ram;
+  }
 
   // A snapshot in use stays; the records outlive a node restart, and so do the sandboxes made from them.
   auto in_use = c.cli("snapshot rm " + snap);

@@ -70,6 +70,20 @@ def sandbox_path(ref, action=None):
     return f"/v1/sandboxes/{ref}" + (f"/{action}" if action else "")
 
 
+def expose_request(info, port, public, protocol):
+    """(path, body) of the PUT that exposes `port` as asked, or None when it is exposed so already: an
+    unspecified `public` / `protocol` keeps what the port has (private http1 for a new one)."""
+    port = int(port)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is not a TCP port (1-65535)")
+    current = next((p for p in info.get("ports", []) if p.get("port") == port), None)
+    want_public = bool(public) if public is not None else bool(current and current.get("public"))
+    want_protocol = protocol or (current or {}).get("protocol") or "http1"
+    if current and bool(current.get("public")) == want_public and current.get("protocol", "http1") == want_protocol:
+        return None
+    return sandbox_path(info["id"], f"ports/{port}"), {"public": want_public, "protocol": want_protocol}
+
+
 def label(info):
     """How the CLI names a sandbox in its token file and in host names: its name, else its id."""
     return info.get("name") or info["id"]

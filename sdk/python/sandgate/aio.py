@@ -197,15 +197,20 @@ class AsyncSandbox:
             forks.append(AsyncSandbox(info, self._client, tok))
         return forks
 
-    async def expose(self, port):
-        port = int(port)
+    async def expose(self, port, public=None, protocol=None):
+        """The https URL of `port` through the ingress this SDK is configured with, exposing it first when the
+        sandbox does not (PUT .../ports/PORT): private (the sandbox token) unless public=True; protocol http1
+        (default), h2c or tcp. For a port already exposed, what is given replaces its policy."""
         await self.refresh()
-        exposed = [p.get("port") for p in self.info.get("ports", [])]
-        if port not in exposed:
-            raise UnsupportedError(
-                f"{self.ref} does not expose port {port} (it exposes {exposed or 'none'}), and the node API cannot "
-                f"expose a port after create: create the sandbox with exposed_ports=[{port}]")
-        return self._client.settings.url(self._client.settings.sandbox_host(self.ref, port))
+        call = P.expose_request(self.info, port, public, protocol)
+        if call is not None:
+            self.info = await self._client.node("PUT", call[0], call[1], what=f"expose port {port} of {self.ref}")
+        return self._client.settings.url(self._client.settings.sandbox_host(self.ref, int(port)))
+
+    async def unexpose(self, port):
+        """Closes an exposed port: new connections to it are refused (open ones go on)."""
+        self.info = await self._client.node("DELETE", P.sandbox_path(self.id, f"ports/{int(port)}"),
+                                          what=f"close port {port} of {self.ref}")
 
     async def _agent_json(self, method, target, body=None, content_type=None, what="", timeout=60):
         r = await self._client.agent(self.ref, self.token, method, target, body, content_type, timeout)

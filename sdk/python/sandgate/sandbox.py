@@ -233,17 +233,20 @@ class Sandbox:
             forks.append(Sandbox(info, self._client, tok))
         return forks
 
-    def expose(self, port):
-        """The https URL of an exposed port, through the ingress this SDK is configured with. The node API
-        cannot open a port after create, so a port not exposed then raises UnsupportedError."""
-        port = int(port)
+    def expose(self, port, public=None, protocol=None):
+        """The https URL of `port` through the ingress this SDK is configured with, exposing it first when the
+        sandbox does not (PUT .../ports/PORT): private (the sandbox token) unless public=True; protocol http1
+        (default), h2c or tcp. For a port already exposed, what is given replaces its policy."""
         self.refresh()
-        exposed = [p.get("port") for p in self.info.get("ports", [])]
-        if port not in exposed:
-            raise UnsupportedError(
-                f"{self.ref} does not expose port {port} (it exposes {exposed or 'none'}), and the node API cannot "
-                f"expose a port after create: create the sandbox with exposed_ports=[{port}]")
-        return self._client.settings.url(self._client.settings.sandbox_host(self.ref, port))
+        call = P.expose_request(self.info, port, public, protocol)
+        if call is not None:
+            self.info = self._client.node("PUT", call[0], call[1], what=f"expose port {port} of {self.ref}")
+        return self._client.settings.url(self._client.settings.sandbox_host(self.ref, int(port)))
+
+    def unexpose(self, port):
+        """Closes an exposed port: new connections to it are refused (open ones go on)."""
+        self.info = self._client.node("DELETE", P.sandbox_path(self.id, f"ports/{int(port)}"),
+                                      what=f"close port {port} of {self.ref}")
 
     # -- the agent
     def _agent_json(self, method, target, body=None, content_type=None, what="", timeout=60):

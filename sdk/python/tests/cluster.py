@@ -6,7 +6,9 @@ Images. By default the node uses the e2e test image (tests/e2e/tools/make-test-i
 SANDGATE_TEST_IMAGE_DIR) from its shared store, as the e2e harness does (imported into it once, under the
 harness's lock, if it is not there yet). A checkpoint writes snapshots and layers into the node's store,
 which must not happen to the shared one, so Cluster(own_store=True) gets a store of its own holding a tiny
-busybox image made here (importing the 240 MB test image and removing it again would cost ~30 s).
+busybox image made here (importing the 240 MB test image and removing it again would cost ~30 s), and
+Cluster(own_store="test-image") one with the test image imported (a guest that needs python3 and a checkpoint).
+node_config adds lines to the node's section (the QEMU guest's kernel and initramfs, for one).
 SANDGATE_BUILD_DIR names the build with the daemons. Run as root (the node makes namespaces and cgroups)."""
 import fcntl
 import hashlib
@@ -58,8 +60,9 @@ def _read(path):
 
 
 class Cluster:
-    def __init__(self, name="sdk", own_store=False):
+    def __init__(self, name="sdk", own_store=False, node_config=""):
         self.own_store = own_store
+        self.node_config = node_config
         self.build = os.path.abspath(os.environ.get("SANDGATE_BUILD_DIR") or os.path.join(ROOT, "build"))
         self.tmp = tempfile.mkdtemp(prefix=f"sandgate-{name}.")
         self.procs = []
@@ -109,6 +112,7 @@ on_shutdown = "terminate"
 cgroup_name = "{self.cgroup}"
 init_path = "{self.build}/noderuntime/sandgate-init"
 {self._image_config()}
+{self.node_config}
 """)
         self.node_log, self.proxy_log = self.tmp + "/node.log", self.tmp + "/proxy.log"
         self._phase("certificate, config and image lookup")
@@ -122,7 +126,9 @@ init_path = "{self.build}/noderuntime/sandgate-init"
                         START_TIMEOUT_S, proxy, self.proxy_log)
         self.port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
         self._phase("proxy ready")
-        if self.own_store:
+        if self.own_store == "test-image":
+            self._import(self.archive, self.image)
+        elif self.own_store:
             self._import(self._busybox_image(), "tiny")
         elif not os.path.exists(f"{self.store}/images/{self.image}.json"):
             # As harness.cc's ensure_test_image: one importer at a time, the others find it done.
@@ -133,7 +139,7 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         self._phase("image imported" if self.own_store else "image present")
 
     def _image_config(self):
-        if self.own_store:
+        if self.own_store is True:
             return 'images_dir = ""\ndefault_image = "tiny"'
         cache = os.environ.get("SANDGATE_TEST_IMAGE_DIR") or os.path.join(self.build, "test-image")
         made = subprocess.run(["bash", ROOT + "/tests/e2e/tools/make-test-image.sh", cache], check=True,
@@ -141,6 +147,8 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         self.archive = made.stdout.splitlines()[0]
         key = os.path.basename(self.archive)[len("test-image-"):-len(".tar")]
         self.image = "sandgate-test-" + key  # the name the e2e harness gives it
+        if self.own_store:
+            return f'images_dir = ""\ndefault_image = "{self.image}"'
         self.store = cache + "/store"
         os.makedirs(self.store, exist_ok=True)
         return f'images_dir = "{self.store}"\ndefault_image = "{self.image}"'

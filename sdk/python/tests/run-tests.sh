@@ -30,7 +30,7 @@ case ${1:-} in
     cd "$here"
     "$work/venv/bin/python" -c 'import sandgate, sys; sys.exit(0 if "/venv/" in sandgate.__file__ else "not the installed package: " + sandgate.__file__)'
     SANDGATE_BUILD_DIR=$build "$work/venv/bin/python" -m unittest -v \
-      test_http test_errors test_config test_protocol test_transport test_e2e
+      test_http test_errors test_config test_protocol test_transport test_e2e test_qemu
     ;;
   *)
     echo "usage: run-tests.sh unit | e2e BUILD_DIR" >&2

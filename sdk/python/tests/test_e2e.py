@@ -132,8 +132,34 @@ class SyncSandboxTest(TimedTest):
                                   "-H", "Authorization: Bearer " + sb.token, url], capture_output=True, text=True)
             return out.stdout == "200"
         wait_for("http.server in the sandbox", served, 20)
-        with self.assertRaisesRegex(UnsupportedError, "exposed_ports=\\[9999\\]"):
-            sb.expose(9999)
+
+        # A port the create did not expose: refused at the edge until expose() opens it, with the token, then
+        # without one once public, and refused again once closed.
+        sb.run("sh", ["-c", "setsid python3 -m http.server 8081 </dev/null >/dev/null 2>&1 &"])
+        late = f"https://8081-sdk-life.sandbox.localhost:{cluster.port}/"
+
+        def status(token=None):
+            auth = ["-H", "Authorization: Bearer " + token] if token else []
+            return subprocess.run(["curl", "-s", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}",
+                                   "--cacert", cluster.ca, *auth, late], capture_output=True, text=True).stdout
+        self.assertEqual(status(sb.token), "403")  # the edge's answer for a port not exposed
+        self.assertEqual(sb.expose(8081), late)
+        self.assertIn({"port": 8081, "public": False, "protocol": "http1"}, sb.info["ports"])
+        wait_for("the port exposed after create", lambda: status(sb.token) == "200", 20)
+        self.assertEqual(status(), "401")
+        cli = cluster.cli("expose", "sdk-life", "8081", "--public")  # the CLI's way to the same call
+        self.assertEqual(cli.returncode, 0, cli.stderr)
+        # The node's URL, with the port the proxy is configured with (0 here: the kernel picks it).
+        self.assertRegex(cli.stdout, r"^https://8081-sdk-life\.sandbox\.localhost(:\d+)?/ \(public: no token needed\)\n$")
+        self.assertEqual(status(), "200")  # no wait: the node's route event dropped the proxy's cached policy
+        self.assertEqual(sb.expose(8081), late)  # already so: no change
+        self.assertIn({"port": 8081, "public": True, "protocol": "http1"}, sb.info["ports"])
+        sb.unexpose(8081)
+        self.assertEqual(status(sb.token), "403")
+        with self.assertRaises(NotFoundError):
+            sb.unexpose(8081)
+        with self.assertRaises(InvalidArgumentError):
+            sb.expose(8081, protocol="quic")
 
         # Suspend and resume, then run again; a suspended sandbox is also woken by the next call.
         self.assertEqual(sb.suspend().state, "suspended")

@@ -1,4 +1,4 @@
-// The `sandgate checkpoint / snapshots / snapshot rm / create --from` pieces: bodies, paths and tables.
+// The `sandgate checkpoint / snapshots / snapshot rm / create --from / expose` pieces: bodies, paths and tables.
 #include <gtest/gtest.h>
 
 #include "cli/commands.h"
@@ -55,6 +55,20 @@ TEST(SnapshotFormat, IdLineAndList) {
 TEST(SnapshotPath, EncodesTheId) {
   EXPECT_EQ(snapshot_path("snap-abcdefghijkl"), "/v1/snapshots/snap-abcdefghijkl");
   EXPECT_EQ(snapshot_path("../x"), "/v1/snapshots/..%2Fx");
+}
+
+TEST(ExposeCall, APortAndItsProtocolInThePathAndBody) {
+  auto call = expose_call("demo", "3000/h2c", true);
+  ASSERT_TRUE(call) << call.message();
+  EXPECT_EQ(call->path, "/v1/sandboxes/demo/ports/3000");
+  EXPECT_EQ(call->body, json::parse(R"({"public":true,"protocol":"h2c"})"));
+  EXPECT_EQ(expose_call("demo", "3000", false)->body, json::parse(R"({"public":false,"protocol":"http1"})"));
+  for (const char* bad : {"x", "70000", "3000/quic", ""}) EXPECT_FALSE(expose_call("demo", bad, false)) << bad;
+  json sandbox = json::parse(R"({"urls": {"3000": "https://3000-demo.sandbox.localhost/"},
+                                "ports": [{"port": 3000, "public": true, "protocol": "h2c"}]})");
+  EXPECT_EQ(format_exposed(sandbox, 3000), "https://3000-demo.sandbox.localhost/ (public: no token needed)\n");
+  sandbox["ports"][0]["public"] = false;
+  EXPECT_EQ(format_exposed(sandbox, 3000), "https://3000-demo.sandbox.localhost/\n");
 }
 
 }  // namespace

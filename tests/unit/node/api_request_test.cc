@@ -146,5 +146,20 @@ TEST(ApiRequestTest, AForkTakesACountWithinItsBoundAndAPrefix) {
   EXPECT_EQ(parse_fork("[1]").error(), Error::kInvalidArgument);
 }
 
+TEST(ApiRequestTest, AnExposeTakesAPolicyOrNothing) {
+  auto none = parse_expose("");
+  ASSERT_TRUE(none);
+  EXPECT_FALSE(none->is_public);
+  EXPECT_FALSE(none->protocol);
+  auto both = parse_expose(R"({"public": true, "protocol": "tcp"})");
+  ASSERT_TRUE(both) << both.message();
+  EXPECT_EQ(both->is_public, true);
+  EXPECT_EQ(both->protocol, "tcp");
+  EXPECT_EQ(parse_expose(R"({"public": "yes"})").error(), Error::kInvalidArgument);
+  EXPECT_EQ(parse_expose(R"({"protocol": 2})").error(), Error::kInvalidArgument);
+  EXPECT_EQ(parse_expose(R"({"port": 1})").message(), "unknown field 'port' (allowed: public, protocol)");
+  EXPECT_EQ(parse_expose("{").error(), Error::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace sg

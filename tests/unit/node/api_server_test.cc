@@ -309,6 +309,32 @@ TEST_F(ApiServerTest, SandboxLifecycle) {
   EXPECT_TRUE(c.request("GET", "/v1/sandboxes").body()["sandboxes"].empty());
 }
 
+TEST_F(ApiServerTest, PortsAreExposedAndClosedAfterCreate) {
+  Client c = client();
+  ASSERT_EQ(c.request("POST", "/v1/sandboxes", R"({"name":"demo","command":["x"],"exposed_ports":[8080]})").status, 201);
+  Reply put = c.request("PUT", "/v1/sandboxes/demo/ports/3000", R"({"public":true,"protocol":"h2c"})");
+  ASSERT_EQ(put.status, 200) << put.message.body;
+  EXPECT_EQ(put.body()["urls"]["3000"], "https://3000-demo.sandbox.localhost:8443/");
+  EXPECT_EQ(put.body()["ports"], json::parse(R"([{"port":8080,"public":false,"protocol":"http1"},)"
+                                             R"({"port":3000,"public":true,"protocol":"h2c"}])"));
+  // No body: a private http1 port, the create's default.
+  Reply plain = c.request("PUT", "/v1/sandboxes/demo/ports/3000");
+  ASSERT_EQ(plain.status, 200) << plain.message.body;
+  EXPECT_EQ(plain.body()["ports"][1], json::parse(R"({"port":3000,"public":false,"protocol":"http1"})"));
+  expect_error(c.request("PUT", "/v1/sandboxes/demo/ports/3x"), 400, "invalid_argument", "'3x' is not a port number");
+  expect_error(c.request("PUT", "/v1/sandboxes/demo/ports/123456"), 400, "invalid_argument");
+  expect_error(c.request("PUT", "/v1/sandboxes/demo/ports/70000"), 400, "invalid_argument", "1-65535");
+  expect_error(c.request("PUT", "/v1/sandboxes/demo/ports/3001", R"({"protocol":"quic"})"), 400, "invalid_argument",
+               "'quic' is not one of http1, h2c, tcp");
+  expect_error(c.request("PUT", "/v1/sandboxes/nope/ports/3001"), 404, "not_found");
+  Reply post = c.request("POST", "/v1/sandboxes/demo/ports/3000");
+  EXPECT_EQ(post.status, 405);
+  Reply closed = c.request("DELETE", "/v1/sandboxes/demo/ports/3000");
+  ASSERT_EQ(closed.status, 200) << closed.message.body;
+  EXPECT_EQ(closed.body()["exposed_ports"], json::parse("[8080]"));
+  expect_error(c.request("DELETE", "/v1/sandboxes/demo/ports/3000"), 404, "not_found", "does not expose port 3000");
+}
+
 TEST_F(ApiServerTest, UnnamedSandboxUsesItsIdInUrlsAndNullName) {
   Client c = client();
   Reply r = c.request("POST", "/v1/sandboxes", R"({"command":["x"],"exposed_ports":[3000],"name":null})");

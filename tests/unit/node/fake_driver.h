@@ -227,6 +227,19 @@ class FakeDriver : public Driver {
       done(MemoryCheckpoint{.state_bytes = memory_state.size(), .disk_bytes = 0, .pause_ms = 1.5});
     });
   }
+  // Ports exposed after create: counted, and failed with fail_forward.
+  void forward_port(const SandboxSpec&, const RuntimeInfo&, uint16_t port, Done done) override {
+    forwarded.push_back(port);
+    later_with(op_delay_ms, "", [this, done = std::move(done)](bool) {
+      done(fail_forward ? Status(fail(Error::kUnavailable, "the fake refuses the forward")) : Status());
+    });
+  }
+  void unforward_port(const SandboxSpec&, const RuntimeInfo&, uint16_t port, Done done) override {
+    unforwarded.push_back(port);
+    done({});
+  }
+  std::vector<uint16_t> forwarded, unforwarded;
+  bool fail_forward = false;
   bool can_checkpoint_memory = false, fail_memory_checkpoint = false;
   std::string memory_state = "saved guest";
   int memory_checkpoints = 0;

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "noderuntime/names.h"
+#include "snapshot/layer_store.h"
 #include "tests/unit/node/fake_driver.h"
 
 namespace sg {
@@ -510,6 +511,68 @@ TEST_F(NodeTest, RotatingTheTokenRefusesTheOldOneAndRevokesItsConnections) {
   EXPECT_GT(answer.revoked[0].rotated_at, (*before->result)->opened_at);
   EXPECT_EQ(state("demo"), S::kRunning) << "a rotation changes nothing else";
   EXPECT_EQ(node_->rotate_token("nope").error(), Error::kNotFound);
+}
+
+TEST_F(NodeTest, APortExposedAfterCreateIsRoutedStoredAndAnnouncedAndAClosedOneIsRefusedAgain) {
+  SandboxInfo info = create("demo");
+  std::vector<RouteEvent> events;
+  uint64_t sub = node_->subscribe([&](const RouteEvent& e) { events.push_back(e); });
+  auto expose = [&](std::string_view ref, int64_t port, ExposeRequest req) {
+    std::optional<Result<SandboxInfo>> out;
+    node_->expose_port(ref, port, req, [&](Result<SandboxInfo> r) { out.emplace(std::move(r)); });
+    EXPECT_TRUE(run_until(&loop_, [&] { return out.has_value(); }));
+    return out ? *out : Result<SandboxInfo>(fail(Error::kTimeout, "no answer"));
+  };
+  EXPECT_EQ(node_->lookup("demo", 3000).error(), Error::kPermissionDenied);
+
+  auto exposed = expose("demo", 3000, ExposeRequest{true, "h2c"});
+  ASSERT_TRUE(exposed.ok()) << exposed.message();
+  EXPECT_EQ(exposed->spec.exposed_ports, (std::vector<uint16_t>{8080, 3000}));
+  EXPECT_EQ(driver_->forwarded, (std::vector<uint16_t>{3000}));
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].reason, "ports");
+  EXPECT_EQ(events[0].id, info.spec.id);
+  auto access = node_->lookup("demo", 3000);
+  ASSERT_TRUE(access.ok()) << access.message();
+  EXPECT_TRUE(access->is_public);
+  EXPECT_EQ(access->protocol, PortProtocol::kH2c);
+  auto opened = open("demo", 3000);
+  ASSERT_TRUE(opened->result.has_value() && opened->result->ok());
+
+  // Stored: a restarted node still routes it.
+  restart();
+  ASSERT_TRUE(node_->reconcile().ok());
+  ASSERT_TRUE(node_->lookup("demo", 3000).ok());
+  sub = node_->subscribe([&](const RouteEvent& e) { events.push_back(e); });
+
+  // A forward the driver refuses changes nothing; nor does a bad port, past the driver.
+  driver_->fail_forward = true;
+  auto refused = expose("demo", 3001, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("cannot forward port 3001: the fake refuses the forward"), std::string::npos)
+      << refused.message();
+  EXPECT_EQ(node_->lookup("demo", 3001).error(), Error::kPermissionDenied);
+  driver_->fail_forward = false;
+  EXPECT_EQ(expose("demo", 0, {}).error(), Error::kInvalidArgument);
+  EXPECT_EQ(expose("nope", 3001, {}).error(), Error::kNotFound);
+  EXPECT_EQ(events.size(), 1u) << "nothing changed, nothing announced";
+
+  auto closed = node_->close_port("demo", 3000);
+  ASSERT_TRUE(closed.ok()) << closed.message();
+  EXPECT_EQ(closed->spec.exposed_ports, (std::vector<uint16_t>{8080}));
+  EXPECT_EQ(node_->lookup("demo", 3000).error(), Error::kPermissionDenied);
+  EXPECT_EQ(driver_->unforwarded, (std::vector<uint16_t>{3000}));
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[1].reason, "ports");
+  EXPECT_EQ(node_->close_port("demo", 3000).error(), Error::kNotFound);
+
+  // Suspended is fine (the driver forwards into the paused instance); changing state is not.
+  ASSERT_TRUE(node_->suspend("demo")->started);
+  EXPECT_EQ(expose("demo", 3002, {}).error(), Error::kConflict);
+  ASSERT_TRUE(wait_state("demo", S::kSuspended));
+  EXPECT_TRUE(expose("demo", 3002, {}).ok());
+  EXPECT_EQ(state("demo"), S::kSuspended) << "exposing a port wakes nothing";
+  node_->unsubscribe(sub);
 }
 
 TEST_F(NodeTest, TrafficReportedDuringASuspendDoesNotUndoIt) {
@@ -1462,6 +1525,19 @@ TEST_F(NodeCheckpointTest, AMemoryCheckpointIsCommittedWholeAndACreateFromItKeep
   EXPECT_EQ(copy->spec.memory_snapshot_dir, files);
   EXPECT_EQ(driver_->started_from_memory, files);
   EXPECT_NE(copy->spec.id, vm->spec.id);
+
+  // Each file is recorded with its digest, and a file that no longer matches it refuses the next create,
+  // naming the file (the check is not fooled by the unchanged-file cache: the write changes the file's times).
+  ASSERT_EQ(snap.file_digests.count(kMemoryState), 1u);
+  EXPECT_EQ(snap.file_digests.at(kMemoryState), *snapshot::sha256_file(files + "/" + kMemoryState));
+  std::ofstream(files + "/" + kMemoryState, std::ios::app) << "bit rot";
+  CreateRequest damaged;
+  damaged.snapshot_id = snap.id;
+  auto refused_damaged = create_request(damaged);
+  ASSERT_FALSE(refused_damaged);
+  EXPECT_EQ(refused_damaged.error(), Error::kInvalidArgument);
+  EXPECT_NE(refused_damaged.message().find("its file state is corrupted"), std::string::npos)
+      << refused_damaged.message();
 
   // Removal waits for the last sandbox made from it, and takes its files.
   EXPECT_EQ(remove_snapshot(snap.id).error(), Error::kConflict);

@@ -38,7 +38,10 @@ using testing::TestLoop;
 // Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
 // writes its argv (NUL-separated) to <sandbox dir>/argv. Each `hostfwd=tcp:127.0.0.1:<port>-:...` rule gets
 // a listener on that port (in the fake's own namespace) that answers "FAKE-GUEST <port>\n" and closes.
-// A saved state is the bytes "SANDGATE-FAKE-STATE".
+// A saved state is the bytes "SANDGATE-FAKE-STATE". With a memory-backend-memfd the fake holds a memfd of
+// the backend's size (as QEMU names it) with "SANDGATE-FAKE-RAM" at its start and in its middle, holes
+// elsewhere; a migration with x-ignore-shared on then saves "SANDGATE-FAKE-DEVICES" only, which loads only
+// with x-ignore-shared on into a memory-backend-file (share=off) whose file starts with that RAM.
 constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
 import json, os, socket, subprocess, sys, threading, time
 args = sys.argv[1:]
@@ -60,18 +63,35 @@ if mode == "initramfs-too-large":  # what Linux prints, then the panic that hide
         f.write("[    1.2] Initramfs unpacking failed: write error\n[    1.4] Kernel panic - not syncing: VFS: "
                 "Unable to mount root fs on unknown-block(0,0)\n[    1.5]  mount_block_root+0x14e/0x1e6\n")
     sys.exit(0)
-def forward(port):
-    l = socket.socket()
-    l.bind(("127.0.0.1", port))
-    l.listen(8)
+def serve(l, port):
     while True:
         c, _ = l.accept()
         c.sendall(b"FAKE-GUEST %d\n" % port)
         c.close()
+listening = set()
+def forward(port):  # listening before it returns, as QEMU's rule does before its answer
+    if port in listening: return  # a rule removed and added again: the fake's listener stayed
+    listening.add(port)
+    l = socket.socket()
+    l.bind(("127.0.0.1", port))
+    l.listen(8)
+    threading.Thread(target=serve, args=(l, port), daemon=True).start()
+rules = set()
 for rule in args[args.index("-netdev") + 1].split(","):
     if rule.startswith("hostfwd=tcp:127.0.0.1:"):
-        threading.Thread(target=forward, args=(int(rule.split(":")[2].split("-")[0]),), daemon=True).start()
+        rules.add(int(rule.split(":")[2].split("-")[0]))
+        forward(int(rule.split(":")[2].split("-")[0]))
 incoming = "-incoming" in args
+backend = [a for a in args if a.startswith("memory-backend-")]
+backend = dict(kv.split("=", 1) for kv in backend[0].split(",")[1:]) if backend else {}
+ram = None
+if [a for a in args if a.startswith("memory-backend-memfd")]:
+    ram = os.memfd_create("memory-backend-memfd")
+    size = int(backend["size"].rstrip("M")) << 20
+    os.ftruncate(ram, size)
+    os.pwrite(ram, b"SANDGATE-FAKE-RAM", 0)
+    os.pwrite(ram, b"SANDGATE-FAKE-RAM", size // 2)
+ignore_shared = False
 srv = socket.socket(socket.AF_UNIX)
 srv.bind(qmp)
 srv.listen(1)
@@ -97,19 +117,46 @@ while True:
         if cmd == "stop": status = "paused"
         elif cmd == "cont": status = "running"
         elif cmd == "query-status": ret = {"status": status, "running": status == "running"}
+        elif cmd == "migrate-set-capabilities":
+            for c in m["arguments"]["capabilities"]:
+                if c["capability"] == "x-ignore-shared": ignore_shared = c["state"]
         elif cmd == "migrate":
             if mode == "migrate-die": os._exit(1)
             if mode != "migrate-fail":
-                subprocess.run(["sh", "-c", m["arguments"]["uri"][len("exec:"):]], input=b"SANDGATE-FAKE-STATE")
+                saved = b"SANDGATE-FAKE-DEVICES" if ignore_shared and ram is not None else b"SANDGATE-FAKE-STATE"
+                subprocess.run(["sh", "-c", m["arguments"]["uri"][len("exec:"):]], input=saved)
             status = "postmigrate"
         elif cmd == "query-migrate":
             ret = {"status": "failed", "error-desc": "No space left on device"} if mode == "migrate-fail" else {"status": "completed"}
         elif cmd == "migrate-incoming":
             data = subprocess.run(["sh", "-c", m["arguments"]["uri"][len("exec:"):]], capture_output=True).stdout
-            if data != b"SANDGATE-FAKE-STATE":
+            ram_from_file = False
+            if "mem-path" in backend and backend.get("share") == "off":
+                with open(backend["mem-path"], "rb") as r:
+                    ram_from_file = r.read(17) == b"SANDGATE-FAKE-RAM"
+            if data == b"SANDGATE-FAKE-DEVICES" and ignore_shared and ram_from_file:
+                pass
+            elif data != b"SANDGATE-FAKE-STATE":
                 sys.stderr.write("qemu-system-x86_64: load of migration failed: Input/output error\n")
                 os._exit(1)
             status = "paused"
+        elif cmd == "human-monitor-command":  # slirp's rules, answered in text as QEMU 7.2 does
+            line = m["arguments"]["command-line"]
+            with open(os.path.join(os.path.dirname(qmp), "hmp"), "a") as h:
+                h.write(line + "\n")
+            words = line.split()
+            port = int(words[2].split(":")[2].split("-")[0])
+            if words[0] == "hostfwd_add" and port not in rules:
+                rules.add(port)
+                forward(port)
+                ret = ""
+            elif words[0] == "hostfwd_add":
+                ret = "could not set up host forwarding rule '%s'\r\n" % words[2]
+            elif words[0] == "hostfwd_remove" and port in rules:
+                rules.discard(port)  # the fake's listener stays; the test looks at what was asked
+                ret = "host forwarding rule for %s removed\r\n" % words[2]
+            else:
+                ret = "could not remove host forwarding rule '%s'\r\n" % words[2]
         elif cmd == "quit":
             f.write(json.dumps({"return": {}, "id": i}) + "\n"); f.flush(); os._exit(0)
         f.write(json.dumps({"return": ret, "id": i}) + "\n"); f.flush()
@@ -379,8 +426,15 @@ TEST_F(QemuDriverTest, AMemoryCheckpointLeavesTheGuestRunningAndAStartFromItCont
   auto saved = checkpoint_memory(*info, snap);
   ASSERT_TRUE(saved.has_value());
   ASSERT_TRUE(*saved) << saved->message();
-  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE");
-  EXPECT_EQ((*saved)->state_bytes, std::string("SANDGATE-FAKE-STATE").size());
+  // The RAM is in a memfd: the state is the devices' alone, the RAM a sparse file of the guest's size.
+  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-DEVICES");
+  EXPECT_EQ((*saved)->state_bytes, std::string("SANDGATE-FAKE-DEVICES").size());
+  const std::string ram = snap + "/" + kMemoryRam;
+  EXPECT_EQ(std::filesystem::file_size(ram), uint64_t{128} << 20);
+  EXPECT_EQ(read_all(ram).substr(0, 17), "SANDGATE-FAKE-RAM");
+  EXPECT_EQ(read_all(ram).substr(uint64_t{64} << 20, 17), "SANDGATE-FAKE-RAM");
+  EXPECT_GT((*saved)->ram_bytes, 0u);
+  EXPECT_LE((*saved)->ram_bytes, uint64_t{1} << 20) << "the holes of the RAM stay holes in its copy";
   EXPECT_EQ((*saved)->disk_bytes, 0u);  // booted without a disk
   EXPECT_GT((*saved)->pause_ms, 0);
   auto seen = driver().observe(spec_, *info);
@@ -398,10 +452,38 @@ TEST_F(QemuDriverTest, AMemoryCheckpointLeavesTheGuestRunningAndAStartFromItCont
   auto running = driver().observe(spec, *from);
   EXPECT_TRUE(running.alive);
   EXPECT_FALSE(running.paused);
-  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE") << "the snapshot is not consumed";
+  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-DEVICES") << "the snapshot is not consumed";
   EXPECT_EQ(read_all(dir + "/console.log").find("SANDGATE-GUEST-READY"), std::string::npos) << "it did not boot";
-  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *info, std::move(d)); }).ok());
-  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec, *from, std::move(d)); }).ok());
+  // It maps the snapshot's RAM privately: the sandboxes from one snapshot share the pages none of them wrote.
+  EXPECT_NE(read_all(dir + "/argv").find("memory-backend-file,id=microvm.ram,size=128M,mem-path=" + ram + ",share=off"),
+            std::string::npos) << read_all(dir + "/argv");
+
+  // A hibernation after the checkpoint saves the source's RAM again (x-ignore-shared is set back).
+  ASSERT_TRUE(pause(*info).ok());
+  auto hibernated = hibernate(*info);
+  ASSERT_TRUE(hibernated.ok()) << hibernated.message();
+  EXPECT_EQ(read_all(hibernated->driver_data["state_file"]), "SANDGATE-FAKE-STATE");
+  // And one from the snapshot, hibernated, comes back on a memfd of its own with all of its RAM.
+  ASSERT_TRUE(wait_status([&](Driver::Done d) { driver().pause(spec, *from, std::move(d)); }).ok());
+  auto from_hibernated = wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec, *from, std::move(d)); });
+  ASSERT_TRUE(from_hibernated.ok()) << from_hibernated.message();
+  EXPECT_EQ(from_hibernated->driver_data.count("ram_file"), 0u);
+  auto from_restored = wait_runtime([&](Driver::RuntimeDone d) { driver().restore(spec, *from_hibernated, std::move(d)); });
+  ASSERT_TRUE(from_restored.ok()) << from_restored.message();
+  EXPECT_NE(read_all(dir + "/argv").find("memory-backend-memfd,id=microvm.ram,size=128M,share=on"), std::string::npos)
+      << read_all(dir + "/argv");
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec, *from_restored, std::move(d)); }).ok());
+
+  // A RAM file of another size than the guest's is refused, naming both.
+  auto odd_sandbox = other_sandbox();
+  SandboxSpec odd_spec = odd_sandbox.first;
+  const std::string odd_dir = odd_sandbox.second;
+  odd_spec.id = "sb-qemutest0004";
+  odd_spec.memory_snapshot_dir = snap;
+  std::filesystem::resize_file(ram, uint64_t{64} << 20);
+  auto odd = wait_runtime([&](Driver::RuntimeDone d) { driver().start(odd_spec, odd_dir, std::move(d)); });
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.message().find("not the 128 MiB of its guest"), std::string::npos) << odd.message();
 
   // Without the state there is nothing to continue: named, nothing started.
   auto empty = other_sandbox();
@@ -610,6 +692,46 @@ TEST_F(QemuDriverTest, GuestWithoutAgentMarkerIsTrustedToHaveOne) {
   ASSERT_TRUE(info.ok()) << info.message();
   EXPECT_FALSE(info->driver_data.count("agent"));
   EXPECT_TRUE(driver().open_socket(spec_, *info, 9501).ok());
+}
+
+// A port exposed after the start is forwarded into the running QEMU through the monitor, and from the spec
+// by every later start; closing it removes the rule.
+TEST_F(QemuDriverTest, APortExposedAfterTheStartIsForwardedIntoTheRunningGuestAndByTheNextStart) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_EQ(driver().open_socket(spec_, *info, 3000).error(), Error::kUnreachable);  // not exposed yet
+  ASSERT_TRUE(wait_status([&](Driver::Done d) { driver().forward_port(spec_, *info, 3000, std::move(d)); }).ok());
+  SandboxSpec exposed = spec_;
+  exposed.exposed_ports.push_back(3000);
+  auto sock = driver().open_socket(exposed, *info, 3000);
+  ASSERT_TRUE(sock.ok()) << sock.message();
+  EXPECT_EQ(first_line(std::move(sock->fd), sock->connect_port), "FAKE-GUEST 3000");
+  // Again (a policy change): the old rule goes first, so there is still exactly one.
+  ASSERT_TRUE(wait_status([&](Driver::Done d) { driver().forward_port(spec_, *info, 3000, std::move(d)); }).ok());
+  ASSERT_TRUE(wait_status([&](Driver::Done d) { driver().unforward_port(spec_, *info, 3000, std::move(d)); }).ok());
+  EXPECT_EQ(lines_of(sandbox_dir_ + "/hmp"),
+            (std::vector<std::string>{"hostfwd_remove net0 tcp:127.0.0.1:3000",
+                                      "hostfwd_add net0 tcp:127.0.0.1:3000-:3000",
+                                      "hostfwd_remove net0 tcp:127.0.0.1:3000",
+                                      "hostfwd_add net0 tcp:127.0.0.1:3000-:3000",
+                                      "hostfwd_remove net0 tcp:127.0.0.1:3000"}));
+  // QEMU's refusal is the failure, with its words.
+  auto refused = wait_status([&](Driver::Done d) { driver().unforward_port(spec_, *info, 3000, std::move(d)); });
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("could not remove host forwarding rule"), std::string::npos) << refused.message();
+
+  // Hibernated, there is no QEMU to tell: the restore forwards the port from the spec.
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  ASSERT_TRUE(wait_status([&](Driver::Done d) { driver().forward_port(exposed, *saved, 3000, std::move(d)); }).ok());
+  auto restored = wait_runtime([&](Driver::RuntimeDone d) { driver().restore(exposed, *saved, std::move(d)); });
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_NE(read_all(sandbox_dir_ + "/argv").find("hostfwd=tcp:127.0.0.1:3000-:3000"), std::string::npos);
+  auto after = driver().open_socket(exposed, *restored, 3000);
+  ASSERT_TRUE(after.ok()) << after.message();
+  EXPECT_EQ(first_line(std::move(after->fd), after->connect_port), "FAKE-GUEST 3000");
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(exposed, *restored, std::move(d)); }).ok());
 }
 
 // Issue 10: QEMU's forwards listened on the host's loopback, where any local user (and, through 10.0.2.2,

@@ -129,6 +129,23 @@ TEST(RouteCache, NothingIsRoutedWithoutTheEventStream) {
   EXPECT_EQ(cache.spare_count(), 0u) << "and none is cached while down";
 }
 
+TEST(RouteCache, ChangedPortsDropTheSandboxsPoliciesTooAndStillWinOverOlderOpens) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.store("demo", 3000, policy("sb-1", "http1", false), 0);
+  cache.grant("demo", grant("sb-1", false, 20, 2), 0);
+  cache.store("keep", 8080, policy("sb-2", "http1", false), 0);
+  cache.invalidate("sb-1", 25);
+  EXPECT_TRUE(cache.find("demo", 3000, 1)) << "a plain invalidation keeps the policy (the ClientHello needs it)";
+  cache.forget("sb-1", 30);
+  EXPECT_FALSE(cache.find("demo", 3000, 1)) << "the port may be public now, or closed";
+  EXPECT_FALSE(cache.find("demo", 8080, 1));
+  EXPECT_EQ(cache.spare_count(), 0u);
+  EXPECT_TRUE(cache.find("keep", 8080, 1));
+  cache.grant("demo", grant("sb-1", false, 28, 2), 0);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "answered before the change";
+}
+
 TEST(RouteCache, AnInvalidationWinsOverAnOpenAnsweredBeforeIt) {
   RouteCache cache(1000, 100);
   cache.stream_up(10);

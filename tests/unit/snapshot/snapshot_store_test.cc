@@ -129,7 +129,9 @@ TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWith
   memory.memory_mb = 256;
   memory.cpus = 1.5;
   memory.state_bytes = 123456;
+  memory.ram_bytes = 1 << 20;
   memory.disk_bytes = 4096;
+  memory.file_digests = {{"state", "sha256:" + std::string(64, 'a')}, {"ram", "sha256:" + std::string(64, 'b')}};
   // Files whose record never came (a crash before it) and a write in progress are swept at open; the
   // files of a record that exists stay.
   const std::string orphan = generate_snapshot_id(), half = generate_snapshot_id();
@@ -153,6 +155,8 @@ TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWith
   EXPECT_EQ(got->memory_mb, 256u);
   EXPECT_EQ(got->cpus, 1.5);
   EXPECT_EQ(got->state_bytes, 123456u);
+  EXPECT_EQ(got->ram_bytes, 1u << 20);
+  EXPECT_EQ(got->file_digests, memory.file_digests);
   EXPECT_EQ(got->disk_bytes, 4096u);
   ASSERT_TRUE(store->remove(id));
   EXPECT_FALSE(fs::exists(store->files_dir(id)));
@@ -169,6 +173,17 @@ TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWith
   odd.type = "disk";
   ASSERT_TRUE(store->create(odd));
   EXPECT_NE(store->get(odd.id).message().find("field type"), std::string::npos);
+  ASSERT_TRUE(store->remove(odd.id));
+  // A file digest naming a path outside the snapshot's directory, or no sha256, is damage too.
+  for (const auto& [name, digest] : std::vector<std::pair<std::string, std::string>>{
+           {"../ram", "sha256:" + std::string(64, 'a')}, {"ram", "md5:00"}}) {
+    Snapshot pointing = memory;
+    pointing.id = generate_snapshot_id();
+    pointing.file_digests = {{name, digest}};
+    ASSERT_TRUE(store->create(pointing));
+    EXPECT_NE(store->get(pointing.id).message().find("field file_digests"), std::string::npos) << name;
+    ASSERT_TRUE(store->remove(pointing.id));
+  }
 }
 
 }  // namespace
