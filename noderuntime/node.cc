@@ -1023,6 +1023,7 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
         record.ram_bytes = saved->ram_bytes;
         record.disk_bytes = saved->disk_bytes;
         record.created_at_ms = wall_now_ms();
+        failpoint("memory-checkpoint:saved");  // the files in their .d.tmp, no record yet
         snapshots_->commit_memory(std::move(record), [alive, pause_ms = saved->pause_ms,
                                                       finish = std::move(finish)](Result<snapshot::Snapshot> r) {
           if (alive.expired()) return;

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/failpoint.h"
 #include "common/log.h"
 #include "noderuntime/guest_disk.h"
 #include "noderuntime/guest_image.h"
@@ -522,7 +523,10 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   steps.push_back(connect_step(false));
   steps.push_back([this, stopped_at](Op* op, StepDone d) {
     *stopped_at = std::chrono::steady_clock::now();
-    command_step("stop")(op, std::move(d));
+    command_step("stop")(op, [d](Status s) {
+      if (s) failpoint("memory-checkpoint:stopped");  // a node dying here leaves the guest stopped
+      d(std::move(s));
+    });
   });
   // Stopped first, so the migration is one pass over a still guest (a live one would chase its writes).
   // With the RAM in a memfd the state is the devices' alone (KiB), and the RAM is copied from the memfd

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -735,6 +736,37 @@ TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentit
   }
   EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "")
       << "the snapshots' files are gone with their records";
+}
+
+// The node killed during a memory checkpoint (failpoints, docs/tests.md#failpoints): with the guest stopped
+// for the save, and with the files saved but not recorded. The restarted node lists no snapshot and keeps
+// none of its files, and the guest goes on with its memory: the counter continues (a stopped guest is
+// adopted as suspended, and the request wakes it). Then a checkpoint succeeds.
+TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn) {
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
+  auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
+                       "/bin/sh -c " + shell_quote(kGuestServer),
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  c.wait_until_serving("q", 8080);
+  long expected = counter(c).count;
+  ASSERT_EQ(expected, 1);
+  for (const std::string point : {"memory-checkpoint:stopped", "memory-checkpoint:saved"}) {
+    c.stop_node(SIGKILL);
+    c.start_node({"SANDGATE_FAILPOINTS=" + point});
+    const size_t from = c.node().log().size();
+    (void)c.cli("checkpoint q --type memory", 120);
+    const int status = c.node().wait_exit(120000);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << ": status " << status;
+    ASSERT_NE(c.node().log().find("failpoint " + point + ": SIGKILL", from), std::string::npos) << c.node().log();
+    c.start_node();
+    EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n") << point;
+    EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "") << point << ": files of no snapshot stayed";
+    EXPECT_EQ(counter(c).count, ++expected) << point << "\n" << c.get("q").dump() << c.node().log();
+  }
+  auto checkpoint = c.cli("checkpoint q --type memory --json", 180);
+  ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
+  EXPECT_EQ(counter(c).count, ++expected);
 }
 
 }  // namespace
