@@ -1,6 +1,7 @@
 #include "noderuntime/cloud_hypervisor_driver.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -15,6 +16,8 @@ using json = nlohmann::json;
 constexpr const char* kBase = "/api/v1/";  // the spec's servers[0].url path
 constexpr const char* kSocketName = "cloud-hypervisor.sock";
 constexpr const char* kVsockName = "vsock.sock";
+constexpr const char* kSerialName = "serial.log";
+constexpr const char* kMemoryRanges = "memory-ranges";  // where vm.snapshot writes the guest's RAM
 
 std::string file_url(const std::string& path) { return "file://" + path; }
 
@@ -96,12 +99,47 @@ class CloudHypervisorDriver final : public VmmDriver {
         config_(std::move(config)) {}
 
   std::string_view name() const override { return "cloud-hypervisor"; }
+  DriverCapabilities capabilities() const override {
+    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
+  }
+
+  // Paused only for Cloud Hypervisor's snapshot into `dir` (config.json, state.json, memory-ranges), then
+  // resumed, whatever the outcome.
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         std::function<void(Result<MemoryCheckpoint>)> done) override {
+    auto op = new_op(spec, "checkpointing", info);
+    auto paused_at = std::make_shared<std::chrono::steady_clock::time_point>();
+    auto pause_ms = std::make_shared<double>(0);
+    std::vector<Step> steps;
+    steps.push_back([this, paused_at](Op* o, StepDone d) {
+      *paused_at = std::chrono::steady_clock::now();
+      api(o)->pause(d);
+    });
+    steps.push_back([this, dir](Op* o, StepDone d) { api(o)->snapshot(file_url(dir), d); });
+    steps.push_back([this, paused_at, pause_ms](Op* o, StepDone d) {
+      api(o)->resume([paused_at, pause_ms, d](Status s) {
+        *pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *paused_at).count();
+        d(std::move(s));
+      });
+    });
+    Step resume_anyway = [this](Op* o, StepDone d) { api(o)->resume([d](Status) { d({}); }); };
+    run(std::move(op), std::move(steps), std::move(resume_anyway),
+        [dir, pause_ms, done = std::move(done)](Op*, Status s) {
+          if (!s) return done(s.failure());
+          done(MemoryCheckpoint{
+              .state_bytes = file_bytes(dir + "/config.json", false) + file_bytes(dir + "/state.json", false),
+              .ram_bytes = file_bytes(dir + "/" + kMemoryRanges, true),
+              .disk_bytes = 0,
+              .pause_ms = *pause_ms});
+        });
+  }
 
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {
     RuntimeInfo info;
     info.sandbox_dir = sandbox_dir;
     info.driver_data[kApiSocket] = sandbox_dir + "/" + kSocketName;
     info.driver_data[kVsockSocket] = sandbox_dir + "/" + kVsockName;
+    if (!spec.memory_snapshot_dir.empty()) return start_from_memory(spec, std::move(info), std::move(done));
     ChVmConfig vm{.vcpus = static_cast<uint32_t>(std::clamp(static_cast<int>(std::ceil(spec.cpus)), 1, 254)),
                   .memory_bytes = static_cast<uint64_t>(spec.memory_mb) << 20,
                   .kernel = config_.kernel,
@@ -110,8 +148,10 @@ class CloudHypervisorDriver final : public VmmDriver {
                   .rootfs = config_.rootfs,
                   .tap = config_.tap,
                   .vsock_cid = 3,
-                  .vsock_socket = info.driver_data[kVsockSocket],
-                  .serial_file = sandbox_dir + "/serial.log"};
+                  // Relative to the VMM's directory (the sandbox's): a snapshot records these paths, and a
+                  // sandbox restored from another's memory snapshot must use files of its own.
+                  .vsock_socket = kVsockName,
+                  .serial_file = kSerialName};
     auto op = new_op(spec, "starting", info);
     std::vector<Step> steps;
     steps.push_back([](Op* o, StepDone d) {
@@ -124,6 +164,31 @@ class CloudHypervisorDriver final : public VmmDriver {
     steps.push_back(spawn_step({"--api-socket", info.driver_data[kApiSocket]}));
     steps.push_back([this, vm](Op* o, StepDone d) { api(o, true)->create(vm, d); });
     steps.push_back([this](Op* o, StepDone d) { api(o)->boot(d); });
+    run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
+      if (!s) return done(s.failure());
+      done(o->info);
+    });
+  }
+
+  // A memory snapshot's guest continues here: vm.restore (which leaves it paused), then vm.resume. Cloud
+  // Hypervisor copies the memory in, so nothing is shared between the sandboxes from one snapshot.
+  void start_from_memory(const SandboxSpec& spec, RuntimeInfo info, RuntimeDone done) {
+    auto op = new_op(spec, "starting from " + spec.memory_snapshot_dir, info);
+    std::vector<Step> steps;
+    steps.push_back([snap = spec.memory_snapshot_dir](Op* o, StepDone d) {
+      std::error_code ec;
+      if (!std::filesystem::exists(snap + "/config.json", ec))
+        return d(fail(Error::kNotFound, "memory snapshot " + snap + " has no config.json"));
+      std::filesystem::create_directories(o->info.sandbox_dir, ec);
+      if (ec) return d(fail(Error::kIo, "cannot create " + o->info.sandbox_dir + ": " + ec.message()));
+      std::filesystem::remove(o->info.driver_data[kVsockSocket], ec);  // the restored VM binds it
+      d({});
+    });
+    steps.push_back(spawn_step({"--api-socket", info.driver_data[kApiSocket]}));
+    steps.push_back([this, snap = spec.memory_snapshot_dir](Op* o, StepDone d) {
+      api(o, true)->restore(file_url(snap), false, d);
+    });
+    steps.push_back([this](Op* o, StepDone d) { api(o)->resume(d); });
     run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
       if (!s) return done(s.failure());
       done(o->info);

@@ -1,6 +1,7 @@
 #include "noderuntime/firecracker_driver.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -143,12 +144,49 @@ class FirecrackerDriver final : public VmmDriver {
         config_(std::move(config)) {}
 
   std::string_view name() const override { return "firecracker"; }
+  DriverCapabilities capabilities() const override {
+    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
+  }
+
+  // Paused only for Firecracker's own full snapshot: the device state (`vmstate`) and the guest memory
+  // (`memory`) into `dir`, then resumed, whatever the outcome.
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         std::function<void(Result<MemoryCheckpoint>)> done) override {
+    auto op = new_op(spec, "checkpointing", info);
+    auto paused_at = std::make_shared<std::chrono::steady_clock::time_point>();
+    auto pause_ms = std::make_shared<double>(0);
+    std::vector<Step> steps;
+    steps.push_back([this, paused_at](Op* o, StepDone d) {
+      *paused_at = std::chrono::steady_clock::now();
+      api(o)->pause(d);
+    });
+    steps.push_back([this, dir](Op* o, StepDone d) {
+      api(o)->create_snapshot({.snapshot_path = dir + "/" + kSnapshotFile, .mem_file_path = dir + "/" + kMemoryFile,
+                               .type = FcSnapshotType::kFull}, d);
+    });
+    steps.push_back([this, paused_at, pause_ms](Op* o, StepDone d) {
+      api(o)->resume([paused_at, pause_ms, d](Status s) {
+        *pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *paused_at).count();
+        d(std::move(s));
+      });
+    });
+    Step resume_anyway = [this](Op* o, StepDone d) { api(o)->resume([d](Status) { d({}); }); };
+    run(std::move(op), std::move(steps), std::move(resume_anyway),
+        [dir, pause_ms, done = std::move(done)](Op*, Status s) {
+          if (!s) return done(s.failure());
+          done(MemoryCheckpoint{.state_bytes = file_bytes(dir + "/" + kSnapshotFile, false),
+                                .ram_bytes = file_bytes(dir + "/" + kMemoryFile, true),
+                                .disk_bytes = 0,
+                                .pause_ms = *pause_ms});
+        });
+  }
 
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {
     RuntimeInfo info;
     info.sandbox_dir = sandbox_dir;
     info.driver_data[kApiSocket] = sandbox_dir + "/" + kSocketName;
     info.driver_data[kVsockSocket] = sandbox_dir + "/" + kVsockName;
+    if (!spec.memory_snapshot_dir.empty()) return start_from_memory(spec, std::move(info), std::move(done));
     auto op = new_op(spec, "starting", info);
     std::vector<Step> steps;
     steps.push_back([](Op* o, StepDone d) {
@@ -178,10 +216,36 @@ class FirecrackerDriver final : public VmmDriver {
         api(o)->put_network_interface({.iface_id = "eth0", .host_dev_name = config_.tap_device, .guest_mac = {}}, d);
       });
     }
-    steps.push_back([this](Op* o, StepDone d) {
-      api(o)->put_vsock({.guest_cid = 3, .uds_path = o->info.driver_data[kVsockSocket]}, d);
-    });
+    // Relative to the VMM's directory (the sandbox's): a snapshot records the path, and a sandbox started from
+    // it must bind a socket of its own.
+    steps.push_back([this](Op* o, StepDone d) { api(o)->put_vsock({.guest_cid = 3, .uds_path = kVsockName}, d); });
     steps.push_back([this](Op* o, StepDone d) { api(o)->instance_start(d); });
+    run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
+      if (!s) return done(s.failure());
+      done(o->info);
+    });
+  }
+
+  // A memory snapshot's guest continues here: its memory file mapped privately by Firecracker (the File
+  // backend), so the sandboxes from one snapshot share the pages none of them wrote.
+  void start_from_memory(const SandboxSpec& spec, RuntimeInfo info, RuntimeDone done) {
+    auto op = new_op(spec, "starting from " + spec.memory_snapshot_dir, info);
+    std::vector<Step> steps;
+    steps.push_back([snap = spec.memory_snapshot_dir](Op* o, StepDone d) {
+      std::error_code ec;
+      if (!std::filesystem::exists(snap + "/" + kSnapshotFile, ec) || !std::filesystem::exists(snap + "/" + kMemoryFile, ec))
+        return d(fail(Error::kNotFound, "memory snapshot " + snap + " has no " + kSnapshotFile + " and " + kMemoryFile));
+      std::filesystem::create_directories(o->info.sandbox_dir, ec);
+      if (ec) return d(fail(Error::kIo, "cannot create " + o->info.sandbox_dir + ": " + ec.message()));
+      std::filesystem::remove(o->info.driver_data[kVsockSocket], ec);  // Firecracker binds it itself
+      d({});
+    });
+    steps.push_back(spawn_step({"--api-sock", info.driver_data[kApiSocket]}));
+    steps.push_back([this, snap = spec.memory_snapshot_dir](Op* o, StepDone d) {
+      api(o, true)->load_snapshot({.snapshot_path = snap + "/" + kSnapshotFile, .backend = FcMemBackend::kFile,
+                                   .backend_path = snap + "/" + kMemoryFile, .resume_vm = true,
+                                   .enable_diff_snapshots = false}, d);
+    });
     run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
       if (!s) return done(s.failure());
       done(o->info);

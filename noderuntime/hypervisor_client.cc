@@ -284,7 +284,7 @@ Status run_on_private_loop(const std::function<std::shared_ptr<void>(uv_loop_t*,
 // ---- the VMM process ----
 
 Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, const std::vector<std::string>& args,
-                             const std::string& log_path) {
+                             const std::string& log_path, const std::string& cwd) {
   struct stat st{};
   if (::stat(binary.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || ::access(binary.c_str(), X_OK) != 0)
     return fail(Error::kUnsupported, std::string(peer) + " binary not found at " + binary);
@@ -296,6 +296,7 @@ Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, c
   posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_addopen(&files, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0640);
   posix_spawn_file_actions_adddup2(&files, 1, 2);
+  if (!cwd.empty()) posix_spawn_file_actions_addchdir_np(&files, cwd.c_str());
   // Its own session (survives the node, not hit by a terminal's signals), default signal dispositions and an
   // empty mask whatever the node's loop has blocked.
   sigset_t none, all;
@@ -317,6 +318,12 @@ Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, c
   auto ps = read_proc_stat(pid);
   if (!ps) return fail(Error::kUnavailable, std::string(peer) + " exited right after it was started; see " + log_path);
   return VmmProcess{pid, ps->start_time_ticks};
+}
+
+uint64_t file_bytes(const std::string& path, bool allocated) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return 0;
+  return allocated ? static_cast<uint64_t>(st.st_blocks) * 512 : static_cast<uint64_t>(st.st_size);
 }
 
 bool vmm_alive(const VmmProcess& process) {
@@ -517,7 +524,9 @@ VmmDriver::Step VmmDriver::spawn_step(std::vector<std::string> args) {
     const std::string& sock = op->info.driver_data[kApiSocket];
     std::error_code ec;
     std::filesystem::remove(sock, ec);  // a stale socket of a dead VMM would make the new one fail to bind
-    auto p = spawn_vmm(peer_, options_.binary, args, op->info.sandbox_dir + "/" + peer_ + ".log");
+    // In the sandbox's directory: the socket paths a snapshot records are relative to it (kVsockName), so a
+    // sandbox started from another's memory snapshot binds its own.
+    auto p = spawn_vmm(peer_, options_.binary, args, op->info.sandbox_dir + "/" + peer_ + ".log", op->info.sandbox_dir);
     if (!p) return done(p.failure());
     op->process = *p;
     op->spawned = true;

@@ -86,10 +86,13 @@ struct VmmProcess {
 };
 
 // Starts `binary args...` in its own session, stdout and stderr appended to `log_path`, so the VMM outlives
-// a node restart like every other sandbox. kUnsupported "<peer> binary not found at <binary>" when there is
-// no executable there.
+// a node restart like every other sandbox; in directory `cwd` when it is not empty. kUnsupported "<peer>
+// binary not found at <binary>" when there is no executable there.
 Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, const std::vector<std::string>& args,
-                             const std::string& log_path);
+                             const std::string& log_path, const std::string& cwd = {});
+// A file's size, or with `allocated` the bytes its blocks take (a memory file is sparse where the guest's RAM
+// is zero); 0 when it cannot be read. What a memory checkpoint reports of the files it wrote.
+uint64_t file_bytes(const std::string& path, bool allocated);
 // True while `process` is alive (not a zombie) and still the same process.
 bool vmm_alive(const VmmProcess& process);
 // SIGKILL to `process` if it is still the same process (a pidfd makes this race-free against pid reuse).

@@ -240,7 +240,60 @@ TEST_F(CloudHypervisorTest, AgentPathGoesThroughTheVsockTheVmmWasGiven) {
   auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
   ASSERT_TRUE(info.ok()) << info.message();
   auto create = json::parse(fake_->requests().at(0).body);
-  testing::expect_agent_path_over_vsock(*d, spec_sb_, *info, create["vsock"].value("socket", ""));
+  // Relative to the VMM's directory, the sandbox's: a sandbox restored from a memory snapshot binds its own.
+  EXPECT_EQ(create["vsock"].value("socket", ""), "vsock.sock");
+  EXPECT_EQ(create["serial"].value("file", ""), "serial.log");
+  testing::expect_agent_path_over_vsock(*d, spec_sb_, *info, sandbox_dir_ + "/vsock.sock");
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
+}
+
+// A memory checkpoint pauses the VM for vm.snapshot into the node's directory and resumes it; a start from
+// that directory is vm.restore + vm.resume in a VMM of its own, with no vm.create.
+TEST_F(CloudHypervisorTest, AMemoryCheckpointResumesTheVmAndAStartFromItRestoresIt) {
+  fake_->on_success("PUT /vm.snapshot", [](const json& b) {
+    const std::string dir = b["destination_url"].get<std::string>().substr(std::string("file://").size());
+    std::ofstream(dir + "/config.json") << "{}";
+    std::ofstream(dir + "/state.json") << "{\"devices\": []}";
+    std::ofstream(dir + "/memory-ranges") << std::string(8192, 'm');
+  });
+  auto d = make_cloud_hypervisor_driver(loop_.get(), config_);
+  EXPECT_TRUE(d->capabilities().memory_checkpoint);
+  auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string snap = dir_.path() + "/snap.d";
+  std::filesystem::create_directories(snap);
+  std::optional<Result<MemoryCheckpoint>> saved;
+  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
+  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
+  ASSERT_TRUE(saved->ok()) << saved->message();
+  EXPECT_EQ((*saved)->state_bytes, 2u + 15u);
+  EXPECT_GE((*saved)->ram_bytes, 8192u);
+  EXPECT_TRUE(testing::process_alive(info->pid)) << "the source goes on";
+
+  SandboxSpec fork = spec_sb_;
+  fork.id = "sb-forkforkfork";
+  fork.memory_snapshot_dir = snap;
+  const std::string fork_dir = dir_.path() + "/fork";
+  auto started = wait([&](auto done) { d->start(fork, fork_dir, done); });
+  ASSERT_TRUE(started.ok()) << started.message();
+  EXPECT_EQ(started->driver_data["vsock_socket"], fork_dir + "/vsock.sock");
+
+  // A failed snapshot resumes the VM all the same, and says why.
+  fake_->inject("PUT /vm.snapshot", FakeHypervisor::Fault::kErrorStatus, 405, "No space left on device");
+  saved.reset();
+  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
+  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
+  ASSERT_FALSE(saved->ok());
+  EXPECT_NE(saved->message().find("No space left on device"), std::string::npos) << saved->message();
+
+  EXPECT_EQ(joined(fake_->problems()), "");
+  std::vector<std::string> seq;
+  for (const auto& r : fake_->requests()) seq.push_back(r.op_key);
+  EXPECT_EQ(seq, (std::vector<std::string>{"PUT /vm.create", "PUT /vm.boot", "PUT /vm.pause", "PUT /vm.snapshot",
+                                           "PUT /vm.resume", "PUT /vm.restore", "PUT /vm.resume", "PUT /vm.pause",
+                                           "PUT /vm.snapshot", "PUT /vm.resume"}));
+  EXPECT_EQ(json::parse(fake_->requests()[5].body), json::parse(R"({"source_url":"file://)" + snap + R"(","prefault":false})"));
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(fork, *started, done); }).ok());
   ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
 }
 

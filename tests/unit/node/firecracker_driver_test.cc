@@ -390,7 +390,60 @@ TEST_F(FirecrackerDriverTest, AgentPathGoesThroughTheVsockTheVmmWasGiven) {
   std::string uds_path;
   for (const auto& r : fake_->requests())
     if (r.op_key == "PUT /vsock") uds_path = json::parse(r.body).value("uds_path", "");
-  testing::expect_agent_path_over_vsock(*d, spec_sb_, *info, uds_path);
+  // Relative to the VMM's directory, the sandbox's: a sandbox started from a memory snapshot binds its own.
+  EXPECT_EQ(uds_path, "vsock.sock");
+  testing::expect_agent_path_over_vsock(*d, spec_sb_, *info, sandbox_dir_ + "/" + uds_path);
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
+}
+
+// A memory checkpoint pauses the VM for a full snapshot into the node's directory and resumes it; a start
+// from that directory loads it (memory file backend, resumed) in a VMM of its own, with no boot.
+TEST_F(FirecrackerDriverTest, AMemoryCheckpointResumesTheVmAndAStartFromItLoadsIt) {
+  auto d = driver();
+  EXPECT_TRUE(d->capabilities().memory_checkpoint);
+  auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string snap = dir_.path() + "/snap.d";
+  std::filesystem::create_directories(snap);
+  std::optional<Result<MemoryCheckpoint>> saved;
+  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
+  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
+  ASSERT_TRUE(saved->ok()) << saved->message();
+  EXPECT_EQ((*saved)->state_bytes, 7u);  // "vmstate"
+  EXPECT_GT((*saved)->ram_bytes, 0u);
+  EXPECT_TRUE(testing::process_alive(info->pid)) << "the source goes on";
+  const size_t after_checkpoint = fake_->requests().size();
+
+  SandboxSpec fork = spec_sb_;
+  fork.id = "sb-forkforkfork";
+  fork.memory_snapshot_dir = snap;
+  const std::string fork_dir = dir_.path() + "/fork";
+  auto started = wait([&](auto done) { d->start(fork, fork_dir, done); });
+  ASSERT_TRUE(started.ok()) << started.message();
+  EXPECT_EQ(started->driver_data["vsock_socket"], fork_dir + "/vsock.sock");
+
+  // A failed snapshot resumes the VM all the same, and says why.
+  fake_->inject("PUT /snapshot/create", FakeHypervisor::Fault::kErrorStatus, 400, "No space left on device");
+  saved.reset();
+  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
+  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
+  ASSERT_FALSE(saved->ok());
+  EXPECT_NE(saved->message().find("No space left on device"), std::string::npos) << saved->message();
+
+  EXPECT_EQ(joined(fake_->problems()), "");
+  std::vector<std::string> seq = sequence();
+  seq.erase(seq.begin(), seq.begin() + static_cast<std::ptrdiff_t>(after_checkpoint) - 3);
+  EXPECT_EQ(seq, (std::vector<std::string>{"PATCH /vm", "PUT /snapshot/create", "PATCH /vm", "PUT /snapshot/load",
+                                           "PATCH /vm", "PUT /snapshot/create", "PATCH /vm"}));
+  auto reqs = fake_->requests();
+  EXPECT_EQ(json::parse(reqs[after_checkpoint - 3].body), json::parse(R"({"state":"Paused"})"));
+  EXPECT_EQ(json::parse(reqs[after_checkpoint - 1].body), json::parse(R"({"state":"Resumed"})"));
+  auto load = json::parse(reqs[after_checkpoint].body);
+  EXPECT_EQ(load["snapshot_path"], snap + "/vmstate");
+  EXPECT_EQ(load["mem_backend"], json::parse(R"({"backend_type":"File","backend_path":")" + snap + R"(/memory"})"));
+  EXPECT_EQ(load["resume_vm"], true);
+  EXPECT_EQ(json::parse(reqs.back().body), json::parse(R"({"state":"Resumed"})"));
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(fork, *started, done); }).ok());
   ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
 }
 
