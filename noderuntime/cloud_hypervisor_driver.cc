@@ -1,7 +1,6 @@
 #include "noderuntime/cloud_hypervisor_driver.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -107,31 +106,16 @@ class CloudHypervisorDriver final : public VmmDriver {
   // resumed, whatever the outcome.
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
                          std::function<void(Result<MemoryCheckpoint>)> done) override {
-    auto op = new_op(spec, "checkpointing", info);
-    auto paused_at = std::make_shared<std::chrono::steady_clock::time_point>();
-    auto pause_ms = std::make_shared<double>(0);
-    std::vector<Step> steps;
-    steps.push_back([this, paused_at](Op* o, StepDone d) {
-      *paused_at = std::chrono::steady_clock::now();
-      api(o)->pause(d);
-    });
-    steps.push_back([this, dir](Op* o, StepDone d) { api(o)->snapshot(file_url(dir), d); });
-    steps.push_back([this, paused_at, pause_ms](Op* o, StepDone d) {
-      api(o)->resume([paused_at, pause_ms, d](Status s) {
-        *pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *paused_at).count();
-        d(std::move(s));
-      });
-    });
-    Step resume_anyway = [this](Op* o, StepDone d) { api(o)->resume([d](Status) { d({}); }); };
-    run(std::move(op), std::move(steps), std::move(resume_anyway),
-        [dir, pause_ms, done = std::move(done)](Op*, Status s) {
-          if (!s) return done(s.failure());
-          done(MemoryCheckpoint{
+    checkpoint_paused(
+        spec, info, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
+        [this, dir](Op* o, StepDone d) { api(o)->snapshot(file_url(dir), std::move(d)); },
+        [this](Op* o, StepDone d) { api(o)->resume(std::move(d)); },
+        [dir] {
+          return MemoryCheckpoint{
               .state_bytes = file_bytes(dir + "/config.json", false) + file_bytes(dir + "/state.json", false),
-              .ram_bytes = file_bytes(dir + "/" + kMemoryRanges, true),
-              .disk_bytes = 0,
-              .pause_ms = *pause_ms});
-        });
+              .ram_bytes = file_bytes(dir + "/" + kMemoryRanges, true)};
+        },
+        std::move(done));
   }
 
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {

@@ -519,6 +519,33 @@ void VmmDriver::end(Op* op, Status status) {
   cleanup(op, [complete, status = std::move(status)](Status) { complete(status); });
 }
 
+void VmmDriver::checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, Step pause, Step save,
+                                  Step resume, std::function<MemoryCheckpoint()> sizes,
+                                  std::function<void(Result<MemoryCheckpoint>)> done) {
+  auto paused_at = std::make_shared<std::chrono::steady_clock::time_point>();
+  auto pause_ms = std::make_shared<double>(0);
+  std::vector<Step> steps;
+  steps.push_back([paused_at, pause](Op* o, StepDone d) {
+    *paused_at = std::chrono::steady_clock::now();
+    pause(o, std::move(d));
+  });
+  steps.push_back(std::move(save));
+  steps.push_back([paused_at, pause_ms, resume](Op* o, StepDone d) {
+    resume(o, [paused_at, pause_ms, d](Status s) {
+      *pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *paused_at).count();
+      d(std::move(s));
+    });
+  });
+  Step resume_anyway = [resume](Op* o, StepDone d) { resume(o, [d](Status) { d({}); }); };
+  run(new_op(spec, "checkpointing", info), std::move(steps), std::move(resume_anyway),
+      [pause_ms, sizes = std::move(sizes), done = std::move(done)](Op*, Status s) {
+        if (!s) return done(s.failure());
+        MemoryCheckpoint out = sizes();
+        out.pause_ms = *pause_ms;
+        done(out);
+      });
+}
+
 VmmDriver::Step VmmDriver::spawn_step(std::vector<std::string> args) {
   return [this, args = std::move(args)](Op* op, StepDone done) {
     const std::string& sock = op->info.driver_data[kApiSocket];

@@ -185,6 +185,11 @@ class VmmDriver : public Driver {
   void run(std::unique_ptr<Op> op, std::vector<Step> steps, Step on_failure, std::function<void(Op*, Status)> finish);
   std::unique_ptr<Op> new_op(const SandboxSpec& spec, std::string what, const RuntimeInfo& info);
 
+  // A memory checkpoint through the VMM's API: `pause`, `save`, `resume`, and `resume` again (unchecked) when
+  // anything failed, so the guest runs on whatever the outcome. pause_ms is from the pause to the resume's
+  // answer; `sizes` gives the byte counts of what `save` wrote.
+  void checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, Step pause, Step save, Step resume,
+                         std::function<MemoryCheckpoint()> sizes, std::function<void(Result<MemoryCheckpoint>)> done);
   // Step: spawns the VMM with `args` (the API socket in op->info.driver_data[kApiSocket] is removed first).
   Step spawn_step(std::vector<std::string> args);
   // Step: SIGKILL to op->process and wait (bounded by exit_wait_ms) until it is gone.

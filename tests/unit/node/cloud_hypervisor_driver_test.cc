@@ -262,12 +262,10 @@ TEST_F(CloudHypervisorTest, AMemoryCheckpointResumesTheVmAndAStartFromItRestores
   ASSERT_TRUE(info.ok()) << info.message();
   const std::string snap = dir_.path() + "/snap.d";
   std::filesystem::create_directories(snap);
-  std::optional<Result<MemoryCheckpoint>> saved;
-  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
-  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
-  ASSERT_TRUE(saved->ok()) << saved->message();
-  EXPECT_EQ((*saved)->state_bytes, 2u + 15u);
-  EXPECT_GE((*saved)->ram_bytes, 8192u);
+  auto saved = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  EXPECT_EQ(saved->state_bytes, 2u + 15u);
+  EXPECT_GE(saved->ram_bytes, 8192u);
   EXPECT_TRUE(testing::process_alive(info->pid)) << "the source goes on";
 
   SandboxSpec fork = spec_sb_;
@@ -280,11 +278,9 @@ TEST_F(CloudHypervisorTest, AMemoryCheckpointResumesTheVmAndAStartFromItRestores
 
   // A failed snapshot resumes the VM all the same, and says why.
   fake_->inject("PUT /vm.snapshot", FakeHypervisor::Fault::kErrorStatus, 405, "No space left on device");
-  saved.reset();
-  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
-  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
-  ASSERT_FALSE(saved->ok());
-  EXPECT_NE(saved->message().find("No space left on device"), std::string::npos) << saved->message();
+  auto refused = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("No space left on device"), std::string::npos) << refused.message();
 
   EXPECT_EQ(joined(fake_->problems()), "");
   std::vector<std::string> seq;

@@ -507,6 +507,14 @@ void FakeVsock::serve() {
   }
 }
 
+Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
+                                           const RuntimeInfo& info, const std::string& dir) {
+  std::optional<Result<MemoryCheckpoint>> saved;
+  driver.checkpoint_memory(spec, info, dir, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
+  if (!loop.run_until([&] { return saved.has_value(); }, 8000)) return fail(Error::kTimeout, "no answer");
+  return *saved;
+}
+
 void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const RuntimeInfo& info,
                                   const std::string& vsock_path_sent_to_the_vmm) {
   constexpr uint16_t kAgentPort = 9501;

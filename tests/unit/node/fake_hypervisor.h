@@ -190,4 +190,8 @@ class FakeVsock {
 void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const RuntimeInfo& info,
                                   const std::string& vsock_path_sent_to_the_vmm);
 
+// driver.checkpoint_memory into `dir`, the loop run until it answers (8 s at most).
+Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
+                                           const RuntimeInfo& info, const std::string& dir);
+
 }  // namespace sg::testing

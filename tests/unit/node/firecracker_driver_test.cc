@@ -405,12 +405,10 @@ TEST_F(FirecrackerDriverTest, AMemoryCheckpointResumesTheVmAndAStartFromItLoadsI
   ASSERT_TRUE(info.ok()) << info.message();
   const std::string snap = dir_.path() + "/snap.d";
   std::filesystem::create_directories(snap);
-  std::optional<Result<MemoryCheckpoint>> saved;
-  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
-  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
-  ASSERT_TRUE(saved->ok()) << saved->message();
-  EXPECT_EQ((*saved)->state_bytes, 7u);  // "vmstate"
-  EXPECT_GT((*saved)->ram_bytes, 0u);
+  auto saved = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  EXPECT_EQ(saved->state_bytes, 7u);  // "vmstate"
+  EXPECT_GT(saved->ram_bytes, 0u);
   EXPECT_TRUE(testing::process_alive(info->pid)) << "the source goes on";
   const size_t after_checkpoint = fake_->requests().size();
 
@@ -424,11 +422,9 @@ TEST_F(FirecrackerDriverTest, AMemoryCheckpointResumesTheVmAndAStartFromItLoadsI
 
   // A failed snapshot resumes the VM all the same, and says why.
   fake_->inject("PUT /snapshot/create", FakeHypervisor::Fault::kErrorStatus, 400, "No space left on device");
-  saved.reset();
-  d->checkpoint_memory(spec_sb_, *info, snap, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
-  ASSERT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 8000));
-  ASSERT_FALSE(saved->ok());
-  EXPECT_NE(saved->message().find("No space left on device"), std::string::npos) << saved->message();
+  auto refused = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("No space left on device"), std::string::npos) << refused.message();
 
   EXPECT_EQ(joined(fake_->problems()), "");
   std::vector<std::string> seq = sequence();
