@@ -98,9 +98,6 @@ class CloudHypervisorDriver final : public VmmDriver {
         config_(std::move(config)) {}
 
   std::string_view name() const override { return "cloud-hypervisor"; }
-  DriverCapabilities capabilities() const override {
-    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
-  }
 
   // Paused only for Cloud Hypervisor's snapshot into `dir` (config.json, state.json, memory-ranges), then
   // resumed, whatever the outcome.

@@ -143,9 +143,6 @@ class FirecrackerDriver final : public VmmDriver {
         config_(std::move(config)) {}
 
   std::string_view name() const override { return "firecracker"; }
-  DriverCapabilities capabilities() const override {
-    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
-  }
 
   // Paused only for Firecracker's own full snapshot: the device state (`vmstate`) and the guest memory
   // (`memory`) into `dir`, then resumed, whatever the outcome.

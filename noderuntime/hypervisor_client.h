@@ -147,7 +147,11 @@ class VmmDriver : public Driver {
   VmmDriver(uv_loop_t* loop, std::string peer, VmmDriverOptions options);
   ~VmmDriver() override;
 
-  DriverCapabilities capabilities() const override { return {.pause = true, .hibernate = true}; }
+  // Every VMM driver saves running guests: QEMU by migration, Firecracker and Cloud Hypervisor by their
+  // snapshot APIs (checkpoint_paused).
+  DriverCapabilities capabilities() const override {
+    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
+  }
   bool cancel(const SandboxSpec& spec) override;
   void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
   Status watch_exit(const SandboxSpec& spec, const RuntimeInfo& info, std::function<void()> on_exit) override;

@@ -191,9 +191,6 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::string_view name() const override { return "qemu"; }
-  DriverCapabilities capabilities() const override {
-    return {.pause = true, .hibernate = true, .memory_checkpoint = true};
-  }
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
                          std::function<void(Result<MemoryCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
