@@ -306,7 +306,7 @@ int main(int argc, char** argv) {
   expose->add_flag("--public", expose_public, "reachable without the sandbox token");
   expose->add_flag("--json", raw_json, "print the node's JSON answer (the sandbox)");
   CLI::App* unexpose = app.add_subcommand(
-      "unexpose", "Close an exposed port: new connections to it are refused (open ones go on)");
+      "unexpose", "Close an exposed port: new connections to it are refused, open ones closed");
   unexpose->add_option("sandbox", ref, "name or id")->required();
   unexpose->add_option("port", port_flag, "PORT")->required();
   CLI::App* snapshots = app.add_subcommand("snapshots", "List snapshots");

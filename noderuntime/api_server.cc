@@ -1281,11 +1281,15 @@ void ApiServer::handle_activity(const HttpMessage& request, Reply& reply) {
   auto reports = parse_activity(request.body);
   if (!reports) return reply(error_response(reports.failure()));
   ActivityAnswer answer = node_->activity(*reports);
-  ordered_json asleep = ordered_json::array(), revoked = ordered_json::array();
+  ordered_json asleep = ordered_json::array(), revoked = ordered_json::array(), closed = ordered_json::array();
   for (const AsleepSandbox& a : answer.asleep) asleep.push_back({{"id", a.id}, {"suspended_at", a.suspended_at}});
   for (const RevokedToken& r : answer.revoked) revoked.push_back({{"id", r.id}, {"rotated_at", r.rotated_at}});
-  reply(Response{200, to_text(ordered_json{{"asleep", std::move(asleep)}, {"revoked", std::move(revoked)}}), {},
-                 ""});
+  for (const ClosedPort& c : answer.closed)
+    closed.push_back({{"id", c.id}, {"port", c.port}, {"closed_at", c.closed_at}});
+  reply(Response{200,
+                 to_text(ordered_json{
+                     {"asleep", std::move(asleep)}, {"revoked", std::move(revoked)}, {"closed", std::move(closed)}}),
+                 {}, ""});
 }
 
 }  // namespace sg

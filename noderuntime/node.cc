@@ -96,6 +96,12 @@ struct Node::Sandbox {
   uint64_t suspended_at = 0;  // stamp() of the latest suspend that began
   uint64_t token_rotated_at = 0;  // stamp() of the latest token rotation (0: none since this node started)
   IdleTracker::TimePoint token_rotated_clock{};  // when, to stop announcing it after the report TTL
+  struct Closed {
+    uint16_t port = 0;
+    uint64_t stamp = 0;  // stamp() of the close
+    IdleTracker::TimePoint clock{};  // when, to stop announcing it after the report TTL
+  };
+  std::vector<Closed> closed_ports;  // closed since this node started, pruned once announced long enough
   std::vector<Waiter*> waiters;
   // Set while suspending when something asked for the sandbox (an open, traffic, the API): unless the
   // driver cancels the suspension, it finishes and is then followed by exactly one resume, for this reason.
@@ -941,6 +947,8 @@ ActivityAnswer Node::activity(const std::vector<ActivityReport>& reports) {
     // Announced for as long as a live proxy must have reported once (the report TTL); cutting is idempotent.
     if (sb->token_rotated_at != 0 && now - sb->token_rotated_clock < report_ttl())
       answer.revoked.push_back(RevokedToken{sb->id(), sb->token_rotated_at});
+    std::erase_if(sb->closed_ports, [&](const Sandbox::Closed& c) { return now - c.clock >= report_ttl(); });
+    for (const Sandbox::Closed& c : sb->closed_ports) answer.closed.push_back(ClosedPort{sb->id(), c.port, c.stamp});
   }
   return answer;
 }
@@ -1107,6 +1115,8 @@ Result<SandboxInfo> Node::close_port(std::string_view ref, int64_t port) {
     sb.rec.spec = std::move(before);
     return fail(Error::kIo, "sandbox " + sb.id() + ": cannot store its ports: " + s.message());
   }
+  // Connections to the port opened before now are cut by their proxies (activity()).
+  sb.closed_ports.push_back(Sandbox::Closed{static_cast<uint16_t>(port), stamp(), Clock::now()});
   publish(&sb, "ports");
   spdlog::info("sandbox {}: port {} closed", sb.id(), port);
   // The node refuses the port from now on whatever the driver does; the forward is only tidied away.

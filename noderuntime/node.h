@@ -155,6 +155,14 @@ struct RevokedToken {
   uint64_t rotated_at = 0;
 };
 
+// And a reported sandbox whose `port` was closed (close_port) at `closed_at`: the proxy closes its connections
+// to that port opened before then.
+struct ClosedPort {
+  std::string id;
+  uint16_t port = 0;
+  uint64_t closed_at = 0;
+};
+
 // What a proxy's route cache must forget (Node::subscribe): a sandbox that stops running, gets a new token or
 // changes its ports (`id` set), or the operator token changed (`id` empty: every entry). `stamp` orders it
 // against opens: an open answered before it (opened_at < stamp) must not be cached after it.
@@ -178,6 +186,7 @@ struct SpareSockets {
 struct ActivityAnswer {
   std::vector<AsleepSandbox> asleep;
   std::vector<RevokedToken> revoked;
+  std::vector<ClosedPort> closed;
 };
 
 class Node {

@@ -40,6 +40,7 @@ std::string_view cause_name(TerminationCause c) {
     case TerminationCause::kIdleTimeout: return "idle_timeout";
     case TerminationCause::kSandboxSuspended: return "sandbox_suspended";
     case TerminationCause::kTokenRevoked: return "token_revoked";
+    case TerminationCause::kPortClosed: return "port_closed";
     case TerminationCause::kKtlsRequired: return "ktls_required";
     case TerminationCause::kKtlsKeyUpdate: return "ktls_key_update";
     case TerminationCause::kDrained: return "drained";

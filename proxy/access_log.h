@@ -44,6 +44,7 @@ enum class TerminationCause {
   kIdleTimeout,
   kSandboxSuspended,    // the sandbox was suspended while this connection was open (it can reach it no more)
   kTokenRevoked,        // the sandbox's token was rotated while this connection (authorized by it) was open
+  kPortClosed,          // the port this connection reached was closed (unexposed) while it was open
   kKtlsRequired,        // ktls = on and this connection could not be offloaded
   kKtlsKeyUpdate,       // the client rotated its TLS 1.3 keys (KeyUpdate) on a kTLS socket the kernel cannot rekey
   kDrained,             // idle between HTTP/1.1 requests while the proxy handed its listeners to a new process

@@ -1581,16 +1581,23 @@ void Connection::drain_tick() {
   phase_->drain_tick();
 }
 
-bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why) {
+bool Connection::cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why, uint16_t port) {
   if (opened_at_ == 0 || opened_at_ >= stamp || rec_.sandbox_id != sandbox_id || phase() == PhaseKind::kClosed)
     return false;
-  if (why == Cut::kTokenRevoked) {
-    if (opened_public_) return false;
-    close(TerminationCause::kTokenRevoked, "the sandbox's token was rotated while the connection was open");
-  } else {
-    close(TerminationCause::kSandboxSuspended, "the sandbox was suspended while the connection was open");
+  switch (why) {
+    case Cut::kTokenRevoked:
+      if (opened_public_) return false;
+      close(TerminationCause::kTokenRevoked, "the sandbox's token was rotated while the connection was open");
+      return true;
+    case Cut::kPortClosed:
+      if (rec_.port != port) return false;
+      close(TerminationCause::kPortClosed, "port " + std::to_string(port) + " was closed while the connection was open");
+      return true;
+    case Cut::kSuspended:
+      close(TerminationCause::kSandboxSuspended, "the sandbox was suspended while the connection was open");
+      return true;
   }
-  return true;
+  return false;
 }
 
 void Connection::release_sandbox_slot() {

@@ -49,10 +49,11 @@ class Connection {
   enum class Cut {
     kSuspended,     // frozen: their bytes can no longer reach it
     kTokenRevoked,  // its token was rotated: they were authorized by the old one (public ports are kept)
+    kPortClosed,    // the port they reach was closed: only the connections to `port`
   };
-  // Closes this connection if it belongs to `sandbox_id` and was opened before `stamp` (the node's stamps).
-  // True when it was closed.
-  bool cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why);
+  // Closes this connection if it belongs to `sandbox_id` (and, for kPortClosed, reaches `port`) and was
+  // opened before `stamp` (the node's stamps). True when it was closed.
+  bool cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why, uint16_t port = 0);
   // Worker::drain's tick (the proxy handed its listeners over): ends the connection at the next clean point.
   void drain_tick();
 

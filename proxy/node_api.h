@@ -46,6 +46,12 @@ struct ActivityCuts {
   };
   std::vector<Cut> asleep;   // suspending or suspended
   std::vector<Cut> revoked;  // token rotated
+  struct ClosedPort {
+    std::string id;
+    uint16_t port = 0;
+    uint64_t stamp = 0;  // connections to the port opened before it go
+  };
+  std::vector<ClosedPort> closed;  // a port closed after create (DELETE .../ports/PORT)
 };
 
 // A line of the node's route event stream (internal/events).

@@ -164,6 +164,18 @@ Result<ActivityCuts> parse_activity_answer(int status, std::string_view body) {
       out->push_back(std::move(cut));
     }
   }
+  if (j.contains("closed") && j["closed"].is_array()) {
+    for (const json& e : j["closed"]) {
+      ActivityCuts::ClosedPort cut;
+      if (!e.is_object() || !get_string(e, "id", &cut.id) || !e.contains("port") || !e["port"].is_number_unsigned() ||
+          e["port"].get<uint64_t>() == 0 || e["port"].get<uint64_t>() > 65535 || !e.contains("closed_at") ||
+          !e["closed_at"].is_number_unsigned())
+        continue;
+      cut.port = static_cast<uint16_t>(e["port"].get<uint64_t>());
+      cut.stamp = e["closed_at"].get<uint64_t>();
+      cuts.closed.push_back(std::move(cut));
+    }
+  }
   return cuts;
 }
 

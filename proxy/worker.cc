@@ -292,6 +292,12 @@ void Worker::cut_connections(const ActivityCuts& cuts) {
   };
   cut(cuts.asleep, Connection::Cut::kSuspended, "is suspended");
   cut(cuts.revoked, Connection::Cut::kTokenRevoked, "has a new token");
+  for (const ActivityCuts::ClosedPort& c : cuts.closed) {
+    std::vector<Connection*> open(connections_.begin(), connections_.end());
+    size_t n = 0;
+    for (Connection* conn : open) n += conn->cut_if_opened_before(c.id, c.stamp, Connection::Cut::kPortClosed, c.port) ? 1 : 0;
+    if (n > 0) spdlog::info("sandbox {} closed port {}: closed {} connection(s) to it opened before", c.id, c.port, n);
+  }
 }
 
 void Worker::watch_routes() {

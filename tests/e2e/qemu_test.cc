@@ -73,6 +73,18 @@ Answer counter(Cluster& c, const std::string& name = "q") {
   return a;
 }
 
+// A 16 MiB tmpfs mounted on `path` (made first) for as long as it lives: a disk that fills up.
+struct SmallTmpfs {
+  explicit SmallTmpfs(std::string p) : path(std::move(p)) {
+    mounted = run("mkdir -p " + path + " && mount -t tmpfs -o size=16m sgtest-full " + path).exit_code == 0;
+  }
+  ~SmallTmpfs() {
+    if (mounted) run("umount -l " + path);
+  }
+  std::string path;
+  bool mounted = false;
+};
+
 class Qemu : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -247,12 +259,8 @@ TEST_F(Qemu, SdkRouteToAGuestWithoutTheAgentIsRefusedWithTheReason) {
 TEST_F(Qemu, DiskFullDuringHibernateKeepsTheSandboxInMemory) {
   Cluster c(ClusterOptions::node(node_config()));
   // Sandbox directories (where the state file goes) on a tmpfs far smaller than the guest's RAM.
-  const std::string sandboxes = c.dir() + "/node/sandboxes";
-  ASSERT_EQ(run("mkdir -p " + sandboxes + " && mount -t tmpfs -o size=16m sgtest-full " + sandboxes).exit_code, 0);
-  struct LazyUnmount {
-    std::string path;
-    ~LazyUnmount() { run("umount -l " + path); }
-  } unmount{sandboxes};
+  SmallTmpfs full(c.dir() + "/node/sandboxes");
+  ASSERT_TRUE(full.mounted);
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 2 --hibernate-after 2 "
                        "--memory-mb 256 -- /bin/sh -c " + shell_quote(kGuestServer),
                        180);
@@ -736,6 +744,30 @@ TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentit
   }
   EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "")
       << "the snapshots' files are gone with their records";
+}
+
+// The disk filling up during a memory checkpoint (the snapshots' directory on a tmpfs that holds the device
+// state but not the RAM): the checkpoint fails naming the cause, the guest runs on with its memory, and no
+// snapshot nor any of its files stays.
+TEST_F(Qemu, DiskFullDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestRunning) {
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
+  const std::string snapshots = c.dir() + "/node/snapshots";
+  SmallTmpfs small(snapshots);
+  ASSERT_TRUE(small.mounted);
+  auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
+                       "/bin/sh -c " + shell_quote(kGuestServer),
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  c.wait_until_serving("q", 8080);
+  EXPECT_EQ(counter(c).count, 1);
+  auto full = c.cli("checkpoint q --type memory", 180);
+  EXPECT_NE(full.exit_code, 0) << full.out;
+  EXPECT_NE(full.err.find("No space left on device"), std::string::npos) << full.err << c.node().log();
+  EXPECT_EQ(c.get("q").value("state", ""), "running");
+  EXPECT_EQ(counter(c).count, 2) << "the guest's memory did not survive the failed checkpoint";
+  EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n");
+  EXPECT_EQ(run("ls -A " + snapshots).out, "") << "a failed checkpoint's files stayed";
+  ASSERT_EQ(c.cli("rm q").exit_code, 0);
 }
 
 // The node killed during a memory checkpoint (failpoints, docs/tests.md#failpoints): with the guest stopped

@@ -244,7 +244,7 @@ class Sandbox:
         return self._client.settings.url(self._client.settings.sandbox_host(self.ref, int(port)))
 
     def unexpose(self, port):
-        """Closes an exposed port: new connections to it are refused (open ones go on)."""
+        """Closes an exposed port: new connections to it are refused, and the ones open are closed."""
         self.info = self._client.node("DELETE", P.sandbox_path(self.id, f"ports/{int(port)}"),
                                       what=f"close port {port} of {self.ref}")
 

@@ -6,6 +6,8 @@ import faulthandler
 import json
 import hashlib
 import os
+import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -154,6 +156,39 @@ class SyncSandboxTest(TimedTest):
         self.assertEqual(status(), "200")  # no wait: the node's route event dropped the proxy's cached policy
         self.assertEqual(sb.expose(8081), late)  # already so: no change
         self.assertIn({"port": 8081, "public": True, "protocol": "http1"}, sb.info["ports"])
+        # A connection open to a port that is closed is closed too (cause port_closed), within a report
+        # interval: a public tcp port to a server that greets its connections and holds them open.
+        sb.run("sh", ["-c", "setsid python3 -c 'import socket\n"
+                            "s = socket.create_server((\"0.0.0.0\", 8082))\n"
+                            "held = []\n"
+                            "while True:\n"
+                            "    c, _ = s.accept()\n"
+                            "    c.sendall(b\"hello\\n\")\n"
+                            "    held.append(c)' </dev/null >/dev/null 2>&1 &"])
+        sb.expose(8082, public=True, protocol="tcp")
+        ctx = ssl.create_default_context(cafile=cluster.ca)
+
+        def greeted():  # the server may not listen yet: the edge then answers 502 and closes
+            try:
+                t = ctx.wrap_socket(socket.create_connection(("127.0.0.1", cluster.port), timeout=10),
+                                    server_hostname="8082-sdk-life.sandbox.localhost")
+                if t.recv(6) == b"hello\n":
+                    return t
+                t.close()
+            except OSError:
+                pass
+            return None
+        tls = wait_for("a greeting through the public tcp port", greeted, 20)
+        sb.unexpose(8082)
+        try:
+            ended = tls.recv(4096)  # b"" at the end; the proxy may also end it without a close_notify
+        except (ssl.SSLError, ConnectionResetError):
+            ended = b""
+        self.assertEqual(ended, b"", "the connection to the closed port stayed open")
+        tls.close()
+        wait_for("the access log's port_closed entry",
+                 lambda: any(e.get("cause") == "port_closed" and e.get("port") == 8082 for e in cluster.access_log()), 10)
+
         sb.unexpose(8081)
         self.assertEqual(status(sb.token), "403")
         with self.assertRaises(NotFoundError):

@@ -709,8 +709,16 @@ TEST_F(ApiServerTest, Activity) {
                        R"({"id":"sb-unknown00000"}]})";
   Reply ok = c.request("POST", "/v1/internal/activity", report);
   EXPECT_EQ(ok.status, 200);
-  EXPECT_EQ(ok.body(), nlohmann::json::parse(R"({"asleep":[],"revoked":[]})"));
+  EXPECT_EQ(ok.body(), nlohmann::json::parse(R"({"asleep":[],"revoked":[],"closed":[]})"));
   EXPECT_EQ(c.request("GET", "/v1/sandboxes/demo").body()["connections"], 2);
+  // A port closed since is named with the stamp of its close: the proxy cuts the connections to it.
+  ASSERT_EQ(c.request("PUT", "/v1/sandboxes/demo/ports/3000").status, 200);
+  ASSERT_EQ(c.request("DELETE", "/v1/sandboxes/demo/ports/3000").status, 200);
+  Reply closed = c.request("POST", "/v1/internal/activity", report);
+  ASSERT_EQ(closed.body()["closed"].size(), 1u) << closed.message.body;
+  EXPECT_EQ(closed.body()["closed"][0]["id"], id);
+  EXPECT_EQ(closed.body()["closed"][0]["port"], 3000);
+  EXPECT_TRUE(closed.body()["closed"][0]["closed_at"].is_number_unsigned());
   // A suspended sandbox in a report is named with the stamp of its suspend; the bytes do not wake it.
   ASSERT_EQ(c.request("POST", "/v1/sandboxes/demo/suspend").status, 202);
   Reply asleep = c.request("POST", "/v1/internal/activity", report);

@@ -565,6 +565,12 @@ TEST_F(NodeTest, APortExposedAfterCreateIsRoutedStoredAndAnnouncedAndAClosedOneI
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[1].reason, "ports");
   EXPECT_EQ(node_->close_port("demo", 3000).error(), Error::kNotFound);
+  // The proxies hear of it with their next report, and cut the connections to the port opened before.
+  auto answer = node_->activity({ActivityReport{info.spec.id, "w1", 0, 0, 1}});
+  ASSERT_EQ(answer.closed.size(), 1u);
+  EXPECT_EQ(answer.closed[0].id, info.spec.id);
+  EXPECT_EQ(answer.closed[0].port, 3000);
+  EXPECT_GT(answer.closed[0].closed_at, (*opened->result)->opened_at) << "the connection opened before is cut";
 
   // Suspended is fine (the driver forwards into the paused instance); changing state is not.
   ASSERT_TRUE(node_->suspend("demo")->started);

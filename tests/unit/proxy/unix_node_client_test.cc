@@ -131,6 +131,16 @@ TEST(UnixNodeClient, ActivityAnswerListsTheCuts) {
   EXPECT_EQ(a->asleep[0].stamp, 7u);
   ASSERT_EQ(a->revoked.size(), 1u);
   EXPECT_EQ(a->revoked[0].stamp, 9u);
+  EXPECT_TRUE(a->closed.empty()) << "an older node sends no closed ports";
+
+  auto closed = parse_activity_answer(
+      200, R"({"asleep":[],"revoked":[],"closed":[{"id":"sb-3","port":3000,"closed_at":11},)"
+           R"({"id":"sb-3","port":0,"closed_at":1},{"id":"sb-3","port":70000,"closed_at":1},{"id":"sb-3","port":80}]})");
+  ASSERT_TRUE(closed) << closed.message();
+  ASSERT_EQ(closed->closed.size(), 1u) << "malformed entries are skipped";
+  EXPECT_EQ(closed->closed[0].id, "sb-3");
+  EXPECT_EQ(closed->closed[0].port, 3000);
+  EXPECT_EQ(closed->closed[0].stamp, 11u);
 }
 
 }  // namespace
