@@ -281,23 +281,17 @@ void Worker::report_activity() {
 }
 
 void Worker::cut_connections(const ActivityCuts& cuts) {
-  auto cut = [&](const std::vector<ActivityCuts::Cut>& list, Connection::Cut why, const char* what) {
-    for (const ActivityCuts::Cut& c : list) {
-      // close() takes the connection out of connections_, so the candidates are copied first.
-      std::vector<Connection*> open(connections_.begin(), connections_.end());
-      size_t n = 0;
-      for (Connection* conn : open) n += conn->cut_if_opened_before(c.id, c.stamp, why) ? 1 : 0;
-      if (n > 0) spdlog::info("sandbox {} {}: closed {} connection(s) opened before", c.id, what, n);
-    }
-  };
-  cut(cuts.asleep, Connection::Cut::kSuspended, "is suspended");
-  cut(cuts.revoked, Connection::Cut::kTokenRevoked, "has a new token");
-  for (const ActivityCuts::ClosedPort& c : cuts.closed) {
+  auto cut = [&](const std::string& id, uint64_t stamp, Connection::Cut why, uint16_t port, const std::string& what) {
+    // close() takes the connection out of connections_, so the candidates are copied first.
     std::vector<Connection*> open(connections_.begin(), connections_.end());
     size_t n = 0;
-    for (Connection* conn : open) n += conn->cut_if_opened_before(c.id, c.stamp, Connection::Cut::kPortClosed, c.port) ? 1 : 0;
-    if (n > 0) spdlog::info("sandbox {} closed port {}: closed {} connection(s) to it opened before", c.id, c.port, n);
-  }
+    for (Connection* conn : open) n += conn->cut_if_opened_before(id, stamp, why, port) ? 1 : 0;
+    if (n > 0) spdlog::info("sandbox {} {}: closed {} connection(s) opened before", id, what, n);
+  };
+  for (const ActivityCuts::Cut& c : cuts.asleep) cut(c.id, c.stamp, Connection::Cut::kSuspended, 0, "is suspended");
+  for (const ActivityCuts::Cut& c : cuts.revoked) cut(c.id, c.stamp, Connection::Cut::kTokenRevoked, 0, "has a new token");
+  for (const ActivityCuts::ClosedPort& c : cuts.closed)
+    cut(c.id, c.stamp, Connection::Cut::kPortClosed, c.port, "closed port " + std::to_string(c.port));
 }
 
 void Worker::watch_routes() {

@@ -460,6 +460,9 @@ TEST_F(ApiServerTest, UnknownRoutesAndMethods) {
 TEST_F(ApiServerTest, SuspendAndResumeStatusCodes) {
   Client c = client();
   create_demo(c);
+  // Each transition lasts longer than a request's round trip, so the calls below see it in progress (with the
+  // 5 ms default, a sanitizer build's resume was over before the next request was answered).
+  driver_->op_delay_ms = 300;
   c.request("POST", "/v1/sandboxes", R"({"name":"temp","command":["x"],"ephemeral":true})");
   Reply started = c.request("POST", "/v1/sandboxes/demo/suspend");
   EXPECT_EQ(started.status, 202);
