@@ -67,12 +67,18 @@ qemu_boot_attempts = 2""")
         sb.run("sh", ["-c", "setsid python3 -m http.server 8000 </dev/null >/dev/null 2>&1 &"])
         url = sb.expose(8000)
 
-        def served():
-            out = subprocess.run(["curl", "-s", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}",
-                                  "--cacert", self.cluster.ca, "-H", "Authorization: Bearer " + sb.token, url],
-                                 capture_output=True, text=True)
-            return out.stdout == "200"
-        wait_for("http.server in the guest, on a port exposed after create", served, 60)
+        def status():
+            return subprocess.run(["curl", "-s", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}",
+                                   "--cacert", self.cluster.ca, "-H", "Authorization: Bearer " + sb.token, url],
+                                  capture_output=True, text=True).stdout
+        wait_for("http.server in the guest, on a port exposed after create", lambda: status() == "200", 60)
+        # Closed, then exposed again: the rule goes from the live QEMU (hostfwd_remove) and comes back.
+        sb.unexpose(8000)
+        self.assertEqual(status(), "403")
+        sb.expose(8000)
+        self.assertEqual(status(), "200")
+        with open(self.cluster.node_log) as log:
+            self.assertNotIn("its forward stays", log.read())  # QEMU removed the rule as asked
         loaded = sb.run_code(LOAD)
         self.assertEqual((loaded.stdout, loaded.error), ("3 rows\n", None))
         self.assertEqual(sb.run_code("sum(int(r['visits']) for r in table)").text, "12")
