@@ -10,7 +10,7 @@ from . import _protocol as P
 from ._aio_transport import Pool
 from .config import Settings, load_token, quote_query_path, remove_token, save_token
 from .errors import (ConflictError, InvalidArgumentError, ProtocolError, SandgateError, TimeoutError,
-                     UnavailableError, UnsupportedError, error_from_answer)
+                     UnavailableError, error_from_answer)
 
 _POLL_S = 0.05
 

@@ -9,7 +9,7 @@ from . import _protocol as P
 from ._transport import Pool
 from .config import Settings, load_token, quote_query_path, remove_token, save_token
 from .errors import (ConflictError, InvalidArgumentError, ProtocolError, SandgateError, TimeoutError,
-                     UnavailableError, UnsupportedError, error_from_answer)
+                     UnavailableError, error_from_answer)
 
 _POLL_S = 0.05  # how often a wait re-reads a state; each wait has its own deadline
 

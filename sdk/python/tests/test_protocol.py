@@ -56,6 +56,25 @@ class BodiesTest(unittest.TestCase):
         self.assertEqual(s.url(s.sandbox_host("demo", 8080)), "https://8080-demo.d.test:9/")
 
 
+class ExposeRequestTest(unittest.TestCase):
+    INFO = {"id": "sb-abc", "ports": [{"port": 8080, "public": True, "protocol": "h2c"}]}
+
+    def test_a_new_port_is_private_http1_unless_told(self):
+        self.assertEqual(P.expose_request(self.INFO, 3000, None, None),
+                         ("/v1/sandboxes/sb-abc/ports/3000", {"public": False, "protocol": "http1"}))
+        self.assertEqual(P.expose_request(self.INFO, "3000", True, "tcp")[1], {"public": True, "protocol": "tcp"})
+
+    def test_an_exposed_port_keeps_what_is_not_given_and_needs_no_call_when_unchanged(self):
+        self.assertIsNone(P.expose_request(self.INFO, 8080, None, None))
+        self.assertIsNone(P.expose_request(self.INFO, 8080, True, "h2c"))
+        self.assertEqual(P.expose_request(self.INFO, 8080, False, None)[1], {"public": False, "protocol": "h2c"})
+
+    def test_a_port_outside_the_tcp_range_is_refused_before_any_call(self):
+        for bad in (0, 65536, -1):
+            with self.assertRaises(ValueError):
+                P.expose_request(self.INFO, bad, None, None)
+
+
 class ExecEventsTest(unittest.TestCase):
     def test_events_in_order_into_a_result(self):
         lines = [b'{"type":"start","pid":7}', b'{"type":"stdout","data":"a\\n"}',
