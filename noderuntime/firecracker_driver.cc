@@ -224,11 +224,7 @@ class FirecrackerDriver final : public VmmDriver {
       d({});
     });
     steps.push_back(spawn_step({"--api-sock", info.driver_data[kApiSocket]}));
-    steps.push_back([this, snap = spec.memory_snapshot_dir](Op* o, StepDone d) {
-      api(o, true)->load_snapshot({.snapshot_path = snap + "/" + kSnapshotFile, .backend = FcMemBackend::kFile,
-                                   .backend_path = snap + "/" + kMemoryFile, .resume_vm = true,
-                                   .enable_diff_snapshots = false}, d);
-    });
+    steps.push_back([this, snap = spec.memory_snapshot_dir](Op* o, StepDone d) { load_and_resume(o, snap, d); });
     run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
       if (!s) return done(s.failure());
       done(o->info);
@@ -293,12 +289,7 @@ class FirecrackerDriver final : public VmmDriver {
     steps.push_back(spawn_step({"--api-sock", info.driver_data.count(kApiSocket)
                                                   ? info.driver_data.at(kApiSocket)
                                                   : info.sandbox_dir + "/" + kSocketName}));
-    steps.push_back([this](Op* o, StepDone d) {
-      const std::string& dir = o->info.driver_data[kStateDir];
-      api(o, true)->load_snapshot({.snapshot_path = dir + "/" + kSnapshotFile, .backend = FcMemBackend::kFile,
-                                   .backend_path = dir + "/" + kMemoryFile, .resume_vm = true,
-                                   .enable_diff_snapshots = false}, d);
-    });
+    steps.push_back([this](Op* o, StepDone d) { load_and_resume(o, o->info.driver_data[kStateDir], d); });
     run(std::move(op), std::move(steps), kill_step(), [done = std::move(done)](Op* o, Status s) {
       if (!s) return done(s.failure());
       done(o->info);
@@ -336,6 +327,14 @@ class FirecrackerDriver final : public VmmDriver {
       o->api = std::make_shared<FirecrackerApi>(loop_, std::move(sock), api_options(just_spawned));
     }
     return static_cast<FirecrackerApi*>(o->api.get());
+  }
+
+  // The freshly spawned VMM loads the full snapshot in `dir` (vmstate + memory, the File backend) and runs it.
+  void load_and_resume(Op* o, const std::string& dir, StepDone d) {
+    api(o, true)->load_snapshot({.snapshot_path = dir + "/" + kSnapshotFile, .backend = FcMemBackend::kFile,
+                                 .backend_path = dir + "/" + kMemoryFile, .resume_vm = true,
+                                 .enable_diff_snapshots = false},
+                                std::move(d));
   }
 
   void simple(const SandboxSpec& spec, const RuntimeInfo& info, std::string what,

@@ -279,6 +279,7 @@ class QemuDriver final : public VmmDriver {
   Step connect_step(bool just_spawned);
   Step command_step(std::string command, nlohmann::json args = nullptr);
   Step hmp_step(std::string command_line, std::optional<std::string> expect);
+  static bool manages_live_rule(const RuntimeInfo& info, uint16_t port);
   Step ignore_shared_step(bool ignore_shared);
   // Saves the guest's state to `tmp`; `ignore_shared`: without its shared RAM (the memfd), devices only.
   Step migrate_step(const std::string& tmp, bool cancellable, bool ignore_shared);
@@ -714,13 +715,17 @@ QemuDriver::Step QemuDriver::hmp_step(std::string command_line, std::optional<st
   };
 }
 
-void QemuDriver::forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) {
+// Whether the live QEMU's rule for guest `port` is the one forward_port() manages (from the same port on the
+// VM's loopback). Not when it is forwarded from another host port (a record older than the VM's own
+// namespace) or there is no QEMU to tell: the next start or restore forwards it from the spec.
+bool QemuDriver::manages_live_rule(const RuntimeInfo& info, uint16_t port) {
   auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
-  // Forwarded since the start (from another host port, for a record older than the VM's own namespace), or
-  // no QEMU to tell: the next start or restore forwards it from the spec.
-  if ((it != info.driver_data.end() && it->second != std::to_string(port)) ||
-      !vmm_alive(VmmProcess{info.pid, info.start_time_ticks}))
-    return done({});
+  return (it == info.driver_data.end() || it->second == std::to_string(port)) &&
+         vmm_alive(VmmProcess{info.pid, info.start_time_ticks});
+}
+
+void QemuDriver::forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) {
+  if (!manages_live_rule(info, port)) return done({});
   const std::string rule = "tcp:127.0.0.1:" + std::to_string(port);
   // The rule is removed first, unchecked, so a port closed and exposed again (or forwarded since the
   // start) ends with exactly one rule.
@@ -731,10 +736,7 @@ void QemuDriver::forward_port(const SandboxSpec& spec, const RuntimeInfo& info, 
 }
 
 void QemuDriver::unforward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) {
-  auto it = info.driver_data.find(kPortPrefix + std::to_string(port));
-  if ((it != info.driver_data.end() && it->second != std::to_string(port)) ||
-      !vmm_alive(VmmProcess{info.pid, info.start_time_ticks}))
-    return done({});
+  if (!manages_live_rule(info, port)) return done({});
   run(new_op(spec, "closing port " + std::to_string(port), info),
       {connect_step(false), hmp_step("hostfwd_remove net0 tcp:127.0.0.1:" + std::to_string(port), "removed")}, nullptr,
       [done = std::move(done)](Op*, Status s) { done(std::move(s)); });

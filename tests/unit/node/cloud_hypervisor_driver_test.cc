@@ -268,9 +268,7 @@ TEST_F(CloudHypervisorTest, AMemoryCheckpointResumesTheVmAndAStartFromItRestores
   EXPECT_GE(saved->ram_bytes, 8192u);
   EXPECT_TRUE(testing::process_alive(info->pid)) << "the source goes on";
 
-  SandboxSpec fork = spec_sb_;
-  fork.id = "sb-forkforkfork";
-  fork.memory_snapshot_dir = snap;
+  const SandboxSpec fork = testing::from_memory_snapshot(spec_sb_, snap);
   const std::string fork_dir = dir_.path() + "/fork";
   auto started = wait([&](auto done) { d->start(fork, fork_dir, done); });
   ASSERT_TRUE(started.ok()) << started.message();

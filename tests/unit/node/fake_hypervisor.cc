@@ -507,6 +507,13 @@ void FakeVsock::serve() {
   }
 }
 
+SandboxSpec from_memory_snapshot(const SandboxSpec& source, const std::string& snap) {
+  SandboxSpec out = source;
+  out.id = "sb-forkforkfork";
+  out.memory_snapshot_dir = snap;
+  return out;
+}
+
 Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
                                            const RuntimeInfo& info, const std::string& dir) {
   std::optional<Result<MemoryCheckpoint>> saved;

@@ -190,6 +190,8 @@ class FakeVsock {
 void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const RuntimeInfo& info,
                                   const std::string& vsock_path_sent_to_the_vmm);
 
+// What the node gives a driver for a create from memory snapshot `snap` of `source`: its shape, a new id.
+SandboxSpec from_memory_snapshot(const SandboxSpec& source, const std::string& snap);
 // driver.checkpoint_memory into `dir`, the loop run until it answers (8 s at most).
 Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
                                            const RuntimeInfo& info, const std::string& dir);
