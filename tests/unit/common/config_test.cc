@@ -67,6 +67,22 @@ TEST(Config, RawControlCharactersAreRefusedWithTheirLine) {
   EXPECT_TRUE(load_config_string("domain =\t\"sandbox.localhost\"\r\n# \\u0001\r\n", "t.toml"));
 }
 
+// config_fuzz (assertions on): a table header whose key starts with a character no key starts with failed
+// toml++'s assertion in parse_key (and is __builtin_assume under clang with NDEBUG). It is an error with
+// its line in every build, like any other malformed header.
+TEST(Config, TableHeadersWhoseKeyCannotStartThereAreAnErrorWithTheirLine) {
+  for (const char* header : {"[***[proxy.certificates]]", "[[*]]", "[ =]", "[.proxy]", "[[ {a = 1}]]"}) {
+    const std::string text = std::string("domain = \"sandbox.localhost\"\n[proxy]\nworkers = 2\n\n") + header +
+                             "\ncert = \"cert.pem\"\n";
+    auto cfg = load_config_string(text, "t.toml");
+    ASSERT_FALSE(cfg) << header;
+    EXPECT_EQ(cfg.message().substr(0, 9), "t.toml:5:") << header << ": " << cfg.message();
+    EXPECT_NE(cfg.message().find("expected bare key starting character"), std::string::npos) << cfg.message();
+  }
+  // Quoted and spaced keys are TOML and stay accepted.
+  EXPECT_TRUE(load_config_string("domain = \"sandbox.localhost\"\n[ \"proxy\" ]\nworkers = 2\n", "t.toml"));
+}
+
 TEST(Config, FullFile) {
   auto c = load(R"(
 domain = "sb.example.com"
