@@ -575,14 +575,16 @@ std::string format_list(const json& answer, TimePoint now) {
 }
 
 std::string format_nodes(const json& answer) {
-  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "SANDBOXES", "CAPACITY", "API"}};
+  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "SANDBOXES", "CAPACITY", "IMAGES", "API"}};
   std::string self = text(answer, "node");
   const json* list = field(answer, "nodes");
   if (list != nullptr && list->is_array()) {
     for (const json& n : *list) {
       std::string name = text(n, "name");
+      const json* images = field(n, "images");
       rows.push_back({name + (name == self ? " *" : ""), text(n, "state"), text(n, "sandboxes"),
-                      text(n, "capacity_sandboxes"), text(n, "api")});
+                      text(n, "capacity_sandboxes"),
+                      images != nullptr && images->is_array() ? std::to_string(images->size()) : "-", text(n, "api")});
     }
   }
   return format_table(rows);

@@ -24,7 +24,18 @@ struct NodeInfo {
   NodeState state = NodeState::kReady;
   int64_t capacity_sandboxes = 0;  // how many sandboxes it admits in all
   int64_t sandboxes = 0;           // how many it holds now
+  // The names of the images it has, sorted, for placement to prefer a node that has the one asked for.
+  // nullopt: not known (a node from before images were published, or one with more than
+  // kMaxPublishedImages), so no node is passed over for it.
+  std::optional<std::vector<std::string>> images;
 };
+
+// A node key lives in etcd, whose requests are at most 1.5 MiB by default: past this many names (~60 KiB
+// at 64 bytes each) a node publishes none.
+inline constexpr size_t kMaxPublishedImages = 1000;
+
+// False only when `node` published its images and `image` is not among them.
+bool may_have_image(const NodeInfo& node, std::string_view image);
 
 struct SandboxOwner {
   std::string node;

@@ -1,5 +1,7 @@
 #include "common/fleet_keys.h"
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 namespace sg {
@@ -19,6 +21,12 @@ int64_t int_field(const json& j, const char* name) {
 
 }  // namespace
 
+namespace fleet {
+bool may_have_image(const NodeInfo& node, std::string_view image) {
+  return !node.images || std::binary_search(node.images->begin(), node.images->end(), image);
+}
+}  // namespace fleet
+
 std::string node_info_json(const fleet::NodeInfo& info) {
   json j = {{"name", info.name},
             {"api", info.api},
@@ -26,6 +34,7 @@ std::string node_info_json(const fleet::NodeInfo& info) {
             {"state", info.state == fleet::NodeState::kDraining ? "draining" : "ready"},
             {"capacity_sandboxes", info.capacity_sandboxes},
             {"sandboxes", info.sandboxes}};
+  if (info.images) j["images"] = *info.images;
   return j.dump();
 }
 
@@ -43,6 +52,18 @@ Result<fleet::NodeInfo> parse_node_info(std::string_view text) {
   else return fail(Error::kInvalidArgument, "node key: state must be ready or draining");
   info.capacity_sandboxes = int_field(j, "capacity_sandboxes");
   info.sandboxes = int_field(j, "sandboxes");
+  if (auto it = j.find("images"); it != j.end()) {
+    if (!it->is_array() || it->size() > fleet::kMaxPublishedImages)
+      return fail(Error::kInvalidArgument, "node key: images must be an array of at most " +
+                                               std::to_string(fleet::kMaxPublishedImages) + " names");
+    std::vector<std::string> names;
+    for (const json& name : *it) {
+      if (!name.is_string()) return fail(Error::kInvalidArgument, "node key: images must hold names");
+      names.push_back(name.get<std::string>());
+    }
+    std::sort(names.begin(), names.end());
+    info.images = std::move(names);
+  }
   return info;
 }
 

@@ -73,6 +73,12 @@ Response error_response(int status, Error code, std::string_view message) {
 }
 
 Response error_response(const Failure& f) {
+  // A create this node cannot take for want of its image says so in a field (placement.h), so a placing
+  // node asks the next node instead of passing the 404 on.
+  if (f.code == Error::kNotFound && f.message.starts_with(kNoImageHere)) {
+    ordered_json body = {{"error", error_name(f.code)}, {"message", f.message}, {kMissingField, kMissingImage}};
+    return Response{404, to_text(body), {}, ""};
+  }
   Response r = error_response(http_status(f.code), f.code, f.message);
   // A fenced fleet node (or one whose etcd is unreachable) refuses for a moment, not for good.
   if (f.code == Error::kUnavailable && f.message.starts_with("fleet:")) r.extra_headers = "Retry-After: 2\r\n";
@@ -858,13 +864,16 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
     if (path == "/v1/fleet/nodes") {
       if (method != "GET") return method_not_allowed("GET");
       ordered_json nodes = ordered_json::array();
-      for (const fleet::NodeInfo& n : fleet_->fleet_nodes())
+      for (const fleet::NodeInfo& n : fleet_->fleet_nodes()) {
         nodes.push_back({{"name", n.name},
                          {"state", n.state == fleet::NodeState::kDraining ? "draining" : "ready"},
                          {"sandboxes", n.sandboxes},
                          {"capacity_sandboxes", n.capacity_sandboxes},
                          {"api", n.api},
                          {"ingress", n.ingress}});
+        // null: the node publishes no list (more images than a node key carries).
+        nodes.back()["images"] = n.images ? ordered_json(*n.images) : ordered_json(nullptr);
+      }
       return reply(Response{200,
                             to_text(ordered_json{{"node", fleet_->node_name()},
                                                  {"nodes", std::move(nodes)},
@@ -1167,6 +1176,7 @@ void ApiServer::handle_create(const HttpMessage& request, Reply reply) {
   // placed here (admitted or refused, never sent on).
   const bool stays_here = placer_ == nullptr || fleet_ == nullptr || create->snapshot_id.has_value() ||
                           request.header(kPlacedByHeader) != nullptr;
+  const std::string image = create->image.value_or("");
   auto here = [this, create = std::move(*create)](CreatePlacer::Done done) {
     node_->create(create, [this, done = std::move(done)](Result<SandboxInfo> info) {
       Response r = info ? sandbox_response(201, *info) : error_response(info.failure());
@@ -1177,7 +1187,7 @@ void ApiServer::handle_create(const HttpMessage& request, Reply reply) {
     reply(Response{a.status, std::move(a.body), {}, std::move(a.extra_headers)});
   };
   if (stays_here) return here(std::move(answer));
-  placer_->place(request.body, placement_order(fleet_->fleet_nodes(), placement_rng_), std::move(here),
+  placer_->place(request.body, placement_order(fleet_->fleet_nodes(), placement_rng_, image), std::move(here),
                  std::move(answer));
 }
 

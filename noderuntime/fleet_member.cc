@@ -339,8 +339,15 @@ Status FleetMember::put_node_key(bool force) {
     std::lock_guard lock(mu_);
     info.sandboxes = static_cast<int64_t>(local_.size());
   }
+  if (image_names_) {
+    // An image imported or built since the last renewal shows up within a period; placement retries a
+    // node that lacks one anyway, so a late list costs a refusal, never a create.
+    auto names = image_names_();
+    if (names && names->size() <= fleet::kMaxPublishedImages) info.images = std::move(*names);
+  }
   std::string text = node_info_json(info);
-  // Written when it changes, not on every renewal: the load moves only with creates and removals.
+  // Written when it changes, not on every renewal: the load moves with creates and removals, the images with
+  // imports, builds and removals.
   if (!force && text == last_node_json_) return {};
   auto r = client_.put(std::string(kFleetNodesPrefix) + config_.node_name, text, lease_.load());
   if (!r) return fail(r.error(), "cannot write the node key: " + r.message());

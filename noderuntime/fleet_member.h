@@ -21,6 +21,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,6 +50,11 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   ~FleetMember() override;
   FleetMember(const FleetMember&) = delete;
   FleetMember& operator=(const FleetMember&) = delete;
+
+  // The names of this node's images, published in its node key for placement (docs/fleet.md#placement).
+  // Called on the lease thread at every renewal; set before start(). Unset, or failing: none published.
+  using ImageNames = std::function<Result<std::vector<std::string>>()>;
+  void set_image_names(ImageNames names) { image_names_ = std::move(names); }
 
   // Starts both threads; registration happens on the lease thread (the node serves meanwhile, fenced).
   Status start();
@@ -98,6 +104,7 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   etcd::Client client_;
   fleet::EtcdDirectory directory_;
   std::chrono::milliseconds period_;
+  ImageNames image_names_;
 
   std::atomic<State> state_{State::kFenced};
   std::atomic<bool> draining_{false};

@@ -246,6 +246,8 @@ int main(int argc, char** argv) {
     size_t capacity = c.fleet.capacity_sandboxes != 0 ? c.fleet.capacity_sandboxes : c.node.max_sandboxes;
     d.fleet = std::make_unique<sg::FleetMember>(d.loop, c.fleet, capacity);
     d.node->set_fleet(d.fleet.get());
+    // The store outlives the fleet's threads (stop() joins them before `images` goes).
+    d.fleet->set_image_names([image_store] { return image_store->names(); });
   }
   // `image rm` is refused while a sandbox's root filesystem comes from the image, or a snapshot's does, and no
   // sandbox starts on an image while it is being removed. Snapshots first: a claim is only taken when it

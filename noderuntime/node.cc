@@ -351,7 +351,7 @@ Result<SandboxSpec> Node::validate(CreateRequest req) const {
     auto image = images_->get(spec.image);
     if (!image) {
       if (image.error() != Error::kNotFound) return image.failure();
-      std::string msg = "image: no image '" + spec.image + "' on this node";
+      std::string msg = std::string(kNoImageHere) + spec.image + "' on this node";
       if (!req.image)
         msg += std::string(" (") + default_key + "); build it with `sandgate image build " + spec.image +
                " --packages python3` or import one with `sandgate image import FILE.tar " + spec.image + "`";

@@ -183,6 +183,10 @@ struct SpareSockets {
   std::string token_sha256; // the sandbox's token now (a proxy drops a route whose digest changed)
 };
 
+// The start of the message of a create that fails because this node has no image of the name asked for
+// (the API marks that answer for fleet placement).
+inline constexpr std::string_view kNoImageHere = "image: no image '";
+
 struct ActivityAnswer {
   std::vector<AsleepSandbox> asleep;
   std::vector<RevokedToken> revoked;

@@ -58,6 +58,17 @@ CreatePlacer::RemoteAnswer http_create(const PlacementOptions& options, const fl
   return out;
 }
 
+// The power of two choices over `candidates` (see placement_order), in place.
+void order_by_room(std::vector<fleet::NodeInfo>& candidates, std::mt19937_64& rng) {
+  if (candidates.size() < 2) return;
+  // Shuffled first, so that among nodes with the same room the order is random too.
+  std::shuffle(candidates.begin(), candidates.end(), rng);
+  if (free_capacity(candidates[1]) > free_capacity(candidates[0])) std::swap(candidates[0], candidates[1]);
+  std::stable_sort(candidates.begin() + 2, candidates.end(), [](const fleet::NodeInfo& a, const fleet::NodeInfo& b) {
+    return free_capacity(a) > free_capacity(b);
+  });
+}
+
 }  // namespace
 
 int64_t free_capacity(const fleet::NodeInfo& node) {
@@ -65,21 +76,29 @@ int64_t free_capacity(const fleet::NodeInfo& node) {
   return node.capacity_sandboxes - node.sandboxes;
 }
 
-std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng) {
-  std::vector<fleet::NodeInfo> candidates;
-  for (const fleet::NodeInfo& n : nodes)
-    if (n.state == fleet::NodeState::kReady && free_capacity(n) > 0) candidates.push_back(n);
-  if (candidates.size() < 2) return candidates;
-  // Shuffled first, so that among nodes with the same room the order is random too.
-  std::shuffle(candidates.begin(), candidates.end(), rng);
-  if (free_capacity(candidates[1]) > free_capacity(candidates[0])) std::swap(candidates[0], candidates[1]);
-  std::stable_sort(candidates.begin() + 2, candidates.end(), [](const fleet::NodeInfo& a, const fleet::NodeInfo& b) {
-    return free_capacity(a) > free_capacity(b);
-  });
+std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng,
+                                             std::string_view image) {
+  std::vector<fleet::NodeInfo> candidates, without_image;
+  for (const fleet::NodeInfo& n : nodes) {
+    if (n.state != fleet::NodeState::kReady || free_capacity(n) <= 0) continue;
+    (image.empty() || fleet::may_have_image(n, image) ? candidates : without_image).push_back(n);
+  }
+  order_by_room(candidates, rng);
+  order_by_room(without_image, rng);
+  candidates.insert(candidates.end(), without_image.begin(), without_image.end());
   return candidates;
 }
 
-bool placement_retries(int status) { return status == 503 || status == 429; }
+PlacementRefusal placement_refusal(int status, std::string_view body) {
+  if (status == 503 || status == 429) return PlacementRefusal::kUnavailable;
+  if (status != 404) return PlacementRefusal::kNone;
+  // Another node's answer: any JSON at all, read without a throwing accessor.
+  json j = json::parse(body, nullptr, false);
+  if (!j.is_object()) return PlacementRefusal::kNone;
+  auto missing = j.find(std::string(kMissingField));
+  const bool missing_image = missing != j.end() && missing->is_string() && missing->get<std::string>() == kMissingImage;
+  return missing_image ? PlacementRefusal::kMissingImage : PlacementRefusal::kNone;
+}
 
 struct CreatePlacer::Placement {
   std::string body;
@@ -88,6 +107,7 @@ struct CreatePlacer::Placement {
   LocalCreate local;
   Done done;
   std::vector<std::string> refusals;  // "<node>: <why>", for the answer when every node refused
+  bool only_missing_image = true;      // every refusal so far said the node has no such image
   bool asked_self = false;
 };
 
@@ -123,6 +143,8 @@ void CreatePlacer::next(std::shared_ptr<Placement> p) {
   if (p->next == p->order.size()) {
     std::string why;
     for (const std::string& r : p->refusals) why += (why.empty() ? "" : "; ") + r;
+    if (p->only_missing_image)
+      return p->done(error_answer(404, "not_found", "fleet: no node has the image (" + why + ")"));
     return p->done(error_answer(503, "unavailable", "fleet: no node admitted the create (" + why + "); retry shortly",
                                 "Retry-After: 2\r\n"));
   }
@@ -154,12 +176,14 @@ void CreatePlacer::next(std::shared_ptr<Placement> p) {
         std::unique_ptr<Work> x(static_cast<Work*>(r->data));
         if (!*x->alive) return;
         RemoteAnswer& a = x->answer;
-        if (status < 0) return x->placer->refused(x->placement, x->node.name, "the request was cancelled");
+        if (status < 0)
+          return x->placer->refused(x->placement, x->node.name, "the request was cancelled", PlacementRefusal::kUnavailable);
         if (a.ok) {
-          if (!placement_retries(a.status)) spdlog::info("fleet: placed a create on node {} ({})", x->node.name, a.status);
+          if (placement_refusal(a.status, a.body) == PlacementRefusal::kNone)
+            spdlog::info("fleet: placed a create on node {} ({})", x->node.name, a.status);
           return x->placer->answered(x->placement, x->node.name, Answer{a.status, std::move(a.body), {}});
         }
-        if (!a.reached) return x->placer->refused(x->placement, x->node.name, a.error);
+        if (!a.reached) return x->placer->refused(x->placement, x->node.name, a.error, PlacementRefusal::kUnavailable);
         // The node had the request and may have acted on it: creating elsewhere could make a second sandbox.
         x->placement->done(error_answer(502, "unreachable",
                                         "fleet: node " + x->node.name + " took the create but its answer did not come (" +
@@ -167,17 +191,20 @@ void CreatePlacer::next(std::shared_ptr<Placement> p) {
       });
   if (rc < 0) {
     std::unique_ptr<Work> owned(w);
-    refused(p, node.name, std::string("uv_queue_work: ") + uv_strerror(rc));
+    refused(p, node.name, std::string("uv_queue_work: ") + uv_strerror(rc), PlacementRefusal::kUnavailable);
   }
 }
 
 void CreatePlacer::answered(std::shared_ptr<Placement> p, const std::string& node, Answer a) {
-  if (!placement_retries(a.status)) return p->done(std::move(a));
-  refused(std::move(p), node, answer_message(a.body));
+  const PlacementRefusal kind = placement_refusal(a.status, a.body);
+  if (kind == PlacementRefusal::kNone) return p->done(std::move(a));
+  refused(std::move(p), node, answer_message(a.body), kind);
 }
 
-void CreatePlacer::refused(std::shared_ptr<Placement> p, const std::string& node, const std::string& why) {
+void CreatePlacer::refused(std::shared_ptr<Placement> p, const std::string& node, const std::string& why,
+                           PlacementRefusal kind) {
   p->refusals.push_back(node + ": " + why);
+  if (kind != PlacementRefusal::kMissingImage) p->only_missing_image = false;
   next(std::move(p));
 }
 

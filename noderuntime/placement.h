@@ -28,11 +28,21 @@ int64_t free_capacity(const fleet::NodeInfo& node);
 // power of two choices: close to the least loaded node, without every placer herding onto the one node a
 // view that is a moment old calls the emptiest); then every other ready node with room, most room first.
 // Draining and full nodes are left out. Fewer than two candidates: those there are.
-std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng);
+// With `image` (the create names one), the nodes whose published images lack it come after all the others,
+// in the same order among themselves: they are still asked (their list may be a renewal old), but last.
+std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng,
+                                             std::string_view image = {});
 
-// Whether a chosen node's answer sends the create on to the next node: it could not take the sandbox now
-// (503: fenced or draining; 429: full), which says nothing against the request itself.
-bool placement_retries(int status);
+// A node's answer to a create it cannot take because it does not have the image carries this in its JSON
+// body ("missing": "image"): placement then asks the next node.
+inline constexpr std::string_view kMissingField = "missing";
+inline constexpr std::string_view kMissingImage = "image";
+
+// Why a chosen node's answer sends the create on to the next node, if it does: it could not take the
+// sandbox now (503: fenced or draining; 429: full), or it has no such image (404 marked as above). None of
+// these says anything against the request itself.
+enum class PlacementRefusal { kNone, kUnavailable, kMissingImage };
+PlacementRefusal placement_refusal(int status, std::string_view body);
 
 struct PlacementOptions {
   std::string self;             // this node's name in the fleet
@@ -69,7 +79,8 @@ class CreatePlacer {
   CreatePlacer& operator=(const CreatePlacer&) = delete;
 
   // Asks the nodes of `order` in turn (this node through `local`), `done` on the loop with the first answer
-  // that is not a retried refusal; when every node refused, a 503 naming each node's reason. This node is
+  // that is not a retried refusal; when every node refused, a 503 naming each node's reason (a 404 when
+  // none of them has the image: the request cannot succeed by being retried later). This node is
   // asked last if `order` does not hold it (a view that does not list it yet), so an empty order (no view of
   // the fleet yet, or no node with room in it) creates here, whose answer says why not.
   void place(std::string body, std::vector<fleet::NodeInfo> order, LocalCreate local, Done done);
@@ -79,8 +90,8 @@ class CreatePlacer {
   void next(std::shared_ptr<Placement> p);
   // `node`'s answer: the placement's, unless it is a refusal to retry elsewhere.
   void answered(std::shared_ptr<Placement> p, const std::string& node, Answer a);
-  // `node` did not take the create (`why`): the next node is asked.
-  void refused(std::shared_ptr<Placement> p, const std::string& node, const std::string& why);
+  // `node` did not take the create (`why`, for the reason `kind`): the next node is asked.
+  void refused(std::shared_ptr<Placement> p, const std::string& node, const std::string& why, PlacementRefusal kind);
 
   uv_loop_t* loop_;
   PlacementOptions options_;

@@ -506,6 +506,19 @@ Result<std::vector<Image>> ImageStore::list() const {
   return out;
 }
 
+Result<std::vector<std::string>> ImageStore::names() const {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(images_dir_, ec)) {
+    std::string file = entry.path().filename().string();
+    if (file.starts_with(".") || !file.ends_with(".json")) continue;
+    out.push_back(file.substr(0, file.size() - 5));
+  }
+  if (ec) return fail(Error::kIo, "read " + images_dir_ + ": " + ec.message());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 Result<Image> ImageStore::remove(const std::string& name) {
   std::lock_guard lock(mu_);
   auto image = get(name);

@@ -78,6 +78,9 @@ class ImageStore {
   // mismatch), unsafe or missing a member; kLimitExceeded past a bound; kNotFound if `archive_path` is missing.
   Result<Image> import(const std::string& archive_path, const std::string& name);
   Result<std::vector<Image>> list() const;
+  // The images' names, sorted, from the directory alone (no image file is read): cheap enough for a fleet
+  // node to publish on every lease renewal, from its lease thread.
+  Result<std::vector<std::string>> names() const;
   Result<Image> get(const std::string& name) const;
   // kConflict while the image's users say it is in use, or another image was built --from it (its layers
   // are shared, so the parent stays while a child names it). Layers no other image uses are removed with it.

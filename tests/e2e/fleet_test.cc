@@ -3,6 +3,7 @@
 // keys, fencing while etcd is unreachable, reconcile on restart.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <map>
@@ -39,12 +40,14 @@ class Fleet : public ::testing::Test {
     if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
   }
 
-  // A node named `name` in the fleet; returns once it has registered with etcd.
-  Cluster& add_node(const std::string& name) {
+  // A node named `name` in the fleet; returns once it has registered with etcd. `node_extra` goes into its
+  // [node] table (an images_dir of its own: a node without the shared test image).
+  Cluster& add_node(const std::string& name, const std::string& node_extra = "") {
     ClusterOptions o = ClusterOptions::node_only();
+    o.node_extra = node_extra;
     std::string endpoints;
     for (const auto& url : etcd_->urls()) endpoints += (endpoints.empty() ? "\"" : ", \"") + url + "\"";
-    o.node_extra = "\n[fleet]\netcd_endpoints = [" + endpoints + "]\nnode_name = \"" + name +
+    o.node_extra += "\n[fleet]\netcd_endpoints = [" + endpoints + "]\nnode_name = \"" + name +
                    "\"\nadvertise_api = \"unix:$CLUSTER_DIR/node.sock\"\nadvertise_ingress = \"127.0.0.1:1\"\n" +
                    "lease_ttl_secs = " + std::to_string(kLeaseTtlSecs) + "\netcd_timeout_ms = 300\n";
     nodes_.push_back(std::make_unique<Cluster>(o));
@@ -59,9 +62,15 @@ class Fleet : public ::testing::Test {
     auto r = c.api_raw("POST", "/v1/sandboxes", req.dump());
     return {Cluster::http_code(r), Cluster::body(r)};
   }
+  static std::pair<int, std::string> create_from_image(Cluster& c, const std::string& name, const std::string& image) {
+    json req = {{"name", name}, {"image", image}, {"command", {"/bin/sleep", "600"}}};
+    auto r = c.api_raw("POST", "/v1/sandboxes", req.dump());
+    return {Cluster::http_code(r), Cluster::body(r)};
+  }
   // The same as another node's placement sends it: admitted or refused here, never sent on.
-  static std::pair<int, std::string> create_placed(Cluster& c, const std::string& name) {
+  static std::pair<int, std::string> create_placed(Cluster& c, const std::string& name, const std::string& image = "") {
     json req = {{"name", name}, {"command", {"/bin/sleep", "600"}}};
+    if (!image.empty()) req["image"] = image;
     auto r = run("curl -sS --unix-socket " + shell_quote(c.api().substr(5)) +
                  " -X POST -H 'Content-Type: application/json' -H 'X-Sandgate-Placed-By: test' --data-binary " +
                  shell_quote(req.dump()) + " -w '\\n%{http_code}' http://node/v1/sandboxes");
@@ -199,6 +208,53 @@ TEST_F(Fleet, CreatesArePlacedOnReadyNodesNeverOnADrainingOrDeadOne) {
   EXPECT_EQ(none.first, 503) << none.second;
   EXPECT_NE(none.second.find("is draining"), std::string::npos) << none.second;
   EXPECT_FALSE(key("/sandgate/sandboxes/pl-none"));
+}
+
+// Images are per node: p0 and p1 have stores of their own with no image, p2 the test image. Nodes publish
+// their images' names in their node keys, so a create naming an image goes to a node that has it; a node
+// without it refuses with a marked 404 that placement passes over; an image no node has is a 404 naming each.
+TEST_F(Fleet, ACreateGoesToANodeThatHasItsImage) {
+  Cluster* n[3] = {&add_node("i0", "images_dir = \"\"\n"), &add_node("i1", "images_dir = \"\"\n"), &add_node("i2")};
+  const std::string image = test_image().name;
+  ASSERT_TRUE(eventually([&] {
+    auto r = n[0]->api_raw("GET", "/v1/fleet/nodes", "");
+    json j = json::parse(Cluster::body(r), nullptr, false);
+    if (!j.is_object() || !j["nodes"].is_array() || j["nodes"].size() != 3) return false;
+    for (const json& node : j["nodes"]) {
+      const json& images = node["images"];
+      const bool has = images.is_array() && std::find(images.begin(), images.end(), image) != images.end();
+      if (!images.is_array() || has != (node.value("name", "") == "i2")) return false;
+    }
+    return true;
+  }, 10s)) << Cluster::body(n[0]->api_raw("GET", "/v1/fleet/nodes", ""));
+  auto nodes = n[1]->cli("nodes");
+  EXPECT_NE(nodes.out.find("IMAGES"), std::string::npos) << nodes.out;
+
+  for (int i = 0; i < 4; i++) {
+    const std::string name = "img" + std::to_string(i);
+    auto [status, body] = create_from_image(*n[i % 2], name, image);
+    ASSERT_EQ(status, 201) << body;
+    EXPECT_EQ(json::parse(body, nullptr, false).value("node", ""), "i2") << body;
+    EXPECT_FALSE(n[2]->get(name).empty()) << name << " is not on i2";
+  }
+
+  // Asked directly (as placement asks), a node without the image refuses, marked, and holds no claim.
+  auto direct = create_placed(*n[0], "img-direct", image);
+  EXPECT_EQ(direct.first, 404) << direct.second;
+  json refusal = json::parse(direct.second, nullptr, false);
+  EXPECT_EQ(refusal.value("missing", ""), "image") << direct.second;
+  EXPECT_NE(refusal.value("message", "").find("no image '" + image + "' on this node"), std::string::npos) << direct.second;
+  EXPECT_FALSE(key("/sandgate/sandboxes/img-direct"));
+  auto placed = create_from_image(*n[1], "img-direct", image);
+  ASSERT_EQ(placed.first, 201) << placed.second;
+  EXPECT_EQ(json::parse(placed.second, nullptr, false).value("node", ""), "i2") << placed.second;
+
+  auto none = create_from_image(*n[0], "img-none", "no-such-image");
+  EXPECT_EQ(none.first, 404) << none.second;
+  const std::string message = json::parse(none.second, nullptr, false).value("message", "");
+  EXPECT_NE(message.find("fleet: no node has the image"), std::string::npos) << none.second;
+  for (const char* node : {"i0: ", "i1: ", "i2: "}) EXPECT_NE(message.find(node), std::string::npos) << message;
+  EXPECT_FALSE(key("/sandgate/sandboxes/img-none"));
 }
 
 TEST_F(Fleet, KillNineDropsTheNodeKeyKeepsItsSandboxesAndARestartReconciles) {

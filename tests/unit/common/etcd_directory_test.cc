@@ -35,7 +35,12 @@ class EtcdDirectoryTest : public ::testing::Test {
     client_ = std::make_unique<etcd::Client>(cluster_->options());
   }
   void put_node(const std::string& name) {
-    NodeInfo info{.name = name, .api = "https://" + name, .ingress = name + ":1", .capacity_sandboxes = 10};
+    NodeInfo info{.name = name,
+                  .api = "https://" + name,
+                  .ingress = name + ":1",
+                  .capacity_sandboxes = 10,
+                  .sandboxes = 0,
+                  .images = std::vector<std::string>{"base", "python"}};
     ASSERT_TRUE(client_->put(std::string(kFleetNodesPrefix) + name, node_info_json(info)));
   }
   void put_sandbox(const std::string& name, const std::string& node) {
@@ -61,6 +66,7 @@ TEST_F(EtcdDirectoryTest, ListsThenFollowsPutsAndDeletes) {
   EXPECT_EQ(a->node, "n1");
   ASSERT_TRUE(a->node_info);
   EXPECT_EQ(a->node_info->ingress, "n1:1");
+  EXPECT_EQ(a->node_info->images, (std::vector<std::string>{"base", "python"}));
   EXPECT_FALSE(d.owner_of("junk"));
   EXPECT_FALSE(d.owner_of("b"));
   put_sandbox("b", "n2");

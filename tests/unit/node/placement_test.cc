@@ -78,10 +78,40 @@ TEST(PlacementOrder, TheFirstIsTheBetterOfTwoRandomNodesAndTheRestFollowByRoom) 
   EXPECT_GT(first["b"], 0);
 }
 
-TEST(PlacementRetries, OnlyForWantOfRoomOrAvailability) {
-  EXPECT_TRUE(placement_retries(503));
-  EXPECT_TRUE(placement_retries(429));
-  for (int status : {201, 400, 401, 404, 409, 500, 502, 504}) EXPECT_FALSE(placement_retries(status)) << status;
+fleet::NodeInfo with_images(fleet::NodeInfo n, std::vector<std::string> images) {
+  n.images = std::move(images);
+  return n;
+}
+
+// A node whose published list lacks the image is asked only after every node that may have it (its list may
+// be a renewal old, so it is still asked); a node that published none may have any.
+TEST(PlacementOrder, NodesThatPublishedImagesWithoutTheOneAskedForComeLast) {
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    std::mt19937_64 rng(seed);
+    auto order = placement_order({with_images(node("roomy-without", 100, 0), {"base", "node"}),
+                                  with_images(node("has", 10, 9), {"base", "python"}), node("unknown", 10, 5),
+                                  with_images(node("empty", 100, 0), {})},
+                                 rng, "python");
+    ASSERT_EQ(order.size(), 4u);
+    EXPECT_EQ(name_set({order[0], order[1]}), (std::set<std::string>{"has", "unknown"}));
+    EXPECT_EQ(name_set({order[2], order[3]}), (std::set<std::string>{"roomy-without", "empty"}));
+    // Without an image asked for, room alone decides.
+    auto any = placement_order({with_images(node("roomy-without", 100, 0), {"node"}), node("full-ish", 100, 99)}, rng);
+    EXPECT_EQ(names(any), (std::vector<std::string>{"roomy-without", "full-ish"}));
+  }
+}
+
+TEST(PlacementRefusal, ForWantOfRoomOrAvailabilityOrOfTheImage) {
+  EXPECT_EQ(placement_refusal(503, "{}"), PlacementRefusal::kUnavailable);
+  EXPECT_EQ(placement_refusal(429, ""), PlacementRefusal::kUnavailable);
+  EXPECT_EQ(placement_refusal(404, R"({"error":"not_found","message":"image: no image 'py' on this node","missing":"image"})"),
+            PlacementRefusal::kMissingImage);
+  // Any other 404 (a snapshot, a path) is the request's own fault: passed on, not retried.
+  EXPECT_EQ(placement_refusal(404, R"({"error":"not_found","message":"no such snapshot"})"), PlacementRefusal::kNone);
+  EXPECT_EQ(placement_refusal(404, R"({"missing":7})"), PlacementRefusal::kNone);
+  EXPECT_EQ(placement_refusal(404, "not json"), PlacementRefusal::kNone);
+  for (int status : {201, 400, 401, 409, 500, 502, 504})
+    EXPECT_EQ(placement_refusal(status, R"({"missing":"image"})"), PlacementRefusal::kNone) << status;
 }
 
 class CreatePlacerTest : public ::testing::Test {
@@ -99,6 +129,17 @@ class CreatePlacerTest : public ::testing::Test {
     r.body = nlohmann::json{{"error", "x"}, {"message", message}}.dump();
     return r;
   }
+  static std::string missing_image_body(const std::string& node) {
+    return nlohmann::json{{"error", "not_found"},
+                          {"message", "image: no image 'python' on " + node},
+                          {"missing", "image"}}
+        .dump();
+  }
+  static Remote missing_image(const std::string& node) {
+    Remote r = status(404);
+    r.body = missing_image_body(node);
+    return r;
+  }
   CreatePlacer placer() {
     return CreatePlacer(loop_.get(), PlacementOptions{"self", "", "", 1000},
                         [this](const fleet::NodeInfo& n, const std::string& body) {
@@ -113,17 +154,20 @@ class CreatePlacerTest : public ::testing::Test {
                         });
   }
   // Places with a local create that answers `local_status`, and waits for the answer.
-  CreatePlacer::Answer place(CreatePlacer& p, std::vector<fleet::NodeInfo> order, int local_status = 201) {
+  // `local_body` replaces the local answer's default body for its status.
+  CreatePlacer::Answer place(CreatePlacer& p, std::vector<fleet::NodeInfo> order, int local_status = 201,
+                             std::string local_body = "") {
     std::optional<CreatePlacer::Answer> out;
+    if (local_body.empty())
+      local_body = local_status == 201 ? R"({"id":"sb-1","node":"self"})"
+                                       : R"({"error":"unavailable","message":"self is draining"})";
     p.place(R"({"name":"web","command":["sleep","1"]})", std::move(order),
-            [this, local_status](CreatePlacer::Done done) {
+            [this, local_status, local_body](CreatePlacer::Done done) {
               {
                 std::lock_guard lock(mu_);
                 asked_.push_back("self");
               }
-              done({local_status, local_status == 201 ? R"({"id":"sb-1","node":"self"})"
-                                                      : R"({"error":"unavailable","message":"self is draining"})",
-                    ""});
+              done({local_status, local_body, ""});
             },
             [&](CreatePlacer::Answer a) { out = std::move(a); });
     EXPECT_TRUE(loop_.run_until([&] { return out.has_value(); }));
@@ -166,6 +210,39 @@ TEST_F(CreatePlacerTest, WhenEveryNodeRefusesTheAnswerNamesEachReason) {
   EXPECT_NE(message.find("n2: fleet: node n2 is draining"), std::string::npos) << message;
   EXPECT_NE(message.find("self: self is draining"), std::string::npos) << message;
   EXPECT_NE(message.find("down: cannot reach"), std::string::npos) << message;
+}
+
+TEST_F(CreatePlacerTest, ANodeWithoutTheImageIsPassedOverForTheNext) {
+  answer("n2", missing_image("n2"));
+  answer("n3", status(201));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("n3", 0, 0), node("self", 0, 0)});
+  EXPECT_EQ(a.status, 201);
+  EXPECT_EQ(asked_, (std::vector<std::string>{"n2", "n3"}));
+}
+
+// No node has it: retrying later would not help, so the answer is a 404 naming each node, without Retry-After.
+TEST_F(CreatePlacerTest, WhenNoNodeHasTheImageTheAnswerIsA404NamingEachNode) {
+  answer("n2", missing_image("n2"));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("self", 0, 0)}, 404, missing_image_body("self"));
+  EXPECT_EQ(a.status, 404) << a.body;
+  EXPECT_EQ(a.extra_headers, "");
+  const std::string message = nlohmann::json::parse(a.body).value("message", "");
+  EXPECT_NE(message.find("no node has the image"), std::string::npos) << message;
+  EXPECT_NE(message.find("n2: image: no image 'python' on n2"), std::string::npos) << message;
+  EXPECT_NE(message.find("self: image: no image 'python' on self"), std::string::npos) << message;
+}
+
+// Some node that may have had it was full or draining: the create may succeed later, so 503 + Retry-After.
+TEST_F(CreatePlacerTest, AMissingImageBesideAFullNodeIsStillA503) {
+  answer("n2", missing_image("n2"));
+  answer("n3", status(429, "at most 10 sandboxes"));
+  auto p = placer();
+  auto a = place(p, {node("n2", 0, 0), node("n3", 0, 0), node("self", 0, 0)}, 404, missing_image_body("self"));
+  EXPECT_EQ(a.status, 503) << a.body;
+  EXPECT_EQ(a.extra_headers, "Retry-After: 2\r\n");
+  EXPECT_EQ(asked_, (std::vector<std::string>{"n2", "n3", "self"}));
 }
 
 TEST_F(CreatePlacerTest, AnAnswerThatIsNotARefusalIsTheAnswer) {

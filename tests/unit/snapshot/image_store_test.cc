@@ -136,6 +136,11 @@ TEST_F(ImageStoreTest, ImportsADockerSaveArchive) {
   ASSERT_TRUE(listed);
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].layers, image->layers);
+  // What a fleet node publishes: the names alone, sorted, without the files of an image being written.
+  ASSERT_TRUE(store_->import(docker_save("img2.tar", {kBase}), "api"));
+  testing::write_file(tmp_.path() + "/state/images/.zz.json.tmp", "{");  // an image file being written
+  ASSERT_TRUE(fs::exists(tmp_.path() + "/state/images/.zz.json.tmp"));
+  EXPECT_EQ(store_->names().value(), (std::vector<std::string>{"api", "web"}));
   // The record survives a restart of the node.
   reopen();
   auto again = store_->get("web");

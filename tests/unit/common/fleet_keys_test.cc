@@ -1,0 +1,53 @@
+// The JSON of a fleet node key, both ways: what a node publishes is what every reader gets back, and a key
+// written by something else is an error, not a crash or a silently wrong view.
+#include "common/fleet_keys.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace sg {
+namespace {
+
+TEST(FleetKeys, ANodeKeysImagesComeBackSortedAndAbsentMeansUnknown) {
+  fleet::NodeInfo info;
+  info.name = "n1";
+  info.api = "https://n1:7443";
+  info.images = std::vector<std::string>{"python", "base"};
+  auto back = parse_node_info(node_info_json(info));
+  ASSERT_TRUE(back) << back.message();
+  EXPECT_EQ(back->images, (std::vector<std::string>{"base", "python"}));
+  EXPECT_TRUE(fleet::may_have_image(*back, "python"));
+  EXPECT_FALSE(fleet::may_have_image(*back, "node"));
+
+  info.images.reset();
+  const std::string unpublished = node_info_json(info);
+  EXPECT_EQ(unpublished.find("images"), std::string::npos) << unpublished;
+  back = parse_node_info(unpublished);
+  ASSERT_TRUE(back) << back.message();
+  EXPECT_FALSE(back->images);
+  EXPECT_TRUE(fleet::may_have_image(*back, "anything"));
+
+  info.images = std::vector<std::string>{};
+  back = parse_node_info(node_info_json(info));
+  ASSERT_TRUE(back && back->images);
+  EXPECT_FALSE(fleet::may_have_image(*back, "base"));
+}
+
+TEST(FleetKeys, ANodeKeysImagesMustBeAtMostTheLimitOfNames) {
+  nlohmann::json j = {{"name", "n1"}, {"state", "ready"}, {"images", {"base", 7}}};
+  auto bad = parse_node_info(j.dump());
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.message(), "node key: images must hold names");
+  j["images"] = "base";
+  EXPECT_FALSE(parse_node_info(j.dump()));
+  j["images"] = std::vector<std::string>(fleet::kMaxPublishedImages, "x");
+  EXPECT_TRUE(parse_node_info(j.dump()));
+  j["images"].push_back("one-too-many");
+  bad = parse_node_info(j.dump());
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("at most 1000 names"), std::string::npos) << bad.message();
+}
+
+}  // namespace
+}  // namespace sg
