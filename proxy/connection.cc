@@ -30,6 +30,8 @@ namespace {
 constexpr size_t kForwardBufferBytes = 32 * 1024;
 // After an error response: how long and how much unread client input we drain before closing.
 constexpr uint32_t kLingerMs = 2000;
+// Rounds of moving bytes each way per pump before the loop serves the other connections (ForwardPhase::pump).
+constexpr int kPumpRounds = 8;
 constexpr size_t kMaxLingerBytes = 4 * 1024 * 1024;
 
 uint64_t now_ms(uv_loop_t* loop) { return uv_now(loop); }
@@ -364,8 +366,8 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer, bool v
   uv_poll_init(loop, &client_poll_, client_fd_.get());
   uv_timer_init(loop, &deadline_);
   uv_timer_init(loop, &idle_timer_);
-  uv_idle_init(loop, &buffered_input_);
-  client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = buffered_input_.data = this;
+  uv_idle_init(loop, &pump_again_);
+  client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = pump_again_.data = this;
   handles_open_ = 4;
   enter<HandshakePhase>();
 }
@@ -1455,23 +1457,28 @@ void Connection::ForwardPhase::on_upstream(int status) {
   pump();
 }
 
-// Moves bytes until every side would block, a side finished, or the budget is spent. Polling is
-// level-triggered, so stopping early only yields the loop to other connections; nothing is lost.
+// Moves bytes until a round moves none (every side would block, or a side finished), or the budget of
+// rounds is spent. A pump that stops on its budget has not settled: a round can leave work that no socket
+// event announces (the sandbox's answer to an Upgrade, seen in the last round, releases the client's next
+// request to the filter, and its refusal is answered only once that request is read), so it goes on at the
+// next turn of the loop, after the other connections' events, as when a source holds input poll() does not
+// report.
 void Connection::ForwardPhase::pump() {
   AccessRecord& rec = c_.rec_;
-  for (int round = 0; round < 8; ++round) {
+  bool settled = false;
+  for (int round = 0; round < kPumpRounds && !settled; ++round) {
     uint64_t before = rec.bytes_in + rec.bytes_out;
     size_t pending_before = c2u_.pending() + u2c_.pending();
     if (!c2u_.move()) return;
     if (!u2c_.move()) return;
     if (!handle_half_close()) return;
-    if (rec.bytes_in + rec.bytes_out == before && c2u_.pending() + u2c_.pending() == pending_before) break;
+    settled = rec.bytes_in + rec.bytes_out == before && c2u_.pending() + u2c_.pending() == pending_before;
   }
   c_.update_interest();
-  // Only after a read that stopped for room: one that stopped at WANT_READ left at most a partial record,
-  // whose remainder makes the socket readable.
-  if (c2u_.hidden_input() || u2c_.hidden_input()) {
-    uv_idle_start(&c_.buffered_input_, [](uv_idle_t* h) {
+  // Hidden input only after a read that stopped for room: one that stopped at WANT_READ left at most a
+  // partial record, whose remainder makes the socket readable.
+  if (!settled || c2u_.hidden_input() || u2c_.hidden_input()) {
+    uv_idle_start(&c_.pump_again_, [](uv_idle_t* h) {
       uv_idle_stop(h);
       auto* self = static_cast<Connection*>(h->data);
       self->drop_left_phases();
@@ -1629,7 +1636,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   if (upstream_poll_started_) uv_close(reinterpret_cast<uv_handle_t*>(&upstream_poll_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
-  uv_close(reinterpret_cast<uv_handle_t*>(&buffered_input_), on_closed);
+  uv_close(reinterpret_cast<uv_handle_t*>(&pump_again_), on_closed);
   // The phases and transports stay until the handles are closed: close() may run inside one of them.
   client_fd_.reset();
   upstream_fd_.reset();

@@ -157,9 +157,9 @@ class Connection {
   bool upstream_poll_started_ = false;
   uv_timer_t deadline_{};
   uv_timer_t idle_timer_{};
-  // Read-ahead can leave whole records inside OpenSSL after the socket ran dry; poll() never reports them,
-  // so a pump that stops with such input re-runs from this idle handle on the next loop turn.
-  uv_idle_t buffered_input_{};
+  // Work poll() never reports: whole records read ahead inside OpenSSL after the socket ran dry, and what a
+  // pump that spent its rounds left unsettled. Such a pump re-runs from this idle handle on the next loop turn.
+  uv_idle_t pump_again_{};
   int handles_open_ = 0;
   TerminationCause deadline_cause_ = TerminationCause::kHandshakeTimeout;
   int client_events_ = 0;  // currently polled

@@ -87,6 +87,33 @@ TEST(EdgeRequests, Http1KeepAliveRequestForAnotherSandboxIs421AndNeverReachesThe
   EXPECT_NE(entry.value("detail", "").find("8080-victim.sandbox.localhost"), std::string::npos) << entry.dump();
 }
 
+// A request held behind an Upgrade is checked once the sandbox's answer says the protocol did not switch,
+// however the answers arrive: here a download, a refused Upgrade and a request for another sandbox, at 30
+// download sizes so that the refusal's bytes land at different points of the proxy's work on the connection.
+// The 421 must come as soon as the sandbox's answers are through, never when a side gives up (the sandbox
+// keeps its side open).
+TEST(EdgeRequests, Http1RequestAfterARefusedUpgradeIsCheckedWhateverTheTimingOfTheRefusal) {
+  Cluster c;
+  create(c, "--name alpha --public 8080 -- " + testserver(8080, "alpha"));
+  wait_serving(c, "8080-alpha.sandbox.localhost");
+  for (int i = 0; i < 30; ++i) {
+    const std::string size = std::to_string(200'000 + i * 37'301);
+    auto r = pipeline(c, "8080-alpha.sandbox.localhost",
+                      "GET /blob?size=" + size + " HTTP/1.1\r\nHost: 8080-alpha.sandbox.localhost\r\n\r\n"
+                      "GET /refuse HTTP/1.1\r\nHost: 8080-alpha.sandbox.localhost\r\nConnection: Upgrade\r\n"
+                      "Upgrade: websocket\r\n\r\n"
+                      "GET / HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n");
+    ASSERT_EQ(r.exit_code, 0) << "size " << size << ": " << r.out.substr(r.out.size() > 300 ? r.out.size() - 300 : 0) << r.err;
+    const size_t ok = r.out.find("HTTP/1.1 200");
+    const size_t refused = r.out.find("HTTP/1.1 404");
+    const size_t misdirected = r.out.find("HTTP/1.1 421 Misdirected Request");
+    ASSERT_NE(misdirected, std::string::npos) << "size " << size;
+    EXPECT_LT(ok, refused);
+    EXPECT_LT(refused, misdirected);
+    EXPECT_NE(r.out.find("Content-Length: " + size + "\r\n"), std::string::npos);
+  }
+}
+
 TEST(EdgeRequests, Http1LaterCrossOriginCookiePostIs403) {
   Cluster c;
   Created a = create(c, "--name alpha --expose 8080 -- " + testserver(8080, "alpha"));

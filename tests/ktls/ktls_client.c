@@ -18,6 +18,7 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/ssl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +73,18 @@ static int ssl_write_all(SSL* ssl, const unsigned char* p, size_t n) {
   return 0;
 }
 
+/* Where the pipelined case is, for the line a timeout's SIGTERM prints: a hang then says what never came. */
+static const char* volatile pipeline_stage = "connecting";
+static volatile unsigned long long pipeline_bytes;
+
+static void killed_while_waiting(int sig) {
+  (void)sig;
+  char line[160];
+  int n = snprintf(line, sizeof line, "error: killed while waiting for %s, %llu bytes read\n", pipeline_stage, pipeline_bytes);
+  if (n > 0) (void)!write(1, line, (size_t)n);
+  _exit(1);
+}
+
 /* Reads exactly n bytes (fewer only at the end of the stream). */
 static size_t ssl_read_full(SSL* ssl, unsigned char* p, size_t n) {
   size_t got = 0;
@@ -79,6 +92,7 @@ static size_t ssl_read_full(SSL* ssl, unsigned char* p, size_t n) {
     int r = SSL_read(ssl, p + got, (int)(n - got));
     if (r <= 0) break;
     got += (size_t)r;
+    pipeline_bytes += (unsigned long long)r;
   }
   return got;
 }
@@ -89,6 +103,7 @@ static int read_head(SSL* ssl, char* head, size_t cap) {
   while (n + 1 < cap) {
     if (SSL_read(ssl, head + n, 1) != 1) return -1;
     ++n;
+    ++pipeline_bytes;
     if (n >= 4 && memcmp(head + n - 4, "\r\n\r\n", 4) == 0) {
       head[n] = 0;
       return 0;
@@ -117,16 +132,21 @@ static int pipeline(SSL* ssl, const char* sni, const char* other, unsigned long 
                      "GET /ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
                      "GET / HTTP/1.1\r\nHost: %s\r\n\r\n",
                      down, sni, down, sni, sni, other);
+  signal(SIGTERM, killed_while_waiting);
+  pipeline_stage = "the first answer";
   if (ssl_write_all(ssl, (const unsigned char*)requests, (size_t)len) != 0) return fail("write requests");
   struct test_stream s;
   double start = now_s();
   test_stream_init(&s, KTLS_DOWN_SEED);
   if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 200", 12) != 0)
     return printf("error: first answer: %s\n", head), 1;
+  pipeline_stage = "the Content-Length body";
   if (read_stream(ssl, &s, down) != 0) return printf("error: the Content-Length body is not the stream\n"), 1;
+  pipeline_stage = "the second answer";
   if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 200", 12) != 0 || !strstr(head, "chunked"))
     return printf("error: second answer: %s\n", head), 1;
   test_stream_init(&s, KTLS_DOWN_SEED);
+  pipeline_stage = "the chunked body";
   for (;;) {
     char line[32];
     size_t n = 0;
@@ -140,12 +160,15 @@ static int pipeline(SSL* ssl, const char* sni, const char* other, unsigned long 
   char crlf[2];
   if (ssl_read_full(ssl, (unsigned char*)crlf, 2) != 2) return printf("error: chunked body not ended\n"), 1;
   double bodies = now_s();
+  pipeline_stage = "the 404 to the Upgrade";
   if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 404", 12) != 0)
     return printf("error: the refused Upgrade's answer: %s\n", head), 1;
   char body[16];
   if (ssl_read_full(ssl, (unsigned char*)body, 10) != 10) return printf("error: the 404's body\n"), 1;
+  pipeline_stage = "the 421";
   if (read_head(ssl, head, sizeof head) != 0 || strncmp(head, "HTTP/1.1 421", 12) != 0)
     return printf("error: the request for %s got, instead of 421: %s\n", other, head), 1;
+  pipeline_stage = "the close after the 421";
   static unsigned char rest[CHUNK];
   while (SSL_read(ssl, rest, sizeof rest) > 0) {
   }

@@ -7,6 +7,8 @@
       PUT|POST /hash   -> sha256 hex of the request body
       GET /slow?secs=S&steps=N -> body sent in N pieces (default 10) over S seconds (keeps a connection busy)
       GET /reset       -> no answer: the connection is reset (SO_LINGER 0)
+      GET /refuse      -> 404 on a connection kept open (what a server that does not speak an Upgrade's
+                          protocol answers it, before the next pipelined request)
       GET /seen        -> every request head this server has received so far (this one included), as it
                           parsed them: what the sandbox's code was given, and what it never saw
   testserver.py tcp PORT           raw TCP: reads until EOF (the client's half-close), then answers
@@ -78,6 +80,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.flush()
                 time.sleep(secs / steps)
             self.wfile.write(b"0\r\n\r\n")
+            return
+        if url.path == "/refuse":
+            body = b"not here\n"
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         if url.path == "/reset":
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
