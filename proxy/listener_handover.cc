@@ -87,10 +87,17 @@ Result<HandoverClient> HandoverClient::take_over(const std::string& path, int ti
       return fail(Error::kLimitExceeded, "handover: more than " + std::to_string(kMaxHandedListeners) + " listening sockets");
     auto worker = j.find("worker");
     auto endpoint = j.find("endpoint");
+    auto role = j.find("role");
     if (worker == j.end() || !worker->is_number_unsigned() || endpoint == j.end() || !endpoint->is_string() ||
         fds.size() != 1)
       return fail(Error::kInvalidArgument, "handover: a listener message needs worker, endpoint and one socket: " +
                                                msg->substr(0, 200));
+    ListenerRole listener_role = ListenerRole::kClient;
+    if (role != j.end()) {
+      if (*role == "fleet") listener_role = ListenerRole::kFleet;
+      else if (*role != "client")
+        return fail(Error::kInvalidArgument, "handover: a listener's role is client or fleet: " + msg->substr(0, 200));
+    }
     auto ep = parse_endpoint(endpoint->get<std::string>());
     if (!ep) return fail(Error::kInvalidArgument, "handover: " + ep.message());
     int type = 0;
@@ -100,7 +107,7 @@ Result<HandoverClient> HandoverClient::take_over(const std::string& path, int ti
     if (::getsockopt(fds[0].get(), SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM ||
         ::getsockopt(fds[0].get(), SOL_SOCKET, SO_ACCEPTCONN, &listening, &llen) != 0 || !listening)
       return fail(Error::kInvalidArgument, "handover: the socket for " + ep->to_string() + " is not a listening TCP socket");
-    client.listeners_.push_back(HandedListener{worker->get<unsigned>(), *ep, std::move(fds[0])});
+    client.listeners_.push_back(HandedListener{worker->get<unsigned>(), *ep, std::move(fds[0]), listener_role});
   }
 }
 
@@ -209,7 +216,10 @@ void HandoverServer::on_peer_readable() {
     if (listeners.size() > kMaxHandedListeners)
       return drop_peer("more than " + std::to_string(kMaxHandedListeners) + " listening sockets to hand over");
     for (const Listener& l : listeners) {
-      const std::string msg = nlohmann::json{{"worker", l.worker}, {"endpoint", l.endpoint.to_string()}}.dump();
+      const std::string msg = nlohmann::json{{"worker", l.worker},
+                                             {"endpoint", l.endpoint.to_string()},
+                                             {"role", l.role == ListenerRole::kFleet ? "fleet" : "client"}}
+                                  .dump();
       const int fd = l.fd;
       if (Status s = send_message(peer_fd_.get(), msg, std::span<const int>(&fd, 1)); !s) return drop_peer(s.message());
     }

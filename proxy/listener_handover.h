@@ -6,8 +6,8 @@
 //
 // The exchange, on a SOCK_SEQPACKET socket (one message each, descriptors attached to theirs):
 //   new -> old   "takeover"
-//   old -> new   one {"worker":W,"endpoint":"ADDR:PORT"} per listening socket, its descriptor attached,
-//                then {"listeners":N}
+//   old -> new   one {"worker":W,"endpoint":"ADDR:PORT","role":"client"|"fleet"} per listening socket, its
+//                descriptor attached, then {"listeners":N}
 //   new -> old   "ready"      (the new process serves on them)
 //   old -> new   "done"       (the old one stopped accepting and removed the socket's path)
 // Only a process of the same user, or root, may ask (SO_PEERCRED): the sockets are the ingress.
@@ -26,10 +26,15 @@
 
 namespace sg {
 
+// What a listening socket is for: proxy.listen (clients) or proxy.fleet_listen (other nodes' proxies, mutual
+// TLS). A message without a role is a client listener (from a process older than fleet listeners' handover).
+enum class ListenerRole { kClient, kFleet };
+
 struct HandedListener {
   unsigned worker = 0;  // the old process's worker that polled it
   Endpoint endpoint;    // as bound (port resolved)
   UniqueFd fd;
+  ListenerRole role = ListenerRole::kClient;
 };
 
 inline constexpr size_t kMaxHandedListeners = 4096;
@@ -58,6 +63,7 @@ class HandoverServer {
     unsigned worker;
     Endpoint endpoint;
     int fd;  // still owned by the worker; sent as a duplicate
+    ListenerRole role = ListenerRole::kClient;
   };
   // What to hand over, asked when a new process connects.
   using ListListeners = std::function<std::vector<Listener>()>;

@@ -84,25 +84,32 @@ void start_draining(Proxy* p, uv_loop_t* loop) {
   }, 100, 100);
 }
 
-// The listeners handed over by the previous process, per config endpoint (listen[i]), per worker: its worker
-// w's sockets go to worker w % workers here, so each keeps being polled; one for an address no longer in the
-// config is closed (with whatever waits in its queue, as the config says).
-std::vector<std::vector<std::vector<sg::UniqueFd>>> assign_inherited(std::vector<sg::HandedListener> handed,
-                                                                     const std::vector<sg::Endpoint>& listen,
-                                                                     unsigned workers) {
-  std::vector<std::vector<std::vector<sg::UniqueFd>>> out(workers);
-  for (auto& per_worker : out) per_worker.resize(listen.size());
+// The listeners handed over by the previous process, per worker, per config endpoint (listen[i] for client
+// listeners, fleet_listen[i] for fleet ones): its worker w's sockets go to worker w % workers here, so each
+// keeps being polled; one for an address no longer in the config is closed (with whatever waits in its
+// queue, as the config says).
+std::vector<sg::Worker::Inherited> assign_inherited(std::vector<sg::HandedListener> handed, const sg::ProxyConfig& proxy,
+                                                    unsigned workers) {
+  std::vector<sg::Worker::Inherited> out(workers);
+  for (auto& per_worker : out) {
+    per_worker.client.resize(proxy.listen.size());
+    per_worker.fleet.resize(proxy.fleet_listen.size());
+  }
   for (sg::HandedListener& h : handed) {
+    const bool fleet = h.role == sg::ListenerRole::kFleet;
+    const std::vector<sg::Endpoint>& listen = fleet ? proxy.fleet_listen : proxy.listen;
     bool placed = false;
     for (size_t i = 0; i < listen.size() && !placed; ++i) {
       const sg::Endpoint& want = listen[i];
       // Port 0 (tests) means "whatever the previous process had" on that address.
       if (want.kind != h.endpoint.kind || want.host != h.endpoint.host || (want.port != 0 && want.port != h.endpoint.port))
         continue;
-      out[h.worker % workers][i].push_back(std::move(h.fd));
+      (fleet ? out[h.worker % workers].fleet : out[h.worker % workers].client)[i].push_back(std::move(h.fd));
       placed = true;
     }
-    if (!placed) spdlog::warn("takeover: {} is not in proxy.listen any more: closing it", h.endpoint.to_string());
+    if (!placed)
+      spdlog::warn("takeover: {} is not in proxy.{} any more: closing it", h.endpoint.to_string(),
+                   fleet ? "fleet_listen" : "listen");
   }
   return out;
 }
@@ -263,8 +270,8 @@ int main(int argc, char** argv) {
     spdlog::info("takeover: received {} listening sockets from the running proxy", taken->listeners().size());
     predecessor = std::move(*taken);
   }
-  auto inherited = predecessor ? assign_inherited(std::move(predecessor->listeners()), (*cfg)->proxy.listen, n)
-                               : std::vector<std::vector<std::vector<sg::UniqueFd>>>(n);
+  auto inherited = predecessor ? assign_inherited(std::move(predecessor->listeners()), (*cfg)->proxy, n)
+                               : std::vector<sg::Worker::Inherited>(n);
   // Port 0 (tests) is resolved by the first worker's bind; the others join the same ports via SO_REUSEPORT.
   std::vector<sg::Endpoint> listen = (*cfg)->proxy.listen;
   std::vector<sg::Endpoint> fleet_listen = (*cfg)->proxy.fleet_listen;
@@ -355,8 +362,8 @@ int main(int argc, char** argv) {
         [&proxy] {
           std::vector<sg::HandoverServer::Listener> all;
           for (size_t i = 0; i < proxy.workers.size(); ++i)
-            for (const auto& [ep, fd] : proxy.workers[i]->listeners())
-              all.push_back({static_cast<unsigned>(i), ep, fd});
+            for (const sg::Worker::ListeningSocket& l : proxy.workers[i]->listeners())
+              all.push_back({static_cast<unsigned>(i), l.endpoint, l.fd, l.role});
           return all;
         },
         [&proxy, loop] { start_draining(&proxy, loop); });

@@ -51,45 +51,44 @@ Worker::~Worker() {
 }
 
 Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpoint>& fleet_listen,
-                    std::vector<std::vector<UniqueFd>> inherited) {
+                    Inherited inherited) {
   auto cfg = shared_->snapshot()->config;
   // Every address first: a failure leaves nothing in the loop (the descriptors close with `fds`).
   std::vector<UniqueFd> fds;
-  std::vector<Endpoint> bound;
-  for (size_t i = 0; i < listen.size(); ++i) {
-    Endpoint ep = listen[i];
-    std::vector<UniqueFd> mine;
-    if (i < inherited.size()) mine = std::move(inherited[i]);
-    if (mine.empty()) {
-      auto fd = listen_on(ep, /*reuse_port=*/true, kClientListenBacklog);
-      if (!fd) return fd.failure();
-      mine.push_back(std::move(*fd));
+  // Binds (or takes over) each of `endpoints`, appending their sockets to `fds`; the addresses as bound.
+  auto bind_all = [&](const std::vector<Endpoint>& endpoints, std::vector<std::vector<UniqueFd>>& taken,
+                      ListenerRole role) -> Result<std::vector<Endpoint>> {
+    std::vector<Endpoint> bound;
+    for (size_t i = 0; i < endpoints.size(); ++i) {
+      Endpoint ep = endpoints[i];
+      std::vector<UniqueFd> mine;
+      if (i < taken.size()) mine = std::move(taken[i]);
+      if (mine.empty()) {
+        auto fd = listen_on(ep, /*reuse_port=*/true, kClientListenBacklog);
+        if (!fd) return fd.failure();
+        mine.push_back(std::move(*fd));
+      }
+      if (ep.port == 0) {
+        auto port = local_port(mine.front().get());
+        if (!port) return port.failure();
+        ep.port = *port;
+      }
+      bound.push_back(ep);
+      for (UniqueFd& fd : mine) {
+        listener_fds_.push_back({ep, fd.get(), role});
+        fds.push_back(std::move(fd));
+      }
     }
-    if (ep.port == 0) {
-      auto port = local_port(mine.front().get());
-      if (!port) return port.failure();
-      ep.port = *port;
-    }
-    bound.push_back(ep);
-    for (UniqueFd& fd : mine) {
-      listener_fds_.emplace_back(ep, fd.get());
-      fds.push_back(std::move(fd));
-    }
-  }
+    return bound;
+  };
+  auto bound = bind_all(listen, inherited.client, ListenerRole::kClient);
+  if (!bound) return bound.failure();
   const size_t fleet_from = fds.size();
-  for (Endpoint ep : fleet_listen) {
-    auto fd = listen_on(ep, /*reuse_port=*/true, kClientListenBacklog);
-    if (!fd) return fd.failure();
-    if (ep.port == 0) {
-      auto port = local_port(fd->get());
-      if (!port) return port.failure();
-      ep.port = *port;
-    }
-    fleet_bound_.push_back(ep);
-    fds.push_back(std::move(*fd));
-  }
+  auto fleet_bound = bind_all(fleet_listen, inherited.fleet, ListenerRole::kFleet);
+  if (!fleet_bound) return fleet_bound.failure();
   if (!fleet_listen.empty()) fleet_listeners_from_ = fleet_from;
-  bound_ = std::move(bound);
+  fleet_bound_ = std::move(*fleet_bound);
+  bound_ = std::move(*bound);
   for (UniqueFd& fd : fds) {
     auto poll = std::make_unique<uv_poll_t>();
     uv_poll_init(&loop_, poll.get(), fd.get());

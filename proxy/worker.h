@@ -17,6 +17,7 @@
 #include "config/config.h"
 #include "proxy/access_log.h"
 #include "proxy/fleet_context.h"
+#include "proxy/listener_handover.h"
 #include "proxy/metrics.h"
 #include "proxy/node_api.h"
 #include "proxy/route_cache.h"
@@ -77,11 +78,15 @@ class Worker {
   // Binds this worker's listeners (synchronously, so bind errors surface at startup) and sets up its loop.
   // `listen` is the list to bind (port 0 already resolved by the first worker: all workers share ports).
   // `fleet_listen`: proxy.fleet_listen, the mutual-TLS listener other nodes' proxies hop to.
-  // `inherited[i]`, when given, are sockets a previous proxy listened with on listen[i] (a takeover,
-  // proxy/listener_handover.h): this worker polls them instead of binding one of its own. The fleet
-  // listeners are bound anew (SO_REUSEPORT joins the previous process's).
+  // Sockets a previous proxy listened with (a takeover, proxy/listener_handover.h): client[i] on listen[i],
+  // fleet[i] on fleet_listen[i]. This worker polls them instead of binding one of its own; an address
+  // without any is bound anew (SO_REUSEPORT joins the previous process's socket, if it still has one).
+  struct Inherited {
+    std::vector<std::vector<UniqueFd>> client;
+    std::vector<std::vector<UniqueFd>> fleet;
+  };
   Status bind(const std::vector<Endpoint>& listen, const std::vector<Endpoint>& fleet_listen = {},
-              std::vector<std::vector<UniqueFd>> inherited = {});
+              Inherited inherited = {});
   // Starts the thread that runs the loop: after bind(), and after the proxy dropped root (proxy.user), so
   // that no connection is ever handled with root's privileges.
   void start();
@@ -97,7 +102,12 @@ class Worker {
   void drain();
   bool draining() const { return draining_; }
   // Each listening socket (endpoint, descriptor, still this worker's), for a takeover; set at bind.
-  std::vector<std::pair<Endpoint, int>> listeners() const { return listener_fds_; }
+  struct ListeningSocket {
+    Endpoint endpoint;
+    int fd;
+    ListenerRole role;
+  };
+  std::vector<ListeningSocket> listeners() const { return listener_fds_; }
   void join();
 
   uv_loop_t* loop() { return &loop_; }
@@ -137,7 +147,7 @@ class Worker {
   uv_async_t stop_async_{};
   uv_timer_t report_timer_{};
   std::vector<UniqueFd> listen_fds_;
-  std::vector<std::pair<Endpoint, int>> listener_fds_;  // what listen_fds_ held at bind, by endpoint
+  std::vector<ListeningSocket> listener_fds_;  // what listen_fds_ held at bind
   uv_async_t drain_async_{};
   uv_timer_t drain_timer_{};
   bool draining_ = false;  // loop thread only

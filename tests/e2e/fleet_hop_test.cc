@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "tests/e2e/harness.h"
@@ -196,6 +198,49 @@ TEST(FleetHop, AnotherNodesSandboxThroughThisProxy) {
   EXPECT_EQ(header(expired, "retry-after"), "5") << expired.out;
   auto owner_gone = a.wait_access_entry([](const nlohmann::json& e) { return e.value("cause", "") == "fleet_owner_gone" && e.value("sandbox_ref", "") == "web"; });
   EXPECT_TRUE(owner_gone.is_object());
+}
+
+// The inodes of the sockets listening on 127.0.0.1:`port` (/proc/net/tcp): the same set before and after a
+// takeover means the sockets were handed over, not bound anew.
+std::set<std::string> listening_inodes(uint16_t port) {
+  char local[32];
+  std::snprintf(local, sizeof local, "0100007F:%04X", port);
+  std::set<std::string> out;
+  std::istringstream lines(read_file("/proc/net/tcp"));
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream f(line);
+    std::string sl, addr, rem, st, queues, timer, retr, uid, timeout, inode;
+    if (f >> sl >> addr >> rem >> st >> queues >> timer >> retr >> uid >> timeout >> inode && addr == local && st == "0A")
+      out.insert(inode);
+  }
+  return out;
+}
+
+// `sandgate-proxy --takeover` takes the fleet listener too, as it takes the client listeners: the same
+// sockets (nothing waiting in their queues is lost, and the old process never accepts beside the new one),
+// and the new process serves hops on them once the old one has drained and exited.
+TEST(FleetHop, ATakeoverHandsTheFleetListenerOverWithTheOthers) {
+  FleetCerts certs;
+  Cluster b(ClusterOptions::proxy(certs.proxy_keys("b") + "handover_socket = \"handover.sock\"\ndrain_timeout_secs = 5\n"));
+  const uint16_t port = fleet_port(b);
+  ASSERT_NE(port, 0) << b.proxy().log();
+  const std::set<std::string> before = listening_inodes(port);
+  ASSERT_EQ(before.size(), 2u) << "one socket per worker";
+
+  Daemon next;
+  ASSERT_TRUE(next.start({bin("proxy/sandgate-proxy"), "--config", b.config_path(), "--takeover"},
+                         b.dir() + "/proxy-next.log"));
+  EXPECT_NE(next.wait_for("the previous process stopped accepting", 15000), "") << next.log();
+  EXPECT_NE(next.log().find("received 4 listening sockets"), std::string::npos) << next.log();
+  const int status = b.proxy().wait_exit(30'000);
+  ASSERT_NE(status, -1) << "the old proxy did not exit after draining:\n" << b.proxy().log();
+  EXPECT_EQ(listening_inodes(port), before) << "the fleet listener was bound anew instead of handed over";
+
+  auto served = raw_hop(b, certs, port, "a", "GET / HTTP/1.1\r\nHost: 8080-web.sandbox.localhost\r\n\r\n",
+                        [](const nlohmann::json& e) { return e.value("cause", "") == "bad_request" && e.value("phase", "") == "preamble"; });
+  EXPECT_TRUE(served.is_object()) << next.log();
+  next.stop();
 }
 
 }  // namespace

@@ -46,8 +46,9 @@ TEST_F(ListenerHandoverTest, HandsTheListeningSocketsOverAndReportsWhenTheNewPro
   auto server = HandoverServer::start(
       &loop_, path_,
       [&] {
-        return std::vector<HandoverServer::Listener>{{0, {Endpoint::Kind::kTcp, "127.0.0.1", port_a, ""}, a->get()},
-                                                     {1, {Endpoint::Kind::kTcp, "127.0.0.1", port_b, ""}, b->get()}};
+        return std::vector<HandoverServer::Listener>{
+            {0, {Endpoint::Kind::kTcp, "127.0.0.1", port_a, ""}, a->get()},
+            {1, {Endpoint::Kind::kTcp, "127.0.0.1", port_b, ""}, b->get(), ListenerRole::kFleet}};
       },
       [&] { handed_over = true; });
   ASSERT_TRUE(server) << server.message();
@@ -77,6 +78,8 @@ TEST_F(ListenerHandoverTest, HandsTheListeningSocketsOverAndReportsWhenTheNewPro
   EXPECT_EQ(got[0].worker, 0u);
   EXPECT_EQ(got[1].worker, 1u);
   EXPECT_EQ(got[0].endpoint.port, port_a);
+  EXPECT_EQ(got[0].role, ListenerRole::kClient);
+  EXPECT_EQ(got[1].role, ListenerRole::kFleet) << "a fleet listener is handed over as one";
   EXPECT_EQ(*local_port(got[1].fd.get()), port_b) << "the same socket, not a new one";
   // The received socket accepts what connects to the port, while the old one is closed.
   a->reset();
@@ -164,9 +167,15 @@ TEST_F(ListenerHandoverTest, TheNewProcessRefusesMalformedHandovers) {
   ASSERT_FALSE(closed_early);
   EXPECT_EQ(closed_early.error(), Error::kUnavailable) << closed_early.message();
 
+  auto bad_role = fake_old({{R"({"worker":0,"endpoint":"127.0.0.1:1","role":"admin"})", l->get()}});
+  ASSERT_FALSE(bad_role);
+  EXPECT_NE(bad_role.message().find("role is client or fleet"), std::string::npos) << bad_role.message();
+
+  // Without a role (a process from before fleet listeners were handed over): a client listener.
   auto ok = fake_old({{R"({"worker":3,"endpoint":"127.0.0.1:1"})", l->get()}, {R"({"listeners":1})", -1}});
   ASSERT_TRUE(ok) << ok.message();
   EXPECT_EQ(ok->listeners().at(0).worker, 3u);
+  EXPECT_EQ(ok->listeners().at(0).role, ListenerRole::kClient);
   ::close(not_listening);
   ::close(fd);
 }
