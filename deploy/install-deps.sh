@@ -19,6 +19,7 @@ PACKAGES=(
   # runtime tools and the clients the tests and the quickstart use
   openssl ca-certificates curl python3 procps iproute2
   openssh-client openssh-server  # ssh/scp/sftp through the ingress to the agent's SSH server or an sshd in a sandbox
+  rsync                          # tests only: rsync over ssh into a sandbox (the test image has it too)
   nghttp2-client                 # h2load and nghttp: HTTP/2 through the ingress
   python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
   python3-pip python3-setuptools python3-venv  # the SDK suite pip-installs sdk/python into a venv, offline

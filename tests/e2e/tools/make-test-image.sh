@@ -12,7 +12,7 @@ set -euo pipefail
 
 cache=${1:?usage: make-test-image.sh CACHE_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
-packages=python3,python3-websockets,openssh-server,busybox,procps,apt,iproute2,mount
+packages=python3,python3-websockets,openssh-server,rsync,busybox,procps,apt,iproute2,mount
 mirror=${SANDGATE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
 # File names, not paths: two clones (or worktrees) of one commit share one image.
