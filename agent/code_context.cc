@@ -89,7 +89,9 @@ Status FrameReader::feed(std::string_view data, std::vector<std::string>& frames
 // handle has closed.
 class Interpreter {
  public:
-  static Result<Interpreter*> spawn(uv_loop_t* loop, const CodeSettings& settings, CodeContext* owner);
+  // `language`: "python" or "bash" (the driver runs the cells itself, or through a persistent bash).
+  static Result<Interpreter*> spawn(uv_loop_t* loop, const CodeSettings& settings, const std::string& language,
+                                    CodeContext* owner);
 
   int pid() const { return process_.pid; }
   void send(std::string payload);
@@ -122,7 +124,8 @@ class Interpreter {
   bool detached_ = false;
 };
 
-Result<Interpreter*> Interpreter::spawn(uv_loop_t* loop, const CodeSettings& settings, CodeContext* owner) {
+Result<Interpreter*> Interpreter::spawn(uv_loop_t* loop, const CodeSettings& settings, const std::string& language,
+                                        CodeContext* owner) {
   auto* p = new Interpreter(owner, settings.max_event_bytes + kFrameSlackBytes);
   for (uv_pipe_t* pipe : {&p->out_, &p->err_, &p->req_, &p->ev_}) {
     uv_pipe_init(loop, pipe, 0);
@@ -136,8 +139,9 @@ Result<Interpreter*> Interpreter::spawn(uv_loop_t* loop, const CodeSettings& set
   std::string driver(code_driver_source());
   std::string max_event = std::to_string(settings.max_event_bytes);
   std::string dash_c = "-c";
+  std::string lang = language;
   std::vector<char*> argv = {const_cast<char*>(settings.python.c_str()), dash_c.data(), driver.data(),
-                             max_event.data(), nullptr};
+                             max_event.data(), lang.data(), nullptr};
   std::vector<std::string> env = interpreter_environment();
   std::vector<char*> envp;
   for (std::string& kv : env) envp.push_back(kv.data());
@@ -330,7 +334,7 @@ Status CodeContext::transition(ContextState to) {
 }
 
 Status CodeContext::spawn() {
-  auto interp = Interpreter::spawn(loop_, settings_, this);
+  auto interp = Interpreter::spawn(loop_, settings_, language_, this);
   if (!interp) return interp.failure();
   interp_ = *interp;
   kill_reason_.clear();

@@ -1,6 +1,7 @@
 # The interpreter side of the agent's run_code (docs/code-interpreter.md). The agent starts one python3 per
-# context as `python3 -c <this file> MAX_EVENT_BYTES`; this file is compiled into the agent, so an image needs
-# nothing beyond python3. It talks to the agent over two pipes that are not the code's stdout: fd 3 brings
+# context as `python3 -c <this file> MAX_EVENT_BYTES LANGUAGE`; this file is compiled into the agent, so an
+# image needs nothing beyond python3 (and bash, for a bash context: its cells run in one bash this process
+# keeps, section "bash" below). It talks to the agent over two pipes that are not the code's stdout: fd 3 brings
 # requests, fd 4 takes events, both framed as a 4-byte big-endian length and a UTF-8 JSON object. Only the
 # standard library is imported here; matplotlib and pandas are used when the user's code imports them.
 import ast
@@ -22,6 +23,7 @@ import traceback
 
 REQUESTS_FD, EVENTS_FD = 3, 4
 MAX_EVENT_BYTES = int(sys.argv[1])
+LANGUAGE = sys.argv[2] if len(sys.argv) > 2 else "python"
 # The cells kept for tracebacks (linecache): enough to show recent code, bounded however long a context lives.
 KEPT_CELLS = 200
 
@@ -392,6 +394,109 @@ def run(code, number):
     _show_figures()
 
 
+# ---- bash ----
+#
+# A bash context is one bash process, started at the first run (and again after it exited), that keeps
+# variables, functions, the working directory and exported names from cell to cell. Each cell is written to
+# a file that bash sources with stdin from /dev/null, after which bash writes the cell's exit status on a
+# pipe of its own (fd 5 in bash): the end of a cell is that line, never a marker in the output. bash writes
+# to this process's fd 1 and 2 (the captures), so its output and its programs' keep their order. It is in
+# this process's group: an interrupt reaches bash and its foreground program, and the agent's kill reaches
+# all. Its trap makes an interrupt end the cell (status 130) but not bash.
+
+STATUS_FD_IN_BASH = 5
+_bash = None
+
+
+class _Bash:
+    def __init__(self):
+        import subprocess
+        import tempfile
+        self.dir = tempfile.mkdtemp(prefix="sandgate-bash-")
+        status_r, status_w = os.pipe()
+        os.set_inheritable(status_w, True)
+        # Started during a run, when SIGINT is not ignored here: a signal ignored when bash starts could
+        # never be trapped there.
+        self.proc = subprocess.Popen(["bash", "--noprofile", "--norc", "-s"], stdin=subprocess.PIPE, stdout=1,
+                                     stderr=2, pass_fds=(status_w,), close_fds=True)
+        os.close(status_w)
+        self.status = os.fdopen(status_r, "rb", buffering=0)
+        if status_w != STATUS_FD_IN_BASH:
+            self._send("exec %d>&%d %d>&-\n" % (STATUS_FD_IN_BASH, status_w, status_w))
+        self._send("trap 'return 130 2>/dev/null' INT\n")
+
+    def _send(self, text):
+        self.proc.stdin.write(text.encode("utf-8", "replace"))
+        self.proc.stdin.flush()
+
+    def run(self, code, number):
+        """The cell's exit status, or None when bash exited (its status in self.proc.returncode)."""
+        path = os.path.join(self.dir, "cell-%d" % number)
+        with open(path, "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+            if code and not code.endswith("\n"):
+                f.write("\n")
+        # One line, so bash reads it whole before it runs any of it.
+        self._send("source %s </dev/null; printf '%%d\\n' \"$?\" >&%d; rm -f %s\n"
+                   % (_shell_quote(path), STATUS_FD_IN_BASH, _shell_quote(path)))
+        line = b""
+        interrupted = False
+        while not line.endswith(b"\n"):
+            try:
+                ready, _, _ = select.select([self.status], [], [], 0.2)
+                if ready:
+                    chunk = self.status.read(64)
+                    if not chunk:
+                        break
+                    line += chunk
+                elif self.proc.poll() is not None:
+                    break
+            except KeyboardInterrupt:
+                # The agent's interrupt (timeout_secs): passed on to bash and what it runs, once; this process
+                # ignores the copy it sends itself, and later ones until the run ends.
+                if not interrupted:
+                    interrupted = True
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    os.killpg(os.getpgrp(), signal.SIGINT)
+        if not line.endswith(b"\n"):
+            self.proc.wait()
+            return None, interrupted
+        return int(line.strip() or b"1"), interrupted
+
+
+def _shell_quote(text):
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+def run_bash(code, number):
+    global _bash
+    if _bash is not None and _bash.proc.poll() is not None:
+        _bash = None
+    if _bash is None:
+        _bash = _Bash()
+    try:
+        status, interrupted = _bash.run(code, number)
+    except BaseException:
+        # An interrupt or failure before the cell's status was read (while it was being handed to bash):
+        # whatever bash is doing cannot be told apart from the next cell, so this bash goes.
+        _bash.proc.kill()
+        _bash.proc.wait()
+        _bash = None
+        raise
+    if status is None:
+        code = _bash.proc.returncode
+        _bash = None
+        send({"type": "error", "name": "ShellExited",
+              "message": "bash exited (%s): the next run starts a new one, without this one's variables"
+                         % ("status %d" % code if code >= 0 else "signal %d" % -code),
+              "traceback": []})
+    elif interrupted:
+        send({"type": "error", "name": "KeyboardInterrupt", "message": "interrupted (exit status %d)" % status,
+              "traceback": []})
+    elif status != 0:
+        send({"type": "error", "name": "ExitStatus", "message": "exit status %d" % status, "traceback": []})
+
+
 def _read_exact(n):
     chunks = []
     while n > 0:
@@ -422,7 +527,7 @@ def main():
         # A KeyboardInterrupt raised inside _send_raw's finally could have left SIGINT blocked.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
-            run(request["code"], number)
+            (run_bash if LANGUAGE == "bash" else run)(request["code"], number)
             _flush_streams()
         except BaseException as e:  # a KeyboardInterrupt that landed outside the cell (while formatting)
             _flush_streams()

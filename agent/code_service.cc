@@ -122,10 +122,13 @@ class RunHandler : public BodyHandler, public RunObserver {
     auto req = parse_run_request(body, service_.limits().max_code_bytes);
     if (!req) return out_.respond_error(req.error() == Error::kLimitExceeded ? 413 : 400, req.error(), req.message());
     CodeContext* ctx = nullptr;
-    if (req->context.empty() || req->context == kDefaultContext) {
-      ctx = service_.find(kDefaultContext);
+    // Without a context, the language's default one (made at its first run).
+    const bool bash = req->language == "bash";
+    if (req->context.empty()) req->context = bash ? kDefaultBashContext : kDefaultContext;
+    if (req->context == kDefaultContext || req->context == kDefaultBashContext) {
+      ctx = service_.find(req->context);
       if (ctx == nullptr) {
-        auto made = service_.create(std::string(kDefaultContext), "python");
+        auto made = service_.create(req->context, req->context == kDefaultBashContext ? "bash" : "python");
         if (!made) return out_.respond_error(status_for(made.error()), made.error(), made.message());
         ctx = *made;
       }
@@ -133,6 +136,9 @@ class RunHandler : public BodyHandler, public RunObserver {
       ctx = service_.find(req->context);
       if (ctx == nullptr) return out_.respond_error(404, Error::kNotFound, "no such context: " + req->context);
     }
+    if (!req->language.empty() && req->language != ctx->language())
+      return out_.respond_error(400, Error::kInvalidArgument,
+                                "language: context " + ctx->id() + " runs " + ctx->language() + ", not " + req->language);
     std::string death = ctx->last_death();
     auto started = ctx->run(req->code, req->timeout_secs, this);
     if (!started) return out_.respond_error(status_for(started.error()), started.error(), started.message());
@@ -169,6 +175,8 @@ Failure wrong_type(std::string_view field, std::string_view expected, const json
 
 }  // namespace
 
+bool supported_language(std::string_view language) { return language == "python" || language == "bash"; }
+
 Result<RunRequest> parse_run_request(std::string_view body, size_t max_code_bytes) {
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) return fail(Error::kInvalidArgument, "request body is not valid JSON");
@@ -193,6 +201,12 @@ Result<RunRequest> parse_run_request(std::string_view body, size_t max_code_byte
         if (!valid_id(req.context))
           return fail(Error::kInvalidArgument, "context: not a context id (1 to 64 of A-Z a-z 0-9 - _)");
       }
+    } else if (key == "language") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+      req.language = v.get<std::string>();
+      if (!supported_language(req.language))
+        return fail(Error::kInvalidArgument,
+                    "language: '" + req.language + "' is not supported (supported: " + std::string(kLanguages) + ")");
     } else if (key == "timeout_secs") {
       if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0) ||
           v.get<uint64_t>() > kMaxTimeoutSecs)
@@ -200,10 +214,10 @@ Result<RunRequest> parse_run_request(std::string_view body, size_t max_code_byte
                     "timeout_secs: must be an integer from 0 (none) to " + std::to_string(kMaxTimeoutSecs));
       req.timeout_secs = v.get<uint64_t>();
     } else {
-      return fail(Error::kInvalidArgument, "unknown field '" + key + "' (allowed: code, context, timeout_secs)");
+      return fail(Error::kInvalidArgument, "unknown field '" + key + "' (allowed: code, context, language, timeout_secs)");
     }
   }
-  if (!has_code) return fail(Error::kInvalidArgument, "code is required (a string of Python)");
+  if (!has_code) return fail(Error::kInvalidArgument, "code is required (a string of Python or bash)");
   return req;
 }
 
@@ -220,8 +234,9 @@ Result<std::string> parse_context_request(std::string_view body) {
     if (!it.value().is_string()) return wrong_type("language", "a string", it.value());
     language = it.value().get<std::string>();
   }
-  if (language != "python")
-    return fail(Error::kInvalidArgument, "language: '" + language + "' is not supported (supported: python)");
+  if (!supported_language(language))
+    return fail(Error::kInvalidArgument,
+                "language: '" + language + "' is not supported (supported: " + std::string(kLanguages) + ")");
   return language;
 }
 

@@ -24,13 +24,19 @@ struct CodeLimits {
 
 inline constexpr std::string_view kDefaultContext = "default";
 
+// The languages a context can run; each has a default context a run without one goes to.
+inline constexpr std::string_view kLanguages = "python, bash";
+inline constexpr std::string_view kDefaultBashContext = "default-bash";
+bool supported_language(std::string_view language);
+
 struct RunRequest {
   std::string code;
-  std::string context;  // empty: the default context
+  std::string context;   // empty: the default context of `language`
+  std::string language;  // empty: the context's (python for the default context)
   uint64_t timeout_secs = 0;
 };
-// {"code": "...", "context": "ID", "timeout_secs": N}; unknown fields are errors, code over the limit is
-// kLimitExceeded.
+// {"code": "...", "context": "ID", "language": "python"|"bash", "timeout_secs": N}; unknown fields are
+// errors, code over the limit is kLimitExceeded.
 Result<RunRequest> parse_run_request(std::string_view body, size_t max_code_bytes);
 // {"language": "python"} (also the default when the body is empty or has no language).
 Result<std::string> parse_context_request(std::string_view body);

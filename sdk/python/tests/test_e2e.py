@@ -406,6 +406,19 @@ class RunCodeTest(TimedTest):
         kinds = [e.type for e in events if e.type != "stdout"]
         self.assertLess(kinds.index("stderr"), kinds.index("result"))
 
+    def test_bash_keeps_its_shell_and_reports_exit_statuses(self):
+        sb = self.sb
+        self.assertIsNone(sb.run_code("n=6; cd /tmp", language="bash").error)
+        self.assertEqual(sb.run_code("echo $((n * 7)) $PWD", language="bash").stdout, "42 /tmp\n")
+        failed = sb.run_code("false", language="bash")
+        self.assertEqual((failed.error.name, failed.error.message), ("ExitStatus", "exit status 1"))
+        shell = sb.contexts.create(language="bash")
+        self.assertEqual(shell.language, "bash")
+        self.assertEqual(sb.run_code("echo ${n:-unset}", context=shell).stdout, "unset\n")  # a shell of its own
+        with self.assertRaises(InvalidArgumentError):
+            sb.run_code("1", context=shell, language="python")
+        sb.contexts.delete(shell)
+
     def test_contexts_are_independent(self):
         sb = self.sb
         a, b = sb.contexts.create(language="python"), sb.contexts.create()

@@ -38,11 +38,12 @@ TEST(EncodeFrame, IsBigEndianLengthThenPayload) {
 }
 
 TEST(RunRequest, ParsesEveryField) {
-  auto r = parse_run_request(R"({"code":"x = 1","context":"abc-1_2","timeout_secs":5})", 100);
+  auto r = parse_run_request(R"({"code":"x = 1","context":"abc-1_2","timeout_secs":5,"language":"bash"})", 100);
   ASSERT_TRUE(r.ok()) << r.message();
   EXPECT_EQ(r->code, "x = 1");
   EXPECT_EQ(r->context, "abc-1_2");
   EXPECT_EQ(r->timeout_secs, 5u);
+  EXPECT_EQ(r->language, "bash");
   auto null_context = parse_run_request(R"({"code":"","context":null})", 100);
   ASSERT_TRUE(null_context.ok());
   EXPECT_EQ(null_context->context, "");
@@ -63,6 +64,8 @@ TEST(RunRequest, RejectsBadInputWithAClearMessage) {
                         Case{R"({"code":"","context":""})", Error::kInvalidArgument, "not a context id"},
                         Case{R"({"code":"","timeout_secs":1.5})", Error::kInvalidArgument, "timeout_secs"},
                         Case{R"({"code":"","timeout_secs":1000000001})", Error::kInvalidArgument, "timeout_secs"},
+                        Case{R"({"code":"","language":"ruby"})", Error::kInvalidArgument, "supported: python, bash"},
+                        Case{R"({"code":"","language":null})", Error::kInvalidArgument, "language: must be a string"},
                         Case{R"({"code":"","x":1})", Error::kInvalidArgument, "unknown field 'x'"}}) {
     auto r = parse_run_request(c.body, 10);
     ASSERT_FALSE(r.ok()) << c.body;
@@ -71,13 +74,14 @@ TEST(RunRequest, RejectsBadInputWithAClearMessage) {
   }
 }
 
-TEST(ContextRequest, PythonIsTheOnlyLanguageAndTheDefault) {
+TEST(ContextRequest, PythonIsTheDefaultAndBashTheOther) {
   EXPECT_EQ(parse_context_request("").value(), "python");
   EXPECT_EQ(parse_context_request("{}").value(), "python");
   EXPECT_EQ(parse_context_request(R"({"language":"python"})").value(), "python");
-  auto bash = parse_context_request(R"({"language":"bash"})");
-  ASSERT_FALSE(bash.ok());
-  EXPECT_NE(bash.message().find("supported: python"), std::string::npos);
+  EXPECT_EQ(parse_context_request(R"({"language":"bash"})").value(), "bash");
+  auto node = parse_context_request(R"({"language":"node"})");
+  ASSERT_FALSE(node.ok());
+  EXPECT_NE(node.message().find("supported: python, bash"), std::string::npos) << node.message();
   EXPECT_FALSE(parse_context_request(R"({"language":1})").ok());
   EXPECT_FALSE(parse_context_request(R"({"lang":"python"})").ok());
   EXPECT_FALSE(parse_context_request("[").ok());

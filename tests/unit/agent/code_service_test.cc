@@ -110,9 +110,10 @@ class CodeTest : public test_support::InProcessAgentTest {
 
   // One run; its events (the test fails unless it streamed 200 and ended with an end event).
   std::vector<json> run_code(const std::string& code, const std::string& context = "", const char* proto = "",
-                             int timeout_secs = 0) {
+                             int timeout_secs = 0, const std::string& language = "") {
     json body = {{"code", code}};
     if (!context.empty()) body["context"] = context;
+    if (!language.empty()) body["language"] = language;
     if (timeout_secs > 0) body["timeout_secs"] = timeout_secs;
     Ran r = post("/run_code", body, proto);
     EXPECT_EQ(code_of(r), 200) << r.out;
@@ -262,6 +263,65 @@ TEST_F(CodeTest, CodeThatIgnoresTheInterruptIsKilledAndTheContextRestartsSayingI
   ASSERT_EQ(types(quit), (std::vector<std::string>{"error", "end"}));
   EXPECT_NE(quit[0]["message"].get<std::string>().find("exited with code 5"), std::string::npos) << quit[0];
   EXPECT_EQ(types(run_code("1"))[0], "restarted");
+}
+
+// A bash context keeps its shell's state (variables, functions, the working directory) from run to run; a
+// failing cell is an error with its exit status, a timeout interrupts the cell's program and keeps the
+// shell, and `exit` ends the shell, which the next run replaces, saying so.
+TEST_F(CodeTest, ABashContextKeepsItsShellsStateAndReportsExitStatuses) {
+  // The output as "stream:text" per run of one stream (how the text is cut into events depends on reads).
+  auto std_events = [](const std::vector<json>& e) {
+    std::string out, last;
+    for (const json& ev : e) {
+      const std::string type = ev.value("type", "");
+      if (type != "stdout" && type != "stderr") continue;
+      out += (type == last ? "" : type + ":") + ev.value("data", "");
+      last = type;
+    }
+    return out;
+  };
+  auto a = run_code("n=41; cd /tmp; plus() { echo $(( $1 + 1 )); }\necho one; echo two >&2", "", "", 0, "bash");
+  EXPECT_EQ(types(a).back(), "end");
+  EXPECT_EQ(std_events(a), "stdout:one\nstderr:two\n");
+  auto b = run_code("plus $n; pwd; sh -c 'echo from-a-child'", "", "", 0, "bash");
+  EXPECT_EQ(std_events(b), "stdout:42\n/tmp\nfrom-a-child\n") << b.back();
+  // The default bash context is its own: the default Python context knows nothing of it.
+  auto py = run_code("'n' in globals()");
+  EXPECT_EQ(py[0]["data"]["text/plain"], "False");
+  EXPECT_EQ(context_info("default-bash").value("language", ""), "bash");
+
+  auto failed = run_code("echo before; ls /no/such/dir", "", "", 0, "bash");
+  ASSERT_EQ(types(failed).back(), "end");
+  const json& error = failed[failed.size() - 2];
+  EXPECT_EQ(error.value("type", ""), "error");
+  EXPECT_EQ(error.value("name", ""), "ExitStatus");
+  EXPECT_EQ(error.value("message", ""), "exit status 2");
+  EXPECT_NE(std_events(failed).find("No such file or directory"), std::string::npos) << std_events(failed);
+  // A cell reads no stdin (it is /dev/null), so `read` cannot hang a run.
+  EXPECT_EQ(std_events(run_code("read line; echo \"read $?\"", "", "", 0, "bash")), "stdout:read 1\n");
+
+  auto t0 = Clock::now();
+  auto slept = run_code("echo sleeping; sleep 30; echo not-reached", "", "", 1, "bash");
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
+  ASSERT_EQ(types(slept), (std::vector<std::string>{"stdout", "error", "end"}));
+  EXPECT_EQ(slept[1]["name"], "KeyboardInterrupt");
+  EXPECT_EQ(slept[2].value("timed_out", false), true);
+  EXPECT_EQ(std_events(run_code("echo \"n is $n\"", "", "", 0, "bash")), "stdout:n is 41\n") << "the shell was kept";
+
+  auto quit = run_code("exit 3", "", "", 0, "bash");
+  ASSERT_EQ(types(quit), (std::vector<std::string>{"error", "end"}));
+  EXPECT_EQ(quit[0]["name"], "ShellExited");
+  EXPECT_NE(quit[0]["message"].get<std::string>().find("status 3"), std::string::npos) << quit[0];
+  EXPECT_EQ(std_events(run_code("echo \"n is ${n:-gone}\"", "", "", 0, "bash")), "stdout:n is gone\n");
+
+  // A context made for bash, and a language that does not match the context's.
+  Ran made = post("/contexts", {{"language", "bash"}});
+  ASSERT_EQ(code_of(made), 201) << made.out;
+  const std::string id = json::parse(body_of(made), nullptr, false).value("id", "");
+  EXPECT_EQ(std_events(run_code("echo $((6 * 7))", id)), "stdout:42\n");
+  Ran mismatch = post("/run_code", {{"code", "1"}, {"context", id}, {"language", "python"}});
+  EXPECT_EQ(code_of(mismatch), 400) << mismatch.out;
+  EXPECT_NE(mismatch.out.find("runs bash, not python"), std::string::npos) << mismatch.out;
 }
 
 TEST_F(CodeTest, ResetAndDeleteContexts) {
