@@ -713,6 +713,11 @@ void Node::on_restore_done(const std::string& id, Result<RuntimeInfo> runtime) {
 
 void Node::begin_terminate(Sandbox& sb, std::string reason) {
   sb.terminating = true;
+  // Recorded before the driver acts: a node killed from here on finishes the removal when it restarts.
+  if (!sb.rec.terminating) {
+    sb.rec.terminating = true;
+    persist(sb);
+  }
   ++terminating_count_;
   sb.terminate_reason = std::move(reason);
   sb.pending_wake.reset();
@@ -1397,6 +1402,13 @@ Status Node::reconcile() {
     if (snapshots_ != nullptr && !sb.rec.spec.snapshot.empty())
       if (auto s = snapshots_->add_user(sb.rec.spec.snapshot, image_user_label(sb.rec.spec)); !s)
         spdlog::warn("sandbox {}: its snapshot {}: {}", id, sb.rec.spec.snapshot, s.message());
+    // A removal the node died in (before or after the driver stopped the sandbox): finished now, whatever is
+    // left of the sandbox (the driver's terminate finds its processes by their cgroup, or none).
+    if (sb.rec.terminating) {
+      ++failed;
+      begin_terminate(sb, "its removal did not finish before the node restarted");
+      continue;
+    }
     if (sb.rec.state == S::kFailed) {
       ++failed;
       continue;

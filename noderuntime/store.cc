@@ -10,7 +10,7 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr int kSchemaVersion = 3;
+constexpr int kSchemaVersion = 4;
 
 Failure sqlite_failure(sqlite3* db, std::string_view what) {
   return fail(Error::kIo, "sqlite " + std::string(what) + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
@@ -237,13 +237,13 @@ Result<std::unique_ptr<Store>> Store::open(const std::string& path) {
   if (auto s = store->migrate(); !s) return s.failure();
   auto upsert = store->prepare(
       "INSERT INTO sandboxes (id, name, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, "
-      "created_at_ms, last_activity_at_ms, tier, driver_data, token_sha256) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, "
-      "?8, ?9, ?10, ?11, ?12, ?13) "
+      "created_at_ms, last_activity_at_ms, tier, driver_data, token_sha256, terminating) VALUES (?1, ?2, ?3, ?4, "
+      "?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) "
       "ON CONFLICT(id) DO UPDATE SET name=excluded.name, spec=excluded.spec, state=excluded.state, "
       "state_reason=excluded.state_reason, pid=excluded.pid, start_time_ticks=excluded.start_time_ticks, "
       "sandbox_dir=excluded.sandbox_dir, created_at_ms=excluded.created_at_ms, "
       "last_activity_at_ms=excluded.last_activity_at_ms, tier=excluded.tier, driver_data=excluded.driver_data, "
-      "token_sha256=excluded.token_sha256");
+      "token_sha256=excluded.token_sha256, terminating=excluded.terminating");
   if (!upsert) return upsert.failure();
   store->upsert_stmt_ = *upsert;
   auto erase = store->prepare("DELETE FROM sandboxes WHERE id = ?1");
@@ -334,6 +334,18 @@ Status Store::migrate() {
       (void)exec("ROLLBACK");
       return s;
     }
+    version = 3;
+  }
+  if (version == 3) {
+    auto s = exec(
+        "BEGIN IMMEDIATE;"
+        "ALTER TABLE sandboxes ADD COLUMN terminating INTEGER NOT NULL DEFAULT 0;"
+        "PRAGMA user_version = 4;"
+        "COMMIT;");
+    if (!s) {
+      (void)exec("ROLLBACK");
+      return s;
+    }
   }
   return {};
 }
@@ -350,7 +362,8 @@ Status Store::upsert(const StoredSandbox& s) {
                sqlite3_bind_int64(st, 7, static_cast<sqlite3_int64>(s.runtime.start_time_ticks)) == SQLITE_OK &&
                bind_text(st, 8, s.runtime.sandbox_dir) && sqlite3_bind_int64(st, 9, s.created_at_ms) == SQLITE_OK &&
                sqlite3_bind_int64(st, 10, s.last_activity_at_ms) == SQLITE_OK && bind_text(st, 11, tier_name(s.tier)) &&
-               bind_text(st, 12, driver_data) && bind_text(st, 13, s.spec.token_sha256);
+               bind_text(st, 12, driver_data) && bind_text(st, 13, s.spec.token_sha256) &&
+               sqlite3_bind_int64(st, 14, s.terminating ? 1 : 0) == SQLITE_OK;
   if (!bound) return sqlite_failure(db_, "bind sandbox " + s.spec.id);
   if (sqlite3_step(upsert_stmt_) != SQLITE_DONE) return sqlite_failure(db_, "save sandbox " + s.spec.id);
   return {};
@@ -367,7 +380,8 @@ Status Store::erase(const std::string& id) {
 Result<std::vector<StoredSandbox>> Store::load_live() {
   auto stmt = prepare(
       "SELECT id, spec, state, state_reason, pid, start_time_ticks, sandbox_dir, created_at_ms, last_activity_at_ms, "
-      "tier, driver_data, token_sha256 FROM sandboxes WHERE state != 'terminated' ORDER BY created_at_ms, id");
+      "tier, driver_data, token_sha256, terminating FROM sandboxes WHERE state != 'terminated' ORDER BY "
+      "created_at_ms, id");
   if (!stmt) return stmt.failure();
   std::vector<StoredSandbox> out;
   int rc;
@@ -386,6 +400,7 @@ Result<std::vector<StoredSandbox>> Store::load_live() {
     StoredSandbox s;
     s.spec = std::move(*spec);
     s.spec.token_sha256 = column_text(*stmt, 11);
+    s.terminating = sqlite3_column_int64(*stmt, 12) != 0;
     s.state = *state;
     s.state_reason = column_text(*stmt, 3);
     s.runtime.pid = static_cast<int>(sqlite3_column_int64(*stmt, 4));

@@ -24,6 +24,8 @@ struct StoredSandbox {
   RuntimeInfo runtime;
   int64_t created_at_ms = 0;        // Unix epoch milliseconds (wall clock)
   int64_t last_activity_at_ms = 0;  // Unix epoch milliseconds (wall clock)
+  // Its removal began (`rm`, an ephemeral sandbox's end): a node that restarts before it finished finishes it.
+  bool terminating = false;
 };
 
 class Store {

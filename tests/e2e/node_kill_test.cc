@@ -2,6 +2,8 @@
 // a restart, reconcile settles each half-done transition from what it finds, the sandbox serves through the
 // proxy (a request wakes it if it settled suspended), and nothing it started is left running unowned.
 #include <gtest/gtest.h>
+
+#include <filesystem>
 #include <sys/wait.h>
 
 #include "tests/e2e/harness.h"
@@ -91,6 +93,31 @@ TEST(NodeKill, ACreateKilledBeforeItsStartWasRecordedLeavesNoProcessAndTheNameFr
     c.wait_until_serving(name, 8080);
     serves(c, name);
   }
+}
+
+// `rm` killed on either side of its record's write (the driver has already stopped the sandbox): the removal
+// was recorded before the driver acted, so the restarted node finishes it. The sandbox is gone without a
+// second `rm`, nothing of it runs, its directory is removed and its name can be used again.
+TEST(NodeKill, ARemoveKilledMidwayIsFinishedByTheRestartedNode) {
+  Cluster c;
+  for (const std::string failpoint : {"before:running->terminated", "after:running->terminated"}) {
+    SCOPED_TRACE(failpoint);
+    c.create_http_sandbox("kr", 8080, "--timeout 600");
+    c.wait_until_serving("kr", 8080);
+    const std::string id = c.get("kr").value("id", "");
+    ASSERT_FALSE(id.empty());
+    kill_at(c, failpoint, "rm kr");
+    EXPECT_TRUE(eventually([&] { return c.get("kr").empty(); }, 10s)) << c.get("kr").dump() << c.node().log();
+    EXPECT_NE(c.node().log().find("its removal did not finish before the node restarted"), std::string::npos)
+        << c.node().log();
+    EXPECT_TRUE(eventually([&] { return run("pgrep -f 'testserver.py http 8080 kr$'").exit_code != 0; }, 10s))
+        << run("pgrep -af 'testserver.py http 8080 kr$'").out;
+    EXPECT_TRUE(eventually([&] { return !std::filesystem::exists(c.dir() + "/node/sandboxes/" + id); }, 10s))
+        << "its directory is left";
+  }
+  c.create_http_sandbox("kr", 8080, "--timeout 600");
+  c.wait_until_serving("kr", 8080);
+  serves(c, "kr");
 }
 
 }  // namespace

@@ -1304,6 +1304,22 @@ TEST_F(NodeTest, ReconcileRemovesACreateWhoseStartNeverAnswered) {
   EXPECT_TRUE(create_request(request("half")).ok()) << "the name is free again";
 }
 
+// The node stopped while a removal was under way (the driver had not answered): the restarted node finishes
+// it, with the instance still running or not, so nothing is left and the name is free.
+TEST_F(NodeTest, ReconcileFinishesARemovalThatWasUnderWay) {
+  ASSERT_TRUE(create_request(request("going")).ok());
+  driver_->op_delay_ms = 10'000;  // the terminate never answers before the restart
+  node_->remove("going", [](Result<SandboxInfo>) {});
+  ASSERT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->at(0).terminating) << "recorded before it acts";
+  restart();
+  driver_->op_delay_ms = 5;
+  ASSERT_TRUE(node_->reconcile().ok());
+  ASSERT_TRUE(run_until(&loop_, [&] { return !node_->get("going").ok(); }));
+  EXPECT_EQ(driver_->terminates, 1) << "terminated by the restarted node";
+  EXPECT_TRUE((*Store::open(dir_.path() + "/node.db"))->load_live()->empty());
+  EXPECT_TRUE(create_request(request("going")).ok()) << "the name is free again";
+}
+
 TEST_F(NodeTest, OpensDuringCreateWaitForTheStart) {
   driver_->start_delay_ms = 200;
   std::optional<Result<SandboxInfo>> created;

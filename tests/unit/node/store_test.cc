@@ -61,6 +61,7 @@ void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
   EXPECT_EQ(a.spec.memory_mb, b.spec.memory_mb);
   EXPECT_EQ(a.state, b.state);
   EXPECT_EQ(a.state_reason, b.state_reason);
+  EXPECT_EQ(a.terminating, b.terminating);
   EXPECT_EQ(a.runtime.pid, b.runtime.pid);
   EXPECT_EQ(a.runtime.start_time_ticks, b.runtime.start_time_ticks);
   EXPECT_EQ(a.runtime.sandbox_dir, b.runtime.sandbox_dir);
@@ -126,7 +127,7 @@ TEST(Store, MigratesSchemaOneRows) {
   EXPECT_EQ((*rows)[0].tier, SuspendTier::kNone);
   EXPECT_TRUE((*rows)[0].runtime.driver_data.empty());
   EXPECT_EQ((*rows)[0].state, SandboxState::kSuspended);
-  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
+  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "4");
 }
 
 // A node.db from before edge authentication (schema 2): rows load with no token digest (only the operator
@@ -167,7 +168,7 @@ TEST(Store, MigratesSchemaTwoRows) {
     EXPECT_FALSE(token_matches_digest("anything", old.token_sha256));
     ASSERT_TRUE((*store)->upsert(sample("sb-newnewnewnew")).ok());
   }
-  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
+  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "4");
   auto store = Store::open(path);
   ASSERT_TRUE(store.ok()) << store.message();
   auto rows = (*store)->load_live();
@@ -207,6 +208,7 @@ TEST(Store, RoundTripAcrossReopen) {
   StoredSandbox b = sample("sb-bbbbbbbbbbbb", SandboxState::kSuspended);
   b.spec.name = "";
   b.spec.ephemeral = false;
+  b.terminating = true;  // a removal under way when the node stopped
   b.created_at_ms = a.created_at_ms + 1;
   {
     auto store = Store::open(path);
@@ -260,7 +262,7 @@ TEST(Store, UsesWalAndRecordsTheSchemaVersion) {
   std::string path = dir.path() + "/node.db";
   ASSERT_TRUE(Store::open(path).ok());
   EXPECT_EQ(pragma_value(path, "PRAGMA journal_mode"), "wal");
-  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "3");
+  EXPECT_EQ(pragma_value(path, "PRAGMA user_version"), "4");
 }
 
 TEST(Store, RefusesANewerSchema) {
