@@ -704,6 +704,9 @@ void Node::on_restore_done(const std::string& id, Result<RuntimeInfo> runtime) {
     return;
   }
   sb.rec.runtime = std::move(*runtime);
+  // The restored instance is a new process: recorded before the transition, so a node that dies in between
+  // finds it running (and adopts it) instead of the old, gone one (NodeKill's QEMU case, before:resuming->running).
+  persist(sb);
   metrics_.woke(SuspendTier::kDisk, seconds_since(sb.wake_started));
   (void)transition(sb, S::kRunning, sb.rec.state_reason);
   watch(sb);

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -799,6 +800,75 @@ TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn
   auto checkpoint = c.cli("checkpoint q --type memory --json", 180);
   ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
   EXPECT_EQ(counter(c).count, ++expected);
+}
+
+// The node killed on either side of the state writes of a hibernation (memory tier -> disk) and of the
+// restore that wakes it (failpoints): after each restart the sandbox settles suspended or running with the
+// guest's RAM intact (its counter goes on from where it was), whatever the moment of the kill.
+TEST_F(Qemu, ANodeKilledDuringAHibernationOrARestoreKeepsTheGuestsMemory) {
+  Cluster c(ClusterOptions::node(node_config()));
+  auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --hibernate-after 2 "
+                       "--memory-mb 256 -- /bin/sh -c " + shell_quote(kGuestServer),
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  c.wait_until_serving("q", 8080);
+  long expected = counter(c).count;
+  ASSERT_EQ(expected, 1);
+  auto settled = [&](const std::string& tier) {
+    return eventually([&] {
+      auto j = c.get("q");
+      return j.value("state", "") == "suspended" && j["tier"] == tier;
+    }, std::chrono::seconds(90));
+  };
+  // Kills the node at `point` (armed in a restarted node) once `arm` has run, then starts it again, unarmed.
+  auto kill_at = [&](const std::string& point, const std::function<void()>& after_arming) {
+    c.stop_node(SIGKILL);
+    const size_t from = c.node().log().size();
+    c.start_node({"SANDGATE_FAILPOINTS=" + point});
+    after_arming();
+    const int status = c.node().wait_exit(120000);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << ": status " << status << c.node().log();
+    ASSERT_NE(c.node().log().find("failpoint " + point + ": SIGKILL", from), std::string::npos) << c.node().log();
+    c.start_node();
+  };
+  // A request wakes it from wherever the restarted node found it, and the counter in guest RAM goes on.
+  auto wakes_intact = [&](const std::string& point) {
+    Answer a = counter(c);
+    EXPECT_EQ(a.code, 200) << point << "\n" << c.get("q").dump() << c.node().log();
+    EXPECT_EQ(a.count, ++expected) << point << "\n" << c.get("q").dump();
+  };
+
+  // The hibernation recorded as begun, QEMU not yet told: found paused in memory.
+  ASSERT_EQ(c.cli("suspend q").exit_code, 0);
+  kill_at("after:suspended->suspending", [] {});
+  ASSERT_TRUE(eventually([&] { return c.get("q").value("state", "") == "suspended"; }, std::chrono::seconds(60)))
+      << c.get("q").dump() << c.node().log();
+  wakes_intact("after:suspended->suspending");
+
+  // The state saved and QEMU gone, not yet recorded: found hibernated.
+  ASSERT_EQ(c.cli("suspend q").exit_code, 0);
+  kill_at("before:suspending->suspended", [] {});
+  ASSERT_TRUE(settled("disk")) << c.get("q").dump() << c.node().log();
+  wakes_intact("before:suspending->suspended");
+
+  // Restores from the disk tier: killed before QEMU is started from the saved state, and after it runs but
+  // before that is recorded. The request that wakes it is the one the kill interrupts.
+  for (const std::string point : {"after:suspended->resuming", "before:resuming->running"}) {
+    ASSERT_EQ(c.cli("suspend q").exit_code, 0);
+    ASSERT_TRUE(settled("disk")) << point << c.get("q").dump() << c.node().log();
+    kill_at(point, [&] { (void)c.curl("8080-q.sandbox.localhost", "/cgi-bin/c", "", 60); });
+    // A wake whose request went unanswered: the count it made (if QEMU ran it) is one more.
+    ASSERT_TRUE(eventually([&] {
+      auto s = c.get("q").value("state", "");
+      return s == "running" || s == "suspended";
+    }, std::chrono::seconds(90))) << c.get("q").dump() << c.node().log();
+    Answer a = counter(c);
+    EXPECT_EQ(a.code, 200) << point << "\n" << c.get("q").dump() << c.node().log();
+    EXPECT_TRUE(a.count == expected + 1 || a.count == expected + 2) << point << ": count " << a.count << " after "
+                                                                     << expected;
+    expected = a.count;
+  }
+  ASSERT_EQ(c.cli("rm q").exit_code, 0);
 }
 
 }  // namespace
