@@ -1,6 +1,14 @@
-// The node's brain: owns every sandbox record, drives the Driver through the lifecycle (state_machine.h),
-// persists each transition (store.h), and applies the idle policy (idle_tracker.h) with a single uv timer.
-// Everything runs on one libuv loop thread; no locks.
+// The node's brain: owns every sandbox, drives its Driver through the lifecycle (state_machine.h), persists
+// each transition (store.h) and applies the idle policy. Everything runs on one libuv loop thread; no locks.
+// Its parts, one job each:
+//   create_spec.h        admission: a create request checked and completed into a spec
+//   sandbox_registry.h   the live sandboxes by id and name
+//   idle_clocks.h        one idle (or hibernation) clock per sandbox on one timer
+//   connection_reports.h the proxies' open-connection counts, which hold a sandbox awake
+//   wake_waiters.h       opens waiting for a sleeping sandbox (one wake serves them all)
+//   route_events.h       what the proxies' route caches must forget, and the stamps that order it
+// node.cc keeps the lifecycle itself (the transitions and the driver callbacks), node_reconcile.cc what a
+// restarted node settles, node_checkpoint.cc the checkpoints.
 //
 // Idle policy, two tiers: a running sandbox with no activity for timeout_secs is paused (memory tier; named,
 // non-ephemeral sandboxes) or terminated (ephemeral). A paused sandbox with hibernate_after_secs > 0 whose
@@ -28,56 +36,28 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "common/error.h"
 #include "common/fd.h"
 #include "config/config.h"
+#include "noderuntime/connection_reports.h"
+#include "noderuntime/create_spec.h"
 #include "noderuntime/driver.h"
 #include "noderuntime/fleet_hooks.h"
-#include "noderuntime/idle_tracker.h"
+#include "noderuntime/idle_clocks.h"
 #include "noderuntime/image_users.h"
 #include "noderuntime/node_metrics.h"
 #include "noderuntime/port_exposure.h"
+#include "noderuntime/route_events.h"
 #include "noderuntime/sandbox.h"
+#include "noderuntime/sandbox_registry.h"
 #include "noderuntime/snapshot_service.h"
 #include "noderuntime/store.h"
+#include "noderuntime/wake_waiters.h"
 #include "snapshot/image_store.h"
 
 namespace sg {
-
-// A create request as the API received it: fields the client left out are nullopt/empty, numbers keep
-// their JSON width so Node::create can report out-of-range values instead of silently truncating them.
-struct CreateRequest {
-  std::optional<std::string> name;
-  std::vector<std::string> command;
-  std::map<std::string, std::string> env;
-  std::optional<std::string> cwd;
-  std::vector<int64_t> exposed_ports;  // private http1 ports
-  struct Port {
-    int64_t port = 0;
-    std::optional<bool> is_public;        // default false
-    std::optional<std::string> protocol;  // default "http1"
-  };
-  std::vector<Port> ports;  // ports with an explicit policy; a port may appear here or in exposed_ports, not both
-  bool allow_unauthenticated_access = false;
-  std::optional<int64_t> timeout_secs;
-  std::optional<int64_t> hibernate_after_secs;
-  std::optional<std::string> driver;
-  std::optional<double> cpus;
-  std::optional<int64_t> memory_mb;
-  bool ephemeral = false;
-  std::optional<std::string> image;  // default: node.default_image
-  std::optional<int64_t> pids_max;   // default: node.default_pids_max
-  std::optional<int64_t> disk_mb;    // default: 0, no limit
-  std::optional<bool> allow_internet_access;  // default: node.default_allow_internet_access
-  std::vector<std::string> allow_out;         // "CIDR[:PORT]"; need internet access
-  std::vector<std::string> deny_out;
-  // Create from a snapshot (docs/snapshots.md): its layers are the root filesystem, and its command, env,
-  // cwd and ports are the defaults (command may then be left out).
-  std::optional<std::string> snapshot_id;
-};
 
 // A consistent snapshot of one sandbox for answers (the record may change right after).
 struct SandboxInfo {
@@ -163,16 +143,6 @@ struct ClosedPort {
   uint64_t closed_at = 0;
 };
 
-// What a proxy's route cache must forget (Node::subscribe): a sandbox that stops running, gets a new token or
-// changes its ports (`id` set), or the operator token changed (`id` empty: every entry). `stamp` orders it
-// against opens: an open answered before it (opened_at < stamp) must not be cached after it.
-struct RouteEvent {
-  std::string id;
-  std::string name;    // empty for unnamed sandboxes
-  std::string reason;  // "suspending", "terminating", "failed", "token", "operator_token", "ports"
-  uint64_t stamp = 0;
-};
-
 // More unconnected sockets to a port of a running sandbox (Node::spare_sockets), for a proxy's route cache:
 // each lets one later connection start without asking the node.
 struct SpareSockets {
@@ -182,10 +152,6 @@ struct SpareSockets {
   uint32_t cache_ms = 0;    // how long the proxy may use them (route_cache_ms)
   std::string token_sha256; // the sandbox's token now (a proxy drops a route whose digest changed)
 };
-
-// The start of the message of a create that fails because this node has no image of the name asked for
-// (the API marks that answer for fleet placement).
-inline constexpr std::string_view kNoImageHere = "image: no image '";
 
 struct ActivityAnswer {
   std::vector<AsleepSandbox> asleep;
@@ -265,10 +231,10 @@ class Node {
   // Route-cache invalidations (RouteEvent), delivered synchronously on the loop, before the call that caused
   // them returns: a rotation's answer leaves after every subscriber was told. Returns the id unsubscribe()
   // takes. A listener may unsubscribe (itself or others) while it runs.
-  uint64_t subscribe(std::function<void(const RouteEvent&)> listener);
-  void unsubscribe(uint64_t subscription);
+  uint64_t subscribe(RouteEvents::Listener listener) { return route_events_.subscribe(std::move(listener)); }
+  void unsubscribe(uint64_t subscription) { route_events_.unsubscribe(subscription); }
   // The current stamp (for a subscriber's first line: events before it were not seen).
-  uint64_t current_stamp() { return stamp(); }
+  uint64_t current_stamp() { return route_events_.stamp(); }
   // `count` (at most kMaxSpareSockets) more sockets to `port` of sandbox `id` while it is running; never
   // wakes it and is not activity (the connections that use them are reported). kUnavailable when it is not
   // running, kUnsupported for a driver whose sockets come connected (a vsock stream per connection).
@@ -296,33 +262,31 @@ class Node {
   // on the loop once that is finished.
   void shutdown(std::function<void()> done);
 
-  size_t sandbox_count() const { return sandboxes_.size(); }
+  size_t sandbox_count() const { return registry_.size(); }
   // GET /metrics: the node's counters and its sandboxes by state and tier (Prometheus text format).
   std::string metrics_text() const;
   std::string_view default_driver_name() const { return drivers_.front()->name(); }
   std::vector<std::string> driver_names() const;
 
  private:
-  struct Sandbox;
-  struct Waiter;
+  using Sandbox = LiveSandbox;
 
-  Sandbox* find(std::string_view ref) const;
-  Result<Sandbox*> find_usable(std::string_view ref) const;
   SandboxInfo snapshot(const Sandbox& sb) const;
   // create() once a snapshot's layers are verified (or when none is named).
   // `claimed`: the fleet has given this create its name (or there is no fleet).
   void create_now(const CreateRequest& request, SandboxCallback done, bool claimed = false);
-  Result<SandboxSpec> validate(CreateRequest request) const;
-  // A create from a snapshot: the request with the snapshot's defaults filled in (nullopt: none was named).
-  Result<std::optional<snapshot::Snapshot>> apply_snapshot(CreateRequest& request) const;
+  void checkpoint_filesystem(Sandbox& sb, CheckpointCallback done);
   void checkpoint_memory(Sandbox& sb, CheckpointCallback done);
   void on_checkpoint_done(const std::string& id);
-  // The lowest uid range (node.uid_range_base + slot * kUidRangeSize) no sandbox of this node holds.
-  Result<uint32_t> allocate_uid_base() const;
   Driver& driver(const Sandbox& sb) const;
   Driver* find_driver(std::string_view name) const;
 
-  Status transition(Sandbox& sb, SandboxState to, std::string reason);
+  // The one way a state changes: checked against the state machine, persisted, published. A refusal (an
+  // illegal change: a bug or a race between operations) is logged and returned; every caller handles it.
+  [[nodiscard]] Status transition(Sandbox& sb, SandboxState to, std::string reason);
+  // A transition whose refusal leaves the sandbox where nothing else can make it sane: failed, with the
+  // refusal as its reason (failed is reachable from every state but terminated). False if it was refused.
+  bool transition_or_fail(Sandbox& sb, SandboxState to, std::string reason);
   void persist(const Sandbox& sb);
   void touch(Sandbox& sb);
   void start_idle_clock(Sandbox& sb);
@@ -342,6 +306,11 @@ class Node {
   void begin_terminate(Sandbox& sb, std::string reason);
   void on_terminated(const std::string& id, Status status);
   void on_exit(const std::string& id);
+  // The idle policy: a running sandbox's clock ran out (suspend or terminate), or a suspended one's
+  // hibernation delay did.
+  void on_idle(const std::string& id);
+  void on_connections_changed(const std::string& id, uint64_t before, uint64_t total);
+  // node_reconcile.cc: settles a live instance's recorded state with what the driver sees.
   void adopt(Sandbox& sb, bool paused);
   void adopt_hibernated(Sandbox& sb);
   void forget(const std::string& id);
@@ -349,24 +318,12 @@ class Node {
   Result<OpenedPort> open_port(Sandbox& sb, uint16_t port, bool woke, IdleTracker::TimePoint started);
   void serve_waiters(Sandbox& sb);
   void fail_waiters(Sandbox& sb, const Failure& failure);
-  void finish_waiter(Waiter* w, Result<OpenedPort> result);
-  void on_waiter_timeout(Waiter* w);
 
-  // Strictly increasing across calls and (as wall-clock microseconds) across restarts of this node, so a
-  // proxy can order a connection's open against a later suspend without sharing a clock with the node.
-  uint64_t stamp();
   void publish(const Sandbox* sb, std::string reason);
-  // Applies one worker's connection count, then holds the idle clock while the total is above zero.
-  void set_connections(Sandbox& sb, const std::string& reporter, uint64_t count, IdleTracker::TimePoint now);
-  void recount(Sandbox& sb, IdleTracker::TimePoint now);
   IdleTracker::Duration report_ttl() const;
-  void arm_reports_timer(IdleTracker::TimePoint due);
-  void expire_reports();
-
-  void arm_idle_timer();
-  void on_idle_timer();
   void maybe_finish_shutdown();
   void finish_shutdown();
+  static std::string image_user_label(const SandboxSpec& spec);
 
   uv_loop_t* loop_;
   const ConfigHolder* config_;
@@ -379,21 +336,17 @@ class Node {
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::shared_ptr<ImageUsers> image_users_ = std::make_shared<ImageUsers>();
   NodeMetrics metrics_;
-  static std::string image_user_label(const SandboxSpec& spec);
-  IdleTracker idle_;
-  uv_timer_t* idle_timer_;
-  std::optional<IdleTracker::TimePoint> idle_timer_due_;  // when idle_timer_ fires; nullopt if stopped
+  SandboxRegistry registry_;
+  RouteEvents route_events_;
+  IdleClocks idle_;
+  ConnectionReports reports_;
+  WakeWaiters waiters_;
+  // Who waits for a lifecycle operation: create()'s caller until the start settles, remove()'s callers.
+  std::unordered_map<std::string, SandboxCallback> creates_;
+  std::unordered_map<std::string, std::vector<SandboxCallback>> removals_;
   uv_timer_t* shutdown_timer_;
-  uv_timer_t* reports_timer_;  // expires connection counts that were not re-reported in time
-  std::optional<IdleTracker::TimePoint> reports_timer_due_;
-  std::unordered_set<std::string> reported_;  // ids of sandboxes with at least one worker's count
   std::string operator_token_sha256_;  // empty: no operator token configured
-  std::unordered_map<std::string, std::unique_ptr<Sandbox>> sandboxes_;  // by id
-  std::unordered_map<std::string, std::string> ids_by_name_;
   size_t terminating_count_ = 0;  // sandboxes with a terminate in flight
-  uint64_t last_stamp_ = 0;
-  std::map<uint64_t, std::function<void(const RouteEvent&)>> route_listeners_;
-  uint64_t next_subscription_ = 1;
   bool shutting_down_ = false;
   std::function<void()> shutdown_done_;
 };

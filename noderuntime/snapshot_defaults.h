@@ -4,7 +4,7 @@
 #pragma once
 
 #include "common/error.h"
-#include "noderuntime/node.h"
+#include "noderuntime/create_spec.h"
 #include "noderuntime/sandbox.h"
 #include "snapshot/snapshot_store.h"
 

@@ -1,0 +1,125 @@
+// Checkpoints of a running sandbox: the gate (state, one at a time, the idle policy held back meanwhile)
+// and the hand-off to the snapshot service (filesystem) or the driver (memory). The work itself runs in
+// snapshot/checkpointer.h and the drivers.
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+#include "common/failpoint.h"
+#include "noderuntime/node.h"
+#include "noderuntime/snapshot_defaults.h"
+
+namespace sg {
+namespace {
+
+using S = SandboxState;
+
+int64_t wall_now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCallback done) {
+  auto found = registry_.find_usable(ref);
+  if (!found) return done(found.failure());
+  Sandbox& sb = **found;
+  const SandboxSpec& spec = sb.rec.spec;
+  if (type == "memory" && !driver(sb).capabilities().memory_checkpoint)
+    return done(fail(Error::kUnsupported, "memory checkpoints are not supported by the " + spec.driver +
+                                              " driver (it cannot save running processes); use --type filesystem"));
+  if (type != "filesystem" && type != "memory")
+    return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
+  if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
+  if (sb.rec.state != S::kRunning)
+    return done(fail(Error::kConflict,
+                     "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
+                         "; only a running sandbox can be checkpointed" +
+                         (sb.rec.state == S::kSuspended ? " (resume it first: sandgate resume " + std::string(ref) + ")"
+                                                        : std::string())));
+  if (sb.checkpointing) return done(fail(Error::kConflict, "a checkpoint of sandbox " + sb.id() + " is in progress"));
+  if (type == "memory") return checkpoint_memory(sb, std::move(done));
+  checkpoint_filesystem(sb, std::move(done));
+}
+
+void Node::checkpoint_filesystem(Sandbox& sb, CheckpointCallback done) {
+  const SandboxSpec& spec = sb.rec.spec;
+  auto source = driver(sb).checkpoint_source(spec, sb.rec.runtime);
+  if (!source) return done(source.failure());
+  snapshot::CheckpointJob job;
+  job.upper_dir = source->upper_dir;
+  job.shift = source->shift;
+  job.index_path = sb.rec.runtime.sandbox_dir + "/checkpoint.index";
+  job.base_layers = std::move(source->base_layers);
+  job.record = snapshot_record(spec);
+  sb.checkpointing = true;
+  spdlog::info("sandbox {}: checkpoint (filesystem) started", sb.id());
+  snapshots_->checkpoint(std::move(job), std::move(source->freezer),
+                         [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(),
+                          done = std::move(done)](Result<snapshot::CheckpointResult> r) {
+                           if (alive.expired()) return;
+                           if (r) {
+                             spdlog::info("sandbox {}: checkpoint {}: {} entries, {} bytes, frozen {:.1f} ms", id,
+                                          r->snapshot.id, r->entries, r->snapshot.layer_bytes, r->pause_ms);
+                           } else {
+                             spdlog::warn("sandbox {}: checkpoint failed: {}", id, r.message());
+                           }
+                           on_checkpoint_done(id);
+                           done(std::move(r));
+                         });
+}
+
+void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
+  snapshot::Snapshot record = snapshot_record(sb.rec.spec);
+  record.type = "memory";
+  record.id = snapshot::generate_snapshot_id();
+  record.memory_mb = sb.rec.spec.memory_mb;
+  record.cpus = sb.rec.spec.cpus;  // no layers: the guest's root is its disk (copied into the snapshot) or initramfs
+  auto dir = snapshots_->begin_memory(record.id);
+  if (!dir) return done(dir.failure());
+  sb.checkpointing = true;
+  spdlog::info("sandbox {}: checkpoint (memory) {} started", sb.id(), record.id);
+  driver(sb).checkpoint_memory(
+      sb.rec.spec, sb.rec.runtime, *dir,
+      [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
+       done = std::move(done)](Result<MemoryCheckpoint> saved) mutable {
+        if (alive.expired()) return;
+        auto finish = [this, id, done = std::move(done)](Result<snapshot::CheckpointResult> r) {
+          if (r)
+            spdlog::info("sandbox {}: checkpoint {}: state {} bytes, RAM {} bytes, disk {} bytes, paused {:.1f} ms",
+                         id, r->snapshot.id, r->snapshot.state_bytes, r->snapshot.ram_bytes, r->snapshot.disk_bytes,
+                         r->pause_ms);
+          else
+            spdlog::warn("sandbox {}: memory checkpoint failed: {}", id, r.message());
+          on_checkpoint_done(id);
+          done(std::move(r));
+        };
+        if (!saved) {
+          snapshots_->discard_memory(record.id);
+          return finish(saved.failure());
+        }
+        record.state_bytes = saved->state_bytes;
+        record.ram_bytes = saved->ram_bytes;
+        record.disk_bytes = saved->disk_bytes;
+        record.created_at_ms = wall_now_ms();
+        failpoint("memory-checkpoint:saved");  // the files in their .d.tmp, no record yet
+        snapshots_->commit_memory(std::move(record), [alive, pause_ms = saved->pause_ms,
+                                                      finish = std::move(finish)](Result<snapshot::Snapshot> r) {
+          if (alive.expired()) return;
+          if (!r) return finish(r.failure());
+          finish(snapshot::CheckpointResult{.snapshot = std::move(*r), .pause_ms = pause_ms, .entries = 0});
+        });
+      });
+}
+
+void Node::on_checkpoint_done(const std::string& id) {
+  Sandbox* sb = registry_.by_id(id);
+  if (sb == nullptr) return;
+  sb->checkpointing = false;
+  if (!sb->suspend_after_checkpoint) return;
+  sb->suspend_after_checkpoint = false;
+  if (sb->rec.state == S::kRunning && !sb->terminating) begin_suspend(*sb, "idle (held back while a checkpoint ran)");
+}
+
+}  // namespace sg

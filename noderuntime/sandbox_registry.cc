@@ -1,0 +1,80 @@
+#include "noderuntime/sandbox_registry.h"
+
+#include <set>
+
+#include "noderuntime/names.h"
+#include "noderuntime/sandbox.h"
+
+namespace sg {
+
+LiveSandbox* SandboxRegistry::find(std::string_view ref) const {
+  std::string key(ref);
+  if (!looks_like_id(ref)) {
+    auto named = ids_by_name_.find(key);
+    if (named == ids_by_name_.end()) return nullptr;
+    key = named->second;
+  }
+  auto it = by_id_.find(key);
+  return it == by_id_.end() ? nullptr : it->second.get();
+}
+
+LiveSandbox* SandboxRegistry::by_id(const std::string& id) const {
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second.get();
+}
+
+Result<LiveSandbox*> SandboxRegistry::find_usable(std::string_view ref) const {
+  LiveSandbox* sb = find(ref);
+  if (sb == nullptr) return fail(Error::kNotFound, "no sandbox '" + std::string(ref) + "'");
+  if (sb->terminating) return fail(Error::kNotFound, "sandbox " + sb->id() + " is being terminated");
+  return sb;
+}
+
+const std::string* SandboxRegistry::id_of(const std::string& name) const {
+  auto it = ids_by_name_.find(name);
+  return it == ids_by_name_.end() ? nullptr : &it->second;
+}
+
+std::vector<LiveSandbox*> SandboxRegistry::all() const {
+  std::vector<LiveSandbox*> out;
+  out.reserve(by_id_.size());
+  for (const auto& [id, sb] : by_id_) out.push_back(sb.get());
+  return out;
+}
+
+LiveSandbox& SandboxRegistry::add(std::unique_ptr<LiveSandbox> sandbox) {
+  LiveSandbox& sb = *sandbox;
+  if (!sb.name().empty()) ids_by_name_[sb.name()] = sb.id();
+  by_id_[sb.id()] = std::move(sandbox);
+  return sb;
+}
+
+void SandboxRegistry::erase(const std::string& id) {
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return;
+  auto named = ids_by_name_.find(it->second->name());
+  if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
+  by_id_.erase(it);
+}
+
+std::string SandboxRegistry::new_id() const {
+  std::string id;
+  do {
+    id = generate_id();
+  } while (by_id_.count(id) != 0);
+  return id;
+}
+
+Result<uint32_t> SandboxRegistry::free_uid_base(uint32_t range_base) const {
+  std::set<uint32_t> used;
+  for (const auto& [id, sb] : by_id_) used.insert(sb->rec.spec.uid_base);
+  const uint64_t slots = ((uint64_t{1} << 32) - 1 - range_base) / kUidRangeSize;
+  for (uint64_t slot = 0; slot < slots; ++slot) {
+    const auto base = static_cast<uint32_t>(range_base + slot * kUidRangeSize);
+    if (used.count(base) == 0) return base;
+  }
+  return fail(Error::kLimitExceeded,
+              "every uid range above node.uid_range_base is in use (" + std::to_string(slots) + " sandboxes)");
+}
+
+}  // namespace sg

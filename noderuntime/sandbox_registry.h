@@ -1,0 +1,47 @@
+// The node's live sandboxes, by id and by name (names are unique on a node; a fleet also claims them in
+// etcd). Lookups by "ref" accept either. Nothing here talks to a driver or the store.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/error.h"
+#include "noderuntime/live_sandbox.h"
+
+namespace sg {
+
+class SandboxRegistry {
+ public:
+  // By id or name; null when unknown.
+  LiveSandbox* find(std::string_view ref) const;
+  // By id only; null when unknown.
+  LiveSandbox* by_id(const std::string& id) const;
+  // find(), and kNotFound for an unknown sandbox or one whose removal is in flight.
+  Result<LiveSandbox*> find_usable(std::string_view ref) const;
+  // The id of the sandbox called `name` here, or null.
+  const std::string* id_of(const std::string& name) const;
+  bool contains(const std::string& id) const { return by_id_.count(id) != 0; }
+  size_t size() const { return by_id_.size(); }
+  // Every sandbox, in no particular order (stable while nothing is added or erased).
+  std::vector<LiveSandbox*> all() const;
+
+  // Takes a sandbox whose id is new here; its name, if any, becomes taken.
+  LiveSandbox& add(std::unique_ptr<LiveSandbox> sandbox);
+  // Drops the sandbox (no-op for an unknown id); references to it dangle from here on.
+  void erase(const std::string& id);
+
+  // An id no sandbox here has.
+  std::string new_id() const;
+  // The lowest uid range (`range_base` + slot * kUidRangeSize) no sandbox here holds.
+  Result<uint32_t> free_uid_base(uint32_t range_base) const;
+
+ private:
+  std::unordered_map<std::string, std::unique_ptr<LiveSandbox>> by_id_;
+  std::unordered_map<std::string, std::string> ids_by_name_;
+};
+
+}  // namespace sg
