@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <utility>
@@ -25,6 +26,15 @@ namespace {
 constexpr std::string_view kWhiteoutPrefix = ".wh.";
 constexpr std::string_view kOpaqueMarker = ".wh..wh..opq";
 constexpr size_t kCopyBlock = 64 * 1024;
+
+// What went wrong writing the layer's tar: libarchive says only "Write error" when the disk is full, and
+// keeps the reason in its errno (a write to our own file, so the errno is the system's).
+std::string write_message(archive* a) {
+  std::string out = TarReader::message(a);
+  const int err = archive_errno(a);
+  if (err > 0 && out.find(std::strerror(err)) == std::string::npos) out += std::string(": ") + std::strerror(err);
+  return out;
+}
 
 struct ArchiveWriteFree {
   void operator()(archive* a) const { archive_write_free(a); }
@@ -114,7 +124,7 @@ class Writer {
 
   Status write_header(archive_entry* e, const std::string& rel) {
     if (archive_write_header(out_, e) < ARCHIVE_WARN)
-      return fail(Error::kIo, "tar entry '" + rel + "': " + TarReader::message(out_));
+      return fail(Error::kIo, "tar entry '" + rel + "': " + write_message(out_));
     return {};
   }
 
@@ -178,7 +188,7 @@ class Writer {
       if (n < 0) return fail_errno("read " + host, errno);
       if (n == 0) break;
       if (archive_write_data(out_, buf.data(), static_cast<size_t>(n)) < 0)
-        return fail(Error::kIo, "tar entry '" + rel + "': " + TarReader::message(out_));
+        return fail(Error::kIo, "tar entry '" + rel + "': " + write_message(out_));
     }
     return {};
   }
@@ -213,12 +223,12 @@ Result<WrittenLayer> write_layer(const LayerSource& source, const std::string& o
   // pax: long names and large ids, as the store's reader (and every OCI tool) reads them.
   archive_write_set_format_pax_restricted(out.get());
   if (archive_write_open_fd(out.get(), fd.get()) != ARCHIVE_OK)
-    return fail(Error::kIo, "open " + out_path + ": " + TarReader::message(out.get()));
+    return fail(Error::kIo, "open " + out_path + ": " + write_message(out.get()));
   Writer writer(source, out.get());
   if (auto s = writer.walk(source.path, dest); !s) return s.failure();
   if (auto s = writer.emit_whiteouts(); !s) return s.failure();
   if (archive_write_close(out.get()) != ARCHIVE_OK)
-    return fail(Error::kIo, "write " + out_path + ": " + TarReader::message(out.get()));
+    return fail(Error::kIo, "write " + out_path + ": " + write_message(out.get()));
   WrittenLayer layer;
   layer.entries = writer.entries();
   if (layer.entries == 0) return layer;

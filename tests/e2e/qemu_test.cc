@@ -838,8 +838,11 @@ TEST_F(Qemu, ANodeKilledDuringAHibernationOrARestoreKeepsTheGuestsMemory) {
     EXPECT_EQ(a.count, ++expected) << point << "\n" << c.get("q").dump();
   };
 
-  // The hibernation recorded as begun, QEMU not yet told: found paused in memory.
+  // The hibernation recorded as begun, QEMU not yet told: found paused in memory. Each kill waits for the
+  // suspend to settle first: a restarted node that finishes the pause itself would trip the failpoint in its
+  // own reconcile, before it serves.
   ASSERT_EQ(c.cli("suspend q").exit_code, 0);
+  ASSERT_TRUE(settled("memory")) << c.get("q").dump() << c.node().log();
   kill_at("after:suspended->suspending", [] {});
   ASSERT_TRUE(eventually([&] { return c.get("q").value("state", "") == "suspended"; }, std::chrono::seconds(60)))
       << c.get("q").dump() << c.node().log();
@@ -847,6 +850,7 @@ TEST_F(Qemu, ANodeKilledDuringAHibernationOrARestoreKeepsTheGuestsMemory) {
 
   // The state saved and QEMU gone, not yet recorded: found hibernated.
   ASSERT_EQ(c.cli("suspend q").exit_code, 0);
+  ASSERT_TRUE(settled("memory")) << c.get("q").dump() << c.node().log();
   kill_at("before:suspending->suspended", [] {});
   ASSERT_TRUE(settled("disk")) << c.get("q").dump() << c.node().log();
   wakes_intact("before:suspending->suspended");

@@ -213,6 +213,56 @@ TEST(Snapshot, ANodeKilledDuringACheckpointLeavesNoSnapshotAndTheSourceIntact) {
   EXPECT_GT(again["snapshot"].value("layer_bytes", uint64_t{0}), uint64_t{256} << 20);
 }
 
+// The layer store's disk fills up during a checkpoint: a clear error, no snapshot, nothing left in the store,
+// and the source runs on with its files (thawed); once there is room again, a checkpoint works.
+TEST(Snapshot, ADiskFullDuringACheckpointIsAClearErrorAndTheSourceRunsOn) {
+  ClusterOptions o = own_store_with_proxy();
+  o.node_extra += "store_free_space_reserve_mb = 0\n";  // the disk itself runs out, not the reserve
+  Cluster c(o);
+  // The layer store on a tmpfs of its own, made before the node opens it (its directories are made at start).
+  c.stop_node(SIGTERM);
+  const std::string layers = c.dir() + "/node/layers";
+  ASSERT_EQ(run("rm -rf " + shell_quote(layers) + " && mkdir -p " + shell_quote(layers) +
+                " && mount -t tmpfs -o size=640m sgtest-full " + shell_quote(layers)).exit_code, 0);
+  struct Unmount {
+    std::string path;
+    ~Unmount() { run("umount -l " + shell_quote(path)); }
+  } unmount{layers};
+  c.start_node();
+  import_test_image(c);
+  const std::set<std::string> baseline = stored_layers(c);
+  auto free_mib = run("df -m --output=avail " + shell_quote(layers) + " | tail -1");
+  const long room = std::stol(free_mib.out);
+  ASSERT_GT(room, 8) << "the test image left no room on the 640 MiB tmpfs";
+
+  json src = create_with_agent(c, "src", "-- /bin/sleep 3600");
+  const std::string token = token_of(src);
+  const std::string id = src.value("id", "");
+  // More than the store has room for, in a file the checkpoint must copy whole.
+  ASSERT_EQ(sh(c, "src", token, "head -c " + std::to_string(room + 32) + "M /dev/urandom > /root/big && echo v1 > /root/file").code, 0);
+  auto full = c.cli("checkpoint src", 300);
+  EXPECT_EQ(full.exit_code, 1) << full.out << full.err;
+  EXPECT_NE(full.err.find("No space left on device"), std::string::npos) << full.err;
+  EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n");
+  EXPECT_EQ(stored_layers(c), baseline);
+  EXPECT_TRUE(fs::is_empty(layers + "/tmp")) << run("ls -la " + shell_quote(layers + "/tmp")).out;
+  // Thawed and running, with its id, token and files.
+  EXPECT_FALSE(c.cgroup_frozen(id));
+  EXPECT_EQ(c.get("src").value("state", ""), "running");
+  EXPECT_EQ(sh(c, "src", token, "cat /root/file").out, "v1\n");
+
+  // Room again: the checkpoint holds what the sandbox holds now.
+  ASSERT_EQ(sh(c, "src", token, "rm /root/big && echo v2 > /root/file").code, 0);
+  json again = checkpoint(c, "src");
+  const std::string snap = again.value("snapshot_id", "");
+  ASSERT_FALSE(snap.empty());
+  json restored = create_with_agent(c, "restored", "--from " + snap);
+  EXPECT_EQ(sh(c, "restored", token_of(restored), "cat /root/file; test -e /root/big || echo no-big").out, "v2\nno-big\n");
+  ASSERT_EQ(c.cli("rm restored").exit_code, 0);
+  ASSERT_EQ(c.cli("rm src").exit_code, 0);
+  c.stop_node(SIGTERM);  // before the tmpfs goes
+}
+
 // The cost requirement: a checkpoint's layer is the bytes changed since the previous checkpoint, not the
 // bytes the sandbox holds.
 TEST(Snapshot, ACheckpointCostsTheChangedBytesNotTheSandboxSize) {
