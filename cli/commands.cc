@@ -575,7 +575,20 @@ std::string format_list(const json& answer, TimePoint now) {
 }
 
 std::string format_nodes(const json& answer) {
-  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "SANDBOXES", "CAPACITY", "IMAGES", "API"}};
+  std::vector<std::vector<std::string>> rows = {
+      {"NAME", "STATE", "SANDBOXES", "CAPACITY", "MEMORY-MB", "CPUS", "IMAGES", "API"}};
+  // "reserved/capacity"; a capacity of 0 (or none published) is no limit.
+  auto reserved_of = [](const json& n, const char* reserved, const char* capacity, double unit) {
+    auto number = [&](const char* key) {
+      const json* v = field(n, key);
+      return v != nullptr && v->is_number() ? v->get<double>() / unit : 0.0;
+    };
+    char text[64];
+    const double cap = number(capacity);
+    if (cap > 0) std::snprintf(text, sizeof text, "%g/%g", number(reserved), cap);
+    else std::snprintf(text, sizeof text, "%g/-", number(reserved));
+    return std::string(text);
+  };
   std::string self = text(answer, "node");
   const json* list = field(answer, "nodes");
   if (list != nullptr && list->is_array()) {
@@ -584,6 +597,8 @@ std::string format_nodes(const json& answer) {
       const json* images = field(n, "images");
       rows.push_back({name + (name == self ? " *" : ""), text(n, "state"), text(n, "sandboxes"),
                       text(n, "capacity_sandboxes"),
+                      reserved_of(n, "reserved_memory_mb", "capacity_memory_mb", 1),
+                      reserved_of(n, "reserved_millicpus", "capacity_millicpus", 1000),
                       images != nullptr && images->is_array() ? std::to_string(images->size()) : "-", text(n, "api")});
     }
   }

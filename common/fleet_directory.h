@@ -24,6 +24,12 @@ struct NodeInfo {
   NodeState state = NodeState::kReady;
   int64_t capacity_sandboxes = 0;  // how many sandboxes it admits in all
   int64_t sandboxes = 0;           // how many it holds now
+  // What its sandboxes may reserve in all (node.max_memory_mb, node.max_cpus; 0: no limit) and what they
+  // reserve now (each sandbox its memory_mb and cpus, whatever its state). CPUs in thousandths of a core.
+  int64_t capacity_memory_mb = 0;
+  int64_t reserved_memory_mb = 0;
+  int64_t capacity_millicpus = 0;
+  int64_t reserved_millicpus = 0;
   // The names of the images it has, sorted, for placement to prefer a node that has the one asked for.
   // nullopt: not known (a node from before images were published, or one with more than
   // kMaxPublishedImages), so no node is passed over for it.

@@ -33,7 +33,11 @@ std::string node_info_json(const fleet::NodeInfo& info) {
             {"ingress", info.ingress},
             {"state", info.state == fleet::NodeState::kDraining ? "draining" : "ready"},
             {"capacity_sandboxes", info.capacity_sandboxes},
-            {"sandboxes", info.sandboxes}};
+            {"sandboxes", info.sandboxes},
+            {"capacity_memory_mb", info.capacity_memory_mb},
+            {"reserved_memory_mb", info.reserved_memory_mb},
+            {"capacity_millicpus", info.capacity_millicpus},
+            {"reserved_millicpus", info.reserved_millicpus}};
   if (info.images) j["images"] = *info.images;
   return j.dump();
 }
@@ -52,6 +56,11 @@ Result<fleet::NodeInfo> parse_node_info(std::string_view text) {
   else return fail(Error::kInvalidArgument, "node key: state must be ready or draining");
   info.capacity_sandboxes = int_field(j, "capacity_sandboxes");
   info.sandboxes = int_field(j, "sandboxes");
+  // Absent (a node from before they were published): 0, no limit known.
+  info.capacity_memory_mb = int_field(j, "capacity_memory_mb");
+  info.reserved_memory_mb = int_field(j, "reserved_memory_mb");
+  info.capacity_millicpus = int_field(j, "capacity_millicpus");
+  info.reserved_millicpus = int_field(j, "reserved_millicpus");
   if (auto it = j.find("images"); it != j.end()) {
     if (!it->is_array() || it->size() > fleet::kMaxPublishedImages)
       return fail(Error::kInvalidArgument, "node key: images must be an array of at most " +

@@ -323,6 +323,8 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.integer("default_timeout_secs", &out->default_timeout_secs, 1, 7 * 24 * 3600);
   r.integer("max_timeout_secs", &out->max_timeout_secs, 1, 365 * 24 * 3600);
   r.integer("max_sandboxes", &out->max_sandboxes, 1, 1'000'000);
+  r.integer("max_memory_mb", &out->max_memory_mb, 0, 1LL << 30);
+  r.integer("max_cpus", &out->max_cpus, 0, 1 << 20);
   r.integer("suspend_timeout_ms", &out->suspend_timeout_ms, 10, 600'000);
   std::string policy = "keep";
   r.string("on_shutdown", &policy);

@@ -2,6 +2,7 @@
 
 #include "noderuntime/api_request.h"
 #include "noderuntime/fork.h"
+#include "noderuntime/sandbox_registry.h"
 #include "noderuntime/uv_handles.h"
 #include "common/accounts.h"
 #include "common/metrics.h"
@@ -869,6 +870,10 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
                          {"state", n.state == fleet::NodeState::kDraining ? "draining" : "ready"},
                          {"sandboxes", n.sandboxes},
                          {"capacity_sandboxes", n.capacity_sandboxes},
+                         {"capacity_memory_mb", n.capacity_memory_mb},
+                         {"reserved_memory_mb", n.reserved_memory_mb},
+                         {"capacity_millicpus", n.capacity_millicpus},
+                         {"reserved_millicpus", n.reserved_millicpus},
                          {"api", n.api},
                          {"ingress", n.ingress}});
         // null: the node publishes no list (more images than a node key carries).
@@ -1176,7 +1181,11 @@ void ApiServer::handle_create(const HttpMessage& request, Reply reply) {
   // placed here (admitted or refused, never sent on).
   const bool stays_here = placer_ == nullptr || fleet_ == nullptr || create->snapshot_id.has_value() ||
                           request.header(kPlacedByHeader) != nullptr;
-  const std::string image = create->image.value_or("");
+  // What the create reserves where it lands: what make_sandbox_spec gives it (a spec's defaults unless it says).
+  PlacementDemand demand;
+  demand.image = create->image.value_or("");
+  demand.memory_mb = create->memory_mb.value_or(SandboxSpec{}.memory_mb);
+  demand.millicpus = static_cast<int64_t>(millicpus(create->cpus.value_or(SandboxSpec{}.cpus)));
   auto here = [this, create = std::move(*create)](CreatePlacer::Done done) {
     node_->create(create, [this, done = std::move(done)](Result<SandboxInfo> info) {
       Response r = info ? sandbox_response(201, *info) : error_response(info.failure());
@@ -1187,7 +1196,7 @@ void ApiServer::handle_create(const HttpMessage& request, Reply reply) {
     reply(Response{a.status, std::move(a.body), {}, std::move(a.extra_headers)});
   };
   if (stays_here) return here(std::move(answer));
-  placer_->place(request.body, placement_order(fleet_->fleet_nodes(), placement_rng_, image), std::move(here),
+  placer_->place(request.body, placement_order(fleet_->fleet_nodes(), placement_rng_, demand), std::move(here),
                  std::move(answer));
 }
 

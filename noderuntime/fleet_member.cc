@@ -339,6 +339,13 @@ Status FleetMember::put_node_key(bool force) {
     std::lock_guard lock(mu_);
     info.sandboxes = static_cast<int64_t>(local_.size());
   }
+  if (resources_) {
+    const Resources r = resources_();
+    info.capacity_memory_mb = r.capacity_memory_mb;
+    info.reserved_memory_mb = r.reserved_memory_mb;
+    info.capacity_millicpus = r.capacity_millicpus;
+    info.reserved_millicpus = r.reserved_millicpus;
+  }
   if (image_names_) {
     // An image imported or built since the last renewal shows up within a period; placement retries a
     // node that lacks one anyway, so a late list costs a refusal, never a create.

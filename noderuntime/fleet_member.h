@@ -55,6 +55,17 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   // Called on the lease thread at every renewal; set before start(). Unset, or failing: none published.
   using ImageNames = std::function<Result<std::vector<std::string>>()>;
   void set_image_names(ImageNames names) { image_names_ = std::move(names); }
+  // This node's memory and CPU capacity and what its sandboxes reserve of them (fleet::NodeInfo's fields of
+  // those names), published in its node key for placement. Called on the lease thread at every renewal; set
+  // before start(). Unset: nothing published (placement then takes the node to have no such limits).
+  struct Resources {
+    int64_t capacity_memory_mb = 0;
+    int64_t reserved_memory_mb = 0;
+    int64_t capacity_millicpus = 0;
+    int64_t reserved_millicpus = 0;
+  };
+  using ResourcesOf = std::function<Resources()>;
+  void set_resources(ResourcesOf resources) { resources_ = std::move(resources); }
 
   // Starts both threads; registration happens on the lease thread (the node serves meanwhile, fenced).
   Status start();
@@ -105,6 +116,7 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   fleet::EtcdDirectory directory_;
   std::chrono::milliseconds period_;
   ImageNames image_names_;
+  ResourcesOf resources_;
 
   std::atomic<State> state_{State::kFenced};
   std::atomic<bool> draining_{false};

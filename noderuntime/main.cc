@@ -248,6 +248,11 @@ int main(int argc, char** argv) {
     d.node->set_fleet(d.fleet.get());
     // The store outlives the fleet's threads (stop() joins them before `images` goes).
     d.fleet->set_image_names([image_store] { return image_store->names(); });
+    d.fleet->set_resources([config = d.config.get(), reserved = d.node->reservations()] {
+      auto cfg = config->get();
+      return sg::FleetMember::Resources{cfg->node.max_memory_mb, static_cast<int64_t>(reserved->memory_mb.load()),
+                                        int64_t{cfg->node.max_cpus} * 1000, static_cast<int64_t>(reserved->millicpus.load())};
+    });
   }
   // `image rm` is refused while a sandbox's root filesystem comes from the image, or a snapshot's does, and no
   // sandbox starts on an image while it is being removed. Snapshots first: a claim is only taken when it

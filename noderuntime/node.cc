@@ -150,6 +150,7 @@ void Node::create_now(const CreateRequest& request, SandboxCallback done, bool c
   if (registry_.size() >= cfg->node.max_sandboxes)
     return done(fail(Error::kLimitExceeded, "this node already has " + std::to_string(registry_.size()) +
                                                 " sandboxes (node.max_sandboxes)"));
+  if (Status room = reservation_fits(*registry_.reservations(), cfg->node, *spec); !room) return done(room.failure());
   if (!spec->name.empty()) {
     if (const std::string* taken = registry_.id_of(spec->name))
       return done(fail(Error::kAlreadyExists, "name '" + spec->name + "' is already used by " + *taken +

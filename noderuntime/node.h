@@ -263,6 +263,8 @@ class Node {
   void shutdown(std::function<void()> done);
 
   size_t sandbox_count() const { return registry_.size(); }
+  // What its sandboxes reserve (node.max_memory_mb, node.max_cpus), for the fleet's node key.
+  std::shared_ptr<const Reservations> reservations() const { return registry_.reservations(); }
   // GET /metrics: the node's counters and its sandboxes by state and tier (Prometheus text format).
   std::string metrics_text() const;
   std::string_view default_driver_name() const { return drivers_.front()->name(); }

@@ -59,14 +59,22 @@ CreatePlacer::RemoteAnswer http_create(const PlacementOptions& options, const fl
 }
 
 // The power of two choices over `candidates` (see placement_order), in place.
-void order_by_room(std::vector<fleet::NodeInfo>& candidates, std::mt19937_64& rng) {
+void order_by_room(std::vector<fleet::NodeInfo>& candidates, std::mt19937_64& rng, const PlacementDemand& demand) {
   if (candidates.size() < 2) return;
   // Shuffled first, so that among nodes with the same room the order is random too.
   std::shuffle(candidates.begin(), candidates.end(), rng);
-  if (free_capacity(candidates[1]) > free_capacity(candidates[0])) std::swap(candidates[0], candidates[1]);
-  std::stable_sort(candidates.begin() + 2, candidates.end(), [](const fleet::NodeInfo& a, const fleet::NodeInfo& b) {
-    return free_capacity(a) > free_capacity(b);
+  if (room_for(candidates[1], demand) > room_for(candidates[0], demand)) std::swap(candidates[0], candidates[1]);
+  std::stable_sort(candidates.begin() + 2, candidates.end(), [&](const fleet::NodeInfo& a, const fleet::NodeInfo& b) {
+    return room_for(a, demand) > room_for(b, demand);
   });
+}
+
+// How many creates of `each` fit in what `capacity` leaves beside `reserved` (0 capacity: no limit).
+int64_t creates_that_fit(int64_t capacity, int64_t reserved, int64_t each) {
+  if (capacity <= 0) return std::numeric_limits<int64_t>::max();
+  const int64_t left = capacity - std::max<int64_t>(reserved, 0);
+  if (left <= 0) return 0;
+  return each <= 0 ? std::numeric_limits<int64_t>::max() : left / each;
 }
 
 }  // namespace
@@ -76,15 +84,21 @@ int64_t free_capacity(const fleet::NodeInfo& node) {
   return node.capacity_sandboxes - node.sandboxes;
 }
 
+int64_t room_for(const fleet::NodeInfo& node, const PlacementDemand& demand) {
+  return std::min({free_capacity(node),
+                   creates_that_fit(node.capacity_memory_mb, node.reserved_memory_mb, demand.memory_mb),
+                   creates_that_fit(node.capacity_millicpus, node.reserved_millicpus, demand.millicpus)});
+}
+
 std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng,
-                                             std::string_view image) {
+                                             const PlacementDemand& demand) {
   std::vector<fleet::NodeInfo> candidates, without_image;
   for (const fleet::NodeInfo& n : nodes) {
-    if (n.state != fleet::NodeState::kReady || free_capacity(n) <= 0) continue;
-    (image.empty() || fleet::may_have_image(n, image) ? candidates : without_image).push_back(n);
+    if (n.state != fleet::NodeState::kReady || room_for(n, demand) <= 0) continue;
+    (demand.image.empty() || fleet::may_have_image(n, demand.image) ? candidates : without_image).push_back(n);
   }
-  order_by_room(candidates, rng);
-  order_by_room(without_image, rng);
+  order_by_room(candidates, rng, demand);
+  order_by_room(without_image, rng, demand);
   candidates.insert(candidates.end(), without_image.begin(), without_image.end());
   return candidates;
 }

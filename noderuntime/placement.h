@@ -24,14 +24,26 @@ inline constexpr std::string_view kPlacedByHeader = "X-Sandgate-Placed-By";
 // How many sandboxes more `node` says it takes: capacity_sandboxes 0 is no limit.
 int64_t free_capacity(const fleet::NodeInfo& node);
 
-// The nodes to ask, in order. Two ready nodes with room, picked at random, the one with more room first (the
-// power of two choices: close to the least loaded node, without every placer herding onto the one node a
-// view that is a moment old calls the emptiest); then every other ready node with room, most room first.
-// Draining and full nodes are left out. Fewer than two candidates: those there are.
-// With `image` (the create names one), the nodes whose published images lack it come after all the others,
-// in the same order among themselves: they are still asked (their list may be a renewal old), but last.
+// What a create asks of the node it lands on.
+struct PlacementDemand {
+  std::string image;       // empty: the create names none
+  int64_t memory_mb = 0;   // its memory_mb and cpus (thousandths of a core): the reservation it would add
+  int64_t millicpus = 0;
+};
+
+// How many more sandboxes of `demand`'s size `node` takes by what it published: the least of its free
+// sandbox slots, its unreserved memory and its unreserved CPUs, each counted in creates of this size (a
+// capacity of 0 is no limit).
+int64_t room_for(const fleet::NodeInfo& node, const PlacementDemand& demand);
+
+// The nodes to ask, in order. Two ready nodes with room for the create, picked at random, the one with more
+// room first (the power of two choices: close to the least loaded node, without every placer herding onto the
+// one node a view that is a moment old calls the emptiest); then every other ready node with room, most room
+// first. Draining nodes and those without room are left out. Fewer than two candidates: those there are.
+// With an image, the nodes whose published images lack it come after all the others, in the same order
+// among themselves: they are still asked (their list may be a renewal old), but last.
 std::vector<fleet::NodeInfo> placement_order(const std::vector<fleet::NodeInfo>& nodes, std::mt19937_64& rng,
-                                             std::string_view image = {});
+                                             const PlacementDemand& demand = {});
 
 // A node's answer to a create it cannot take because it does not have the image carries this in its JSON
 // body ("missing": "image"): placement then asks the next node.

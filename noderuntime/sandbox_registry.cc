@@ -1,11 +1,40 @@
 #include "noderuntime/sandbox_registry.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <set>
 
 #include "noderuntime/names.h"
 #include "noderuntime/sandbox.h"
 
 namespace sg {
+
+uint64_t millicpus(double cpus) {
+  // A create's cpus are checked later (make_sandbox_spec); placement reads them unchecked.
+  if (!(cpus > 0)) return 0;
+  return static_cast<uint64_t>(std::llround(std::min(cpus, 1e12) * 1000));
+}
+
+Status reservation_fits(const Reservations& reserved, const NodeConfig& node, const SandboxSpec& spec) {
+  const uint64_t memory = reserved.memory_mb.load();
+  if (node.max_memory_mb != 0 && memory + spec.memory_mb > node.max_memory_mb)
+    return fail(Error::kLimitExceeded, "memory_mb: " + std::to_string(spec.memory_mb) + " MiB do not fit on this node (" +
+                                           std::to_string(memory) + " of its " + std::to_string(node.max_memory_mb) +
+                                           " MiB are reserved, node.max_memory_mb)");
+  const uint64_t cpus = reserved.millicpus.load();
+  if (node.max_cpus != 0 && cpus + millicpus(spec.cpus) > uint64_t{node.max_cpus} * 1000) {
+    auto cores = [](uint64_t milli) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", static_cast<double>(milli) / 1000);
+      return std::string(text);
+    };
+    return fail(Error::kLimitExceeded, "cpus: " + cores(millicpus(spec.cpus)) + " do not fit on this node (" +
+                                           cores(cpus) + " of its " + std::to_string(node.max_cpus) +
+                                           " are reserved, node.max_cpus)");
+  }
+  return {};
+}
 
 LiveSandbox* SandboxRegistry::find(std::string_view ref) const {
   std::string key(ref);
@@ -45,6 +74,8 @@ std::vector<LiveSandbox*> SandboxRegistry::all() const {
 LiveSandbox& SandboxRegistry::add(std::unique_ptr<LiveSandbox> sandbox) {
   LiveSandbox& sb = *sandbox;
   if (!sb.name().empty()) ids_by_name_[sb.name()] = sb.id();
+  reservations_->memory_mb += sb.rec.spec.memory_mb;
+  reservations_->millicpus += millicpus(sb.rec.spec.cpus);
   by_id_[sb.id()] = std::move(sandbox);
   return sb;
 }
@@ -54,6 +85,8 @@ void SandboxRegistry::erase(const std::string& id) {
   if (it == by_id_.end()) return;
   auto named = ids_by_name_.find(it->second->name());
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
+  reservations_->memory_mb -= it->second->rec.spec.memory_mb;
+  reservations_->millicpus -= millicpus(it->second->rec.spec.cpus);
   by_id_.erase(it);
 }
 

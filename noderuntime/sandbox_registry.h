@@ -2,6 +2,7 @@
 // etcd). Lookups by "ref" accept either. Nothing here talks to a driver or the store.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -10,9 +11,25 @@
 #include <vector>
 
 #include "common/error.h"
+#include "config/config.h"
 #include "noderuntime/live_sandbox.h"
 
 namespace sg {
+
+// What the sandboxes of a node reserve in all: each its spec's memory_mb and cpus, whatever its state (a
+// suspended or hibernated sandbox may be woken at any moment, so its reservation stays until it is gone).
+// Written on the node's loop, read from any thread (the fleet's lease thread publishes it).
+struct Reservations {
+  std::atomic<uint64_t> memory_mb{0};
+  std::atomic<uint64_t> millicpus{0};
+};
+
+// cpus as the reservations count them.
+uint64_t millicpus(double cpus);
+
+// Whether a sandbox of `spec` fits beside what is `reserved` within node.max_memory_mb and node.max_cpus
+// (0: no limit); kLimitExceeded (429, which fleet placement takes as "try another node") saying which not.
+Status reservation_fits(const Reservations& reserved, const NodeConfig& node, const SandboxSpec& spec);
 
 class SandboxRegistry {
  public:
@@ -29,6 +46,9 @@ class SandboxRegistry {
   // Every sandbox, in no particular order (stable while nothing is added or erased).
   std::vector<LiveSandbox*> all() const;
 
+  // Shared, so a reader on another thread may outlive the registry.
+  std::shared_ptr<const Reservations> reservations() const { return reservations_; }
+
   // Takes a sandbox whose id is new here; its name, if any, becomes taken.
   LiveSandbox& add(std::unique_ptr<LiveSandbox> sandbox);
   // Drops the sandbox (no-op for an unknown id); references to it dangle from here on.
@@ -42,6 +62,7 @@ class SandboxRegistry {
  private:
   std::unordered_map<std::string, std::unique_ptr<LiveSandbox>> by_id_;
   std::unordered_map<std::string, std::string> ids_by_name_;
+  std::shared_ptr<Reservations> reservations_ = std::make_shared<Reservations>();
 };
 
 }  // namespace sg

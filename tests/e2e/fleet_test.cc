@@ -257,6 +257,69 @@ TEST_F(Fleet, ACreateGoesToANodeThatHasItsImage) {
   EXPECT_FALSE(key("/sandgate/sandboxes/img-none"));
 }
 
+// Nodes publish node.max_memory_mb / node.max_cpus and what their sandboxes reserve; placement passes over a
+// node without room for the create's memory_mb and cpus, and a node asked directly refuses with 429.
+TEST_F(Fleet, ACreateGoesToANodeWithRoomForItsMemoryAndCpus) {
+  Cluster* n[2] = {&add_node("m0", "max_memory_mb = 1024\nmax_cpus = 2\n"), &add_node("m1", "max_memory_mb = 8192\n")};
+  auto sized = [](Cluster& c, const std::string& name, int memory_mb, double cpus) {
+    json req = {{"name", name}, {"memory_mb", memory_mb}, {"cpus", cpus}, {"command", {"/bin/sleep", "600"}}};
+    auto r = c.api_raw("POST", "/v1/sandboxes", req.dump());
+    return std::pair<int, std::string>{Cluster::http_code(r), Cluster::body(r)};
+  };
+  // `node` as `viewer` sees it, once it has published `reserved_mb`.
+  auto published = [&](Cluster& viewer, const std::string& node, int64_t reserved_mb) {
+    return eventually([&] {
+      json j = json::parse(Cluster::body(viewer.api_raw("GET", "/v1/fleet/nodes", "")), nullptr, false);
+      if (!j.is_object() || !j["nodes"].is_array()) return false;
+      for (const json& x : j["nodes"])
+        if (x.value("name", "") == node) return x.value("reserved_memory_mb", int64_t{-1}) == reserved_mb;
+      return false;
+    }, 10s);
+  };
+  ASSERT_TRUE(view_has(*n[0], 2, 0));
+  ASSERT_TRUE(published(*n[0], "m1", 0));
+
+  // 2 GiB fit only on m1, wherever the create comes in.
+  auto big = sized(*n[0], "mem-big", 2048, 1);
+  ASSERT_EQ(big.first, 201) << big.second;
+  EXPECT_EQ(json::parse(big.second, nullptr, false).value("node", ""), "m1") << big.second;
+  // 3 CPUs do not fit on m0 (node.max_cpus = 2), which has the memory.
+  auto wide = sized(*n[0], "cpu-wide", 256, 3);
+  ASSERT_EQ(wide.first, 201) << wide.second;
+  EXPECT_EQ(json::parse(wide.second, nullptr, false).value("node", ""), "m1") << wide.second;
+
+  // Asked directly, m0 admits what fits and refuses the rest with a 429 naming the key.
+  json small = {{"name", "mem-small"}, {"memory_mb", 768}, {"cpus", 0.5}, {"command", {"/bin/sleep", "600"}}};
+  auto placed = run("curl -sS --unix-socket " + shell_quote(n[0]->api().substr(5)) +
+                    " -X POST -H 'X-Sandgate-Placed-By: test' --data-binary " + shell_quote(small.dump()) +
+                    " -w '\n%{http_code}' http://node/v1/sandboxes");
+  ASSERT_EQ(Cluster::http_code(placed), 201) << placed.out;
+  small["name"] = "mem-small-2";
+  auto refused = run("curl -sS --unix-socket " + shell_quote(n[0]->api().substr(5)) +
+                     " -X POST -H 'X-Sandgate-Placed-By: test' --data-binary " + shell_quote(small.dump()) +
+                     " -w '\n%{http_code}' http://node/v1/sandboxes");
+  EXPECT_EQ(Cluster::http_code(refused), 429) << refused.out;
+  EXPECT_NE(Cluster::body(refused).find("node.max_memory_mb"), std::string::npos) << refused.out;
+  EXPECT_FALSE(key("/sandgate/sandboxes/mem-small-2"));
+
+  // Both views learn the reservations at the next renewal; the CLI shows them.
+  ASSERT_TRUE(published(*n[1], "m0", 768));
+  ASSERT_TRUE(published(*n[0], "m1", 2048 + 256));
+  auto nodes = n[1]->cli("nodes");
+  EXPECT_NE(nodes.out.find("768/1024"), std::string::npos) << nodes.out;
+  EXPECT_NE(nodes.out.find("0.5/2"), std::string::npos) << nodes.out;
+  // One that fits nowhere is a 429, and claims no name.
+  auto huge = sized(*n[1], "mem-huge", 6144, 1);
+  EXPECT_EQ(huge.first, 429) << huge.second;
+  EXPECT_FALSE(key("/sandgate/sandboxes/mem-huge"));
+  // A removal gives the room back: then the same create is placed.
+  ASSERT_EQ(Cluster::http_code(n[1]->api_raw("DELETE", "/v1/sandboxes/mem-big", "")), 200);
+  ASSERT_TRUE(published(*n[1], "m1", 256));
+  auto after = sized(*n[0], "mem-huge", 6144, 1);
+  ASSERT_EQ(after.first, 201) << after.second;
+  EXPECT_EQ(json::parse(after.second, nullptr, false).value("node", ""), "m1") << after.second;
+}
+
 TEST_F(Fleet, KillNineDropsTheNodeKeyKeepsItsSandboxesAndARestartReconciles) {
   Cluster& c = add_node("k0");
   ASSERT_EQ(create(c, "k9").first / 100, 2);

@@ -34,6 +34,25 @@ TEST(FleetKeys, ANodeKeysImagesComeBackSortedAndAbsentMeansUnknown) {
   EXPECT_FALSE(fleet::may_have_image(*back, "base"));
 }
 
+TEST(FleetKeys, ANodeKeysMemoryAndCpusComeBackAndAbsentMeansNoLimitKnown) {
+  fleet::NodeInfo info;
+  info.name = "n1";
+  info.capacity_memory_mb = 65536;
+  info.reserved_memory_mb = 1536;
+  info.capacity_millicpus = 16000;
+  info.reserved_millicpus = 2500;
+  auto back = parse_node_info(node_info_json(info));
+  ASSERT_TRUE(back) << back.message();
+  EXPECT_EQ(back->capacity_memory_mb, 65536);
+  EXPECT_EQ(back->reserved_memory_mb, 1536);
+  EXPECT_EQ(back->capacity_millicpus, 16000);
+  EXPECT_EQ(back->reserved_millicpus, 2500);
+  auto older = parse_node_info(R"({"name": "n0", "state": "ready", "capacity_sandboxes": 5, "sandboxes": 1})");
+  ASSERT_TRUE(older) << older.message();
+  EXPECT_EQ(older->capacity_memory_mb, 0);
+  EXPECT_EQ(older->capacity_millicpus, 0);
+}
+
 TEST(FleetKeys, ANodeKeysImagesMustBeAtMostTheLimitOfNames) {
   nlohmann::json j = {{"name", "n1"}, {"state", "ready"}, {"images", {"base", 7}}};
   auto bad = parse_node_info(j.dump());

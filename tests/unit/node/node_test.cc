@@ -944,6 +944,40 @@ TEST_F(NodeTest, MaxSandboxes) {
   create("c");
 }
 
+// Every sandbox reserves its memory_mb and cpus while it exists, in any state; a create beyond
+// node.max_memory_mb or node.max_cpus is a 429 naming the key, and a removal gives the room back.
+TEST_F(NodeTest, MaxMemoryAndCpusBoundWhatTheSandboxesReserve) {
+  make_node("max_memory_mb = 1024\nmax_cpus = 2\n");
+  CreateRequest big = request("big");
+  big.memory_mb = 768;
+  big.cpus = 0.5;
+  create_request(big).value();
+  CreateRequest more = request("more");
+  more.memory_mb = 512;
+  auto refused = create_request(more);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error(), Error::kLimitExceeded);
+  EXPECT_NE(refused.message().find("node.max_memory_mb"), std::string::npos) << refused.message();
+  ASSERT_TRUE(node_->suspend("big").ok());  // a suspended sandbox keeps its reservation: it may wake at any moment
+  ASSERT_TRUE(run_until(&loop_, [&] { return state("big") == S::kSuspended; }));
+  EXPECT_EQ(create_request(more).error(), Error::kLimitExceeded);
+  more.memory_mb = 256;
+  more.cpus = 1.75;
+  auto cpus = create_request(more);
+  ASSERT_FALSE(cpus.ok());
+  EXPECT_NE(cpus.message().find("node.max_cpus"), std::string::npos) << cpus.message();
+  more.cpus = 1.5;
+  create_request(more).value();
+  EXPECT_EQ(node_->reservations()->memory_mb.load(), 1024u);
+  EXPECT_EQ(node_->reservations()->millicpus.load(), 2000u);
+  ASSERT_TRUE(remove("big")->ok());
+  EXPECT_EQ(node_->reservations()->memory_mb.load(), 256u);
+  CreateRequest after = request("after");
+  after.memory_mb = 768;
+  after.cpus = 0.5;
+  create_request(after).value();
+}
+
 // node.default_disk_mb is the default of drivers that enforce disk_mb; the create's own value wins.
 TEST_F(NodeTest, DefaultDiskLimitAppliesWhereTheDriverEnforcesIt) {
   make_node("default_disk_mb = 64\n");

@@ -91,13 +91,57 @@ TEST(PlacementOrder, NodesThatPublishedImagesWithoutTheOneAskedForComeLast) {
     auto order = placement_order({with_images(node("roomy-without", 100, 0), {"base", "node"}),
                                   with_images(node("has", 10, 9), {"base", "python"}), node("unknown", 10, 5),
                                   with_images(node("empty", 100, 0), {})},
-                                 rng, "python");
+                                 rng, PlacementDemand{.image = "python", .memory_mb = 0, .millicpus = 0});
     ASSERT_EQ(order.size(), 4u);
     EXPECT_EQ(name_set({order[0], order[1]}), (std::set<std::string>{"has", "unknown"}));
     EXPECT_EQ(name_set({order[2], order[3]}), (std::set<std::string>{"roomy-without", "empty"}));
     // Without an image asked for, room alone decides.
     auto any = placement_order({with_images(node("roomy-without", 100, 0), {"node"}), node("full-ish", 100, 99)}, rng);
     EXPECT_EQ(names(any), (std::vector<std::string>{"roomy-without", "full-ish"}));
+  }
+}
+
+fleet::NodeInfo with_resources(fleet::NodeInfo n, int64_t capacity_mb, int64_t reserved_mb,
+                               int64_t capacity_millicpus = 0, int64_t reserved_millicpus = 0) {
+  n.capacity_memory_mb = capacity_mb;
+  n.reserved_memory_mb = reserved_mb;
+  n.capacity_millicpus = capacity_millicpus;
+  n.reserved_millicpus = reserved_millicpus;
+  return n;
+}
+
+PlacementDemand sized(int64_t memory_mb, int64_t millicpus) {
+  PlacementDemand d;
+  d.memory_mb = memory_mb;
+  d.millicpus = millicpus;
+  return d;
+}
+
+// Room is counted in creates of the asked size: the fewest of free slots, unreserved memory and CPUs allow.
+TEST(PlacementOrder, RoomIsTheFewestCreatesOfThisSizeThatSlotsMemoryAndCpusAllow) {
+  const PlacementDemand small = sized(512, 1000);
+  EXPECT_EQ(room_for(with_resources(node("n", 100, 0), 4096, 1024), small), 6);       // memory: 3072 / 512
+  EXPECT_EQ(room_for(with_resources(node("n", 100, 0), 0, 0, 8000, 6500), small), 1); // cpus: 1.5 / 1
+  EXPECT_EQ(room_for(with_resources(node("n", 4, 2), 4096, 0, 8000, 0), small), 2);  // slots
+  EXPECT_EQ(room_for(with_resources(node("n", 0, 0), 4096, 4000), small), 0);
+  // Nothing published (an older node), or a create asking nothing: no limit from that side.
+  EXPECT_EQ(room_for(node("n", 0, 0), small), std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(room_for(with_resources(node("n", 0, 0), 4096, 4000), PlacementDemand{}), std::numeric_limits<int64_t>::max());
+  // A key that says more is reserved than there is, or a negative reservation, is no room / all room.
+  EXPECT_EQ(room_for(with_resources(node("n", 0, 0), 1024, 2048), small), 0);
+  EXPECT_EQ(room_for(with_resources(node("n", 0, 0), 1024, -5000), small), 2);
+}
+
+TEST(PlacementOrder, NodesWithoutMemoryOrCpusForTheCreateAreLeftOutAndTheRestGoByThem) {
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    std::mt19937_64 rng(seed);
+    // The emptiest by sandbox count has the least memory left for a 2 GiB create.
+    auto order = placement_order({with_resources(node("few-but-full", 100, 1), 4096, 3072),
+                                  with_resources(node("busy-roomy", 100, 60), 65536, 8192),
+                                  with_resources(node("half", 100, 10), 8192, 4096),
+                                  with_resources(node("no-cpus", 100, 0), 0, 0, 4000, 3500)},
+                                 rng, sized(2048, 1000));
+    EXPECT_EQ(names(order), (std::vector<std::string>{"busy-roomy", "half"}));
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
 
 #include "noderuntime/sandbox.h"
@@ -59,6 +60,52 @@ TEST(SandboxRegistry, UidRangesAreTheLowestFreeSlots) {
   auto none = full.free_uid_base(top);
   ASSERT_FALSE(none);
   EXPECT_EQ(none.error(), Error::kLimitExceeded);
+}
+
+TEST(SandboxRegistry, ReservesEachSandboxsMemoryAndCpusUntilItIsErased) {
+  SandboxRegistry registry;
+  auto reservations = registry.reservations();
+  auto a = sandbox(registry.new_id(), "a");
+  a->rec.spec.memory_mb = 1024;
+  a->rec.spec.cpus = 1.5;
+  const std::string a_id = a->id();
+  registry.add(std::move(a));
+  auto b = sandbox(registry.new_id(), "b");
+  b->rec.spec.memory_mb = 256;
+  b->rec.spec.cpus = 0.25;
+  registry.add(std::move(b));
+  EXPECT_EQ(reservations->memory_mb.load(), 1280u);
+  EXPECT_EQ(reservations->millicpus.load(), 1750u);
+  registry.erase(a_id);
+  EXPECT_EQ(reservations->memory_mb.load(), 256u);
+  EXPECT_EQ(reservations->millicpus.load(), 250u);
+}
+
+TEST(SandboxRegistry, ACreateBeyondTheNodesMemoryOrCpusIsALimitNamingTheKey) {
+  Reservations reserved;
+  reserved.memory_mb = 3584;
+  reserved.millicpus = 3500;
+  NodeConfig node;
+  SandboxSpec spec;
+  spec.memory_mb = 512;
+  spec.cpus = 0.5;
+  EXPECT_TRUE(reservation_fits(reserved, node, spec));  // 0: no limits
+  node.max_memory_mb = 4096;
+  node.max_cpus = 4;
+  EXPECT_TRUE(reservation_fits(reserved, node, spec));  // exactly full afterwards
+  spec.memory_mb = 513;
+  auto memory = reservation_fits(reserved, node, spec);
+  ASSERT_FALSE(memory);
+  EXPECT_EQ(memory.error(), Error::kLimitExceeded);
+  EXPECT_EQ(memory.message(), "memory_mb: 513 MiB do not fit on this node (3584 of its 4096 MiB are reserved, node.max_memory_mb)");
+  spec.memory_mb = 512;
+  spec.cpus = 0.75;
+  auto cpus = reservation_fits(reserved, node, spec);
+  ASSERT_FALSE(cpus);
+  EXPECT_EQ(cpus.error(), Error::kLimitExceeded);
+  EXPECT_EQ(cpus.message(), "cpus: 0.75 do not fit on this node (3.5 of its 4 are reserved, node.max_cpus)");
+  EXPECT_EQ(millicpus(std::nan("")), 0u);
+  EXPECT_EQ(millicpus(-1), 0u);
 }
 
 }  // namespace
