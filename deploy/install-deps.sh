@@ -24,6 +24,7 @@ PACKAGES=(
   python3-websockets             # a real WebSocket echo server/client for the WebSocket tests
   python3-pip python3-setuptools python3-venv  # the SDK suite pip-installs sdk/python into a venv, offline
   python3-pandas python3-matplotlib  # tests only: run_code's DataFrame (text/html) and plot (image/png) outputs
+  python3-yaml                   # tests only: deploy/kubernetes's manifests checked without a cluster
   qemu-system-x86 busybox-static # the QEMU driver and the kTLS guest test (guest images from Debian packages)
   # the sandbox boundary and images (issue 10)
   mmdebstrap                     # image build: Debian root filesystems from Debian packages

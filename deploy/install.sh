@@ -8,7 +8,7 @@
 #                    proxy.user and node.socket_group set to the system user and group below
 #   system user   -> sandgate (group sandgate, no home, no shell): sandgate-proxy drops root to it once its
 #                    ports are bound (proxy.user); the node's socket is served to its group (node.socket_group)
-#   file access   -> the private keys and the operator token file the config names become readable by that
+#   file access   -> the private keys (key, fleet_key) and the operator token file the config names become readable by that
 #                    user (keys: root:sandgate 0640; token: sandgate:sandgate 0600), so a SIGHUP still works
 # Build first (deploy/build.sh; BUILD_DIR as there). Rerunning upgrades binaries and units, never the config, and
 # applies the file access again (run it after adding certificates or the token file).
@@ -114,7 +114,7 @@ if [[ -n $proxy_user ]] && getent passwd "$proxy_user" >/dev/null; then
     chown "root:$proxy_group" "$key"
     chmod 0640 "$key"
     say "$key: root:$proxy_group 0640 (readable by proxy.user $proxy_user)"
-  done < <(config_paths key)
+  done < <(config_paths key; config_paths fleet_key)
   while read -r token; do
     [[ -f $token ]] || continue
     if [[ $(readlink -f "$token") != "$CONF_DIR"/* ]]; then
