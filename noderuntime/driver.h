@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct ObservedInstance {
   bool alive = false;       // the instance (process tree / VM) exists and is the one we started
   bool paused = false;      // alive and paused right now
   bool hibernated = false;  // not alive, but a complete saved state exists that restore() can start from
+  // Alive, but not as the recorded runtime says: a restore the node was killed in, after its instance ran.
+  // The record takes this runtime before the instance is adopted.
+  std::optional<RuntimeInfo> runtime;
 };
 
 // How the proxy reaches a guest port through the socket open_socket() returns.

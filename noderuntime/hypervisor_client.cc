@@ -332,6 +332,18 @@ bool vmm_alive(const VmmProcess& process) {
   return st && st->state != 'Z' && st->state != 'X' && st->start_time_ticks == process.start_time_ticks;
 }
 
+std::optional<VmmProcess> pidfile_holder(const std::string& pidfile) {
+  UniqueFd fd(::open(pidfile.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return std::nullopt;
+  struct flock lock{};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  if (::fcntl(fd.get(), F_GETLK, &lock) != 0 || lock.l_type == F_UNLCK || lock.l_pid <= 0) return std::nullopt;
+  auto st = read_proc_stat(lock.l_pid);
+  if (!st || st->state == 'Z' || st->state == 'X') return std::nullopt;
+  return VmmProcess{lock.l_pid, st->start_time_ticks};
+}
+
 Status kill_vmm(const VmmProcess& process) {
   auto pidfd = open_pidfd(process);
   if (!pidfd) return pidfd.failure();

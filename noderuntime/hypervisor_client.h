@@ -15,6 +15,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,6 +96,10 @@ Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, c
 uint64_t file_bytes(const std::string& path, bool allocated);
 // True while `process` is alive (not a zombie) and still the same process.
 bool vmm_alive(const VmmProcess& process);
+// The live process holding a write lock on `pidfile` (QEMU's -pidfile keeps one for as long as it runs), or
+// nullopt: no file, no lock, or a holder that is gone. How a VMM the node started but never recorded (the
+// node was killed in between) is found again.
+std::optional<VmmProcess> pidfile_holder(const std::string& pidfile);
 // SIGKILL to `process` if it is still the same process (a pidfd makes this race-free against pid reuse).
 Status kill_vmm(const VmmProcess& process);
 

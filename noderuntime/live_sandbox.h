@@ -36,7 +36,7 @@ struct LiveSandbox {
   bool watched = false;                   // the driver watches the instance for an exit of its own
   bool terminating = false;               // a removal is in flight
   bool checkpointing = false;             // a checkpoint of it is on the thread pool (it may be frozen)
-  bool suspend_after_checkpoint = false;  // the idle policy wanted to suspend it meanwhile
+  bool idle_after_checkpoint = false;  // the idle policy's next step (suspend, hibernate) waited for it
   std::string terminate_reason;
 
   const std::string& id() const { return rec.spec.id; }

@@ -424,6 +424,11 @@ void Node::wake(Sandbox& sb, std::string reason) {
 }
 
 void Node::begin_resume(Sandbox& sb, std::string reason) {
+  // Its checkpoint reads the frozen filesystem: the wake follows it (on_checkpoint_done), waiters wait.
+  if (sb.checkpointing) {
+    if (!sb.pending_wake) sb.pending_wake = std::move(reason);
+    return;
+  }
   if (Status s = transition(sb, S::kResuming, std::move(reason)); !s) {
     // Nobody would ever serve the opens waiting for this wake.
     sb.pending_wake.reset();
@@ -624,7 +629,7 @@ Result<TransitionOutcome> Node::resume(std::string_view ref) {
       if (fleet_ != nullptr)
         if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return s.failure();
       begin_resume(sb, "resumed on request");
-      if (sb.rec.state != S::kResuming)
+      if (sb.rec.state != S::kResuming && !sb.checkpointing)
         return fail(Error::kInternal, "sandbox " + sb.id() + " could not begin its resume (see the node's log)");
       return TransitionOutcome{true, snapshot(sb)};
     case S::kSuspending:
@@ -865,6 +870,10 @@ void Node::on_idle(const std::string& id) {
   if (found == nullptr || found->terminating) return;
   Sandbox& sb = *found;
   if (sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kMemory) {
+    if (sb.checkpointing) {
+      sb.idle_after_checkpoint = true;  // its checkpoint reads the frozen filesystem first
+      return;
+    }
     begin_hibernate(sb, "suspended in memory for " + std::to_string(sb.rec.spec.hibernate_after_secs) + " s");
     return;
   }
@@ -872,7 +881,7 @@ void Node::on_idle(const std::string& id) {
   std::string reason = "idle for " + std::to_string(sb.rec.spec.timeout_secs) + " s";
   if (sb.checkpointing && !sb.rec.spec.ephemeral) {
     // The checkpoint freezes and thaws the cgroup itself; a pause now would be undone by its thaw.
-    sb.suspend_after_checkpoint = true;
+    sb.idle_after_checkpoint = true;
     return;
   }
   if (sb.rec.spec.ephemeral) {

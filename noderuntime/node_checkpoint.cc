@@ -14,6 +14,18 @@ namespace {
 
 using S = SandboxState;
 
+// A suspended sandbox's checkpoint: the freeze is the driver's (a no-op on what is frozen already, and it
+// waits until it is), but the thaw is not, since the sandbox stays suspended.
+class KeepFrozen final : public snapshot::Freezer {
+ public:
+  explicit KeepFrozen(std::unique_ptr<snapshot::Freezer> inner) : inner_(std::move(inner)) {}
+  Status freeze() override { return inner_->freeze(); }
+  Status thaw() override { return {}; }
+
+ private:
+  std::unique_ptr<snapshot::Freezer> inner_;
+};
+
 int64_t wall_now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -32,12 +44,17 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
   if (type != "filesystem" && type != "memory")
     return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
   if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
-  if (sb.rec.state != S::kRunning)
+  // A filesystem checkpoint of a sandbox suspended in memory reads its frozen upper dir as it is; it
+  // stays suspended. Memory checkpoints and the disk tier need it running.
+  const bool suspended_in_memory = sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kMemory;
+  if (sb.rec.state != S::kRunning && !(suspended_in_memory && type == "filesystem"))
     return done(fail(Error::kConflict,
                      "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
-                         "; only a running sandbox can be checkpointed" +
-                         (sb.rec.state == S::kSuspended ? " (resume it first: sandgate resume " + std::string(ref) + ")"
-                                                        : std::string())));
+                         (sb.rec.state == S::kSuspended ? (type == "memory" ? " (memory checkpoints need it running"
+                                                                            : " (in the disk tier") +
+                                                              std::string("; resume it first: sandgate resume ") +
+                                                              std::string(ref) + ")"
+                                                        : "; only a running or suspended sandbox can be checkpointed")));
   if (sb.checkpointing) return done(fail(Error::kConflict, "a checkpoint of sandbox " + sb.id() + " is in progress"));
   if (type == "memory") return checkpoint_memory(sb, std::move(done));
   checkpoint_filesystem(sb, std::move(done));
@@ -53,6 +70,7 @@ void Node::checkpoint_filesystem(Sandbox& sb, CheckpointCallback done) {
   job.index_path = sb.rec.runtime.sandbox_dir + "/checkpoint.index";
   job.base_layers = std::move(source->base_layers);
   job.record = snapshot_record(spec);
+  if (sb.rec.state == S::kSuspended) source->freezer = std::make_unique<KeepFrozen>(std::move(source->freezer));
   sb.checkpointing = true;
   spdlog::info("sandbox {}: checkpoint (filesystem) started", sb.id());
   snapshots_->checkpoint(std::move(job), std::move(source->freezer),
@@ -117,9 +135,17 @@ void Node::on_checkpoint_done(const std::string& id) {
   Sandbox* sb = registry_.by_id(id);
   if (sb == nullptr) return;
   sb->checkpointing = false;
-  if (!sb->suspend_after_checkpoint) return;
-  sb->suspend_after_checkpoint = false;
-  if (sb->rec.state == S::kRunning && !sb->terminating) begin_suspend(*sb, "idle (held back while a checkpoint ran)");
+  // A wake asked for while a suspended sandbox's checkpoint read it (begin_resume held it back).
+  if (sb->rec.state == S::kSuspended && sb->pending_wake && !sb->terminating) {
+    sb->idle_after_checkpoint = false;  // a hibernation it held back is moot: the sandbox wakes
+    return begin_resume(*sb, *sb->pending_wake);
+  }
+  if (!sb->idle_after_checkpoint) return;
+  sb->idle_after_checkpoint = false;
+  if (sb->terminating) return;
+  if (sb->rec.state == S::kRunning) begin_suspend(*sb, "idle (held back while a checkpoint ran)");
+  else if (sb->rec.state == S::kSuspended && sb->rec.tier == SuspendTier::kMemory)
+    begin_hibernate(*sb, "suspended in memory (hibernation held back while a checkpoint ran)");
 }
 
 }  // namespace sg

@@ -69,6 +69,12 @@ Status Node::reconcile() {
       }
       continue;
     }
+    if (seen.runtime) {
+      // The instance the driver found in place of the recorded one: recorded first, so a node killed again
+      // finds it by the record.
+      sb.rec.runtime = std::move(*seen.runtime);
+      persist(sb);
+    }
     adopt(sb, seen.paused);
     watch(sb);
     ++adopted;

@@ -38,6 +38,9 @@ namespace {
 
 // driver_data keys besides VmmDriver::kApiSocket (the QMP socket).
 constexpr const char* kStateFile = "state_file";  // set only while hibernated
+// In the sandbox dir: QEMU's -pidfile, locked by the QEMU running for the sandbox. A QEMU the record does not
+// name (spawned by a restore or a create the node was killed in) is found by it.
+constexpr const char* kPidFile = "qemu.pid";
 constexpr const char* kClockPort = "clock_port";
 constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host port
 // What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
@@ -203,6 +206,8 @@ class QemuDriver final : public VmmDriver {
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
   void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override {
+    // A QEMU the record does not name (a create or a restore the node was killed in) goes too.
+    if (Status s = stop_unrecorded_qemu(spec, info); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
     netns_.erase(spec.id);  // QEMU's namespace goes with it
     // Its veth goes with the namespace, its chain (kept while hibernated, for the restore) here.
     if (egress_ != nullptr) egress_->detach(spec);
@@ -255,6 +260,10 @@ class QemuDriver final : public VmmDriver {
   std::vector<std::string> qemu_args(const SandboxSpec& spec, const RuntimeInfo& info) const;
   // Spawns QEMU with `args` in a network namespace of its own, created for it (kept in netns_) and, with
   // internet access, attached to the node's egress before QEMU runs.
+  // The QEMU holding the sandbox's -pidfile when it is not the one `info` records, if there is one.
+  static std::optional<VmmProcess> unrecorded_qemu(const RuntimeInfo& info);
+  // Kills that QEMU and waits (bounded) until it is gone.
+  static Status stop_unrecorded_qemu(const SandboxSpec& spec, const RuntimeInfo& info);
   Result<VmmProcess> spawn_qemu(const SandboxSpec& spec, const std::vector<std::string>& args,
                                 const std::string& log);
   // The network namespace of the running QEMU `info` describes: the one it was spawned in, or (adopted after
@@ -383,6 +392,7 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
           "-chardev", "file,id=console,append=on,path=" + dir + "/console.log",
           "-serial", "chardev:console",
           "-qmp", "unix:" + info.driver_data.at(kApiSocket) + ",server=on,wait=off",
+          "-pidfile", dir + "/" + kPidFile,
           "-kernel", kernel_, "-initrd", initrd_, "-append", append,
           "-fw_cfg", std::string("name=") + kGuestCommandFwCfg + ",file=" + command_path(dir),
           "-netdev", netdev, "-device", "virtio-net-device,netdev=net0"};
@@ -897,12 +907,23 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
     // QEMU reads the fw_cfg file again at start (a VM hibernated by a driver without it has none yet); the
     // restored guest does not run its command again.
     if (Status s = write_command_file(command_path(o->info.sandbox_dir), command_script(spec)); !s) return d(s);
+    // One QEMU per sandbox: a restore interrupted earlier may have left its own (observe() adopts one that
+    // ran; one that did not is stopped here, and its -pidfile lock would refuse the new one anyway).
+    if (Status s = stop_unrecorded_qemu(spec, o->info); !s) return d(s);
     // A hibernated VM's namespace died with its QEMU: the restored one gets a new one, same ports inside.
     d(spawn_incoming(o, spec, args));
+  });
+  steps.push_back([](Op*, StepDone d) {
+    failpoint("qemu:restore:spawned");  // a node dying here leaves a QEMU that never ran the guest
+    d({});
   });
   steps.push_back(connect_step(true));
   steps.push_back(incoming_step(path, false));
   steps.push_back(command_step("cont"));
+  steps.push_back([](Op*, StepDone d) {
+    failpoint("qemu:restore:continued");  // ... and here one whose guest runs on from the saved state
+    d({});
+  });
   steps.push_back(clock_step(spec));
   steps.push_back([](Op* o, StepDone d) {
     // The guest has moved on from the saved state; see the header.
@@ -949,6 +970,30 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
     o.paused = paused.ok() && *paused;
     return o;
   }
+  // Not the recorded QEMU but another for this sandbox: a restore the node was killed in. Once its guest runs
+  // (after "cont") the disk has moved on from the saved state, which must not be restored again: that QEMU
+  // is the sandbox now. Before, the guest has not run since the save: that QEMU goes, the state stays.
+  if (auto stray = unrecorded_qemu(info); stray && !info.sandbox_dir.empty()) {
+    RuntimeInfo found = info;
+    found.pid = stray->pid;
+    found.start_time_ticks = stray->start_time_ticks;
+    auto paused = query_paused(found);
+    if (paused && !*paused) {
+      spdlog::warn("sandbox {}: adopting qemu {}, which a restore started and ran before the node stopped", spec.id,
+                   stray->pid);
+      if (auto state = found.driver_data.find(kStateFile); state != found.driver_data.end()) {
+        std::error_code ec;
+        std::filesystem::remove(state->second, ec);
+        found.driver_data.erase(state);
+      }
+      std::error_code ec;
+      std::filesystem::remove(state_path(info), ec);
+      o.alive = true;
+      o.runtime = std::move(found);
+      return o;
+    }
+    if (Status s = stop_unrecorded_qemu(spec, info); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
+  }
   // A hibernation whose commit happened but whose record was not written (node killed) counts too.
   auto it = info.driver_data.find(kStateFile);
   const std::string path = it != info.driver_data.end() ? it->second : state_path(info);
@@ -982,6 +1027,29 @@ Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const Runti
   auto fd = socket_in(*netns, spec.id);
   if (!fd) return fd.failure();
   return GuestSocket{.fd = std::move(*fd), .connected = false, .connect_port = *host_port};
+}
+
+std::optional<VmmProcess> QemuDriver::unrecorded_qemu(const RuntimeInfo& info) {
+  if (info.sandbox_dir.empty()) return std::nullopt;
+  auto holder = pidfile_holder(info.sandbox_dir + "/" + kPidFile);
+  if (!holder || (holder->pid == info.pid && holder->start_time_ticks == info.start_time_ticks)) return std::nullopt;
+  return holder;
+}
+
+Status QemuDriver::stop_unrecorded_qemu(const SandboxSpec& spec, const RuntimeInfo& info) {
+  auto stray = unrecorded_qemu(info);
+  if (!stray) return {};
+  spdlog::warn("sandbox {}: killing qemu {}, which a restore or create started before the node stopped", spec.id,
+               stray->pid);
+  if (Status s = kill_vmm(*stray); !s) return s;
+  // SIGKILL is not refused; the wait is for the kernel to finish the exit (and release the lock).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (vmm_alive(*stray)) {
+    if (std::chrono::steady_clock::now() > deadline)
+      return fail(Error::kTimeout, "qemu " + std::to_string(stray->pid) + " did not exit within 5 s of SIGKILL");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return {};
 }
 
 Result<VmmProcess> QemuDriver::spawn_qemu(const SandboxSpec& spec, const std::vector<std::string>& args,

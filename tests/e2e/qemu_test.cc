@@ -855,9 +855,15 @@ TEST_F(Qemu, ANodeKilledDuringAHibernationOrARestoreKeepsTheGuestsMemory) {
   ASSERT_TRUE(settled("disk")) << c.get("q").dump() << c.node().log();
   wakes_intact("before:suspending->suspended");
 
-  // Restores from the disk tier: killed before QEMU is started from the saved state, and after it runs but
-  // before that is recorded. The request that wakes it is the one the kill interrupts.
-  for (const std::string point : {"after:suspended->resuming", "before:resuming->running"}) {
+  // Restores from the disk tier: killed before QEMU is started from the saved state; inside the driver's
+  // restore, once QEMU is spawned (the guest has not run: that QEMU is killed and the state restored again)
+  // and once the guest runs on (that QEMU is adopted: the saved state is behind its disk now); and after the
+  // restore, before it is recorded. The request that wakes it is the one the kill interrupts. Each time there
+  // is one QEMU for the sandbox afterwards.
+  const std::string id = nlohmann::json::parse(created.out, nullptr, false).value("id", "");
+  ASSERT_FALSE(id.empty()) << created.out;
+  for (const std::string point : {"after:suspended->resuming", "qemu:restore:spawned", "qemu:restore:continued",
+                                  "before:resuming->running"}) {
     ASSERT_EQ(c.cli("suspend q").exit_code, 0);
     ASSERT_TRUE(settled("disk")) << point << c.get("q").dump() << c.node().log();
     kill_at(point, [&] { (void)c.curl("8080-q.sandbox.localhost", "/cgi-bin/c", "", 60); });
@@ -871,6 +877,7 @@ TEST_F(Qemu, ANodeKilledDuringAHibernationOrARestoreKeepsTheGuestsMemory) {
     EXPECT_TRUE(a.count == expected + 1 || a.count == expected + 2) << point << ": count " << a.count << " after "
                                                                      << expected;
     expected = a.count;
+    EXPECT_EQ(run("pgrep -c -f -- '-name [s]andgate-" + id + "'").out, "1\n") << point << c.node().log();
   }
   ASSERT_EQ(c.cli("rm q").exit_code, 0);
 }

@@ -114,13 +114,18 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
   EXPECT_NE(memory_cli.err.find("memory checkpoints are not supported by the process driver"), std::string::npos)
       << memory_cli.err;
 
-  // A suspended sandbox is refused with the way out.
+  // A suspended sandbox is checkpointed as it is (its frozen files), and stays suspended.
   ASSERT_EQ(c.cli("suspend src").exit_code, 0);
   ASSERT_TRUE(eventually([&] { return c.get("src").value("state", "") == "suspended"; }, std::chrono::seconds(10)));
-  auto suspended = c.cli("checkpoint src");
-  EXPECT_EQ(suspended.exit_code, 1);
-  EXPECT_NE(suspended.err.find("only a running sandbox can be checkpointed (resume it first"), std::string::npos)
-      << suspended.err;
+  auto asleep = c.cli("checkpoint src");
+  ASSERT_EQ(asleep.exit_code, 0) << asleep.err;
+  const std::string snap_asleep = trimmed(asleep.out);
+  EXPECT_EQ(c.get("src").value("state", ""), "suspended");
+  EXPECT_EQ(c.get("src").value("tier", ""), "memory");
+  json from_asleep = create_with_agent(c, "asleep", "--from " + snap_asleep);
+  EXPECT_EQ(sh(c, "asleep", token_of(from_asleep), "cat /root/file").out, "v2\n");
+  ASSERT_EQ(c.cli("rm asleep").exit_code, 0);
+  ASSERT_EQ(c.cli("snapshot rm " + snap_asleep).exit_code, 0);
 
   // In use: snapshot rm is refused naming the sandbox, image rm naming a user.
   auto refused = c.cli("snapshot rm " + snap1);

@@ -261,8 +261,12 @@ class CheckpointTest(TimedTest):
                 sb.fork(count=2)
             self.assertIn("fork", str(fork.exception))
             sb.suspend()
-            with self.assertRaises(ConflictError):  # the node's 409: resume it first
-                sb.checkpoint()
+            wait_for("the suspend", lambda: sb.refresh().state == "suspended", 10)
+            asleep = sb.checkpoint()  # a suspended sandbox is checkpointed as it is, and stays suspended
+            self.assertTrue(asleep.snapshot_id.startswith("snap-"))
+            self.assertEqual(sb.refresh().state, "suspended")
+            with self.assertRaises(UnsupportedError):
+                sb.checkpoint(checkpoint_type=CheckpointType.MEMORY)
             sb.terminate()
             c.close()
         finally:

@@ -52,6 +52,7 @@ class FakeDriver : public Driver {
     bool alive = true;
     bool paused = false;
     bool hibernated = false;  // saved to "disk": not alive, restorable
+    std::optional<RuntimeInfo> found_runtime;  // alive under another runtime than the record's (observe says so)
     std::function<void()> on_exit;
   };
 
@@ -164,7 +165,7 @@ class FakeDriver : public Driver {
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo&) override {
     auto it = instances.find(spec.id);
     if (it == instances.end()) return {};
-    return {it->second.alive, it->second.paused, it->second.hibernated};
+    return {it->second.alive, it->second.paused, it->second.hibernated, it->second.found_runtime};
   }
   Result<GuestSocket> open_socket(const SandboxSpec&, const RuntimeInfo&, uint16_t port) override {
     ++sockets;

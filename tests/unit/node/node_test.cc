@@ -1170,6 +1170,34 @@ TEST_F(NodeTest, IdleSandboxPausesThenHibernates) {
   EXPECT_EQ((*rows)[0].runtime.driver_data.count("state_file"), 1u) << "the driver's data is persisted";
 }
 
+// A restore the node was killed in after its instance ran: the driver finds that instance in place of the
+// recorded one (none) and hands its runtime over. The record takes it before anything else, and the sandbox
+// is running, not hibernated (its saved state is behind the guest now).
+TEST_F(NodeTest, ReconcileAdoptsTheInstanceAnInterruptedRestoreLeftRunning) {
+  CreateRequest r = request("tiered", false, 1);
+  r.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(r).ok());
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 4000));
+  const std::string id = node_->get("tiered")->spec.id;
+  RuntimeInfo found = node_->get("tiered")->runtime;
+  restart();
+  found.pid = 4242;
+  found.start_time_ticks = 77;
+  found.driver_data.erase("state_file");
+  driver_->instances[id] = FakeDriver::Instance{.alive = true, .paused = false, .hibernated = false,
+                                                .found_runtime = found, .on_exit = nullptr};
+  ASSERT_TRUE(node_->reconcile().ok());
+  SandboxInfo info = *node_->get("tiered");
+  EXPECT_EQ(info.state, S::kRunning);
+  EXPECT_EQ(info.tier, SuspendTier::kNone);
+  EXPECT_EQ(info.runtime.pid, 4242);
+  auto rows = (*Store::open(dir_.path() + "/node.db"))->load_live();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].runtime.pid, 4242) << "persisted: a node killed again finds it by the record";
+  EXPECT_EQ((*rows)[0].runtime.start_time_ticks, 77u);
+  EXPECT_EQ((*rows)[0].runtime.driver_data.count("state_file"), 0u);
+}
+
 TEST_F(NodeTest, OpenRestoresAHibernatedSandbox) {
   CreateRequest r = request("tiered", false, 1);
   r.hibernate_after_secs = 1;
@@ -1460,12 +1488,50 @@ TEST_F(NodeCheckpointTest, RefusalsNameTheReason) {
   auto missing = checkpoint("nobody", "filesystem");
   ASSERT_TRUE(missing->has_value());
   EXPECT_EQ((*missing)->error(), Error::kNotFound);
+  EXPECT_EQ(driver_->freezer->freezes, 0);
+  driver_->can_checkpoint_memory = true;
   suspend_and_wait("box");
-  auto suspended = checkpoint("box", "filesystem");
+  auto suspended = checkpoint("box", "memory");
   ASSERT_TRUE(suspended->has_value());
   EXPECT_EQ((*suspended)->error(), Error::kConflict);
-  EXPECT_NE((*suspended)->message().find("resume it first"), std::string::npos) << (*suspended)->message();
-  EXPECT_EQ(driver_->freezer->freezes, 0);
+  EXPECT_NE((*suspended)->message().find("memory checkpoints need it running; resume it first"), std::string::npos)
+      << (*suspended)->message();
+}
+
+// A suspended sandbox's filesystem checkpoint reads its frozen upper dir and leaves it frozen; a wake asked for
+// meanwhile (a request, or resume) follows the checkpoint, and the request is served then.
+TEST_F(NodeCheckpointTest, ASuspendedSandboxIsCheckpointedAsItIsAndAWakeWaitsForIt) {
+  create("box");
+  suspend_and_wait("box");
+  auto result = checkpoint("box", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { std::lock_guard l(driver_->freezer->mu); return driver_->freezer->frozen; }));
+  auto resumed = node_->resume("box");
+  ASSERT_TRUE(resumed) << resumed.message();
+  auto o = open("box");
+  run_for(&loop_, 200);
+  EXPECT_EQ(state("box"), S::kSuspended) << "no wake while the checkpoint reads it";
+  EXPECT_EQ(driver_->resumes, 0);
+  EXPECT_FALSE(o->result.has_value());
+  driver_->freezer->release();
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_TRUE(**result) << (*result)->message();
+  {
+    std::lock_guard l(driver_->freezer->mu);
+    EXPECT_TRUE(driver_->freezer->frozen) << "not thawed by the checkpoint";
+  }
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_EQ(state("box"), S::kRunning);
+  EXPECT_EQ(driver_->resumes, 1);
+
+  // Without a wake it stays suspended.
+  suspend_and_wait("box");
+  auto quiet = checkpoint("box", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return quiet->has_value(); }));
+  ASSERT_TRUE(**quiet) << (*quiet)->message();
+  run_for(&loop_, 100);
+  EXPECT_EQ(state("box"), S::kSuspended);
+  EXPECT_EQ(driver_->resumes, 1);
 }
 
 TEST_F(NodeCheckpointTest, TheIdlePolicyWaitsForACheckpointAndTheSourceKeepsItsIdentity) {
