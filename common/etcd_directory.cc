@@ -130,6 +130,7 @@ void EtcdDirectory::run() {
       pause();
       continue;
     }
+    if (between_list_and_watch_) between_list_and_watch_();
     auto watch = client_.watch(kRoot, etcd::prefix_end(kRoot), revision_.load() + 1);
     if (!watch) {
       spdlog::warn("fleet directory: cannot watch {}: {}", kRoot, watch.message());

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -31,6 +32,10 @@ class EtcdDirectory : public Directory {
   std::optional<NodeInfo> node(std::string_view name) const override;
   std::vector<NodeInfo> nodes() const override;
   bool current() const override { return current_.load(); }
+
+  // Tests: runs on the directory's thread after each list, before its watch starts (the window in which a
+  // compaction makes the watch start compacted). Set before start().
+  void set_between_list_and_watch(std::function<void()> hook) { between_list_and_watch_ = std::move(hook); }
 
   // How many times the view was listed from scratch (the first list included): for tests and metrics.
   uint64_t lists() const { return lists_.load(); }
@@ -58,6 +63,7 @@ class EtcdDirectory : public Directory {
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   std::thread thread_;
+  std::function<void()> between_list_and_watch_;
 };
 
 }  // namespace sg::fleet

@@ -87,6 +87,42 @@ TEST_F(EtcdDirectoryTest, ListsThenFollowsPutsAndDeletes) {
   EXPECT_FALSE(d.current());
 }
 
+// Between a list and its watch, keys change and etcd compacts past the list's revision: the watch starts
+// compacted, and the view lists again instead of missing what changed in the window.
+TEST_F(EtcdDirectoryTest, ACompactionBetweenTheListAndItsWatchMeansAnotherList) {
+  start(1);
+  put_node("n1");
+  put_sandbox("before", "n1");
+  EtcdDirectory d(cluster_->options());
+  std::atomic<int> windows{0};
+  d.set_between_list_and_watch([&] {
+    if (windows++ != 0) return;
+    put_sandbox("in-window", "n1");
+    ASSERT_TRUE(client_->delete_range(std::string(kFleetSandboxesPrefix) + "before"));
+    put_sandbox("last", "n1");
+    auto revision = client_->range(std::string(kFleetSandboxesPrefix) + "last");
+    ASSERT_TRUE(revision) << revision.message();
+    const std::string compact = "curl -sS -X POST -d '{\"revision\": \"" + std::to_string(revision->revision) +
+                                "\", \"physical\": true}' " + cluster_->url(0) + "/v3/kv/compaction";
+    FILE* out = ::popen(compact.c_str(), "r");
+    ASSERT_NE(out, nullptr);
+    char buf[512] = {};
+    const size_t n = std::fread(buf, 1, sizeof buf - 1, out);
+    ASSERT_EQ(::pclose(out), 0);
+    EXPECT_EQ(std::string(buf, n).find("error"), std::string::npos) << buf;
+  });
+  d.start();
+  ASSERT_TRUE(wait_until([&] { return d.lists() >= 2 && d.current(); }, 10s)) << d.lists();
+  EXPECT_EQ(windows.load(), 2);
+  EXPECT_TRUE(d.owner_of("in-window"));
+  EXPECT_TRUE(d.owner_of("last"));
+  EXPECT_FALSE(d.owner_of("before"));
+  put_sandbox("after", "n1");  // and the second watch follows
+  EXPECT_TRUE(wait_until([&] { return d.owner_of("after").has_value(); }, 5s));
+  EXPECT_EQ(d.lists(), 2u);
+  d.stop();
+}
+
 TEST_F(EtcdDirectoryTest, AMemberDyingUnderTheWatchMeansAListFromAnother) {
   start(3);
   put_node("n1");
