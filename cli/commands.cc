@@ -583,11 +583,14 @@ std::string format_nodes(const json& answer) {
       const json* v = field(n, key);
       return v != nullptr && v->is_number() ? v->get<double>() / unit : 0.0;
     };
-    char text[64];
+    // MiB as whole numbers (%g would print 1048576 as 1.04858e+06); CPUs with their fraction.
+    auto shown = [unit](double v) {
+      char text[32];
+      std::snprintf(text, sizeof text, unit == 1 ? "%.0f" : "%g", v);
+      return std::string(text);
+    };
     const double cap = number(capacity);
-    if (cap > 0) std::snprintf(text, sizeof text, "%g/%g", number(reserved), cap);
-    else std::snprintf(text, sizeof text, "%g/-", number(reserved));
-    return std::string(text);
+    return shown(number(reserved)) + "/" + (cap > 0 ? shown(cap) : "-");
   };
   std::string self = text(answer, "node");
   const json* list = field(answer, "nodes");

@@ -1,6 +1,7 @@
 #include "common/fleet_keys.h"
 
 #include <algorithm>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -14,9 +15,14 @@ std::string str_field(const json& j, const char* name) {
   return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
-int64_t int_field(const json& j, const char* name) {
+// A count or capacity from a node key, which any etcd client may have written: 0 unless a non-negative
+// integer, and at most INT64_MAX (so room arithmetic cannot overflow).
+int64_t count_field(const json& j, const char* name) {
   auto it = j.find(name);
-  return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
+  if (it == j.end() || !it->is_number_integer()) return 0;
+  if (it->is_number_unsigned())
+    return static_cast<int64_t>(std::min<uint64_t>(it->get<uint64_t>(), std::numeric_limits<int64_t>::max()));
+  return std::max<int64_t>(it->get<int64_t>(), 0);
 }
 
 }  // namespace
@@ -54,13 +60,13 @@ Result<fleet::NodeInfo> parse_node_info(std::string_view text) {
   if (state == "ready") info.state = fleet::NodeState::kReady;
   else if (state == "draining") info.state = fleet::NodeState::kDraining;
   else return fail(Error::kInvalidArgument, "node key: state must be ready or draining");
-  info.capacity_sandboxes = int_field(j, "capacity_sandboxes");
-  info.sandboxes = int_field(j, "sandboxes");
+  info.capacity_sandboxes = count_field(j, "capacity_sandboxes");
+  info.sandboxes = count_field(j, "sandboxes");
   // Absent (a node from before they were published): 0, no limit known.
-  info.capacity_memory_mb = int_field(j, "capacity_memory_mb");
-  info.reserved_memory_mb = int_field(j, "reserved_memory_mb");
-  info.capacity_millicpus = int_field(j, "capacity_millicpus");
-  info.reserved_millicpus = int_field(j, "reserved_millicpus");
+  info.capacity_memory_mb = count_field(j, "capacity_memory_mb");
+  info.reserved_memory_mb = count_field(j, "reserved_memory_mb");
+  info.capacity_millicpus = count_field(j, "capacity_millicpus");
+  info.reserved_millicpus = count_field(j, "reserved_millicpus");
   if (auto it = j.find("images"); it != j.end()) {
     if (!it->is_array() || it->size() > fleet::kMaxPublishedImages)
       return fail(Error::kInvalidArgument, "node key: images must be an array of at most " +

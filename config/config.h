@@ -86,9 +86,9 @@ struct NodeConfig {
   uint32_t default_timeout_secs = 300;
   uint32_t default_hibernate_after_secs = 0;  // suspended in memory -> hibernated to disk; 0 = never
   uint32_t max_sandboxes = 1000;
-  // What the sandboxes a node holds may reserve in all, each its create's memory_mb and cpus in any state (a
-  // suspended or hibernated one may be woken at any moment): a create beyond either gets 429, and a fleet
-  // places by what is left. 0: no limit.
+  // What the sandboxes a node holds may reserve in all, each its create's memory_mb and cpus in any state but
+  // failed (a suspended or hibernated one may be woken at any moment): a create beyond either gets 429, and a
+  // fleet places by what is left. 0: no limit.
   uint32_t max_memory_mb = 0;
   uint32_t max_cpus = 0;
   uint32_t max_timeout_secs = 7 * 24 * 3600;

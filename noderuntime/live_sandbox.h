@@ -37,6 +37,7 @@ struct LiveSandbox {
   bool terminating = false;               // a removal is in flight
   bool checkpointing = false;             // a checkpoint of it is on the thread pool (it may be frozen)
   bool idle_after_checkpoint = false;  // the idle policy's next step (suspend, hibernate) waited for it
+  bool reserves = false;                  // its memory_mb and cpus count in the registry's Reservations
   std::string terminate_reason;
 
   const std::string& id() const { return rec.spec.id; }

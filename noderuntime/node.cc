@@ -290,6 +290,7 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   if (!edge.empty()) failpoint("before:" + edge);
   sb.rec.state = to;
   sb.rec.state_reason = std::move(reason);
+  if (to == S::kFailed) registry_.release_reservation(sb);  // it cannot run again
   if (to == S::kSuspending) sb.suspended_at = route_events_.stamp();  // also for a sandbox adopted paused
   // Proxies route to running sandboxes from their caches; anything else must go through open() again.
   if (from == S::kRunning && to != S::kRunning) publish(&sb, std::string(state_name(to)));

@@ -138,6 +138,12 @@ void Node::on_checkpoint_done(const std::string& id) {
   // A wake asked for while a suspended sandbox's checkpoint read it (begin_resume held it back).
   if (sb->rec.state == S::kSuspended && sb->pending_wake && !sb->terminating) {
     sb->idle_after_checkpoint = false;  // a hibernation it held back is moot: the sandbox wakes
+    // Admitted when it was asked for; the node may have been fenced since.
+    if (fleet_ != nullptr)
+      if (Status s = fleet_->admit(FleetAdmission::kWake); !s) {
+        sb->pending_wake.reset();
+        return fail_waiters(*sb, s.failure());
+      }
     return begin_resume(*sb, *sb->pending_wake);
   }
   if (!sb->idle_after_checkpoint) return;

@@ -207,7 +207,7 @@ class QemuDriver final : public VmmDriver {
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
   void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override {
     // A QEMU the record does not name (a create or a restore the node was killed in) goes too.
-    if (Status s = stop_unrecorded_qemu(spec, info); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
+    if (Status s = stop_unrecorded_qemu(spec, info, false); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
     netns_.erase(spec.id);  // QEMU's namespace goes with it
     // Its veth goes with the namespace, its chain (kept while hibernated, for the restore) here.
     if (egress_ != nullptr) egress_->detach(spec);
@@ -262,8 +262,11 @@ class QemuDriver final : public VmmDriver {
   // internet access, attached to the node's egress before QEMU runs.
   // The QEMU holding the sandbox's -pidfile when it is not the one `info` records, if there is one.
   static std::optional<VmmProcess> unrecorded_qemu(const RuntimeInfo& info);
-  // Kills that QEMU and waits (bounded) until it is gone.
-  static Status stop_unrecorded_qemu(const SandboxSpec& spec, const RuntimeInfo& info);
+  // Kills that QEMU; with `wait`, also waits (5 s at most, blocking: for observe() at a node's start) until it
+  // is gone.
+  static Status stop_unrecorded_qemu(const SandboxSpec& spec, const RuntimeInfo& info, bool wait = true);
+  // `done` once no unrecorded QEMU holds the op's pidfile, polled on the op's timer (`tries` x 10 ms at most).
+  void wait_for_unrecorded_exit(Op* op, int tries, std::function<void(Status)> done);
   Result<VmmProcess> spawn_qemu(const SandboxSpec& spec, const std::vector<std::string>& args,
                                 const std::string& log);
   // The network namespace of the running QEMU `info` describes: the one it was spawned in, or (adopted after
@@ -903,13 +906,16 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
   });
   std::vector<std::string> args = qemu_args(spec, op->info);
   for (const char* a : {"-S", "-incoming", "defer"}) args.emplace_back(a);
-  steps.push_back([this, spec, args = std::move(args)](Op* o, StepDone d) {
+  steps.push_back([this, spec](Op* o, StepDone d) {
     // QEMU reads the fw_cfg file again at start (a VM hibernated by a driver without it has none yet); the
     // restored guest does not run its command again.
     if (Status s = write_command_file(command_path(o->info.sandbox_dir), command_script(spec)); !s) return d(s);
     // One QEMU per sandbox: a restore interrupted earlier may have left its own (observe() adopts one that
     // ran; one that did not is stopped here, and its -pidfile lock would refuse the new one anyway).
-    if (Status s = stop_unrecorded_qemu(spec, o->info); !s) return d(s);
+    d(stop_unrecorded_qemu(spec, o->info, false));
+  });
+  steps.push_back([this](Op* o, StepDone d) { wait_for_unrecorded_exit(o, 500, std::move(d)); });
+  steps.push_back([this, spec, args = std::move(args)](Op* o, StepDone d) {
     // A hibernated VM's namespace died with its QEMU: the restored one gets a new one, same ports inside.
     d(spawn_incoming(o, spec, args));
   });
@@ -978,7 +984,14 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
     found.pid = stray->pid;
     found.start_time_ticks = stray->start_time_ticks;
     auto paused = query_paused(found);
-    if (paused && !*paused) {
+    if (!paused) {
+      // Whether its guest ran is unknown: killing it and restoring the saved state could put RAM older than
+      // the disk back. It is left as it is, and the sandbox failed; removing the sandbox kills it.
+      spdlog::error("sandbox {}: qemu {} (left by a restore before the node stopped) does not answer: {}", spec.id,
+                    stray->pid, paused.message());
+      return o;
+    }
+    if (!*paused) {
       spdlog::warn("sandbox {}: adopting qemu {}, which a restore started and ran before the node stopped", spec.id,
                    stray->pid);
       if (auto state = found.driver_data.find(kStateFile); state != found.driver_data.end()) {
@@ -1031,17 +1044,32 @@ Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const Runti
 
 std::optional<VmmProcess> QemuDriver::unrecorded_qemu(const RuntimeInfo& info) {
   if (info.sandbox_dir.empty()) return std::nullopt;
-  auto holder = pidfile_holder(info.sandbox_dir + "/" + kPidFile);
+  const std::string pidfile = info.sandbox_dir + "/" + kPidFile;
+  auto holder = pidfile_holder(pidfile);
   if (!holder || (holder->pid == info.pid && holder->start_time_ticks == info.start_time_ticks)) return std::nullopt;
+  // The holder's command line names this pidfile: a pid reused between the lock query and now is not taken
+  // for a QEMU (and killed).
+  std::ifstream cmdline("/proc/" + std::to_string(holder->pid) + "/cmdline", std::ios::binary);
+  const std::string args((std::istreambuf_iterator<char>(cmdline)), std::istreambuf_iterator<char>());
+  if (args.find(pidfile) == std::string::npos) return std::nullopt;
   return holder;
 }
 
-Status QemuDriver::stop_unrecorded_qemu(const SandboxSpec& spec, const RuntimeInfo& info) {
+void QemuDriver::wait_for_unrecorded_exit(Op* op, int tries, std::function<void(Status)> done) {
+  if (!unrecorded_qemu(op->info)) return done({});
+  if (tries <= 0) return done(fail(Error::kTimeout, "a qemu left by an earlier restore did not exit after SIGKILL"));
+  after(op, 10, [this, op, tries, done = std::move(done)]() mutable {
+    wait_for_unrecorded_exit(op, tries - 1, std::move(done));
+  });
+}
+
+Status QemuDriver::stop_unrecorded_qemu(const SandboxSpec& spec, const RuntimeInfo& info, bool wait) {
   auto stray = unrecorded_qemu(info);
   if (!stray) return {};
   spdlog::warn("sandbox {}: killing qemu {}, which a restore or create started before the node stopped", spec.id,
                stray->pid);
   if (Status s = kill_vmm(*stray); !s) return s;
+  if (!wait) return {};
   // SIGKILL is not refused; the wait is for the kernel to finish the exit (and release the lock).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (vmm_alive(*stray)) {

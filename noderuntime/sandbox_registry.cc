@@ -74,10 +74,20 @@ std::vector<LiveSandbox*> SandboxRegistry::all() const {
 LiveSandbox& SandboxRegistry::add(std::unique_ptr<LiveSandbox> sandbox) {
   LiveSandbox& sb = *sandbox;
   if (!sb.name().empty()) ids_by_name_[sb.name()] = sb.id();
-  reservations_->memory_mb += sb.rec.spec.memory_mb;
-  reservations_->millicpus += millicpus(sb.rec.spec.cpus);
+  sb.reserves = sb.rec.state != SandboxState::kFailed && sb.rec.state != SandboxState::kTerminated;
+  if (sb.reserves) {
+    reservations_->memory_mb += sb.rec.spec.memory_mb;
+    reservations_->millicpus += millicpus(sb.rec.spec.cpus);
+  }
   by_id_[sb.id()] = std::move(sandbox);
   return sb;
+}
+
+void SandboxRegistry::release_reservation(LiveSandbox& sb) {
+  if (!sb.reserves) return;
+  sb.reserves = false;
+  reservations_->memory_mb -= sb.rec.spec.memory_mb;
+  reservations_->millicpus -= millicpus(sb.rec.spec.cpus);
 }
 
 void SandboxRegistry::erase(const std::string& id) {
@@ -85,8 +95,7 @@ void SandboxRegistry::erase(const std::string& id) {
   if (it == by_id_.end()) return;
   auto named = ids_by_name_.find(it->second->name());
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
-  reservations_->memory_mb -= it->second->rec.spec.memory_mb;
-  reservations_->millicpus -= millicpus(it->second->rec.spec.cpus);
+  release_reservation(*it->second);
   by_id_.erase(it);
 }
 

@@ -16,8 +16,8 @@
 
 namespace sg {
 
-// What the sandboxes of a node reserve in all: each its spec's memory_mb and cpus, whatever its state (a
-// suspended or hibernated sandbox may be woken at any moment, so its reservation stays until it is gone).
+// What the sandboxes of a node reserve in all: each its spec's memory_mb and cpus while it may run, suspended
+// and hibernated included (it may be woken at any moment); a failed one, which cannot, holds none.
 // Written on the node's loop, read from any thread (the fleet's lease thread publishes it).
 struct Reservations {
   std::atomic<uint64_t> memory_mb{0};
@@ -51,6 +51,8 @@ class SandboxRegistry {
 
   // Takes a sandbox whose id is new here; its name, if any, becomes taken.
   LiveSandbox& add(std::unique_ptr<LiveSandbox> sandbox);
+  // The sandbox failed: it will not run again, and its reservation goes (once).
+  void release_reservation(LiveSandbox& sandbox);
   // Drops the sandbox (no-op for an unknown id); references to it dangle from here on.
   void erase(const std::string& id);
 

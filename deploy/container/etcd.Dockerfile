@@ -5,7 +5,7 @@ FROM debian:12-slim
 RUN apt-get update -q \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends etcd-server \
  && rm -rf /var/lib/apt/lists/*
-# The package's own unprivileged user; the data volume is made writable for it (fsGroup in the StatefulSet).
+# The package's own unprivileged user; the StatefulSet's init container hands it the data volume.
 USER etcd
 EXPOSE 2379 2380
 ENTRYPOINT ["/usr/bin/etcd"]

@@ -319,14 +319,14 @@ TEST(Format, FleetListHasANodeColumnAndNodesListsTheFleet) {
             "sb-a  web   n2    process  running  -     -      -        -     -\n");
   json nodes = json::parse(R"({"node": "n1", "nodes": [
       {"name": "n1", "state": "ready", "sandboxes": 3, "capacity_sandboxes": 100, "images": ["base", "python"],
-       "capacity_memory_mb": 8192, "reserved_memory_mb": 1536, "capacity_millicpus": 4000,
+       "capacity_memory_mb": 1048576, "reserved_memory_mb": 1536, "capacity_millicpus": 4000,
        "reserved_millicpus": 2500, "api": "https://10.0.0.1:9444"},
       {"name": "n2", "state": "draining", "sandboxes": 0, "capacity_sandboxes": 50, "images": null,
        "api": "https://10.0.0.2:9444"}]})");
   EXPECT_EQ(format_nodes(nodes),
-            "NAME  STATE     SANDBOXES  CAPACITY  MEMORY-MB  CPUS   IMAGES  API\n"
-            "n1 *  ready     3          100       1536/8192  2.5/4  2       https://10.0.0.1:9444\n"
-            "n2    draining  0          50        0/-        0/-    -       https://10.0.0.2:9444\n");
+            "NAME  STATE     SANDBOXES  CAPACITY  MEMORY-MB     CPUS   IMAGES  API\n"
+            "n1 *  ready     3          100       1536/1048576  2.5/4  2       https://10.0.0.1:9444\n"
+            "n2    draining  0          50        0/-           0/-    -       https://10.0.0.2:9444\n");
   EXPECT_TRUE(check_node_name("n-1"));
   EXPECT_FALSE(check_node_name("../x"));
   EXPECT_FALSE(check_node_name(""));

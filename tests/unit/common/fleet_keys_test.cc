@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 namespace sg {
@@ -47,6 +49,13 @@ TEST(FleetKeys, ANodeKeysMemoryAndCpusComeBackAndAbsentMeansNoLimitKnown) {
   EXPECT_EQ(back->reserved_memory_mb, 1536);
   EXPECT_EQ(back->capacity_millicpus, 16000);
   EXPECT_EQ(back->reserved_millicpus, 2500);
+  // Written by anything with access to etcd: negative counts are none, and huge ones stop at INT64_MAX.
+  auto odd = parse_node_info(R"({"name": "n9", "state": "ready", "sandboxes": -9223372036854775807,
+                                 "capacity_memory_mb": 18446744073709551615, "reserved_millicpus": -5})");
+  ASSERT_TRUE(odd) << odd.message();
+  EXPECT_EQ(odd->sandboxes, 0);
+  EXPECT_EQ(odd->capacity_memory_mb, std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(odd->reserved_millicpus, 0);
   auto older = parse_node_info(R"({"name": "n0", "state": "ready", "capacity_sandboxes": 5, "sandboxes": 1})");
   ASSERT_TRUE(older) << older.message();
   EXPECT_EQ(older->capacity_memory_mb, 0);

@@ -944,8 +944,8 @@ TEST_F(NodeTest, MaxSandboxes) {
   create("c");
 }
 
-// Every sandbox reserves its memory_mb and cpus while it exists, in any state; a create beyond
-// node.max_memory_mb or node.max_cpus is a 429 naming the key, and a removal gives the room back.
+// Every sandbox reserves its memory_mb and cpus while it may run, suspended included; a create beyond
+// node.max_memory_mb or node.max_cpus is a 429 naming the key, and a removal or a failure gives the room back.
 TEST_F(NodeTest, MaxMemoryAndCpusBoundWhatTheSandboxesReserve) {
   make_node("max_memory_mb = 1024\nmax_cpus = 2\n");
   CreateRequest big = request("big");
@@ -975,7 +975,12 @@ TEST_F(NodeTest, MaxMemoryAndCpusBoundWhatTheSandboxesReserve) {
   CreateRequest after = request("after");
   after.memory_mb = 768;
   after.cpus = 0.5;
-  create_request(after).value();
+  SandboxInfo last = create_request(after).value();
+  // A sandbox that failed cannot run again: its room goes back before it is removed.
+  driver_->exit(last.spec.id);
+  ASSERT_EQ(state("after"), S::kFailed);
+  EXPECT_EQ(node_->reservations()->memory_mb.load(), 256u);
+  EXPECT_EQ(node_->reservations()->millicpus.load(), 1500u);
 }
 
 // node.default_disk_mb is the default of drivers that enforce disk_mb; the create's own value wins.

@@ -79,6 +79,19 @@ TEST(SandboxRegistry, ReservesEachSandboxsMemoryAndCpusUntilItIsErased) {
   registry.erase(a_id);
   EXPECT_EQ(reservations->memory_mb.load(), 256u);
   EXPECT_EQ(reservations->millicpus.load(), 250u);
+  // A failed sandbox cannot run again: it holds none (released once), and one adopted failed reserves none.
+  registry.release_reservation(*registry.find("b"));
+  registry.release_reservation(*registry.find("b"));
+  EXPECT_EQ(reservations->memory_mb.load(), 0u);
+  EXPECT_EQ(reservations->millicpus.load(), 0u);
+  auto failed = sandbox(registry.new_id(), "failed");
+  failed->rec.state = SandboxState::kFailed;
+  failed->rec.spec.memory_mb = 4096;
+  registry.add(std::move(failed));
+  EXPECT_EQ(reservations->memory_mb.load(), 0u);
+  registry.erase(registry.find("b")->id());
+  registry.erase(registry.find("failed")->id());
+  EXPECT_EQ(reservations->memory_mb.load(), 0u);
 }
 
 TEST(SandboxRegistry, ACreateBeyondTheNodesMemoryOrCpusIsALimitNamingTheKey) {
