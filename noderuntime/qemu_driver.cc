@@ -906,7 +906,7 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
   });
   std::vector<std::string> args = qemu_args(spec, op->info);
   for (const char* a : {"-S", "-incoming", "defer"}) args.emplace_back(a);
-  steps.push_back([this, spec](Op* o, StepDone d) {
+  steps.push_back([spec](Op* o, StepDone d) {
     // QEMU reads the fw_cfg file again at start (a VM hibernated by a driver without it has none yet); the
     // restored guest does not run its command again.
     if (Status s = write_command_file(command_path(o->info.sandbox_dir), command_script(spec)); !s) return d(s);
