@@ -6,22 +6,12 @@
 #include <sys/wait.h>
 
 #include <chrono>
-#include <thread>
 
+#include "tests/etcd_process.h"
 #include "tests/unit/temp_dir.h"
 
 namespace sg {
 namespace {
-
-template <typename Pred>
-bool within(std::chrono::milliseconds timeout, Pred pred) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return true;
-}
 
 TEST(PidfileHolder, IsTheLiveProcessLockingTheFileAndNoneOnceItIsGone) {
   sg::testing::TempDir dir;
@@ -37,14 +27,14 @@ TEST(PidfileHolder, IsTheLiveProcessLockingTheFileAndNoneOnceItIsGone) {
                            pidfile},
                           dir.path() + "/locker.log");
   ASSERT_TRUE(locker) << locker.message();
-  ASSERT_TRUE(within(std::chrono::seconds(10), [&] { return pidfile_holder(pidfile).has_value(); }));
+  ASSERT_TRUE(sg::testing::wait_until([&] { return pidfile_holder(pidfile).has_value(); }, std::chrono::seconds(10)));
   auto holder = pidfile_holder(pidfile);
   ASSERT_TRUE(holder);
   EXPECT_EQ(holder->pid, locker->pid);
   EXPECT_EQ(holder->start_time_ticks, locker->start_time_ticks);
   ASSERT_TRUE(kill_vmm(*locker));
   ::waitpid(locker->pid, nullptr, 0);  // our child: reaped here, as a stray QEMU's parent (init) reaps it
-  EXPECT_TRUE(within(std::chrono::seconds(10), [&] { return !pidfile_holder(pidfile).has_value(); }));
+  EXPECT_TRUE(sg::testing::wait_until([&] { return !pidfile_holder(pidfile).has_value(); }, std::chrono::seconds(10)));
   EXPECT_TRUE(std::filesystem::exists(pidfile)) << "a file left by a dead process has no holder";
 }
 
