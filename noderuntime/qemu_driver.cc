@@ -41,6 +41,10 @@ constexpr const char* kStateFile = "state_file";  // set only while hibernated
 // In the sandbox dir: QEMU's -pidfile, locked by the QEMU running for the sandbox. A QEMU the record does not
 // name (spawned by a restore or a create the node was killed in) is found by it.
 constexpr const char* kPidFile = "qemu.pid";
+// QEMU takes its -pidfile lock before it creates its QMP socket, so a stray found by the lock may not answer
+// yet: a restore the node was killed in right after the spawn, found by a node restarted within milliseconds
+// (a loaded machine stretches that window). It is asked until then; one that never answers is hung.
+constexpr uint32_t kStrayQmpWaitMs = 10000;
 constexpr const char* kClockPort = "clock_port";
 constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host port
 // What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
@@ -224,9 +228,11 @@ class QemuDriver final : public VmmDriver {
  protected:
   // Terminate removes the sandbox, its disk overlay included: nothing to flush.
   void graceful_stop(Op*, StepDone done) override { done({}); }
-  Result<bool> query_paused(const RuntimeInfo& info) override;
+  Result<bool> query_paused(const RuntimeInfo& info) override { return query_paused(info, 0); }
 
  private:
+  // query-status; `connect_wait_ms` as QmpOptions::connect_wait_ms.
+  static Result<bool> query_paused(const RuntimeInfo& info, uint32_t connect_wait_ms);
   // What one operation's steps share; lives in Op::api, so dropping the op closes everything.
   struct State {
     uv_timer_t* timer = nullptr;
@@ -947,11 +953,11 @@ void QemuDriver::restore(const SandboxSpec& spec, const RuntimeInfo& info, Runti
   });
 }
 
-Result<bool> QemuDriver::query_paused(const RuntimeInfo& info) {
+Result<bool> QemuDriver::query_paused(const RuntimeInfo& info, uint32_t connect_wait_ms) {
   bool paused = false;
   std::string path = info.driver_data.count(kApiSocket) ? info.driver_data.at(kApiSocket) : "";
   Status s = run_on_private_loop([&](uv_loop_t* loop, std::function<void(Status)> done) -> std::shared_ptr<void> {
-    auto qmp = std::make_shared<QmpClient>(loop, path, "qemu", QmpOptions{});
+    auto qmp = std::make_shared<QmpClient>(loop, path, "qemu", QmpOptions{.connect_wait_ms = connect_wait_ms});
     QmpClient* q = qmp.get();
     q->connect([q, &paused, done](Status c) {
       if (!c) return done(c);
@@ -983,7 +989,7 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
     RuntimeInfo found = info;
     found.pid = stray->pid;
     found.start_time_ticks = stray->start_time_ticks;
-    auto paused = query_paused(found);
+    auto paused = query_paused(found, kStrayQmpWaitMs);
     if (!paused) {
       // Whether its guest ran is unknown: killing it and restoring the saved state could put RAM older than
       // the disk back. It is left as it is, and the sandbox failed; removing the sandbox kills it.

@@ -11,6 +11,7 @@
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 
 #include "common/subprocess.h"
 #include "noderuntime/guest_disk.h"
+#include "noderuntime/hypervisor_client.h"
 #include "noderuntime/sandbox_egress.h"
 #include "tests/unit/node/fake_hypervisor.h"
 
@@ -33,6 +35,8 @@ using testing::TestLoop;
 
 // FAKE_QEMU_MODE (read at spawn): ok | die-at-boot | initramfs-too-large | stall | qmp-error | migrate-die |
 // migrate-fail.
+// FAKE_QEMU_QMP_DELAY_MS (read at spawn): how long the fake waits between taking its -pidfile lock and creating
+// its QMP socket (QEMU takes the lock first too; under load that gap grows).
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
 // Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
@@ -43,9 +47,18 @@ using testing::TestLoop;
 // elsewhere; a migration with x-ignore-shared on then saves "SANDGATE-FAKE-DEVICES" only, which loads only
 // with x-ignore-shared on into a memory-backend-file (share=off) whose file starts with that RAM.
 constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
-import json, os, socket, subprocess, sys, threading, time
+import fcntl, json, os, socket, subprocess, sys, threading, time
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_QEMU_MODE", "ok")
+if "-pidfile" in args:  # as util/oslib-posix.c qemu_write_pidfile: a lock on the whole file, or exit
+    pidfile = open(args[args.index("-pidfile") + 1], "a")
+    try:
+        fcntl.lockf(pidfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        sys.stderr.write("qemu-system-x86_64: cannot create PID file: Cannot lock pid file\n")
+        sys.exit(1)
+    pidfile.truncate(0); pidfile.write("%d\n" % os.getpid()); pidfile.flush()
+time.sleep(int(os.environ.get("FAKE_QEMU_QMP_DELAY_MS", "0")) / 1000)
 console = [a.split("path=")[1] for a in args if a.startswith("file,id=console")][0]
 qmp = args[args.index("-qmp") + 1][len("unix:"):].split(",")[0]
 d = os.path.dirname(qmp)
@@ -260,6 +273,7 @@ class QemuDriverTest : public ::testing::Test {
       for (int pid : spawned_pids(d)) ::kill(pid, SIGKILL);
     ::unsetenv("FAKE_QEMU_MODE");
     ::unsetenv("FAKE_QEMU_AGENT");
+    ::unsetenv("FAKE_QEMU_QMP_DELAY_MS");
     ::unsetenv("FAKE_BUILDER_MODE");
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
@@ -511,6 +525,48 @@ TEST_F(QemuDriverTest, AFailedMemoryCheckpointSetsTheGuestRunningAgain) {
   EXPECT_FALSE(seen.paused);
 }
 
+// A node killed inside a restore, just after it spawned QEMU, and restarted at once: the stray QEMU holds the
+// sandbox's pidfile but has no QMP socket yet. The restarted node asks it until it answers (it says
+// "inmigrate": its guest never ran), stops it and finds the saved state to restore, instead of giving the
+// sandbox up as failed (what a loaded CI machine saw with the real QEMU).
+TEST_F(QemuDriverTest, AStrayQemuFromAnInterruptedRestoreIsAskedUntilItsMonitorAnswers) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  ASSERT_TRUE(loop_.run_until([&] { return none_alive(); }));
+
+  // The restore's QEMU as the driver spawns it (the start's command line with -incoming), slow to its monitor.
+  std::vector<std::string> args;
+  {
+    std::istringstream in(read_all(sandbox_dir_ + "/argv"));
+    for (std::string a; std::getline(in, a, '\0');) args.push_back(a);
+  }
+  args.insert(args.end(), {"-incoming", "defer"});
+  std::filesystem::remove(saved->driver_data["api_socket"]);
+  // In a network namespace of its own, as the driver spawns it: its forwards' host ports are free there.
+  args.insert(args.begin(), {"-n", "sh", "-c", "ip link set lo up && exec \"$0\" \"$@\"", bin_});
+  ::setenv("FAKE_QEMU_QMP_DELAY_MS", "1500", 1);
+  auto stray = spawn_vmm("stray", "/usr/bin/unshare", args, dir_.path() + "/stray.log");
+  ::unsetenv("FAKE_QEMU_QMP_DELAY_MS");
+  ASSERT_TRUE(stray) << stray.message();
+  const std::string pidfile = sandbox_dir_ + "/qemu.pid";
+  ASSERT_TRUE(loop_.run_until([&] { return pidfile_holder(pidfile).has_value(); }, 10000));
+  ASSERT_FALSE(std::filesystem::exists(saved->driver_data["api_socket"])) << "the monitor came before the test";
+
+  auto seen = driver().observe(spec_, *saved);
+  EXPECT_FALSE(seen.alive);
+  EXPECT_TRUE(seen.hibernated) << "the sandbox would be marked failed";
+  // The test's child, reaped here (a real stray's parent, init, reaps it); one left running fails this.
+  EXPECT_TRUE(loop_.run_until([&] { return ::waitpid(stray->pid, nullptr, WNOHANG) == stray->pid; }, 5000))
+      << "the stray was not stopped";
+
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
+}
+
 TEST_F(QemuDriverTest, QmpErrorFailsThePauseWithItsDescription) {
   mode("qmp-error");
   auto info = start();
@@ -624,6 +680,8 @@ TEST_F(QemuDriverTest, ExistingGuestImageIsNotRebuilt) {
   ASSERT_TRUE(r.ok()) << r.message();
   EXPECT_TRUE(builder_calls().empty());
   EXPECT_EQ(read_all(cfg_.guest_kernel), "kernel");
+  // Gone before the sandbox starts again: its -pidfile lock would refuse a second QEMU, as QEMU's does.
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *r, std::move(d)); }).ok());
 
   // One the builder made gets its inputs checked once per node process (here: a builder that fails, which
   // keeps the image that is there); later starts do not ask again.
