@@ -10,6 +10,7 @@ PACKAGES=(
   libssl-dev libuv1-dev node-llhttp libnghttp2-dev libjemalloc-dev nlohmann-json3-dev libtomlplusplus-dev
   libcli11-dev libspdlog-dev libfmt-dev libsqlite3-dev
   libarchive-dev  # image import: docker-save / OCI archives and their (gzip, zstd) layers
+  libsimdjson-dev  # the node reads the proxies' activity reports (every worker, every second) with it
   libsystemd-dev  # sd_notify: both daemons tell systemd when they are ready, reloading or stopping
   libssh-dev zlib1g-dev  # the agent's SSH server (static libssh.a + libz.a), the node's key checks (docs/ssh.md)
   # tests and benchmarks

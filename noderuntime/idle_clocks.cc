@@ -21,7 +21,7 @@ void IdleClocks::start(const std::string& sandbox_id, IdleTracker::Duration time
 
 void IdleClocks::remove(const std::string& sandbox_id) { tracker_.remove(sandbox_id); }
 
-void IdleClocks::touch(const std::string& sandbox_id) { tracker_.touch(sandbox_id, Clock::now()); }
+void IdleClocks::touch(const std::string& sandbox_id, Clock::time_point now) { tracker_.touch(sandbox_id, now); }
 
 void IdleClocks::hold(const std::string& sandbox_id) { tracker_.hold(sandbox_id); }
 

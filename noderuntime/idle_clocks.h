@@ -28,7 +28,9 @@ class IdleClocks {
   // until released (connections are open).
   void start(const std::string& sandbox_id, IdleTracker::Duration timeout, bool held = false);
   void remove(const std::string& sandbox_id);
-  void touch(const std::string& sandbox_id);
+  void touch(const std::string& sandbox_id) { touch(sandbox_id, Clock::now()); }
+  // With the caller's `now`: one clock read for a whole activity report.
+  void touch(const std::string& sandbox_id, Clock::time_point now);
   void hold(const std::string& sandbox_id);
   // The last hold gone: the clock starts from now.
   void release(const std::string& sandbox_id);

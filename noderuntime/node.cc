@@ -336,9 +336,11 @@ void Node::start_hibernate_clock(Sandbox& sb) {
   idle_.start(sb.id(), std::chrono::seconds(sb.rec.spec.hibernate_after_secs));
 }
 
-void Node::touch(Sandbox& sb) {
-  sb.rec.last_activity_at_ms = wall_now_ms();
-  idle_.touch(sb.id());
+void Node::touch(Sandbox& sb) { touch(sb, Clock::now(), wall_now_ms()); }
+
+void Node::touch(Sandbox& sb, Clock::time_point now, int64_t wall_ms) {
+  sb.rec.last_activity_at_ms = wall_ms;
+  idle_.touch(sb.id(), now);
 }
 
 void Node::watch(Sandbox& sb) {
@@ -718,7 +720,8 @@ CredentialCheck Node::check_operator_token(const std::optional<std::string>& cre
 }
 
 ActivityAnswer Node::activity(const std::vector<ActivityReport>& reports) {
-  Clock::time_point now = Clock::now();
+  const Clock::time_point now = Clock::now();
+  const int64_t wall_ms = wall_now_ms();
   ActivityAnswer answer;
   for (const ActivityReport& r : reports) {
     Sandbox* sb = registry_.find(r.id);
@@ -726,7 +729,7 @@ ActivityAnswer Node::activity(const std::vector<ActivityReport>& reports) {
     reports_.report(sb->id(), r.reporter, r.connections, now);
     // A report carries bytes moved up to an interval ago, so it cannot tell traffic after a suspend from
     // traffic before it: it never wakes. Whatever asks for a sleeping sandbox comes through open().
-    if (sb->rec.state == S::kRunning && (r.bytes_in != 0 || r.bytes_out != 0)) touch(*sb);
+    if (sb->rec.state == S::kRunning && (r.bytes_in != 0 || r.bytes_out != 0)) touch(*sb, now, wall_ms);
     if (sb->rec.state == S::kSuspending || sb->rec.state == S::kSuspended)
       answer.asleep.push_back(AsleepSandbox{sb->id(), sb->suspended_at});
     // Announced for as long as a live proxy must have reported once (the report TTL); cutting is idempotent.

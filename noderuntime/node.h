@@ -28,6 +28,7 @@
 
 #include <uv.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -291,6 +292,9 @@ class Node {
   bool transition_or_fail(Sandbox& sb, SandboxState to, std::string reason);
   void persist(const Sandbox& sb);
   void touch(Sandbox& sb);
+  // The same at given times (steady for the idle clock, wall for the record): an activity report reads the
+  // clocks once for all its sandboxes.
+  void touch(Sandbox& sb, std::chrono::steady_clock::time_point now, int64_t wall_ms);
   void start_idle_clock(Sandbox& sb);
   void start_hibernate_clock(Sandbox& sb);
   void watch(Sandbox& sb);

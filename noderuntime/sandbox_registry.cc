@@ -79,6 +79,7 @@ LiveSandbox& SandboxRegistry::add(std::unique_ptr<LiveSandbox> sandbox) {
     reservations_->memory_mb += sb.rec.spec.memory_mb;
     reservations_->millicpus += millicpus(sb.rec.spec.cpus);
   }
+  uid_bases_.insert(sb.rec.spec.uid_base);
   by_id_[sb.id()] = std::move(sandbox);
   return sb;
 }
@@ -96,6 +97,10 @@ void SandboxRegistry::erase(const std::string& id) {
   auto named = ids_by_name_.find(it->second->name());
   if (named != ids_by_name_.end() && named->second == id) ids_by_name_.erase(named);
   release_reservation(*it->second);
+  const uint32_t uid_base = it->second->rec.spec.uid_base;
+  if (auto base = uid_bases_.find(uid_base); base != uid_bases_.end()) uid_bases_.erase(base);
+  if (uid_base >= free_from_base_ && (uid_base - free_from_base_) % kUidRangeSize == 0)
+    free_from_slot_ = std::min<uint64_t>(free_from_slot_, (uid_base - free_from_base_) / kUidRangeSize);
   by_id_.erase(it);
 }
 
@@ -108,13 +113,22 @@ std::string SandboxRegistry::new_id() const {
 }
 
 Result<uint32_t> SandboxRegistry::free_uid_base(uint32_t range_base) const {
-  std::set<uint32_t> used;
-  for (const auto& [id, sb] : by_id_) used.insert(sb->rec.spec.uid_base);
   const uint64_t slots = ((uint64_t{1} << 32) - 1 - range_base) / kUidRangeSize;
-  for (uint64_t slot = 0; slot < slots; ++slot) {
-    const auto base = static_cast<uint32_t>(range_base + slot * kUidRangeSize);
-    if (used.count(base) == 0) return base;
+  const uint64_t end = uint64_t{range_base} + slots * kUidRangeSize;
+  if (range_base != free_from_base_) {
+    free_from_base_ = range_base;
+    free_from_slot_ = 0;
   }
+  // The sorted bases from there up: the first slot base not among them is free. Bases between slots (made
+  // under another node.uid_range_base) do not hold a slot, as before.
+  uint64_t candidate = uint64_t{range_base} + free_from_slot_ * kUidRangeSize;
+  if (candidate < end) {
+    for (auto it = uid_bases_.lower_bound(static_cast<uint32_t>(candidate)); it != uid_bases_.end() && *it <= candidate;
+         ++it)
+      if (*it == candidate) candidate += kUidRangeSize;
+  }
+  free_from_slot_ = (candidate - range_base) / kUidRangeSize;
+  if (candidate < end) return static_cast<uint32_t>(candidate);
   return fail(Error::kLimitExceeded,
               "every uid range above node.uid_range_base is in use (" + std::to_string(slots) + " sandboxes)");
 }

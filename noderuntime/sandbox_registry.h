@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -63,6 +64,13 @@ class SandboxRegistry {
 
  private:
   std::unordered_map<std::string, std::unique_ptr<LiveSandbox>> by_id_;
+  // Every sandbox's spec.uid_base, sorted, so a create walks to the first free range instead of collecting
+  // them all (which made 10,000 creates take 55 s). A multiset: records from an older node may share one.
+  std::multiset<uint32_t> uid_bases_;
+  // No range below slot `free_from_slot_` of `free_from_base_` is free: creates take the lowest free range and
+  // only a removal frees one (and lowers it), so a create usually steps over one base, not all of them.
+  mutable uint32_t free_from_base_ = 0;
+  mutable uint64_t free_from_slot_ = 0;
   std::unordered_map<std::string, std::string> ids_by_name_;
   std::shared_ptr<Reservations> reservations_ = std::make_shared<Reservations>();
 };

@@ -56,6 +56,9 @@ TEST(ApiBodyTest, TheActivityReaderNamesWhatIsWrongAndAppliesTheBodysReporter) {
             "sandboxes[].connections: must be a non-negative integer, got object");
   EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "reporter": null}]})"),
             "sandboxes[].reporter: must be a string, got null");
+  EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "bytes_in": 18446744073709551616}]})"),
+            "request body has a malformed number or one beyond 64 bits");
+  EXPECT_EQ(error("{\"sandboxes\": [{\"id\": \"\xff\"}]}"), "request body is not valid JSON");
   EXPECT_EQ(error(R"({"sandboxes": [{"id": "a", "port": 1}]})"),
             "unknown field 'sandboxes[].port' (allowed: id, bytes_in, bytes_out, connections, reporter)");
 }

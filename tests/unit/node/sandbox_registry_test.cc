@@ -52,6 +52,19 @@ TEST(SandboxRegistry, UidRangesAreTheLowestFreeSlots) {
   const std::string second = registry.new_id();
   registry.add(sandbox(second, "", base + 2 * kUidRangeSize));
   EXPECT_EQ(*registry.free_uid_base(base), base + kUidRangeSize);
+  // Taken: the next gap is after the second. A base between slots (another node.uid_range_base) or below the
+  // range holds no slot; one shared by two records frees its slot only with the last of them.
+  const std::string third = registry.new_id();
+  registry.add(sandbox(third, "", base + kUidRangeSize));
+  registry.add(sandbox(registry.new_id(), "", base + 3 * kUidRangeSize + 7));
+  registry.add(sandbox(registry.new_id(), "", base - kUidRangeSize));
+  EXPECT_EQ(*registry.free_uid_base(base), base + 3 * kUidRangeSize);
+  const std::string twin = registry.new_id();
+  registry.add(sandbox(twin, "", base + kUidRangeSize));
+  registry.erase(third);
+  EXPECT_EQ(*registry.free_uid_base(base), base + 3 * kUidRangeSize);
+  registry.erase(twin);
+  EXPECT_EQ(*registry.free_uid_base(base), base + kUidRangeSize) << "the slot of the removed sandboxes is free again";
   // The top range: one slot fits below 2^32, and once it is taken there is none.
   const uint32_t top = 0xFFFFFFFFu - kUidRangeSize;
   SandboxRegistry full;
