@@ -17,7 +17,12 @@
 #     process list); kernel command line `sg.agent=<port>`: the agent's port; `sg.clock=<port>`: the port the
 #     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
 #     guest clock stood still while the VM was stopped), followed by the sandbox's id, hostname and an RNG
-#     seed (after a start too: a guest restored from a memory snapshot takes its new identity from it).
+#     seed (after a start too: a guest restored from a memory snapshot takes its new identity from it), and
+#     for a guest with SSH the sandbox's host key, the node's authorized_keys (base64; "-" empty) and the
+#     line's sequence (/lib/sandgate/identity applies each connection's line).
+#   - kernel command line `sg.ssh=<port>` and fw_cfg file `opt/sandgate/ssh_host_key`: the agent also serves
+#     SSH on that port (docs/ssh.md), with that host key, and the keys the identity line brings (re-read by
+#     the agent for each connection, replaced whole by each line).
 #   - kernel command line `sg.root=/dev/vda` (a QEMU sandbox booting an image's disk): the init mounts that
 #     ext4 disk and runs the agent and the command chrooted into it (the agent with the libraries it was
 #     copied with, from a tmpfs at /run/sandgate, so the image needs none of them; the command with the
@@ -133,6 +138,7 @@ export PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin HOME=/root
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts && mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts
 mount -t tmpfs tmpfs /run
 mount -t tmpfs tmpfs /tmp
 for m in $(cat /lib/sandgate/modules); do insmod "/lib/sandgate/$m" || echo "SANDGATE-GUEST insmod $m failed"; done
@@ -155,6 +161,7 @@ if [ -n "$rootdev" ]; then
     mount -t proc proc /newroot/proc
     mount -t sysfs sysfs /newroot/sys
     mount -t devtmpfs devtmpfs /newroot/dev
+    mkdir -p /newroot/dev/pts && mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /newroot/dev/pts
     mount -t tmpfs tmpfs /newroot/run
     cp -RL /sandgate /newroot/run/sandgate
     cp /bin/busybox /newroot/run/sandgate/busybox
@@ -170,27 +177,28 @@ if [ -n "$rootdev" ]; then
     echo "SANDGATE-GUEST cannot mount $rootdev; running from the initramfs"
   fi
 fi
+# SSH (sg.ssh): the agent's host key and the registered keys live here, in the root the agent runs in;
+# $ssh_dir is that directory as the init sees it.
+ssh=$(arg sg.ssh)
+ssh_dir=/newroot/run/sandgate-ssh
+[ -n "$in_root" ] || ssh_dir=/run/sandgate-ssh
+ssh_args=
+hostkey_fw=/sys/firmware/qemu_fw_cfg/by_name/opt/sandgate/ssh_host_key/raw
+if [ -n "$ssh" ] && [ -r "$hostkey_fw" ] && mkdir -p -m 700 "$ssh_dir" && cp "$hostkey_fw" "$ssh_dir/host_ed25519" &&
+   chmod 600 "$ssh_dir/host_ed25519" && : >"$ssh_dir/authorized_keys"; then
+  ssh_args="--ssh-listen 0.0.0.0:$ssh --ssh-host-key /run/sandgate-ssh/host_ed25519 --ssh-authorized-keys /run/sandgate-ssh/authorized_keys"
+fi
 if [ -n "$clock" ]; then
-  # One connection per sync: "<epoch seconds> <sandbox id> <hostname> <seed hex>" (the last three from
-  # drivers that send them). The id goes where the agent's /health reads it; the seed is mixed into the
-  # kernel's RNG with a forced reseed, so guests restored from one memory snapshot draw different numbers.
-  (while :; do
-    set -- $(nc -l -p "$clock" </dev/null)
-    [ -n "$1" ] && date -s "@$1" >/dev/null
-    if [ -n "$2" ]; then
-      # The id last: once /health reports it, the hostname and the reseed are done.
-      hostname "$3"
-      [ -n "$4" ] && [ -x /sandgate/sandgate-agent ] && $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1
-      echo "$2" >/run/sandgate-id
-      [ -n "$in_root" ] && echo "$2" >/newroot/run/sandgate-id
-    fi
-  done) &
+  # The node's identity lines (/lib/sandgate/identity), one connection each: a listener that never goes
+  # away, so a line sent while another is being applied is not refused.
+  export in_root agent_bin ssh_dir ssh_args
+  nc -ll -p "$clock" -e /lib/sandgate/identity </dev/null >/dev/null 2>&1 &
 fi
 # The driver routes the SDK (exec, files, health) to the agent, so it must know whether one listens: a
 # connection forwarded to a guest port nobody listens on is reset by QEMU only after the request was sent.
 agent_state=none
 if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
-  $in_root $agent_bin --listen "0.0.0.0:$agent" >/dev/console 2>&1 &
+  $in_root $agent_bin --listen "0.0.0.0:$agent" $ssh_args >/dev/console 2>&1 &
   # Listening sockets in /proc/net/tcp: local port in hex, state 0A (LISTEN). Bounded: ~10 s.
   hex=$(printf '%04X' "$agent")
   agent_state=failed
@@ -212,6 +220,40 @@ echo "SANDGATE-GUEST-EXIT $?"
 poweroff -f
 INIT
 chmod +x "$root/init"
+
+cat >"$root/lib/sandgate/identity" <<'IDENTITY'
+#!/bin/busybox sh
+# One identity line from the node, on stdin (run by the init's `nc -ll` for each connection, so several may
+# run at once): "<epoch seconds> <sandbox id> <hostname> <seed hex> [<host key> <keys> <sequence>]", all but
+# the first from drivers that send them. It sets the clock and the hostname, mixes the seed into the
+# kernel's RNG with a forced reseed (guests restored from one memory snapshot draw different numbers),
+# writes the SSH files (this sandbox's: a memory snapshot's guest had its source's) and last records the id
+# where the agent's /health reads it. Each line carries all the keys, so only the newest matters: they are
+# written under a lock, from a line whose sequence (the node's clock, ns) is newer than the last one written.
+read -r line || [ -n "$line" ] || exit 0
+set -- $line
+[ -n "$1" ] && date -s "@$1" >/dev/null
+[ -n "$2" ] || exit 0
+hostname "$3"
+[ -n "$4" ] && [ "$4" != - ] && [ -x /sandgate/sandgate-agent ] && $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1
+# One field into a file, replaced whole: base64, or "-" for empty.
+put_field() {
+  if [ "$1" = - ]; then : >"$2.new"; else echo "$1" | base64 -d >"$2.new"; fi && chmod 600 "$2.new" && mv "$2.new" "$2"
+}
+if [ -n "$7" ] && [ -n "$ssh_args" ]; then
+  until mkdir /run/sandgate-identity.lock 2>/dev/null; do sleep 0.05; done
+  last=$(cat /run/sandgate-identity.seq 2>/dev/null || echo 0)
+  if [ "$7" -gt "$last" ]; then
+    { [ "$5" = - ] || put_field "$5" "$ssh_dir/host_ed25519"; } && put_field "$6" "$ssh_dir/authorized_keys" &&
+      echo "$7" >/run/sandgate-identity.seq || echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console
+  fi
+  rmdir /run/sandgate-identity.lock
+fi
+echo "$2" >/run/sandgate-id
+[ -n "$in_root" ] && echo "$2" >/newroot/run/sandgate-id
+exit 0
+IDENTITY
+chmod +x "$root/lib/sandgate/identity"
 
 (cd "$root" && find . | /bin/busybox cpio -o -H newc 2>/dev/null | gzip -1) >"$work/initrd.img"
 cp "$kroot/boot/vmlinuz-$kver" "$work/vmlinuz"

@@ -1081,12 +1081,14 @@ void ApiServer::handle_ssh_keys(const HttpMessage& request, std::string_view pat
     if (key.empty()) return reply(invalid("public_key is required: the content of a .pub file"));
     auto added = ssh_keys_->add(label, key);
     if (!added) return reply(error_response(added.failure()));
+    node_->ssh_keys_changed();
     return reply(Response{201, to_text(ssh_key_json(*added)), {}, ""});
   }
   std::string_view label = path.substr(std::string_view("/v1/ssh-keys/").size());
   if (method != "DELETE") return not_allowed("DELETE");
   if (Status s = validate_ssh_key_label(label); !s) return reply(error_response(s.failure()));
   if (Status s = ssh_keys_->remove(label); !s) return reply(error_response(s.failure()));
+  node_->ssh_keys_changed();
   return reply(Response{200, to_text(ordered_json{{"removed", std::string(label)}}), {}, ""});
 }
 

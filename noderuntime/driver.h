@@ -145,6 +145,10 @@ class Driver {
   virtual void forward_port(const SandboxSpec& /*spec*/, const RuntimeInfo&, uint16_t /*port*/, Done done) {
     done({});
   }
+  // The node's registered SSH keys changed (docs/ssh.md): a driver whose guests cannot read the node's
+  // key file themselves tells the live instance. Best effort; a later start, resume or restore tells it
+  // again. Drivers whose sandboxes see the file (a bind mount) need nothing: the default.
+  virtual void ssh_keys_changed(const SandboxSpec& /*spec*/, const RuntimeInfo& /*info*/) {}
   // The reverse, best effort, after the port left the spec (the node refuses it from then on either way).
   virtual void unforward_port(const SandboxSpec& /*spec*/, const RuntimeInfo&, uint16_t /*port*/, Done done) {
     done({});

@@ -796,6 +796,11 @@ void Node::expose_port(std::string_view ref, int64_t port, const ExposeRequest& 
   });
 }
 
+void Node::ssh_keys_changed() {
+  for (Sandbox* sb : registry_.all())
+    if (sb->rec.state == S::kRunning && !sb->terminating) driver(*sb).ssh_keys_changed(sb->rec.spec, sb->rec.runtime);
+}
+
 Result<SandboxInfo> Node::close_port(std::string_view ref, int64_t port) {
   auto found = registry_.find_usable(ref);
   if (!found) return found.failure();

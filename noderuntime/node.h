@@ -228,6 +228,9 @@ class Node {
   void expose_port(std::string_view ref, int64_t port, const ExposeRequest& request, SandboxCallback done);
   // Closes an exposed port (DELETE): refused from the answer on; connections already open to it go on.
   Result<SandboxInfo> close_port(std::string_view ref, int64_t port);
+  // The node's registered SSH keys changed: every running sandbox's driver is told (docs/ssh.md; a VM's
+  // guest keeps its own copy). Suspended ones are told when they wake, by the driver's resume or restore.
+  void ssh_keys_changed();
 
   // Route-cache invalidations (RouteEvent), delivered synchronously on the loop, before the call that caused
   // them returns: a rotation's answer leaves after every subscriber was told. Returns the id unsubscribe()

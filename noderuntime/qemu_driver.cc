@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <openssl/evp.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -31,6 +32,7 @@
 #include "noderuntime/netns.h"
 #include "noderuntime/qmp_client.h"
 #include "noderuntime/sandbox_egress.h"
+#include "noderuntime/ssh_keys.h"
 #include "noderuntime/uv_handles.h"
 
 namespace sg {
@@ -191,6 +193,7 @@ class QemuDriver final : public VmmDriver {
         boot_timeout_ms_(cfg.qemu_boot_timeout_ms),
         boot_attempts_(std::max<uint32_t>(cfg.qemu_boot_attempts, 1)),
         agent_port_(agent_port),
+        ssh_keys_dir_(ssh_keys_dir(cfg.state_dir)),
         tsc_khz_(kvm_ ? 0 : measure_tsc_khz()) {
     auto home = current_netns();
     if (home) host_netns_ = std::move(*home);
@@ -201,6 +204,9 @@ class QemuDriver final : public VmmDriver {
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
                          std::function<void(Result<MemoryCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
+  void ssh_keys_changed(const SandboxSpec& spec, const RuntimeInfo& info) override {
+    send_identity(spec, info);
+  }
   void unforward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
   void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
@@ -307,6 +313,13 @@ class QemuDriver final : public VmmDriver {
   // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
+  // The identity line itself (see the header), best effort: a guest whose clock listener is gone still runs.
+  void send_identity(const SandboxSpec& spec, const RuntimeInfo& info);
+  // The guest's SSH port when this instance forwards it (sandboxes started before guests had SSH do not).
+  uint16_t forwarded_ssh_port(const SandboxSpec& spec, const RuntimeInfo& info) const {
+    const uint16_t port = agent_ssh_port(spec);
+    return port != 0 && info.driver_data.contains(kPortPrefix + std::to_string(port)) ? port : 0;
+  }
   // What a failed start leaves: the namespace we hold and, with internet access, its chain.
   void forget_failed_start(const SandboxSpec& spec) {
     netns_.erase(spec.id);
@@ -334,6 +347,7 @@ class QemuDriver final : public VmmDriver {
   uint32_t boot_timeout_ms_;
   uint32_t boot_attempts_;
   uint16_t agent_port_;
+  std::string ssh_keys_dir_;  // the node's registered SSH keys (noderuntime/ssh_keys.h), sent to guests with SSH
   uint64_t tsc_khz_;
   UniqueFd host_netns_;  // the node's: where the driver's thread returns after each switch
   std::string host_netns_error_;
@@ -356,6 +370,12 @@ Result<RuntimeInfo> QemuDriver::prepare(const SandboxSpec& spec, const std::stri
   // their host ports, which restore forwards the same way inside the new namespace.)
   std::vector<uint16_t> guest_ports = spec.exposed_ports;
   guest_ports.push_back(agent_port_);
+  // SSH without an sshd: the host key is made once and kept with the sandbox, so it survives suspends,
+  // hibernation and node restarts (known_hosts keeps working); the guest's root reads it, nobody else.
+  if (uint16_t ssh = agent_ssh_port(spec); ssh != 0) {
+    guest_ports.push_back(ssh);
+    if (auto key = ensure_host_key(sandbox_dir + "/ssh", 0); !key) return key.failure();
+  }
   for (uint16_t gp : guest_ports) info.driver_data[kPortPrefix + std::to_string(gp)] = std::to_string(gp);
   info.driver_data[kClockPort] = std::to_string(kClockGuestPort);
   if (Status s = write_command_file(command_path(sandbox_dir), command_script(spec)); !s) return s.failure();
@@ -369,6 +389,8 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   append += " sg.clock=" + std::to_string(kClockGuestPort) + " sg.agent=" + std::to_string(agent_port_);
   auto disk = info.driver_data.find(kDisk);
   if (disk != info.driver_data.end()) append += " sg.root=/dev/vda";
+  const uint16_t ssh = forwarded_ssh_port(spec, info);
+  if (ssh != 0) append += " sg.ssh=" + std::to_string(ssh);
   std::string netdev = user_netdev(spec.allow_internet_access);
   for (const auto& [key, value] : info.driver_data) {
     if (key.rfind(kPortPrefix, 0) == 0)
@@ -405,6 +427,10 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
           "-kernel", kernel_, "-initrd", initrd_, "-append", append,
           "-fw_cfg", std::string("name=") + kGuestCommandFwCfg + ",file=" + command_path(dir),
           "-netdev", netdev, "-device", "virtio-net-device,netdev=net0"};
+  if (ssh != 0)
+    for (const std::string& a : {std::string("-fw_cfg"), std::string("name=") + kGuestSshHostKeyFwCfg +
+                                                            ",file=" + host_key_path(dir + "/ssh")})
+      args.push_back(a);
   if (disk != info.driver_data.end()) {
     for (const std::string& a : {std::string("-drive"), "file=" + disk->second + ",if=none,id=root,format=qcow2",
                                  std::string("-device"), std::string("virtio-blk-device,drive=root")})
@@ -679,42 +705,77 @@ QemuDriver::Step QemuDriver::command_step(std::string command, nlohmann::json ar
 }
 
 QemuDriver::Step QemuDriver::clock_step(const SandboxSpec& spec) {
-  const std::string hostname = spec.name.empty() ? spec.id : spec.name;
-  return [this, id = spec.id, hostname](Op* op, StepDone done) {
-    // Best effort: a guest whose clock listener is gone still runs, just with a late clock.
-    auto it = op->info.driver_data.find(kClockPort);
-    auto port = it == op->info.driver_data.end() ? std::nullopt : parse_port(it->second);
-    if (!port) return done({});
-    // The forwarded clock port listens on the loopback of the VM's namespace only.
-    auto netns = netns_of(op->sandbox_id, op->info);
-    auto sock = netns ? socket_in(*netns, op->sandbox_id) : Result<UniqueFd>(netns.failure());
-    if (!sock) {
-      spdlog::warn("sandbox {}: cannot set the guest clock: {}", op->sandbox_id, sock.message());
-      return done({});
-    }
-    UniqueFd fd = std::move(*sock);
-    // Blocking again: loopback to QEMU's own listener, connect and a few bytes complete at once.
-    ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(*port);
-    // "<epoch> <sandbox id> <hostname> <seed>": the guest's init sets its clock and hostname, records the
-    // id (the agent's /health reports it) and mixes the seed into its RNG with a forced reseed, so two
-    // sandboxes started from one memory snapshot never share a random stream.
-    unsigned char seed[32];
-    std::string line = std::to_string(std::time(nullptr)) + " " + id + " " + hostname;
-    if (::getrandom(seed, sizeof seed, 0) == static_cast<ssize_t>(sizeof seed)) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      line += ' ';
-      for (unsigned char b : seed) line += {kHex[b >> 4], kHex[b & 15]};
-    }
-    line += '\n';
-    if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-        ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size()))
-      spdlog::warn("sandbox {}: cannot set the guest clock: {}", op->sandbox_id, std::strerror(errno));
+  return [this, spec](Op* op, StepDone done) {
+    send_identity(spec, op->info);
     done({});
   };
+}
+
+namespace {
+
+// One field of the identity line: base64 without line breaks, "-" for nothing.
+std::string identity_field(const std::string& bytes) {
+  if (bytes.empty()) return "-";
+  std::string out(4 * ((bytes.size() + 2) / 3) + 1, '\0');
+  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                                reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
+  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  return out;
+}
+
+}  // namespace
+
+void QemuDriver::send_identity(const SandboxSpec& spec, const RuntimeInfo& info) {
+  const std::string& id = spec.id;
+  auto it = info.driver_data.find(kClockPort);
+  auto port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
+  if (!port) return;
+  // "<epoch> <sandbox id> <hostname> <seed>": the guest's init sets its clock and hostname, records the id
+  // (the agent's /health reports it) and mixes the seed into its RNG with a forced reseed, so two sandboxes
+  // started from one memory snapshot never share a random stream.
+  unsigned char seed[32];
+  std::string line = std::to_string(std::time(nullptr)) + " " + id + " " + (spec.name.empty() ? spec.id : spec.name);
+  if (::getrandom(seed, sizeof seed, 0) == static_cast<ssize_t>(sizeof seed)) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    line += ' ';
+    for (unsigned char b : seed) line += {kHex[b >> 4], kHex[b & 15]};
+  } else {
+    line += " -";
+  }
+  // Then the SSH server's files: this sandbox's host key and the node's keys as they are now, and the
+  // line's sequence (the wall clock in ns), by which the guest keeps the newest of lines that overtook
+  // each other.
+  if (forwarded_ssh_port(spec, info) != 0) {
+    auto files = read_guest_ssh_files(ssh_keys_dir_, info.sandbox_dir + "/ssh");
+    const auto sequence = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch()).count();
+    if (files)
+      line += " " + identity_field(files->host_key) + " " + identity_field(files->authorized_keys) + " " +
+              std::to_string(sequence);
+    else spdlog::warn("sandbox {}: the guest's SSH server gets no keys: {}", id, files.message());
+  }
+  line += '\n';
+  // The forwarded clock port listens on the loopback of the VM's namespace only.
+  auto netns = netns_of(id, info);
+  auto sock = netns ? socket_in(*netns, id) : Result<UniqueFd>(netns.failure());
+  if (!sock) {
+    spdlog::warn("sandbox {}: cannot set the guest clock: {}", id, sock.message());
+    return;
+  }
+  UniqueFd fd = std::move(*sock);
+  // Blocking again: loopback to QEMU's own listener; connect and a few KiB complete at once. Bounded all
+  // the same (it runs on the node's loop): a guest that reads nothing (a key list beyond the socket
+  // buffers) would otherwise hold the node up.
+  ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
+  const timeval send_limit{2, 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &send_limit, sizeof send_limit);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(*port);
+  if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size()))
+    spdlog::warn("sandbox {}: cannot set the guest clock: {}", id, std::strerror(errno));
 }
 
 // slirp's rules change through the human monitor (QMP has no command for them), which answers in text: a

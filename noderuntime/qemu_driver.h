@@ -48,10 +48,20 @@
 //   - The command script (env, cwd, argv) reaches the guest as the fw_cfg file kGuestCommandFwCfg, written
 //     0600 in the sandbox dir, never on QEMU's command line (which any local user can read in /proc).
 //   - The QMP socket and the command file are in the sandbox dir, which the driver keeps at 0700.
+//   - SSH without an sshd (docs/ssh.md): the agent in the guest serves it on agent port + 1, forwarded like
+//     the agent port. The sandbox's host key (made once, in <sandbox dir>/ssh, as for a process sandbox)
+//     reaches the guest at boot as the fw_cfg file kGuestSshHostKeyFwCfg; the node's registered keys come
+//     with the identity line (below), which also carries the host key again: a sandbox started from a
+//     memory snapshot runs its source's guest, which must take the new sandbox's key.
 //
 // Guest clock: a stopped VM's clock stops too, so after a resume or restore the guest is behind by the time
 // it spent suspended. The guest's init listens on guest port kClockGuestPort; the driver connects to its
 // forward inside the VM's namespace and writes the host's epoch seconds, and the guest runs `date -s @N`.
+// The same line tells the guest who it is, after every start, resume and restore and whenever the node's
+// SSH keys change: "<epoch> <sandbox id> <hostname> <seed hex> [<host key> <authorized_keys> <sequence>]",
+// the key fields base64 (no line breaks), "-" for empty, and all three only for a guest with SSH. Lines may
+// overtake each other in the guest (each connection gets a handler of its own); the sequence (the wall
+// clock in ns) lets it keep the newest keys.
 //
 // Acceleration: node.qemu_accel = "auto" means TCG; "kvm" must be asked for explicitly. /dev/kvm existing
 // proves nothing (on nested or paravirtualised hosts it may refuse ordinary guests), and a wrong guess would
@@ -79,6 +89,8 @@ inline constexpr uint16_t kClockGuestPort = 1021;
 // limit: it is copied into the guest's RAM (a tmpfs) before it runs.
 inline constexpr const char* kGuestCommandFwCfg = "opt/sandgate/command";
 inline constexpr size_t kMaxGuestCommandBytes = 256 * 1024;
+// The fw_cfg file that carries the sandbox's SSH host key to the guest's init at boot.
+inline constexpr const char* kGuestSshHostKeyFwCfg = "opt/sandgate/ssh_host_key";
 // The guest prints this line on its serial console once its network is up and the command is started.
 inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).

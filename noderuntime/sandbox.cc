@@ -70,7 +70,8 @@ std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port) {
 }
 
 uint16_t agent_ssh_port(const SandboxSpec& spec) {
-  if (spec.driver != "process" || spec.agent_port == 0 || spec.agent_port == 65535) return 0;
+  if ((spec.driver != "process" && spec.driver != "qemu") || spec.agent_port == 0 || spec.agent_port == 65535)
+    return 0;
   return static_cast<uint16_t>(spec.agent_port + 1);
 }
 

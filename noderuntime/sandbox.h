@@ -92,7 +92,7 @@ struct SandboxSpec {
 // (h2c, always private), or nullopt when the port is not reachable at all.
 std::optional<PortPolicy> port_policy(const SandboxSpec& spec, uint16_t port);
 
-// SSH without an sshd (docs/ssh.md): a process sandbox's agent serves SSH on agent_port + 1, and port 22,
+// SSH without an sshd (docs/ssh.md): the agent of a process or QEMU sandbox serves SSH on agent_port + 1, and port 22,
 // when the sandbox does not expose 22 itself, is routed there (private, raw TCP: `sandgate ssh-proxy`).
 inline constexpr uint16_t kSshPort = 22;
 // The agent's SSH port in this sandbox, or 0 when it has none (no agent, or a driver whose agent does not

@@ -185,4 +185,18 @@ Result<std::string> ensure_host_key(const std::string& dir, uid_t owner) {
   return host_public_key(dir);
 }
 
+std::string host_key_path(const std::string& dir) { return dir + "/" + kHostKey; }
+
+Result<GuestSshFiles> read_guest_ssh_files(const std::string& keys_dir, const std::string& host_dir) {
+  GuestSshFiles files;
+  // A private key file of ssh_pki_export_privkey_file is well under 4 KiB.
+  auto host_key = read_file(host_key_path(host_dir), 16 * 1024);
+  if (!host_key) return host_key.failure();
+  files.host_key = std::move(*host_key);
+  auto keys = read_file(keys_dir + "/" + kAuthorizedKeys, kMaxStoreBytes);
+  if (keys) files.authorized_keys = std::move(*keys);
+  else if (keys.error() != Error::kNotFound) return keys.failure();
+  return files;
+}
+
 }  // namespace sg

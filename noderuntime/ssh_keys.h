@@ -60,6 +60,17 @@ class SshKeyStore {
 // by `owner`) when missing, kept as it is otherwise, so a sandbox keeps its host key across restarts of the
 // node and of the sandbox. Returns the public key line ("ssh-ed25519 BASE64").
 Result<std::string> ensure_host_key(const std::string& dir, uid_t owner);
+// The private key file ensure_host_key makes in `dir`.
+std::string host_key_path(const std::string& dir);
+
+// What a VM's guest is sent (it cannot see the node's files through bind mounts as a process sandbox does):
+// the sandbox's host key from `host_dir` and the node's registered keys from `keys_dir` as they are now
+// (empty when none is registered yet).
+struct GuestSshFiles {
+  std::string host_key;
+  std::string authorized_keys;
+};
+Result<GuestSshFiles> read_guest_ssh_files(const std::string& keys_dir, const std::string& host_dir);
 // The public key line of an existing <dir>/host_ed25519.
 Result<std::string> host_public_key(const std::string& dir);
 

@@ -10,32 +10,9 @@
 namespace sg::e2e {
 namespace {
 
-struct Keys {
-  std::string dir;
-  std::string good;  // registered
-  std::string bad;   // never registered
-};
-
-Keys make_keys(Cluster& c) {
-  Keys k{c.dir() + "/client-ssh", c.dir() + "/client-ssh/id_good", c.dir() + "/client-ssh/id_bad"};
-  ::mkdir(k.dir.c_str(), 0700);
-  for (const std::string& key : {k.good, k.bad})
-    EXPECT_EQ(run("ssh-keygen -q -t ed25519 -N '' -C test-key -f " + shell_quote(key)).exit_code, 0);
-  return k;
-}
-
-// ssh, scp or sftp with the Host block `sandgate ssh-config` printed, one identity, and a known_hosts file
-// of the test's own. `strict` is StrictHostKeyChecking's value.
-std::string client(Cluster& c, const std::string& program, const std::string& config, const std::string& key,
-                   const std::string& known_hosts, const std::string& strict = "yes") {
-  return "env HOME=" + shell_quote(c.home()) + " XDG_CONFIG_HOME=" + shell_quote(c.home() + "/.config") + " " + program + " -F " + shell_quote(config) + " -i " +
-         shell_quote(key) + " -o IdentitiesOnly=yes -o IdentityAgent=none -o BatchMode=yes -o LogLevel=ERROR" +
-         " -o UserKnownHostsFile=" + shell_quote(known_hosts) + " -o StrictHostKeyChecking=" + strict;
-}
-
 TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   Cluster c;
-  Keys keys = make_keys(c);
+  SshKeys keys = make_ssh_keys(c);
   auto added = c.cli("ssh-keys add --name tester " + shell_quote(keys.good + ".pub"));
   ASSERT_EQ(added.exit_code, 0) << added.out << added.err;
   EXPECT_NE(added.out.find("added tester (ssh-ed25519 SHA256:"), std::string::npos) << added.out;
@@ -57,12 +34,9 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
 
   // known_hosts written by the test from the host key the node keeps for the sandbox: StrictHostKeyChecking
   // =yes then proves the agent presents exactly that key.
-  const std::string host_key = c.dir() + "/node/sandboxes/" + id + "/ssh/host_ed25519";
-  auto pub = run("ssh-keygen -y -f " + shell_quote(host_key));
-  ASSERT_EQ(pub.exit_code, 0) << pub.err;
   const std::string known_hosts = keys.dir + "/known_hosts";
-  write_file(known_hosts, "nosshd.sandbox.localhost " + pub.out);
-  const std::string ssh = client(c, "ssh", config, keys.good, known_hosts);
+  write_file(known_hosts, known_hosts_line(c, "nosshd", id));
+  const std::string ssh = ssh_client(c, "ssh", config, keys.good, known_hosts);
 
   // A command: its stdout, its stderr and its exit status come back apart.
   auto cmd = run(ssh + " nosshd 'echo out $((6*7)); echo err >&2; exit 7'", 60);
@@ -77,7 +51,7 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   EXPECT_NE(shell.out.find("pty-42"), std::string::npos) << shell.out;
 
   // scp (OpenSSH 9's scp speaks SFTP) 10 MiB each way, compared by hash.
-  const std::string scp = client(c, "scp -q", config, keys.good, known_hosts);
+  const std::string scp = ssh_client(c, "scp -q", config, keys.good, known_hosts);
   const std::string up = c.dir() + "/up.bin";
   ASSERT_EQ(run("head -c 10485760 /dev/urandom > " + shell_quote(up)).exit_code, 0);
   auto put = run(scp + " " + shell_quote(up) + " nosshd:/root/up.bin", 120);
@@ -92,7 +66,7 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   write_file(c.dir() + "/batch", "mkdir /root/d\nput " + c.dir() + "/small.txt /root/d/a.txt\n" +
                                      "rename /root/d/a.txt /root/d/b.txt\nls /root/d\nget /root/d/b.txt " +
                                      c.dir() + "/back.txt\n");
-  auto sftp = run(client(c, "sftp", config, keys.good, known_hosts) + " -b " + shell_quote(c.dir() + "/batch") +
+  auto sftp = run(ssh_client(c, "sftp", config, keys.good, known_hosts) + " -b " + shell_quote(c.dir() + "/batch") +
                       " nosshd",
                   60);
   EXPECT_EQ(sftp.exit_code, 0) << sftp.out << sftp.err;
@@ -121,7 +95,7 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   // rsync over ssh both ways (deploy/install-deps.sh installs it here, make-test-image.sh in the image: rsync
   // runs its own rsync at the other end, over the channel's command).
   const std::string rsync = "env HOME=" + shell_quote(c.home()) + " rsync -e " +
-                            shell_quote(client(c, "ssh", config, keys.good, known_hosts)) + " ";
+                            shell_quote(ssh_client(c, "ssh", config, keys.good, known_hosts)) + " ";
   auto rs = run(rsync + shell_quote(up) + " nosshd:/root/rsynced.bin", 120);
   EXPECT_EQ(rs.exit_code, 0) << rs.err;
   EXPECT_EQ(sha256_file(c.dir() + "/node/sandboxes/" + id + "/upper/root/rsynced.bin"), sha256_file(up));
@@ -130,7 +104,7 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   EXPECT_EQ(sha256_file(c.dir() + "/rsynced-back.bin"), sha256_file(up));
 
   // A key nobody registered: OpenSSH's own refusal.
-  auto refused = run(client(c, "ssh", config, keys.bad, known_hosts) + " nosshd true", 60);
+  auto refused = run(ssh_client(c, "ssh", config, keys.bad, known_hosts) + " nosshd true", 60);
   EXPECT_EQ(refused.exit_code, 255);
   EXPECT_NE(refused.err.find("Permission denied (publickey)"), std::string::npos) << refused.err;
 
@@ -156,7 +130,7 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
 // running through a 5 s command, which would be cut ("sandbox_suspended") if it were suspended under it.
 TEST(AgentSsh, AnOpenSessionKeepsTheSandboxAwake) {
   Cluster c;
-  Keys keys = make_keys(c);
+  SshKeys keys = make_ssh_keys(c);
   ASSERT_EQ(c.cli("ssh-keys add " + shell_quote(keys.good + ".pub")).exit_code, 0);
   auto j = create_with_agent(c, "held", "--timeout 2 -- sleep infinity");
   ASSERT_TRUE(j.contains("id")) << j.dump();
@@ -164,7 +138,7 @@ TEST(AgentSsh, AnOpenSessionKeepsTheSandboxAwake) {
   auto block = c.cli("ssh-config held --ingress 127.0.0.1:" + std::to_string(c.port()) + " --cacert " + c.ca());
   ASSERT_EQ(block.exit_code, 0) << block.err;
   write_file(config, block.out);
-  const std::string ssh = client(c, "ssh", config, keys.good, keys.dir + "/known_hosts", "accept-new");
+  const std::string ssh = ssh_client(c, "ssh", config, keys.good, keys.dir + "/known_hosts", "accept-new");
   auto r = run(ssh + " held 'sleep 5; echo still-here'", 60);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "still-here\n");

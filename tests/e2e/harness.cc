@@ -464,4 +464,26 @@ nlohmann::json create_with_agent(Cluster& c, const std::string& name, const std:
   return j;
 }
 
+SshKeys make_ssh_keys(Cluster& c) {
+  SshKeys k{c.dir() + "/client-ssh", c.dir() + "/client-ssh/id_good", c.dir() + "/client-ssh/id_bad"};
+  ::mkdir(k.dir.c_str(), 0700);
+  for (const std::string& key : {k.good, k.bad})
+    EXPECT_EQ(run("ssh-keygen -q -t ed25519 -N '' -C test-key -f " + shell_quote(key)).exit_code, 0);
+  return k;
+}
+
+std::string ssh_client(Cluster& c, const std::string& program, const std::string& config, const std::string& key,
+                       const std::string& known_hosts, const std::string& strict) {
+  return "env HOME=" + shell_quote(c.home()) + " XDG_CONFIG_HOME=" + shell_quote(c.home() + "/.config") + " " +
+         program + " -F " + shell_quote(config) + " -i " + shell_quote(key) +
+         " -o IdentitiesOnly=yes -o IdentityAgent=none -o BatchMode=yes -o LogLevel=ERROR" +
+         " -o UserKnownHostsFile=" + shell_quote(known_hosts) + " -o StrictHostKeyChecking=" + strict;
+}
+
+std::string known_hosts_line(Cluster& c, const std::string& name, const std::string& id) {
+  auto pub = run("ssh-keygen -y -f " + shell_quote(c.dir() + "/node/sandboxes/" + id + "/ssh/host_ed25519"));
+  EXPECT_EQ(pub.exit_code, 0) << pub.err;
+  return name + ".sandbox.localhost " + pub.out;
+}
+
 }  // namespace sg::e2e

@@ -211,4 +211,19 @@ Exec sh(Cluster& c, const std::string& name, const std::string& token, const std
 // Creates `name` with the CLI arguments `args` and waits until its agent answers; returns create's JSON.
 nlohmann::json create_with_agent(Cluster& c, const std::string& name, const std::string& args);
 
+// SSH clients (docs/ssh.md): two fresh ed25519 identities in <cluster dir>/client-ssh, one to register.
+struct SshKeys {
+  std::string dir;
+  std::string good;  // to be registered
+  std::string bad;   // never registered
+};
+SshKeys make_ssh_keys(Cluster& c);
+// ssh, scp or sftp (`program`) with the Host block `sandgate ssh-config` printed (`config`), one identity and
+// a known_hosts file of the test's own, never the machine's; `strict` is StrictHostKeyChecking's value.
+std::string ssh_client(Cluster& c, const std::string& program, const std::string& config, const std::string& key,
+                       const std::string& known_hosts, const std::string& strict = "yes");
+// The known_hosts line for `name`, from the host key the node keeps for sandbox `id`: with
+// StrictHostKeyChecking=yes it proves the sandbox presents exactly that key.
+std::string known_hosts_line(Cluster& c, const std::string& name, const std::string& id);
+
 }  // namespace sg::e2e

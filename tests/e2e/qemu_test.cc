@@ -202,9 +202,26 @@ void expect_sdk_works(Cluster& c, const std::string& token, const std::string& w
   }
 }
 
+// `ssh vq` through `sandgate ssh-proxy` and the ingress to the agent's SSH server in the guest (docs/ssh.md):
+// a command's output and exit status, and a shell on a pty; the host key must be the one the node keeps for
+// the sandbox (known_hosts pinned, StrictHostKeyChecking=yes).
+void expect_ssh_works(Cluster& c, const std::string& ssh, const std::string& when) {
+  SCOPED_TRACE("SSH, " + when);
+  auto cmd = run(ssh + " vq 'echo out $((6*7)) $(hostname); echo err >&2; exit 7'", 120);
+  EXPECT_EQ(cmd.exit_code, 7) << cmd.out << cmd.err << c.proxy().log();
+  EXPECT_EQ(cmd.out, "out 42 vq\n") << cmd.err;
+  EXPECT_NE(cmd.err.find("err"), std::string::npos) << cmd.err;
+  auto shell = run("printf 'tty; echo pty-$((6*7))\\nexit 3\\n' | " + ssh + " -tt vq", 120);
+  EXPECT_EQ(shell.exit_code, 3) << shell.out << shell.err;
+  EXPECT_NE(shell.out.find("/dev/pts/"), std::string::npos) << shell.out;
+  EXPECT_NE(shell.out.find("pty-42"), std::string::npos) << shell.out;
+}
+
 // Issue: every SDK request to a QEMU sandbox was reset ("bad file descriptor") when the guest had no agent.
-// With the agent in the image, the SDK works as for a process sandbox, also right after each kind of wake.
-TEST_F(Qemu, SdkRouteWorksOverHttp1AndHttp2AndAfterWakingFromBothTiers) {
+// With the agent in the image, the SDK works as for a process sandbox, and so does SSH without an sshd, also
+// right after each kind of wake. A key registered after the create reaches the running guest; a removed
+// one is refused at once.
+TEST_F(Qemu, TheAgentServesTheSdkAndSshAlsoAfterWakingFromBothTiers) {
   Cluster c(ClusterOptions::node(node_config()));
   // 256 MiB: the initramfs, the files written to /tmp (tmpfs) and a sanitizer build's agent all live in guest
   // RAM; at 128 MiB the guest's OOM killer ends an ASan agent (seen on its console).
@@ -212,18 +229,48 @@ TEST_F(Qemu, SdkRouteWorksOverHttp1AndHttp2AndAfterWakingFromBothTiers) {
                        "-- /bin/sh -c 'exec sleep 100000'",
                        180);
   ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
-  const std::string token = nlohmann::json::parse(created.out, nullptr, false).value("token", "");
+  const auto sandbox = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string token = sandbox.value("token", ""), id = sandbox.value("id", "");
   ASSERT_FALSE(token.empty()) << created.out;
   expect_sdk_works(c, token, "running", c.dir());
 
+  SshKeys keys = make_ssh_keys(c);
+  const std::string config = c.dir() + "/ssh_config", known_hosts = keys.dir + "/known_hosts";
+  auto block = c.cli("ssh-config vq --ingress 127.0.0.1:" + std::to_string(c.port()) + " --cacert " + c.ca());
+  ASSERT_EQ(block.exit_code, 0) << block.err;
+  write_file(config, block.out);
+  write_file(known_hosts, known_hosts_line(c, "vq", id));
+  const std::string ssh = ssh_client(c, "ssh", config, keys.good, known_hosts);
+  // Registered after the guest booted: the node tells the running guest.
+  for (const std::string& key : {keys.good, keys.bad}) {
+    auto added = c.cli("ssh-keys add --name " + std::string(key == keys.good ? "good" : "bad") + " " +
+                       shell_quote(key + ".pub"));
+    ASSERT_EQ(added.exit_code, 0) << added.out << added.err;
+  }
+  expect_ssh_works(c, ssh, "running");
+  const std::string bad_ssh = ssh_client(c, "ssh", config, keys.bad, known_hosts);
+  EXPECT_EQ(run(bad_ssh + " vq true", 120).exit_code, 0) << "the second key did not reach the guest";
+  ASSERT_EQ(c.cli("ssh-keys rm bad").exit_code, 0);
+  auto refused = run(bad_ssh + " vq true", 120);
+  EXPECT_EQ(refused.exit_code, 255);
+  EXPECT_NE(refused.err.find("Permission denied (publickey)"), std::string::npos) << refused.err;
+
   ASSERT_TRUE(eventually([&] { return c.get("vq")["tier"] == "memory"; }, std::chrono::seconds(30)));
   expect_sdk_works(c, token, "woken from the memory tier", c.dir());
+  ASSERT_TRUE(eventually([&] { return c.get("vq")["tier"] == "memory"; }, std::chrono::seconds(30)));
+  expect_ssh_works(c, ssh, "woken from the memory tier");
 
   ASSERT_TRUE(eventually([&] {
     auto j = c.get("vq");
     return j["tier"] == "disk" && j["state"] == "suspended";
   }, std::chrono::seconds(60))) << c.get("vq").dump() << c.node().log();
   expect_sdk_works(c, token, "woken from the disk tier", c.dir());
+  ASSERT_TRUE(eventually([&] {
+    auto j = c.get("vq");
+    return j["tier"] == "disk" && j["state"] == "suspended";
+  }, std::chrono::seconds(60))) << c.get("vq").dump() << c.node().log();
+  expect_ssh_works(c, ssh, "woken from the disk tier");
+  EXPECT_EQ(run(bad_ssh + " vq true", 120).exit_code, 255) << "a removed key came back with the restore";
   for (const auto& e : c.access_log()) {
     if (e.value("sandbox_ref", "") != "vq") continue;
     EXPECT_NE(e.value("cause", ""), "upstream_reset") << e.dump();

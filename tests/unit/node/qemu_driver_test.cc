@@ -50,15 +50,6 @@ constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
 import fcntl, json, os, socket, subprocess, sys, threading, time
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_QEMU_MODE", "ok")
-if "-pidfile" in args:  # as util/oslib-posix.c qemu_write_pidfile: a lock on the whole file, or exit
-    pidfile = open(args[args.index("-pidfile") + 1], "a")
-    try:
-        fcntl.lockf(pidfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        sys.stderr.write("qemu-system-x86_64: cannot create PID file: Cannot lock pid file\n")
-        sys.exit(1)
-    pidfile.truncate(0); pidfile.write("%d\n" % os.getpid()); pidfile.flush()
-time.sleep(int(os.environ.get("FAKE_QEMU_QMP_DELAY_MS", "0")) / 1000)
 console = [a.split("path=")[1] for a in args if a.startswith("file,id=console")][0]
 qmp = args[args.index("-qmp") + 1][len("unix:"):].split(",")[0]
 d = os.path.dirname(qmp)
@@ -68,6 +59,15 @@ with open(os.path.join(d, "netns"), "a") as f:
     f.write(os.readlink("/proc/self/ns/net") + "\n")
 with open(os.path.join(d, "argv"), "w") as f:
     f.write("\0".join(args))
+if "-pidfile" in args:  # as util/oslib-posix.c qemu_write_pidfile: a lock on the whole file, or exit
+    pidfile = open(args[args.index("-pidfile") + 1], "a")
+    try:
+        fcntl.lockf(pidfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        sys.stderr.write("qemu-system-x86_64: cannot create PID file: Cannot lock pid file\n")
+        sys.exit(1)
+    pidfile.truncate(0); pidfile.write("%d\n" % os.getpid()); pidfile.flush()
+time.sleep(int(os.environ.get("FAKE_QEMU_QMP_DELAY_MS", "0")) / 1000)
 if mode == "die-at-boot":
     sys.stderr.write("qemu-system-x86_64: Could not set up host forwarding rule 'tcp:127.0.0.1:1-:80'\n")
     sys.exit(1)
@@ -856,6 +856,43 @@ TEST_F(QemuDriverTest, CommandAndEnvReachTheGuestAsAPrivateFwCfgFileNotOnTheComm
   ASSERT_EQ(::stat(sandbox_dir_.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   EXPECT_EQ(read_all(file), "export API_KEY='sk-very-secret'\ncd '/' || exit 126\nexec '/bin/sh' '-c' 'echo it'\\''s quoted'\n");
+}
+
+// SSH without an sshd (docs/ssh.md): the agent's SSH port is forwarded like the agent's, the guest is told
+// it on the kernel command line, and the sandbox's host key (made once, root's, 0600) reaches it as a
+// fw_cfg file, never on the command line. A sandbox without an agent gets none of it.
+TEST_F(QemuDriverTest, TheGuestsSshPortIsForwardedAndItsHostKeyGoesByFwCfg) {
+  spec_.driver = "qemu";
+  spec_.agent_port = 9501;
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string key = sandbox_dir_ + "/ssh/host_ed25519";
+  struct stat st{};
+  ASSERT_EQ(::stat(key.c_str(), &st), 0) << "no host key";
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(st.st_uid, 0u);
+  const std::string argv = read_all(sandbox_dir_ + "/argv");
+  EXPECT_NE(argv.find(std::string("name=") + kGuestSshHostKeyFwCfg + ",file=" + key), std::string::npos) << argv;
+  EXPECT_NE(argv.find(" sg.ssh=9502"), std::string::npos) << argv;
+  EXPECT_NE(argv.find("hostfwd=tcp:127.0.0.1:9502-:9502"), std::string::npos) << argv;
+  EXPECT_EQ(argv.find("OPENSSH PRIVATE KEY"), std::string::npos);
+  auto sock = driver().open_socket(spec_, *info, 9502);
+  ASSERT_TRUE(sock.ok()) << sock.message();
+  EXPECT_EQ(first_line(std::move(sock->fd), sock->connect_port), "FAKE-GUEST 9502");
+  // Made once: a restart of the sandbox keeps the key known_hosts has.
+  const std::string before = read_all(key);
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *info, std::move(d)); }).ok());
+  ASSERT_TRUE(start().ok());
+  EXPECT_EQ(read_all(key), before);
+
+  const auto second = other_sandbox();
+  SandboxSpec other = second.first;
+  const std::string other_dir = second.second;
+  other.agent_port = 0;
+  auto plain = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other, other_dir, std::move(d)); });
+  ASSERT_TRUE(plain.ok()) << plain.message();
+  EXPECT_EQ(read_all(other_dir + "/argv").find("sg.ssh="), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(other_dir + "/ssh"));
 }
 
 TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
