@@ -18,8 +18,9 @@
 #     init listens on for the host's epoch time (the driver sends it after a resume or restore, since the
 #     guest clock stood still while the VM was stopped), followed by the sandbox's id, hostname and an RNG
 #     seed (after a start too: a guest restored from a memory snapshot takes its new identity from it), and
-#     for a guest with SSH the sandbox's host key, the node's authorized_keys (base64; "-" empty) and the
-#     line's sequence (/lib/sandgate/identity applies each connection's line).
+#     for a guest with SSH the sandbox's host key and the node's authorized_keys (base64; "-" empty), then
+#     the line's sequence and the boot's secret, fw_cfg file `opt/sandgate/identity_secret`, without which
+#     the line is dropped (/lib/sandgate/identity applies each connection's line).
 #   - kernel command line `sg.ssh=<port>` and fw_cfg file `opt/sandgate/ssh_host_key`: the agent also serves
 #     SSH on that port (docs/ssh.md), with that host key, and the keys the identity line brings (re-read by
 #     the agent for each connection, replaced whole by each line).
@@ -224,31 +225,49 @@ chmod +x "$root/init"
 cat >"$root/lib/sandgate/identity" <<'IDENTITY'
 #!/bin/busybox sh
 # One identity line from the node, on stdin (run by the init's `nc -ll` for each connection, so several may
-# run at once): "<epoch seconds> <sandbox id> <hostname> <seed hex> [<host key> <keys> <sequence>]", all but
-# the first from drivers that send them. It sets the clock and the hostname, mixes the seed into the
-# kernel's RNG with a forced reseed (guests restored from one memory snapshot draw different numbers),
-# writes the SSH files (this sandbox's: a memory snapshot's guest had its source's) and last records the id
-# where the agent's /health reads it. Each line carries all the keys, so only the newest matters: they are
-# written under a lock, from a line whose sequence (the node's clock, ns) is newer than the last one written.
-read -r line || [ -n "$line" ] || exit 0
+# run at once): "<epoch seconds> <sandbox id> <hostname> <seed hex> <host key> <keys> <sequence> <secret>"
+# (noderuntime/qemu_driver.h). Anything in the guest can connect to the listener, so a line without this
+# boot's secret (the root-only fw_cfg file, read again for each line: a guest restored from a memory
+# snapshot checks its new QEMU's) or without its newline (cut short) is dropped. The clock comes first (a
+# wake's first request may be served at once), then the SSH files, under a lock and only from a line newer
+# than the last one written (each line carries all the keys), acknowledged with "ok" (a wake may be waiting
+# for it); then the hostname, the RNG reseed (guests restored from one memory snapshot draw different
+# numbers) and last the id, where the agent's /health reads it.
+set -f
+trap '' PIPE  # a node that does not wait for the "ok" has closed the connection already
+read -r line || exit 0
 set -- $line
+secret=
+read -r secret </sys/firmware/qemu_fw_cfg/by_name/opt/sandgate/identity_secret/raw 2>/dev/null
+[ -n "$secret" ] && [ "$8" = "$secret" ] || exit 0
+case "$7" in '' | *[!0-9]*) exit 0 ;; esac
+# The clock first: the request that woke the guest may be served right after the line was sent.
 [ -n "$1" ] && date -s "@$1" >/dev/null
-[ -n "$2" ] || exit 0
-hostname "$3"
-[ -n "$4" ] && [ "$4" != - ] && [ -x /sandgate/sandgate-agent ] && $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1
 # One field into a file, replaced whole: base64, or "-" for empty.
 put_field() {
   if [ "$1" = - ]; then : >"$2.new"; else echo "$1" | base64 -d >"$2.new"; fi && chmod 600 "$2.new" && mv "$2.new" "$2"
 }
-if [ -n "$7" ] && [ -n "$ssh_args" ]; then
-  until mkdir /run/sandgate-identity.lock 2>/dev/null; do sleep 0.05; done
+if [ -n "$ssh_args" ]; then
+  lock=/run/sandgate-identity.lock
+  until mkdir "$lock" 2>/dev/null; do
+    holder=$(cat "$lock/pid" 2>/dev/null)
+    [ -n "$holder" ] && [ ! -d "/proc/$holder" ] && rm -rf "$lock"  # its holder died holding it
+    sleep 0.05
+  done
+  echo $$ >"$lock/pid"
   last=$(cat /run/sandgate-identity.seq 2>/dev/null || echo 0)
+  written=yes  # an older line than the last one written: the newer files are there already
   if [ "$7" -gt "$last" ]; then
-    { [ "$5" = - ] || put_field "$5" "$ssh_dir/host_ed25519"; } && put_field "$6" "$ssh_dir/authorized_keys" &&
-      echo "$7" >/run/sandgate-identity.seq || echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console
+    { { [ "$5" = - ] || put_field "$5" "$ssh_dir/host_ed25519"; } && put_field "$6" "$ssh_dir/authorized_keys" &&
+      echo "$7" >/run/sandgate-identity.seq; } || written=
   fi
-  rmdir /run/sandgate-identity.lock
+  rm -rf "$lock"
+  # The node waits for this before it lets the connections of a wake through (it reads two bytes).
+  if [ -n "$written" ]; then echo ok; else echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console; fi
 fi
+[ -n "$2" ] || exit 0
+hostname "$3"
+[ "$4" != - ] && [ -x /sandgate/sandgate-agent ] && $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1
 echo "$2" >/run/sandgate-id
 [ -n "$in_root" ] && echo "$2" >/newroot/run/sandgate-id
 exit 0

@@ -114,6 +114,9 @@ Result<SandboxSpec> make_sandbox_spec(CreateRequest req, const CreateContext& co
                    std::to_string(cfg->node.max_timeout_secs) + " (node.max_timeout_secs)");
   spec.hibernate_after_secs = static_cast<uint32_t>(hibernate_after);
   spec.driver = req.driver.value_or(std::string(context.drivers.front()->name()));
+  // The agent's port is refused above whatever the driver; the others depend on it.
+  for (uint16_t port : spec.exposed_ports)
+    if (auto why = reserved_port(spec, port)) return invalid("port " + std::to_string(port) + " is " + *why);
   const Driver* driver = find_driver(context, spec.driver);
   if (driver == nullptr) {
     std::string enabled;

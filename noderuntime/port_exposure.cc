@@ -8,9 +8,7 @@ Result<SandboxSpec> with_port_exposed(const SandboxSpec& spec, int64_t port, con
                                       size_t max_ports) {
   const std::string where = "port " + std::to_string(port);
   if (port < 1 || port > 65535) return fail(Error::kInvalidArgument, where + " is not a TCP port (1-65535)");
-  if (spec.agent_port != 0 && port == spec.agent_port)
-    return fail(Error::kInvalidArgument,
-                where + " is the agent's port (agent_port), which is always reachable with the sandbox's token");
+  if (auto why = reserved_port(spec, port)) return fail(Error::kInvalidArgument, where + " is " + *why);
   PortPolicy policy{static_cast<uint16_t>(port), request.is_public.value_or(false), PortProtocol::kHttp1};
   if (request.protocol) {
     auto parsed = parse_protocol(*request.protocol);

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <string_view>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -47,6 +48,10 @@ constexpr const char* kPidFile = "qemu.pid";
 // yet: a restore the node was killed in right after the spawn, found by a node restarted within milliseconds
 // (a loaded machine stretches that window). It is asked until then; one that never answers is hung.
 constexpr uint32_t kStrayQmpWaitMs = 10000;
+constexpr uint32_t kStrayQmpRoundMs = 250;
+// How long a start, resume or restore waits for the guest to acknowledge SSH keys it did not have (a few
+// process starts in the guest; under TCG, 100-300 ms).
+constexpr uint64_t kIdentityAckMs = 5000;
 constexpr const char* kClockPort = "clock_port";
 constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host port
 // What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
@@ -120,18 +125,36 @@ std::string ram_memfd_path(pid_t pid) {
 std::string user_netdev(bool internet) { return internet ? "user,id=net0" : "user,id=net0,restrict=on"; }
 
 // The command script goes to the guest as a fw_cfg file; the guest's init copies it to a tmpfs.
+// 0600 from the first byte (and again for a file left by an earlier start): what QEMU hands the guest by
+// fw_cfg may be secret (the env, the identity secret).
+Status write_private_file(const std::string& path, const std::string& content) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd.valid()) return fail_errno("open " + path, errno);
+  if (::fchmod(fd.get(), 0600) != 0) return fail_errno("chmod " + path, errno);
+  if (::write(fd.get(), content.data(), content.size()) != static_cast<ssize_t>(content.size()))
+    return fail_errno("write " + path, errno);
+  return {};
+}
+
 Status write_command_file(const std::string& path, const std::string& script) {
   if (script.size() > kMaxGuestCommandBytes)
     return fail(Error::kLimitExceeded, "the command and environment take " + std::to_string(script.size()) +
                                            " bytes; a QEMU sandbox takes at most " +
                                            std::to_string(kMaxGuestCommandBytes));
-  // 0600 from the first byte (and again for a file left by an earlier start): the env may carry secrets.
-  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
-  if (!fd.valid()) return fail_errno("open " + path, errno);
-  if (::fchmod(fd.get(), 0600) != 0) return fail_errno("chmod " + path, errno);
-  if (::write(fd.get(), script.data(), script.size()) != static_cast<ssize_t>(script.size()))
-    return fail_errno("write " + path, errno);
-  return {};
+  return write_private_file(path, script);
+}
+
+// In the sandbox dir: the secret a boot's identity lines must carry (see the header), 64 hex digits.
+constexpr const char* kIdentitySecretFile = "identity.secret";
+constexpr size_t kIdentitySecretHex = 64;
+
+std::string random_hex(size_t bytes) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::vector<unsigned char> raw(bytes);
+  std::string out;
+  if (::getrandom(raw.data(), raw.size(), 0) != static_cast<ssize_t>(raw.size())) return out;
+  for (unsigned char b : raw) out += {kHex[b >> 4], kHex[b & 15]};
+  return out;
 }
 
 // driver_data comes back from the store; a value that is not a port is treated as absent.
@@ -204,9 +227,9 @@ class QemuDriver final : public VmmDriver {
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
                          std::function<void(Result<MemoryCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
-  void ssh_keys_changed(const SandboxSpec& spec, const RuntimeInfo& info) override {
-    send_identity(spec, info);
-  }
+  // Not awaited: a running guest applies the line within moments (the node's API does not wait for every
+  // VM); a wake that follows waits for the keys it acknowledges (clock_step).
+  void ssh_keys_changed(const SandboxSpec& spec, const RuntimeInfo& info) override { (void)send_identity(spec, info); }
   void unforward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override;
   void pause(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override;
@@ -219,6 +242,7 @@ class QemuDriver final : public VmmDriver {
     // A QEMU the record does not name (a create or a restore the node was killed in) goes too.
     if (Status s = stop_unrecorded_qemu(spec, info, false); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
     netns_.erase(spec.id);  // QEMU's namespace goes with it
+    acknowledged_keys_.erase(spec.id);
     // Its veth goes with the namespace, its chain (kept while hibernated, for the restore) here.
     if (egress_ != nullptr) egress_->detach(spec);
     VmmDriver::terminate(spec, info, std::move(done));
@@ -246,7 +270,14 @@ class QemuDriver final : public VmmDriver {
     std::unique_ptr<QmpClient> qmp;
     std::unique_ptr<VmmExitWatch> exit;
     bool migrate_cancel_sent = false;
-    ~State() { close_and_free(timer); }
+    // The identity line's connection while the guest's acknowledgement is awaited (await_identity_ack).
+    UniqueFd ack_fd;
+    uv_poll_t* ack_poll = nullptr;
+    std::function<void(bool acknowledged)> ack_done;
+    ~State() {
+      close_and_free(ack_poll);
+      close_and_free(timer);
+    }
   };
   State& state(Op* op) {
     if (!op->api) {
@@ -314,7 +345,19 @@ class QemuDriver final : public VmmDriver {
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
   // The identity line itself (see the header), best effort: a guest whose clock listener is gone still runs.
-  void send_identity(const SandboxSpec& spec, const RuntimeInfo& info);
+  // The line's connection comes back (`digest` set) when it carried SSH keys the guest has not acknowledged
+  // yet, for await_identity_ack; else an invalid fd.
+  struct SentIdentity {
+    UniqueFd fd;
+    size_t digest = 0;
+  };
+  SentIdentity send_identity(const SandboxSpec& spec, const RuntimeInfo& info);
+  // Waits, at most kIdentityAckMs, for the guest to say it wrote the line's SSH files, so that the
+  // connections a wake lets through find the node's keys as they are now (a key removed while the sandbox
+  // slept is refused). Remembered per sandbox: a wake with the keys the guest has already costs nothing.
+  void await_identity_ack(Op* op, SentIdentity sent, StepDone done);
+  // Per sandbox: the SSH fields its guest acknowledged last (a hash of them).
+  std::map<std::string, size_t> acknowledged_keys_;
   // The guest's SSH port when this instance forwards it (sandboxes started before guests had SSH do not).
   uint16_t forwarded_ssh_port(const SandboxSpec& spec, const RuntimeInfo& info) const {
     const uint16_t port = agent_ssh_port(spec);
@@ -379,6 +422,10 @@ Result<RuntimeInfo> QemuDriver::prepare(const SandboxSpec& spec, const std::stri
   for (uint16_t gp : guest_ports) info.driver_data[kPortPrefix + std::to_string(gp)] = std::to_string(gp);
   info.driver_data[kClockPort] = std::to_string(kClockGuestPort);
   if (Status s = write_command_file(command_path(sandbox_dir), command_script(spec)); !s) return s.failure();
+  // A new one for each boot; a restore keeps the file its guest was booted with.
+  const std::string secret = random_hex(kIdentitySecretHex / 2);
+  if (secret.size() != kIdentitySecretHex) return fail(Error::kInternal, "no random bytes for the identity secret");
+  if (Status s = write_private_file(sandbox_dir + "/" + kIdentitySecretFile, secret); !s) return s.failure();
   return info;
 }
 
@@ -430,6 +477,10 @@ std::vector<std::string> QemuDriver::qemu_args(const SandboxSpec& spec, const Ru
   if (ssh != 0)
     for (const std::string& a : {std::string("-fw_cfg"), std::string("name=") + kGuestSshHostKeyFwCfg +
                                                             ",file=" + host_key_path(dir + "/ssh")})
+      args.push_back(a);
+  // Sandboxes booted before identity secrets have none (their guests' init does not ask for one).
+  if (const std::string secret = dir + "/" + kIdentitySecretFile; ::access(secret.c_str(), R_OK) == 0)
+    for (const std::string& a : {std::string("-fw_cfg"), std::string("name=") + kGuestIdentitySecretFwCfg + ",file=" + secret})
       args.push_back(a);
   if (disk != info.driver_data.end()) {
     for (const std::string& a : {std::string("-drive"), "file=" + disk->second + ",if=none,id=root,format=qcow2",
@@ -706,9 +757,40 @@ QemuDriver::Step QemuDriver::command_step(std::string command, nlohmann::json ar
 
 QemuDriver::Step QemuDriver::clock_step(const SandboxSpec& spec) {
   return [this, spec](Op* op, StepDone done) {
-    send_identity(spec, op->info);
+    SentIdentity sent = send_identity(spec, op->info);
+    if (!sent.fd.valid()) return done({});
+    await_identity_ack(op, std::move(sent), std::move(done));
+  };
+}
+
+void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
+  State& st = state(op);
+  st.ack_fd = std::move(sent.fd);
+  st.ack_poll = new uv_poll_t;
+  uv_poll_init(loop_, st.ack_poll, st.ack_fd.get());
+  st.ack_poll->data = &st;
+  // Whichever comes first, the answer or the deadline, settles it; the other finds ack_done gone.
+  st.ack_done = [this, op, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](bool acknowledged) {
+    State& s = state(op);
+    uv_timer_stop(s.timer);
+    close_and_free(s.ack_poll);
+    s.ack_fd.reset();
+    if (acknowledged) acknowledged_keys_[id] = digest;
+    else spdlog::warn("sandbox {}: the guest did not acknowledge its SSH keys within {} ms", id, kIdentityAckMs);
     done({});
   };
+  uv_poll_start(st.ack_poll, UV_READABLE, [](uv_poll_t* poll, int status, int) {
+    auto* s = static_cast<State*>(poll->data);
+    char answer[16];
+    const ssize_t n = status == 0 ? ::recv(s->ack_fd.get(), answer, sizeof answer, 0) : -1;
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    auto finish = std::move(s->ack_done);
+    if (finish) finish(n >= 2 && std::string_view(answer, 2) == "ok");
+  });
+  after(op, kIdentityAckMs, [&st] {
+    auto finish = std::move(st.ack_done);
+    if (finish) finish(false);
+  });
 }
 
 namespace {
@@ -725,57 +807,74 @@ std::string identity_field(const std::string& bytes) {
 
 }  // namespace
 
-void QemuDriver::send_identity(const SandboxSpec& spec, const RuntimeInfo& info) {
+QemuDriver::SentIdentity QemuDriver::send_identity(const SandboxSpec& spec, const RuntimeInfo& info) {
   const std::string& id = spec.id;
   auto it = info.driver_data.find(kClockPort);
   auto port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
-  if (!port) return;
-  // "<epoch> <sandbox id> <hostname> <seed>": the guest's init sets its clock and hostname, records the id
-  // (the agent's /health reports it) and mixes the seed into its RNG with a forced reseed, so two sandboxes
-  // started from one memory snapshot never share a random stream.
-  unsigned char seed[32];
+  if (!port) return {};
+  std::optional<size_t> keys_digest;  // set when the line carries SSH files the guest is to acknowledge
+  // The fields the header lists. A guest booted before identity secrets (no file) gets the first four only,
+  // which is all its init reads.
   std::string line = std::to_string(std::time(nullptr)) + " " + id + " " + (spec.name.empty() ? spec.id : spec.name);
-  if (::getrandom(seed, sizeof seed, 0) == static_cast<ssize_t>(sizeof seed)) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    line += ' ';
-    for (unsigned char b : seed) line += {kHex[b >> 4], kHex[b & 15]};
-  } else {
-    line += " -";
-  }
-  // Then the SSH server's files: this sandbox's host key and the node's keys as they are now, and the
-  // line's sequence (the wall clock in ns), by which the guest keeps the newest of lines that overtook
-  // each other.
-  if (forwarded_ssh_port(spec, info) != 0) {
-    auto files = read_guest_ssh_files(ssh_keys_dir_, info.sandbox_dir + "/ssh");
+  const std::string seed = random_hex(32);
+  line += " " + (seed.empty() ? std::string("-") : seed);
+  std::ifstream secret_file(info.sandbox_dir + "/" + kIdentitySecretFile);
+  std::string secret;
+  if (secret_file >> secret && secret.size() == kIdentitySecretHex) {
+    std::string host_key, keys;
+    if (forwarded_ssh_port(spec, info) != 0) {
+      auto files = read_guest_ssh_files(ssh_keys_dir_, info.sandbox_dir + "/ssh");
+      if (files) {
+        host_key = std::move(files->host_key);
+        keys = std::move(files->authorized_keys);  // none registered: "-", an empty file in the guest
+      } else {
+        spdlog::warn("sandbox {}: the guest's SSH server gets no keys: {}", id, files.message());
+      }
+    }
     const auto sequence = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch()).count();
-    if (files)
-      line += " " + identity_field(files->host_key) + " " + identity_field(files->authorized_keys) + " " +
-              std::to_string(sequence);
-    else spdlog::warn("sandbox {}: the guest's SSH server gets no keys: {}", id, files.message());
+    const std::string ssh_fields = identity_field(host_key) + " " + identity_field(keys);
+    line += " " + ssh_fields + " " + std::to_string(sequence) + " " + secret;
+    if (!host_key.empty()) keys_digest = std::hash<std::string>{}(ssh_fields);
   }
   line += '\n';
   // The forwarded clock port listens on the loopback of the VM's namespace only.
   auto netns = netns_of(id, info);
   auto sock = netns ? socket_in(*netns, id) : Result<UniqueFd>(netns.failure());
   if (!sock) {
-    spdlog::warn("sandbox {}: cannot set the guest clock: {}", id, sock.message());
-    return;
+    spdlog::warn("sandbox {}: cannot send the guest its identity: {}", id, sock.message());
+    return {};
   }
   UniqueFd fd = std::move(*sock);
-  // Blocking again: loopback to QEMU's own listener; connect and a few KiB complete at once. Bounded all
-  // the same (it runs on the node's loop): a guest that reads nothing (a key list beyond the socket
-  // buffers) would otherwise hold the node up.
+  // This runs on the node's loop, so nothing here may wait on the guest: the connect is to QEMU's own
+  // listener on loopback (bounded all the same, for a QEMU that does not accept), and the line goes into a
+  // send buffer made large enough for it (root may exceed net.core.wmem_max), from which the kernel delivers
+  // it after the close, at whatever pace the guest reads.
   ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
-  const timeval send_limit{2, 0};
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &send_limit, sizeof send_limit);
+  const timeval connect_limit{1, 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &connect_limit, sizeof connect_limit);
+  const int buffer = static_cast<int>(std::min<size_t>(line.size() + 65536, 64u << 20));
+  if (::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUFFORCE, &buffer, sizeof buffer) != 0)
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer, sizeof buffer);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(*port);
-  if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size()))
-    spdlog::warn("sandbox {}: cannot set the guest clock: {}", id, std::strerror(errno));
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    spdlog::warn("sandbox {}: cannot send the guest its identity: {}", id, std::strerror(errno));
+    return {};
+  }
+  ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) | O_NONBLOCK);
+  const ssize_t sent = ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL);
+  // A part of the line has no newline, and the guest applies none of it.
+  if (sent != static_cast<ssize_t>(line.size())) {
+    spdlog::warn("sandbox {}: the guest's identity line did not fit its socket ({} of {} bytes sent)", id,
+                 sent < 0 ? 0 : sent, line.size());
+    return {};
+  }
+  auto known = acknowledged_keys_.find(id);
+  if (!keys_digest || (known != acknowledged_keys_.end() && known->second == *keys_digest)) return {};
+  return SentIdentity{std::move(fd), *keys_digest};
 }
 
 // slirp's rules change through the human monitor (QMP has no command for them), which answers in text: a
@@ -1050,7 +1149,11 @@ ObservedInstance QemuDriver::observe(const SandboxSpec& spec, const RuntimeInfo&
     RuntimeInfo found = info;
     found.pid = stray->pid;
     found.start_time_ticks = stray->start_time_ticks;
-    auto paused = query_paused(found, kStrayQmpWaitMs);
+    // Asked in short rounds while it lives: one that exits meanwhile costs no more than the round it ends in.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kStrayQmpWaitMs);
+    auto paused = query_paused(found, kStrayQmpRoundMs);
+    while (!paused && vmm_alive(*stray) && std::chrono::steady_clock::now() < deadline)
+      paused = query_paused(found, kStrayQmpRoundMs);
     if (!paused) {
       // Whether its guest ran is unknown: killing it and restoring the saved state could put RAM older than
       // the disk back. It is left as it is, and the sandbox failed; removing the sandbox kills it.

@@ -58,10 +58,13 @@
 // it spent suspended. The guest's init listens on guest port kClockGuestPort; the driver connects to its
 // forward inside the VM's namespace and writes the host's epoch seconds, and the guest runs `date -s @N`.
 // The same line tells the guest who it is, after every start, resume and restore and whenever the node's
-// SSH keys change: "<epoch> <sandbox id> <hostname> <seed hex> [<host key> <authorized_keys> <sequence>]",
-// the key fields base64 (no line breaks), "-" for empty, and all three only for a guest with SSH. Lines may
+// SSH keys change: "<epoch> <sandbox id> <hostname> <seed hex> <host key> <authorized_keys> <sequence>
+// <secret>". The key fields are base64 (no line breaks), "-" for none (a guest without SSH: both). Lines may
 // overtake each other in the guest (each connection gets a handler of its own); the sequence (the wall
-// clock in ns) lets it keep the newest keys.
+// clock in ns) lets it keep the newest keys. The listener is reachable from inside the guest too, so the
+// guest applies only a line that carries the secret the driver made for this boot (0600 in the sandbox
+// dir) and handed to the guest as the fw_cfg file kGuestIdentitySecretFwCfg, which only its root can read;
+// the guest reads it there for each line, so a sandbox started from a memory snapshot checks its own.
 //
 // Acceleration: node.qemu_accel = "auto" means TCG; "kvm" must be asked for explicitly. /dev/kvm existing
 // proves nothing (on nested or paravirtualised hosts it may refuse ordinary guests), and a wrong guess would
@@ -84,13 +87,15 @@
 namespace sg {
 
 // The guest port the init's clock listener uses (forwarded like any exposed port).
-inline constexpr uint16_t kClockGuestPort = 1021;
+inline constexpr uint16_t kClockGuestPort = kQemuIdentityPort;
 // The fw_cfg file that carries the sandbox's command script (env, cwd, argv) to the guest's init, and its
 // limit: it is copied into the guest's RAM (a tmpfs) before it runs.
 inline constexpr const char* kGuestCommandFwCfg = "opt/sandgate/command";
 inline constexpr size_t kMaxGuestCommandBytes = 256 * 1024;
 // The fw_cfg file that carries the sandbox's SSH host key to the guest's init at boot.
 inline constexpr const char* kGuestSshHostKeyFwCfg = "opt/sandgate/ssh_host_key";
+// The fw_cfg file that carries the secret every identity line must carry (64 hex digits, new each boot).
+inline constexpr const char* kGuestIdentitySecretFwCfg = "opt/sandgate/identity_secret";
 // The guest prints this line on its serial console once its network is up and the command is started.
 inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).

@@ -75,6 +75,15 @@ uint16_t agent_ssh_port(const SandboxSpec& spec) {
   return static_cast<uint16_t>(spec.agent_port + 1);
 }
 
+std::optional<std::string> reserved_port(const SandboxSpec& spec, int64_t port) {
+  if (spec.agent_port != 0 && port == spec.agent_port)
+    return "the agent's port (agent_port), which is always reachable with the sandbox's token";
+  if (agent_ssh_port(spec) != 0 && port == agent_ssh_port(spec))
+    return "the agent's SSH port, which port 22 reaches with the sandbox's token (docs/ssh.md)";
+  if (spec.driver == "qemu" && port == kQemuIdentityPort) return "the guest's identity listener, the node's only";
+  return std::nullopt;
+}
+
 uint16_t sandbox_port(const SandboxSpec& spec, uint16_t port) {
   if (port != kSshPort) return port;
   bool exposed = std::find(spec.exposed_ports.begin(), spec.exposed_ports.end(), port) != spec.exposed_ports.end();

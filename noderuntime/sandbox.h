@@ -98,6 +98,13 @@ inline constexpr uint16_t kSshPort = 22;
 // The agent's SSH port in this sandbox, or 0 when it has none (no agent, or a driver whose agent does not
 // serve SSH yet).
 uint16_t agent_ssh_port(const SandboxSpec& spec);
+// The guest port of a QEMU sandbox's identity listener (qemu_driver.h: the clock, the sandbox's id, its SSH
+// keys), which only the driver may reach.
+inline constexpr uint16_t kQemuIdentityPort = 1021;
+// Why `port` cannot be exposed in this sandbox: the agent's port, its SSH server's and a VM's identity
+// listener are reached only the way the node means them to be (with the token; never as a public port).
+// nullopt for any other port.
+std::optional<std::string> reserved_port(const SandboxSpec& spec, int64_t port);
 // The port a connection to `port` reaches inside the sandbox: the agent's SSH port for 22 when that is
 // where 22 goes, else `port` itself.
 uint16_t sandbox_port(const SandboxSpec& spec, uint16_t port);

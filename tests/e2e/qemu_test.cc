@@ -250,10 +250,24 @@ TEST_F(Qemu, TheAgentServesTheSdkAndSshAlsoAfterWakingFromBothTiers) {
   expect_ssh_works(c, ssh, "running");
   const std::string bad_ssh = ssh_client(c, "ssh", config, keys.bad, known_hosts);
   EXPECT_EQ(run(bad_ssh + " vq true", 120).exit_code, 0) << "the second key did not reach the guest";
+  // Removed while it runs: the node tells the guest without waiting for it, so refused within moments.
   ASSERT_EQ(c.cli("ssh-keys rm bad").exit_code, 0);
-  auto refused = run(bad_ssh + " vq true", 120);
-  EXPECT_EQ(refused.exit_code, 255);
+  CommandResult refused;
+  EXPECT_TRUE(eventually([&] { return (refused = run(bad_ssh + " vq true", 120)).exit_code == 255; },
+                         std::chrono::seconds(30)));
   EXPECT_NE(refused.err.find("Permission denied (publickey)"), std::string::npos) << refused.err;
+  // Anything in the guest can reach the identity listener; a line without the boot's secret (here: the
+  // removed key as the only one, a sequence beyond every later one, another hostname) changes nothing. Given
+  // to the listener's handler directly, as the listener would, so its answer is known when it returns.
+  const std::string forged = "0 sb-forged forged - - " + run("base64 -w0 " + shell_quote(keys.bad + ".pub")).out +
+                             " 9000000000000000000 0000";
+  auto sent = run(ssh + " vq " +
+                      shell_quote("echo '" + forged + "' | ssh_args=on ssh_dir=/run/sandgate-ssh /lib/sandgate/identity; "
+                                  "hostname; cat /run/sandgate-id"),
+                  120);
+  EXPECT_EQ(sent.out, "vq\n" + id + "\n") << sent.err;
+  EXPECT_EQ(run(bad_ssh + " vq true", 120).exit_code, 255) << "a forged identity line was applied";
+  expect_ssh_works(c, ssh, "after a forged identity line");
 
   ASSERT_TRUE(eventually([&] { return c.get("vq")["tier"] == "memory"; }, std::chrono::seconds(30)));
   expect_sdk_works(c, token, "woken from the memory tier", c.dir());
@@ -271,6 +285,16 @@ TEST_F(Qemu, TheAgentServesTheSdkAndSshAlsoAfterWakingFromBothTiers) {
   }, std::chrono::seconds(60))) << c.get("vq").dump() << c.node().log();
   expect_ssh_works(c, ssh, "woken from the disk tier");
   EXPECT_EQ(run(bad_ssh + " vq true", 120).exit_code, 255) << "a removed key came back with the restore";
+
+  // Registered while the guest is hibernated: the connection that wakes it finds the key (the restore waits
+  // for the guest to acknowledge keys it did not have).
+  ASSERT_TRUE(eventually([&] {
+    auto j = c.get("vq");
+    return j["tier"] == "disk" && j["state"] == "suspended";
+  }, std::chrono::seconds(60))) << c.get("vq").dump() << c.node().log();
+  ASSERT_EQ(c.cli("ssh-keys add --name back " + shell_quote(keys.bad + ".pub")).exit_code, 0);
+  auto woken = run(bad_ssh + " vq true", 120);
+  EXPECT_EQ(woken.exit_code, 0) << "the waking connection did not find the key added while asleep: " << woken.err;
   for (const auto& e : c.access_log()) {
     if (e.value("sandbox_ref", "") != "vq") continue;
     EXPECT_NE(e.value("cause", ""), "upstream_reset") << e.dump();

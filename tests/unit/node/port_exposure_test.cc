@@ -57,6 +57,26 @@ TEST(PortExposureTest, BadPortsProtocolsAndTheLimitAreRefusedWithTheReason) {
   EXPECT_EQ(full.error(), Error::kLimitExceeded);
 }
 
+// Ports the node reaches its own way: the agent's, its SSH server's (port 22 goes there with the token),
+// and a QEMU guest's identity listener (which carries the sandbox's SSH keys). Exposing one, publicly above
+// all, would open it without the edge's token.
+TEST(PortExposureTest, TheAgentsTheSshServersAndTheIdentityListenersPortsAreRefused) {
+  SandboxSpec process = spec_with_8080();
+  process.driver = "process";
+  SandboxSpec qemu = process;
+  qemu.driver = "qemu";
+  for (const SandboxSpec& spec : {process, qemu}) {
+    EXPECT_NE(with_port_exposed(spec, 49983, ExposeRequest{true, "tcp"}, 64).message().find("agent's port"),
+              std::string::npos);
+    EXPECT_NE(with_port_exposed(spec, 49984, ExposeRequest{true, "tcp"}, 64).message().find("agent's SSH port"),
+              std::string::npos);
+  }
+  auto identity = with_port_exposed(qemu, kQemuIdentityPort, ExposeRequest{true, "tcp"}, 64);
+  ASSERT_FALSE(identity);
+  EXPECT_EQ(identity.message(), "port 1021 is the guest's identity listener, the node's only");
+  EXPECT_TRUE(with_port_exposed(process, kQemuIdentityPort, ExposeRequest{}, 64)) << "only a VM's is reserved";
+}
+
 TEST(PortExposureTest, AClosedPortIsNoLongerRoutedAndClosingItAgainIsNotFound) {
   auto closed = with_port_closed(spec_with_8080(), 8080);
   ASSERT_TRUE(closed) << closed.message();

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <sstream>
 
@@ -37,6 +38,9 @@ using testing::TestLoop;
 // migrate-fail.
 // FAKE_QEMU_QMP_DELAY_MS (read at spawn): how long the fake waits between taking its -pidfile lock and creating
 // its QMP socket (QEMU takes the lock first too; under load that gap grows).
+// FAKE_QEMU_ACK_DELAY_MS (read at spawn): how long the guest port 1021 (the identity listener) takes before it
+// acknowledges a line that carries SSH files ("ok"); each line is appended to <sandbox dir>/identity-lines
+// and each acknowledgement, as it is sent, to <sandbox dir>/identity-acks.
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
 // Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
@@ -47,18 +51,20 @@ using testing::TestLoop;
 // elsewhere; a migration with x-ignore-shared on then saves "SANDGATE-FAKE-DEVICES" only, which loads only
 // with x-ignore-shared on into a memory-backend-file (share=off) whose file starts with that RAM.
 constexpr const char* kFakeQemu = R"PY(#!/usr/bin/env python3
-import fcntl, json, os, socket, subprocess, sys, threading, time
+import os, sys
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_QEMU_MODE", "ok")
 console = [a.split("path=")[1] for a in args if a.startswith("file,id=console")][0]
 qmp = args[args.index("-qmp") + 1][len("unix:"):].split(",")[0]
 d = os.path.dirname(qmp)
+# Recorded before anything slower (the other imports), so a loaded machine still sees every spawn.
 with open(os.path.join(d, "spawns"), "a") as f:
     f.write("%d\n" % os.getpid())
 with open(os.path.join(d, "netns"), "a") as f:
     f.write(os.readlink("/proc/self/ns/net") + "\n")
 with open(os.path.join(d, "argv"), "w") as f:
     f.write("\0".join(args))
+import fcntl, json, socket, subprocess, threading, time
 if "-pidfile" in args:  # as util/oslib-posix.c qemu_write_pidfile: a lock on the whole file, or exit
     pidfile = open(args[args.index("-pidfile") + 1], "a")
     try:
@@ -76,9 +82,23 @@ if mode == "initramfs-too-large":  # what Linux prints, then the panic that hide
         f.write("[    1.2] Initramfs unpacking failed: write error\n[    1.4] Kernel panic - not syncing: VFS: "
                 "Unable to mount root fs on unknown-block(0,0)\n[    1.5]  mount_block_root+0x14e/0x1e6\n")
     sys.exit(0)
+def identity(c):  # the guest's identity handler: records the line, acknowledges SSH files after a delay
+    line = c.makefile("rb").readline()
+    with open(os.path.join(d, "identity-lines"), "ab") as f:
+        f.write(line)
+    fields = line.split()
+    if len(fields) == 8 and fields[4] != b"-":
+        time.sleep(int(os.environ.get("FAKE_QEMU_ACK_DELAY_MS", "0")) / 1000)
+        with open(os.path.join(d, "identity-acks"), "a") as f:
+            f.write("ok\n")
+        c.sendall(b"ok\n")
+    c.close()
 def serve(l, port):
     while True:
         c, _ = l.accept()
+        if port == 1021:
+            threading.Thread(target=identity, args=(c,), daemon=True).start()
+            continue
         c.sendall(b"FAKE-GUEST %d\n" % port)
         c.close()
 listening = set()
@@ -274,6 +294,7 @@ class QemuDriverTest : public ::testing::Test {
     ::unsetenv("FAKE_QEMU_MODE");
     ::unsetenv("FAKE_QEMU_AGENT");
     ::unsetenv("FAKE_QEMU_QMP_DELAY_MS");
+    ::unsetenv("FAKE_QEMU_ACK_DELAY_MS");
     ::unsetenv("FAKE_BUILDER_MODE");
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
@@ -389,7 +410,7 @@ TEST_F(QemuDriverTest, AnInitramfsTooLargeForTheGuestsMemoryIsNamedWithWhatToCha
 
 TEST_F(QemuDriverTest, StalledBootIsKilledAndRetriedThenFails) {
   mode("stall");
-  cfg_.qemu_boot_timeout_ms = 1500;  // long enough for the Python fake to record its spawn
+  cfg_.qemu_boot_timeout_ms = 2500;  // long enough for the Python fake to record its spawn on a loaded machine
   auto r = start();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error(), Error::kTimeout);
@@ -893,6 +914,45 @@ TEST_F(QemuDriverTest, TheGuestsSshPortIsForwardedAndItsHostKeyGoesByFwCfg) {
   ASSERT_TRUE(plain.ok()) << plain.message();
   EXPECT_EQ(read_all(other_dir + "/argv").find("sg.ssh="), std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(other_dir + "/ssh"));
+}
+
+// The identity line carries the SSH keys; a start, resume or restore lets connections through only once the
+// guest acknowledged keys it did not have (a key removed while the sandbox slept must be refused by the
+// connection that wakes it), and does not wait when the guest has them already. The fake guest takes 800 ms
+// to acknowledge and writes identity-acks as it does.
+TEST_F(QemuDriverTest, AWakeWaitsForTheGuestToAcknowledgeKeysItDidNotHave) {
+  spec_.driver = "qemu";
+  spec_.agent_port = 9501;
+  ::setenv("FAKE_QEMU_ACK_DELAY_MS", "800", 1);
+  const std::string keys_dir = dir_.path() + "/ssh-keys";  // ssh_keys_dir(cfg_.state_dir)
+  cfg_.state_dir = dir_.path();
+  std::filesystem::create_directories(keys_dir);
+  auto acks = [&] { return lines_of(sandbox_dir_ + "/identity-acks").size(); };
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_EQ(acks(), 1u) << "the start did not wait for the guest's acknowledgement";
+  auto lines = lines_of(sandbox_dir_ + "/identity-lines");
+  ASSERT_EQ(lines.size(), 1u);
+  std::istringstream fields(lines[0]);
+  std::vector<std::string> f((std::istream_iterator<std::string>(fields)), std::istream_iterator<std::string>());
+  ASSERT_EQ(f.size(), 8u) << lines[0];
+  EXPECT_EQ(f[1], spec_.id);
+  EXPECT_EQ(f[5], "-") << "no key is registered yet";
+  EXPECT_EQ(f[7], read_all(sandbox_dir_ + "/identity.secret"));
+
+  // The same keys: a wake sends the line (the clock) and does not wait.
+  ASSERT_TRUE(pause(*info).ok());
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().resume(spec_, *info, std::move(d)); }).ok());
+  EXPECT_EQ(acks(), 1u) << "a wake with the keys the guest has waited for it";
+  EXPECT_TRUE(loop_.run_until([&] { return lines_of(sandbox_dir_ + "/identity-lines").size() == 2; }, 5000));
+
+  // A key registered while it slept: the wake waits until the guest has it.
+  ASSERT_TRUE(loop_.run_until([&] { return acks() == 2; }, 5000));  // the resume's line, acknowledged late
+  ASSERT_TRUE(pause(*info).ok());
+  std::ofstream(keys_dir + "/authorized_keys") << "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 late\n";
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().resume(spec_, *info, std::move(d)); }).ok());
+  EXPECT_EQ(acks(), 3u) << "the wake let connections through before the guest had the new key";
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *info, std::move(d)); }).ok());
 }
 
 TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
