@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <nlohmann/json.hpp>
 
+#include "common/base64.h"
 #include "common/http_client.h"
 
 namespace sg::etcd {
@@ -16,14 +17,6 @@ namespace {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-std::string b64(std::string_view in) {
-  std::string out(4 * ((in.size() + 2) / 3), '\0');
-  int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                          reinterpret_cast<const unsigned char*>(in.data()), static_cast<int>(in.size()));
-  out.resize(static_cast<size_t>(n));
-  return out;
-}
 
 Result<std::string> unb64(std::string_view in) {
   if (in.size() % 4 != 0) return fail(Error::kInvalidArgument, "etcd answer: base64 of a bad length");
@@ -139,17 +132,17 @@ const char* op_name(Compare::Op o) {
 }
 
 json op_json(const Op& op) {
-  json inner = {{"key", b64(op.key)}};
+  json inner = {{"key", base64_encode(op.key)}};
   switch (op.kind) {
     case Op::Kind::kPut:
-      inner["value"] = b64(op.value);
+      inner["value"] = base64_encode(op.value);
       if (op.lease != 0) inner["lease"] = std::to_string(op.lease);
       return {{"request_put", inner}};
     case Op::Kind::kDelete:
-      if (!op.range_end.empty()) inner["range_end"] = b64(op.range_end);
+      if (!op.range_end.empty()) inner["range_end"] = base64_encode(op.range_end);
       return {{"request_delete_range", inner}};
     case Op::Kind::kRange:
-      if (!op.range_end.empty()) inner["range_end"] = b64(op.range_end);
+      if (!op.range_end.empty()) inner["range_end"] = base64_encode(op.range_end);
       return {{"request_range", inner}};
   }
   return {};
@@ -254,8 +247,8 @@ Result<std::string> Client::call(std::string_view path, const std::string& body)
 
 Result<RangeResult> Client::range(std::string_view key, std::string_view range_end, int64_t limit) const {
   if (Status s = check_key(key); !s) return s.failure();
-  json req = {{"key", b64(key)}};
-  if (!range_end.empty()) req["range_end"] = b64(range_end);
+  json req = {{"key", base64_encode(key)}};
+  if (!range_end.empty()) req["range_end"] = base64_encode(range_end);
   if (limit > 0) req["limit"] = std::to_string(limit);
   auto body = call("/v3/kv/range", req.dump());
   if (!body) return body.failure();
@@ -268,7 +261,7 @@ Result<int64_t> Client::put(std::string_view key, std::string_view value, int64_
   if (Status s = check_key(key); !s) return s.failure();
   if (value.size() > options_.max_value_bytes)
     return fail(Error::kLimitExceeded, "etcd value over " + std::to_string(options_.max_value_bytes) + " bytes");
-  json req = {{"key", b64(key)}, {"value", b64(value)}};
+  json req = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease != 0) req["lease"] = std::to_string(lease);
   auto body = call("/v3/kv/put", req.dump());
   if (!body) return body.failure();
@@ -279,8 +272,8 @@ Result<int64_t> Client::put(std::string_view key, std::string_view value, int64_
 
 Result<int64_t> Client::delete_range(std::string_view key, std::string_view range_end) const {
   if (Status s = check_key(key); !s) return s.failure();
-  json req = {{"key", b64(key)}};
-  if (!range_end.empty()) req["range_end"] = b64(range_end);
+  json req = {{"key", base64_encode(key)}};
+  if (!range_end.empty()) req["range_end"] = base64_encode(range_end);
   auto body = call("/v3/kv/deleterange", req.dump());
   if (!body) return body.failure();
   auto j = parse_json(*body);
@@ -294,13 +287,13 @@ Result<TxnResult> Client::txn(const std::vector<Compare>& compares, const std::v
   json cmp = json::array();
   for (const Compare& c : compares) {
     if (Status s = check_key(c.key); !s) return s.failure();
-    json one = {{"key", b64(c.key)}, {"target", target_name(c.target)}, {"result", op_name(c.op)}};
+    json one = {{"key", base64_encode(c.key)}, {"target", target_name(c.target)}, {"result", op_name(c.op)}};
     switch (c.target) {
       case Compare::Target::kCreateRevision: one["create_revision"] = std::to_string(c.number); break;
       case Compare::Target::kModRevision: one["mod_revision"] = std::to_string(c.number); break;
       case Compare::Target::kVersion: one["version"] = std::to_string(c.number); break;
       case Compare::Target::kLease: one["lease"] = std::to_string(c.number); break;
-      case Compare::Target::kValue: one["value"] = b64(c.value); break;
+      case Compare::Target::kValue: one["value"] = base64_encode(c.value); break;
     }
     cmp.push_back(std::move(one));
   }
@@ -383,8 +376,8 @@ Status Client::revoke(int64_t lease) const {
 Result<std::unique_ptr<Watch>> Client::watch(std::string_view key, std::string_view range_end,
                                              int64_t start_revision) const {
   if (Status s = check_key(key); !s) return s.failure();
-  json create = {{"key", b64(key)}};
-  if (!range_end.empty()) create["range_end"] = b64(range_end);
+  json create = {{"key", base64_encode(key)}};
+  if (!range_end.empty()) create["range_end"] = base64_encode(range_end);
   if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
   std::string body = json{{"create_request", create}}.dump();
   if (options_.endpoints.empty()) return fail(Error::kUnavailable, "no etcd members configured");

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <openssl/evp.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -25,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/base64.h"
 #include "common/failpoint.h"
 #include "common/log.h"
 #include "noderuntime/guest_disk.h"
@@ -796,14 +796,7 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
 namespace {
 
 // One field of the identity line: base64 without line breaks, "-" for nothing.
-std::string identity_field(const std::string& bytes) {
-  if (bytes.empty()) return "-";
-  std::string out(4 * ((bytes.size() + 2) / 3) + 1, '\0');
-  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
-  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
-  return out;
-}
+std::string identity_field(const std::string& bytes) { return bytes.empty() ? "-" : base64_encode(bytes); }
 
 }  // namespace
 
