@@ -18,7 +18,9 @@ deploy/install-deps.sh
 # Made while the first tree builds (it is mostly dpkg unpacking), waited for before the tests.
 export SANDGATE_TEST_IMAGE_DIR=$PWD/build/test-image
 mkdir -p build
-tests/e2e/tools/make-test-image.sh "$SANDGATE_TEST_IMAGE_DIR" >build/test-image.log 2>&1 &
+# The code-interpreter flow's image (the test image plus pandas and matplotlib) is made after it, the same way.
+{ tests/e2e/tools/make-test-image.sh "$SANDGATE_TEST_IMAGE_DIR" && tests/e2e/make-data-image.sh "$SANDGATE_TEST_IMAGE_DIR"; } \
+  >build/test-image.log 2>&1 &
 image_pid=$!
 
 jobs=$(nproc)

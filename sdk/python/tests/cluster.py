@@ -7,7 +7,8 @@ SANDGATE_TEST_IMAGE_DIR) from its shared store, as the e2e harness does (importe
 harness's lock, if it is not there yet). A checkpoint writes snapshots and layers into the node's store,
 which must not happen to the shared one, so Cluster(own_store=True) gets a store of its own holding a tiny
 busybox image made here (importing the 240 MB test image and removing it again would cost ~30 s), and
-Cluster(own_store="test-image") one with the test image imported (a guest that needs python3 and a checkpoint).
+Cluster(own_store="test-image") one with the test image imported (a guest that needs python3 and a checkpoint),
+Cluster(own_store="data-image") one with the test image plus pandas and matplotlib (tests/e2e/make-data-image.sh).
 node_config adds lines to the node's section (the QEMU guest's kernel and initramfs, for one).
 SANDGATE_BUILD_DIR names the build with the daemons. Run as root (the node makes namespaces and cgroups)."""
 import fcntl
@@ -126,7 +127,7 @@ init_path = "{self.build}/noderuntime/sandgate-init"
                         START_TIMEOUT_S, proxy, self.proxy_log)
         self.port = int(line.split("ready on 127.0.0.1:")[1].split()[0].rstrip(",;"))
         self._phase("proxy ready")
-        if self.own_store == "test-image":
+        if self.own_store in ("test-image", "data-image"):
             self._import(self.archive, self.image)
         elif self.own_store:
             self._import(self._busybox_image(), "tiny")
@@ -147,6 +148,11 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         self.archive = made.stdout.splitlines()[0]
         key = os.path.basename(self.archive)[len("test-image-"):-len(".tar")]
         self.image = "sandgate-test-" + key  # the name the e2e harness gives it
+        if self.own_store == "data-image":
+            made = subprocess.run(["bash", ROOT + "/tests/e2e/make-data-image.sh", cache], check=True,
+                                  capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S)
+            self.archive = made.stdout.splitlines()[-1]
+            self.image = "sandgate-data-" + os.path.basename(self.archive)[len("data-image-"):-len(".tar")]
         if self.own_store:
             return f'images_dir = ""\ndefault_image = "{self.image}"'
         self.store = cache + "/store"
