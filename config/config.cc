@@ -217,6 +217,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.integer("connect_timeout_ms", &out->connect_timeout_ms, 10, 600'000);
   r.integer("activity_report_interval_ms", &out->activity_report_interval_ms, 50, 1'000);
   r.boolean("route_cache", &out->route_cache);
+  r.boolean("wake_at_client_hello", &out->wake_at_client_hello);
   r.string("access_log", &out->access_log);
   out->access_log = resolve_path(base_dir, out->access_log);
   r.string("handover_socket", &out->handover_socket);
@@ -344,6 +345,7 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.string("init_path", &out->init_path);
   out->init_path = resolve_path(base_dir, out->init_path);
   r.integer("default_hibernate_after_secs", &out->default_hibernate_after_secs, 0, 365 * 24 * 3600);
+  r.integer("prewake_window_secs", &out->prewake_window_secs, 0, 30 * 24 * 3600);
   r.string("agent_path", &out->agent_path);
   out->agent_path = resolve_path(base_dir, out->agent_path);
   r.string("images_dir", &out->images_dir);

@@ -41,6 +41,9 @@ struct ProxyConfig {
   // Each worker routes new connections to a running sandbox it reached recently without asking the node
   // (proxy/route_cache.h). Read at start; off: every connection's open goes to the node.
   bool route_cache = true;
+  // A ClientHello naming a sandbox that is not known to run asks the node to start waking it, so the resume
+  // overlaps the handshake; the node decides whom it wakes for (node.prewake_window_secs).
+  bool wake_at_client_hello = true;
   std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
   // A unix socket a new proxy (`sandgate-proxy --takeover`) takes the listening sockets from, so a binary
   // upgrade or restart refuses no connection (proxy/listener_handover.h). "" = none.
@@ -85,6 +88,10 @@ struct NodeConfig {
   bool api_listen_allow_remote = false;
   uint32_t default_timeout_secs = 300;
   uint32_t default_hibernate_after_secs = 0;  // suspended in memory -> hibernated to disk; 0 = never
+  // A ClientHello (proxy.wake_at_client_hello) wakes a private port's sandbox only for a client address that
+  // opened it with a verified credential within this many seconds (noderuntime/prewake_gate.h); 0: never.
+  // Public ports are woken for anyone, as their requests are.
+  uint32_t prewake_window_secs = 86'400;
   uint32_t max_sandboxes = 1000;
   // What the sandboxes a node holds may reserve in all, each its create's memory_mb and cpus in any state but
   // failed (a suspended or hibernated one may be woken at any moment): a create beyond either gets 429, and a

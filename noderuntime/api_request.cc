@@ -282,6 +282,15 @@ Result<PortRequest> parse_port_request(const json& body, PortRequestKind kind) {
         return fail(Error::kInvalidArgument,
                     it.key() + ": an integer from 0 to " + std::to_string(Node::kMaxSpareSockets));
       out.sockets = v.get<size_t>();
+    } else if (it.key() == "client" && kind != PortRequestKind::kSockets) {
+      if (!v.is_string()) return wrong_type("client", "a string", v);
+      out.client = v.get<std::string>();
+      if (out.client.size() > kMaxClientAddressLength)
+        return fail(Error::kInvalidArgument,
+                    "client: at most " + std::to_string(kMaxClientAddressLength) + " characters");
+    } else if (it.key() == "prewake" && kind == PortRequestKind::kLookup) {
+      if (!v.is_boolean()) return wrong_type("prewake", "a boolean", v);
+      out.prewake = v.get<bool>();
     } else if (it.key() == "credentials" && open) {
       if (!v.is_array()) return wrong_type("credentials", "an array of strings", v);
       if (v.size() > kMaxCredentialsPerOpen)
@@ -292,9 +301,9 @@ Result<PortRequest> parse_port_request(const json& body, PortRequestKind kind) {
         out.credentials.push_back(c.get<std::string>());
       }
     } else {
-      return unknown_field(it.key(), open                                 ? "sandbox, port, credentials, spare_sockets"
+      return unknown_field(it.key(), open                                 ? "sandbox, port, credentials, spare_sockets, client"
                                      : kind == PortRequestKind::kSockets ? "sandbox, port, count"
-                                                                         : "sandbox, port");
+                                                                         : "sandbox, port, client, prewake");
     }
   }
   if (out.ref.empty()) return fail(Error::kInvalidArgument, "sandbox is required (an id or a name)");

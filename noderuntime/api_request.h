@@ -39,14 +39,21 @@ struct PortRequest {
   uint16_t port = 0;
   std::vector<std::string> credentials;
   size_t sockets = 0;  // open: spare sockets for the route cache; internal/sockets: how many
+  // open and lookup: the client's address as the proxy saw it ("" when not given). An open whose credential
+  // verifies lets that address wake the sandbox from its ClientHello later (noderuntime/prewake_gate.h).
+  std::string client;
+  bool prewake = false;  // lookup: a ClientHello names the port; wake the sandbox if the gate lets it
 };
 
 // Which fields a port request may carry besides sandbox and port.
 enum class PortRequestKind {
-  kLookup,   // none
-  kOpen,     // credentials, spare_sockets
+  kLookup,   // client, prewake
+  kOpen,     // credentials, spare_sockets, client
   kSockets,  // count
 };
+
+// A client address longer than this is refused (an IPv6 text form is at most 45 characters).
+inline constexpr size_t kMaxClientAddressLength = 64;
 
 // The edge sends at most this many (proxy/edge_auth.h kMaxCredentialCandidates); each costs a SHA-256.
 inline constexpr size_t kMaxCredentialsPerOpen = 4;

@@ -1227,6 +1227,7 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
     const bool none = std::all_of(req->credentials.begin(), req->credentials.end(),
                                   [](const std::string& c) { return c.empty(); });
     if (!accepted) return reply(unauthorized(none ? "missing token" : "invalid token"));
+    node_->credential_verified(access->id, req->client);
   }
   node_->open(req->ref, req->port, *wake_timeout,
               [this, reply = std::move(reply), accepted, spares = req->sockets](Result<OpenedPort> r) {
@@ -1295,6 +1296,12 @@ void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& r
                     {"port", access->port},
                     {"protocol", protocol_name(access->protocol)},
                     {"public", access->is_public}};
+  if (req->prewake) {
+    Node::PrewakeOutcome woke = node_->prewake(access->id, req->port, req->client);
+    j["prewake"] = woke == Node::PrewakeOutcome::kWoke      ? "woke"
+                   : woke == Node::PrewakeOutcome::kRefused ? "refused"
+                                                            : "not_asleep";
+  }
   reply(Response{200, to_text(j), {}, ""});
 }
 

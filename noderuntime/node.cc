@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 
 #include "common/failpoint.h"
 #include "common/operator_token.h"
@@ -357,6 +358,7 @@ void Node::begin_suspend(Sandbox& sb, std::string reason) {
   if (!transition(sb, S::kSuspending, std::move(reason))) return;  // still where it was, and logged
   sb.pending_wake.reset();
   sb.cancel_requested = false;
+  sb.woken_early = false;
   driver(sb).pause(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_pause_done(id, std::move(s)); });
 }
 
@@ -559,6 +561,7 @@ void Node::forget(const std::string& id) {
   }
   reports_.forget(id);
   idle_.remove(id);
+  prewake_gate_.forget(id);
   image_users_->remove(rec.spec.image, image_user_label(rec.spec));
   if (snapshots_ != nullptr && !rec.spec.snapshot.empty()) snapshots_->remove_user(rec.spec.snapshot, image_user_label(rec.spec));
   registry_.erase(id);
@@ -668,7 +671,7 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
   touch(sb);
   switch (sb.rec.state) {
     case S::kRunning:
-      return done(open_port(sb, port, false, started));
+      return done(open_port(sb, port, std::exchange(sb.woken_early, false), started));
     case S::kFailed:
       return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " failed: " + sb.rec.state_reason));
     case S::kTerminated:
@@ -689,9 +692,35 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
     Sandbox* now = registry_.by_id(id);
     if (now == nullptr || now->rec.state != S::kRunning)
       return done(fail(Error::kUnavailable, "sandbox " + id + " is not running"));
+    now->woken_early = false;
     done(open_port(*now, port, true, started));
   });
   wake(sb, "woken by a connection to port " + std::to_string(port));
+}
+
+void Node::credential_verified(std::string_view id, std::string_view client) {
+  if (registry_.contains(std::string(id))) prewake_gate_.verified(id, client, Clock::now());
+}
+
+Node::PrewakeOutcome Node::prewake(std::string_view ref, uint16_t port, std::string_view client) {
+  if (shutting_down_) return PrewakeOutcome::kNotAsleep;
+  auto found = registry_.find_usable(ref);
+  if (!found) return PrewakeOutcome::kNotAsleep;
+  Sandbox& sb = **found;
+  if (sb.rec.state != S::kSuspended && sb.rec.state != S::kSuspending) return PrewakeOutcome::kNotAsleep;
+  auto policy = port_policy(sb.rec.spec, port);
+  if (!policy) return PrewakeOutcome::kNotAsleep;
+  const std::chrono::seconds window(config_->get()->node.prewake_window_secs);
+  if (!policy->is_public && !prewake_gate_.admits(sb.id(), client, Clock::now(), window)) {
+    metrics_.prewake(false);
+    return PrewakeOutcome::kRefused;
+  }
+  if (fleet_ != nullptr)
+    if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return PrewakeOutcome::kNotAsleep;
+  metrics_.prewake(true);
+  sb.woken_early = true;
+  wake(sb, "woken at a ClientHello for port " + std::to_string(port));
+  return PrewakeOutcome::kWoke;
 }
 
 Result<PortAccess> Node::lookup(std::string_view ref, uint16_t port) const {

@@ -55,6 +55,7 @@
 #include "noderuntime/sandbox_registry.h"
 #include "noderuntime/snapshot_service.h"
 #include "noderuntime/store.h"
+#include "noderuntime/prewake_gate.h"
 #include "noderuntime/wake_waiters.h"
 #include "snapshot/image_store.h"
 
@@ -209,6 +210,15 @@ class Node {
   // Resolves `ref`, wakes it if needed, and hands back a socket in its network namespace. `done` may run
   // before open() returns (sandbox running, or an error).
   void open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, OpenCallback done);
+  // A credential of `client` (an address, no port) verified for sandbox `id`: that client's later ClientHellos
+  // may wake it (prewake).
+  void credential_verified(std::string_view id, std::string_view client);
+  // A ClientHello from `client` names `port` of `ref` (internal/lookup with prewake): a sleeping sandbox
+  // starts waking when the port is public or the client verified within node.prewake_window_secs
+  // (noderuntime/prewake_gate.h), so the resume overlaps the TLS handshake. Not activity: the open that
+  // follows is, and joins the wake. Whatever the outcome the lookup answers as before.
+  enum class PrewakeOutcome { kWoke, kNotAsleep, kRefused };
+  PrewakeOutcome prewake(std::string_view ref, uint16_t port, std::string_view client);
   // Applies the proxies' counts: bytes keep a running sandbox's idle clock fresh, but never wake one. The
   // answer lists the reported sandboxes that are asleep.
   ActivityAnswer activity(const std::vector<ActivityReport>& reports);
@@ -350,6 +360,7 @@ class Node {
   IdleClocks idle_;
   ConnectionReports reports_;
   WakeWaiters waiters_;
+  PrewakeGate prewake_gate_;
   // Who waits for a lifecycle operation: create()'s caller until the start settles, remove()'s callers.
   std::unordered_map<std::string, SandboxCallback> creates_;
   std::unordered_map<std::string, std::vector<SandboxCallback>> removals_;

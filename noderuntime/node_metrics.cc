@@ -36,6 +36,11 @@ std::string NodeMetrics::render(const std::vector<std::pair<SandboxState, Suspen
   m.family("sandgate_node_wake_failures_total", "counter", "Wakes that failed (the sandbox is then failed), by tier.");
   m.sample("sandgate_node_wake_failures_total", {{"tier", "memory"}}, wake_failures_[0].value());
   m.sample("sandgate_node_wake_failures_total", {{"tier", "disk"}}, wake_failures_[1].value());
+  m.family("sandgate_node_prewakes_total", "counter",
+           "ClientHellos that named a sleeping sandbox: its wake started then (woke), or the client had not "
+           "opened it with a valid token recently (refused; its request wakes it once the token verified).");
+  m.sample("sandgate_node_prewakes_total", {{"result", "woke"}}, prewakes_.value());
+  m.sample("sandgate_node_prewakes_total", {{"result", "refused"}}, prewakes_refused_.value());
   m.histogram("sandgate_node_wake_duration_seconds", "From the start of a resume or restore to running again.", wake_);
   return m.text();
 }

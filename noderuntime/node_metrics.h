@@ -23,13 +23,15 @@ class NodeMetrics {
     wake_.observe(seconds);
   }
   void wake_failed(SuspendTier from) { wake_failures_[tier_index(from)].add(); }
+  // A ClientHello asked to wake a sleeping sandbox: started, or refused by the gate (noderuntime/prewake_gate.h).
+  void prewake(bool woke) { (woke ? prewakes_ : prewakes_refused_).add(); }
 
   // `sandboxes`: the state and tier of every sandbox the node has now.
   std::string render(const std::vector<std::pair<SandboxState, SuspendTier>>& sandboxes) const;
 
  private:
   static size_t tier_index(SuspendTier t) { return t == SuspendTier::kDisk ? 1 : 0; }  // kNone counts as memory
-  Counter creates_ok_, creates_failed_;
+  Counter creates_ok_, creates_failed_, prewakes_, prewakes_refused_;
   std::array<Counter, 2> suspends_, wakes_, wake_failures_;  // memory, disk
   Histogram wake_ = make_wake_histogram();
 };

@@ -86,6 +86,7 @@ std::string AccessLog::format(const AccessRecord& r) {
       {"duration_ms", std::round(duration_ms * 1000) / 1000},
       {"woke", r.woke},
       {"route_cached", r.route_cached},
+      {"prewake", r.prewake},
       {"wake_ms", r.woke ? nlohmann::json(std::round(r.wake_ms * 1000) / 1000) : nlohmann::json(nullptr)},
       {"tls", r.tls_version.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.tls_version)},
       {"path", r.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.data_path)},

@@ -71,6 +71,7 @@ struct AccessRecord {
   bool woke = false;
   double wake_ms = 0;
   bool route_cached = false;  // routed from the worker's route cache: no node round trip
+  bool prewake = false;       // the ClientHello asked the node to start waking the sandbox
   std::string tls_version;
   std::string data_path;  // "userspace", "ktls-tx-only", "ktls-splice"
   TerminationCause cause = TerminationCause::kClientClosed;

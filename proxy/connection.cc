@@ -85,6 +85,10 @@ class Connection::HandshakePhase final : public Phase {
  private:
   void look_up_port_policy();
   void on_lookup_result(const std::string& target, Result<LookupAnswer> r);
+  // Whether this ClientHello should start waking its sandbox (proxy.wake_at_client_hello): it names a
+  // sandbox port that no live cached route says is running. Asked once per connection.
+  bool wants_prewake(const Route& route, uint16_t port);
+  void send_prewake(const Route& route, uint16_t port);
   void finished();
 
   bool wants_write_ = false;
@@ -445,9 +449,18 @@ void Connection::HandshakePhase::run() {
   ERR_clear_error();
   int r = SSL_do_handshake(c_.client_->ssl());
   c_.rec_.sni = c_.hello_.sni;
-  if (r == 1) return finished();
-  int err = SSL_get_error(c_.client_->ssl(), r);
+  int err = r == 1 ? SSL_ERROR_NONE : SSL_get_error(c_.client_->ssl(), r);
   if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) return look_up_port_policy();
+  // The ClientHello was read and answered without a lookup (a cached policy, or an HTTP/1.1-only ALPN). On
+  // loopback the client's Finished may even arrive within this same call (r == 1).
+  if ((r == 1 || err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) && !c_.prewake_asked_ &&
+      !c_.hello_.sni.empty()) {
+    if (auto route = parse_route(c_.hello_.sni, c_.cfg_->domain); route && route->kind != RouteKind::kApi) {
+      uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
+      if (wants_prewake(*route, port)) send_prewake(*route, port);
+    }
+  }
+  if (r == 1) return finished();
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
     wants_write_ = err == SSL_ERROR_WANT_WRITE;
     return c_.update_interest();
@@ -470,18 +483,21 @@ void Connection::HandshakePhase::look_up_port_policy() {
     return run();
   }
   uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
+  const bool prewake = wants_prewake(*route, port);
   // A port seen within the cache's bound needs no node round trip here: the open is the connection's only one.
   if (auto known = c_.worker_->routes().find(route->target, port, now_ms(c_.worker_->loop()))) {
     hello.policy_known = true;
     hello.port_protocol = known->protocol;
     hello.port_public = known->is_public;
+    if (prewake) send_prewake(*route, port);
     return run();
   }
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
   uint32_t lookup_ms = std::min(c_.cfg_->proxy.wake_timeout_ms, c_.cfg_->proxy.handshake_timeout_ms / 2);
   c_.worker_->shared()->metrics.node_call(NodeCallKind::kLookup);
-  lookup_ = c_.worker_->node().lookup(route->target, port, lookup_ms,
+  c_.rec_.prewake = prewake;
+  lookup_ = c_.worker_->node().lookup(route->target, port, ClientHint{c_.client_address(), prewake}, lookup_ms,
                                       [this, target = route->target](Result<LookupAnswer> r) {
                                         c_.drop_left_phases();
                                         on_lookup_result(target, std::move(r));
@@ -498,11 +514,42 @@ void Connection::HandshakePhase::on_lookup_result(const std::string& target, Res
   if (r && r->status == 200) {
     hello.port_protocol = r->policy.protocol;
     hello.port_public = r->policy.is_public;
-    c_.worker_->routes().store(target, r->port, r->policy, now_ms(c_.worker_->loop()));
+    c_.remember_lookup(target, *r);
   } else if (!r) {
     spdlog::warn("port policy lookup failed: {}", r.message());
   }
   run();
+}
+
+bool Connection::HandshakePhase::wants_prewake(const Route& route, uint16_t port) {
+  if (c_.prewake_asked_) return false;
+  c_.prewake_asked_ = true;
+  if (!c_.cfg_->proxy.wake_at_client_hello || c_.via_fleet_) return false;
+  // A sandbox this worker routes from its cache, or that the node said was awake, is running: nothing to
+  // wake, and no node call.
+  return !c_.worker_->routes().known_awake(route.target, port, now_ms(c_.worker_->loop()));
+}
+
+// The policy is known without the node, so the wake is asked for by a lookup of its own, whose answer only
+// refreshes the cached policy. It belongs to the connection, not this phase: the handshake may finish first.
+void Connection::HandshakePhase::send_prewake(const Route& route, uint16_t port) {
+  Connection& c = c_;
+  c.rec_.prewake = true;
+  c.worker_->shared()->metrics.node_call(NodeCallKind::kLookup);
+  uint32_t lookup_ms = std::min(c.cfg_->proxy.wake_timeout_ms, c.cfg_->proxy.handshake_timeout_ms / 2);
+  c.prewake_ = c.worker_->node().lookup(route.target, port, ClientHint{c.client_address(), true}, lookup_ms,
+                                        [&c, target = route.target](Result<LookupAnswer> r) {
+                                          auto call = std::move(c.prewake_);  // destroyed after its callback
+                                          if (r && r->status == 200) c.remember_lookup(target, *r);
+                                        });
+}
+
+// The policy for the next ClientHellos, and when the node said the sandbox is running or waking, that the
+// next ones need not ask it to wake.
+void Connection::remember_lookup(const std::string& target, const LookupAnswer& a) {
+  const uint64_t now = now_ms(worker_->loop());
+  worker_->routes().store(target, a.port, a.policy, now);
+  if (a.prewake == "not_asleep" || a.prewake == "woke") worker_->routes().mark_awake(target, a.port, now);
 }
 
 void Connection::HandshakePhase::finished() {
@@ -1047,7 +1094,8 @@ void Connection::open_local_sandbox() {
   }
   worker_->shared()->metrics.node_call(NodeCallKind::kOpen);
   worker_->shared()->metrics.route_cache(false);
-  open.call_ = worker_->node().open(route_.target, route_.port, candidates, wake_ms, [this, &open](Result<OpenAnswer> r) {
+  open.call_ = worker_->node().open(route_.target, route_.port, candidates, ClientHint{client_address()}, wake_ms,
+                                    [this, &open](Result<OpenAnswer> r) {
     drop_left_phases();
     auto call = std::move(open.call_);  // destroyed when this function returns, after its callback
     on_open_result(std::move(r));
@@ -1097,6 +1145,7 @@ void Connection::use_opened(OpenedSocket opened) {
   // For the next connection's ClientHello (the route's target is the SNI's: Host must equal it), and with
   // spares, for the next connections' opens.
   worker_->routes().store(route_.target, opened.port, opened.policy, now_ms(worker_->loop()));
+  worker_->routes().mark_awake(route_.target, opened.port, now_ms(worker_->loop()));
   if (!opened.spares.empty())
     worker_->routes().grant(route_.target,
                             RouteGrant{.sandbox_id = opened.id,
@@ -1626,6 +1675,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
   worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);
   worker_->forget(this);
+  prewake_.reset();  // a wake for a client that left is not wanted any more
 
   auto on_closed = [](uv_handle_t* h) {
     auto* self = static_cast<Connection*>(h->data);

@@ -44,6 +44,8 @@ class Connection {
   // The connection holds one of its client address's slots in ProxyShared::client_limits; close() gives
   // it back.
   void hold_client_slot(std::string address) { client_slot_ = std::move(address); }
+  // The client's address without its port, as the node's early-wake gate knows it.
+  std::string client_address() const { return rec_.client.substr(0, rec_.client.rfind(':')); }
 
   // Why the node wants older connections of a sandbox gone (its answer to an activity report).
   enum class Cut {
@@ -58,6 +60,8 @@ class Connection {
   void drain_tick();
 
  private:
+  // Caches what a lookup answered (HandshakePhase).
+  void remember_lookup(const std::string& target, const LookupAnswer& a);
   // The connection's state is its current phase, one object at a time: each phase handles the events
   // that mean something in it and owns the state only it needs, and the connection switches to the next
   // one as nghttpx's ClientHandler swaps its read_/write_ handlers (read_tls_handshake -> read_tls).
@@ -167,6 +171,10 @@ class Connection {
   uint64_t last_activity_ms_ = 0;  // forwarding: the idle timer's reference
 
   HelloState hello_;  // SNI and the routed port's policy, filled during the handshake (OpenSSL's callbacks)
+  // The early wake this connection's ClientHello asks for (proxy.wake_at_client_hello): decided once; a call
+  // of its own when no lookup was needed, kept until the node answered whatever phase the connection is in.
+  bool prewake_asked_ = false;
+  std::unique_ptr<NodeCall> prewake_;
   KtlsRxTracker ktls_rx_tracker_;  // what OpenSSL's callbacks saw, for the TLS 1.3 receive handover
 
   // The first request: what every later phase goes by.

@@ -30,6 +30,7 @@ struct LookupAnswer {
   std::string message;  // the node's message otherwise
   uint16_t port = 0;
   PortPolicy policy;
+  std::string prewake;  // asked for: "woke", "refused" or "not_asleep"; else ""
 };
 
 struct OpenAnswer {
@@ -67,18 +68,26 @@ struct RouteStreamEvent {
   uint64_t stamp = 0;
 };
 
+// Who a lookup or an open is for. The node remembers the `address` (no port) of a client whose credential
+// verified, and wakes that sandbox at a later ClientHello from the same address when the lookup asks it to
+// (`prewake`; noderuntime/prewake_gate.h): the resume then runs during the TLS handshake.
+struct ClientHint {
+  std::string address;
+  bool prewake = false;  // lookup only
+};
+
 class NodeClient {
  public:
   virtual ~NodeClient() = default;
   // Failures (the callback's Result): the node did not answer in `timeout_ms` (kTimeout), could not be
   // reached (kUnavailable), or answered something that is not its API (kInternal).
-  virtual std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, uint32_t timeout_ms,
-                                           std::function<void(Result<LookupAnswer>)> done) = 0;
+  virtual std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, const ClientHint& client,
+                                           uint32_t timeout_ms, std::function<void(Result<LookupAnswer>)> done) = 0;
   // Checks `credentials` (the first that verifies is used) unless the port is public, wakes the sandbox
   // within `wake_timeout_ms`, and hands over a socket to the port.
   virtual std::unique_ptr<NodeCall> open(const std::string& sandbox, uint16_t port,
-                                         std::span<const std::string> credentials, uint32_t wake_timeout_ms,
-                                         std::function<void(Result<OpenAnswer>)> done) = 0;
+                                         std::span<const std::string> credentials, const ClientHint& client,
+                                         uint32_t wake_timeout_ms, std::function<void(Result<OpenAnswer>)> done) = 0;
   virtual std::unique_ptr<NodeCall> report_activity(std::string report_json,
                                                     std::function<void(Result<ActivityCuts>)> done) = 0;
   // The route cache's two calls. A client without them (nullptr) leaves the cache without routes: every

@@ -47,7 +47,10 @@ void RouteCache::store(std::string_view sandbox_ref, uint16_t port, PortPolicy p
   Entry* e = slot(sandbox_ref, port, now_ms);
   if (e == nullptr) return;
   // The ref names another sandbox now: what was routed to the old one must not serve the new one.
-  if (e->route && e->policy.sandbox_id != policy.sandbox_id) drop_route(*e);
+  if (e->policy.sandbox_id != policy.sandbox_id) {
+    if (e->route) drop_route(*e);
+    e->awake_until_ms = 0;
+  }
   e->policy = std::move(policy);
 }
 
@@ -67,6 +70,23 @@ void RouteCache::erase_sandbox(std::string_view sandbox_id) {
     drop_route(it->second);
     it = entries_.erase(it);
   }
+}
+
+bool RouteCache::has_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const {
+  if (!stream_up_) return false;
+  auto it = entries_.find(key(sandbox_ref, port));
+  return it != entries_.end() && it->second.route && now_ms < it->second.route->expires_ms;
+}
+
+void RouteCache::mark_awake(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
+  auto it = entries_.find(key(sandbox_ref, port));
+  if (it != entries_.end() && now_ms < it->second.policy_expires_ms) it->second.awake_until_ms = it->second.policy_expires_ms;
+}
+
+bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const {
+  if (has_route(sandbox_ref, port, now_ms)) return true;
+  auto it = entries_.find(key(sandbox_ref, port));
+  return it != entries_.end() && now_ms < it->second.awake_until_ms;
 }
 
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
@@ -182,7 +202,10 @@ void RouteCache::stream_down() {
 
 void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {
   for (auto& [k, e] : entries_)
-    if (e.policy.sandbox_id == sandbox_id) drop_route(e);
+    if (e.policy.sandbox_id == sandbox_id) {
+      drop_route(e);
+      e.awake_until_ms = 0;
+    }
   std::string id(sandbox_id);
   if (invalidated_at_.size() >= kMaxInvalidations && !invalidated_at_.contains(id)) {
     // Forgetting them must not let an old grant in: the floor rises to the newest forgotten stamp.
@@ -199,7 +222,10 @@ void RouteCache::forget(std::string_view sandbox_id, uint64_t stamp) {
 }
 
 void RouteCache::flush(uint64_t stamp) {
-  for (auto& [k, e] : entries_) drop_route(e);
+  for (auto& [k, e] : entries_) {
+    drop_route(e);
+    e.awake_until_ms = 0;
+  }
   floor_stamp_ = std::max(floor_stamp_, stamp);
   invalidated_at_.clear();
 }

@@ -106,6 +106,16 @@ class RouteCache {
   // public or one of `credentials` matches a digest. nullopt: ask the node.
   std::optional<CachedOpen> open(std::string_view sandbox_ref, uint16_t port, std::span<const std::string> credentials,
                                  uint64_t now_ms);
+  // Whether a live route is cached for `sandbox_ref`:`port`: the sandbox ran when the node last answered and
+  // nothing since said it stopped.
+  bool has_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const;
+  // The node just said the sandbox is running or waking (an open, a lookup's prewake answer): a ClientHello
+  // for the port needs no early wake while its policy is kept, unless an invalidation says it stopped
+  // running. Without the event stream (route_cache off) the mark may outlive a suspend by up to the policy's
+  // ttl, which costs only that early wake: the request then wakes the sandbox as it would anyway.
+  void mark_awake(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
+  // has_route, or marked awake: a ClientHello for it needs no early wake.
+  bool known_awake(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const;
   // Caches what an open answered (under the ref the client used). Ignored while the event stream is down,
   // when the grant predates an invalidation of its sandbox, or without spares.
   void grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms);
@@ -145,6 +155,7 @@ class RouteCache {
   struct Entry {
     PortPolicy policy;
     uint64_t policy_expires_ms = 0;
+    uint64_t awake_until_ms = 0;  // mark_awake
     std::optional<Route> route;
   };
   static std::string key(std::string_view sandbox_ref, uint16_t port);

@@ -79,6 +79,7 @@ Result<LookupAnswer> parse_lookup_answer(int status, std::string_view body) {
   LookupAnswer a = answer_head<LookupAnswer>(status, j);
   if (status != 200) return a;
   if (!j.is_object() || !get_policy(j, &a.port, &a.policy)) return not_the_api("internal/lookup");
+  if (j.contains("prewake") && j["prewake"].is_string()) a.prewake = j["prewake"].get<std::string>();
   return a;
 }
 
@@ -179,17 +180,20 @@ Result<ActivityCuts> parse_activity_answer(int status, std::string_view body) {
   return cuts;
 }
 
-std::unique_ptr<NodeCall> UnixNodeClient::lookup(const std::string& sandbox, uint16_t port, uint32_t timeout_ms,
-                                                 std::function<void(Result<LookupAnswer>)> done) {
+std::unique_ptr<NodeCall> UnixNodeClient::lookup(const std::string& sandbox, uint16_t port, const ClientHint& client,
+                                                 uint32_t timeout_ms, std::function<void(Result<LookupAnswer>)> done) {
   json body = {{"sandbox", sandbox}, {"port", port}};
+  if (!client.address.empty()) body["client"] = client.address;
+  if (client.prewake) body["prewake"] = true;
   return start<LookupAnswer>(loop_, shared_, "/v1/internal/lookup", body.dump(), timeout_ms, "", std::move(done),
                              [](NodeResponse& r) { return parse_lookup_answer(r.status, r.body); });
 }
 
 std::unique_ptr<NodeCall> UnixNodeClient::open(const std::string& sandbox, uint16_t port,
-                                               std::span<const std::string> credentials, uint32_t wake_timeout_ms,
-                                               std::function<void(Result<OpenAnswer>)> done) {
+                                               std::span<const std::string> credentials, const ClientHint& client,
+                                               uint32_t wake_timeout_ms, std::function<void(Result<OpenAnswer>)> done) {
   json body = {{"sandbox", sandbox}, {"port", port}};
+  if (!client.address.empty()) body["client"] = client.address;
   if (shared_->snapshot()->config->proxy.route_cache) body["spare_sockets"] = RouteCache::kSparesPerGrant;
   if (!credentials.empty()) body["credentials"] = json(std::vector<std::string>(credentials.begin(), credentials.end()));
   // The node bounds the wake; the exchange gets a second more so its 504 arrives before our own timeout.

@@ -18,10 +18,11 @@ class UnixNodeClient : public NodeClient {
   // to the next request.
   UnixNodeClient(uv_loop_t* loop, const ProxyShared* shared) : loop_(loop), shared_(shared) {}
 
-  std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, uint32_t timeout_ms,
-                                   std::function<void(Result<LookupAnswer>)> done) override;
+  std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, const ClientHint& client,
+                                   uint32_t timeout_ms, std::function<void(Result<LookupAnswer>)> done) override;
   std::unique_ptr<NodeCall> open(const std::string& sandbox, uint16_t port, std::span<const std::string> credentials,
-                                 uint32_t wake_timeout_ms, std::function<void(Result<OpenAnswer>)> done) override;
+                                 const ClientHint& client, uint32_t wake_timeout_ms,
+                                 std::function<void(Result<OpenAnswer>)> done) override;
   std::unique_ptr<NodeCall> report_activity(std::string report_json,
                                             std::function<void(Result<ActivityCuts>)> done) override;
   std::unique_ptr<NodeCall> spare_sockets(const std::string& sandbox_id, uint16_t port, size_t count,

@@ -51,6 +51,8 @@ TEST(Auth, PrivatePortNeedsTheSandboxToken) {
   EXPECT_EQ(entry.value("status", 0), 401);
 }
 
+// From an address that never opened the sandbox with its token: such a client's ClientHello does not start a
+// wake either (node.prewake_window_secs; Prewake.* has the address that did).
 TEST(Auth, RefusedRequestDoesNotWakeTheSandbox) {
   Cluster c;
   Created a = create_private(c, "sleepy", 8080);
@@ -58,7 +60,8 @@ TEST(Auth, RefusedRequestDoesNotWakeTheSandbox) {
   ASSERT_EQ(c.cli("suspend sleepy").exit_code, 0);
   ASSERT_EQ(c.get("sleepy")["state"], "suspended");
   for (int i = 0; i < 3; ++i)
-    EXPECT_EQ(Cluster::http_code(c.curl("8080-sleepy.sandbox.localhost", "/", bearer("sgt_nope"))), 401);
+    EXPECT_EQ(Cluster::http_code(c.curl("8080-sleepy.sandbox.localhost", "/", bearer("sgt_nope") + " --interface 127.0.0.2")),
+              401);
   EXPECT_EQ(c.get("sleepy")["state"], "suspended");
   EXPECT_TRUE(c.cgroup_frozen(a.id));
   // The right token wakes it, with no error seen by the client.

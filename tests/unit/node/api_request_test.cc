@@ -126,6 +126,28 @@ TEST(ApiRequestTest, AnOpenCarriesAtMostItsCredentialLimit) {
   EXPECT_EQ(parse_port_request(many_spares, PortRequestKind::kOpen).error(), Error::kInvalidArgument);
 }
 
+TEST(ApiRequestTest, ALookupMayAskForAPrewakeAndOpensAndLookupsNameTheirClient) {
+  auto lookup = parse_port_request(json{{"sandbox", "demo"}, {"port", 443}, {"client", "[::1]"}, {"prewake", true}},
+                                   PortRequestKind::kLookup);
+  ASSERT_TRUE(lookup) << lookup.message();
+  EXPECT_EQ(lookup->client, "[::1]");
+  EXPECT_TRUE(lookup->prewake);
+  auto open = parse_port_request(json{{"sandbox", "demo"}, {"port", 443}, {"client", "10.0.0.1"}}, PortRequestKind::kOpen);
+  ASSERT_TRUE(open) << open.message();
+  EXPECT_EQ(open->client, "10.0.0.1");
+  EXPECT_FALSE(open->prewake);
+  EXPECT_EQ(parse_port_request(json{{"sandbox", "demo"}, {"port", 443}, {"prewake", true}}, PortRequestKind::kOpen).message(),
+            "unknown field 'prewake' (allowed: sandbox, port, credentials, spare_sockets, client)");
+  EXPECT_EQ(parse_port_request(json{{"sandbox", "demo"}, {"port", 443}, {"prewake", "yes"}}, PortRequestKind::kLookup).error(),
+            Error::kInvalidArgument);
+  EXPECT_EQ(parse_port_request(json{{"sandbox", "demo"}, {"port", 443}, {"client", 7}}, PortRequestKind::kLookup).error(),
+            Error::kInvalidArgument);
+  json longest = {{"sandbox", "demo"}, {"port", 443}, {"client", std::string(kMaxClientAddressLength, 'a')}};
+  EXPECT_TRUE(parse_port_request(longest, PortRequestKind::kLookup));
+  longest["client"] = std::string(kMaxClientAddressLength + 1, 'a');
+  EXPECT_EQ(parse_port_request(longest, PortRequestKind::kLookup).message(), "client: at most 64 characters");
+}
+
 TEST(ApiRequestTest, ACheckpointWithoutABodyIsAFilesystemOne) {
   EXPECT_EQ(*parse_checkpoint(""), "filesystem");
   EXPECT_EQ(*parse_checkpoint(R"({"type": "memory"})"), "memory");

@@ -359,6 +359,54 @@ TEST_F(NodeTest, SingleFlightWakeForManyOpens) {
   EXPECT_EQ(node_->get("demo")->state_reason, "woken by a connection to port 8080");
 }
 
+// A ClientHello carries no credential: it wakes a sleeping sandbox early only for a public port or a client
+// address whose credential verified for that sandbox (noderuntime/prewake_gate.h), and is never activity.
+TEST_F(NodeTest, AClientHelloWakesASleepingSandboxOnlyForAClientThatOpenedItWithAToken) {
+  using P = Node::PrewakeOutcome;
+  CreateRequest r = request("demo");
+  r.ports.push_back({9000, true, std::nullopt});
+  const std::string id = create_request(r)->spec.id;
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kNotAsleep) << "running";
+  suspend_and_wait("demo");
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kRefused) << "never verified";
+  EXPECT_EQ(node_->prewake("demo", 8080, ""), P::kRefused) << "no address";
+  EXPECT_EQ(node_->prewake("demo", 7777, "10.0.0.1"), P::kNotAsleep) << "a port it does not expose";
+  EXPECT_EQ(node_->prewake("nobody", 8080, "10.0.0.1"), P::kNotAsleep);
+  EXPECT_EQ(state("demo"), S::kSuspended);
+  node_->credential_verified(id, "10.0.0.1");
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.2"), P::kRefused) << "another address";
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kWoke);
+  EXPECT_EQ(state("demo"), S::kResuming);
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kNotAsleep) << "already waking";
+  // The open that follows joins the wake: one resume.
+  auto o = open("demo");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_EQ(driver_->resumes, 1);
+  EXPECT_EQ(node_->get("demo")->state_reason, "woken at a ClientHello for port 8080");
+  EXPECT_TRUE(o->result->value().woke) << "the open whose ClientHello woke it says so";
+  // A public port: anyone's ClientHello, as anyone's request would; the open after the resume finished
+  // still reports the wake, the next one does not.
+  suspend_and_wait("demo");
+  EXPECT_EQ(node_->prewake("demo", 9000, "192.0.2.9"), P::kWoke);
+  ASSERT_TRUE(wait_state("demo", S::kRunning));
+  for (bool woke : {true, false}) {
+    auto after = open("demo", 9000);
+    ASSERT_TRUE(run_until(&loop_, [&] { return after->result.has_value(); }));
+    ASSERT_TRUE(after->result->ok()) << after->result->message();
+    EXPECT_EQ(after->result->value().woke, woke);
+  }
+  // node.prewake_window_secs = 0: no private port at a ClientHello.
+  auto zero = load_config_string("[node]\nstate_dir = \"" + dir_.path() + "\"\nprewake_window_secs = 0\n", "test.toml");
+  ASSERT_TRUE(zero.ok()) << zero.message();
+  config_->swap(*zero);
+  suspend_and_wait("demo");
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kRefused);
+  std::string metrics = node_->metrics_text();
+  EXPECT_NE(metrics.find("sandgate_node_prewakes_total{result=\"woke\"} 2"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("sandgate_node_prewakes_total{result=\"refused\"} 4"), std::string::npos) << metrics;
+}
+
 TEST_F(NodeTest, OpensDuringSuspendCancelItOnce) {
   create("demo");
   driver_->op_delay_ms = 2000;

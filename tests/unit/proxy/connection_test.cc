@@ -36,26 +36,31 @@ class FakeNode : public NodeClient {
   // What an open is answered with; nullopt: never answered (the connection's deadline must end it).
   std::function<std::optional<Result<OpenAnswer>>(const OpenRequest&)> on_open;
   PortPolicy policy{"sb-demo", "http1", false};
+  std::string prewake_answer = "refused";  // what a lookup that asks for an early wake hears
 
   void attach(uv_loop_t* loop) { loop_ = loop; }
 
-  std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, uint32_t,
+  std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, const ClientHint& client, uint32_t,
                                    std::function<void(Result<LookupAnswer>)> done) override {
     {
       std::lock_guard lock(mu);
       ++lookups;
+      calls.push_back("lookup " + sandbox + ":" + std::to_string(port) + " client=" + client.address +
+                      (client.prewake ? " prewake" : ""));
     }
     (void)sandbox;
-    LookupAnswer a{200, "", port, policy};
+    LookupAnswer a{200, "", port, policy, client.prewake ? prewake_answer : ""};
     return later([done = std::move(done), a]() mutable { done(std::move(a)); });
   }
 
   std::unique_ptr<NodeCall> open(const std::string& sandbox, uint16_t port, std::span<const std::string> credentials,
-                                 uint32_t, std::function<void(Result<OpenAnswer>)> done) override {
+                                 const ClientHint& client, uint32_t,
+                                 std::function<void(Result<OpenAnswer>)> done) override {
     OpenRequest req{sandbox, port, {credentials.begin(), credentials.end()}};
     {
       std::lock_guard lock(mu);
       opens.push_back(req);
+      calls.push_back("open " + sandbox + ":" + std::to_string(port) + " client=" + client.address);
     }
     auto answer = on_open(req);
     if (!answer) return std::make_unique<Pending>(loop_, nullptr);
@@ -71,6 +76,7 @@ class FakeNode : public NodeClient {
   std::mutex mu;
   int lookups = 0;
   std::vector<OpenRequest> opens;
+  std::vector<std::string> calls;  // lookups and opens in order, with what the hint said
 
  private:
   // A timer 0 on the loop runs the answer; destroying the call first cancels it.
@@ -529,7 +535,7 @@ TEST_F(ConnectionTest, AnUpgradeTheSandboxAcceptsPassesWhatFollowsAsIs) {
 }
 
 TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {
-  start();
+  start("wake_at_client_hello = false\n");  // its own lookup otherwise (the next test)
   node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
     return Result<OpenAnswer>(OpenAnswer{401, "missing token", {}});
   };
@@ -547,6 +553,58 @@ TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {
   exchange(kHost, request, /*offer_alpn=*/false);
   std::lock_guard lock(node_->mu);
   EXPECT_EQ(node_->lookups, 2) << "after a 404 the next connection asks again";
+}
+
+// proxy.wake_at_client_hello: a ClientHello for a sandbox that no cached route says is running asks the node
+// to start waking it, before the request head (and its credential) arrived: in the policy lookup when there is
+// one, else in a lookup of its own, once per connection; the open then tells the node the client's address,
+// which is how the node decides whom such a wake is for (noderuntime/prewake_gate.h).
+TEST_F(ConnectionTest, AClientHelloAsksTheNodeToStartWakingItsSandbox) {
+  start();
+  SandboxEnd sandbox;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return sandbox.open(0); };
+  const std::string request = "GET / HTTP/1.1\r\nHost: " + kHost + "\r\nAuthorization: Bearer tok\r\n\r\n";
+  // HTTP/1.1 only: no policy lookup is needed, so the wake is asked for by a lookup of its own.
+  on_sent = [&] {
+    UniqueFd end = sandbox.take();
+    sandbox_reads(end.get(), "\r\n\r\n");
+    const char answer[] = "HTTP/1.1 204 No Content\r\n\r\n";
+    (void)::send(end.get(), answer, sizeof answer - 1, MSG_NOSIGNAL);
+  };
+  std::string r = exchange(kHost, request);
+  EXPECT_EQ(r.rfind("HTTP/1.1 204", 0), 0u) << r;
+  {
+    std::lock_guard lock(node_->mu);
+    EXPECT_EQ(node_->calls, (std::vector<std::string>{"lookup demo:8080 client=127.0.0.1 prewake",
+                                                      "open demo:8080 client=127.0.0.1"}));
+    node_->calls.clear();
+  }
+  EXPECT_EQ(access_log_count("\"prewake\":true", 1), 1u);
+  // The open found it running: the next ClientHello asks nothing (the policy and that mark are cached).
+  exchange(kHost, request);
+  {
+    std::lock_guard lock(node_->mu);
+    EXPECT_EQ(node_->calls, (std::vector<std::string>{"open demo:8080 client=127.0.0.1"}));
+    node_->calls.clear();
+  }
+  // No ALPN, another sandbox: the policy lookup the handshake waits for carries the wake; no second call.
+  const std::string other = "8080-other.sandbox.localhost";
+  exchange(other, "GET / HTTP/1.1\r\nHost: " + other + "\r\nAuthorization: Bearer tok\r\n\r\n", /*offer_alpn=*/false);
+  {
+    std::lock_guard lock(node_->mu);
+    EXPECT_EQ(node_->calls, (std::vector<std::string>{"lookup other:8080 client=127.0.0.1 prewake",
+                                                      "open other:8080 client=127.0.0.1"}));
+  }
+}
+
+TEST_F(ConnectionTest, WithWakeAtClientHelloOffTheHandshakeAsksNothing) {
+  start("wake_at_client_hello = false\n");
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{401, "missing token", {}});
+  };
+  exchange(kHost, "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n");
+  std::lock_guard lock(node_->mu);
+  EXPECT_EQ(node_->calls, (std::vector<std::string>{"open demo:8080 client=127.0.0.1"}));
 }
 
 TEST_F(ConnectionTest, HandshakePhase) {

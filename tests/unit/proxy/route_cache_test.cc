@@ -192,6 +192,47 @@ TEST(RouteCache, RoutesExpireAndSweepClosesTheirSpares) {
   EXPECT_EQ(cache.size(), 0u) << "and the policy after its own ttl";
 }
 
+// What a ClientHello asks before it asks the node to wake the sandbox (proxy.wake_at_client_hello).
+TEST(RouteCache, HasRouteOnlyForALiveRouteWhileTheStreamIsUp) {
+  RouteCache cache(1000, 100);
+  cache.store("demo", 8080, PortPolicy{"sb-1", "http1", false}, 0);
+  EXPECT_FALSE(cache.has_route("demo", 8080, 1)) << "a policy alone says nothing of the sandbox's state";
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 3, 500), 0);
+  EXPECT_TRUE(cache.has_route("demo", 8080, 499));
+  EXPECT_FALSE(cache.has_route("demo", 8081, 499)) << "another port";
+  EXPECT_FALSE(cache.has_route("demo", 8080, 500)) << "expired";
+  cache.grant("demo", grant("sb-1", false, 30, 3, 500), 600);
+  cache.invalidate("sb-1", 40);  // it stopped running
+  EXPECT_FALSE(cache.has_route("demo", 8080, 601));
+  cache.grant("demo", grant("sb-1", false, 50, 3, 500), 700);
+  ASSERT_TRUE(cache.has_route("demo", 8080, 701));
+  cache.stream_down();
+  EXPECT_FALSE(cache.has_route("demo", 8080, 701)) << "without the event stream nothing is known to run";
+}
+
+// Without a route (route_cache off, or a vsock sandbox), what the node last said: running or waking.
+TEST(RouteCache, AnAwakeMarkLastsWhileThePolicyIsKeptUnlessTheSandboxStopsRunning) {
+  RouteCache cache(1000, 100);
+  cache.mark_awake("demo", 8080, 0);
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 1)) << "no policy, no mark";
+  cache.store("demo", 8080, PortPolicy{"sb-1", "http1", false}, 0);
+  cache.mark_awake("demo", 8080, 10);
+  EXPECT_TRUE(cache.known_awake("demo", 8080, 999));
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 1000)) << "the policy's ttl";
+  cache.store("demo", 8080, PortPolicy{"sb-1", "http1", false}, 1000);
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 1001)) << "a refreshed policy is not a fresh mark";
+  cache.mark_awake("demo", 8080, 1001);
+  cache.invalidate("sb-1", 5);
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 1002)) << "it stopped running";
+  cache.mark_awake("demo", 8080, 1003);
+  cache.store("demo", 8080, PortPolicy{"sb-2", "http1", false}, 1004);
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 1005)) << "the name is another sandbox's now";
+  cache.mark_awake("demo", 8080, 1006);
+  cache.flush(6);
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 1007));
+}
+
 TEST(RouteCache, RefillsTopUpTheRouteThatAsked) {
   RouteCache cache(1000, 100);
   cache.stream_up(10);
