@@ -782,8 +782,11 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
   uv_poll_start(st.ack_poll, UV_READABLE, [](uv_poll_t* poll, int status, int) {
     auto* s = static_cast<State*>(poll->data);
     char answer[16];
-    const ssize_t n = status == 0 ? ::recv(s->ack_fd.get(), answer, sizeof answer, 0) : -1;
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    ssize_t n = -1;  // a poll error (the guest refused or reset the connection) settles it as not acknowledged
+    if (status == 0) {
+      n = ::recv(s->ack_fd.get(), answer, sizeof answer, 0);
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    }
     auto finish = std::move(s->ack_done);
     if (finish) finish(n >= 2 && std::string_view(answer, 2) == "ok");
   });
