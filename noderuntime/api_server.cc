@@ -1298,9 +1298,10 @@ void ApiServer::handle_lookup(const HttpMessage& request, bool is_unix, Reply& r
                     {"public", access->is_public}};
   if (req->prewake) {
     Node::PrewakeOutcome woke = node_->prewake(access->id, req->port, req->client);
-    j["prewake"] = woke == Node::PrewakeOutcome::kWoke      ? "woke"
-                   : woke == Node::PrewakeOutcome::kRefused ? "refused"
-                                                            : "not_asleep";
+    j["prewake"] = woke == Node::PrewakeOutcome::kWoke        ? "woke"
+                   : woke == Node::PrewakeOutcome::kRefused   ? "refused"
+                   : woke == Node::PrewakeOutcome::kNotAsleep ? "not_asleep"
+                                                              : "unavailable";
   }
   reply(Response{200, to_text(j), {}, ""});
 }

@@ -12,9 +12,10 @@ IdleClocks::IdleClocks(uv_loop_t* loop, Expired expired)
 
 IdleClocks::~IdleClocks() { close_and_free(timer_); }
 
-void IdleClocks::start(const std::string& sandbox_id, IdleTracker::Duration timeout, bool held) {
+void IdleClocks::start(const std::string& sandbox_id, IdleTracker::Duration timeout, bool held,
+                       std::optional<Clock::time_point> since) {
   tracker_.remove(sandbox_id);  // a fresh entry, so the hold below is its only one
-  tracker_.set(sandbox_id, timeout, Clock::now());
+  tracker_.set(sandbox_id, timeout, since.value_or(Clock::now()));
   if (held) tracker_.hold(sandbox_id);
   arm();
 }

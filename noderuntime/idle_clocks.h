@@ -24,9 +24,10 @@ class IdleClocks {
   IdleClocks(const IdleClocks&) = delete;
   IdleClocks& operator=(const IdleClocks&) = delete;
 
-  // A fresh clock for the sandbox, running out `timeout` from now unless touched; `held`: it does not run
-  // until released (connections are open).
-  void start(const std::string& sandbox_id, IdleTracker::Duration timeout, bool held = false);
+  // A fresh clock for the sandbox, running out `timeout` from now (or from `since`, as if the last activity
+  // had been then) unless touched; `held`: it does not run until released (connections are open).
+  void start(const std::string& sandbox_id, IdleTracker::Duration timeout, bool held = false,
+             std::optional<Clock::time_point> since = std::nullopt);
   void remove(const std::string& sandbox_id);
   void touch(const std::string& sandbox_id) { touch(sandbox_id, Clock::now()); }
   // With the caller's `now`: one clock read for a whole activity report.

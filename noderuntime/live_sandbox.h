@@ -32,9 +32,9 @@ struct LiveSandbox {
   // driver cancels the suspension, it finishes and is then followed by exactly one resume, for this reason.
   std::optional<std::string> pending_wake;
   bool cancel_requested = false;          // the driver agreed to cancel the suspension in flight
-  // A ClientHello woke it (Node::prewake) and no open has come since: the next open reports that it woke
-  // the sandbox, as it would have without the early start.
-  bool woken_early = false;
+  // When a ClientHello woke it (Node::prewake), until an open came: the next open within the grace reports
+  // that it woke the sandbox, as it would have without the early start.
+  std::optional<std::chrono::steady_clock::time_point> woken_early_at;
   bool starting = false;                  // the driver's start() has not answered yet
   bool watched = false;                   // the driver watches the instance for an exit of its own
   bool terminating = false;               // a removal is in flight

@@ -344,6 +344,23 @@ void Node::touch(Sandbox& sb, Clock::time_point now, int64_t wall_ms) {
   idle_.touch(sb.id(), now);
 }
 
+void Node::touch_after_wake(Sandbox& sb) {
+  const auto now = Clock::now();
+  const auto timeout = std::chrono::seconds(sb.rec.spec.timeout_secs);
+  // Woken by a ClientHello alone (no open waits): that is not activity, so the idle clock gives the request
+  // it announced kEarlyWakeGrace to come, not a whole timeout; the open that comes touches it as usual.
+  if (sb.woken_early_at && !waiters_.any(sb.id()) && timeout > kEarlyWakeGrace) {
+    idle_.start(sb.id(), timeout, reports_.total(sb.id()) > 0, now - (timeout - kEarlyWakeGrace));
+    return;
+  }
+  touch(sb, now, wall_now_ms());
+}
+
+bool Node::took_early_wake(Sandbox& sb, Clock::time_point now) {
+  auto at = std::exchange(sb.woken_early_at, std::nullopt);
+  return at && now - *at <= kEarlyWakeGrace;
+}
+
 void Node::watch(Sandbox& sb) {
   auto s = driver(sb).watch_exit(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()] { on_exit(id); });
   if (!s) {
@@ -358,7 +375,7 @@ void Node::begin_suspend(Sandbox& sb, std::string reason) {
   if (!transition(sb, S::kSuspending, std::move(reason))) return;  // still where it was, and logged
   sb.pending_wake.reset();
   sb.cancel_requested = false;
-  sb.woken_early = false;
+  sb.woken_early_at.reset();
   driver(sb).pause(sb.rec.spec, sb.rec.runtime, [this, id = sb.id()](Status s) { on_pause_done(id, std::move(s)); });
 }
 
@@ -464,7 +481,7 @@ void Node::on_resume_done(const std::string& id, Status status) {
   metrics_.woke(SuspendTier::kMemory, seconds_since(sb.wake_started));
   if (!transition_or_fail(sb, S::kRunning, sb.rec.state_reason))
     return fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + ": " + sb.rec.state_reason));
-  touch(sb);
+  touch_after_wake(sb);
   serve_waiters(sb);
 }
 
@@ -488,7 +505,7 @@ void Node::on_restore_done(const std::string& id, Result<RuntimeInfo> runtime) {
   if (!transition_or_fail(sb, S::kRunning, sb.rec.state_reason))
     return fail_waiters(sb, fail(Error::kUnavailable, "sandbox " + id + ": " + sb.rec.state_reason));
   watch(sb);
-  touch(sb);
+  touch_after_wake(sb);
   serve_waiters(sb);
 }
 
@@ -671,7 +688,7 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
   touch(sb);
   switch (sb.rec.state) {
     case S::kRunning:
-      return done(open_port(sb, port, std::exchange(sb.woken_early, false), started));
+      return done(open_port(sb, port, took_early_wake(sb, started), started));
     case S::kFailed:
       return done(fail(Error::kUnavailable, "sandbox " + sb.id() + " failed: " + sb.rec.state_reason));
     case S::kTerminated:
@@ -692,7 +709,7 @@ void Node::open(std::string_view ref, uint16_t port, uint32_t wake_timeout_ms, O
     Sandbox* now = registry_.by_id(id);
     if (now == nullptr || now->rec.state != S::kRunning)
       return done(fail(Error::kUnavailable, "sandbox " + id + " is not running"));
-    now->woken_early = false;
+    now->woken_early_at.reset();
     done(open_port(*now, port, true, started));
   });
   wake(sb, "woken by a connection to port " + std::to_string(port));
@@ -703,22 +720,24 @@ void Node::credential_verified(std::string_view id, std::string_view client) {
 }
 
 Node::PrewakeOutcome Node::prewake(std::string_view ref, uint16_t port, std::string_view client) {
-  if (shutting_down_) return PrewakeOutcome::kNotAsleep;
+  if (shutting_down_) return PrewakeOutcome::kUnavailable;
   auto found = registry_.find_usable(ref);
-  if (!found) return PrewakeOutcome::kNotAsleep;
+  if (!found) return PrewakeOutcome::kUnavailable;
   Sandbox& sb = **found;
-  if (sb.rec.state != S::kSuspended && sb.rec.state != S::kSuspending) return PrewakeOutcome::kNotAsleep;
   auto policy = port_policy(sb.rec.spec, port);
-  if (!policy) return PrewakeOutcome::kNotAsleep;
+  if (!policy) return PrewakeOutcome::kUnavailable;
+  if (sb.rec.state == S::kRunning || sb.rec.state == S::kResuming || sb.rec.state == S::kCreating)
+    return PrewakeOutcome::kNotAsleep;
+  if (sb.rec.state != S::kSuspended && sb.rec.state != S::kSuspending) return PrewakeOutcome::kUnavailable;
   const std::chrono::seconds window(config_->get()->node.prewake_window_secs);
   if (!policy->is_public && !prewake_gate_.admits(sb.id(), client, Clock::now(), window)) {
     metrics_.prewake(false);
     return PrewakeOutcome::kRefused;
   }
   if (fleet_ != nullptr)
-    if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return PrewakeOutcome::kNotAsleep;
+    if (Status s = fleet_->admit(FleetAdmission::kWake); !s) return PrewakeOutcome::kUnavailable;
   metrics_.prewake(true);
-  sb.woken_early = true;
+  sb.woken_early_at = Clock::now();
   wake(sb, "woken at a ClientHello for port " + std::to_string(port));
   return PrewakeOutcome::kWoke;
 }
@@ -784,6 +803,7 @@ Result<SandboxInfo> Node::rotate_token(std::string_view ref) {
   }
   sb.token_rotated_at = route_events_.stamp();
   sb.token_rotated_clock = Clock::now();
+  prewake_gate_.forget(sb.id());  // those addresses showed the old token
   publish(&sb, "token");
   spdlog::info("sandbox {}: token rotated", sb.id());
   SandboxInfo info = snapshot(sb);
@@ -976,6 +996,7 @@ Status Node::load_operator_token(const Config& config) {
   std::string digest = token->empty() ? std::string() : token_digest(*token);
   if (digest != operator_token_sha256_) {
     operator_token_sha256_ = std::move(digest);
+    prewake_gate_.clear();                // an address may have shown the old one
     publish(nullptr, "operator_token");  // every cached verdict may rest on the old one
   }
   if (!token->empty()) spdlog::info("operator token loaded from {}", config.operator_token_file);

@@ -217,7 +217,12 @@ class Node {
   // starts waking when the port is public or the client verified within node.prewake_window_secs
   // (noderuntime/prewake_gate.h), so the resume overlaps the TLS handshake. Not activity: the open that
   // follows is, and joins the wake. Whatever the outcome the lookup answers as before.
-  enum class PrewakeOutcome { kWoke, kNotAsleep, kRefused };
+  // kNotAsleep: running or waking already; kUnavailable: unknown, not exposed, failed, or the node is fenced
+  // or shutting down (the proxy then assumes nothing about it).
+  enum class PrewakeOutcome { kWoke, kNotAsleep, kRefused, kUnavailable };
+  // How long a sandbox woken by a ClientHello waits for the request it announced: its idle clock runs out
+  // then unless an open came, and only an open within it reports that it woke the sandbox.
+  static constexpr std::chrono::seconds kEarlyWakeGrace{30};
   PrewakeOutcome prewake(std::string_view ref, uint16_t port, std::string_view client);
   // Applies the proxies' counts: bytes keep a running sandbox's idle clock fresh, but never wake one. The
   // answer lists the reported sandboxes that are asleep.
@@ -319,6 +324,10 @@ class Node {
   void on_hibernate_done(const std::string& id, Result<RuntimeInfo> runtime);
   // Something wants the sandbox running: resume it, or cancel / follow up a suspension in flight.
   void wake(Sandbox& sb, std::string reason);
+  // After a resume or restore: the idle clock from now, or from the early-wake grace (Node::prewake).
+  void touch_after_wake(Sandbox& sb);
+  // An open of a running sandbox: whether a ClientHello's wake was for it (and it is used up).
+  bool took_early_wake(Sandbox& sb, std::chrono::steady_clock::time_point now);
   void begin_resume(Sandbox& sb, std::string reason);
   void on_resume_done(const std::string& id, Status status);
   void on_restore_done(const std::string& id, Result<RuntimeInfo> runtime);

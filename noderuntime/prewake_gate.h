@@ -30,8 +30,10 @@ class PrewakeGate {
   // Whether a ClientHello from `client` may wake sandbox `id` (private port): it verified within `window`
   // (0: nobody).
   bool admits(std::string_view id, std::string_view client, Clock::time_point now, std::chrono::seconds window) const;
-  // The sandbox is gone.
+  // The sandbox is gone, or its token was rotated (the addresses had verified the old one).
   void forget(std::string_view id);
+  // The operator token changed: an address may have verified with it.
+  void clear() { seen_.clear(); }
 
   size_t sandboxes() const { return seen_.size(); }
 

@@ -525,6 +525,10 @@ bool Connection::HandshakePhase::wants_prewake(const Route& route, uint16_t port
   if (c_.prewake_asked_) return false;
   c_.prewake_asked_ = true;
   if (!c_.cfg_->proxy.wake_at_client_hello || c_.via_fleet_) return false;
+  // Another node's sandbox is woken by the hop's own connection on its node; this node does not know it.
+  if (c_.fleet_ && c_.fleet_->directory &&
+      fleet::decide(c_.fleet_->directory.get(), c_.fleet_->self, route.target).kind != fleet::Decision::Kind::kLocal)
+    return false;
   // A sandbox this worker routes from its cache, or that the node said was awake, is running: nothing to
   // wake, and no node call.
   return !c_.worker_->routes().known_awake(route.target, port, now_ms(c_.worker_->loop()));

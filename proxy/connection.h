@@ -44,8 +44,12 @@ class Connection {
   // The connection holds one of its client address's slots in ProxyShared::client_limits; close() gives
   // it back.
   void hold_client_slot(std::string address) { client_slot_ = std::move(address); }
-  // The client's address without its port, as the node's early-wake gate knows it.
-  std::string client_address() const { return rec_.client.substr(0, rec_.client.rfind(':')); }
+  // The client's address without its port, as the node's early-wake gate knows it; "" when the peer has
+  // none (a unix listener: every client would share one "address").
+  std::string client_address() const {
+    const size_t colon = rec_.client.rfind(':');
+    return colon == std::string::npos || colon == 0 ? std::string() : rec_.client.substr(0, colon);
+  }
 
   // Why the node wants older connections of a sandbox gone (its answer to an activity report).
   enum class Cut {

@@ -363,6 +363,10 @@ TEST_F(NodeTest, SingleFlightWakeForManyOpens) {
 // address whose credential verified for that sandbox (noderuntime/prewake_gate.h), and is never activity.
 TEST_F(NodeTest, AClientHelloWakesASleepingSandboxOnlyForAClientThatOpenedItWithAToken) {
   using P = Node::PrewakeOutcome;
+  auto wall_now = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
   CreateRequest r = request("demo");
   r.ports.push_back({9000, true, std::nullopt});
   const std::string id = create_request(r)->spec.id;
@@ -370,8 +374,8 @@ TEST_F(NodeTest, AClientHelloWakesASleepingSandboxOnlyForAClientThatOpenedItWith
   suspend_and_wait("demo");
   EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kRefused) << "never verified";
   EXPECT_EQ(node_->prewake("demo", 8080, ""), P::kRefused) << "no address";
-  EXPECT_EQ(node_->prewake("demo", 7777, "10.0.0.1"), P::kNotAsleep) << "a port it does not expose";
-  EXPECT_EQ(node_->prewake("nobody", 8080, "10.0.0.1"), P::kNotAsleep);
+  EXPECT_EQ(node_->prewake("demo", 7777, "10.0.0.1"), P::kUnavailable) << "a port it does not expose";
+  EXPECT_EQ(node_->prewake("nobody", 8080, "10.0.0.1"), P::kUnavailable);
   EXPECT_EQ(state("demo"), S::kSuspended);
   node_->credential_verified(id, "10.0.0.1");
   EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.2"), P::kRefused) << "another address";
@@ -385,17 +389,26 @@ TEST_F(NodeTest, AClientHelloWakesASleepingSandboxOnlyForAClientThatOpenedItWith
   EXPECT_EQ(driver_->resumes, 1);
   EXPECT_EQ(node_->get("demo")->state_reason, "woken at a ClientHello for port 8080");
   EXPECT_TRUE(o->result->value().woke) << "the open whose ClientHello woke it says so";
-  // A public port: anyone's ClientHello, as anyone's request would; the open after the resume finished
-  // still reports the wake, the next one does not.
+  // A public port: anyone's ClientHello, as anyone's request would. Not activity: with no open waiting,
+  // the idle clock gives the announced request the grace, not the whole 300 s timeout.
   suspend_and_wait("demo");
   EXPECT_EQ(node_->prewake("demo", 9000, "192.0.2.9"), P::kWoke);
   ASSERT_TRUE(wait_state("demo", S::kRunning));
+  const int64_t deadline_in_ms = *node_->get("demo")->idle_deadline_at_ms - wall_now();
+  EXPECT_LE(deadline_in_ms, 30'000) << deadline_in_ms;
+  EXPECT_GT(deadline_in_ms, 25'000) << deadline_in_ms;
+  // The open after the resume finished still reports the wake (and touches the clock), the next one does not.
   for (bool woke : {true, false}) {
     auto after = open("demo", 9000);
     ASSERT_TRUE(run_until(&loop_, [&] { return after->result.has_value(); }));
     ASSERT_TRUE(after->result->ok()) << after->result->message();
     EXPECT_EQ(after->result->value().woke, woke);
   }
+  EXPECT_GT(*node_->get("demo")->idle_deadline_at_ms - wall_now(), 250'000) << "the open touched it";
+  // A rotated token: the addresses that showed the old one wake nothing any more.
+  suspend_and_wait("demo");
+  ASSERT_TRUE(node_->rotate_token("demo"));
+  EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kRefused);
   // node.prewake_window_secs = 0: no private port at a ClientHello.
   auto zero = load_config_string("[node]\nstate_dir = \"" + dir_.path() + "\"\nprewake_window_secs = 0\n", "test.toml");
   ASSERT_TRUE(zero.ok()) << zero.message();
@@ -404,7 +417,7 @@ TEST_F(NodeTest, AClientHelloWakesASleepingSandboxOnlyForAClientThatOpenedItWith
   EXPECT_EQ(node_->prewake("demo", 8080, "10.0.0.1"), P::kRefused);
   std::string metrics = node_->metrics_text();
   EXPECT_NE(metrics.find("sandgate_node_prewakes_total{result=\"woke\"} 2"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("sandgate_node_prewakes_total{result=\"refused\"} 4"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("sandgate_node_prewakes_total{result=\"refused\"} 5"), std::string::npos) << metrics;
 }
 
 TEST_F(NodeTest, OpensDuringSuspendCancelItOnce) {

@@ -594,6 +594,25 @@ TEST_F(ConnectionTest, AClientHelloAsksTheNodeToStartWakingItsSandbox) {
     std::lock_guard lock(node_->mu);
     EXPECT_EQ(node_->calls, (std::vector<std::string>{"lookup other:8080 client=127.0.0.1 prewake",
                                                       "open other:8080 client=127.0.0.1"}));
+    node_->calls.clear();
+  }
+  // A lookup that heard "running or waking already" is remembered like a successful open, even when the
+  // request is then refused; "unavailable" (fenced, not exposed...) is not.
+  on_sent = nullptr;
+  node_->on_open = [](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return Result<OpenAnswer>(OpenAnswer{401, "missing token", {}});
+  };
+  for (const std::string answer : {"not_asleep", "unavailable"}) {
+    node_->prewake_answer = answer;
+    const std::string name = answer == "not_asleep" ? "third" : "fourth";
+    const std::string host = "8080-" + name + ".sandbox.localhost";
+    for (int i = 0; i < 2; ++i) exchange(host, "GET / HTTP/1.1\r\nHost: " + host + "\r\n\r\n");
+    std::lock_guard lock(node_->mu);
+    const std::string lookup = "lookup " + name + ":8080 client=127.0.0.1 prewake", open = "open " + name + ":8080 client=127.0.0.1";
+    const std::vector<std::string> want = answer == "not_asleep" ? std::vector<std::string>{lookup, open, open}
+                                                                 : std::vector<std::string>{lookup, open, lookup, open};
+    EXPECT_EQ(node_->calls, want) << answer;
+    node_->calls.clear();
   }
 }
 
