@@ -42,8 +42,9 @@ struct ProxyConfig {
   // (proxy/route_cache.h). Read at start; off: every connection's open goes to the node.
   bool route_cache = true;
   // A ClientHello naming a sandbox that is not known to run asks the node to start waking it, so the resume
-  // overlaps the handshake; the node decides whom it wakes for (node.prewake_window_secs).
-  bool wake_at_client_hello = true;
+  // overlaps the handshake; the node decides whom it wakes for (node.prewake_window_secs). Off by default
+  // until an SDK test that failed once under the sanitizers with it on is understood (docs/status.md).
+  bool wake_at_client_hello = false;
   std::string access_log = "-";          // "-" = stdout, "" = off, else a file path
   // A unix socket a new proxy (`sandgate-proxy --takeover`) takes the listening sockets from, so a binary
   // upgrade or restart refuses no connection (proxy/listener_handover.h). "" = none.

@@ -1,4 +1,4 @@
-// Waking at the ClientHello (issue 12; proxy.wake_at_client_hello, node.prewake_window_secs): the SNI names a
+// Waking at the ClientHello (issue 12; proxy.wake_at_client_hello, off by default, node.prewake_window_secs): the SNI names a
 // suspended sandbox, and the node starts resuming it while the TLS handshake and the request head are still
 // on their way. A ClientHello has no credential, so that happens only for an address that opened the sandbox
 // with its token before (or for a public port); anyone else's connection wakes it once its token verified.
@@ -29,7 +29,7 @@ void hold_handshake(Daemon& d, Cluster& c, const std::string& host, const std::s
 }
 
 TEST(Prewake, AClientHelloWakesASuspendedSandboxOnlyForAnAddressThatOpenedItWithItsToken) {
-  Cluster c;
+  Cluster c(ClusterOptions::proxy("wake_at_client_hello = true\n"));
   const std::string token = c.create_private_serving("early");  // its token verified from 127.0.0.1
   ASSERT_FALSE(token.empty());
   const std::string id = c.get("early").value("id", "");

@@ -560,7 +560,7 @@ TEST_F(ConnectionTest, AKnownPortSkipsTheLookupAndA404ForgetsIt) {
 // one, else in a lookup of its own, once per connection; the open then tells the node the client's address,
 // which is how the node decides whom such a wake is for (noderuntime/prewake_gate.h).
 TEST_F(ConnectionTest, AClientHelloAsksTheNodeToStartWakingItsSandbox) {
-  start();
+  start("wake_at_client_hello = true\n");
   SandboxEnd sandbox;
   node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> { return sandbox.open(0); };
   const std::string request = "GET / HTTP/1.1\r\nHost: " + kHost + "\r\nAuthorization: Bearer tok\r\n\r\n";
