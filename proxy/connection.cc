@@ -454,10 +454,13 @@ void Connection::HandshakePhase::run() {
   // The ClientHello was read and answered without a lookup (a cached policy, or an HTTP/1.1-only ALPN). On
   // loopback the client's Finished may even arrive within this same call (r == 1).
   if ((r == 1 || err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) && !c_.prewake_asked_ &&
-      !c_.hello_.sni.empty()) {
-    if (auto route = parse_route(c_.hello_.sni, c_.cfg_->domain); route && route->kind != RouteKind::kApi) {
+      !c_.hello_.sni.empty() && c_.cfg_->proxy.wake_at_client_hello) {
+    auto route = parse_route(c_.hello_.sni, c_.cfg_->domain);
+    if (route && route->kind != RouteKind::kApi) {
       uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
       if (wants_prewake(*route, port)) send_prewake(*route, port);
+    } else {
+      c_.prewake_asked_ = true;  // nothing to wake: not parsed again at the next handshake step
     }
   }
   if (r == 1) return finished();

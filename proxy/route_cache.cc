@@ -84,9 +84,10 @@ void RouteCache::mark_awake(std::string_view sandbox_ref, uint16_t port, uint64_
 }
 
 bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const {
-  if (has_route(sandbox_ref, port, now_ms)) return true;
   auto it = entries_.find(key(sandbox_ref, port));
-  return it != entries_.end() && now_ms < it->second.awake_until_ms;
+  if (it == entries_.end()) return false;
+  const Entry& e = it->second;
+  return now_ms < e.awake_until_ms || (stream_up_ && e.route && now_ms < e.route->expires_ms);
 }
 
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
