@@ -29,6 +29,10 @@
 #     copied with, from a tmpfs at /run/sandgate, so the image needs none of them; the command with the
 #     image's /bin/sh, or busybox's when it has none). Without it the initramfs is the root filesystem.
 #   - eth0 is QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3.
+#   - each identity line is answered once its clock (and SSH files) are applied: "ok", or "clock" when the
+#     SSH files could not be written; "SANDGATE-GUEST-IDENTITY answers" on the serial console says this
+#     guest answers (the driver waits for the answer before a wake lets requests through; guests built
+#     before it are not waited for);
 #   - "SANDGATE-GUEST-AGENT listening|none|failed" on the serial console, before the ready line: whether the
 #     agent listens on sg.agent (none: the image has no agent; failed: it did not listen within 10 s);
 #   - "SANDGATE-GUEST-READY" on the serial console once the network is up and the command started;
@@ -194,6 +198,7 @@ if [ -n "$clock" ]; then
   # away, so a line sent while another is being applied is not refused.
   export in_root agent_bin ssh_dir ssh_args
   nc -ll -p "$clock" -e /lib/sandgate/identity </dev/null >/dev/null 2>&1 &
+  echo "SANDGATE-GUEST-IDENTITY answers"
 fi
 # The driver routes the SDK (exec, files, health) to the agent, so it must know whether one listens: a
 # connection forwarded to a guest port nobody listens on is reset by QEMU only after the request was sent.
@@ -230,8 +235,9 @@ cat >"$root/lib/sandgate/identity" <<'IDENTITY'
 # boot's secret (the root-only fw_cfg file, read again for each line: a guest restored from a memory
 # snapshot checks its new QEMU's) or without its newline (cut short) is dropped. The clock comes first (a
 # wake's first request may be served at once), then the SSH files, under a lock and only from a line newer
-# than the last one written (each line carries all the keys), acknowledged with "ok" (a wake may be waiting
-# for it); then the hostname, the RNG reseed (guests restored from one memory snapshot draw different
+# than the last one written (each line carries all the keys); then the answer a wake waits for before it
+# lets requests through: "ok" (clock and SSH files applied) or "clock" (the files could not be written);
+# then the hostname, the RNG reseed (guests restored from one memory snapshot draw different
 # numbers) and last the id, where the agent's /health reads it.
 set -f
 trap '' PIPE  # a node that does not wait for the "ok" has closed the connection already
@@ -262,8 +268,9 @@ if [ -n "$ssh_args" ]; then
       echo "$7" >/run/sandgate-identity.seq; } || written=
   fi
   rm -rf "$lock"
-  # The node waits for this before it lets the connections of a wake through (it reads two bytes).
-  if [ -n "$written" ]; then echo ok; else echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console; fi
+  if [ -n "$written" ]; then echo ok; else echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console; echo clock; fi
+else
+  echo ok
 fi
 [ -n "$2" ] || exit 0
 hostname "$3"

@@ -49,9 +49,12 @@ constexpr const char* kPidFile = "qemu.pid";
 // (a loaded machine stretches that window). It is asked until then; one that never answers is hung.
 constexpr uint32_t kStrayQmpWaitMs = 10000;
 constexpr uint32_t kStrayQmpRoundMs = 250;
-// How long a start, resume or restore waits for the guest to acknowledge SSH keys it did not have (a few
-// process starts in the guest; under TCG, 100-300 ms).
+// How long a start, resume or restore waits for the guest's answer to its identity line (a few process
+// starts in the guest: tens of ms under TCG, 100-300 ms with SSH files to write).
 constexpr uint64_t kIdentityAckMs = 5000;
+// In driver_data, "1" when the guest answers its identity lines (it printed kGuestIdentityMarker at boot);
+// next to a memory snapshot's state, a file that says its guest does.
+constexpr const char* kIdentityAnswers = "identity_answers";
 constexpr const char* kClockPort = "clock_port";
 constexpr const char* kPortPrefix = "port:";      // "port:<guest port>" -> host port
 // What the guest said of its agent at boot ("listening", "none", "failed"); absent for images older than
@@ -179,6 +182,10 @@ std::string tail_of(const std::string& path, size_t max) {
   return s;
 }
 
+// What the guest answered to an identity line: "ok" (clock and SSH files applied), "clock" (its SSH files
+// could not be written), or nothing within kIdentityAckMs.
+enum class IdentityAnswer { kApplied, kClockOnly, kNone };
+
 // The word after "SANDGATE-GUEST-AGENT " on the console, or "" when the guest printed no such line.
 std::string guest_agent_state(const std::string& console) {
   size_t at = console.find(kGuestAgentMarker);
@@ -273,7 +280,7 @@ class QemuDriver final : public VmmDriver {
     // The identity line's connection while the guest's acknowledgement is awaited (await_identity_ack).
     UniqueFd ack_fd;
     uv_poll_t* ack_poll = nullptr;
-    std::function<void(bool acknowledged)> ack_done;
+    std::function<void(IdentityAnswer)> ack_done;
     ~State() {
       close_and_free(ack_poll);
       close_and_free(timer);
@@ -345,16 +352,17 @@ class QemuDriver final : public VmmDriver {
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
   // The identity line itself (see the header), best effort: a guest whose clock listener is gone still runs.
-  // The line's connection comes back (`digest` set) when it carried SSH keys the guest has not acknowledged
-  // yet, for await_identity_ack; else an invalid fd.
+  // The line's connection comes back, for await_identity_ack, when the guest answers lines (kIdentityAnswers)
+  // or it carried SSH keys the guest has not acknowledged yet (`digest` set); else an invalid fd.
   struct SentIdentity {
     UniqueFd fd;
-    size_t digest = 0;
+    std::optional<size_t> digest;
   };
   SentIdentity send_identity(const SandboxSpec& spec, const RuntimeInfo& info);
-  // Waits, at most kIdentityAckMs, for the guest to say it wrote the line's SSH files, so that the
-  // connections a wake lets through find the node's keys as they are now (a key removed while the sandbox
-  // slept is refused). Remembered per sandbox: a wake with the keys the guest has already costs nothing.
+  // Waits, at most kIdentityAckMs, for the guest to say it applied the line: its clock, so that the first
+  // request a wake lets through sees the right time, and its SSH files, so that those connections find the
+  // node's keys as they are now (a key removed while the sandbox slept is refused). The keys acknowledged
+  // are remembered per sandbox.
   void await_identity_ack(Op* op, SentIdentity sent, StepDone done);
   // Per sandbox: the SSH fields its guest acknowledged last (a hash of them).
   std::map<std::string, size_t> acknowledged_keys_;
@@ -576,6 +584,8 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
                                                    std::to_string(want >> 20) + " MiB of its guest"));
       o->info.driver_data[kRamFile] = saved_ram;
     }
+    if (::access((spec.memory_snapshot_dir + "/" + kIdentityAnswers).c_str(), F_OK) == 0)
+      o->info.driver_data[kIdentityAnswers] = "1";
     d({});
   });
   // The snapshot's disk stays as it is, under this sandbox's own overlay; every sandbox from it shares it.
@@ -633,6 +643,9 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
     if (ram->empty()) return d({});
     disks_.copy(*ram, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
   });
+  if (info.driver_data.contains(kIdentityAnswers)) {
+    steps.push_back([to = dir + "/" + kIdentityAnswers](Op*, StepDone d) { d(write_private_file(to, "")); });
+  }
   auto disk = info.driver_data.find(kDisk);
   if (disk != info.driver_data.end()) {
     // After the migration QEMU has flushed the disk and holds it inactive until `cont`: the copy is of
@@ -722,6 +735,8 @@ void QemuDriver::poll_boot(Op* op, std::shared_ptr<Boot> boot) {
     state(op).exit.reset();
     if (std::string agent = guest_agent_state(console); !agent.empty()) op->info.driver_data[kAgentState] = agent;
     else op->info.driver_data.erase(kAgentState);
+    if (console.find(kGuestIdentityMarker) != std::string::npos) op->info.driver_data[kIdentityAnswers] = "1";
+    else op->info.driver_data.erase(kIdentityAnswers);
     if (op->info.driver_data.count(kAgentState) && op->info.driver_data[kAgentState] != "listening")
       spdlog::warn("sandbox {}: the guest's agent is {}: the SDK route (exec, files, health) will refuse it",
                    op->sandbox_id, op->info.driver_data[kAgentState]);
@@ -770,29 +785,42 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
   uv_poll_init(loop_, st.ack_poll, st.ack_fd.get());
   st.ack_poll->data = &st;
   // Whichever comes first, the answer or the deadline, settles it; the other finds ack_done gone.
-  st.ack_done = [this, op, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](bool acknowledged) {
+  st.ack_done = [this, op, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](IdentityAnswer answer) {
     State& s = state(op);
     uv_timer_stop(s.timer);
     close_and_free(s.ack_poll);
     s.ack_fd.reset();
-    if (acknowledged) acknowledged_keys_[id] = digest;
-    else spdlog::warn("sandbox {}: the guest did not acknowledge its SSH keys within {} ms", id, kIdentityAckMs);
+    switch (answer) {
+      case IdentityAnswer::kApplied:
+        if (digest) acknowledged_keys_[id] = *digest;
+        break;
+      case IdentityAnswer::kClockOnly:
+        spdlog::warn("sandbox {}: the guest set its clock but could not write its SSH files", id);
+        break;
+      case IdentityAnswer::kNone:
+        spdlog::warn("sandbox {}: the guest did not answer its identity line within {} ms", id, kIdentityAckMs);
+        break;
+    }
     done({});
   };
   uv_poll_start(st.ack_poll, UV_READABLE, [](uv_poll_t* poll, int status, int) {
     auto* s = static_cast<State*>(poll->data);
     char answer[16];
-    ssize_t n = -1;  // a poll error (the guest refused or reset the connection) settles it as not acknowledged
+    ssize_t n = -1;  // a poll error (the guest refused or reset the connection) settles it unanswered
     if (status == 0) {
       n = ::recv(s->ack_fd.get(), answer, sizeof answer, 0);
       if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
     }
     auto finish = std::move(s->ack_done);
-    if (finish) finish(n >= 2 && std::string_view(answer, 2) == "ok");
+    if (!finish) return;
+    const std::string_view said(answer, n > 0 ? static_cast<size_t>(n) : 0);
+    finish(said.starts_with("ok") ? IdentityAnswer::kApplied
+           : said.starts_with("clock") ? IdentityAnswer::kClockOnly
+                                       : IdentityAnswer::kNone);
   });
   after(op, kIdentityAckMs, [&st] {
     auto finish = std::move(st.ack_done);
-    if (finish) finish(false);
+    if (finish) finish(IdentityAnswer::kNone);
   });
 }
 
@@ -816,7 +844,8 @@ QemuDriver::SentIdentity QemuDriver::send_identity(const SandboxSpec& spec, cons
   line += " " + (seed.empty() ? std::string("-") : seed);
   std::ifstream secret_file(info.sandbox_dir + "/" + kIdentitySecretFile);
   std::string secret;
-  if (secret_file >> secret && secret.size() == kIdentitySecretHex) {
+  const bool with_secret = secret_file >> secret && secret.size() == kIdentitySecretHex;  // else not applied
+  if (with_secret) {
     std::string host_key, keys;
     if (forwarded_ssh_port(spec, info) != 0) {
       auto files = read_guest_ssh_files(ssh_keys_dir_, info.sandbox_dir + "/ssh");
@@ -869,8 +898,9 @@ QemuDriver::SentIdentity QemuDriver::send_identity(const SandboxSpec& spec, cons
     return {};
   }
   auto known = acknowledged_keys_.find(id);
-  if (!keys_digest || (known != acknowledged_keys_.end() && known->second == *keys_digest)) return {};
-  return SentIdentity{std::move(fd), *keys_digest};
+  const bool keys_known = !keys_digest || (known != acknowledged_keys_.end() && known->second == *keys_digest);
+  if (keys_known && !(with_secret && info.driver_data.contains(kIdentityAnswers))) return {};
+  return SentIdentity{std::move(fd), keys_known ? std::nullopt : keys_digest};
 }
 
 // slirp's rules change through the human monitor (QMP has no command for them), which answers in text: a

@@ -65,6 +65,10 @@
 // guest applies only a line that carries the secret the driver made for this boot (0600 in the sandbox
 // dir) and handed to the guest as the fw_cfg file kGuestIdentitySecretFwCfg, which only its root can read;
 // the guest reads it there for each line, so a sandbox started from a memory snapshot checks its own.
+// A guest that prints kGuestIdentityMarker at boot answers each line once its clock (and SSH files) are
+// applied, and a start, resume or restore waits for that answer (at most kIdentityAckMs) before it lets
+// requests through: the first request after a wake sees the right time. A sandbox started from a memory
+// snapshot inherits the answering from its source (a file next to the snapshot's state).
 //
 // Acceleration: node.qemu_accel = "auto" means TCG; "kvm" must be asked for explicitly. /dev/kvm existing
 // proves nothing (on nested or paravirtualised hosts it may refuse ordinary guests), and a wrong guess would
@@ -100,6 +104,8 @@ inline constexpr const char* kGuestIdentitySecretFwCfg = "opt/sandgate/identity_
 inline constexpr const char* kGuestReadyMarker = "SANDGATE-GUEST-READY";
 // Printed before the ready line: "SANDGATE-GUEST-AGENT listening|none|failed" (does the agent listen?).
 inline constexpr const char* kGuestAgentMarker = "SANDGATE-GUEST-AGENT";
+// Printed before the ready line: "SANDGATE-GUEST-IDENTITY answers" (it answers each identity line).
+inline constexpr const char* kGuestIdentityMarker = "SANDGATE-GUEST-IDENTITY answers";
 // What Linux prints when the initramfs does not fit in the guest's RAM (it then panics, finding no root).
 inline constexpr const char* kInitramfsTooLarge = "Initramfs unpacking failed";
 

@@ -144,7 +144,10 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   const long host_now = static_cast<long>(std::time(nullptr));
   EXPECT_EQ(a.code, 200);
   EXPECT_EQ(a.count, 3) << "the counter in guest RAM did not survive the hibernation";
-  EXPECT_LE(std::labs(a.guest_time - host_now), 3) << "guest clock " << a.guest_time << " vs host " << host_now;
+  EXPECT_LE(std::labs(a.guest_time - host_now), 3) << "guest clock " << a.guest_time << " vs host " << host_now
+                                                   << c.node().log();
+  // Each wake waited for the guest's answer that its clock is set (not for the deadline).
+  EXPECT_EQ(c.node().log().find("did not answer its identity line"), std::string::npos) << c.node().log();
 
   // kill -9 of the node while the next hibernation is under way (or as close to it as polling gets).
   ASSERT_TRUE(eventually([&] { return c.get("q")["tier"] == "memory"; }, std::chrono::seconds(30)));
