@@ -162,24 +162,13 @@ std::string etcd_error(const std::string& body) {
 
 }  // namespace
 
-ClientOptions client_options(const std::vector<std::string>& members, uint32_t timeout_ms) {
+ClientOptions client_options(const std::vector<std::string>& members, uint32_t timeout_ms, TlsFiles tls) {
   ClientOptions o;
   for (const auto& text : members)
-    if (auto ep = parse_member(text)) o.endpoints.push_back(*ep);
+    if (auto m = parse_member(text)) o.members.push_back(*m);
+  o.tls = std::move(tls);
   o.timeout = std::chrono::milliseconds(timeout_ms);
   return o;
-}
-
-Result<Endpoint> parse_member(std::string_view text) {
-  std::string_view rest = text;
-  if (rest.starts_with("http://")) rest.remove_prefix(7);
-  else if (rest.find("://") != std::string_view::npos)
-    return fail(Error::kInvalidArgument, "etcd member " + std::string(text) + ": only http:// is supported");
-  if (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
-  auto ep = parse_endpoint(rest);
-  if (!ep || ep->kind != Endpoint::Kind::kTcp)
-    return fail(Error::kInvalidArgument, "etcd member " + std::string(text) + ": must be http://IP:PORT");
-  return ep;
 }
 
 std::string prefix_end(std::string_view prefix) {
@@ -194,7 +183,18 @@ std::string prefix_end(std::string_view prefix) {
   return std::string(1, '\0');  // every key
 }
 
-Client::Client(ClientOptions options) : options_(std::move(options)) {}
+Client::Client(ClientOptions options) : options_(std::move(options)) {
+  const bool any_tls = std::any_of(options_.members.begin(), options_.members.end(), [](const Member& m) { return m.tls; });
+  if (!any_tls) return;
+  auto setup = TlsSetup::create(options_.tls, options_.members.size());
+  if (setup) tls_ = std::move(*setup);
+  else setup_error_ = setup.failure();
+}
+
+Status Client::ready() const {
+  if (setup_error_) return *setup_error_;
+  return {};
+}
 
 Status Client::check_key(std::string_view key) const {
   if (key.empty()) return fail(Error::kInvalidArgument, "etcd key is empty");
@@ -204,26 +204,27 @@ Status Client::check_key(std::string_view key) const {
 }
 
 Result<std::string> Client::call(std::string_view path, const std::string& body) const {
-  if (options_.endpoints.empty()) return fail(Error::kUnavailable, "no etcd members configured");
-  const size_t n = options_.endpoints.size();
+  if (setup_error_) return *setup_error_;
+  if (options_.members.empty()) return fail(Error::kUnavailable, "no etcd members configured");
+  const size_t n = options_.members.size();
   const size_t first = preferred_.load(std::memory_order_relaxed) % n;
   std::string errors;
   for (size_t i = 0; i < n; i++) {
     size_t m = (first + i) % n;
-    const Endpoint& ep = options_.endpoints[m];
+    const Member& member = options_.members[m];
     auto deadline = Clock::now() + options_.timeout;
-    std::string host = ep.to_string();
+    std::string host = member.endpoint.to_string();
     HttpRequest req{.method = "POST", .target = path, .host = host,
                     .headers = {{"Content-Type", "application/json"}, {"Connection", "close"}}, .body = body};
     auto bytes = build_http_request(req, HttpRequestLimits{.max_body_bytes = 4 * options_.max_value_bytes + 64 * 1024});
     if (!bytes) return bytes.failure();
-    auto fd = connect_blocking(ep, static_cast<int>(options_.timeout.count()));
-    if (!fd) {
-      errors += (errors.empty() ? "" : "; ") + host + ": " + fd.message();
+    auto conn = MemberConnection::open(member, m, tls_.get(), deadline);
+    if (!conn) {
+      errors += (errors.empty() ? "" : "; ") + host + ": " + conn.message();
       continue;
     }
     HttpResponseReader reader(HttpResponseLimits{.max_head_bytes = 16 * 1024, .max_body_bytes = options_.max_answer_bytes});
-    if (Status s = http_exchange(fd->get(), *bytes, reader, deadline); !s) {
+    if (Status s = http_exchange(conn->stream(deadline), *bytes, reader); !s) {
       // An answer over the limit would be as large on every member: no point trying the next one.
       if (s.error() == Error::kLimitExceeded) return fail(s.error(), "etcd " + host + ": " + s.message());
       errors += (errors.empty() ? "" : "; ") + host + ": " + s.message();
@@ -380,26 +381,26 @@ Result<std::unique_ptr<Watch>> Client::watch(std::string_view key, std::string_v
   if (!range_end.empty()) create["range_end"] = base64_encode(range_end);
   if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
   std::string body = json{{"create_request", create}}.dump();
-  if (options_.endpoints.empty()) return fail(Error::kUnavailable, "no etcd members configured");
-  const size_t n = options_.endpoints.size();
+  if (setup_error_) return *setup_error_;
+  if (options_.members.empty()) return fail(Error::kUnavailable, "no etcd members configured");
+  const size_t n = options_.members.size();
   const size_t first = preferred_.load(std::memory_order_relaxed) % n;
   std::string errors;
   for (size_t i = 0; i < n; i++) {
     size_t m = (first + i) % n;
-    const Endpoint& ep = options_.endpoints[m];
-    std::string host = ep.to_string();
+    const Member& member = options_.members[m];
+    std::string host = member.endpoint.to_string();
     auto deadline = Clock::now() + options_.timeout;
     HttpRequest req{.method = "POST", .target = "/v3/watch", .host = host,
                     .headers = {{"Content-Type", "application/json"}}, .body = body};
     auto bytes = build_http_request(req);
     if (!bytes) return bytes.failure();
-    auto fd = connect_blocking(ep, static_cast<int>(options_.timeout.count()));
-    if (!fd) {
-      errors += (errors.empty() ? "" : "; ") + host + ": " + fd.message();
+    auto conn = MemberConnection::open(member, m, tls_.get(), deadline);
+    if (!conn) {
+      errors += (errors.empty() ? "" : "; ") + host + ": " + conn.message();
       continue;
     }
-    auto stream = http_fd_stream(fd->get(), deadline);
-    if (Status s = stream.write_all(*bytes); !s) {
+    if (Status s = conn->stream(deadline).write_all(*bytes); !s) {
       errors += (errors.empty() ? "" : "; ") + host + ": " + s.message();
       continue;
     }
@@ -407,7 +408,7 @@ Result<std::unique_ptr<Watch>> Client::watch(std::string_view key, std::string_v
     // takes the connection but cannot serve the watch is skipped like one that refuses it.
     auto parser = std::make_unique<HttpParser>(HttpParser::Kind::kResponse,
                                                HttpLimits{.max_head_bytes = 16 * 1024, .max_body_bytes = options_.max_event_bytes});
-    auto watch = std::make_unique<Watch>(std::move(*fd), std::move(parser), m);
+    auto watch = std::make_unique<Watch>(std::move(*conn), std::move(parser), m);
     auto first_msg = watch->next(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
     if (!first_msg) {
       errors += (errors.empty() ? "" : "; ") + host + ": " + first_msg.message();
@@ -426,8 +427,8 @@ Result<std::unique_ptr<Watch>> Client::watch(std::string_view key, std::string_v
   return fail(Error::kUnavailable, "no etcd member took the watch (" + errors + ")");
 }
 
-Watch::Watch(UniqueFd fd, std::unique_ptr<HttpParser> parser, size_t member)
-    : fd_(std::move(fd)), parser_(std::move(parser)), member_(member) {
+Watch::Watch(MemberConnection conn, std::unique_ptr<HttpParser> parser, size_t member)
+    : conn_(std::move(conn)), parser_(std::move(parser)), member_(member) {
   int p[2];
   if (::pipe2(p, O_CLOEXEC | O_NONBLOCK) == 0) {
     wake_read_ = UniqueFd(p[0]);
@@ -506,26 +507,22 @@ Result<WatchBatch> Watch::next(std::chrono::milliseconds wait) {
       if (*taken) return std::move(**taken);
     }
     if (ended_) return fail(Error::kUnavailable, "etcd closed the watch stream");
-    pollfd fds[2] = {{fd_.get(), POLLIN, 0}, {wake_read_.get(), POLLIN, 0}};
-    int ms = remaining_ms(deadline);
-    int rc = ::poll(fds, wake_read_.valid() ? 2 : 1, ms);
-    if (rc < 0) {
-      if (errno == EINTR) continue;
-      return fail_errno("poll", errno);
-    }
-    if (rc == 0) return WatchBatch{};  // kIdle
-    if (fds[1].revents != 0) continue;  // cancelled: checked at the loop's top
+    // Read first: TLS may hold decrypted bytes the socket no longer shows; poll only when nothing is there.
     char buf[16 * 1024];
-    ssize_t n = ::recv(fd_.get(), buf, sizeof buf, MSG_DONTWAIT);
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return fail(Error::kUnavailable, std::string("etcd watch stream broke: ") + std::strerror(errno));
-    }
-    if (n == 0) {
+    auto r = conn_.read_now(buf, sizeof buf);
+    if (!r) return fail(Error::kUnavailable, "etcd watch stream broke: " + r.message());
+    if (r->ended) {
       ended_ = true;
       continue;  // messages already buffered are still delivered
     }
-    auto st = parser_->feed(buf, static_cast<size_t>(n));
+    if (r->bytes == 0) {
+      pollfd fds[2] = {{conn_.fd(), r->wait_events, 0}, {wake_read_.get(), POLLIN, 0}};
+      int rc = ::poll(fds, wake_read_.valid() ? 2 : 1, remaining_ms(deadline));
+      if (rc < 0 && errno != EINTR) return fail_errno("poll", errno);
+      if (rc == 0) return WatchBatch{};  // kIdle
+      continue;  // readable, or cancelled (checked at the loop's top)
+    }
+    auto st = parser_->feed(buf, r->bytes);
     if (st == HttpParser::State::kError)
       return fail(parser_->failure().code, "etcd watch stream: " + parser_->failure().message);
     if (st == HttpParser::State::kMessageComplete) ended_ = true;

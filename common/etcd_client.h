@@ -7,7 +7,10 @@
 // for the next one (in order, wrapping); the member that answered last is tried first next time. A 4xx, or
 // an etcd error in the body, is the caller's problem and is not retried elsewhere.
 //
-// Thread-safe: calls share nothing but the index of the preferred member (atomic). A call blocks its thread
+// Members may be https:// (common/etcd_connection.h: verified certificates, a client certificate, resumed
+// sessions).
+//
+// Thread-safe: calls share nothing but the index of the preferred member (atomic) and the TLS sessions. A call blocks its thread
 // for at most `timeout` per member tried, so the node calls it only from its fleet threads, never its loop.
 #pragma once
 
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/etcd_connection.h"
 #include "common/fd.h"
 #include "common/http.h"
 #include "common/net.h"
@@ -91,7 +95,8 @@ struct WatchBatch {
 };
 
 struct ClientOptions {
-  std::vector<Endpoint> endpoints;  // TCP members, tried in order
+  std::vector<Member> members;  // tried in order
+  TlsFiles tls = {};            // for https:// members
   std::chrono::milliseconds timeout{2000};  // per member tried: connect + request + answer
   size_t max_answer_bytes = 16 * 1024 * 1024;  // a range of the whole /sandgate/ prefix at 10k sandboxes fits
   size_t max_key_bytes = 1024;
@@ -99,11 +104,9 @@ struct ClientOptions {
   size_t max_event_bytes = 4 * 1024 * 1024;  // one message of a watch stream
 };
 
-// "http://127.0.0.1:2379" or "127.0.0.1:2379" (numeric addresses: nothing here resolves names).
-Result<Endpoint> parse_member(std::string_view text);
-// The options [fleet] gives (etcd_endpoints, etcd_timeout_ms), the members already checked by the config
-// loader; one that does not parse is left out.
-ClientOptions client_options(const std::vector<std::string>& members, uint32_t timeout_ms);
+// The options [fleet] gives (etcd_endpoints, etcd_timeout_ms, etcd_cacert, ...), the members already checked
+// by the config loader; one that does not parse is left out.
+ClientOptions client_options(const std::vector<std::string>& members, uint32_t timeout_ms, TlsFiles tls = {});
 // The range_end that makes a range or watch cover every key starting with `prefix`.
 std::string prefix_end(std::string_view prefix);
 
@@ -112,6 +115,10 @@ class Watch;
 class Client {
  public:
   explicit Client(ClientOptions options);
+
+  // Whether the client could be set up (TLS files that load): every call fails with the same reason until
+  // then, so a daemon checks this once at its start and refuses to run.
+  Status ready() const;
 
   Result<RangeResult> range(std::string_view key, std::string_view range_end = {}, int64_t limit = 0) const;
   Result<RangeResult> range_prefix(std::string_view prefix) const { return range(prefix, prefix_end(prefix)); }
@@ -134,6 +141,8 @@ class Client {
   const ClientOptions& options() const { return options_; }
   // Which member answered last (for logs and tests).
   size_t preferred_member() const { return preferred_.load(std::memory_order_relaxed); }
+  // TLS handshakes that resumed a member's session instead of a full handshake (for tests).
+  size_t resumed_handshakes() const { return tls_ ? tls_->resumed() : 0; }
 
  private:
   // POSTs `body` to `path` on each member in turn until one answers; returns the parsed JSON body's text.
@@ -141,6 +150,8 @@ class Client {
   Status check_key(std::string_view key) const;
 
   ClientOptions options_;
+  std::shared_ptr<TlsSetup> tls_;          // set when a member is https://
+  std::optional<Failure> setup_error_;     // why tls_ could not be made
   mutable std::atomic<size_t> preferred_{0};
 };
 
@@ -148,8 +159,8 @@ class Client {
 // be called from another thread to make a blocked next() return kUnavailable at once.
 class Watch {
  public:
-  // `fd`: the connection whose answer head `parser` has read; `body` what of the body it already holds.
-  Watch(UniqueFd fd, std::unique_ptr<HttpParser> parser, size_t member);
+  // `conn`: the connection the watch request went out on; `parser` reads the stream's answer.
+  Watch(MemberConnection conn, std::unique_ptr<HttpParser> parser, size_t member);
   ~Watch();
   Watch(const Watch&) = delete;
   Watch& operator=(const Watch&) = delete;
@@ -164,7 +175,7 @@ class Watch {
   // The first complete message in the parsed body, if any (removed from it).
   Result<std::optional<WatchBatch>> take_message();
 
-  UniqueFd fd_;
+  MemberConnection conn_;
   std::unique_ptr<HttpParser> parser_;  // its body limit bounds one pending message
   size_t member_;
   std::atomic<bool> cancelled_{false};

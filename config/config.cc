@@ -299,6 +299,30 @@ void read_fleet(const toml::table& t, std::string_view source, const std::string
   r.integer("etcd_timeout_ms", &out->etcd_timeout_ms, 100, 60'000);
   r.string("api_cacert", &out->api_cacert);
   out->api_cacert = resolve_path(base_dir, out->api_cacert);
+  for (auto [key, value] : {std::pair{"etcd_cacert", &out->etcd_cacert}, std::pair{"etcd_cert", &out->etcd_cert},
+                            std::pair{"etcd_key", &out->etcd_key}}) {
+    r.string(key, value);
+    *value = resolve_path(base_dir, *value);
+  }
+  r.string("etcd_server_name", &out->etcd_server_name);
+  const bool any_https = std::any_of(out->etcd_endpoints.begin(), out->etcd_endpoints.end(), [](const std::string& m) {
+    auto parsed = etcd::parse_member(m);
+    return parsed && parsed->tls;
+  });
+  const etcd::TlsFiles tls{out->etcd_cacert, out->etcd_cert, out->etcd_key, out->etcd_server_name};
+  // TLS settings with only http:// members would silently talk in clear: refused.
+  if (tls.any() && !any_https)
+    r.error(at("etcd_endpoints"), "fleet.etcd_endpoints",
+            "etcd_cacert, etcd_cert, etcd_key or etcd_server_name is set, but no member is https://");
+  if (out->etcd_cert.empty() != out->etcd_key.empty()) {
+    r.error(at(out->etcd_cert.empty() ? "etcd_key" : "etcd_cert"), "fleet.etcd_cert",
+            "etcd_cert and etcd_key go together");
+  } else if (any_https) {
+    // As nginx -t does with its certificates: files that do not load are a configuration error, not a
+    // fleet that cannot reach etcd later.
+    if (auto setup = etcd::TlsSetup::create(tls, 1); !setup)
+      r.error(at(out->etcd_cert.empty() ? "etcd_cacert" : "etcd_cert"), "fleet.etcd_cacert", setup.message());
+  }
   // Other nodes send placed creates there, and the CLI talks to the node there: refused now, not then.
   if (!out->advertise_api.empty()) {
     if (auto a = parse_api_address(out->advertise_api); !a) r.error(at("advertise_api"), "fleet.advertise_api", a.message());

@@ -161,7 +161,14 @@ struct NodeConfig {
 // Absent: the single-node default, which talks to no etcd at all.
 struct FleetConfig {
   bool enabled = false;                    // true once a [fleet] table is present
-  std::vector<std::string> etcd_endpoints; // http://IP:PORT of each etcd member (numeric addresses)
+  std::vector<std::string> etcd_endpoints; // http(s)://IP:PORT of each etcd member (numeric addresses)
+  // For https:// members: the CA that signed their certificates ("" = the system's trust store), this
+  // daemon's client certificate and key (etcd --client-cert-auth; both or neither), and the name their
+  // certificates carry ("" = each member's IP address).
+  std::string etcd_cacert;
+  std::string etcd_cert;
+  std::string etcd_key;
+  std::string etcd_server_name;
   std::string node_name;                   // unique in the fleet: [a-z0-9-], 1-63 characters
   std::string advertise_api;               // how other nodes and the CLI reach this node's API (https://host:port)
   std::string advertise_ingress;           // host:port of this node's fleet ingress listener

@@ -16,7 +16,8 @@ int64_t now_ms() {
 }
 
 etcd::ClientOptions client_options(const FleetConfig& config) {
-  return etcd::client_options(config.etcd_endpoints, config.etcd_timeout_ms);
+  return etcd::client_options(config.etcd_endpoints, config.etcd_timeout_ms,
+                              {config.etcd_cacert, config.etcd_cert, config.etcd_key, config.etcd_server_name});
 }
 
 }  // namespace
@@ -32,6 +33,7 @@ FleetMember::FleetMember(uv_loop_t* loop, const FleetConfig& config, size_t capa
 FleetMember::~FleetMember() { stop(); }
 
 Status FleetMember::start() {
+  if (Status s = client_.ready(); !s) return s;
   async_ = new uv_async_t;
   async_->data = this;
   if (int rc = uv_async_init(loop_, async_, [](uv_async_t* a) { static_cast<FleetMember*>(a->data)->drain_posted(); }); rc < 0) {

@@ -217,8 +217,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if ((*cfg)->fleet.enabled) {
-    proxy.fleet_view = std::make_shared<sg::fleet::EtcdDirectory>(
-        sg::etcd::client_options((*cfg)->fleet.etcd_endpoints, (*cfg)->fleet.etcd_timeout_ms));
+    const sg::FleetConfig& f = (*cfg)->fleet;
+    proxy.fleet_view = std::make_shared<sg::fleet::EtcdDirectory>(sg::etcd::client_options(
+        f.etcd_endpoints, f.etcd_timeout_ms, {f.etcd_cacert, f.etcd_cert, f.etcd_key, f.etcd_server_name}));
     proxy.fleet_view->start();
   }
   auto fleet = sg::FleetContext::create(**cfg, proxy.fleet_view);

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -54,12 +55,43 @@ inline uint16_t free_port() {
   return ntohs(sa.sin_port);
 }
 
+// A CA, a member certificate for 127.0.0.1 (IP SAN) and the name "etcd.test" (DNS SAN), a client
+// certificate, and a second CA that signed none of them, made with the openssl CLI in `dir`:
+// ca.pem, member.pem/.key, client.pem/.key, other-ca.pem. False when openssl failed.
+inline bool make_etcd_pki(const std::string& dir) {
+  const std::string script = R"SH(set -e
+cd "$1"
+key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1"; }
+for ca in ca other-ca; do
+  key $ca.key
+  openssl req -new -x509 -key $ca.key -subj "/CN=sandgate test $ca" -days 2 -out $ca.pem \
+    -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign
+done
+sign() {  # NAME EXTENDED_KEY_USAGE [SUBJECT_ALT_NAME]
+  key $1.key
+  openssl req -new -key $1.key -subj "/CN=$1" -out $1.csr
+  { echo "extendedKeyUsage=$2"; [ -z "$3" ] || echo "subjectAltName=$3"; } >$1.ext
+  openssl x509 -req -in $1.csr -CA ca.pem -CAkey ca.key -set_serial 0x$(openssl rand -hex 8) -days 2 \
+    -extfile $1.ext -out $1.pem
+}
+sign member serverAuth,clientAuth IP:127.0.0.1,DNS:etcd.test  # etcd's gateway dials itself with it
+sign client clientAuth
+)SH";
+  const std::string path = dir + "/make-pki.sh";
+  std::ofstream(path) << script;
+  const std::string cmd = "bash '" + path + "' '" + dir + "' >'" + dir + "/make-pki.log' 2>&1";
+  return std::system(cmd.c_str()) == 0;
+}
+
 class EtcdCluster {
  public:
   // `dir` must exist; member i keeps its data in dir/etcd-i and logs to dir/etcd-i.log. The members run in the
-  // network namespace at `netns` (a /proc/PID/ns/net path; "" = this one) and listen on `host`.
-  EtcdCluster(std::string dir, int members, std::string netns = "", std::string host = "127.0.0.1")
-      : dir_(std::move(dir)), netns_(std::move(netns)), host_(std::move(host)) {
+  // network namespace at `netns` (a /proc/PID/ns/net path; "" = this one) and listen on `host`. With `pki`
+  // (a make_etcd_pki directory) clients reach them over https:// with a client certificate, which they
+  // require (--client-cert-auth).
+  EtcdCluster(std::string dir, int members, std::string netns = "", std::string host = "127.0.0.1",
+              std::string pki = "")
+      : dir_(std::move(dir)), netns_(std::move(netns)), host_(std::move(host)), pki_(std::move(pki)) {
     std::string initial;
     for (int i = 0; i < members; i++) {
       Member m;
@@ -89,7 +121,7 @@ class EtcdCluster {
     if (m.pid > 0) return true;
     std::string data = dir_ + "/etcd-" + std::to_string(i);
     std::string log = data + ".log";
-    std::string client = "http://" + host_ + ":" + std::to_string(m.client_port);
+    std::string client = url(i);
     std::string peer = "http://" + host_ + ":" + std::to_string(m.peer_port);
     std::vector<std::string> argv = {"/usr/bin/etcd", "--name", m.name, "--data-dir", data,
                                      "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -98,6 +130,11 @@ class EtcdCluster {
                                      "--initial-cluster-token", "sandgate-test",
                                      // Short elections keep the failover tests quick.
                                      "--heartbeat-interval", "50", "--election-timeout", "500"};
+    if (!pki_.empty()) {
+      for (const char* a : {"--cert-file", "member.pem", "--key-file", "member.key", "--trusted-ca-file", "ca.pem"})
+        argv.push_back(a[0] == '-' ? std::string(a) : pki_ + "/" + a);
+      argv.push_back("--client-cert-auth");
+    }
     pid_t pid = ::fork();
     if (pid < 0) return false;
     if (pid == 0) {
@@ -162,6 +199,8 @@ class EtcdCluster {
     for (size_t i = 0; i < members_.size(); i++) {
       if (members_[i].pid <= 0) continue;
       std::string cmd = "curl -s -m 2 -X POST -d '{}' " + url(i) + "/v3/maintenance/status";
+      if (!pki_.empty())
+        cmd += " --cacert " + pki_ + "/ca.pem --cert " + pki_ + "/client.pem --key " + pki_ + "/client.key";
       std::string out;
       if (FILE* p = ::popen(cmd.c_str(), "r")) {
         char buf[4096];
@@ -186,7 +225,15 @@ class EtcdCluster {
     return false;
   }
 
-  std::string url(size_t i) const { return "http://" + host_ + ":" + std::to_string(members_[i].client_port); }
+  std::string url(size_t i) const {
+    return (pki_.empty() ? "http://" : "https://") + host_ + ":" + std::to_string(members_[i].client_port);
+  }
+  // The [fleet] lines a daemon needs for these members' TLS ("" without it).
+  std::string tls_config() const {
+    if (pki_.empty()) return "";
+    return "etcd_cacert = \"" + pki_ + "/ca.pem\"\netcd_cert = \"" + pki_ + "/client.pem\"\netcd_key = \"" + pki_ +
+           "/client.key\"\n";
+  }
   uint16_t client_port(size_t i) const { return members_[i].client_port; }
   std::vector<std::string> urls() const {
     std::vector<std::string> out;
@@ -195,8 +242,9 @@ class EtcdCluster {
   }
   etcd::ClientOptions options(std::chrono::milliseconds timeout = std::chrono::milliseconds(1000)) const {
     etcd::ClientOptions o;
-    for (size_t i = 0; i < members_.size(); i++) o.endpoints.push_back(*etcd::parse_member(url(i)));
+    for (size_t i = 0; i < members_.size(); i++) o.members.push_back(*etcd::parse_member(url(i)));
     o.timeout = timeout;
+    if (!pki_.empty()) o.tls = {pki_ + "/ca.pem", pki_ + "/client.pem", pki_ + "/client.key", ""};
     return o;
   }
   size_t size() const { return members_.size(); }
@@ -211,6 +259,7 @@ class EtcdCluster {
   std::string dir_;
   std::string netns_;
   std::string host_;
+  std::string pki_;
   std::string initial_cluster_;
   std::vector<Member> members_;
 };

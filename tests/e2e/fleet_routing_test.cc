@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "common/etcd_client.h"
 #include "common/net.h"
 #include "tests/e2e/harness.h"
 #include "tests/etcd_process.h"
@@ -27,7 +28,13 @@ class FleetRouting : public ::testing::Test {
     char tmpl[] = "/tmp/sg-e2e-fleet-route-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    etcd_ = std::make_unique<sg::testing::EtcdCluster>(dir_, etcd_members());
+    std::string pki;
+    if (etcd_over_tls()) {
+      pki = dir_ + "/etcd-pki";
+      std::filesystem::create_directories(pki);
+      ASSERT_TRUE(sg::testing::make_etcd_pki(pki)) << read_file(pki + "/make-pki.log");
+    }
+    etcd_ = std::make_unique<sg::testing::EtcdCluster>(dir_, etcd_members(), "", "127.0.0.1", pki);
     ASSERT_TRUE(etcd_->start_all()) << read_file(dir_ + "/etcd-0.log");
     auto gen = run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/certs a b");
     ASSERT_EQ(gen.exit_code, 0) << gen.err;
@@ -39,6 +46,8 @@ class FleetRouting : public ::testing::Test {
   }
 
   virtual size_t etcd_members() const { return 1; }
+  // https:// members that require a client certificate (as a production etcd does).
+  virtual bool etcd_over_tls() const { return false; }
 
   Cluster& add(const std::string& name) {
     const uint16_t fleet = free_port();
@@ -53,7 +62,7 @@ class FleetRouting : public ::testing::Test {
     // the test sent it (placement itself: Fleet.CreatesArePlaced...).
     o.node_extra = "\n[fleet]\netcd_endpoints = [" + endpoints + "]\nnode_name = \"" + name +
                    "\"\nadvertise_api = \"https://127.0.0.1:1\"\nadvertise_ingress = \"127.0.0.1:" +
-                   std::to_string(fleet) + "\"\nlease_ttl_secs = 3\netcd_timeout_ms = 500\n";
+                   std::to_string(fleet) + "\"\nlease_ttl_secs = 3\netcd_timeout_ms = 500\n" + etcd_->tls_config();
     nodes_.push_back(std::make_unique<Cluster>(o));
     Cluster& c = *nodes_.back();
     EXPECT_FALSE(c.node().wait_for("fleet: node " + name + " registered", 10000).empty()) << c.node().log();
@@ -103,6 +112,26 @@ TEST_F(FleetRouting, ASandboxOnAnotherNodeAnswersThroughThisProxyFromTheEtcdView
   auto dup = a.cli("create --name web -- /bin/sleep 60");
   EXPECT_NE(dup.exit_code, 0);
   EXPECT_NE((dup.out + dup.err).find("'b'"), std::string::npos) << dup.out << dup.err;
+}
+
+class FleetRoutingOverTls : public FleetRouting {
+ protected:
+  bool etcd_over_tls() const override { return true; }
+};
+
+// The same fleet with etcd serving only TLS and requiring client certificates: the nodes register, claim and
+// keep their lease over https://, and the proxies' watch follows them, so a sandbox on b answers through a.
+TEST_F(FleetRoutingOverTls, NodesAndProxiesShareTheFleetThroughAnEtcdThatRequiresClientCertificates) {
+  ASSERT_NE(etcd_->url(0).rfind("https://", 0), std::string::npos);
+  auto [a, b] = a_and_b_serving("web");
+  auto r = a.curl("8080-web.sandbox.localhost");
+  EXPECT_EQ(Cluster::http_code(r), 200) << r.out << r.err << a.proxy().log();
+  EXPECT_EQ(Cluster::body(r), "hello from web");
+  // b's claim is in etcd, read back over TLS.
+  etcd::Client client(etcd_->options());
+  auto claim = client.range("/sandgate/sandboxes/web");
+  ASSERT_TRUE(claim) << claim.message();
+  EXPECT_EQ(claim->kvs.size(), 1u);
 }
 
 // Compaction: a proxy whose watch broke while etcd compacted past what it had seen must not route from a view

@@ -1,5 +1,7 @@
 #include "config/config.h"
 
+#include "tests/unit/test_cert.h"
+
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <pwd.h>
@@ -348,6 +350,41 @@ TEST(Config, FleetErrorsNameTheKey) {
   ASSERT_FALSE(other_scheme);
   EXPECT_NE(other_scheme.message().find("t.toml:4: fleet.advertise_api: invalid node API address"), std::string::npos)
       << other_scheme.message();
+}
+
+// TLS to etcd: the files load at config time (as nginx -t checks its certificates), and settings that
+// would not be used, or only half of a pair, are refused.
+TEST(Config, FleetEtcdTls) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/sg-config-etcd-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  test_support::TestCert cert;
+  cert.write_pem(dir + "/ca.pem");
+  cert.write_pem(dir + "/client.pem");
+  cert.write_key_pem(dir + "/client.key");
+  const std::string head = "[fleet]\nnode_name = \"a\"\n";
+  auto ok = load(head + "etcd_endpoints = [\"https://10.0.0.5:2379\", \"https://[fd00::5]:2379\"]\n"
+                 "etcd_cacert = \"" + dir + "/ca.pem\"\netcd_cert = \"" + dir + "/client.pem\"\n"
+                 "etcd_key = \"" + dir + "/client.key\"\netcd_server_name = \"etcd.internal\"\n");
+  ASSERT_TRUE(ok) << ok.message();
+  EXPECT_EQ((*ok)->fleet.etcd_cacert, dir + "/ca.pem");
+  EXPECT_EQ((*ok)->fleet.etcd_server_name, "etcd.internal");
+  // https:// alone: the system's trust store, no client certificate.
+  EXPECT_TRUE(load(head + "etcd_endpoints = \"https://10.0.0.5:2379\"\n"));
+  auto clear_text = load(head + "etcd_endpoints = \"http://10.0.0.5:2379\"\netcd_cacert = \"" + dir + "/ca.pem\"\n");
+  ASSERT_FALSE(clear_text);
+  EXPECT_NE(clear_text.message().find("but no member is https://"), std::string::npos) << clear_text.message();
+  auto half = load(head + "etcd_endpoints = \"https://10.0.0.5:2379\"\netcd_cert = \"" + dir + "/client.pem\"\n");
+  ASSERT_FALSE(half);
+  EXPECT_NE(half.message().find("t.toml:4: fleet.etcd_cert: etcd_cert and etcd_key go together"), std::string::npos)
+      << half.message();
+  auto missing = load(head + "etcd_endpoints = \"https://10.0.0.5:2379\"\netcd_cacert = \"" + dir + "/none.pem\"\n");
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.message().find("t.toml:4: fleet.etcd_cacert: etcd TLS: cannot load the CA certificates from " + dir +
+                                   "/none.pem"),
+            std::string::npos)
+      << missing.message();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

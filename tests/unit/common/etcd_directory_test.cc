@@ -134,7 +134,7 @@ TEST_F(EtcdDirectoryTest, AMemberDyingUnderTheWatchMeansAListFromAnother) {
   cluster_->stop(0, SIGKILL);
   ASSERT_TRUE(wait_until([&] { return d.lists() >= 2 && d.current(); }, 10s)) << "lists " << d.lists();
   etcd::ClientOptions rest = cluster_->options();
-  rest.endpoints.erase(rest.endpoints.begin());
+  rest.members.erase(rest.members.begin());
   etcd::Client survivor(rest);
   ASSERT_TRUE(survivor.put(std::string(kFleetSandboxesPrefix) + "b", sandbox_owner_json("n1", "running")));
   EXPECT_TRUE(wait_until([&] { return d.owner_of("b").has_value(); }, 5s));
