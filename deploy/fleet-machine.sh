@@ -23,7 +23,12 @@
 #   PUBLIC_PORT [0]              proxy.public_port: the port in URLs when clients come through another (a
 #                                load balancer's 443 in front of 8443); 0 = the listener's
 #   ETCD_CLIENT_PORT [2379] ETCD_PEER_PORT [2380] FLEET_PORT [9443] API_PORT [9444]
-#   ETCD_ENDPOINTS               with MEMBERS "-": the etcd members, comma-separated http://IP:PORT
+#   ETCD_TLS [1]                 etcd speaks TLS to its clients and its peers, and requires their certificates
+#                                from the fleet CA: the member serves with NAME.pem, which must name IP
+#                                (deploy/gen-fleet-ca.sh DIR NAME=IP ...), and node and proxy present it too.
+#                                0: clear text (a private network you trust, firewalled as below)
+#   ETCD_ENDPOINTS               with MEMBERS "-": the etcd members, comma-separated http(s)://IP:PORT (https:
+#                                their certificates verified against the fleet CA, NAME.pem presented)
 #   CGROUP_NAME [sandgate]       node.cgroup_name
 #   NODE_EXTRA                   TOML lines added to [node] (image store, limits, ...)
 #   ROOT [/]                     where the files go; with another ROOT every path written into them is under
@@ -32,15 +37,16 @@
 # Writes (under ROOT):
 #   etc/default/etcd                         read by Debian's etcd.service: this member of a NAME=IP cluster
 #   etc/sandgate/sandgate.toml               node + proxy in the fleet (an existing file is kept as .bak)
-#   etc/sandgate/fleet/                      the fleet CA and this node's certificate and key
+#   etc/sandgate/fleet/                      the fleet CA and this node's certificate and key (with ETCD_TLS,
+#                                            etcd's copy in etc/sandgate/fleet/etcd/, owned by its user)
 #   etc/sandgate/operator.token              unless OPERATOR_TOKEN_FILE is that file already
 #   etc/systemd/system/sandgate-node.service.d/fleet.conf   the node starts after the local etcd member
 # (with MEMBERS "-", neither etcd file)
 # Starts nothing: it prints the systemctl line.
 #
-# etcd's ports, the node API (API_PORT) and the fleet listener are for the fleet's machines only: etcd and the
-# node API speak plain HTTP (the node API with the operator token), so keep them on the private network and
-# firewall them to the members' addresses (docs/fleet.md#on-three-machines has an nftables example).
+# etcd's ports, the node API (API_PORT) and the fleet listener are for the fleet's machines only: the node API
+# speaks plain HTTP (with the operator token), and so does etcd with ETCD_TLS=0, so keep them on the private
+# network and firewall them to the members' addresses (docs/fleet.md#on-three-machines has an nftables example).
 set -euo pipefail
 
 SRC=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
@@ -58,6 +64,7 @@ DOMAIN=${DOMAIN:-sandbox.localhost}
 ETCD_CLIENT_PORT=${ETCD_CLIENT_PORT:-2379}
 ETCD_PEER_PORT=${ETCD_PEER_PORT:-2380}
 FLEET_PORT=${FLEET_PORT:-9443}
+ETCD_TLS=${ETCD_TLS:-1}
 API_PORT=${API_PORT:-9444}
 INGRESS_LISTEN=${INGRESS_LISTEN:-0.0.0.0:443}
 CGROUP_NAME=${CGROUP_NAME:-sandgate}
@@ -70,6 +77,9 @@ label='^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$'
 ipv4='^([0-9]{1,3}\.){3}[0-9]{1,3}$'
 [[ $NAME =~ $label ]] || die "NAME '$NAME' is not a node name (lowercase letters, digits, '-', at most 63)"
 [[ $IP =~ $ipv4 ]] || die "IP '$IP' is not a numeric IPv4 address (etcd endpoints are numeric)"
+[[ $ETCD_TLS == 0 || $ETCD_TLS == 1 ]] || die "ETCD_TLS must be 0 or 1, not '$ETCD_TLS'"
+scheme=http
+[[ $ETCD_TLS == 1 ]] && scheme=https
 for port in "$ETCD_CLIENT_PORT" "$ETCD_PEER_PORT" "$FLEET_PORT" "$API_PORT"; do
   [[ $port =~ ^[0-9]+$ && $port -ge 1 && $port -le 65535 ]] || die "'$port' is not a port"
 done
@@ -79,8 +89,11 @@ initial_cluster="" endpoints="" self_listed=""
 if [[ $MEMBERS == - ]]; then
   [[ -n ${ETCD_ENDPOINTS:-} ]] || die "MEMBERS is \"-\" (no etcd member here): ETCD_ENDPOINTS must say where etcd is"
   IFS=, read -r -a urls <<<"$ETCD_ENDPOINTS"
+  scheme=
   for url in "${urls[@]}"; do
-    [[ $url =~ ^http://([0-9]{1,3}\.){3}[0-9]{1,3}:[0-9]+$ ]] || die "ETCD_ENDPOINTS: '$url' is not http://IP:PORT"
+    [[ $url =~ ^(https?)://([0-9]{1,3}\.){3}[0-9]{1,3}:[0-9]+$ ]] || die "ETCD_ENDPOINTS: '$url' is not http(s)://IP:PORT"
+    [[ -z $scheme || $scheme == "${BASH_REMATCH[1]}" ]] || die "ETCD_ENDPOINTS: all http:// or all https://, not both"
+    scheme=${BASH_REMATCH[1]}
     endpoints+="${endpoints:+, }\"$url\""
   done
   members=()
@@ -98,16 +111,21 @@ for member in "${members[@]+"${members[@]}"}"; do
   [[ -z ${seen_names[$m_name]:-} ]] || die "member name '$m_name' is listed twice"
   [[ -z ${seen_ips[$m_ip]:-} ]] || die "member address '$m_ip' is listed twice"
   seen_names[$m_name]=1 seen_ips[$m_ip]=1
-  initial_cluster+="${initial_cluster:+,}$m_name=http://$m_ip:$ETCD_PEER_PORT"
-  endpoints+="${endpoints:+, }\"http://$m_ip:$ETCD_CLIENT_PORT\""
+  initial_cluster+="${initial_cluster:+,}$m_name=$scheme://$m_ip:$ETCD_PEER_PORT"
+  endpoints+="${endpoints:+, }\"$scheme://$m_ip:$ETCD_CLIENT_PORT\""
   [[ $m_name == "$NAME" ]] && { [[ $m_ip == "$IP" ]] || die "MEMBERS says $NAME is $m_ip, not $IP"; self_listed=1; }
 done
 [[ $MEMBERS == - || -n $self_listed ]] || die "MEMBERS does not list $NAME=$IP"
 [[ $MEMBERS == - ]] || (( ${#members[@]} % 2 == 1 )) || say "note: ${#members[@]} etcd members tolerate no more failures than $(( ${#members[@]} - 1 )); an odd count is the usual choice"
 
 for f in fleet-ca.pem "$NAME.pem" "$NAME.key"; do
-  [[ -f $FLEET_CA_DIR/$f ]] || die "$FLEET_CA_DIR/$f not found (deploy/gen-fleet-ca.sh $FLEET_CA_DIR $NAME)"
+  [[ -f $FLEET_CA_DIR/$f ]] || die "$FLEET_CA_DIR/$f not found (deploy/gen-fleet-ca.sh $FLEET_CA_DIR $NAME=$IP)"
 done
+# etcd's clients check that the member's certificate names the address they dialled.
+if [[ $MEMBERS != - && $scheme == https ]] &&
+   ! openssl x509 -in "$FLEET_CA_DIR/$NAME.pem" -noout -ext subjectAltName 2>/dev/null | grep -qw "IP Address:$IP"; then
+  die "$FLEET_CA_DIR/$NAME.pem does not name $IP, which etcd's clients check: remove $NAME.pem and $NAME.key and run deploy/gen-fleet-ca.sh $FLEET_CA_DIR $NAME=$IP (or ETCD_TLS=0 for clear text)"
+fi
 
 # Written whole or not at all: a file is replaced only once its new content is complete.
 put() { # PATH MODE < content
@@ -124,17 +142,44 @@ put() { # PATH MODE < content
 etcd_data=$ROOT/var/lib/etcd/sandgate
 state=new
 [[ -d $etcd_data/member ]] && state=existing
+# A member's peer URLs are part of the cluster's state: a cluster that exists keeps its scheme.
+if [[ $state == existing && $MEMBERS != - ]] &&
+   ! grep -q "^ETCD_LISTEN_PEER_URLS=$scheme://" "$ROOT/etc/default/etcd" 2>/dev/null; then
+  die "this member's etcd cluster exists and does not speak $scheme: keep it with ETCD_TLS=$([[ $scheme == https ]] && echo 0 || echo 1), or move it member by member (etcdctl member update with the new peer URLs) first"
+fi
+CONF_FLEET=$CONF_DIR/fleet
+# etcd runs as the package's user: its copy of the key is that user's (root's elsewhere, e.g. a test's ROOT).
+etcd_tls_lines=""
+if [[ $MEMBERS != - && $scheme == https ]]; then
+  etcd_owner=root
+  getent passwd etcd >/dev/null && etcd_owner=etcd
+  install -d -m 0750 -o "$etcd_owner" "$CONF_FLEET/etcd"
+  install -m 0644 "$FLEET_CA_DIR/fleet-ca.pem" "$CONF_FLEET/etcd/ca.pem"
+  install -m 0644 "$FLEET_CA_DIR/$NAME.pem" "$CONF_FLEET/etcd/member.pem"
+  install -m 0600 -o "$etcd_owner" "$FLEET_CA_DIR/$NAME.key" "$CONF_FLEET/etcd/member.key"
+  say "installed etcd's certificate and key in $CONF_FLEET/etcd (owner $etcd_owner)"
+  # Clients (sandgate's node and proxy) and peers (the other members) need a certificate from the fleet CA.
+  etcd_tls_lines="ETCD_CERT_FILE=$CONF_FLEET/etcd/member.pem
+ETCD_KEY_FILE=$CONF_FLEET/etcd/member.key
+ETCD_TRUSTED_CA_FILE=$CONF_FLEET/etcd/ca.pem
+ETCD_CLIENT_CERT_AUTH=true
+ETCD_PEER_CERT_FILE=$CONF_FLEET/etcd/member.pem
+ETCD_PEER_KEY_FILE=$CONF_FLEET/etcd/member.key
+ETCD_PEER_TRUSTED_CA_FILE=$CONF_FLEET/etcd/ca.pem
+ETCD_PEER_CLIENT_CERT_AUTH=true"
+fi
 [[ $MEMBERS == - ]] || put "$ROOT/etc/default/etcd" 0644 <<EOF
 # Written by sandgate's deploy/fleet-machine.sh: member $NAME of the fleet's etcd cluster.
 ETCD_NAME=$NAME
 ETCD_DATA_DIR=$etcd_data
-ETCD_LISTEN_CLIENT_URLS=http://$IP:$ETCD_CLIENT_PORT
-ETCD_ADVERTISE_CLIENT_URLS=http://$IP:$ETCD_CLIENT_PORT
-ETCD_LISTEN_PEER_URLS=http://$IP:$ETCD_PEER_PORT
-ETCD_INITIAL_ADVERTISE_PEER_URLS=http://$IP:$ETCD_PEER_PORT
+ETCD_LISTEN_CLIENT_URLS=$scheme://$IP:$ETCD_CLIENT_PORT
+ETCD_ADVERTISE_CLIENT_URLS=$scheme://$IP:$ETCD_CLIENT_PORT
+ETCD_LISTEN_PEER_URLS=$scheme://$IP:$ETCD_PEER_PORT
+ETCD_INITIAL_ADVERTISE_PEER_URLS=$scheme://$IP:$ETCD_PEER_PORT
 ETCD_INITIAL_CLUSTER=$initial_cluster
 ETCD_INITIAL_CLUSTER_STATE=$state
 ETCD_INITIAL_CLUSTER_TOKEN=sandgate-fleet
+$etcd_tls_lines
 EOF
 
 install -d -m 0755 "$CONF_DIR/fleet"
@@ -161,6 +206,12 @@ if [[ $ROOT == "" ]] && getent passwd sandgate >/dev/null; then
   user_lines='user = "sandgate"'
   group_lines='socket_group = "sandgate"'
 fi
+
+# Both daemons present this node's fleet certificate to etcd and check the members' against the fleet CA.
+fleet_tls_lines=""
+[[ $scheme == https ]] && fleet_tls_lines="etcd_cacert = \"$CONF_FLEET/fleet-ca.pem\"
+etcd_cert = \"$CONF_FLEET/$NAME.pem\"
+etcd_key = \"$CONF_FLEET/$NAME.key\""
 
 conf=$CONF_DIR/sandgate.toml
 if [[ -f $conf ]] && ! grep -q "^# Written by sandgate's deploy/fleet-machine.sh" "$conf"; then
@@ -199,6 +250,7 @@ ${NODE_EXTRA:-}
 
 [fleet]
 etcd_endpoints = [$endpoints]
+$fleet_tls_lines
 node_name = "$NAME"
 advertise_api = "http://$IP:$API_PORT"
 advertise_ingress = "$IP:$FLEET_PORT"

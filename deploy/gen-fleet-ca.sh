@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Creates the fleet CA and one certificate per node for the proxies' cross-node hop (mutual TLS between
 # each node's proxy and the others' proxy.fleet_listen; docs/fleet.md#cross-node-routing).
-#   deploy/gen-fleet-ca.sh DIR NODE...
+#   deploy/gen-fleet-ca.sh DIR NODE[=IP]...
 # Writes DIR/fleet-ca.pem + DIR/fleet-ca.key (10 years) once, and DIR/NODE.pem + DIR/NODE.key per node
 # (1 year; the certificate's DNS name and CN are the node's name, which is how a proxy knows who it talks
 # to), ECDSA P-256, keys mode 0600. Each certificate is both server and client (a node's proxy is both
-# ends of hops). Existing files are kept: run it again with a new node name to add a node. Copy
-# fleet-ca.pem and that node's pair to each machine; fleet-ca.key stays where nodes are enrolled.
+# ends of hops). With NODE=IP it also names that address (an IP SAN): the machine's etcd member serves
+# with it, and etcd clients verify the member's address (deploy/fleet-machine.sh's TLS etcd). Existing
+# files are kept: run it again with a new node name to add a node (remove a node's pair to remake it).
+# Copy fleet-ca.pem and that node's pair to each machine; fleet-ca.key stays where nodes are enrolled.
 set -euo pipefail
 
 die() {
@@ -18,9 +20,17 @@ die() {
 dir=$1
 shift
 command -v openssl >/dev/null || die "openssl not found; run deploy/install-deps.sh"
-for node in "$@"; do
+declare -A node_ip=()
+nodes=()
+for arg in "$@"; do
+  node=${arg%%=*}
   # The proxy's rule (fleet_hop.h valid_node_name): a lowercase DNS label.
   [[ $node =~ ^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$ ]] || die "'$node' is not a node name (lowercase letters, digits, '-', at most 63)"
+  if [[ $arg == *=* ]]; then
+    node_ip[$node]=${arg#*=}
+    [[ ${node_ip[$node]} =~ ^([0-9]{1,3}\.){3}[0-9]{1,3}$ ]] || die "'$arg': '${node_ip[$node]}' is not a numeric IPv4 address"
+  fi
+  nodes+=("$node")
 done
 
 mkdir -p "$dir"
@@ -52,8 +62,9 @@ CNF
   chmod 0644 "$ca"
 fi
 
-for node in "$@"; do
+for node in "${nodes[@]}"; do
   [[ -s $dir/$node.pem && -s $dir/$node.key ]] && continue
+  san="DNS:$node${node_ip[$node]:+,IP:${node_ip[$node]}}"
   cat >"$tmp/$node.cnf" <<CNF
 [req]
 distinguished_name = dn
@@ -64,7 +75,7 @@ CN = $node
 basicConstraints = critical, CA:FALSE
 keyUsage = critical, digitalSignature
 extendedKeyUsage = serverAuth, clientAuth
-subjectAltName = DNS:$node
+subjectAltName = $san
 subjectKeyIdentifier = hash
 authorityKeyIdentifier = keyid
 CNF

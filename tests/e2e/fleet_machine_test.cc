@@ -1,13 +1,13 @@
 // deploy/fleet-machine.sh, the three-machine deployment, tried on one machine: three "machines" are the
 // loopback addresses 127.0.0.1-3, each with the files the script writes under a root of its own. etcd runs
 // from the /etc/default/etcd the script wrote (as Debian's etcd.service would run it), node and proxy from
-// its sandgate.toml; then the fleet has to work: a sandbox placed on one machine answers through every
+// its sandgate.toml, etcd speaking TLS to clients and peers (the script's default); then the fleet has to work: a sandbox placed on one machine answers through every
 // machine's proxy, and its name is taken fleet-wide.
 #include <gtest/gtest.h>
-
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <sstream>
@@ -42,7 +42,8 @@ class FleetMachine : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     ::chmod(dir_.c_str(), 0755);
-    auto ca = run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/fleet-ca m1 m2 m3");
+    // Each machine's certificate names its address: its etcd member serves TLS with it.
+    auto ca = run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/fleet-ca m1=127.0.0.1 m2=127.0.0.2 m3=127.0.0.3");
     ASSERT_EQ(ca.exit_code, 0) << ca.err;
     auto cert = run("bash " + source("deploy/gen-cert.sh") + " " + dir_ + "/tls sandbox.localhost");
     ASSERT_EQ(cert.exit_code, 0) << cert.err;
@@ -68,8 +69,11 @@ class FleetMachine : public ::testing::Test {
   std::string socket(int i) const { return root(i) + "/run/sandgate/node.sock"; }
 
   // deploy/fleet-machine.sh for machine i (NAME IP MEMBERS as given), the environment a test run needs.
-  CommandResult script(int i, const std::string& args) const { return run(script_command(i, args)); }
-  std::string script_command(int i, const std::string& args) const {
+  CommandResult script(int i, const std::string& args, const std::string& env_after = "") const {
+    return run(script_command(i, args, env_after));
+  }
+  // `env_after`: assignments that override the test's own ("FLEET_CA_DIR=...").
+  std::string script_command(int i, const std::string& args, const std::string& env_after = "") const {
     const std::string node_extra = "on_shutdown = \"terminate\"\ninit_path = \"" + bin("noderuntime/sandgate-init") +
                                    "\"\nimages_dir = \"" + test_image().store + "\"\ndefault_image = \"" +
                                    test_image().name + "\"\n";
@@ -80,7 +84,7 @@ class FleetMachine : public ::testing::Test {
                       " ETCD_CLIENT_PORT=" + std::to_string(etcd_client_) + " ETCD_PEER_PORT=" + std::to_string(etcd_peer_) +
                       " FLEET_PORT=" + std::to_string(fleet_) + " API_PORT=" + std::to_string(api_) +
                       " CGROUP_NAME=" + cgroup(i) + " NODE_EXTRA=" + shell_quote(node_extra) +
-                      " SANDGATE_PROXY=" + shell_quote(bin("proxy/sandgate-proxy"));
+                      " SANDGATE_PROXY=" + shell_quote(bin("proxy/sandgate-proxy")) + " " + env_after;
     return env + " bash " + source("deploy/fleet-machine.sh") + " " + args;
   }
 
@@ -109,7 +113,22 @@ TEST_F(FleetMachine, TheScriptRefusesMembersThatDoNotAddUp) {
   auto name = script(1, "M_1 127.0.0.1 M_1=127.0.0.1");
   EXPECT_NE(name.exit_code, 0);
   EXPECT_NE(name.err.find("is not a node name"), std::string::npos) << name.err;
+  // etcd over TLS (the default) needs the member's certificate to name its address.
+  ASSERT_EQ(run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/no-ip-ca m1").exit_code, 0);
+  auto no_ip = script(1, "m1 127.0.0.1 " + members(), "FLEET_CA_DIR=" + shell_quote(dir_ + "/no-ip-ca"));
+  EXPECT_NE(no_ip.exit_code, 0);
+  EXPECT_NE(no_ip.err.find("m1.pem does not name 127.0.0.1, which etcd's clients check"), std::string::npos) << no_ip.err;
+  EXPECT_NE(no_ip.err.find("gen-fleet-ca.sh " + dir_ + "/no-ip-ca m1=127.0.0.1"), std::string::npos) << no_ip.err;
+  auto tls_flag = script(1, "m1 127.0.0.1 " + members(), "ETCD_TLS=yes");
+  EXPECT_NE(tls_flag.err.find("ETCD_TLS must be 0 or 1"), std::string::npos) << tls_flag.err;
   EXPECT_FALSE(std::filesystem::exists(root(1) + "/etc/sandgate/sandgate.toml"));
+  // ETCD_TLS=0: clear text, asked for, and then the certificate need not name the address.
+  auto clear = script(1, "m1 127.0.0.1 " + members(), "ETCD_TLS=0 FLEET_CA_DIR=" + shell_quote(dir_ + "/no-ip-ca"));
+  ASSERT_EQ(clear.exit_code, 0) << clear.err;
+  const std::string env = read_file(root(1) + "/etc/default/etcd");
+  EXPECT_NE(env.find("ETCD_LISTEN_CLIENT_URLS=http://127.0.0.1:"), std::string::npos) << env;
+  EXPECT_EQ(env.find("ETCD_CERT_FILE"), std::string::npos) << env;
+  EXPECT_EQ(read_file(root(1) + "/etc/sandgate/sandgate.toml").find("etcd_cacert"), std::string::npos);
 }
 
 // A node of a fleet whose etcd runs elsewhere (more nodes than members; the Kubernetes packaging).
@@ -122,8 +141,10 @@ TEST_F(FleetMachine, AMachineWithoutAnEtcdMemberUsesTheGivenEndpoints) {
   EXPECT_NE(none.err.find("ETCD_ENDPOINTS must say where etcd is"), std::string::npos) << none.err;
   auto named = run("ETCD_ENDPOINTS=http://etcd:2379 " + script_command(1, "m1 127.0.0.1 -"));
   EXPECT_NE(named.exit_code, 0);
-  EXPECT_NE(named.err.find("'http://etcd:2379' is not http://IP:PORT"), std::string::npos) << named.err;
+  EXPECT_NE(named.err.find("'http://etcd:2379' is not http(s)://IP:PORT"), std::string::npos) << named.err;
 
+  auto mixed = script(1, "m1 127.0.0.1 -", "ETCD_ENDPOINTS=http://10.96.0.10:2379,https://10.96.0.11:2379");
+  EXPECT_NE(mixed.err.find("all http:// or all https://"), std::string::npos) << mixed.err;
   auto ok = run("ETCD_ENDPOINTS=http://10.96.0.10:2379,http://10.96.0.11:2379 " + script_command(1, "m1 127.0.0.1 -"));
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
   EXPECT_NE(ok.err.find("sandgate.toml loads"), std::string::npos) << ok.err;
@@ -132,6 +153,13 @@ TEST_F(FleetMachine, AMachineWithoutAnEtcdMemberUsesTheGivenEndpoints) {
   EXPECT_NE(conf.find("etcd_endpoints = [\"http://10.96.0.10:2379\", \"http://10.96.0.11:2379\"]"), std::string::npos) << conf;
   EXPECT_FALSE(std::filesystem::exists(root(1) + "/etc/default/etcd"));
   EXPECT_FALSE(std::filesystem::exists(root(1) + "/etc/systemd/system/sandgate-node.service.d/fleet.conf"));
+  EXPECT_EQ(conf.find("etcd_cacert"), std::string::npos) << conf;
+  // An etcd elsewhere that speaks TLS: its members are checked against the fleet CA, and the node's fleet
+  // certificate is presented (the config check loads them).
+  auto over_tls = script(2, "m2 127.0.0.2 -", "ETCD_ENDPOINTS=https://10.96.0.10:2379");
+  ASSERT_EQ(over_tls.exit_code, 0) << over_tls.err;
+  const std::string tls_conf = read_file(root(2) + "/etc/sandgate/sandgate.toml");
+  EXPECT_NE(tls_conf.find("etcd_cert = \"" + root(2) + "/etc/sandgate/fleet/m2.pem\""), std::string::npos) << tls_conf;
 }
 
 TEST_F(FleetMachine, ThreeMachinesFromTheScriptFormAFleetThatAnswersThroughEveryProxy) {
@@ -153,11 +181,16 @@ TEST_F(FleetMachine, ThreeMachinesFromTheScriptFormAFleetThatAnswersThroughEvery
   // etcd as Debian's etcd.service runs it: the binary, with the environment file.
   for (int i = 1; i <= kMachines; ++i) {
     const std::vector<std::string> env = environment_file(root(i) + "/etc/default/etcd");
-    ASSERT_GE(env.size(), 8u);
+    ASSERT_GE(env.size(), 16u);  // TLS for clients and peers, by default
+    EXPECT_NE(std::find(env.begin(), env.end(), "ETCD_CLIENT_CERT_AUTH=true"), env.end());
+    EXPECT_NE(std::find(env.begin(), env.end(), "ETCD_PEER_CLIENT_CERT_AUTH=true"), env.end());
     ASSERT_TRUE(etcd_[i - 1].start({"/usr/bin/etcd"}, root(i) + "/etcd.log", env));
   }
   for (int i = 1; i <= kMachines; ++i) {
-    const std::string health = "curl -sS --max-time 2 http://" + ip(i) + ":" + std::to_string(etcd_client_) + "/health";
+    // Over TLS, with a certificate from the fleet CA (etcd refuses a client without one).
+    const std::string ca = dir_ + "/fleet-ca/";
+    const std::string health = "curl -sS --max-time 2 --cacert " + ca + "fleet-ca.pem --cert " + ca + "m1.pem --key " + ca +
+                               "m1.key https://" + ip(i) + ":" + std::to_string(etcd_client_) + "/health";
     ASSERT_TRUE(eventually([&] { return run(health).out.find("\"true\"") != std::string::npos; }, 30s))
         << read_file(root(i) + "/etcd.log");
   }
