@@ -41,6 +41,9 @@ using testing::TestLoop;
 // FAKE_QEMU_ACK_DELAY_MS (read at spawn): how long the guest port 1021 (the identity listener) takes before it
 // acknowledges a line that carries SSH files ("ok"); each line is appended to <sandbox dir>/identity-lines
 // and each acknowledgement, as it is sent, to <sandbox dir>/identity-acks.
+// FAKE_QEMU_ANSWERS (read at spawn): when set, the console says "SANDGATE-GUEST-IDENTITY answers" and every
+// identity line is answered "ok" (after FAKE_QEMU_ACK_DELAY_MS, recorded in identity-acks), as the guest's
+// init does since it sets the clock first; unset, only lines with SSH files are (an older image).
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
 // Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
@@ -87,7 +90,7 @@ def identity(c):  # the guest's identity handler: records the line, acknowledges
     with open(os.path.join(d, "identity-lines"), "ab") as f:
         f.write(line)
     fields = line.split()
-    if len(fields) == 8 and fields[4] != b"-":
+    if "FAKE_QEMU_ANSWERS" in os.environ or (len(fields) == 8 and fields[4] != b"-"):
         time.sleep(int(os.environ.get("FAKE_QEMU_ACK_DELAY_MS", "0")) / 1000)
         with open(os.path.join(d, "identity-acks"), "a") as f:
             f.write("ok\n")
@@ -133,6 +136,8 @@ if mode == "stall":
 if not incoming:
     with open(console, "a") as f:
         f.write("[    1.0] booting\n")
+        if "FAKE_QEMU_ANSWERS" in os.environ:
+            f.write("SANDGATE-GUEST-IDENTITY answers\n")
         if "FAKE_QEMU_AGENT" in os.environ:
             f.write("SANDGATE-GUEST-AGENT %s\n" % os.environ["FAKE_QEMU_AGENT"])
         f.write("SANDGATE-GUEST-READY\n")
@@ -295,6 +300,7 @@ class QemuDriverTest : public ::testing::Test {
     ::unsetenv("FAKE_QEMU_AGENT");
     ::unsetenv("FAKE_QEMU_QMP_DELAY_MS");
     ::unsetenv("FAKE_QEMU_ACK_DELAY_MS");
+    ::unsetenv("FAKE_QEMU_ANSWERS");
     ::unsetenv("FAKE_BUILDER_MODE");
   }
   static void mode(const char* m) { ::setenv("FAKE_QEMU_MODE", m, 1); }
@@ -953,6 +959,40 @@ TEST_F(QemuDriverTest, AWakeWaitsForTheGuestToAcknowledgeKeysItDidNotHave) {
   EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().resume(spec_, *info, std::move(d)); }).ok());
   EXPECT_EQ(acks(), 3u) << "the wake let connections through before the guest had the new key";
   EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *info, std::move(d)); }).ok());
+}
+
+// A guest that answers its identity lines (it sets its clock first): every start, resume and restore waits
+// for the answer, so the first request after a wake sees the right time; a sandbox started from a memory
+// snapshot of it waits too (the snapshot says its guest answers).
+TEST_F(QemuDriverTest, EveryWakeWaitsForAGuestThatAnswersToSayItsClockIsSet) {
+  ::setenv("FAKE_QEMU_ANSWERS", "1", 1);
+  ::setenv("FAKE_QEMU_ACK_DELAY_MS", "300", 1);
+  auto acks = [&](const std::string& dir) { return lines_of(dir + "/identity-acks").size(); };
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  EXPECT_EQ(info->driver_data["identity_answers"], "1");
+  EXPECT_EQ(acks(sandbox_dir_), 1u) << "the start did not wait for the answer";
+  ASSERT_TRUE(pause(*info).ok());
+  ASSERT_TRUE(wait_status([&](Driver::Done d) { driver().resume(spec_, *info, std::move(d)); }).ok());
+  EXPECT_EQ(acks(sandbox_dir_), 2u) << "the resume let requests through before the guest's clock was set";
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_EQ(acks(sandbox_dir_), 3u) << "the restore did not wait for the answer";
+
+  const std::string snap = dir_.path() + "/snap";
+  auto checkpoint = checkpoint_memory(*restored, snap);
+  ASSERT_TRUE(checkpoint.has_value() && checkpoint->ok());
+  EXPECT_TRUE(std::filesystem::exists(snap + "/identity_answers"));
+  auto [other_spec, other_dir] = other_sandbox();
+  other_spec.memory_snapshot_dir = snap;
+  auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
+  ASSERT_TRUE(other.ok()) << other.message();
+  EXPECT_EQ(other->driver_data["identity_answers"], "1");
+  EXPECT_EQ(acks(other_dir), 1u) << "the start from the snapshot did not wait for the answer";
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(other_spec, *other, std::move(d)); }).ok());
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
 }
 
 TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
