@@ -129,13 +129,14 @@ class Driver {
   virtual Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo&) {
     return fail(Error::kUnsupported, "the " + spec.driver + " driver cannot take filesystem checkpoints yet");
   }
-  // Memory checkpoints (capabilities().memory_checkpoint): saves the running instance's devices, RAM and disk
-  // into `dir` (empty, made by the caller), standing it still only meanwhile; it runs again afterwards,
-  // whatever the outcome. Serialised with the other operations like them (the node holds suspends back).
+  // Memory checkpoints (capabilities().memory_checkpoint): saves the instance's devices, RAM and disk into
+  // `dir` (empty, made by the caller). A running instance (`paused` false) stands still only meanwhile and
+  // runs again afterwards, whatever the outcome; a paused one (the memory tier) is saved as it stands and
+  // stays paused. Serialised with the other operations like them (the node holds suspends and wakes back).
   // start() with spec.memory_snapshot_dir set starts an instance from such a directory instead of booting:
   // its processes continue where they were, under the new spec's identity.
   virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/,
-                                 std::function<void(Result<MemoryCheckpoint>)> done) {
+                                 bool /*paused*/, std::function<void(Result<MemoryCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
   }
   // A port exposed after start (not in `spec.exposed_ports` yet): makes open_socket() reach it in the live

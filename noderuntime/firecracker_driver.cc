@@ -145,11 +145,11 @@ class FirecrackerDriver final : public VmmDriver {
   std::string_view name() const override { return "firecracker"; }
 
   // Paused only for Firecracker's own full snapshot: the device state (`vmstate`) and the guest memory
-  // (`memory`) into `dir`, then resumed, whatever the outcome.
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+  // (`memory`) into `dir`, then resumed, whatever the outcome (a VM suspended in memory stays paused).
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, bool paused,
                          std::function<void(Result<MemoryCheckpoint>)> done) override {
     checkpoint_paused(
-        spec, info, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
+        spec, info, paused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
         [this, dir](Op* o, StepDone d) {
           api(o)->create_snapshot({.snapshot_path = dir + "/" + kSnapshotFile,
                                    .mem_file_path = dir + "/" + kMemoryFile,

@@ -531,9 +531,11 @@ void VmmDriver::end(Op* op, Status status) {
   cleanup(op, [complete, status = std::move(status)](Status) { complete(status); });
 }
 
-void VmmDriver::checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, Step pause, Step save,
-                                  Step resume, std::function<MemoryCheckpoint()> sizes,
+void VmmDriver::checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, bool paused, Step pause,
+                                  Step save, Step resume, std::function<MemoryCheckpoint()> sizes,
                                   std::function<void(Result<MemoryCheckpoint>)> done) {
+  // A VM suspended in memory is saved as it stands, and stays paused: no pause of ours, nothing to resume.
+  if (paused) pause = resume = [](Op*, StepDone d) { d({}); };
   auto paused_at = std::make_shared<std::chrono::steady_clock::time_point>();
   auto pause_ms = std::make_shared<double>(0);
   std::vector<Step> steps;
@@ -542,9 +544,10 @@ void VmmDriver::checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& in
     pause(o, std::move(d));
   });
   steps.push_back(std::move(save));
-  steps.push_back([paused_at, pause_ms, resume](Op* o, StepDone d) {
-    resume(o, [paused_at, pause_ms, d](Status s) {
-      *pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *paused_at).count();
+  steps.push_back([paused_at, pause_ms, resume, paused](Op* o, StepDone d) {
+    resume(o, [paused_at, pause_ms, paused, d](Status s) {
+      if (!paused)
+        *pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *paused_at).count();
       d(std::move(s));
     });
   });

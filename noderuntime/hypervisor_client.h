@@ -196,9 +196,11 @@ class VmmDriver : public Driver {
 
   // A memory checkpoint through the VMM's API: `pause`, `save`, `resume`, and `resume` again (unchecked) when
   // anything failed, so the guest runs on whatever the outcome. pause_ms is from the pause to the resume's
-  // answer; `sizes` gives the byte counts of what `save` wrote.
-  void checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, Step pause, Step save, Step resume,
-                         std::function<MemoryCheckpoint()> sizes, std::function<void(Result<MemoryCheckpoint>)> done);
+  // answer; `sizes` gives the byte counts of what `save` wrote. `paused`: the VM is suspended in memory
+  // already, so it is only saved, and stays paused.
+  void checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, bool paused, Step pause, Step save,
+                         Step resume, std::function<MemoryCheckpoint()> sizes,
+                         std::function<void(Result<MemoryCheckpoint>)> done);
   // Step: spawns the VMM with `args` (the API socket in op->info.driver_data[kApiSocket] is removed first).
   Step spawn_step(std::vector<std::string> args);
   // Step: SIGKILL to op->process and wait (bounded by exit_wait_ms) until it is gone.

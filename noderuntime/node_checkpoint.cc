@@ -44,15 +44,13 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
   if (type != "filesystem" && type != "memory")
     return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
   if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
-  // A filesystem checkpoint of a sandbox suspended in memory reads its frozen upper dir as it is; it
-  // stays suspended. Memory checkpoints and the disk tier need it running.
+  // A sandbox suspended in memory is checkpointed as it stands (its frozen upper dir, or its stopped VM) and
+  // stays suspended; a wake asked for meanwhile follows the checkpoint. The disk tier needs it running.
   const bool suspended_in_memory = sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kMemory;
-  if (sb.rec.state != S::kRunning && !(suspended_in_memory && type == "filesystem"))
+  if (sb.rec.state != S::kRunning && !suspended_in_memory)
     return done(fail(Error::kConflict,
                      "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
-                         (sb.rec.state == S::kSuspended ? (type == "memory" ? " (memory checkpoints need it running"
-                                                                            : " (in the disk tier") +
-                                                              std::string("; resume it first: sandgate resume ") +
+                         (sb.rec.state == S::kSuspended ? " (in the disk tier; resume it first: sandgate resume " +
                                                               std::string(ref) + ")"
                                                         : "; only a running or suspended sandbox can be checkpointed")));
   if (sb.checkpointing) return done(fail(Error::kConflict, "a checkpoint of sandbox " + sb.id() + " is in progress"));
@@ -97,9 +95,10 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
   auto dir = snapshots_->begin_memory(record.id);
   if (!dir) return done(dir.failure());
   sb.checkpointing = true;
-  spdlog::info("sandbox {}: checkpoint (memory) {} started", sb.id(), record.id);
+  const bool paused = sb.rec.state == S::kSuspended;  // the memory tier (checkpoint() refused the disk tier)
+  spdlog::info("sandbox {}: checkpoint (memory) {} started{}", sb.id(), record.id, paused ? " (suspended)" : "");
   driver(sb).checkpoint_memory(
-      sb.rec.spec, sb.rec.runtime, *dir,
+      sb.rec.spec, sb.rec.runtime, *dir, paused,
       [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
        done = std::move(done)](Result<MemoryCheckpoint> saved) mutable {
         if (alive.expired()) return;

@@ -231,7 +231,7 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::string_view name() const override { return "qemu"; }
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, bool paused,
                          std::function<void(Result<MemoryCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   // Not awaited: a running guest applies the line within moments (the node's API does not wait for every
@@ -617,7 +617,7 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
 }
 
 void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                                   std::function<void(Result<MemoryCheckpoint>)> done) {
+                                   bool paused, std::function<void(Result<MemoryCheckpoint>)> done) {
   auto op = new_op(spec, "checkpointing", info);
   auto result = std::make_shared<MemoryCheckpoint>();
   auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
@@ -625,13 +625,16 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   auto ram = std::make_shared<std::string>();  // the guest's RAM memfd, if it has one
   std::vector<Step> steps;
   steps.push_back(connect_step(false));
-  steps.push_back([this, stopped_at](Op* op, StepDone d) {
-    *stopped_at = std::chrono::steady_clock::now();
-    command_step("stop")(op, [d](Status s) {
-      if (s) failpoint("memory-checkpoint:stopped");  // a node dying here leaves the guest stopped
-      d(std::move(s));
+  // A guest suspended in memory is stopped already: saved as it stands, and left stopped (pause_ms 0).
+  if (!paused) {
+    steps.push_back([this, stopped_at](Op* op, StepDone d) {
+      *stopped_at = std::chrono::steady_clock::now();
+      command_step("stop")(op, [d](Status s) {
+        if (s) failpoint("memory-checkpoint:stopped");  // a node dying here leaves the guest stopped
+        d(std::move(s));
+      });
     });
-  });
+  }
   // Stopped first, so the migration is one pass over a still guest (a live one would chase its writes).
   // With the RAM in a memfd the state is the devices' alone (KiB), and the RAM is copied from the memfd
   // while the guest still stands; otherwise every RAM page goes into the state.
@@ -654,17 +657,20 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
       disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
     });
   }
-  steps.push_back([this, stopped_at, result](Op* op, StepDone d) {
-    command_step("cont")(op, [stopped_at, result, d](Status s) {
-      result->pause_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
-      d(std::move(s));
+  if (!paused) {
+    steps.push_back([this, stopped_at, result](Op* op, StepDone d) {
+      command_step("cont")(op, [stopped_at, result, d](Status s) {
+        result->pause_ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
+        d(std::move(s));
+      });
     });
-  });
-  // Whatever failed, the guest runs again (a migration still going is cancelled first).
-  Step on_failure = [this](Op* op, StepDone d) {
+  }
+  // Whatever failed, the guest runs again (a migration still going is cancelled first), or stays stopped.
+  Step on_failure = [this, paused](Op* op, StepDone d) {
     if (!state(op).qmp) return d({});
-    settle_migration(op, [this, op, d](Status) {
+    settle_migration(op, [this, op, d, paused](Status) {
+      if (paused) return d({});
       state(op).qmp->execute("cont", nullptr, [d](Result<nlohmann::json>) { d({}); });
     }, false);
   };

@@ -801,6 +801,21 @@ TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentit
     EXPECT_NE(maps.find(fork_ram), std::string::npos) << id << " does not map " << fork_ram;
   }
 
+  // A sandbox suspended in memory is checkpointed as it stands (its stopped VM) and stays suspended; a
+  // create from that checkpoint continues it, and the source wakes as usual.
+  ASSERT_EQ(c.cli("suspend q").exit_code, 0);
+  ASSERT_TRUE(eventually([&] { return c.get("q")["state"] == "suspended"; }, std::chrono::seconds(30)));
+  auto asleep = c.cli("checkpoint q --type memory --json", 180);
+  ASSERT_EQ(asleep.exit_code, 0) << asleep.out << asleep.err << c.node().log();
+  const std::string asleep_snap = nlohmann::json::parse(asleep.out, nullptr, false).value("snapshot_id", "");
+  EXPECT_EQ(nlohmann::json::parse(asleep.out, nullptr, false).value("pause_ms", -1.0), 0.0) << asleep.out;
+  EXPECT_EQ(c.get("q")["state"], "suspended") << "the checkpoint woke the sandbox";
+  ASSERT_EQ(c.cli("create --name s --from " + asleep_snap, 180).exit_code, 0) << c.node().log();
+  Answer from_asleep = counter(c, "s");
+  EXPECT_EQ(from_asleep.count, 5) << "the sandbox from the suspended guest's checkpoint did not continue it";
+  EXPECT_LE(std::labs(from_asleep.guest_time - static_cast<long>(std::time(nullptr))), 3) << "clock not set";
+  EXPECT_EQ(counter(c, "q").count, 5) << "the source did not wake with its memory";
+
   // A snapshot in use stays; the records outlive a node restart, and so do the sandboxes made from them.
   auto in_use = c.cli("snapshot rm " + snap);
   EXPECT_NE(in_use.exit_code, 0);
@@ -812,8 +827,8 @@ TEST_F(Qemu, MemoryCheckpointContinuesTheGuestAndForksDivergeWithTheirOwnIdentit
   EXPECT_NE(listed.out.find(fork_snap), std::string::npos) << listed.out;
   EXPECT_EQ(counter(c, "r").count, 4) << c.node().log();
 
-  for (const char* name : {"r", "f-1", "f-2", "q"}) EXPECT_EQ(c.cli(std::string("rm ") + name).exit_code, 0) << name;
-  for (const std::string& id : {snap, fork_snap}) {
+  for (const char* name : {"r", "f-1", "f-2", "s", "q"}) EXPECT_EQ(c.cli(std::string("rm ") + name).exit_code, 0) << name;
+  for (const std::string& id : {snap, fork_snap, asleep_snap}) {
     auto removed = c.cli("snapshot rm " + id);
     EXPECT_EQ(removed.exit_code, 0) << removed.out << removed.err;
   }

@@ -192,8 +192,9 @@ void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const
 
 // What the node gives a driver for a create from memory snapshot `snap` of `source`: its shape, a new id.
 SandboxSpec from_memory_snapshot(const SandboxSpec& source, const std::string& snap);
-// driver.checkpoint_memory into `dir`, the loop run until it answers (8 s at most).
+// driver.checkpoint_memory into `dir` (of a VM suspended in memory: `paused`), the loop run until it answers
+// (8 s at most).
 Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
-                                           const RuntimeInfo& info, const std::string& dir);
+                                           const RuntimeInfo& info, const std::string& dir, bool paused = false);
 
 }  // namespace sg::testing

@@ -441,6 +441,24 @@ TEST_F(FirecrackerDriverTest, AMemoryCheckpointResumesTheVmAndAStartFromItLoadsI
   ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
 }
 
+// A VM suspended in memory is snapshotted as it stands: no pause and no resume of the driver's own.
+TEST_F(FirecrackerDriverTest, AMemoryCheckpointOfAPausedVmNeitherPausesNorResumesIt) {
+  auto d = driver();
+  auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(wait_status([&](auto done) { d->pause(spec_sb_, *info, done); }).ok());
+  const size_t before = fake_->requests().size();
+  const std::string snap = dir_.path() + "/snap.d";
+  std::filesystem::create_directories(snap);
+  auto saved = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap, true);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  EXPECT_EQ(saved->pause_ms, 0);
+  std::vector<std::string> seq = sequence();
+  seq.erase(seq.begin(), seq.begin() + static_cast<std::ptrdiff_t>(before));
+  EXPECT_EQ(seq, (std::vector<std::string>{"PUT /snapshot/create"}));
+  ASSERT_TRUE(wait_status([&](auto done) { d->terminate(spec_sb_, *info, done); }).ok());
+}
+
 TEST_F(FirecrackerDriverTest, BootFailureLeavesNothingRunning) {
   fake_->inject("PUT /actions", FakeHypervisor::Fault::kErrorStatus, 400, "Invalid kernel image");
   auto d = driver();

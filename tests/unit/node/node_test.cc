@@ -1555,13 +1555,48 @@ TEST_F(NodeCheckpointTest, RefusalsNameTheReason) {
   ASSERT_TRUE(missing->has_value());
   EXPECT_EQ((*missing)->error(), Error::kNotFound);
   EXPECT_EQ(driver_->freezer->freezes, 0);
+}
+
+// A sandbox suspended in memory gets a memory checkpoint as it stands (the driver is told it is paused) and
+// stays suspended; a request meanwhile wakes it once the checkpoint is done. The disk tier is refused.
+TEST_F(NodeCheckpointTest, ASuspendedSandboxsMemoryCheckpointLeavesItSuspendedAndAWakeWaitsForIt) {
   driver_->can_checkpoint_memory = true;
-  suspend_and_wait("box");
-  auto suspended = checkpoint("box", "memory");
-  ASSERT_TRUE(suspended->has_value());
-  EXPECT_EQ((*suspended)->error(), Error::kConflict);
-  EXPECT_NE((*suspended)->message().find("memory checkpoints need it running; resume it first"), std::string::npos)
-      << (*suspended)->message();
+  CreateRequest r = request("vm", false, 600);
+  r.hibernate_after_secs = 600;
+  ASSERT_TRUE(create_request(r));
+  suspend_and_wait("vm");
+  driver_->op_delay_ms = 200;
+  auto result = checkpoint("vm", "memory");
+  auto o = open("vm");
+  run_for(&loop_, 100);
+  EXPECT_EQ(state("vm"), S::kSuspended) << "no wake while the checkpoint saves it";
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_TRUE(**result) << (*result)->message();
+  EXPECT_TRUE(driver_->last_memory_checkpoint_paused);
+  EXPECT_EQ((**result)->snapshot.type, "memory");
+  ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
+  ASSERT_TRUE(o->result->ok()) << o->result->message();
+  EXPECT_EQ(state("vm"), S::kRunning);
+  EXPECT_EQ(driver_->resumes, 1);
+
+  // Without a wake it stays suspended; a running one is checkpointed unpaused.
+  suspend_and_wait("vm");
+  auto quiet = checkpoint("vm", "memory");
+  ASSERT_TRUE(run_until(&loop_, [&] { return quiet->has_value(); }));
+  ASSERT_TRUE(**quiet) << (*quiet)->message();
+  run_for(&loop_, 100);
+  EXPECT_EQ(state("vm"), S::kSuspended);
+  EXPECT_EQ(driver_->resumes, 1);
+
+  // The disk tier: refused, with the way out.
+  CreateRequest tiered = request("tiered", false, 1);
+  tiered.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(tiered));
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 5000));
+  auto disk = checkpoint("tiered", "memory");
+  ASSERT_TRUE(disk->has_value());
+  EXPECT_EQ((*disk)->error(), Error::kConflict);
+  EXPECT_NE((*disk)->message().find("in the disk tier; resume it first"), std::string::npos) << (*disk)->message();
 }
 
 // A suspended sandbox's filesystem checkpoint reads its frozen upper dir and leaves it frozen; a wake asked for

@@ -334,10 +334,12 @@ class QemuDriverTest : public ::testing::Test {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec_, info, std::move(d)); });
   }
   // A memory checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
-  std::optional<Result<MemoryCheckpoint>> checkpoint_memory(const RuntimeInfo& info, const std::string& dir) {
+  std::optional<Result<MemoryCheckpoint>> checkpoint_memory(const RuntimeInfo& info, const std::string& dir,
+                                                            bool paused = false) {
     std::filesystem::create_directories(dir);
     std::optional<Result<MemoryCheckpoint>> saved;
-    driver().checkpoint_memory(spec_, info, dir, [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
+    driver().checkpoint_memory(spec_, info, dir, paused,
+                               [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
     EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
     return saved;
   }
@@ -550,6 +552,46 @@ TEST_F(QemuDriverTest, AFailedMemoryCheckpointSetsTheGuestRunningAgain) {
   auto seen = driver().observe(spec_, *info);
   EXPECT_TRUE(seen.alive);
   EXPECT_FALSE(seen.paused);
+}
+
+// A guest suspended in memory (stopped) is saved as it stands and stays stopped, after a failure too; a
+// sandbox started from that checkpoint runs.
+TEST_F(QemuDriverTest, AMemoryCheckpointOfAPausedGuestLeavesItPaused) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(pause(*info).ok());
+  const std::string snap = dir_.path() + "/snap";
+  auto saved = checkpoint_memory(*info, snap, true);
+  ASSERT_TRUE(saved.has_value());
+  ASSERT_TRUE(*saved) << saved->message();
+  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-DEVICES");
+  EXPECT_EQ((*saved)->pause_ms, 0) << "the guest stood still already";
+  auto seen = driver().observe(spec_, *info);
+  EXPECT_TRUE(seen.alive);
+  EXPECT_TRUE(seen.paused) << "a suspended guest must stay stopped after its checkpoint";
+  auto [other_spec, other_dir] = other_sandbox();
+  other_spec.memory_snapshot_dir = snap;
+  auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
+  ASSERT_TRUE(other.ok()) << other.message();
+  EXPECT_FALSE(driver().observe(other_spec, *other).paused);
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(other_spec, *other, std::move(d)); }).ok());
+  EXPECT_TRUE(driver().observe(spec_, *info).paused);
+  // The same guest resumes as usual afterwards.
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().resume(spec_, *info, std::move(d)); }).ok());
+  EXPECT_FALSE(driver().observe(spec_, *info).paused);
+}
+
+TEST_F(QemuDriverTest, AFailedMemoryCheckpointOfAPausedGuestLeavesItPaused) {
+  mode("migrate-fail");
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  ASSERT_TRUE(pause(*info).ok());
+  auto saved = checkpoint_memory(*info, dir_.path() + "/snap", true);
+  ASSERT_TRUE(saved.has_value());
+  ASSERT_FALSE(*saved);
+  auto seen = driver().observe(spec_, *info);
+  EXPECT_TRUE(seen.alive);
+  EXPECT_TRUE(seen.paused);
 }
 
 // A node killed inside a restore, just after it spawned QEMU, and restarted at once: the stray QEMU holds the
