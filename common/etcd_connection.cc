@@ -4,6 +4,8 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -38,9 +40,45 @@ Result<Member> parse_member(std::string_view text) {
 
 namespace {
 
+// OpenSSL writes to the socket with write(2), not send(MSG_NOSIGNAL): a member that reset the connection
+// would raise SIGPIPE, which kills a process that does not ignore it. Blocked in this thread around each
+// TLS call, and one raised meanwhile is taken off again.
+class NoSigpipe {
+ public:
+  NoSigpipe() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+    blocked_ = pthread_sigmask(SIG_BLOCK, &pipe_, &old_) == 0;
+  }
+  ~NoSigpipe() {
+    if (!blocked_) return;
+    const int saved = errno;
+    sigset_t pending;
+    sigpending(&pending);
+    if (!was_pending_ && sigismember(&pending, SIGPIPE) == 1) {
+      const timespec now{0, 0};
+      sigtimedwait(&pipe_, nullptr, &now);
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    errno = saved;
+  }
+  NoSigpipe(const NoSigpipe&) = delete;
+  NoSigpipe& operator=(const NoSigpipe&) = delete;
+
+ private:
+  sigset_t pipe_{}, old_{};
+  bool was_pending_ = false, blocked_ = false;
+};
+
 // OpenSSL's errors for a failed TLS read, write or handshake; when the member refused our certificate (or
 // its absence), with what to set.
 Failure tls_failure(const std::string& where) {
+  // A system call's failure leaves OpenSSL's queue empty: errno says what happened.
+  if (ERR_peek_error() == 0)
+    return fail(Error::kUnavailable, where + (errno != 0 ? std::strerror(errno) : "the connection ended"));
   const int reason = ERR_GET_REASON(ERR_peek_last_error());
   const bool certificate_refused = reason == SSL_R_SSLV3_ALERT_BAD_CERTIFICATE ||
                                    reason == SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED ||
@@ -111,8 +149,7 @@ SSL_SESSION* TlsSetup::session(size_t i) const {
 }
 
 // OpenSSL hands each session (a TLS 1.3 ticket arrives after the handshake) to this callback. A copy is
-// kept: OpenSSL marks the original unusable when its connection is freed without a close_notify, which is
-// how a connection per request ends.
+// kept, so the session other threads resume is never the object a live connection still updates.
 int TlsSetup::on_new_session(SSL* ssl, SSL_SESSION* session) {
   auto* setup = static_cast<TlsSetup*>(SSL_CTX_get_ex_data(SSL_get_SSL_CTX(ssl), context_slot()));
   auto* index = static_cast<size_t*>(SSL_get_ex_data(ssl, connection_slot()));
@@ -180,6 +217,7 @@ Result<MemberConnection> MemberConnection::open(const Member& member, size_t ind
   for (;;) {
     ERR_clear_error();
     errno = 0;
+    const NoSigpipe no_sigpipe;
     int ret = SSL_connect(ssl.get());
     if (ret == 1) break;
     if (long v = SSL_get_verify_result(ssl.get()); v != X509_V_OK) {
@@ -193,11 +231,7 @@ Result<MemberConnection> MemberConnection::open(const Member& member, size_t ind
     }
     int err = SSL_get_error(ssl.get(), ret);
     short events = err == SSL_ERROR_WANT_READ ? POLLIN : err == SSL_ERROR_WANT_WRITE ? POLLOUT : 0;
-    if (events == 0) {
-      if (ERR_peek_error() != 0) return tls_failure(where + ": TLS handshake failed: ");
-      return fail(Error::kUnavailable, where + ": TLS handshake failed: " +
-                                           (errno != 0 ? std::string(std::strerror(errno)) : "the member closed the connection"));
-    }
+    if (events == 0) return tls_failure(where + ": TLS handshake failed: ");
     if (Status s = wait_fd(fd->get(), events, deadline, "in the TLS handshake with " + where); !s) return s.failure();
   }
   tls->count_handshake(SSL_session_reused(ssl.get()) == 1);
@@ -220,6 +254,7 @@ Result<MemberConnection::ReadNow> MemberConnection::read_now(char* buf, size_t c
   }
   ERR_clear_error();
   errno = 0;
+  const NoSigpipe no_sigpipe;  // a read may write too (a key update's answer, an alert)
   size_t got = 0;
   int ret = SSL_read_ex(ssl_.get(), buf, cap, &got);
   if (ret == 1) {
@@ -268,6 +303,7 @@ Status MemberConnection::write_all(std::string_view data, Clock::time_point dead
     } else {
       ERR_clear_error();
       errno = 0;
+      const NoSigpipe no_sigpipe;
       size_t sent = 0;
       int ret = SSL_write_ex(ssl_.get(), data.data(), data.size(), &sent);
       if (ret == 1) {

@@ -99,8 +99,13 @@ class MemberConnection {
   Result<ReadNow> read_now(char* buf, size_t cap);
 
  private:
+  // A connection per call ends without close_notify: marked as shut down, so OpenSSL does not mark its
+  // session (which may be the one other threads are resuming) unusable.
   struct SslFree {
-    void operator()(SSL* s) const { SSL_free(s); }
+    void operator()(SSL* s) const {
+      SSL_set_shutdown(s, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);
+      SSL_free(s);
+    }
   };
   MemberConnection(UniqueFd fd, std::unique_ptr<SSL, SslFree> ssl, std::unique_ptr<size_t> member_index)
       : fd_(std::move(fd)), member_index_(std::move(member_index)), ssl_(std::move(ssl)) {}

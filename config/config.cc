@@ -319,9 +319,14 @@ void read_fleet(const toml::table& t, std::string_view source, const std::string
             "etcd_cert and etcd_key go together");
   } else if (any_https) {
     // As nginx -t does with its certificates: files that do not load are a configuration error, not a
-    // fleet that cannot reach etcd later.
-    if (auto setup = etcd::TlsSetup::create(tls, 1); !setup)
-      r.error(at(out->etcd_cert.empty() ? "etcd_cacert" : "etcd_cert"), "fleet.etcd_cacert", setup.message());
+    // fleet that cannot reach etcd later. The CA alone first, so the error names the key that is wrong.
+    etcd::TlsFiles ca_only{out->etcd_cacert, "", "", ""};
+    if (auto setup = etcd::TlsSetup::create(ca_only, 1); !setup) {
+      r.error(at("etcd_cacert"), "fleet.etcd_cacert", setup.message());
+    } else if (auto full = etcd::TlsSetup::create(tls, 1); !full) {
+      const bool key = full.message().find(" key ") != std::string::npos;
+      r.error(at(key ? "etcd_key" : "etcd_cert"), key ? "fleet.etcd_key" : "fleet.etcd_cert", full.message());
+    }
   }
   // Other nodes send placed creates there, and the CLI talks to the node there: refused now, not then.
   if (!out->advertise_api.empty()) {

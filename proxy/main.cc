@@ -216,6 +216,7 @@ int main(int argc, char** argv) {
     printf("configuration OK\n");
     return 0;
   }
+  signal(SIGPIPE, SIG_IGN);  // before any thread starts (the fleet view's)
   if ((*cfg)->fleet.enabled) {
     const sg::FleetConfig& f = (*cfg)->fleet;
     proxy.fleet_view = std::make_shared<sg::fleet::EtcdDirectory>(sg::etcd::client_options(
@@ -227,7 +228,6 @@ int main(int argc, char** argv) {
     spdlog::error("{}", fleet.message());
     return 2;
   }
-  signal(SIGPIPE, SIG_IGN);
 
   proxy.shared = std::make_unique<sg::ProxyShared>(
       std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*operator_token), *fleet}));

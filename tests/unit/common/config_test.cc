@@ -1,10 +1,13 @@
 #include "config/config.h"
 
-#include "tests/unit/test_cert.h"
-
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <pwd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "tests/unit/test_cert.h"
 
 namespace sg {
 namespace {
@@ -384,6 +387,13 @@ TEST(Config, FleetEtcdTls) {
                                    "/none.pem"),
             std::string::npos)
       << missing.message();
+  // A key that does not load names etcd_key.
+  std::ofstream(dir + "/bad.key") << "not a key\n";
+  auto bad_key = load(head + "etcd_endpoints = \"https://10.0.0.5:2379\"\netcd_cert = \"" + dir +
+                      "/client.pem\"\netcd_key = \"" + dir + "/bad.key\"\n");
+  ASSERT_FALSE(bad_key);
+  EXPECT_NE(bad_key.message().find("t.toml:5: fleet.etcd_key: etcd TLS: cannot load the client key"), std::string::npos)
+      << bad_key.message();
   std::filesystem::remove_all(dir);
 }
 

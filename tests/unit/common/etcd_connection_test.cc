@@ -5,6 +5,12 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -73,16 +79,23 @@ TEST_F(EtcdTlsTest, CallsAndAWatchWorkOverTlsAndLaterConnectionsResumeTheSession
   EXPECT_EQ(seen, 5u);
   // Seven connections (the watch, five puts, the range): all but the first resumed the session.
   EXPECT_GE(c.resumed_handshakes(), 6u);
-  // cancel() still interrupts a watch blocked on a TLS stream.
+  // cancel() still interrupts a watch blocked on a TLS stream: next() returns when it comes, not before
+  // (it was blocked) and not at its own deadline.
+  std::atomic<bool> waiting{false};
   std::thread t([&] {
-    std::this_thread::sleep_for(200ms);
+    while (!waiting.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(300ms);
     (*w)->cancel();
   });
   auto start = std::chrono::steady_clock::now();
+  waiting = true;
   auto b = (*w)->next(10s);
+  const auto took = std::chrono::steady_clock::now() - start;
   t.join();
-  EXPECT_FALSE(b);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  ASSERT_FALSE(b);
+  EXPECT_NE(b.message().find("cancelled"), std::string::npos) << b.message();
+  EXPECT_GE(took, 250ms) << "next() returned before the cancel";
+  EXPECT_LT(took, 5s);
 }
 
 TEST_F(EtcdTlsTest, AMemberSignedByAnotherCaIsRefusedWithTheSettingToChange) {
@@ -105,12 +118,29 @@ TEST_F(EtcdTlsTest, TheCertificateMustNameTheMembersAddressOrTheConfiguredName) 
   auto r = wrong_name.range("/x");
   ASSERT_FALSE(r);
   EXPECT_NE(r.message().find("does not name etcd.example"), std::string::npos) << r.message();
-  // A member reached at an address its certificate does not carry (localhost's ::1 is not in it).
-  ClientOptions v6 = with({pki_ + "/ca.pem", pki_ + "/client.pem", pki_ + "/client.key", ""});
-  v6.members = {*parse_member("https://[::1]:" + std::to_string(cluster_->client_port(0)))};
-  auto r6 = Client(v6).range("/x");
-  ASSERT_FALSE(r6);  // refused whether etcd listens on ::1 or not; when it does, for the name
-  EXPECT_EQ(r6.error(), Error::kUnavailable);
+  // A member at an address its certificate does not carry: a TLS server with the member's certificate on
+  // 127.0.0.2 (openssl s_server), which the certificate does not name.
+  const uint16_t port = testing::free_port();
+  pid_t server = ::fork();
+  ASSERT_GE(server, 0);
+  if (server == 0) {
+    const std::string accept = "127.0.0.2:" + std::to_string(port), cert = pki_ + "/member.pem", key = pki_ + "/member.key";
+    int null = ::open("/dev/null", O_RDWR);
+    ::dup2(null, 0), ::dup2(null, 1), ::dup2(null, 2);
+    ::execlp("openssl", "openssl", "s_server", "-quiet", "-accept", accept.c_str(), "-cert", cert.c_str(), "-key",
+             key.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_TRUE(testing::wait_until([&] { return connect_blocking(*parse_endpoint("127.0.0.2:" + std::to_string(port)), 200).ok(); },
+                                  10s));
+  ClientOptions elsewhere = with({pki_ + "/ca.pem", pki_ + "/client.pem", pki_ + "/client.key", ""});
+  elsewhere.members = {*parse_member("https://127.0.0.2:" + std::to_string(port))};
+  auto r2 = Client(elsewhere).range("/x");
+  ::kill(server, SIGKILL);
+  ::waitpid(server, nullptr, 0);
+  ASSERT_FALSE(r2);
+  EXPECT_EQ(r2.error(), Error::kUnavailable);
+  EXPECT_NE(r2.message().find("does not name its address 127.0.0.2"), std::string::npos) << r2.message();
 }
 
 TEST_F(EtcdTlsTest, WithoutAClientCertificateEtcdRefusesAndTheMessageSaysWhatToSet) {
