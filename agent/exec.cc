@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/base64.h"
+
 extern char** environ;
 
 namespace sg::agent {
@@ -346,28 +348,6 @@ bool is_valid_utf8(std::string_view s) {
     i += len;
   }
   return true;
-}
-
-std::string base64_encode(std::string_view bytes) {
-  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  out.reserve((bytes.size() + 2) / 3 * 4);
-  size_t i = 0;
-  for (; i + 3 <= bytes.size(); i += 3) {
-    uint32_t v = (static_cast<uint8_t>(bytes[i]) << 16) | (static_cast<uint8_t>(bytes[i + 1]) << 8) |
-                 static_cast<uint8_t>(bytes[i + 2]);
-    for (int shift : {18, 12, 6, 0}) out += kAlphabet[(v >> shift) & 0x3F];
-  }
-  size_t rest = bytes.size() - i;
-  if (rest > 0) {
-    uint32_t v = static_cast<uint32_t>(static_cast<uint8_t>(bytes[i])) << 16;
-    if (rest == 2) v |= static_cast<uint32_t>(static_cast<uint8_t>(bytes[i + 1])) << 8;
-    out += kAlphabet[(v >> 18) & 0x3F];
-    out += kAlphabet[(v >> 12) & 0x3F];
-    out += rest == 2 ? kAlphabet[(v >> 6) & 0x3F] : '=';
-    out += '=';
-  }
-  return out;
 }
 
 std::string Utf8Carry::take(std::string_view chunk) {

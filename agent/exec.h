@@ -92,7 +92,6 @@ std::string output_event(bool is_stderr, std::string_view bytes);
 std::string exit_event(const ExecExit& exit);
 
 bool is_valid_utf8(std::string_view s);
-std::string base64_encode(std::string_view bytes);
 
 // A read can end inside a multi-byte UTF-8 character; holding those bytes back until the next read keeps
 // valid text from being reported as binary.

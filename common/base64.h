@@ -5,8 +5,12 @@
 #include <string>
 #include <string_view>
 
+#include "common/error.h"
+
 namespace sg {
 
 std::string base64_encode(std::string_view bytes);
+// The bytes of standard base64 with padding; kInvalidArgument for anything else (a bad length or character).
+Result<std::string> base64_decode(std::string_view text);
 
 }  // namespace sg

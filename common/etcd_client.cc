@@ -18,20 +18,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-Result<std::string> unb64(std::string_view in) {
-  if (in.size() % 4 != 0) return fail(Error::kInvalidArgument, "etcd answer: base64 of a bad length");
-  std::string out(in.size() / 4 * 3, '\0');
-  int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()), reinterpret_cast<const unsigned char*>(in.data()),
-                          static_cast<int>(in.size()));
-  if (n < 0) return fail(Error::kInvalidArgument, "etcd answer: not base64");
-  // EVP_DecodeBlock counts the padding's bytes as data.
-  size_t len = static_cast<size_t>(n);
-  if (!in.empty() && in.back() == '=') len--;
-  if (in.size() >= 2 && in[in.size() - 2] == '=') len--;
-  out.resize(len);
-  return out;
-}
-
 // The gateway writes int64 fields as JSON strings and leaves out every field that has its default value.
 Result<int64_t> int_field(const json& j, const char* name) {
   auto it = j.find(name);
@@ -51,7 +37,9 @@ Result<std::string> bytes_field(const json& j, const char* name) {
   auto it = j.find(name);
   if (it == j.end()) return std::string();
   if (!it->is_string()) return fail(Error::kInvalidArgument, std::string("etcd answer: ") + name + " is not a string");
-  return unb64(it->get_ref<const std::string&>());
+  auto bytes = base64_decode(it->get_ref<const std::string&>());
+  if (!bytes) return fail(Error::kInvalidArgument, std::string("etcd answer: ") + name + ": " + bytes.message());
+  return bytes;
 }
 
 bool bool_field(const json& j, const char* name) {

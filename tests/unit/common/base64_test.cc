@@ -18,5 +18,18 @@ TEST(Base64, EncodesTheRfcVectorsWithPaddingAndNoLineBreaks) {
   EXPECT_EQ(long_one.find('\n'), std::string::npos);
 }
 
+TEST(Base64, DecodesWhatItEncodesAndRefusesTheRest) {
+  for (std::string bytes : {std::string(), std::string("f"), std::string("fo"), std::string("foo"),
+                            std::string("\0\xff\x10", 3), std::string(1000, 'q')}) {
+    auto back = base64_decode(base64_encode(bytes));
+    ASSERT_TRUE(back) << back.message();
+    EXPECT_EQ(*back, bytes);
+  }
+  EXPECT_FALSE(base64_decode("Zg="));     // a length that is not a multiple of 4
+  EXPECT_FALSE(base64_decode("Zm9v\n"));  // a line break
+  EXPECT_FALSE(base64_decode(" Zm9"));    // whitespace, which OpenSSL would skip
+  EXPECT_FALSE(base64_decode("Zm9*"));
+}
+
 }  // namespace
 }  // namespace sg
