@@ -3,7 +3,11 @@
 //   sandgate-agent [--listen 0.0.0.0:9501] [--max-upload-bytes N] [--max-execs N] [--max-connections N]
 //                  [--max-contexts N] [--python python3]
 //                  [--ssh-listen ADDR:PORT --ssh-host-key FILE --ssh-authorized-keys FILE]
+//                  [--identity-listen ADDR:PORT [--identity-secret-file FILE] [--identity-id-file FILE]]
 //   sandgate-agent --reseed-rng HEX   (agent/identity.h)
+//
+// With --identity-listen it applies the QEMU guest's identity lines (agent/identity_listener.h); that
+// listener is bound first, and failing to bind it is fatal, so the guest's init can fall back to its script.
 //
 // With --ssh-listen it also serves SSH there (agent/ssh_server.h, docs/ssh.md), from a listener process
 // forked before the event loop exists.
@@ -20,6 +24,7 @@
 #include <string>
 
 #include "agent/identity.h"
+#include "agent/identity_listener.h"
 #include "agent/server.h"
 #include "agent/ssh_server.h"
 #include "common/net.h"
@@ -29,6 +34,7 @@ namespace {
 struct Daemon {
   uv_loop_t* loop = nullptr;
   sg::agent::AgentServer* server = nullptr;
+  sg::agent::IdentityListener* identity = nullptr;
   uv_signal_t sigint{}, sigterm{};
   pid_t ssh_listener = 0;
 
@@ -36,6 +42,7 @@ struct Daemon {
     // Open SSH sessions are processes of their own and end with the sandbox, not with the agent.
     if (ssh_listener > 0) ::kill(ssh_listener, SIGTERM);
     server->close();
+    if (identity != nullptr) identity->close();
     for (uv_signal_t* s : {&sigint, &sigterm}) uv_close(reinterpret_cast<uv_handle_t*>(s), nullptr);
   }
 };
@@ -60,6 +67,13 @@ int main(int argc, char** argv) {
   app.add_option("--ssh-listen", ssh_listen, "address:port of the SSH server (none without it)");
   app.add_option("--ssh-host-key", ssh.host_key_file, "the SSH host key (OpenSSH private key file)");
   app.add_option("--ssh-authorized-keys", ssh.authorized_keys_file, "public keys SSH accepts, re-read per connection");
+  std::string identity_listen;
+  sg::agent::IdentityPaths identity_paths;
+  identity_paths.id_file = sg::agent::kIdentityFile;
+  app.add_option("--identity-listen", identity_listen, "address:port for the node's identity lines (QEMU guests)");
+  app.add_option("--identity-secret-file", identity_paths.secret_file, "the secret a line must carry")
+      ->capture_default_str();
+  app.add_option("--identity-id-file", identity_paths.id_file, "where the sandbox id goes")->capture_default_str();
   std::string reseed;
   app.add_option("--reseed-rng", reseed,
                  "reseed the kernel's RNG with these hex bytes and exit (the guest's init, after a restore)");
@@ -102,6 +116,22 @@ int main(int argc, char** argv) {
     else std::fprintf(stderr, "sandgate-agent: no SSH server: %s\n", pid.message().c_str());
   }
   d.loop = uv_default_loop();
+  sg::agent::IdentitySystem identity_system;
+  if (!ssh_listen.empty()) {
+    identity_paths.ssh_host_key = ssh.host_key_file;
+    identity_paths.ssh_authorized_keys = ssh.authorized_keys_file;
+  }
+  sg::agent::IdentityListener identity(d.loop, identity_paths, &identity_system);
+  if (!identity_listen.empty()) {
+    auto identity_ep = sg::parse_endpoint(identity_listen);
+    sg::Status bound = identity_ep ? identity.listen(*identity_ep) : sg::Status(identity_ep.failure());
+    if (!bound) {
+      std::fprintf(stderr, "sandgate-agent: --identity-listen: %s\n", bound.message().c_str());
+      if (d.ssh_listener > 0) ::kill(d.ssh_listener, SIGTERM);
+      return 1;
+    }
+    d.identity = &identity;
+  }
   sg::agent::AgentServer server(d.loop, limits);
   d.server = &server;
   if (auto s = server.listen(*ep); !s) {

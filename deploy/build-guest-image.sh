@@ -29,10 +29,10 @@
 #     copied with, from a tmpfs at /run/sandgate, so the image needs none of them; the command with the
 #     image's /bin/sh, or busybox's when it has none). Without it the initramfs is the root filesystem.
 #   - eth0 is QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3.
-#   - each identity line is answered once its clock (and SSH files) are applied: "ok", or "clock" when the
-#     SSH files could not be written; "SANDGATE-GUEST-IDENTITY answers" on the serial console says this
-#     guest answers (the driver waits for the answer before a wake lets requests through; guests built
-#     before it are not waited for);
+#   - each identity line is answered once all of it is applied: "ok", or "failed <step>" naming the first
+#     step that failed; "SANDGATE-GUEST-IDENTITY answers" on the serial console says this guest answers (the
+#     driver waits for the answer before a wake lets requests through; guests built before it are not
+#     waited for). The agent applies the lines (--identity-listen); without one, /lib/sandgate/identity does;
 #   - "SANDGATE-GUEST-AGENT listening|none|failed" on the serial console, before the ready line: whether the
 #     agent listens on sg.agent (none: the image has no agent; failed: it did not listen within 10 s);
 #   - "SANDGATE-GUEST-READY" on the serial console once the network is up and the command started;
@@ -193,18 +193,16 @@ if [ -n "$ssh" ] && [ -r "$hostkey_fw" ] && mkdir -p -m 700 "$ssh_dir" && cp "$h
    chmod 600 "$ssh_dir/host_ed25519" && : >"$ssh_dir/authorized_keys"; then
   ssh_args="--ssh-listen 0.0.0.0:$ssh --ssh-host-key /run/sandgate-ssh/host_ed25519 --ssh-authorized-keys /run/sandgate-ssh/authorized_keys"
 fi
-if [ -n "$clock" ]; then
-  # The node's identity lines (/lib/sandgate/identity), one connection each: a listener that never goes
-  # away, so a line sent while another is being applied is not refused.
-  export in_root agent_bin ssh_dir ssh_args
-  nc -ll -p "$clock" -e /lib/sandgate/identity </dev/null >/dev/null 2>&1 &
-  echo "SANDGATE-GUEST-IDENTITY answers"
-fi
+# The node's identity lines (the clock, SSH files, hostname, RNG reseed, id) go to the agent, which applies
+# them in its running process (agent/identity_listener.h): a wake waits for the answer, and a script run per
+# line would add a fork and two execs to every wake. The agent binds that port before its own.
+identity_args=
+[ -n "$clock" ] && identity_args="--identity-listen 0.0.0.0:$clock"
 # The driver routes the SDK (exec, files, health) to the agent, so it must know whether one listens: a
 # connection forwarded to a guest port nobody listens on is reset by QEMU only after the request was sent.
 agent_state=none
 if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
-  $in_root $agent_bin --listen "0.0.0.0:$agent" $ssh_args >/dev/console 2>&1 &
+  $in_root $agent_bin --listen "0.0.0.0:$agent" $ssh_args $identity_args >/dev/console 2>&1 &
   # Listening sockets in /proc/net/tcp: local port in hex, state 0A (LISTEN). Bounded: ~10 s.
   hex=$(printf '%04X' "$agent")
   agent_state=failed
@@ -214,6 +212,15 @@ if [ -n "$agent" ] && [ -x /sandgate/sandgate-agent ]; then
   done
 fi
 echo "SANDGATE-GUEST-AGENT $agent_state"
+if [ -n "$clock" ]; then
+  # Without a listening agent: /lib/sandgate/identity for each line, from a listener that never goes away
+  # (a line sent while another is being applied is not refused).
+  if [ "$agent_state" != listening ]; then
+    export in_root agent_bin ssh_dir ssh_args
+    nc -ll -p "$clock" -e /lib/sandgate/identity </dev/null >/dev/null 2>&1 &
+  fi
+  echo "SANDGATE-GUEST-IDENTITY answers"
+fi
 cmdfile=/run/sandgate-command.sh
 [ -n "$in_root" ] && cmdfile=/newroot/run/sandgate-command.sh
 cat /sys/firmware/qemu_fw_cfg/by_name/opt/sandgate/command/raw >"$cmdfile" ||
@@ -233,12 +240,12 @@ cat >"$root/lib/sandgate/identity" <<'IDENTITY'
 # run at once): "<epoch seconds> <sandbox id> <hostname> <seed hex> <host key> <keys> <sequence> <secret>"
 # (noderuntime/qemu_driver.h). Anything in the guest can connect to the listener, so a line without this
 # boot's secret (the root-only fw_cfg file, read again for each line: a guest restored from a memory
-# snapshot checks its new QEMU's) or without its newline (cut short) is dropped. The clock comes first (a
-# wake's first request may be served at once), then the SSH files, under a lock and only from a line newer
-# than the last one written (each line carries all the keys); then the answer a wake waits for before it
-# lets requests through: "ok" (clock and SSH files applied) or "clock" (the files could not be written);
-# then the hostname, the RNG reseed (guests restored from one memory snapshot draw different
-# numbers) and last the id, where the agent's /health reads it.
+# snapshot checks its new QEMU's) or without its newline (cut short) is dropped. The clock comes first,
+# then the SSH files, under a lock and only from a line newer than the last one written (each line carries
+# all the keys), then the hostname, the RNG reseed (guests restored from one memory snapshot draw different
+# numbers) and the id, where the agent's /health reads it; last the answer a wake waits for before it lets
+# requests through: "ok", or "failed <step>" naming the first step that failed. (Guests whose agent listens
+# do all of this in the agent, agent/identity_listener.h: no process per line.)
 set -f
 trap '' PIPE  # a node that does not wait for the "ok" has closed the connection already
 read -r line || exit 0
@@ -247,8 +254,8 @@ secret=
 read -r secret </sys/firmware/qemu_fw_cfg/by_name/opt/sandgate/identity_secret/raw 2>/dev/null
 [ -n "$secret" ] && [ "$8" = "$secret" ] || exit 0
 case "$7" in '' | *[!0-9]*) exit 0 ;; esac
-# The clock first: the request that woke the guest may be served right after the line was sent.
-[ -n "$1" ] && date -s "@$1" >/dev/null
+failed=
+[ -n "$1" ] && date -s "@$1" >/dev/null || failed=clock
 # One field into a file, replaced whole: base64, or "-" for empty.
 put_field() {
   if [ "$1" = - ]; then : >"$2.new"; else echo "$1" | base64 -d >"$2.new"; fi && chmod 600 "$2.new" && mv "$2.new" "$2"
@@ -268,15 +275,15 @@ if [ -n "$ssh_args" ]; then
       echo "$7" >/run/sandgate-identity.seq; } || written=
   fi
   rm -rf "$lock"
-  if [ -n "$written" ]; then echo ok; else echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console; echo clock; fi
-else
-  echo ok
+  [ -n "$written" ] || { echo "SANDGATE-GUEST cannot write the SSH files" >/dev/console; failed=${failed:-ssh-files}; }
 fi
-[ -n "$2" ] || exit 0
-hostname "$3"
-[ "$4" != - ] && [ -x /sandgate/sandgate-agent ] && $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1
-echo "$2" >/run/sandgate-id
+hostname "$3" || failed=${failed:-hostname}
+if [ "$4" != - ] && [ -x /sandgate/sandgate-agent ]; then
+  $in_root $agent_bin --reseed-rng "$4" >/dev/console 2>&1 || failed=${failed:-reseed}
+fi
+echo "$2" >/run/sandgate-id || failed=${failed:-id}
 [ -n "$in_root" ] && echo "$2" >/newroot/run/sandgate-id
+if [ -n "$failed" ]; then echo "failed $failed"; else echo ok; fi
 exit 0
 IDENTITY
 chmod +x "$root/lib/sandgate/identity"

@@ -182,9 +182,10 @@ std::string tail_of(const std::string& path, size_t max) {
   return s;
 }
 
-// What the guest answered to an identity line: "ok" (clock and SSH files applied), "clock" (its SSH files
-// could not be written), or nothing within kIdentityAckMs.
-enum class IdentityAnswer { kApplied, kClockOnly, kNone };
+// What the guest answered to an identity line: "ok" (all of it applied), "failed <step>" (that step failed,
+// the others ran), an end without a word (it did not take the line: a wrong secret, a malformed line), or
+// nothing within kIdentityAckMs.
+enum class IdentityAnswer { kApplied, kFailed, kClosed, kNone };
 
 // The word after "SANDGATE-GUEST-AGENT " on the console, or "" when the guest printed no such line.
 std::string guest_agent_state(const std::string& console) {
@@ -280,7 +281,7 @@ class QemuDriver final : public VmmDriver {
     // The identity line's connection while the guest's acknowledgement is awaited (await_identity_ack).
     UniqueFd ack_fd;
     uv_poll_t* ack_poll = nullptr;
-    std::function<void(IdentityAnswer)> ack_done;
+    std::function<void(IdentityAnswer, std::string_view)> ack_done;
     ~State() {
       close_and_free(ack_poll);
       close_and_free(timer);
@@ -791,7 +792,8 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
   uv_poll_init(loop_, st.ack_poll, st.ack_fd.get());
   st.ack_poll->data = &st;
   // Whichever comes first, the answer or the deadline, settles it; the other finds ack_done gone.
-  st.ack_done = [this, op, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](IdentityAnswer answer) {
+  st.ack_done = [this, op, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](IdentityAnswer answer,
+                                                                                            std::string_view said) {
     State& s = state(op);
     uv_timer_stop(s.timer);
     close_and_free(s.ack_poll);
@@ -800,8 +802,12 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
       case IdentityAnswer::kApplied:
         if (digest) acknowledged_keys_[id] = *digest;
         break;
-      case IdentityAnswer::kClockOnly:
-        spdlog::warn("sandbox {}: the guest set its clock but could not write its SSH files", id);
+      case IdentityAnswer::kFailed:
+        spdlog::warn("sandbox {}: the guest applied its identity line only in part: {}", id, said);
+        break;
+      case IdentityAnswer::kClosed:
+        spdlog::warn("sandbox {}: the guest closed its identity connection without an answer (a wrong secret, a "
+                     "malformed line, or no listener)", id);
         break;
       case IdentityAnswer::kNone:
         spdlog::warn("sandbox {}: the guest did not answer its identity line within {} ms", id, kIdentityAckMs);
@@ -811,22 +817,25 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
   };
   uv_poll_start(st.ack_poll, UV_READABLE, [](uv_poll_t* poll, int status, int) {
     auto* s = static_cast<State*>(poll->data);
-    char answer[16];
-    ssize_t n = -1;  // a poll error (the guest refused or reset the connection) settles it unanswered
+    char answer[64];
+    ssize_t n = -1;  // a poll error: the guest refused or reset the connection
     if (status == 0) {
       n = ::recv(s->ack_fd.get(), answer, sizeof answer, 0);
       if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
     }
     auto finish = std::move(s->ack_done);
     if (!finish) return;
-    const std::string_view said(answer, n > 0 ? static_cast<size_t>(n) : 0);
+    std::string_view said(answer, n > 0 ? static_cast<size_t>(n) : 0);
+    while (!said.empty() && (said.back() == '\n' || said.back() == '\r')) said.remove_suffix(1);
+    // The end, a reset or a refused connection without a word: the guest did not take the line.
     finish(said.starts_with("ok") ? IdentityAnswer::kApplied
-           : said.starts_with("clock") ? IdentityAnswer::kClockOnly
-                                       : IdentityAnswer::kNone);
+           : n > 0                ? IdentityAnswer::kFailed
+                                  : IdentityAnswer::kClosed,
+           said);
   });
   after(op, kIdentityAckMs, [&st] {
     auto finish = std::move(st.ack_done);
-    if (finish) finish(IdentityAnswer::kNone);
+    if (finish) finish(IdentityAnswer::kNone, {});
   });
 }
 

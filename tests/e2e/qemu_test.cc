@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "noderuntime/sandbox.h"
 #include "tests/e2e/harness.h"
 #include "tests/netns.h"
 
@@ -72,6 +73,14 @@ Answer counter(Cluster& c, const std::string& name = "q") {
   std::istringstream in(Cluster::body(r));
   in >> a.count >> a.guest_time;
   return a;
+}
+
+// Each start and wake waited for the guest's answer that it applied its identity line (the clock first), not
+// for the deadline, and the guest took every line whole.
+void expect_every_identity_line_taken(Cluster& c) {
+  for (const char* warning : {"did not answer its identity line", "closed its identity connection",
+                              "applied its identity line only in part"})
+    EXPECT_EQ(c.node().log().find(warning), std::string::npos) << c.node().log();
 }
 
 // A 16 MiB tmpfs mounted on `path` (made first) for as long as it lives: a disk that fills up.
@@ -146,8 +155,7 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   EXPECT_EQ(a.count, 3) << "the counter in guest RAM did not survive the hibernation";
   EXPECT_LE(std::labs(a.guest_time - host_now), 3) << "guest clock " << a.guest_time << " vs host " << host_now
                                                    << c.node().log();
-  // Each wake waited for the guest's answer that its clock is set (not for the deadline).
-  EXPECT_EQ(c.node().log().find("did not answer its identity line"), std::string::npos) << c.node().log();
+  expect_every_identity_line_taken(c);
 
   // kill -9 of the node while the next hibernation is under way (or as close to it as polling gets).
   ASSERT_TRUE(eventually([&] { return c.get("q")["tier"] == "memory"; }, std::chrono::seconds(30)));
@@ -259,16 +267,19 @@ TEST_F(Qemu, TheAgentServesTheSdkAndSshAlsoAfterWakingFromBothTiers) {
   EXPECT_TRUE(eventually([&] { return (refused = run(bad_ssh + " vq true", 120)).exit_code == 255; },
                          std::chrono::seconds(30)));
   EXPECT_NE(refused.err.find("Permission denied (publickey)"), std::string::npos) << refused.err;
-  // Anything in the guest can reach the identity listener; a line without the boot's secret (here: the
-  // removed key as the only one, a sequence beyond every later one, another hostname) changes nothing. Given
-  // to the listener's handler directly, as the listener would, so its answer is known when it returns.
-  const std::string forged = "0 sb-forged forged - - " + run("base64 -w0 " + shell_quote(keys.bad + ".pub")).out +
-                             " 9000000000000000000 0000";
+  // Anything in the guest can reach the identity listener (the agent's); a well-formed line without the
+  // boot's secret (here: the removed key as the only one, a sequence beyond every later one, another hostname
+  // and time) changes nothing and gets no answer. nc returns once the listener closed the connection.
+  const std::string forged = "1700000000 sb-forged forged - - " +
+                             run("base64 -w0 " + shell_quote(keys.bad + ".pub")).out + " 9000000000000000000 " +
+                             std::string(64, '0');
   auto sent = run(ssh + " vq " +
-                      shell_quote("echo '" + forged + "' | ssh_args=on ssh_dir=/run/sandgate-ssh /lib/sandgate/identity; "
-                                  "hostname; cat /run/sandgate-id"),
+                      shell_quote("echo '" + forged + "' | nc -w 5 127.0.0.1 " + std::to_string(kQemuIdentityPort) +
+                                  "; echo \"answer:$?\"; hostname; cat /run/sandgate-id; date +%Y"),
                   120);
-  EXPECT_EQ(sent.out, "vq\n" + id + "\n") << sent.err;
+  EXPECT_NE(sent.out.find("vq\n" + id + "\n"), std::string::npos) << sent.out << sent.err;
+  EXPECT_EQ(sent.out.find("answer:0\nok"), std::string::npos) << "the forged line was answered: " << sent.out;
+  EXPECT_EQ(sent.out.find("2023"), std::string::npos) << "the forged line set the clock: " << sent.out;
   EXPECT_EQ(run(bad_ssh + " vq true", 120).exit_code, 255) << "a forged identity line was applied";
   expect_ssh_works(c, ssh, "after a forged identity line");
 
@@ -563,6 +574,7 @@ TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart
     return s == "suspended" || s == "running";
   }, std::chrono::seconds(60))) << c.get("vd").dump() << c.node().log();
   EXPECT_EQ(kept_value(exec_in(c, host, token, "cat /data.txt")), kept) << "after a node restart";
+  expect_every_identity_line_taken(c);  // by the agent chrooted into the image's disk
   EXPECT_EQ(c.cli("rm vd").exit_code, 0);
 }
 
