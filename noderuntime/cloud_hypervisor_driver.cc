@@ -101,10 +101,11 @@ class CloudHypervisorDriver final : public VmmDriver {
 
   // Paused only for Cloud Hypervisor's snapshot into `dir` (config.json, state.json, memory-ranges), then
   // resumed, whatever the outcome (a VM suspended in memory stays paused).
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, bool paused,
-                         std::function<void(Result<MemoryCheckpoint>)> done) override {
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override {
+    if (source == MemoryCheckpointSource::kHibernated) return done(hibernated_refusal(spec));
     checkpoint_paused(
-        spec, info, paused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
+        spec, info, source == MemoryCheckpointSource::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
         [this, dir](Op* o, StepDone d) { api(o)->snapshot(file_url(dir), std::move(d)); },
         [this](Op* o, StepDone d) { api(o)->resume(std::move(d)); },
         [dir] {

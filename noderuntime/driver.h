@@ -76,6 +76,9 @@ struct MemoryCheckpoint {
   double pause_ms = 0;  // how long the guest stood still
 };
 inline constexpr const char* kMemoryState = "state";
+// Where the instance a memory checkpoint saves stands: running (stood still only meanwhile), paused in
+// memory (saved as it stands, left paused), or hibernated to disk (its saved state copied; nothing runs).
+enum class MemoryCheckpointSource { kRunning, kPaused, kHibernated };
 inline constexpr const char* kMemoryDisk = "disk.qcow2";
 inline constexpr const char* kMemoryRam = "ram";  // the guest's RAM as a file, when saved apart from the state
 
@@ -130,13 +133,14 @@ class Driver {
     return fail(Error::kUnsupported, "the " + spec.driver + " driver cannot take filesystem checkpoints yet");
   }
   // Memory checkpoints (capabilities().memory_checkpoint): saves the instance's devices, RAM and disk into
-  // `dir` (empty, made by the caller). A running instance (`paused` false) stands still only meanwhile and
-  // runs again afterwards, whatever the outcome; a paused one (the memory tier) is saved as it stands and
-  // stays paused. Serialised with the other operations like them (the node holds suspends and wakes back).
+  // `dir` (empty, made by the caller). A running instance stands still only meanwhile and runs again
+  // afterwards, whatever the outcome; a paused one (the memory tier) is saved as it stands and stays paused;
+  // a hibernated one's saved state is copied (a driver that cannot: kConflict, resume it first). Serialised
+  // with the other operations like them (the node holds suspends and wakes back).
   // start() with spec.memory_snapshot_dir set starts an instance from such a directory instead of booting:
   // its processes continue where they were, under the new spec's identity.
   virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/,
-                                 bool /*paused*/, std::function<void(Result<MemoryCheckpoint>)> done) {
+                                 MemoryCheckpointSource, std::function<void(Result<MemoryCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
   }
   // A port exposed after start (not in `spec.exposed_ports` yet): makes open_socket() reach it in the live

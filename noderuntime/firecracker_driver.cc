@@ -146,10 +146,11 @@ class FirecrackerDriver final : public VmmDriver {
 
   // Paused only for Firecracker's own full snapshot: the device state (`vmstate`) and the guest memory
   // (`memory`) into `dir`, then resumed, whatever the outcome (a VM suspended in memory stays paused).
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, bool paused,
-                         std::function<void(Result<MemoryCheckpoint>)> done) override {
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override {
+    if (source == MemoryCheckpointSource::kHibernated) return done(hibernated_refusal(spec));
     checkpoint_paused(
-        spec, info, paused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
+        spec, info, source == MemoryCheckpointSource::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
         [this, dir](Op* o, StepDone d) {
           api(o)->create_snapshot({.snapshot_path = dir + "/" + kSnapshotFile,
                                    .mem_file_path = dir + "/" + kMemoryFile,

@@ -198,6 +198,11 @@ class VmmDriver : public Driver {
   // anything failed, so the guest runs on whatever the outcome. pause_ms is from the pause to the resume's
   // answer; `sizes` gives the byte counts of what `save` wrote. `paused`: the VM is suspended in memory
   // already, so it is only saved, and stays paused.
+  // What a memory checkpoint of a hibernated VM is for a driver that does not copy its saved state.
+  static Failure hibernated_refusal(const SandboxSpec& spec) {
+    return fail(Error::kConflict, "the " + spec.driver + " driver cannot checkpoint sandbox " + spec.id +
+                                      " while it is in the disk tier; resume it first");
+  }
   void checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, bool paused, Step pause, Step save,
                          Step resume, std::function<MemoryCheckpoint()> sizes,
                          std::function<void(Result<MemoryCheckpoint>)> done);

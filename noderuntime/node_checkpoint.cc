@@ -44,10 +44,12 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
   if (type != "filesystem" && type != "memory")
     return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
   if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
-  // A sandbox suspended in memory is checkpointed as it stands (its frozen upper dir, or its stopped VM) and
-  // stays suspended; a wake asked for meanwhile follows the checkpoint. The disk tier needs it running.
+  // A suspended sandbox is checkpointed as it stands (its frozen upper dir, its stopped VM, or a hibernated
+  // VM's saved state) and stays suspended; a wake asked for meanwhile follows the checkpoint. A filesystem
+  // checkpoint of the disk tier needs it running.
   const bool suspended_in_memory = sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kMemory;
-  if (sb.rec.state != S::kRunning && !suspended_in_memory)
+  const bool hibernated = sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kDisk;
+  if (sb.rec.state != S::kRunning && !suspended_in_memory && !(hibernated && type == "memory"))
     return done(fail(Error::kConflict,
                      "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
                          (sb.rec.state == S::kSuspended ? " (in the disk tier; resume it first: sandgate resume " +
@@ -95,10 +97,13 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
   auto dir = snapshots_->begin_memory(record.id);
   if (!dir) return done(dir.failure());
   sb.checkpointing = true;
-  const bool paused = sb.rec.state == S::kSuspended;  // the memory tier (checkpoint() refused the disk tier)
-  spdlog::info("sandbox {}: checkpoint (memory) {} started{}", sb.id(), record.id, paused ? " (suspended)" : "");
+  const MemoryCheckpointSource source = sb.rec.state != S::kSuspended     ? MemoryCheckpointSource::kRunning
+                                       : sb.rec.tier == SuspendTier::kDisk ? MemoryCheckpointSource::kHibernated
+                                                                           : MemoryCheckpointSource::kPaused;
+  spdlog::info("sandbox {}: checkpoint (memory) {} started{}", sb.id(), record.id,
+               source == MemoryCheckpointSource::kRunning ? "" : " (suspended)");
   driver(sb).checkpoint_memory(
-      sb.rec.spec, sb.rec.runtime, *dir, paused,
+      sb.rec.spec, sb.rec.runtime, *dir, source,
       [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
        done = std::move(done)](Result<MemoryCheckpoint> saved) mutable {
         if (alive.expired()) return;

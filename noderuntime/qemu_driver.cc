@@ -232,8 +232,8 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::string_view name() const override { return "qemu"; }
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, bool paused,
-                         std::function<void(Result<MemoryCheckpoint>)> done) override;
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   // Not awaited: a running guest applies the line within moments (the node's API does not wait for every
   // VM); a wake that follows waits for the keys it acknowledges (clock_step).
@@ -349,6 +349,10 @@ class QemuDriver final : public VmmDriver {
   // Loads the saved state at `path` into the QEMU just spawned with -incoming defer; `ignore_shared`: a
   // state without RAM, whose RAM the QEMU maps from the snapshot's file.
   Step incoming_step(std::string path, bool ignore_shared);
+  // A memory checkpoint of a hibernated guest: its saved state (RAM included) and disk overlay copied; no
+  // QEMU runs.
+  void checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                             std::function<void(Result<MemoryCheckpoint>)> done);
   // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
@@ -618,7 +622,9 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
 }
 
 void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                                   bool paused, std::function<void(Result<MemoryCheckpoint>)> done) {
+                                   MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) {
+  if (source == MemoryCheckpointSource::kHibernated) return checkpoint_hibernated(spec, info, dir, std::move(done));
+  const bool paused = source == MemoryCheckpointSource::kPaused;
   auto op = new_op(spec, "checkpointing", info);
   auto result = std::make_shared<MemoryCheckpoint>();
   auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
@@ -686,6 +692,35 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
           result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
         done(*result);
       });
+}
+
+void QemuDriver::checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                                       std::function<void(Result<MemoryCheckpoint>)> done) {
+  auto state = info.driver_data.find(kStateFile);
+  if (state == info.driver_data.end() || ::access(state->second.c_str(), R_OK) != 0)
+    return done(fail(Error::kNotFound, "sandbox " + spec.id + " has no saved state to checkpoint"));
+  auto op = new_op(spec, "checkpointing", info);
+  std::vector<Step> steps;
+  // The saved state holds the RAM pages (a plain migration): the checkpoint has no RAM file of its own.
+  steps.push_back([this, from = state->second, to = dir + "/" + kMemoryState](Op*, StepDone d) {
+    disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+  });
+  if (auto disk = info.driver_data.find(kDisk); disk != info.driver_data.end()) {
+    steps.push_back([this, from = disk->second, to = dir + "/" + kMemoryDisk](Op*, StepDone d) {
+      disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+    });
+  }
+  if (info.driver_data.contains(kIdentityAnswers)) {
+    steps.push_back([to = dir + "/" + kIdentityAnswers](Op*, StepDone d) { d(write_private_file(to, "")); });
+  }
+  run(std::move(op), std::move(steps), nullptr, [dir, done = std::move(done)](Op*, Status s) {
+    if (!s) return done(s.failure());
+    MemoryCheckpoint out;
+    struct stat st{};
+    if (::stat((dir + "/" + kMemoryState).c_str(), &st) == 0) out.state_bytes = static_cast<uint64_t>(st.st_size);
+    if (::stat((dir + "/" + kMemoryDisk).c_str(), &st) == 0) out.disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+    done(out);
+  });
 }
 
 void QemuDriver::boot_attempt(Op* op, std::shared_ptr<Boot> boot) {

@@ -118,7 +118,9 @@ class Qemu : public ::testing::Test {
 };
 
 TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
-  Cluster c(ClusterOptions::node(node_config()));
+  // A snapshot store of its own (images_dir ""): the hibernated guest's checkpoint goes where the test dir is
+  // removed.
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
   // 256 MiB: the initramfs is unpacked into guest RAM, and a sanitizer build's agent (~40 MiB) does not fit
   // in 128 MiB (the node's create then names that cause).
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 3 --hibernate-after 4 "
@@ -147,6 +149,12 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
     return j["tier"] == "disk" && j["state"] == "suspended";
   }, std::chrono::seconds(60))) << c.get("q").dump() << c.node().log();
   EXPECT_EQ(run("pgrep -f '[s]andgate-" + id + "' || true").out, "");
+  // A memory checkpoint of the hibernated guest copies its saved state: it stays hibernated, no QEMU runs.
+  auto checkpoint = c.cli("checkpoint q --type memory --json", 180);
+  ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
+  const std::string snap = nlohmann::json::parse(checkpoint.out, nullptr, false).value("snapshot_id", "");
+  EXPECT_EQ(c.get("q")["tier"], "disk");
+  EXPECT_EQ(run("pgrep -f '[s]andgate-" + id + "' || true").out, "");
   // Stay hibernated a while, so a guest clock that was not fixed would be visibly behind.
   ::sleep(6);
   a = counter(c);
@@ -155,6 +163,13 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   EXPECT_EQ(a.count, 3) << "the counter in guest RAM did not survive the hibernation";
   EXPECT_LE(std::labs(a.guest_time - host_now), 3) << "guest clock " << a.guest_time << " vs host " << host_now
                                                    << c.node().log();
+  // A sandbox from the hibernated guest's checkpoint continues it (2 -> 3), with its clock set.
+  ASSERT_EQ(c.cli("create --name h --from " + snap, 180).exit_code, 0) << c.node().log();
+  Answer from_disk = counter(c, "h");
+  EXPECT_EQ(from_disk.count, 3) << c.node().log();
+  EXPECT_LE(std::labs(from_disk.guest_time - static_cast<long>(std::time(nullptr))), 3) << "clock not set";
+  ASSERT_EQ(c.cli("rm h").exit_code, 0);
+  EXPECT_EQ(c.cli("snapshot rm " + snap).exit_code, 0);
   expect_every_identity_line_taken(c);
 
   // kill -9 of the node while the next hibernation is under way (or as close to it as polling gets).

@@ -218,11 +218,11 @@ class FakeDriver : public Driver {
   std::string checkpoint_upper;
   std::shared_ptr<HeldFreezer> freezer = std::make_shared<HeldFreezer>();
   // Memory checkpoints (with can_checkpoint_memory): writes a "state" file of `memory_state` into the dir.
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, bool paused,
-                         std::function<void(Result<MemoryCheckpoint>)> done) override {
-    if (!can_checkpoint_memory) return Driver::checkpoint_memory(spec, info, dir, paused, std::move(done));
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override {
+    if (!can_checkpoint_memory) return Driver::checkpoint_memory(spec, info, dir, source, std::move(done));
     ++memory_checkpoints;
-    last_memory_checkpoint_paused = paused;
+    last_memory_checkpoint_source = source;
     later_with(op_delay_ms, spec.id, [this, dir, done = std::move(done)](bool) {
       if (fail_memory_checkpoint) return done(fail(Error::kIo, "migration to the state file failed"));
       std::ofstream(dir + "/" + kMemoryState) << memory_state;
@@ -245,7 +245,7 @@ class FakeDriver : public Driver {
   bool can_checkpoint_memory = false, fail_memory_checkpoint = false;
   std::string memory_state = "saved guest";
   int memory_checkpoints = 0;
-  bool last_memory_checkpoint_paused = false;
+  MemoryCheckpointSource last_memory_checkpoint_source = MemoryCheckpointSource::kRunning;
   std::string started_from_memory;  // the last start's spec.memory_snapshot_dir
 
   // The instance's process exits by itself.

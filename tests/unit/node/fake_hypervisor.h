@@ -195,6 +195,7 @@ SandboxSpec from_memory_snapshot(const SandboxSpec& source, const std::string& s
 // driver.checkpoint_memory into `dir` (of a VM suspended in memory: `paused`), the loop run until it answers
 // (8 s at most).
 Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
-                                           const RuntimeInfo& info, const std::string& dir, bool paused = false);
+                                           const RuntimeInfo& info, const std::string& dir,
+                                           MemoryCheckpointSource source = MemoryCheckpointSource::kRunning);
 
 }  // namespace sg::testing

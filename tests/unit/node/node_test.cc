@@ -1558,7 +1558,8 @@ TEST_F(NodeCheckpointTest, RefusalsNameTheReason) {
 }
 
 // A sandbox suspended in memory gets a memory checkpoint as it stands (the driver is told it is paused) and
-// stays suspended; a request meanwhile wakes it once the checkpoint is done. The disk tier is refused.
+// stays suspended; a request meanwhile wakes it once the checkpoint is done. So does a hibernated one (the
+// driver copies its saved state); its filesystem checkpoint is refused.
 TEST_F(NodeCheckpointTest, ASuspendedSandboxsMemoryCheckpointLeavesItSuspendedAndAWakeWaitsForIt) {
   driver_->can_checkpoint_memory = true;
   CreateRequest r = request("vm", false, 600);
@@ -1572,7 +1573,7 @@ TEST_F(NodeCheckpointTest, ASuspendedSandboxsMemoryCheckpointLeavesItSuspendedAn
   EXPECT_EQ(state("vm"), S::kSuspended) << "no wake while the checkpoint saves it";
   ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
   ASSERT_TRUE(**result) << (*result)->message();
-  EXPECT_TRUE(driver_->last_memory_checkpoint_paused);
+  EXPECT_EQ(driver_->last_memory_checkpoint_source, MemoryCheckpointSource::kPaused);
   EXPECT_EQ((**result)->snapshot.type, "memory");
   ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
   ASSERT_TRUE(o->result->ok()) << o->result->message();
@@ -1588,15 +1589,21 @@ TEST_F(NodeCheckpointTest, ASuspendedSandboxsMemoryCheckpointLeavesItSuspendedAn
   EXPECT_EQ(state("vm"), S::kSuspended);
   EXPECT_EQ(driver_->resumes, 1);
 
-  // The disk tier: refused, with the way out.
+  // The disk tier: a memory checkpoint copies what the hibernation saved, and it stays hibernated; a
+  // filesystem checkpoint is refused, with the way out.
   CreateRequest tiered = request("tiered", false, 1);
   tiered.hibernate_after_secs = 1;
   ASSERT_TRUE(create_request(tiered));
   ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 5000));
   auto disk = checkpoint("tiered", "memory");
-  ASSERT_TRUE(disk->has_value());
-  EXPECT_EQ((*disk)->error(), Error::kConflict);
-  EXPECT_NE((*disk)->message().find("in the disk tier; resume it first"), std::string::npos) << (*disk)->message();
+  ASSERT_TRUE(run_until(&loop_, [&] { return disk->has_value(); }));
+  ASSERT_TRUE(**disk) << (*disk)->message();
+  EXPECT_EQ(driver_->last_memory_checkpoint_source, MemoryCheckpointSource::kHibernated);
+  EXPECT_TRUE(hibernated("tiered"));
+  auto files = checkpoint("tiered", "filesystem");
+  ASSERT_TRUE(files->has_value());
+  EXPECT_EQ((*files)->error(), Error::kConflict);
+  EXPECT_NE((*files)->message().find("in the disk tier; resume it first"), std::string::npos) << (*files)->message();
 }
 
 // A suspended sandbox's filesystem checkpoint reads its frozen upper dir and leaves it frozen; a wake asked for

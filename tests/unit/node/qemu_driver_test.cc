@@ -334,11 +334,11 @@ class QemuDriverTest : public ::testing::Test {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec_, info, std::move(d)); });
   }
   // A memory checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
-  std::optional<Result<MemoryCheckpoint>> checkpoint_memory(const RuntimeInfo& info, const std::string& dir,
-                                                            bool paused = false) {
+  std::optional<Result<MemoryCheckpoint>> checkpoint_memory(
+      const RuntimeInfo& info, const std::string& dir, MemoryCheckpointSource source = MemoryCheckpointSource::kRunning) {
     std::filesystem::create_directories(dir);
     std::optional<Result<MemoryCheckpoint>> saved;
-    driver().checkpoint_memory(spec_, info, dir, paused,
+    driver().checkpoint_memory(spec_, info, dir, source,
                                [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
     EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
     return saved;
@@ -561,7 +561,7 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   ASSERT_TRUE(info.ok()) << info.message();
   ASSERT_TRUE(pause(*info).ok());
   const std::string snap = dir_.path() + "/snap";
-  auto saved = checkpoint_memory(*info, snap, true);
+  auto saved = checkpoint_memory(*info, snap, MemoryCheckpointSource::kPaused);
   ASSERT_TRUE(saved.has_value());
   ASSERT_TRUE(*saved) << saved->message();
   EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-DEVICES");
@@ -581,12 +581,45 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   EXPECT_FALSE(driver().observe(spec_, *info).paused);
 }
 
+// A hibernated guest's checkpoint is its saved state (RAM included) copied: no QEMU runs for it, the
+// sandbox stays restorable, and a sandbox started from the checkpoint runs.
+TEST_F(QemuDriverTest, AMemoryCheckpointOfAHibernatedGuestCopiesItsSavedState) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto saved = hibernate(*info);
+  ASSERT_TRUE(saved.ok()) << saved.message();
+  const size_t spawns = spawned_pids(sandbox_dir_).size();
+  const std::string snap = dir_.path() + "/snap";
+  auto checkpoint = checkpoint_memory(*saved, snap, MemoryCheckpointSource::kHibernated);
+  ASSERT_TRUE(checkpoint.has_value());
+  ASSERT_TRUE(*checkpoint) << checkpoint->message();
+  EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE");
+  EXPECT_FALSE(std::filesystem::exists(snap + "/" + kMemoryRam)) << "the RAM is in the saved state";
+  EXPECT_EQ((*checkpoint)->ram_bytes, 0u);
+  EXPECT_EQ(spawned_pids(sandbox_dir_).size(), spawns) << "a QEMU ran for the checkpoint";
+  EXPECT_TRUE(driver().observe(spec_, *saved).hibernated);
+  auto [other_spec, other_dir] = other_sandbox();
+  other_spec.memory_snapshot_dir = snap;
+  auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
+  ASSERT_TRUE(other.ok()) << other.message();
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(other_spec, *other, std::move(d)); }).ok());
+  auto restored = restore(*saved);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
+  // Without a saved state there is nothing to copy.
+  RuntimeInfo none = *saved;
+  none.driver_data.erase("state_file");
+  auto missing = checkpoint_memory(none, dir_.path() + "/snap2", MemoryCheckpointSource::kHibernated);
+  ASSERT_TRUE(missing.has_value());
+  EXPECT_EQ(missing->error(), Error::kNotFound);
+}
+
 TEST_F(QemuDriverTest, AFailedMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   mode("migrate-fail");
   auto info = start();
   ASSERT_TRUE(info.ok()) << info.message();
   ASSERT_TRUE(pause(*info).ok());
-  auto saved = checkpoint_memory(*info, dir_.path() + "/snap", true);
+  auto saved = checkpoint_memory(*info, dir_.path() + "/snap", MemoryCheckpointSource::kPaused);
   ASSERT_TRUE(saved.has_value());
   ASSERT_FALSE(*saved);
   auto seen = driver().observe(spec_, *info);
