@@ -569,7 +569,10 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   auto seen = driver().observe(spec_, *info);
   EXPECT_TRUE(seen.alive);
   EXPECT_TRUE(seen.paused) << "a suspended guest must stay stopped after its checkpoint";
-  auto [other_spec, other_dir] = other_sandbox();
+  // Copies, not structured bindings, which the lambdas below capture (clang 14 refuses that).
+  const auto other_pair = other_sandbox();
+  SandboxSpec other_spec = other_pair.first;
+  const std::string other_dir = other_pair.second;
   other_spec.memory_snapshot_dir = snap;
   auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
   ASSERT_TRUE(other.ok()) << other.message();
@@ -598,7 +601,9 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAHibernatedGuestCopiesItsSavedState) {
   EXPECT_EQ((*checkpoint)->ram_bytes, 0u);
   EXPECT_EQ(spawned_pids(sandbox_dir_).size(), spawns) << "a QEMU ran for the checkpoint";
   EXPECT_TRUE(driver().observe(spec_, *saved).hibernated);
-  auto [other_spec, other_dir] = other_sandbox();
+  const auto other_pair = other_sandbox();
+  SandboxSpec other_spec = other_pair.first;
+  const std::string other_dir = other_pair.second;
   other_spec.memory_snapshot_dir = snap;
   auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
   ASSERT_TRUE(other.ok()) << other.message();
@@ -1060,7 +1065,9 @@ TEST_F(QemuDriverTest, EveryWakeWaitsForAGuestThatAnswersToSayItsClockIsSet) {
   auto checkpoint = checkpoint_memory(*restored, snap);
   ASSERT_TRUE(checkpoint.has_value() && checkpoint->ok());
   EXPECT_TRUE(std::filesystem::exists(snap + "/identity_answers"));
-  auto [other_spec, other_dir] = other_sandbox();
+  const auto other_pair = other_sandbox();
+  SandboxSpec other_spec = other_pair.first;
+  const std::string other_dir = other_pair.second;
   other_spec.memory_snapshot_dir = snap;
   auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
   ASSERT_TRUE(other.ok()) << other.message();
