@@ -374,6 +374,21 @@ class QemuDriverTest : public ::testing::Test {
     sandbox_dirs_.push_back(dir);
     return {spec, dir};
   }
+  // A second sandbox started from the memory snapshot `snap`; `runtime` is the start's result.
+  struct FromSnapshot {
+    SandboxSpec spec;
+    std::string dir;
+    Result<RuntimeInfo> runtime;
+  };
+  FromSnapshot start_from_snapshot(const std::string& snap) {
+    auto [spec, dir] = other_sandbox();
+    spec.memory_snapshot_dir = snap;
+    const SandboxSpec& started = spec;
+    const std::string& started_dir = dir;
+    Result<RuntimeInfo> runtime =
+        wait_runtime([&](Driver::RuntimeDone done) { driver().start(started, started_dir, std::move(done)); });
+    return {std::move(spec), std::move(dir), std::move(runtime)};
+  }
 
   TempDir dir_;
   TestLoop loop_;
@@ -569,15 +584,10 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   auto seen = driver().observe(spec_, *info);
   EXPECT_TRUE(seen.alive);
   EXPECT_TRUE(seen.paused) << "a suspended guest must stay stopped after its checkpoint";
-  // Copies, not structured bindings, which the lambdas below capture (clang 14 refuses that).
-  const auto other_pair = other_sandbox();
-  SandboxSpec other_spec = other_pair.first;
-  const std::string other_dir = other_pair.second;
-  other_spec.memory_snapshot_dir = snap;
-  auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
-  ASSERT_TRUE(other.ok()) << other.message();
-  EXPECT_FALSE(driver().observe(other_spec, *other).paused);
-  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(other_spec, *other, std::move(d)); }).ok());
+  auto from = start_from_snapshot(snap);
+  ASSERT_TRUE(from.runtime.ok()) << from.runtime.message();
+  EXPECT_FALSE(driver().observe(from.spec, *from.runtime).paused);
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(from.spec, *from.runtime, std::move(d)); }).ok());
   EXPECT_TRUE(driver().observe(spec_, *info).paused);
   // The same guest resumes as usual afterwards.
   EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().resume(spec_, *info, std::move(d)); }).ok());
@@ -601,13 +611,9 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAHibernatedGuestCopiesItsSavedState) {
   EXPECT_EQ((*checkpoint)->ram_bytes, 0u);
   EXPECT_EQ(spawned_pids(sandbox_dir_).size(), spawns) << "a QEMU ran for the checkpoint";
   EXPECT_TRUE(driver().observe(spec_, *saved).hibernated);
-  const auto other_pair = other_sandbox();
-  SandboxSpec other_spec = other_pair.first;
-  const std::string other_dir = other_pair.second;
-  other_spec.memory_snapshot_dir = snap;
-  auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
-  ASSERT_TRUE(other.ok()) << other.message();
-  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(other_spec, *other, std::move(d)); }).ok());
+  auto from = start_from_snapshot(snap);
+  ASSERT_TRUE(from.runtime.ok()) << from.runtime.message();
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(from.spec, *from.runtime, std::move(d)); }).ok());
   auto restored = restore(*saved);
   ASSERT_TRUE(restored.ok()) << restored.message();
   EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
@@ -1065,15 +1071,11 @@ TEST_F(QemuDriverTest, EveryWakeWaitsForAGuestThatAnswersToSayItsClockIsSet) {
   auto checkpoint = checkpoint_memory(*restored, snap);
   ASSERT_TRUE(checkpoint.has_value() && checkpoint->ok());
   EXPECT_TRUE(std::filesystem::exists(snap + "/identity_answers"));
-  const auto other_pair = other_sandbox();
-  SandboxSpec other_spec = other_pair.first;
-  const std::string other_dir = other_pair.second;
-  other_spec.memory_snapshot_dir = snap;
-  auto other = wait_runtime([&](Driver::RuntimeDone d) { driver().start(other_spec, other_dir, std::move(d)); });
-  ASSERT_TRUE(other.ok()) << other.message();
-  EXPECT_EQ(other->driver_data["identity_answers"], "1");
-  EXPECT_EQ(acks(other_dir), 1u) << "the start from the snapshot did not wait for the answer";
-  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(other_spec, *other, std::move(d)); }).ok());
+  auto from = start_from_snapshot(snap);
+  ASSERT_TRUE(from.runtime.ok()) << from.runtime.message();
+  EXPECT_EQ(from.runtime->driver_data["identity_answers"], "1");
+  EXPECT_EQ(acks(from.dir), 1u) << "the start from the snapshot did not wait for the answer";
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(from.spec, *from.runtime, std::move(d)); }).ok());
   EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
 }
 
