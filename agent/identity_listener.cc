@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "agent/identity.h"
+#include "agent/server.h"
 #include "common/base64.h"
 #include "common/fd.h"
 
@@ -192,21 +193,12 @@ IdentityListener::IdentityListener(uv_loop_t* loop, IdentityPaths paths, Identit
 IdentityListener::~IdentityListener() = default;
 
 Status IdentityListener::listen(const Endpoint& ep) {
-  auto fd = listen_on(ep, false, 16);
-  if (!fd) return fd.failure();
-  auto port = local_port(fd->get());
+  listening_ = true;  // initialised by listen_tcp whatever happens: close() closes it
+  auto port = listen_tcp(loop_, &listener_, ep, 16, [](uv_stream_t* s, int status) {
+    if (status == 0) static_cast<IdentityListener*>(s->data)->on_connection();
+  });
+  listener_.data = this;  // read by the callback, which runs from the loop only
   if (!port) return port.failure();
-  uv_tcp_init(loop_, &listener_);
-  listener_.data = this;
-  listening_ = true;
-  if (int rc = uv_tcp_open(&listener_, fd->get()); rc < 0) return fail(Error::kIo, std::string("uv_tcp_open: ") + uv_strerror(rc));
-  fd->release();
-  if (int rc = uv_listen(reinterpret_cast<uv_stream_t*>(&listener_), 16,
-                         [](uv_stream_t* s, int status) {
-                           if (status == 0) static_cast<IdentityListener*>(s->data)->on_connection();
-                         });
-      rc < 0)
-    return fail(Error::kIo, std::string("listen: ") + uv_strerror(rc));
   port_ = *port;
   return {};
 }

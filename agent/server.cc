@@ -163,22 +163,29 @@ AgentServer::AgentServer(uv_loop_t* loop, AgentLimits limits) : loop_(loop), rou
 
 AgentServer::~AgentServer() = default;
 
-Status AgentServer::listen(const Endpoint& ep) {
+Result<uint16_t> listen_tcp(uv_loop_t* loop, uv_tcp_t* handle, const Endpoint& ep, int backlog,
+                            uv_connection_cb on_connection) {
+  uv_tcp_init(loop, handle);
   if (ep.kind != Endpoint::Kind::kTcp) return fail(Error::kInvalidArgument, "the agent listens on TCP only");
-  auto fd = listen_on(ep, false);
+  auto fd = listen_on(ep, false, backlog);
   if (!fd) return fd.failure();
   auto port = local_port(fd->get());
   if (!port) return port.failure();
-  uv_tcp_init(loop_, &listener_);
-  listener_.data = this;
-  listening_ = true;
-  int rc = uv_tcp_open(&listener_, fd->get());
+  int rc = uv_tcp_open(handle, fd->get());
   if (rc == 0) {
     fd->release();  // the handle owns it now
-    rc = uv_listen(reinterpret_cast<uv_stream_t*>(&listener_), 1024,
-                   [](uv_stream_t* s, int status) { static_cast<AgentServer*>(s->data)->on_connection(status); });
+    rc = uv_listen(reinterpret_cast<uv_stream_t*>(handle), backlog, on_connection);
   }
   if (rc < 0) return fail(Error::kIo, "listen " + ep.to_string() + ": " + uv_strerror(rc));
+  return *port;
+}
+
+Status AgentServer::listen(const Endpoint& ep) {
+  listening_ = true;  // initialised by listen_tcp whatever happens: close() closes it
+  auto port = listen_tcp(loop_, &listener_, ep, 1024,
+                         [](uv_stream_t* s, int status) { static_cast<AgentServer*>(s->data)->on_connection(status); });
+  listener_.data = this;  // read by the callback, which runs from the loop only
+  if (!port) return port.failure();
   Endpoint bound = ep;
   bound.port = *port;
   address_ = bound.to_string();

@@ -14,6 +14,11 @@ namespace sg::agent {
 
 class Connection;
 
+// Binds `ep` (TCP) and makes `handle` listen on it with `on_connection` (`handle->data` is the caller's to
+// set). Once it returns, failed or not, `handle` is initialised and must be closed. The port bound, or why not.
+Result<uint16_t> listen_tcp(uv_loop_t* loop, uv_tcp_t* handle, const Endpoint& ep, int backlog,
+                            uv_connection_cb on_connection);
+
 class AgentServer {
  public:
   AgentServer(uv_loop_t* loop, AgentLimits limits);
