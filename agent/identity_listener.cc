@@ -114,7 +114,23 @@ Status IdentitySystem::set_hostname(const std::string& name) {
 
 Status IdentitySystem::reseed(const std::string& seed_hex) { return reseed_rng(seed_hex); }
 
+Status IdentitySystem::sync_filesystems() {
+  ::sync();
+  return {};
+}
+
 std::string IdentityListener::apply(std::string_view text) {
+  if (text.starts_with("sync ")) {
+    const std::string secret = read_secret(paths_.secret_file);
+    const std::string_view given = text.substr(5);
+    if (secret.empty() || secret.size() != given.size() || CRYPTO_memcmp(secret.data(), given.data(), secret.size()) != 0)
+      return "";
+    if (Status s = system_->sync_filesystems(); !s) {
+      std::fprintf(stderr, "sandgate-agent: sync: %s\n", s.message().c_str());
+      return "failed sync\n";
+    }
+    return "ok\n";
+  }
   auto line = parse_identity_line(text);
   if (!line) {
     std::fprintf(stderr, "sandgate-agent: %s\n", line.message().c_str());

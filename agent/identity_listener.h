@@ -16,6 +16,10 @@
 // line carries all the keys. Steps, in order: the clock, the SSH files, the hostname, the reseed, the id.
 // The answer is "ok\n", or "failed <what>\n" naming the first step that failed (the others still run).
 // A line without the secret, malformed or over kMaxIdentityLineBytes gets no answer: its connection closes.
+//
+// The same port takes one other line, "sync <secret>\n", before a filesystem checkpoint copies the guest's
+// disk: the agent writes out what the filesystems hold in memory (sync(2), on the agent's loop: the guest
+// is about to stand still anyway) and answers "ok\n".
 #pragma once
 
 #include <uv.h>
@@ -58,6 +62,8 @@ class IdentitySystem {
   virtual Status set_clock(int64_t epoch);
   virtual Status set_hostname(const std::string& name);
   virtual Status reseed(const std::string& seed_hex);
+  // Writes out what the filesystems hold in memory (sync(2)).
+  virtual Status sync_filesystems();
 };
 
 class IdentityListener {

@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
   CLI::App* checkpoint = app.add_subcommand(
       "checkpoint", "Checkpoint a running sandbox (it keeps running) and print the snapshot id");
   checkpoint->add_option("sandbox", ref, "name or id")->required();
-  checkpoint->add_option("--type", checkpoint_type, "filesystem (the disk state) or memory (not on the process driver)")
+  checkpoint->add_option("--type", checkpoint_type, "filesystem (the disk state; a QEMU sandbox needs an image disk) or memory (not on the process driver)")
       ->capture_default_str();
   checkpoint->add_flag("--json", raw_json, "print the node's JSON answer");
   uint32_t fork_count = 1;

@@ -183,7 +183,10 @@ ordered_json snapshot_json(const snapshot::Snapshot& s) {
     j["state_bytes"] = s.state_bytes;
     j["ram_bytes"] = s.ram_bytes;
     j["disk_bytes"] = s.disk_bytes;
+  } else if (s.is_vm_disk()) {
+    j["disk_bytes"] = s.disk_bytes;  // a VM's filesystem checkpoint: its disk, not layers
   }
+  if (!s.parent.empty()) j["parent"] = s.parent;
   return j;
 }
 

@@ -102,14 +102,14 @@ class CloudHypervisorDriver final : public VmmDriver {
   // Paused only for Cloud Hypervisor's snapshot into `dir` (config.json, state.json, memory-ranges), then
   // resumed, whatever the outcome (a VM suspended in memory stays paused).
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override {
-    if (source == MemoryCheckpointSource::kHibernated) return done(hibernated_refusal(spec));
+                         CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override {
+    if (source == CheckpointFrom::kHibernated) return done(hibernated_refusal(spec));
     checkpoint_paused(
-        spec, info, source == MemoryCheckpointSource::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
+        spec, info, source == CheckpointFrom::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
         [this, dir](Op* o, StepDone d) { api(o)->snapshot(file_url(dir), std::move(d)); },
         [this](Op* o, StepDone d) { api(o)->resume(std::move(d)); },
         [dir] {
-          return MemoryCheckpoint{
+          return VmCheckpoint{
               .state_bytes = file_bytes(dir + "/config.json", false) + file_bytes(dir + "/state.json", false),
               .ram_bytes = file_bytes(dir + "/" + kMemoryRanges, true)};
         },

@@ -182,6 +182,9 @@ Result<SandboxSpec> make_sandbox_spec(CreateRequest req, const CreateContext& co
     spec.snapshot = (*snap)->id;
     spec.layers = (*snap)->layers;
     if ((*snap)->type == "memory") spec.memory_snapshot_dir = snapshots->files_dir((*snap)->id);
+    // A VM's filesystem snapshot is its disk (no layers): the new VM boots on an overlay of it.
+    else if ((*snap)->is_vm_disk())
+      spec.snapshot_disk = snapshots->files_dir((*snap)->id) + "/" + kSnapshotDisk;
   }
   return spec;
 }

@@ -28,6 +28,7 @@
 #include "common/fd.h"
 #include "noderuntime/sandbox.h"
 #include "snapshot/checkpointer.h"
+#include "snapshot/snapshot_store.h"
 
 namespace sg {
 
@@ -36,6 +37,9 @@ struct DriverCapabilities {
   bool hibernate = false;  // hibernate()/restore(): disk tier (requires pause)
   bool disk_limit = false; // enforces spec.disk_mb (so the node's default_disk_mb applies to its sandboxes)
   bool memory_checkpoint = false;  // checkpoint_memory(), and start() from a memory snapshot's files
+  // checkpoint_disk(), and start() on a filesystem snapshot's disk: the filesystem checkpoints of a VM whose
+  // root is a disk (the others take theirs from checkpoint_source()).
+  bool disk_checkpoint = false;
 };
 
 // What a driver sees when it looks at an instance (used to reconcile after a node restart).
@@ -68,18 +72,19 @@ struct CheckpointSource {
   std::unique_ptr<snapshot::Freezer> freezer;
 };
 
-// What a memory checkpoint wrote into its directory (kMemoryState, and kMemoryDisk when the VM has a disk).
-struct MemoryCheckpoint {
+// What a VM's checkpoint wrote into its directory: a memory checkpoint kMemoryState (and kMemoryRam), and
+// kSnapshotDisk when the VM has a disk; a disk checkpoint kSnapshotDisk alone.
+struct VmCheckpoint {
   uint64_t state_bytes = 0;  // device state only when the RAM is saved apart (ram_bytes > 0)
   uint64_t ram_bytes = 0;    // the RAM file's allocated bytes (0: the RAM pages are in the state)
   uint64_t disk_bytes = 0;
   double pause_ms = 0;  // how long the guest stood still
 };
 inline constexpr const char* kMemoryState = "state";
-// Where the instance a memory checkpoint saves stands: running (stood still only meanwhile), paused in
-// memory (saved as it stands, left paused), or hibernated to disk (its saved state copied; nothing runs).
-enum class MemoryCheckpointSource { kRunning, kPaused, kHibernated };
-inline constexpr const char* kMemoryDisk = "disk.qcow2";
+// Where the instance a VM checkpoint saves stands: running (stood still only meanwhile), paused in memory
+// (saved as it stands, left paused), or hibernated to disk (its saved files copied; nothing runs).
+enum class CheckpointFrom { kRunning, kPaused, kHibernated };
+inline constexpr const char* kSnapshotDisk = snapshot::kDiskFile;
 inline constexpr const char* kMemoryRam = "ram";  // the guest's RAM as a file, when saved apart from the state
 
 class Driver {
@@ -140,8 +145,16 @@ class Driver {
   // start() with spec.memory_snapshot_dir set starts an instance from such a directory instead of booting:
   // its processes continue where they were, under the new spec's identity.
   virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/,
-                                 MemoryCheckpointSource, std::function<void(Result<MemoryCheckpoint>)> done) {
+                                 CheckpointFrom, std::function<void(Result<VmCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
+  }
+  // Filesystem checkpoints of a VM booted on a disk (capabilities().disk_checkpoint): copies its disk overlay
+  // into `dir` (kSnapshotDisk), with the guest's writes flushed first where the guest can be asked to, and
+  // the VM standing still during the copy. Where the instance stands as for checkpoint_memory(); a VM with
+  // no disk: kUnsupported. start() with spec.snapshot_disk set then boots a new VM on an overlay of it.
+  virtual void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/, CheckpointFrom,
+                               std::function<void(Result<VmCheckpoint>)> done) {
+    done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot checkpoint a VM's disk"));
   }
   // A port exposed after start (not in `spec.exposed_ports` yet): makes open_socket() reach it in the live
   // instance, running or paused; a later start or restore forwards it from the spec. Drivers whose sockets

@@ -147,10 +147,10 @@ class FirecrackerDriver final : public VmmDriver {
   // Paused only for Firecracker's own full snapshot: the device state (`vmstate`) and the guest memory
   // (`memory`) into `dir`, then resumed, whatever the outcome (a VM suspended in memory stays paused).
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override {
-    if (source == MemoryCheckpointSource::kHibernated) return done(hibernated_refusal(spec));
+                         CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override {
+    if (source == CheckpointFrom::kHibernated) return done(hibernated_refusal(spec));
     checkpoint_paused(
-        spec, info, source == MemoryCheckpointSource::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
+        spec, info, source == CheckpointFrom::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
         [this, dir](Op* o, StepDone d) {
           api(o)->create_snapshot({.snapshot_path = dir + "/" + kSnapshotFile,
                                    .mem_file_path = dir + "/" + kMemoryFile,
@@ -159,7 +159,7 @@ class FirecrackerDriver final : public VmmDriver {
         },
         [this](Op* o, StepDone d) { api(o)->resume(std::move(d)); },
         [dir] {
-          return MemoryCheckpoint{.state_bytes = file_bytes(dir + "/" + kSnapshotFile, false),
+          return VmCheckpoint{.state_bytes = file_bytes(dir + "/" + kSnapshotFile, false),
                                   .ram_bytes = file_bytes(dir + "/" + kMemoryFile, true)};
         },
         std::move(done));

@@ -532,8 +532,8 @@ void VmmDriver::end(Op* op, Status status) {
 }
 
 void VmmDriver::checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, bool paused, Step pause,
-                                  Step save, Step resume, std::function<MemoryCheckpoint()> sizes,
-                                  std::function<void(Result<MemoryCheckpoint>)> done) {
+                                  Step save, Step resume, std::function<VmCheckpoint()> sizes,
+                                  std::function<void(Result<VmCheckpoint>)> done) {
   // A VM suspended in memory is saved as it stands, and stays paused: no pause of ours, nothing to resume.
   if (paused) pause = resume = [](Op*, StepDone d) { d({}); };
   auto paused_at = std::make_shared<std::chrono::steady_clock::time_point>();
@@ -555,7 +555,7 @@ void VmmDriver::checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& in
   run(new_op(spec, "checkpointing", info), std::move(steps), std::move(resume_anyway),
       [pause_ms, sizes = std::move(sizes), done = std::move(done)](Op*, Status s) {
         if (!s) return done(s.failure());
-        MemoryCheckpoint out = sizes();
+        VmCheckpoint out = sizes();
         out.pause_ms = *pause_ms;
         done(out);
       });

@@ -204,8 +204,8 @@ class VmmDriver : public Driver {
                                       " while it is in the disk tier; resume it first");
   }
   void checkpoint_paused(const SandboxSpec& spec, const RuntimeInfo& info, bool paused, Step pause, Step save,
-                         Step resume, std::function<MemoryCheckpoint()> sizes,
-                         std::function<void(Result<MemoryCheckpoint>)> done);
+                         Step resume, std::function<VmCheckpoint()> sizes,
+                         std::function<void(Result<VmCheckpoint>)> done);
   // Step: spawns the VMM with `args` (the API socket in op->info.driver_data[kApiSocket] is removed first).
   Step spawn_step(std::vector<std::string> args);
   // Step: SIGKILL to op->process and wait (bounded by exit_wait_ms) until it is gone.

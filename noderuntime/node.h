@@ -297,7 +297,8 @@ class Node {
   // `claimed`: the fleet has given this create its name (or there is no fleet).
   void create_now(const CreateRequest& request, SandboxCallback done, bool claimed = false);
   void checkpoint_filesystem(Sandbox& sb, CheckpointCallback done);
-  void checkpoint_memory(Sandbox& sb, CheckpointCallback done);
+  // A memory checkpoint, or a filesystem one of a VM booted on a disk: files the driver writes.
+  void checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback done);
   void on_checkpoint_done(const std::string& id);
   Driver& driver(const Sandbox& sb) const;
   Driver* find_driver(std::string_view name) const;

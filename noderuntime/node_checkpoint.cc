@@ -3,6 +3,8 @@
 // snapshot/checkpointer.h and the drivers.
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <chrono>
 
 #include "common/failpoint.h"
@@ -44,19 +46,21 @@ void Node::checkpoint(std::string_view ref, std::string_view type, CheckpointCal
   if (type != "filesystem" && type != "memory")
     return done(fail(Error::kInvalidArgument, "type: '" + std::string(type) + "' is not one of filesystem, memory"));
   if (snapshots_ == nullptr) return done(fail(Error::kUnavailable, "this node has no snapshot store"));
+  // A VM booted on a disk: a filesystem checkpoint is a copy of that disk (its root filesystem), not layers.
+  const bool vm_disk = type == "filesystem" && driver(sb).capabilities().disk_checkpoint;
   // A suspended sandbox is checkpointed as it stands (its frozen upper dir, its stopped VM, or a hibernated
-  // VM's saved state) and stays suspended; a wake asked for meanwhile follows the checkpoint. A filesystem
-  // checkpoint of the disk tier needs it running.
+  // VM's saved files) and stays suspended; a wake asked for meanwhile follows the checkpoint. A filesystem
+  // checkpoint of a process sandbox in the disk tier needs it running.
   const bool suspended_in_memory = sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kMemory;
   const bool hibernated = sb.rec.state == S::kSuspended && sb.rec.tier == SuspendTier::kDisk;
-  if (sb.rec.state != S::kRunning && !suspended_in_memory && !(hibernated && type == "memory"))
+  if (sb.rec.state != S::kRunning && !suspended_in_memory && !(hibernated && (type == "memory" || vm_disk)))
     return done(fail(Error::kConflict,
                      "sandbox " + sb.id() + " is " + std::string(state_name(sb.rec.state)) +
                          (sb.rec.state == S::kSuspended ? " (in the disk tier; resume it first: sandgate resume " +
                                                               std::string(ref) + ")"
                                                         : "; only a running or suspended sandbox can be checkpointed")));
   if (sb.checkpointing) return done(fail(Error::kConflict, "a checkpoint of sandbox " + sb.id() + " is in progress"));
-  if (type == "memory") return checkpoint_memory(sb, std::move(done));
+  if (type == "memory" || vm_disk) return checkpoint_vm(sb, type, std::move(done));
   checkpoint_filesystem(sb, std::move(done));
 }
 
@@ -88,37 +92,44 @@ void Node::checkpoint_filesystem(Sandbox& sb, CheckpointCallback done) {
                          });
 }
 
-void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
+void Node::checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback done) {
+  const bool memory = type == "memory";
   snapshot::Snapshot record = snapshot_record(sb.rec.spec);
-  record.type = "memory";
+  record.type = std::string(type);
   record.id = snapshot::generate_snapshot_id();
-  record.memory_mb = sb.rec.spec.memory_mb;
-  record.cpus = sb.rec.spec.cpus;  // no layers: the guest's root is its disk (copied into the snapshot) or initramfs
-  auto dir = snapshots_->begin_memory(record.id);
+  if (memory) {
+    record.memory_mb = sb.rec.spec.memory_mb;
+    record.cpus = sb.rec.spec.cpus;
+  }
+  // No layers: the guest's root is its disk (copied into the snapshot) or the initramfs. A disk that is an
+  // overlay of a snapshot's disk keeps reading it: that snapshot is this one's parent.
+  if (!sb.rec.spec.snapshot_disk.empty() ||
+      (!sb.rec.spec.memory_snapshot_dir.empty() &&
+       ::access((sb.rec.spec.memory_snapshot_dir + "/" + kSnapshotDisk).c_str(), F_OK) == 0))
+    record.parent = sb.rec.spec.snapshot;
+  auto dir = snapshots_->begin_files(record.id);
   if (!dir) return done(dir.failure());
   sb.checkpointing = true;
-  const MemoryCheckpointSource source = sb.rec.state != S::kSuspended     ? MemoryCheckpointSource::kRunning
-                                       : sb.rec.tier == SuspendTier::kDisk ? MemoryCheckpointSource::kHibernated
-                                                                           : MemoryCheckpointSource::kPaused;
-  spdlog::info("sandbox {}: checkpoint (memory) {} started{}", sb.id(), record.id,
-               source == MemoryCheckpointSource::kRunning ? "" : " (suspended)");
-  driver(sb).checkpoint_memory(
-      sb.rec.spec, sb.rec.runtime, *dir, source,
-      [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
-       done = std::move(done)](Result<MemoryCheckpoint> saved) mutable {
+  const CheckpointFrom source = sb.rec.state != S::kSuspended     ? CheckpointFrom::kRunning
+                                       : sb.rec.tier == SuspendTier::kDisk ? CheckpointFrom::kHibernated
+                                                                           : CheckpointFrom::kPaused;
+  spdlog::info("sandbox {}: checkpoint ({}) {} started{}", sb.id(), memory ? "memory" : "filesystem, the VM's disk",
+               record.id, source == CheckpointFrom::kRunning ? "" : " (suspended)");
+  auto saved_done = [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
+                     done = std::move(done)](Result<VmCheckpoint> saved) mutable {
         if (alive.expired()) return;
-        auto finish = [this, id, done = std::move(done)](Result<snapshot::CheckpointResult> r) {
+        auto finish = [this, id, type = record.type, done = std::move(done)](Result<snapshot::CheckpointResult> r) {
           if (r)
             spdlog::info("sandbox {}: checkpoint {}: state {} bytes, RAM {} bytes, disk {} bytes, paused {:.1f} ms",
                          id, r->snapshot.id, r->snapshot.state_bytes, r->snapshot.ram_bytes, r->snapshot.disk_bytes,
                          r->pause_ms);
           else
-            spdlog::warn("sandbox {}: memory checkpoint failed: {}", id, r.message());
+            spdlog::warn("sandbox {}: {} checkpoint failed: {}", id, type, r.message());
           on_checkpoint_done(id);
           done(std::move(r));
         };
         if (!saved) {
-          snapshots_->discard_memory(record.id);
+          snapshots_->discard_files(record.id);
           return finish(saved.failure());
         }
         record.state_bytes = saved->state_bytes;
@@ -126,13 +137,15 @@ void Node::checkpoint_memory(Sandbox& sb, CheckpointCallback done) {
         record.disk_bytes = saved->disk_bytes;
         record.created_at_ms = wall_now_ms();
         failpoint("memory-checkpoint:saved");  // the files in their .d.tmp, no record yet
-        snapshots_->commit_memory(std::move(record), [alive, pause_ms = saved->pause_ms,
+        snapshots_->commit_files(std::move(record), [alive, pause_ms = saved->pause_ms,
                                                       finish = std::move(finish)](Result<snapshot::Snapshot> r) {
           if (alive.expired()) return;
           if (!r) return finish(r.failure());
           finish(snapshot::CheckpointResult{.snapshot = std::move(*r), .pause_ms = pause_ms, .entries = 0});
         });
-      });
+      };
+  if (memory) driver(sb).checkpoint_memory(sb.rec.spec, sb.rec.runtime, *dir, source, std::move(saved_done));
+  else driver(sb).checkpoint_disk(sb.rec.spec, sb.rec.runtime, *dir, source, std::move(saved_done));
 }
 
 void Node::on_checkpoint_done(const std::string& id) {

@@ -52,6 +52,9 @@ constexpr uint32_t kStrayQmpRoundMs = 250;
 // How long a start, resume or restore waits for the guest's answer to its identity line (a few process
 // starts in the guest: tens of ms under TCG, 100-300 ms with SSH files to write).
 constexpr uint64_t kIdentityAckMs = 5000;
+// How long a disk checkpoint waits for the guest to write out its files before it copies the disk anyway.
+// Writing out a page cache full of a big build's output takes a while; the guest keeps running meanwhile.
+constexpr uint64_t kGuestSyncMs = 30000;
 // In driver_data, "1" when the guest answers its identity lines (it printed kGuestIdentityMarker at boot);
 // next to a memory snapshot's state, a file that says its guest does.
 constexpr const char* kIdentityAnswers = "identity_answers";
@@ -151,6 +154,13 @@ Status write_command_file(const std::string& path, const std::string& script) {
 constexpr const char* kIdentitySecretFile = "identity.secret";
 constexpr size_t kIdentitySecretHex = 64;
 
+// The boot's identity secret (kIdentitySecretFile), "" when there is none (a guest booted before them).
+std::string read_identity_secret(const std::string& sandbox_dir) {
+  std::ifstream file(sandbox_dir + "/" + kIdentitySecretFile);
+  std::string secret;
+  return file >> secret && secret.size() == kIdentitySecretHex ? secret : std::string();
+}
+
 std::string random_hex(size_t bytes) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::vector<unsigned char> raw(bytes);
@@ -232,8 +242,15 @@ class QemuDriver final : public VmmDriver {
   }
 
   std::string_view name() const override { return "qemu"; }
+  DriverCapabilities capabilities() const override {
+    DriverCapabilities c = VmmDriver::capabilities();
+    c.disk_checkpoint = true;
+    return c;
+  }
+  void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, CheckpointFrom source,
+                       std::function<void(Result<VmCheckpoint>)> done) override;
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override;
+                         CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   // Not awaited: a running guest applies the line within moments (the node's API does not wait for every
   // VM); a wake that follows waits for the keys it acknowledges (clock_step).
@@ -352,7 +369,7 @@ class QemuDriver final : public VmmDriver {
   // A memory checkpoint of a hibernated guest: its saved state (RAM included) and disk overlay copied; no
   // QEMU runs.
   void checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                             std::function<void(Result<MemoryCheckpoint>)> done);
+                             std::function<void(Result<VmCheckpoint>)> done);
   // Sets the guest clock and tells the guest who it is (id, hostname, a fresh RNG seed): after every resume
   // and restore, and after a start, where a memory snapshot's guest still believes it is its source.
   Step clock_step(const SandboxSpec& spec);
@@ -364,6 +381,16 @@ class QemuDriver final : public VmmDriver {
     std::optional<size_t> digest;
   };
   SentIdentity send_identity(const SandboxSpec& spec, const RuntimeInfo& info);
+  // Sends `line` to the guest's identity port; the connection, on which its answer comes, or a failure.
+  Result<UniqueFd> send_guest_line(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& line);
+  // Waits, at most `limit_ms`, for the guest's answer on `fd`; `done` gets what it said, or kNone/kClosed.
+  void await_guest_answer(Op* op, UniqueFd fd, uint64_t limit_ms,
+                          std::function<void(IdentityAnswer, std::string_view)> done);
+  // Asks a guest whose agent applies identity lines to write out what its filesystems hold in memory
+  // ("sync <secret>"), so that a copy of its disk taken next has every file written before the checkpoint.
+  // Best effort: a guest that cannot be asked or does not answer is copied as a power cut would leave it,
+  // and the node's log says so.
+  Step guest_sync_step(const SandboxSpec& spec);
   // Waits, at most kIdentityAckMs, for the guest to say it applied the line: its clock, so that the first
   // request a wake lets through sees the right time, and its SSH files, so that those connections find the
   // node's keys as they are now (a key removed while the sandbox slept is refused). The keys acknowledged
@@ -517,8 +544,19 @@ void QemuDriver::start(const SandboxSpec& spec, const std::string& sandbox_dir, 
     o->info = std::move(*prepared);
     d({});
   });
-  // spec.image: the create's image, node.qemu_image by default; empty boots the initramfs alone.
-  if (!spec.image.empty()) {
+  // spec.image: the create's image, node.qemu_image by default; empty boots the initramfs alone. A sandbox
+  // from a filesystem snapshot of a VM boots on that snapshot's disk, shared read-only under its own overlay.
+  if (!spec.snapshot_disk.empty()) {
+    steps.push_back([this, saved_disk = spec.snapshot_disk](Op* o, StepDone d) {
+      if (::access(saved_disk.c_str(), R_OK) != 0)
+        return d(fail(Error::kNotFound, "the snapshot's disk " + saved_disk + " cannot be read: " + std::strerror(errno)));
+      disks_.overlay_on(saved_disk, o->info.sandbox_dir, [o, d](Result<std::string> disk) {
+        if (!disk) return d(disk.failure());
+        o->info.driver_data[kDisk] = *disk;
+        d({});
+      });
+    });
+  } else if (!spec.image.empty()) {
     steps.push_back([this, image = spec.image](Op* o, StepDone d) {
       if (!image_layers_) return d(fail(Error::kUnsupported, "image '" + image + "': this node has no image store"));
       auto trees = image_layers_(image);
@@ -567,7 +605,7 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
   initial.sandbox_dir = sandbox_dir;
   auto op = new_op(spec, "starting from a memory snapshot", initial);
   const std::string saved = spec.memory_snapshot_dir + "/" + kMemoryState;
-  const std::string saved_disk = spec.memory_snapshot_dir + "/" + kMemoryDisk;
+  const std::string saved_disk = spec.memory_snapshot_dir + "/" + kSnapshotDisk;
   const std::string saved_ram = spec.memory_snapshot_dir + "/" + kMemoryRam;
   // Snapshots taken of a guest whose RAM was no memfd have the RAM pages in their state instead.
   const bool ram_apart = ::access(saved_ram.c_str(), F_OK) == 0;
@@ -622,11 +660,11 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
 }
 
 void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                                   MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) {
-  if (source == MemoryCheckpointSource::kHibernated) return checkpoint_hibernated(spec, info, dir, std::move(done));
-  const bool paused = source == MemoryCheckpointSource::kPaused;
+                                   CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) {
+  if (source == CheckpointFrom::kHibernated) return checkpoint_hibernated(spec, info, dir, std::move(done));
+  const bool paused = source == CheckpointFrom::kPaused;
   auto op = new_op(spec, "checkpointing", info);
-  auto result = std::make_shared<MemoryCheckpoint>();
+  auto result = std::make_shared<VmCheckpoint>();
   auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
   const std::string state_file = dir + "/" + kMemoryState;
   auto ram = std::make_shared<std::string>();  // the guest's RAM memfd, if it has one
@@ -660,7 +698,7 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   if (disk != info.driver_data.end()) {
     // After the migration QEMU has flushed the disk and holds it inactive until `cont`: the copy is of
     // exactly what the saved guest wrote.
-    steps.push_back([this, from = disk->second, to = dir + "/" + kMemoryDisk](Op*, StepDone d) {
+    steps.push_back([this, from = disk->second, to = dir + "/" + kSnapshotDisk](Op*, StepDone d) {
       disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
     });
   }
@@ -688,14 +726,95 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
         if (::stat(state_file.c_str(), &st) == 0) result->state_bytes = static_cast<uint64_t>(st.st_size);
         if (::stat((dir + "/" + kMemoryRam).c_str(), &st) == 0)
           result->ram_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
-        if (::stat((dir + "/" + kMemoryDisk).c_str(), &st) == 0)
+        if (::stat((dir + "/" + kSnapshotDisk).c_str(), &st) == 0)
           result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
         done(*result);
       });
 }
 
+void QemuDriver::checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+                                 CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) {
+  auto disk = info.driver_data.find(kDisk);
+  if (disk == info.driver_data.end())
+    return done(fail(Error::kUnsupported, "sandbox " + spec.id +
+                                              " boots the initramfs alone (no image): its files live in its memory, "
+                                              "which only a memory checkpoint saves (--type memory)"));
+  const bool running = source == CheckpointFrom::kRunning;
+  auto op = new_op(spec, "checkpointing its disk", info);
+  auto result = std::make_shared<VmCheckpoint>();
+  auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
+  const std::string copy = dir + "/" + kSnapshotDisk;
+  std::vector<Step> steps;
+  // A suspended guest is copied as it stands: QEMU flushed the disk when it stopped the guest (or saved it
+  // when it hibernated); what the guest had not written out yet is not on it.
+  if (running) {
+    steps.push_back(guest_sync_step(spec));
+    steps.push_back(connect_step(false));
+    steps.push_back([this, stopped_at](Op* op, StepDone d) {
+      *stopped_at = std::chrono::steady_clock::now();
+      // `stop` drains and flushes the guest's disk: the overlay then holds all it wrote.
+      command_step("stop")(op, std::move(d));
+    });
+  }
+  steps.push_back([this, from = disk->second, copy](Op*, StepDone d) {
+    disks_.copy(from, copy, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+  });
+  if (running) {
+    steps.push_back([this, stopped_at, result](Op* op, StepDone d) {
+      command_step("cont")(op, [stopped_at, result, d](Status s) {
+        result->pause_ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
+        d(std::move(s));
+      });
+    });
+  }
+  // Whatever failed, a guest that was running runs again.
+  Step on_failure = [this, running](Op* op, StepDone d) {
+    if (!running || !state(op).qmp) return d({});
+    state(op).qmp->execute("cont", nullptr, [d](Result<nlohmann::json>) { d({}); });
+  };
+  run(std::move(op), std::move(steps), std::move(on_failure),
+      [result, copy, done = std::move(done)](Op*, Status s) {
+        if (!s) return done(s.failure());
+        struct stat st{};
+        if (::stat(copy.c_str(), &st) == 0) result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+        done(*result);
+      });
+}
+
+QemuDriver::Step QemuDriver::guest_sync_step(const SandboxSpec& spec) {
+  return [this, spec](Op* op, StepDone done) {
+    const std::string& id = spec.id;
+    // Only an agent applies lines other than the identity's (the init's busybox script would misread one).
+    auto agent = op->info.driver_data.find(kAgentState);
+    const std::string secret = read_identity_secret(op->info.sandbox_dir);
+    if (agent == op->info.driver_data.end() || agent->second != "listening" ||
+        !op->info.driver_data.contains(kIdentityAnswers) || secret.empty()) {
+      spdlog::warn("sandbox {}: its guest cannot be asked to write out its files (no listening agent): the disk is "
+                   "copied as a power cut would leave it", id);
+      return done({});
+    }
+    auto sent = send_guest_line(spec, op->info, "sync " + secret + "\n");
+    if (!sent) {
+      spdlog::warn("sandbox {}: cannot ask the guest to write out its files ({}): the disk is copied as a power cut "
+                   "would leave it", id, sent.message());
+      return done({});
+    }
+    await_guest_answer(op, std::move(*sent), kGuestSyncMs,
+                       [id, done = std::move(done)](IdentityAnswer answer, std::string_view said) {
+                         if (answer != IdentityAnswer::kApplied)
+                           spdlog::warn("sandbox {}: the guest did not confirm it wrote out its files ({}): the disk "
+                                        "is copied as it stands", id,
+                                        answer == IdentityAnswer::kNone ? "no answer in time"
+                                        : answer == IdentityAnswer::kClosed ? "closed without an answer"
+                                                                            : std::string(said).c_str());
+                         done({});
+                       });
+  };
+}
+
 void QemuDriver::checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                                       std::function<void(Result<MemoryCheckpoint>)> done) {
+                                       std::function<void(Result<VmCheckpoint>)> done) {
   auto state = info.driver_data.find(kStateFile);
   if (state == info.driver_data.end() || ::access(state->second.c_str(), R_OK) != 0)
     return done(fail(Error::kNotFound, "sandbox " + spec.id + " has no saved state to checkpoint"));
@@ -706,7 +825,7 @@ void QemuDriver::checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInf
     disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
   });
   if (auto disk = info.driver_data.find(kDisk); disk != info.driver_data.end()) {
-    steps.push_back([this, from = disk->second, to = dir + "/" + kMemoryDisk](Op*, StepDone d) {
+    steps.push_back([this, from = disk->second, to = dir + "/" + kSnapshotDisk](Op*, StepDone d) {
       disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
     });
   }
@@ -715,10 +834,10 @@ void QemuDriver::checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInf
   }
   run(std::move(op), std::move(steps), nullptr, [dir, done = std::move(done)](Op*, Status s) {
     if (!s) return done(s.failure());
-    MemoryCheckpoint out;
+    VmCheckpoint out;
     struct stat st{};
     if (::stat((dir + "/" + kMemoryState).c_str(), &st) == 0) out.state_bytes = static_cast<uint64_t>(st.st_size);
-    if (::stat((dir + "/" + kMemoryDisk).c_str(), &st) == 0) out.disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+    if (::stat((dir + "/" + kSnapshotDisk).c_str(), &st) == 0) out.disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
     done(out);
   });
 }
@@ -821,34 +940,43 @@ QemuDriver::Step QemuDriver::clock_step(const SandboxSpec& spec) {
 }
 
 void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
+  await_guest_answer(op, std::move(sent.fd), kIdentityAckMs,
+                     [this, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](IdentityAnswer answer,
+                                                                                                std::string_view said) {
+                       switch (answer) {
+                         case IdentityAnswer::kApplied:
+                           if (digest) acknowledged_keys_[id] = *digest;
+                           break;
+                         case IdentityAnswer::kFailed:
+                           spdlog::warn("sandbox {}: the guest applied its identity line only in part: {}", id, said);
+                           break;
+                         case IdentityAnswer::kClosed:
+                           spdlog::warn("sandbox {}: the guest closed its identity connection without an answer (a "
+                                        "wrong secret, a malformed line, or no listener)", id);
+                           break;
+                         case IdentityAnswer::kNone:
+                           spdlog::warn("sandbox {}: the guest did not answer its identity line within {} ms", id,
+                                        kIdentityAckMs);
+                           break;
+                       }
+                       done({});
+                     });
+}
+
+void QemuDriver::await_guest_answer(Op* op, UniqueFd fd, uint64_t limit_ms,
+                                    std::function<void(IdentityAnswer, std::string_view)> done) {
   State& st = state(op);
-  st.ack_fd = std::move(sent.fd);
+  st.ack_fd = std::move(fd);
   st.ack_poll = new uv_poll_t;
   uv_poll_init(loop_, st.ack_poll, st.ack_fd.get());
   st.ack_poll->data = &st;
   // Whichever comes first, the answer or the deadline, settles it; the other finds ack_done gone.
-  st.ack_done = [this, op, id = op->sandbox_id, digest = sent.digest, done = std::move(done)](IdentityAnswer answer,
-                                                                                            std::string_view said) {
+  st.ack_done = [this, op, done = std::move(done)](IdentityAnswer answer, std::string_view said) {
     State& s = state(op);
     uv_timer_stop(s.timer);
     close_and_free(s.ack_poll);
     s.ack_fd.reset();
-    switch (answer) {
-      case IdentityAnswer::kApplied:
-        if (digest) acknowledged_keys_[id] = *digest;
-        break;
-      case IdentityAnswer::kFailed:
-        spdlog::warn("sandbox {}: the guest applied its identity line only in part: {}", id, said);
-        break;
-      case IdentityAnswer::kClosed:
-        spdlog::warn("sandbox {}: the guest closed its identity connection without an answer (a wrong secret, a "
-                     "malformed line, or no listener)", id);
-        break;
-      case IdentityAnswer::kNone:
-        spdlog::warn("sandbox {}: the guest did not answer its identity line within {} ms", id, kIdentityAckMs);
-        break;
-    }
-    done({});
+    done(answer, said);
   };
   uv_poll_start(st.ack_poll, UV_READABLE, [](uv_poll_t* poll, int status, int) {
     auto* s = static_cast<State*>(poll->data);
@@ -868,7 +996,7 @@ void QemuDriver::await_identity_ack(Op* op, SentIdentity sent, StepDone done) {
                                   : IdentityAnswer::kClosed,
            said);
   });
-  after(op, kIdentityAckMs, [&st] {
+  after(op, limit_ms, [&st] {
     auto finish = std::move(st.ack_done);
     if (finish) finish(IdentityAnswer::kNone, {});
   });
@@ -892,9 +1020,8 @@ QemuDriver::SentIdentity QemuDriver::send_identity(const SandboxSpec& spec, cons
   std::string line = std::to_string(std::time(nullptr)) + " " + id + " " + (spec.name.empty() ? spec.id : spec.name);
   const std::string seed = random_hex(32);
   line += " " + (seed.empty() ? std::string("-") : seed);
-  std::ifstream secret_file(info.sandbox_dir + "/" + kIdentitySecretFile);
-  std::string secret;
-  const bool with_secret = secret_file >> secret && secret.size() == kIdentitySecretHex;  // else not applied
+  const std::string secret = read_identity_secret(info.sandbox_dir);
+  const bool with_secret = !secret.empty();  // else not applied
   if (with_secret) {
     std::string host_key, keys;
     if (forwarded_ssh_port(spec, info) != 0) {
@@ -913,13 +1040,28 @@ QemuDriver::SentIdentity QemuDriver::send_identity(const SandboxSpec& spec, cons
     if (!host_key.empty()) keys_digest = std::hash<std::string>{}(ssh_fields);
   }
   line += '\n';
+  auto sent = send_guest_line(spec, info, line);
+  if (!sent) {
+    spdlog::warn("sandbox {}: cannot send the guest its identity: {}", id, sent.message());
+    return {};
+  }
+  UniqueFd fd = std::move(*sent);
+  auto known = acknowledged_keys_.find(id);
+  const bool keys_known = !keys_digest || (known != acknowledged_keys_.end() && known->second == *keys_digest);
+  if (keys_known && !(with_secret && info.driver_data.contains(kIdentityAnswers))) return {};
+  return SentIdentity{std::move(fd), keys_known ? std::nullopt : keys_digest};
+}
+
+Result<UniqueFd> QemuDriver::send_guest_line(const SandboxSpec& spec, const RuntimeInfo& info,
+                                             const std::string& line) {
+  const std::string& id = spec.id;
+  auto it = info.driver_data.find(kClockPort);
+  auto port = it == info.driver_data.end() ? std::nullopt : parse_port(it->second);
+  if (!port) return fail(Error::kUnsupported, "this guest has no identity port");
   // The forwarded clock port listens on the loopback of the VM's namespace only.
   auto netns = netns_of(id, info);
   auto sock = netns ? socket_in(*netns, id) : Result<UniqueFd>(netns.failure());
-  if (!sock) {
-    spdlog::warn("sandbox {}: cannot send the guest its identity: {}", id, sock.message());
-    return {};
-  }
+  if (!sock) return sock.failure();
   UniqueFd fd = std::move(*sock);
   // This runs on the node's loop, so nothing here may wait on the guest: the connect is to QEMU's own
   // listener on loopback (bounded all the same, for a QEMU that does not accept), and the line goes into a
@@ -935,22 +1077,14 @@ QemuDriver::SentIdentity QemuDriver::send_identity(const SandboxSpec& spec, cons
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(*port);
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    spdlog::warn("sandbox {}: cannot send the guest its identity: {}", id, std::strerror(errno));
-    return {};
-  }
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return fail_errno("connect", errno);
   ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) | O_NONBLOCK);
   const ssize_t sent = ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL);
   // A part of the line has no newline, and the guest applies none of it.
-  if (sent != static_cast<ssize_t>(line.size())) {
-    spdlog::warn("sandbox {}: the guest's identity line did not fit its socket ({} of {} bytes sent)", id,
-                 sent < 0 ? 0 : sent, line.size());
-    return {};
-  }
-  auto known = acknowledged_keys_.find(id);
-  const bool keys_known = !keys_digest || (known != acknowledged_keys_.end() && known->second == *keys_digest);
-  if (keys_known && !(with_secret && info.driver_data.contains(kIdentityAnswers))) return {};
-  return SentIdentity{std::move(fd), keys_known ? std::nullopt : keys_digest};
+  if (sent != static_cast<ssize_t>(line.size()))
+    return fail(Error::kIo, "the line did not fit its socket (" + std::to_string(sent < 0 ? 0 : sent) + " of " +
+                                std::to_string(line.size()) + " bytes sent)");
+  return fd;
 }
 
 // slirp's rules change through the human monitor (QMP has no command for them), which answers in text: a

@@ -77,6 +77,9 @@ struct SandboxSpec {
   std::vector<std::string> layers;
   // A memory snapshot's files (snapshot_store.h files_dir): start() restores them instead of booting.
   std::string memory_snapshot_dir;
+  // A filesystem snapshot's disk (a VM's, snapshot_store.h files_dir + kSnapshotDisk): start() boots on an
+  // overlay of it instead of the image's base disk.
+  std::string snapshot_disk;
   // First host uid/gid of the sandbox's user namespace (sandbox id 0 = this, 65536 ids), allocated by the
   // node at create and held until the sandbox is gone. 0 = none (created before user namespaces).
   uint32_t uid_base = 0;

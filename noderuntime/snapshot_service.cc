@@ -66,7 +66,7 @@ std::string SnapshotService::file_stamp(const std::string& path) {
          std::to_string(st.st_ctim.tv_nsec);
 }
 
-Result<std::string> SnapshotService::begin_memory(const std::string& id) {
+Result<std::string> SnapshotService::begin_files(const std::string& id) {
   const std::string dir = store_->new_files_dir(id);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
@@ -74,7 +74,7 @@ Result<std::string> SnapshotService::begin_memory(const std::string& id) {
   return dir;
 }
 
-void SnapshotService::discard_memory(const std::string& id) {
+void SnapshotService::discard_files(const std::string& id) {
   run<bool>(
       [dir = store_->new_files_dir(id)]() -> Result<bool> {
         std::error_code ec;
@@ -84,7 +84,7 @@ void SnapshotService::discard_memory(const std::string& id) {
       [](Result<bool>) {});
 }
 
-void SnapshotService::commit_memory(snapshot::Snapshot record, Done done) {
+void SnapshotService::commit_files(snapshot::Snapshot record, Done done) {
   snapshot::SnapshotStore* store = store_.get();
   run<snapshot::Snapshot>(
       [this, store, record = std::move(record)]() -> Result<snapshot::Snapshot> {
@@ -195,6 +195,14 @@ void SnapshotService::remove(std::string id, Done done) {
           if (auto user = users_.claim_for_removal(id))
             return fail(Error::kConflict, "snapshot " + id + " is in use by " + *user +
                                               " (created from it); remove that first");
+          // A checkpoint of a VM that ran on this snapshot's disk reads that disk under its own.
+          auto child = store_->first_child_of(id);
+          if (!child || *child) {
+            users_.release_removal(id);
+            if (!child) return child.failure();
+            return fail(Error::kConflict, "snapshot " + id + " holds the disk under snapshot " + **child +
+                                              "'s (a checkpoint of a sandbox created from it); remove that first");
+          }
           // add_user takes mu_ too, so the claim only has to last until the record is gone.
           Status removed = store_->remove(id);
           users_.release_removal(id);

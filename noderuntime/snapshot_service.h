@@ -38,12 +38,12 @@ class SnapshotService {
   void remove_user(const std::string& id, const std::string& user) { users_.remove(id, user); }
   // Which snapshots name `image` (for the claim main.cc hands ImageStore::set_users; any thread).
   std::optional<std::string> image_user(const std::string& image) const;
-  // A memory checkpoint's files are written by the driver into new_files_dir(id) (made empty here, on the
-  // loop: a directory); commit_memory() then syncs them, renames the directory into place and writes the
-  // record, last; discard_memory() removes what a failed one left.
-  Result<std::string> begin_memory(const std::string& id);
-  void commit_memory(snapshot::Snapshot record, Done done);
-  void discard_memory(const std::string& id);
+  // A VM checkpoint's files (memory, or a disk) are written by the driver into new_files_dir(id) (made empty
+  // here, on the loop: a directory); commit_files() then syncs them, renames the directory into place and writes the
+  // record, last; discard_files() removes what a failed one left.
+  Result<std::string> begin_files(const std::string& id);
+  void commit_files(snapshot::Snapshot record, Done done);
+  void discard_files(const std::string& id);
   std::string files_dir(const std::string& id) const { return store_->files_dir(id); }
   // `done` runs on the loop thread.
   void checkpoint(snapshot::CheckpointJob job, std::unique_ptr<snapshot::Freezer> freezer, CheckpointDone done);

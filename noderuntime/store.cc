@@ -38,6 +38,7 @@ std::string spec_to_json(const SandboxSpec& spec) {
             {"snapshot", spec.snapshot},
             {"layers", spec.layers},
             {"memory_snapshot_dir", spec.memory_snapshot_dir},
+            {"snapshot_disk", spec.snapshot_disk},
             {"pids_max", spec.pids_max},
             {"disk_mb", spec.disk_mb},
             {"uid_base", spec.uid_base},
@@ -109,6 +110,10 @@ Result<SandboxSpec> spec_from_json(const std::string& id, const std::string& tex
   if ((v = field("memory_snapshot_dir"))) {  // added with memory snapshots
     if (!v->is_string()) return bad("memory_snapshot_dir");
     spec.memory_snapshot_dir = v->get<std::string>();
+  }
+  if ((v = field("snapshot_disk"))) {  // added with the disk checkpoints of QEMU sandboxes
+    if (!v->is_string()) return bad("snapshot_disk");
+    spec.snapshot_disk = v->get<std::string>();
   }
   if ((v = field("pids_max"))) {
     if (!v->is_number_unsigned() || v->get<uint64_t>() > UINT32_MAX) return bad("pids_max");

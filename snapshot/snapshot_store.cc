@@ -48,6 +48,7 @@ ordered_json to_json(const Snapshot& s) {
                       {"state_bytes", s.state_bytes},
                       {"ram_bytes", s.ram_bytes},
                       {"disk_bytes", s.disk_bytes},
+                      {"parent", s.parent},
                       {"file_digests", s.file_digests}};
 }
 
@@ -129,6 +130,11 @@ Result<Snapshot> from_json(const std::string& text, const std::string& where) {
         return bad("file_digests");
       s.file_digests[name] = digest.get<std::string>();
     }
+  }
+  if (auto it = j.find("parent"); it != j.end()) {  // added with the disk checkpoints of VMs
+    if (!it->is_string() || (!it->get<std::string>().empty() && !check_snapshot_id(it->get<std::string>())))
+      return bad("parent");
+    s.parent = it->get<std::string>();
   }
   if (s.type != "filesystem" && s.type != "memory") return bad("type");
   if (s.type == "memory" && (s.memory_mb == 0 || s.cpus <= 0)) return bad("memory_mb");
@@ -242,6 +248,14 @@ Result<std::set<std::string>> SnapshotStore::layers_in_use() const {
   std::set<std::string> used;
   for (const Snapshot& s : *all) used.insert(s.layers.begin(), s.layers.end());
   return used;
+}
+
+Result<std::optional<std::string>> SnapshotStore::first_child_of(std::string_view id) const {
+  auto all = list();
+  if (!all) return all.failure();
+  for (const Snapshot& s : *all)
+    if (s.parent == id) return std::optional<std::string>(s.id);
+  return std::optional<std::string>();
 }
 
 Result<std::optional<std::string>> SnapshotStore::first_user_of_image(const std::string& image) const {

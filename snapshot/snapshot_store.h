@@ -4,7 +4,7 @@
 // content-addressed LayerStore (layer_store.h); a record only names them.
 //
 //   <root>/<snap-id>.json   one record, written by write_file_atomic (temp + fsync + rename)
-//   <root>/<snap-id>.d/     a memory snapshot's files (the VM's saved state, its disk), renamed into place
+//   <root>/<snap-id>.d/     a VM snapshot's files (its saved state, its disk), renamed into place
 //                           complete before the record is written, removed after it
 //
 // A checkpoint writes its record LAST, after its layer is complete in the store: a crash before that leaves an
@@ -34,9 +34,13 @@ struct SnapshotPort {
   std::string protocol = "http1";
 };
 
+// A VM snapshot's disk, in its files_dir: a qcow2 overlay of the image's base disk (or of its parent's).
+inline constexpr const char* kDiskFile = "disk.qcow2";
+
 struct Snapshot {
   std::string id;    // "snap-" + 12 of [a-z0-9]
-  std::string type;  // "filesystem" (layers) or "memory" (a VM's saved state and disk, in files_dir)
+  // "filesystem" (layers, or a VM's disk in files_dir) or "memory" (a VM's saved state and disk, in files_dir)
+  std::string type;
   std::string source_id;
   std::string source_name;
   std::string driver;  // the source's driver; a sandbox from the snapshot runs on it too
@@ -57,9 +61,15 @@ struct Snapshot {
   uint64_t state_bytes = 0;  // the saved state: devices, and the RAM pages when ram_bytes is 0
   uint64_t ram_bytes = 0;    // the guest's RAM saved as a file of its own (allocated bytes)
   uint64_t disk_bytes = 0;   // the copy of its disk overlay (0: it booted without a disk)
+  // The snapshot whose disk this one's disk is an overlay of ("" for none): a VM checkpointed while it ran
+  // on a snapshot's disk. That one cannot be removed while this one exists.
+  std::string parent;
   // Each of its files (state, ram, disk.qcow2) -> "sha256:<hex>", checked before a sandbox starts from it.
   // Empty for memory records written before the digests.
   std::map<std::string, std::string> file_digests;
+
+  // A filesystem snapshot that is a VM's disk rather than layers.
+  bool is_vm_disk() const { return type == "filesystem" && file_digests.contains(kDiskFile); }
 };
 
 // "snap-" + 12 of [a-z0-9]: a file name and a URL path segment as it is. kInvalidArgument naming it otherwise.
@@ -73,7 +83,7 @@ class SnapshotStore {
   static Result<SnapshotStore> open(const std::string& root);
 
   const std::string& root() const { return root_; }
-  // Where a memory snapshot's files are (complete once its record exists), and where they are written first.
+  // Where a VM snapshot's files are (complete once its record exists), and where they are written first.
   std::string files_dir(std::string_view id) const { return root_ + "/" + std::string(id) + ".d"; }
   std::string new_files_dir(std::string_view id) const { return root_ + "/" + std::string(id) + ".d.tmp"; }
   // kAlreadyExists if the id is taken, kLimitExceeded past kMaxSnapshots. Written crash-safely.
@@ -86,6 +96,8 @@ class SnapshotStore {
   Status remove(std::string_view id);
   // Every layer some record names: what the image store's GC must keep.
   Result<std::set<std::string>> layers_in_use() const;
+  // A snapshot whose parent is `id`, or nullopt.
+  Result<std::optional<std::string>> first_child_of(std::string_view id) const;
   // A snapshot whose image is `image`, described for a refusal ("snapshot snap-..."), or nullopt.
   Result<std::optional<std::string>> first_user_of_image(const std::string& image) const;
 

@@ -593,6 +593,72 @@ TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart
   EXPECT_EQ(c.cli("rm vd").exit_code, 0);
 }
 
+// `sandgate checkpoint` (a filesystem checkpoint, the default) of a QEMU sandbox booted on an image's disk:
+// the guest's agent writes out what it just wrote before the VM stands still for the copy of its disk, the
+// source runs on, and a sandbox created from the checkpoint in another shape boots on that disk with the file
+// there. A checkpoint of that sandbox reads the first one's disk under its own, so the first cannot be removed
+// before it.
+TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape) {
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
+  const std::string archive = busybox_image(c.dir() + "/img");
+  auto imported = c.cli("image import " + archive + " qdisk");
+  ASSERT_EQ(imported.exit_code, 0) << imported.out << imported.err;
+  auto created = c.cli("create --json --name vd --driver qemu --image qdisk --timeout 600 --memory-mb 256 "
+                       "-- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const auto j = nlohmann::json::parse(created.out, nullptr, false);
+  const std::string id = j.value("id", ""), token = j.value("token", "");
+  // No sync here: the file is in the guest's page cache when the checkpoint is asked for.
+  const std::string kept = kept_value(exec_in(c, "vd.sandbox.localhost", token, "echo kept-$$ >/data.txt; cat /data.txt"));
+  ASSERT_FALSE(kept.empty());
+
+  auto checkpoint = c.cli("checkpoint vd --json", 180);
+  ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
+  const auto cp = nlohmann::json::parse(checkpoint.out, nullptr, false);
+  const std::string snap = cp.value("snapshot_id", "");
+  ASSERT_FALSE(snap.empty()) << checkpoint.out;
+  EXPECT_EQ(cp["snapshot"]["type"], "filesystem");
+  EXPECT_GT(cp["snapshot"].value("disk_bytes", 0), 0) << checkpoint.out;
+  EXPECT_FALSE(cp["snapshot"].contains("memory_mb")) << checkpoint.out;
+  std::fprintf(stderr, "filesystem checkpoint of a QEMU guest: stood still %.1f ms, disk %llu bytes\n",
+               cp.value("pause_ms", 0.0), static_cast<unsigned long long>(cp["snapshot"].value("disk_bytes", 0ull)));
+  EXPECT_EQ(c.node().log().find("write out its files"), std::string::npos) << c.node().log();
+  EXPECT_EQ(c.node().log().find("did not confirm"), std::string::npos) << c.node().log();
+  EXPECT_EQ(c.get("vd")["state"], "running");
+  EXPECT_EQ(c.get("vd")["id"], id);
+
+  auto copy = c.cli("create --json --name vd2 --from " + snap + " --memory-mb 384", 180);
+  ASSERT_EQ(copy.exit_code, 0) << copy.out << copy.err << c.node().log();
+  const auto k = nlohmann::json::parse(copy.out, nullptr, false);
+  const std::string copy_token = k.value("token", "");
+  EXPECT_NE(k.value("id", ""), id);
+  const std::string seen = exec_in(c, "vd2.sandbox.localhost", copy_token,
+                                   "cat /data.txt; cat /etc/image-marker; grep MemTotal /proc/meminfo");
+  EXPECT_EQ(kept_value(seen), kept) << seen << c.node().log();
+  EXPECT_NE(seen.find("from-the-image"), std::string::npos) << seen;
+  // A cold boot in the new shape: more than the source's 256 MiB.
+  const auto mem = seen.find("MemTotal:");
+  ASSERT_NE(mem, std::string::npos) << seen;
+  EXPECT_GT(std::stol(seen.substr(mem + 9)), 300L * 1024) << seen;
+  // The source's later writes are its own.
+  exec_in(c, "vd.sandbox.localhost", token, "echo later >/data.txt");
+  EXPECT_EQ(kept_value(exec_in(c, "vd2.sandbox.localhost", copy_token, "cat /data.txt")), kept);
+
+  auto second = c.cli("checkpoint vd2 --json", 180);
+  ASSERT_EQ(second.exit_code, 0) << second.out << second.err << c.node().log();
+  const auto cp2 = nlohmann::json::parse(second.out, nullptr, false);
+  const std::string child = cp2.value("snapshot_id", "");
+  EXPECT_EQ(cp2["snapshot"].value("parent", ""), snap) << second.out;
+  ASSERT_EQ(c.cli("rm vd2").exit_code, 0);
+  auto refused = c.cli("snapshot rm " + snap);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find(child), std::string::npos) << refused.out << refused.err;
+  EXPECT_EQ(c.cli("snapshot rm " + child).exit_code, 0);
+  EXPECT_EQ(c.cli("snapshot rm " + snap).exit_code, 0);
+  EXPECT_EQ(c.cli("rm vd").exit_code, 0);
+}
+
 // node.qemu_image is the default image of QEMU sandboxes (the create names none): the guest boots its disk,
 // the sandbox records the image, `image rm` is refused while the sandbox uses it and succeeds once it is gone.
 TEST_F(Qemu, ImageDiskFromTheNodeDefaultIsInUseUntilTheSandboxGoes) {

@@ -37,8 +37,13 @@ struct RecordingSystem : IdentitySystem {
     calls.push_back("reseed " + seed_hex);
     return {};
   }
+  Status sync_filesystems() override {
+    calls.push_back("sync");
+    return fail_sync ? Status(fail(Error::kIo, "sync: Input/output error")) : Status();
+  }
   std::vector<std::string> calls;
   bool fail_hostname = false;
+  bool fail_sync = false;
 };
 
 std::string read_all(const std::string& path) {
@@ -150,6 +155,19 @@ TEST_F(IdentityListenerTest, AFailedStepIsNamedAndTheOthersStillRun) {
   EXPECT_EQ(send(line("K", "keys\n", 7)), "failed hostname\n");
   EXPECT_EQ(system_.calls.front(), "clock 1796480000");
   EXPECT_EQ(read_all(paths_.id_file), "sb-one\n");
+}
+
+TEST_F(IdentityListenerTest, ASyncLineWithTheSecretWritesOutTheFilesAndChangesNothingElse) {
+  EXPECT_EQ(send("sync " + kSecret + "\n"), "ok\n");
+  EXPECT_EQ(system_.calls, std::vector<std::string>{"sync"});
+  EXPECT_FALSE(std::filesystem::exists(paths_.id_file));
+  // Without this boot's secret, or with more after it: dropped, unanswered, nothing done.
+  EXPECT_EQ(send("sync " + std::string(64, 'b') + "\n"), "");
+  EXPECT_EQ(send("sync " + kSecret + " x\n"), "");
+  EXPECT_EQ(send("sync\n"), "");
+  EXPECT_EQ(system_.calls.size(), 1u);
+  system_.fail_sync = true;
+  EXPECT_EQ(send("sync " + kSecret + "\n"), "failed sync\n");
 }
 
 TEST_F(IdentityListenerTest, AGuestWithoutSshIgnoresTheKeyFields) {

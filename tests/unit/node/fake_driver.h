@@ -66,12 +66,13 @@ class FakeDriver : public Driver {
 
   std::string_view name() const override { return "fake"; }
   DriverCapabilities capabilities() const override {
-    return {can_pause, can_hibernate, limits_disk, can_checkpoint_memory};
+    return {can_pause, can_hibernate, limits_disk, can_checkpoint_memory, can_checkpoint_disk};
   }
 
   void start(const SandboxSpec& spec, const std::string& sandbox_dir, RuntimeDone done) override {
     ++starts;
     started_from_memory = spec.memory_snapshot_dir;
+    started_on_disk = spec.snapshot_disk;
     Result<RuntimeInfo> result = fail(Error::kIo, "exec failed: no such file");
     if (!fail_start) result = RuntimeInfo{next_pid_++, 4242, sandbox_dir, {{"boot", "1"}}};
     later_with(start_delay_ms, spec.id, [done = std::move(done), result, this, id = spec.id](bool) {
@@ -219,14 +220,25 @@ class FakeDriver : public Driver {
   std::shared_ptr<HeldFreezer> freezer = std::make_shared<HeldFreezer>();
   // Memory checkpoints (with can_checkpoint_memory): writes a "state" file of `memory_state` into the dir.
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
-                         MemoryCheckpointSource source, std::function<void(Result<MemoryCheckpoint>)> done) override {
+                         CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override {
     if (!can_checkpoint_memory) return Driver::checkpoint_memory(spec, info, dir, source, std::move(done));
     ++memory_checkpoints;
     last_memory_checkpoint_source = source;
     later_with(op_delay_ms, spec.id, [this, dir, done = std::move(done)](bool) {
       if (fail_memory_checkpoint) return done(fail(Error::kIo, "migration to the state file failed"));
       std::ofstream(dir + "/" + kMemoryState) << memory_state;
-      done(MemoryCheckpoint{.state_bytes = memory_state.size(), .disk_bytes = 0, .pause_ms = 1.5});
+      done(VmCheckpoint{.state_bytes = memory_state.size(), .disk_bytes = 0, .pause_ms = 1.5});
+    });
+  }
+  // Disk checkpoints (with can_checkpoint_disk): writes a kSnapshotDisk file of `disk_content` into the dir.
+  void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, CheckpointFrom source,
+                       std::function<void(Result<VmCheckpoint>)> done) override {
+    if (!can_checkpoint_disk) return Driver::checkpoint_disk(spec, info, dir, source, std::move(done));
+    ++disk_checkpoints;
+    last_disk_checkpoint_source = source;
+    later_with(op_delay_ms, spec.id, [this, dir, done = std::move(done)](bool) {
+      std::ofstream(dir + "/" + kSnapshotDisk) << disk_content;
+      done(VmCheckpoint{.disk_bytes = disk_content.size(), .pause_ms = 0.5});
     });
   }
   // Ports exposed after create: counted, and failed with fail_forward.
@@ -245,8 +257,13 @@ class FakeDriver : public Driver {
   bool can_checkpoint_memory = false, fail_memory_checkpoint = false;
   std::string memory_state = "saved guest";
   int memory_checkpoints = 0;
-  MemoryCheckpointSource last_memory_checkpoint_source = MemoryCheckpointSource::kRunning;
+  CheckpointFrom last_memory_checkpoint_source = CheckpointFrom::kRunning;
   std::string started_from_memory;  // the last start's spec.memory_snapshot_dir
+  bool can_checkpoint_disk = false;
+  std::string disk_content = "guest disk";
+  int disk_checkpoints = 0;
+  CheckpointFrom last_disk_checkpoint_source = CheckpointFrom::kRunning;
+  std::string started_on_disk;  // the last start's spec.snapshot_disk
 
   // The instance's process exits by itself.
   void exit(const std::string& id) {

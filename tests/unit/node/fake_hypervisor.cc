@@ -514,11 +514,11 @@ SandboxSpec from_memory_snapshot(const SandboxSpec& source, const std::string& s
   return out;
 }
 
-Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
+Result<VmCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
                                            const RuntimeInfo& info, const std::string& dir,
-                                           MemoryCheckpointSource source) {
-  std::optional<Result<MemoryCheckpoint>> saved;
-  driver.checkpoint_memory(spec, info, dir, source, [&](Result<MemoryCheckpoint> r) { saved = std::move(r); });
+                                           CheckpointFrom source) {
+  std::optional<Result<VmCheckpoint>> saved;
+  driver.checkpoint_memory(spec, info, dir, source, [&](Result<VmCheckpoint> r) { saved = std::move(r); });
   if (!loop.run_until([&] { return saved.has_value(); }, 8000)) return fail(Error::kTimeout, "no answer");
   return *saved;
 }

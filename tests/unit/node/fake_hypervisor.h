@@ -194,8 +194,8 @@ void expect_agent_path_over_vsock(Driver& driver, const SandboxSpec& spec, const
 SandboxSpec from_memory_snapshot(const SandboxSpec& source, const std::string& snap);
 // driver.checkpoint_memory into `dir` (of a VM suspended in memory: `paused`), the loop run until it answers
 // (8 s at most).
-Result<MemoryCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
+Result<VmCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const SandboxSpec& spec,
                                            const RuntimeInfo& info, const std::string& dir,
-                                           MemoryCheckpointSource source = MemoryCheckpointSource::kRunning);
+                                           CheckpointFrom source = CheckpointFrom::kRunning);
 
 }  // namespace sg::testing

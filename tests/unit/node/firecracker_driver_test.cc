@@ -450,14 +450,14 @@ TEST_F(FirecrackerDriverTest, AMemoryCheckpointOfAPausedVmNeitherPausesNorResume
   const size_t before = fake_->requests().size();
   const std::string snap = dir_.path() + "/snap.d";
   std::filesystem::create_directories(snap);
-  auto saved = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap, MemoryCheckpointSource::kPaused);
+  auto saved = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap, CheckpointFrom::kPaused);
   ASSERT_TRUE(saved.ok()) << saved.message();
   EXPECT_EQ(saved->pause_ms, 0);
   std::vector<std::string> seq = sequence();
   seq.erase(seq.begin(), seq.begin() + static_cast<std::ptrdiff_t>(before));
   EXPECT_EQ(seq, (std::vector<std::string>{"PUT /snapshot/create"}));
   // A hibernated one is refused with the way out (its saved state is not copied yet).
-  auto hibernated = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap, MemoryCheckpointSource::kHibernated);
+  auto hibernated = testing::checkpoint_memory(*d, loop_, spec_sb_, *info, snap, CheckpointFrom::kHibernated);
   ASSERT_FALSE(hibernated.ok());
   EXPECT_EQ(hibernated.error(), Error::kConflict);
   EXPECT_NE(hibernated.message().find("resume it first"), std::string::npos) << hibernated.message();

@@ -1573,7 +1573,7 @@ TEST_F(NodeCheckpointTest, ASuspendedSandboxsMemoryCheckpointLeavesItSuspendedAn
   EXPECT_EQ(state("vm"), S::kSuspended) << "no wake while the checkpoint saves it";
   ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
   ASSERT_TRUE(**result) << (*result)->message();
-  EXPECT_EQ(driver_->last_memory_checkpoint_source, MemoryCheckpointSource::kPaused);
+  EXPECT_EQ(driver_->last_memory_checkpoint_source, CheckpointFrom::kPaused);
   EXPECT_EQ((**result)->snapshot.type, "memory");
   ASSERT_TRUE(run_until(&loop_, [&] { return o->result.has_value(); }));
   ASSERT_TRUE(o->result->ok()) << o->result->message();
@@ -1598,7 +1598,7 @@ TEST_F(NodeCheckpointTest, ASuspendedSandboxsMemoryCheckpointLeavesItSuspendedAn
   auto disk = checkpoint("tiered", "memory");
   ASSERT_TRUE(run_until(&loop_, [&] { return disk->has_value(); }));
   ASSERT_TRUE(**disk) << (*disk)->message();
-  EXPECT_EQ(driver_->last_memory_checkpoint_source, MemoryCheckpointSource::kHibernated);
+  EXPECT_EQ(driver_->last_memory_checkpoint_source, CheckpointFrom::kHibernated);
   EXPECT_TRUE(hibernated("tiered"));
   auto files = checkpoint("tiered", "filesystem");
   ASSERT_TRUE(files->has_value());
@@ -1775,6 +1775,68 @@ TEST_F(NodeCheckpointTest, AMemoryCheckpointIsCommittedWholeAndACreateFromItKeep
   auto removed = remove_snapshot(snap.id);
   EXPECT_TRUE(removed) << removed.message();
   EXPECT_FALSE(std::filesystem::exists(files));
+}
+
+// A VM booted on a disk: its filesystem checkpoint is that disk (no layers), a create from it boots on it in
+// any shape, and a checkpoint of that sandbox is the first one's child, which keeps it from being removed.
+TEST_F(NodeCheckpointTest, AVmsFilesystemCheckpointIsItsDiskAndAChildKeepsItsParent) {
+  driver_->can_checkpoint_disk = true;
+  CreateRequest req;
+  req.name = "vm";
+  req.command = {"sleep", "infinity"};
+  req.memory_mb = 512;
+  auto vm = create_request(req);
+  ASSERT_TRUE(vm) << vm.message();
+  auto result = checkpoint("vm", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return result->has_value(); }));
+  ASSERT_TRUE(**result) << (*result)->message();
+  const snapshot::Snapshot snap = (**result)->snapshot;
+  EXPECT_EQ(driver_->disk_checkpoints, 1);
+  EXPECT_EQ(snap.type, "filesystem");
+  EXPECT_TRUE(snap.is_vm_disk());
+  EXPECT_TRUE(snap.layers.empty());
+  EXPECT_EQ(snap.memory_mb, 0u) << "a cold boot from it takes any shape";
+  EXPECT_EQ(snap.disk_bytes, driver_->disk_content.size());
+  EXPECT_TRUE(snap.parent.empty());
+  EXPECT_EQ(state("vm"), S::kRunning);
+  const std::string disk = snapshots_->files_dir(snap.id) + "/" + kSnapshotDisk;
+  EXPECT_EQ(snap.file_digests.at(kSnapshotDisk), *snapshot::sha256_file(disk));
+
+  CreateRequest from;
+  from.name = "vm-copy";
+  from.snapshot_id = snap.id;
+  from.memory_mb = 1024;
+  auto copy = create_request(from);
+  ASSERT_TRUE(copy) << copy.message();
+  EXPECT_EQ(copy->spec.memory_mb, 1024u);
+  EXPECT_EQ(copy->spec.snapshot_disk, disk);
+  EXPECT_TRUE(copy->spec.memory_snapshot_dir.empty());
+  EXPECT_EQ(driver_->started_on_disk, disk);
+
+  auto second = checkpoint("vm-copy", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return second->has_value(); }));
+  ASSERT_TRUE(**second) << (*second)->message();
+  const snapshot::Snapshot child = (**second)->snapshot;
+  EXPECT_EQ(child.parent, snap.id);
+  ASSERT_TRUE(remove_sandbox("vm-copy"));
+  auto refused = remove_snapshot(snap.id);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error(), Error::kConflict);
+  EXPECT_NE(refused.message().find(child.id), std::string::npos) << refused.message();
+  ASSERT_TRUE(remove_snapshot(child.id));
+  auto removed = remove_snapshot(snap.id);
+  EXPECT_TRUE(removed) << removed.message();
+
+  // Hibernated: checkpointed as it stands (the driver copies its disk), and it stays so.
+  CreateRequest tiered = request("tiered", false, 1);
+  tiered.hibernate_after_secs = 1;
+  ASSERT_TRUE(create_request(tiered));
+  ASSERT_TRUE(run_until(&loop_, [&] { return hibernated("tiered"); }, 5000));
+  auto asleep = checkpoint("tiered", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return asleep->has_value(); }));
+  ASSERT_TRUE(**asleep) << (*asleep)->message();
+  EXPECT_EQ(driver_->last_disk_checkpoint_source, CheckpointFrom::kHibernated);
+  EXPECT_TRUE(hibernated("tiered"));
 }
 
 TEST_F(NodeCheckpointTest, AFailedMemoryCheckpointLeavesNoSnapshotAndTheSandboxRunning) {

@@ -46,6 +46,8 @@ using testing::TestLoop;
 // init does since it sets the clock first; unset, only lines with SSH files are (an older image).
 // FAKE_QEMU_AGENT (read at spawn): when set, the console says "SANDGATE-GUEST-AGENT <it>" before the ready
 // line, as the guest's init does; unset, no such line (an image older than that line).
+// A line "sync <secret>" on that port (a disk checkpoint's) appends "sync while <QMP status>" to
+// <sandbox dir>/syncs and is answered like the others.
 // Every spawn appends its pid to <sandbox dir>/spawns and its network namespace to <sandbox dir>/netns, and
 // writes its argv (NUL-separated) to <sandbox dir>/argv. Each `hostfwd=tcp:127.0.0.1:<port>-:...` rule gets
 // a listener on that port (in the fake's own namespace) that answers "FAKE-GUEST <port>\n" and closes.
@@ -90,6 +92,9 @@ def identity(c):  # the guest's identity handler: records the line, acknowledges
     with open(os.path.join(d, "identity-lines"), "ab") as f:
         f.write(line)
     fields = line.split()
+    if fields[:1] == [b"sync"]:  # a disk checkpoint's request: noted with where the guest stands
+        with open(os.path.join(d, "syncs"), "a") as f:
+            f.write("sync while %s\n" % status)
     if "FAKE_QEMU_ANSWERS" in os.environ or (len(fields) == 8 and fields[4] != b"-"):
         time.sleep(int(os.environ.get("FAKE_QEMU_ACK_DELAY_MS", "0")) / 1000)
         with open(os.path.join(d, "identity-acks"), "a") as f:
@@ -334,12 +339,21 @@ class QemuDriverTest : public ::testing::Test {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec_, info, std::move(d)); });
   }
   // A memory checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
-  std::optional<Result<MemoryCheckpoint>> checkpoint_memory(
-      const RuntimeInfo& info, const std::string& dir, MemoryCheckpointSource source = MemoryCheckpointSource::kRunning) {
+  std::optional<Result<VmCheckpoint>> checkpoint_memory(
+      const RuntimeInfo& info, const std::string& dir, CheckpointFrom source = CheckpointFrom::kRunning) {
     std::filesystem::create_directories(dir);
-    std::optional<Result<MemoryCheckpoint>> saved;
+    std::optional<Result<VmCheckpoint>> saved;
     driver().checkpoint_memory(spec_, info, dir, source,
-                               [&](Result<MemoryCheckpoint> r) { saved.emplace(std::move(r)); });
+                               [&](Result<VmCheckpoint> r) { saved.emplace(std::move(r)); });
+    EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
+    return saved;
+  }
+  // A disk checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
+  std::optional<Result<VmCheckpoint>> checkpoint_disk(const RuntimeInfo& info, const std::string& dir,
+                                                      CheckpointFrom source = CheckpointFrom::kRunning) {
+    std::filesystem::create_directories(dir);
+    std::optional<Result<VmCheckpoint>> saved;
+    driver().checkpoint_disk(spec_, info, dir, source, [&](Result<VmCheckpoint> r) { saved.emplace(std::move(r)); });
     EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
     return saved;
   }
@@ -576,7 +590,7 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   ASSERT_TRUE(info.ok()) << info.message();
   ASSERT_TRUE(pause(*info).ok());
   const std::string snap = dir_.path() + "/snap";
-  auto saved = checkpoint_memory(*info, snap, MemoryCheckpointSource::kPaused);
+  auto saved = checkpoint_memory(*info, snap, CheckpointFrom::kPaused);
   ASSERT_TRUE(saved.has_value());
   ASSERT_TRUE(*saved) << saved->message();
   EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-DEVICES");
@@ -603,7 +617,7 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAHibernatedGuestCopiesItsSavedState) {
   ASSERT_TRUE(saved.ok()) << saved.message();
   const size_t spawns = spawned_pids(sandbox_dir_).size();
   const std::string snap = dir_.path() + "/snap";
-  auto checkpoint = checkpoint_memory(*saved, snap, MemoryCheckpointSource::kHibernated);
+  auto checkpoint = checkpoint_memory(*saved, snap, CheckpointFrom::kHibernated);
   ASSERT_TRUE(checkpoint.has_value());
   ASSERT_TRUE(*checkpoint) << checkpoint->message();
   EXPECT_EQ(read_all(snap + "/" + kMemoryState), "SANDGATE-FAKE-STATE");
@@ -620,7 +634,7 @@ TEST_F(QemuDriverTest, AMemoryCheckpointOfAHibernatedGuestCopiesItsSavedState) {
   // Without a saved state there is nothing to copy.
   RuntimeInfo none = *saved;
   none.driver_data.erase("state_file");
-  auto missing = checkpoint_memory(none, dir_.path() + "/snap2", MemoryCheckpointSource::kHibernated);
+  auto missing = checkpoint_memory(none, dir_.path() + "/snap2", CheckpointFrom::kHibernated);
   ASSERT_TRUE(missing.has_value());
   EXPECT_EQ(missing->error(), Error::kNotFound);
 }
@@ -630,7 +644,7 @@ TEST_F(QemuDriverTest, AFailedMemoryCheckpointOfAPausedGuestLeavesItPaused) {
   auto info = start();
   ASSERT_TRUE(info.ok()) << info.message();
   ASSERT_TRUE(pause(*info).ok());
-  auto saved = checkpoint_memory(*info, dir_.path() + "/snap", MemoryCheckpointSource::kPaused);
+  auto saved = checkpoint_memory(*info, dir_.path() + "/snap", CheckpointFrom::kPaused);
   ASSERT_TRUE(saved.has_value());
   ASSERT_FALSE(*saved);
   auto seen = driver().observe(spec_, *info);
@@ -1079,6 +1093,19 @@ TEST_F(QemuDriverTest, EveryWakeWaitsForAGuestThatAnswersToSayItsClockIsSet) {
   EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(spec_, *restored, std::move(d)); }).ok());
 }
 
+// An initramfs guest's files live in its memory: a filesystem checkpoint is refused, naming the one that
+// saves them, and the guest runs on untouched.
+TEST_F(QemuDriverTest, AFilesystemCheckpointOfAGuestWithoutADiskIsRefusedNamingTheMemoryCheckpoint) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto saved = checkpoint_disk(*info, dir_.path() + "/snap");
+  ASSERT_TRUE(saved.has_value());
+  ASSERT_FALSE(*saved);
+  EXPECT_EQ(saved->error(), Error::kUnsupported);
+  EXPECT_NE(saved->message().find("--type memory"), std::string::npos) << saved->message();
+  EXPECT_FALSE(driver().observe(spec_, *info).paused);
+}
+
 TEST_F(QemuDriverTest, CommandLargerThanTheLimitIsRefusedBeforeAnythingRuns) {
   spec_.env = {{"BIG", std::string(kMaxGuestCommandBytes, 'x')}};
   auto r = start();
@@ -1207,6 +1234,81 @@ TEST_F(QemuDiskTest, BootsAQcow2OverlayOnTheImagesSharedReadOnlyBaseDisk) {
   EXPECT_NE(read_all(sandbox_dir_ + "/argv").find("file=" + disk), std::string::npos);
   ASSERT_EQ(::stat(disk.c_str(), &st), 0);
   EXPECT_EQ(st.st_mtim.tv_nsec, overlay_made.tv_nsec);  // not recreated
+}
+
+// A filesystem checkpoint of a VM is its disk overlay, copied while the VM stands still, after the guest's
+// agent wrote out its files; the guest runs again afterwards, and a VM started on the copy boots on an overlay
+// of its own over it. A suspended VM is copied as it stands (no QEMU asked, none started), and stays so.
+TEST_F(QemuDiskTest, AFilesystemCheckpointCopiesTheDiskAfterTheGuestWroteOutItsFilesAndANewVmBootsOnIt) {
+  ::setenv("FAKE_QEMU_ANSWERS", "1", 1);
+  ::setenv("FAKE_QEMU_AGENT", "listening", 1);
+  ASSERT_TRUE(driver().capabilities().disk_checkpoint);
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string disk = sandbox_dir_ + "/disk.qcow2";
+  // What the guest wrote: a cluster in its overlay, which the copy must carry.
+  ASSERT_EQ(std::system(("qemu-io -f qcow2 -c 'write -P 0xab 1M 64k' " + disk + " >/dev/null").c_str()), 0);
+  const std::string snap = dir_.path() + "/snap";
+  auto saved = checkpoint_disk(*info, snap);
+  ASSERT_TRUE(saved.has_value());
+  ASSERT_TRUE(*saved) << saved->message();
+  EXPECT_EQ(lines_of(sandbox_dir_ + "/syncs"), std::vector<std::string>{"sync while running"})
+      << "the guest was not asked to write out its files before it was stopped";
+  EXPECT_GT((*saved)->pause_ms, 0);
+  EXPECT_GT((*saved)->disk_bytes, 0u);
+  EXPECT_EQ((*saved)->state_bytes, 0u);
+  EXPECT_EQ(read_all(snap + "/" + kSnapshotDisk), read_all(disk));
+  EXPECT_FALSE(std::filesystem::exists(snap + "/" + kMemoryState));
+  EXPECT_FALSE(driver().observe(spec_, *info).paused) << "the guest must run again after its checkpoint";
+
+  auto [spec, dir] = other_sandbox();
+  spec.snapshot_disk = snap + "/" + kSnapshotDisk;
+  spec.memory_mb = spec_.memory_mb * 2;  // a cold boot: the shape may differ
+  const SandboxSpec& from_spec = spec;
+  const std::string& from_dir = dir;
+  auto from = wait_runtime([&](Driver::RuntimeDone d) { driver().start(from_spec, from_dir, std::move(d)); });
+  ASSERT_TRUE(from.ok()) << from.message();
+  EXPECT_EQ(from->driver_data["disk"], dir + "/disk.qcow2");
+  FILE* p = ::popen(("qemu-img info --output=json " + dir + "/disk.qcow2").c_str(), "r");
+  std::string qinfo;
+  char buf[512];
+  for (size_t n; p && (n = std::fread(buf, 1, sizeof buf, p)) > 0;) qinfo.append(buf, n);
+  if (p) ::pclose(p);
+  EXPECT_NE(qinfo.find("\"backing-filename\": \"" + spec.snapshot_disk + "\""), std::string::npos) << qinfo;
+  EXPECT_EQ(lookups_, 1) << "a VM on a snapshot's disk looked its image's layers up";
+  EXPECT_TRUE(wait_status([&](Driver::Done d) { driver().terminate(from_spec, *from, std::move(d)); }).ok());
+
+  // Paused in memory: copied as it stands, not asked, left paused.
+  ASSERT_TRUE(pause(*info).ok());
+  auto paused = checkpoint_disk(*info, dir_.path() + "/snap-paused", CheckpointFrom::kPaused);
+  ASSERT_TRUE(paused.has_value() && paused->ok()) << (paused ? paused->message() : "");
+  EXPECT_EQ((*paused)->pause_ms, 0);
+  EXPECT_EQ(lines_of(sandbox_dir_ + "/syncs").size(), 1u);
+  EXPECT_TRUE(driver().observe(spec_, *info).paused);
+  // Hibernated: the overlay copied with no QEMU running.
+  auto hibernated = hibernate(*info);
+  ASSERT_TRUE(hibernated.ok()) << hibernated.message();
+  const size_t spawns = spawned_pids(sandbox_dir_).size();
+  auto copied = checkpoint_disk(*hibernated, dir_.path() + "/snap-hibernated", CheckpointFrom::kHibernated);
+  ASSERT_TRUE(copied.has_value() && copied->ok()) << (copied ? copied->message() : "");
+  EXPECT_EQ(read_all(dir_.path() + "/snap-hibernated/" + kSnapshotDisk), read_all(disk));
+  EXPECT_EQ(spawned_pids(sandbox_dir_).size(), spawns) << "a QEMU ran for the checkpoint";
+  EXPECT_TRUE(driver().observe(spec_, *hibernated).hibernated);
+}
+
+// A guest whose agent does not listen cannot be asked to write out its files: its disk is copied as it
+// stands all the same (the node logs it), and nothing is sent to the init's identity script.
+TEST_F(QemuDiskTest, AFilesystemCheckpointOfAGuestWithoutAListeningAgentCopiesTheDiskAsItStands) {
+  ::setenv("FAKE_QEMU_ANSWERS", "1", 1);
+  ::setenv("FAKE_QEMU_AGENT", "none", 1);
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  auto saved = checkpoint_disk(*info, dir_.path() + "/snap");
+  ASSERT_TRUE(saved.has_value());
+  ASSERT_TRUE(*saved) << saved->message();
+  EXPECT_FALSE(std::filesystem::exists(sandbox_dir_ + "/syncs"));
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() + "/snap/" + kSnapshotDisk));
+  EXPECT_FALSE(driver().observe(spec_, *info).paused);
 }
 
 // An image removed and made again under its name with other layers: a sandbox of the new one boots a new base

@@ -39,6 +39,10 @@ StoredSandbox sample(const std::string& id, SandboxState state = SandboxState::k
   s.spec.pids_max = 4096;
   s.spec.disk_mb = 2048;
   s.spec.driver = "qemu";
+  s.spec.snapshot = "snap-abcdefabcdef";
+  s.spec.layers = {"sha256:" + std::string(64, 'c')};
+  s.spec.memory_snapshot_dir = "/var/lib/sandgate/images/snapshots/snap-abcdefabcdef.d";
+  s.spec.snapshot_disk = "/var/lib/sandgate/images/snapshots/snap-abcdefabcdef.d/disk.qcow2";
   s.tier = SuspendTier::kDisk;
   s.runtime.driver_data = {{"state_file", "/var/lib/sandgate/sandboxes/" + id + "/state"}, {"qmp", "q\"\n"}};
   s.spec.ports = {{8080, false, PortProtocol::kHttp1}, {65535, true, PortProtocol::kTcp}, {1, false, PortProtocol::kH2c}};
@@ -73,6 +77,10 @@ void expect_same(const StoredSandbox& a, const StoredSandbox& b) {
   EXPECT_EQ(a.spec.pids_max, b.spec.pids_max);
   EXPECT_EQ(a.spec.disk_mb, b.spec.disk_mb);
   EXPECT_EQ(a.spec.driver, b.spec.driver);
+  EXPECT_EQ(a.spec.snapshot, b.spec.snapshot);
+  EXPECT_EQ(a.spec.layers, b.spec.layers);
+  EXPECT_EQ(a.spec.memory_snapshot_dir, b.spec.memory_snapshot_dir);
+  EXPECT_EQ(a.spec.snapshot_disk, b.spec.snapshot_disk);
   EXPECT_EQ(a.tier, b.tier);
   EXPECT_EQ(a.runtime.driver_data, b.runtime.driver_data);
   ASSERT_EQ(a.spec.ports.size(), b.spec.ports.size());

@@ -174,6 +174,28 @@ TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWith
   ASSERT_TRUE(store->create(odd));
   EXPECT_NE(store->get(odd.id).message().find("field type"), std::string::npos);
   ASSERT_TRUE(store->remove(odd.id));
+  // A VM's filesystem snapshot: its disk in its files, and the snapshot whose disk it reads (its parent).
+  Snapshot disk = sample(generate_snapshot_id());
+  disk.layers.clear();
+  disk.layer.clear();
+  disk.file_digests = {{kDiskFile, "sha256:" + std::string(64, 'c')}};
+  disk.parent = id;
+  ASSERT_TRUE(store->create(disk));
+  auto child = store->get(disk.id);
+  ASSERT_TRUE(child) << child.message();
+  EXPECT_TRUE(child->is_vm_disk());
+  EXPECT_EQ(child->parent, id);
+  auto first_child = store->first_child_of(id);
+  ASSERT_TRUE(first_child);
+  EXPECT_EQ(*first_child, std::optional<std::string>(disk.id));
+  EXPECT_EQ(*store->first_child_of(disk.id), std::nullopt);
+  ASSERT_TRUE(store->remove(disk.id));
+  Snapshot bad_parent = disk;
+  bad_parent.id = generate_snapshot_id();
+  bad_parent.parent = "../snap-x";
+  ASSERT_TRUE(store->create(bad_parent));
+  EXPECT_NE(store->get(bad_parent.id).message().find("field parent"), std::string::npos);
+  ASSERT_TRUE(store->remove(bad_parent.id));
   // A file digest naming a path outside the snapshot's directory, or no sha256, is damage too.
   for (const auto& [name, digest] : std::vector<std::pair<std::string, std::string>>{
            {"../ram", "sha256:" + std::string(64, 'a')}, {"ram", "md5:00"}}) {
