@@ -386,6 +386,7 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   r.integer("default_pids_max", &out->default_pids_max, kMinPidsMax, kMaxPidsMax);
   r.integer("default_disk_mb", &out->default_disk_mb, 0, kMaxDiskMb);
   r.integer("store_free_space_reserve_mb", &out->store_free_space_reserve_mb, 0, 1024 * 1024);
+  r.integer("checkpoint_flatten_layers", &out->checkpoint_flatten_layers, 2, 120);
   if (out->default_disk_mb != 0 && out->default_disk_mb < kMinDiskMb)
     r.error(*t.get("default_disk_mb"), "node.default_disk_mb",
             "must be 0 (no limit) or between " + std::to_string(kMinDiskMb) + " and " + std::to_string(kMaxDiskMb));

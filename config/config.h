@@ -122,6 +122,10 @@ struct NodeConfig {
   uint32_t default_pids_max = 1024;
   uint32_t default_disk_mb = 0;  // 0: no limit unless the create sets disk_mb
   uint32_t store_free_space_reserve_mb = 1024;  // imports and builds stop before the layer store's disk gets this full
+  // Layers a checkpoint chain may hold above its image's before the next checkpoint flattens them into one
+  // (snapshot/checkpointer.h kMaxLayersAboveImage; docs/snapshots.md#flattening): fewer means shallower
+  // overlays, more means fewer flattenings (each writes those layers' bytes once more).
+  uint32_t checkpoint_flatten_layers = 32;
   // A process sandbox's output.log on the host: past this many bytes it becomes output.log.1 (replacing the
   // one before) and starts again empty, so one sandbox's output takes at most twice this on disk.
   uint32_t log_max_bytes = 8 * 1024 * 1024;

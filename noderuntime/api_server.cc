@@ -1000,6 +1000,7 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
         ordered_json j = {{"snapshot_id", r->snapshot.id},
                           {"pause_ms", r->pause_ms},
                           {"entries", r->entries},
+                          {"flattened_layers", r->flattened},
                           {"snapshot", snapshot_json(r->snapshot)}};
         reply(Response{201, to_text(j), {}, ""});
       });

@@ -74,6 +74,7 @@ void Node::checkpoint_filesystem(Sandbox& sb, CheckpointCallback done) {
   job.index_path = sb.rec.runtime.sandbox_dir + "/checkpoint.index";
   job.base_layers = std::move(source->base_layers);
   job.record = snapshot_record(spec);
+  job.max_layers_above_image = config_->get()->node.checkpoint_flatten_layers;
   if (sb.rec.state == S::kSuspended) source->freezer = std::make_unique<KeepFrozen>(std::move(source->freezer));
   sb.checkpointing = true;
   spdlog::info("sandbox {}: checkpoint (filesystem) started", sb.id());
@@ -82,8 +83,11 @@ void Node::checkpoint_filesystem(Sandbox& sb, CheckpointCallback done) {
                           done = std::move(done)](Result<snapshot::CheckpointResult> r) {
                            if (alive.expired()) return;
                            if (r) {
-                             spdlog::info("sandbox {}: checkpoint {}: {} entries, {} bytes, frozen {:.1f} ms", id,
-                                          r->snapshot.id, r->entries, r->snapshot.layer_bytes, r->pause_ms);
+                             spdlog::info("sandbox {}: checkpoint {}: {} entries, {} bytes, frozen {:.1f} ms{}", id,
+                                          r->snapshot.id, r->entries, r->snapshot.layer_bytes, r->pause_ms,
+                                          r->flattened == 0 ? std::string()
+                                                            : fmt::format(" (on a chain flattened from {} layers)",
+                                                                          r->flattened));
                            } else {
                              spdlog::warn("sandbox {}: checkpoint failed: {}", id, r.message());
                            }

@@ -140,6 +140,11 @@ std::string encode_index(const CheckpointIndex& index) {
     out += path;  // a path holds any byte but NUL, which ends it
     out += '\0';
   }
+  // Last, so an index written before it (no base: its chain starts with the base) still reads.
+  if (!index.base.empty()) {
+    out += "base " + std::to_string(index.base.size()) + "\n";
+    for (const std::string& d : index.base) out += d + "\n";
+  }
   return out;
 }
 
@@ -192,6 +197,14 @@ Result<CheckpointIndex> decode_index(std::string_view text) {
       return bad("bad entry");
     s.opaque = opaque == 1;
     out.index.emplace(std::string(p, stop), s);
+  }
+  if (text.starts_with("base ")) {
+    if (!count("base ", n) || n > 4096) return bad("bad base count");
+    for (uint64_t i = 0; i < n; ++i) {
+      std::string_view d;
+      if (!line(d) || !valid_digest(d)) return bad("bad base digest");
+      out.base.emplace_back(d);
+    }
   }
   if (!text.empty()) return bad("trailing bytes");
   return out;

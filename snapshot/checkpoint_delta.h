@@ -63,10 +63,13 @@ struct DeltaPlan {
 DeltaPlan plan_delta(const UpperIndex& previous, const UpperIndex& current);
 
 // The record a sandbox keeps of its last checkpoint: the layers that checkpoint's root filesystem was made of
-// (the next delta stacks on exactly these) and the upper dir's index at that moment.
+// (the next delta stacks on exactly these), the upper dir's index at that moment, and the sandbox's base
+// layers it was made for (empty in an index written before flattening: its chain then starts with them; a
+// flattened chain does not, checkpointer.h).
 struct CheckpointIndex {
   std::vector<std::string> chain;
   UpperIndex index;
+  std::vector<std::string> base;
 };
 std::string encode_index(const CheckpointIndex& index);
 // kInvalidArgument for anything that is not what encode_index wrote (the caller then starts from scratch).

@@ -13,6 +13,7 @@
 
 #include "common/fd.h"
 #include "snapshot/checkpoint_delta.h"
+#include "snapshot/layer_squash.h"
 
 namespace sg::snapshot {
 namespace {
@@ -23,7 +24,7 @@ constexpr size_t kMaxIndexBytes = 512 * 1024 * 1024;
 // The index the next delta starts from, when it is consistent: it must stack on `base` (a sandbox's base
 // layers never change, so a chain that does not start with them is not this sandbox's).
 CheckpointIndex load_index(const std::string& path, const std::vector<std::string>& base) {
-  CheckpointIndex fresh{base, {}};
+  CheckpointIndex fresh{base, {}, base};
   int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (raw < 0) {
     if (errno != ENOENT) spdlog::warn("checkpoint: cannot open {} ({}); writing a full layer", path, std::strerror(errno));
@@ -36,12 +37,45 @@ CheckpointIndex load_index(const std::string& path, const std::vector<std::strin
     return fresh;
   }
   auto index = decode_index(*text);
-  if (!index || index->chain.size() < base.size() ||
-      !std::equal(base.begin(), base.end(), index->chain.begin())) {
+  // Written for this base: said so since flattening (whose chain no longer starts with it), and before by a
+  // chain starting with it.
+  const bool ours = index && (index->base.empty() ? index->chain.size() >= base.size() &&
+                                                        std::equal(base.begin(), base.end(), index->chain.begin())
+                                                  : index->base == base);
+  if (!ours) {
     spdlog::warn("checkpoint: {} is not this sandbox's last checkpoint; writing a full layer", path);
     return fresh;
   }
   return std::move(*index);
+}
+
+// Flattens `chain` (what the checkpoint stacks on) when it is long: its layers above the image's own become
+// one that shows the same tree (layer_squash.h), so the chain is at most the image's layers and two. Runs
+// before the freeze (the layers never change) and keeps the previous index valid: the upper dir stacks on the
+// same tree. `pinned` takes the new layer.
+Status flatten_long_chain(ImageStore& images, const CheckpointJob& job, std::vector<std::string>& chain,
+                          std::vector<std::string>& pinned, size_t& flattened) {
+  size_t image = 0;  // how many of the chain's bottom layers are the image's
+  if (auto own = images.get(job.record.image); own) {
+    while (image < own->layers.size() && image < chain.size() && chain[image] == own->layers[image]) ++image;
+    if (image != own->layers.size()) image = 0;  // not that image's layers as they are now: flatten all
+  }
+  const size_t above = chain.size() - image;
+  if (chain.size() + 1 <= kMaxImageLayers && above + 1 <= job.max_layers_above_image) return {};
+  if (above < 2)
+    return fail(Error::kLimitExceeded, "the sandbox's root filesystem has " + std::to_string(chain.size()) +
+                                           " layers, its image's alone " + std::to_string(image) + " (at most " +
+                                           std::to_string(kMaxImageLayers) + ")");
+  const std::vector<std::string> stack(chain.begin() + static_cast<std::ptrdiff_t>(image), chain.end());
+  auto squashed = squash_layers(images, stack, "the checkpoint chain of " + job.record.source_id);
+  if (!squashed) return fail(squashed.error(), "flattening " + squashed.message());
+  chain.resize(image);
+  if (!squashed->empty()) {
+    chain.push_back(*squashed);
+    pinned.push_back(*squashed);
+  }
+  flattened = stack.size();
+  return {};
 }
 
 }  // namespace
@@ -51,7 +85,7 @@ Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots
   CheckpointIndex previous = load_index(job.index_path, job.base_layers);
   if (!images.pin_existing(previous.chain)) {
     // An earlier checkpoint's layer went with its snapshot (snapshot rm): start over from the base.
-    previous = CheckpointIndex{job.base_layers, {}};
+    previous = CheckpointIndex{job.base_layers, {}, job.base_layers};
     if (auto s = images.pin_existing(previous.chain); !s) return fail(s.error(), "the sandbox's " + s.message());
   }
   std::vector<std::string> pinned = previous.chain;
@@ -60,10 +94,8 @@ Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots
     std::vector<std::string>& layers;
     ~Unpin() { images.unpin(layers); }  // the GC then takes a layer no record names (a failed checkpoint's)
   } unpin{images, pinned};
-  if (previous.chain.size() + 1 > kMaxImageLayers)
-    return fail(Error::kLimitExceeded, "the sandbox's root filesystem already has " +
-                                           std::to_string(previous.chain.size()) + " layers (at most " +
-                                           std::to_string(kMaxImageLayers) + "; chains are not flattened yet)");
+  CheckpointResult result;
+  if (Status s = flatten_long_chain(images, job, previous.chain, pinned, result.flattened); !s) return s.failure();
 
   auto dir = images.layers().make_temp_dir("checkpoint-");
   if (!dir) return dir.failure();
@@ -87,7 +119,6 @@ Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots
     written = write_layer(source, blob);
   }
   Status thawed = freezer.thaw();
-  CheckpointResult result;
   result.pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - frozen_at).count();
   if (!thawed) return fail(thawed.error(), "thaw after the checkpoint: " + thawed.message());
   if (!current) return current.failure();
@@ -118,7 +149,7 @@ Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots
   // After the record: an index must never describe a layer no snapshot holds. A failure here only makes the
   // next checkpoint stack on the previous index's chain (a bigger layer, still a correct one).
   mark_racy(*current, racy_since);
-  if (auto s = write_file_atomic(job.index_path, encode_index({record.layers, std::move(*current)})); !s)
+  if (auto s = write_file_atomic(job.index_path, encode_index({record.layers, std::move(*current), job.base_layers})); !s)
     spdlog::warn("checkpoint {}: the sandbox's index was not updated: {}", record.id, s.message());
   result.snapshot = std::move(record);
   return result;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <iostream>
 #include <set>
+#include <vector>
 
 #include "tests/e2e/harness.h"
 
@@ -189,6 +190,61 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
 }
 
 // Crash safety: the node dies (kill -9) while a checkpoint holds the sandbox frozen.
+// A session checkpointed again and again: once its chain holds node.checkpoint_flatten_layers (here 4) layers
+// above the image's, the next checkpoint flattens them into one first (snapshot/layer_squash.h), so the chain
+// never reaches overlayfs' limit. What every checkpoint wrote, and an image file deleted at the start, are as
+// they were in a sandbox created from the last snapshot; the earlier snapshots keep their own chains.
+TEST(Snapshot, ALongSessionsChainIsFlattenedAndStillHoldsEverything) {
+  ClusterOptions options = own_store_with_proxy();
+  options.node_extra += "checkpoint_flatten_layers = 4\n";
+  Cluster c(options);
+  import_test_image(c);
+  json src = create_with_agent(c, "long", "-- /bin/sleep 3600");
+  const std::string token = token_of(src);
+  ASSERT_FALSE(token.empty());
+  ASSERT_EQ(sh(c, "long", token, "rm /etc/hostname && mkdir -p /root/steps").code, 0);
+  size_t image_layers = 0;
+  json last, first_snapshot;
+  std::vector<double> ms;
+  for (int step = 1; step <= 6; ++step) {
+    ASSERT_EQ(sh(c, "long", token, "echo " + std::to_string(step) + " > /root/steps/" + std::to_string(step)).code, 0);
+    const auto started = std::chrono::steady_clock::now();
+    last = checkpoint(c, "long");
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
+    ASSERT_TRUE(last.contains("snapshot")) << "step " << step;
+    const size_t layers = last["snapshot"]["layers"].size();
+    if (step == 1) {
+      image_layers = layers - 1;
+      first_snapshot = last;
+    }
+    if (step <= 4) {
+      EXPECT_EQ(layers, image_layers + static_cast<size_t>(step)) << "step " << step;
+      EXPECT_EQ(last.value("flattened_layers", -1), 0) << "step " << step;
+    } else if (step == 5) {
+      EXPECT_EQ(last.value("flattened_layers", -1), 4);
+      EXPECT_EQ(layers, image_layers + 2) << "the image's, the flattened one, this checkpoint's";
+    } else {
+      EXPECT_EQ(last.value("flattened_layers", -1), 0);
+      EXPECT_EQ(layers, image_layers + 3) << "the next checkpoint stacks on the flattened chain";
+      EXPECT_LT(last["snapshot"].value("layer_bytes", 0), 64 * 1024) << "not a delta after the flattening";
+    }
+  }
+  std::fprintf(stderr, "checkpoint CLI round trips: step 4 %.0f ms, step 5 (flattening 4 layers) %.0f ms, step 6 %.0f ms\n",
+               ms[3], ms[4], ms[5]);
+  const std::string snap = last.value("snapshot_id", "");
+  json copy = create_with_agent(c, "copy", "--from " + snap);
+  Exec reads = sh(c, "copy", token_of(copy),
+                  "cat /root/steps/1 /root/steps/4 /root/steps/5 /root/steps/6; ls /root/steps | wc -l; "
+                  "test -e /etc/hostname && echo hostname-back || echo hostname-gone");
+  EXPECT_EQ(reads.out, "1\n4\n5\n6\n6\nhostname-gone\n");
+  // The first snapshot still reads as it was.
+  json early = create_with_agent(c, "early", "--from " + first_snapshot.value("snapshot_id", ""));
+  EXPECT_EQ(sh(c, "early", token_of(early), "ls /root/steps").out, "1\n");
+  ASSERT_EQ(c.cli("rm copy").exit_code, 0);
+  ASSERT_EQ(c.cli("rm early").exit_code, 0);
+  ASSERT_EQ(c.cli("rm long").exit_code, 0);
+}
+
 TEST(Snapshot, ANodeKilledDuringACheckpointLeavesNoSnapshotAndTheSourceIntact) {
   Cluster c(own_store_with_proxy());
   import_test_image(c);

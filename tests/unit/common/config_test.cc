@@ -180,7 +180,8 @@ TEST(Config, SandboxBoundaryKeys) {
   EXPECT_EQ((*d)->node.log_max_bytes, 8u * 1024 * 1024);
   auto c = load("[node]\nimages_dir = \"img\"\ndefault_image = \"py\"\nuid_range_base = 1048576\n"
                 "default_pids_max = 8\nlog_max_bytes = 65536\ndefault_disk_mb = 16\n"
-                "store_free_space_reserve_mb = 0\nmax_memory_mb = 65536\nmax_cpus = 16\n");
+                "store_free_space_reserve_mb = 0\nmax_memory_mb = 65536\nmax_cpus = 16\n"
+                "checkpoint_flatten_layers = 4\n");
   ASSERT_TRUE(c.ok()) << c.message();
   EXPECT_EQ((*c)->node.max_memory_mb, 65536u);
   EXPECT_EQ((*c)->node.max_cpus, 16u);
@@ -195,9 +196,12 @@ TEST(Config, SandboxBoundaryKeys) {
   EXPECT_EQ((*d)->node.default_disk_mb, 0u);
   EXPECT_EQ((*c)->node.store_free_space_reserve_mb, 0u);
   EXPECT_EQ((*d)->node.store_free_space_reserve_mb, 1024u);
+  EXPECT_EQ((*c)->node.checkpoint_flatten_layers, 4u);
+  EXPECT_EQ((*d)->node.checkpoint_flatten_layers, 32u);
   for (const char* bad : {"uid_range_base = 1048575", "uid_range_base = 3221225473", "default_pids_max = 7",
                           "default_pids_max = 4194305", "log_max_bytes = 65535", "log_max_bytes = 1073741825", "default_disk_mb = 15",
-                          "default_disk_mb = 16777217", "max_memory_mb = -1", "max_cpus = 1048577"}) {
+                          "default_disk_mb = 16777217", "max_memory_mb = -1", "max_cpus = 1048577",
+                          "checkpoint_flatten_layers = 1", "checkpoint_flatten_layers = 121"}) {
     auto r = load(std::string("[node]\n") + bad + "\n");
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_NE(r.message().find("t.toml:2: node." + std::string(bad).substr(0, std::string(bad).find(' '))),

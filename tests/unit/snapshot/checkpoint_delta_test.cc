@@ -89,7 +89,16 @@ TEST(CheckpointDelta, TheIndexRoundTripsAnyPathAndRefusesGarbage) {
   ASSERT_TRUE(back) << back.message();
   EXPECT_EQ(back->chain, index.chain);
   EXPECT_EQ(back->index, index.index);
+  EXPECT_TRUE(back->base.empty()) << "an index without a base (as written before flattening) reads as one";
+  // A flattened chain's index names the base it was made for.
+  CheckpointIndex flattened = index;
+  flattened.base = {"sha256:" + std::string(64, 'c')};
+  auto with_base = decode_index(encode_index(flattened));
+  ASSERT_TRUE(with_base) << with_base.message();
+  EXPECT_EQ(with_base->base, flattened.base);
+  EXPECT_EQ(with_base->index, index.index);
   for (std::string bad : {std::string(), std::string("garbage"), text.substr(0, text.size() - 1), text + "x",
+                          text + "base 2\nsha256:" + std::string(64, 'c') + "\n", text + "base 1\nsha256:short\n",
                           std::string("sandgate-checkpoint-index 1\nchain 1\nsha256:short\nentries 0\n")}) {
     auto got = decode_index(bad);
     EXPECT_FALSE(got) << bad;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -143,6 +144,121 @@ TEST_F(CheckpointerTest, AChainWhoseLayerWasRemovedStartsOverWithAFullLayer) {
   ASSERT_EQ(second->snapshot.layers.size(), 1u) << "stacked on a layer that is gone";
   EXPECT_EQ(testing::read_file(tree(second->snapshot.layer) + "/data"), "one");
   EXPECT_EQ(testing::read_file(tree(second->snapshot.layer) + "/other"), "two");
+}
+
+// The image "base" of one layer (/etc/os, /etc/doomed), as an image build would record it.
+std::string add_base_image(ImageStore& images, const std::string& dir) {
+  const std::string blob = dir + "/base.tar";
+  EXPECT_TRUE(testing::write_tar(blob, {testing::dir("etc"), testing::file("etc/os", "debian"),
+                                        testing::file("etc/doomed", "image file")}));
+  auto digest = sha256_file(blob);
+  EXPECT_TRUE(digest);
+  auto added = images.add_pinned_layer(blob, *digest, "the test image");
+  EXPECT_TRUE(added) << added.message();
+  Image image;
+  image.name = "base";
+  image.format = "build";
+  image.layers = {*added};
+  auto created = images.create(image);
+  EXPECT_TRUE(created) << created.message();
+  images.unpin({*added});
+  return *added;
+}
+
+// A long chain is flattened before the next checkpoint stacks on it: the layers above the image's become one,
+// which shows the same tree (what they wrote, what they deleted from the image as whiteouts, an opaque
+// directory's hiding); the new checkpoint is still only what changed, and the one after it stacks on the
+// flattened chain (a delta, not a full layer).
+TEST_F(CheckpointerTest, ALongChainIsFlattenedAboveTheImageAndTheDeltasGoOn) {
+  const std::string image_layer = add_base_image(*images_, tmp_.path());
+  CheckpointJob j = job();
+  j.base_layers = {image_layer};
+  j.max_layers_above_image = 3;
+  auto take_j = [&] { return checkpoint(*images_, *snapshots_, j, freezer_); };
+  write("root/a", "a1");
+  write("root/big", std::string(1 << 20, 'x'));
+  fs::create_directories(upper_ + "/cache");
+  write("cache/old", "stale");
+  settle();
+  auto one = take_j();
+  ASSERT_TRUE(one) << one.message();
+  write("root/a", "a2");
+  fs::create_directories(upper_ + "/etc");
+  ASSERT_EQ(::mknod((upper_ + "/etc/doomed").c_str(), S_IFCHR | 0000, makedev(0, 0)), 0) << "needs root";
+  settle();
+  auto two = take_j();
+  ASSERT_TRUE(two) << two.message();
+  // The cache dir deleted and made again: overlayfs marks it opaque in the upper dir.
+  fs::remove_all(upper_ + "/cache");
+  fs::create_directories(upper_ + "/cache");
+  ASSERT_EQ(::setxattr((upper_ + "/cache").c_str(), "trusted.overlay.opaque", "y", 1, 0), 0);
+  write("cache/new", "fresh");
+  settle();
+  auto three = take_j();
+  ASSERT_TRUE(three) << three.message();
+  ASSERT_EQ(three->snapshot.layers.size(), 4u);
+  EXPECT_EQ(three->flattened, 0u);
+
+  write("root/b", "b1");
+  settle();
+  auto four = take_j();
+  ASSERT_TRUE(four) << four.message();
+  const Snapshot& flat = four->snapshot;
+  EXPECT_EQ(four->flattened, 3u);
+  ASSERT_EQ(flat.layers.size(), 3u) << "the image's layer, the flattened one, this checkpoint's";
+  EXPECT_EQ(flat.layers[0], image_layer);
+  EXPECT_EQ(flat.layer, flat.layers[2]);
+  EXPECT_LT(flat.layer_bytes, 64u * 1024) << "the checkpoint after a flattening is still a delta";
+  EXPECT_EQ(testing::read_file(tree(flat.layer) + "/root/b"), "b1");
+  const std::string merged = tree(flat.layers[1]);
+  EXPECT_EQ(testing::read_file(merged + "/root/a"), "a2");
+  EXPECT_EQ(fs::file_size(merged + "/root/big"), 1u << 20);
+  struct stat st{};
+  ASSERT_EQ(::lstat((merged + "/etc/doomed").c_str(), &st), 0) << "the image file's deletion was lost";
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+  EXPECT_EQ(st.st_rdev, makedev(0, 0));
+  EXPECT_FALSE(fs::exists(merged + "/cache/old")) << "the opaque directory's hiding was lost";
+  EXPECT_EQ(testing::read_file(merged + "/cache/new"), "fresh");
+  char opaque[2] = {};
+  EXPECT_EQ(::getxattr((merged + "/cache").c_str(), "trusted.overlay.opaque", opaque, sizeof opaque), 1);
+  // The earlier snapshots keep their own chains; the next checkpoint stacks on the flattened one.
+  EXPECT_EQ(snapshots_->get(three->snapshot.id)->layers, three->snapshot.layers);
+  write("root/c", "c1");
+  settle();
+  auto five = take_j();
+  ASSERT_TRUE(five) << five.message();
+  EXPECT_EQ(five->flattened, 0u);
+  ASSERT_EQ(five->snapshot.layers.size(), 4u);
+  EXPECT_EQ(std::vector<std::string>(five->snapshot.layers.begin(), five->snapshot.layers.begin() + 3), flat.layers);
+  EXPECT_LT(five->snapshot.layer_bytes, 64u * 1024) << "stacked on a full layer, not on the flattened chain";
+}
+
+// A sandbox created from a flattened snapshot checkpoints on it like on any other; a line of sandboxes each
+// made from the last one's checkpoint stays within the limit (here 3 above the image), generation after
+// generation.
+TEST_F(CheckpointerTest, GenerationsOfCreatesFromCheckpointsStayShort) {
+  const std::string image_layer = add_base_image(*images_, tmp_.path());
+  std::vector<std::string> base = {image_layer};
+  for (int generation = 0; generation < 6; ++generation) {
+    fs::remove_all(upper_);
+    fs::create_directories(upper_);
+    fs::remove(tmp_.path() + "/sandbox/checkpoint.index");
+    write("gen/" + std::to_string(generation), std::to_string(generation));
+    settle();
+    CheckpointJob j = job();
+    j.base_layers = base;
+    j.max_layers_above_image = 3;
+    auto taken = checkpoint(*images_, *snapshots_, j, freezer_);
+    ASSERT_TRUE(taken) << "generation " << generation << ": " << taken.message();
+    base = taken->snapshot.layers;
+    EXPECT_LE(base.size(), 4u) << "generation " << generation;
+  }
+  // Every generation's file is in the last chain's trees.
+  for (int generation = 0; generation < 6; ++generation) {
+    bool found = false;
+    for (const std::string& layer : base) found = found || fs::exists(tree(layer) + "/gen/" + std::to_string(generation));
+    EXPECT_TRUE(found) << "generation " << generation << "'s file is gone";
+  }
 }
 
 TEST_F(CheckpointerTest, AFailedFreezeLeavesNothing) {
