@@ -29,6 +29,9 @@
 #                                0: clear text (a private network you trust, firewalled as below)
 #   ETCD_ENDPOINTS               with MEMBERS "-": the etcd members, comma-separated http(s)://IP:PORT (https:
 #                                their certificates verified against the fleet CA, NAME.pem presented)
+#   ETCD_SERVER_NAME             with https ETCD_ENDPOINTS: the name the members' certificates are checked
+#                                against instead of the dialled address (fleet.etcd_server_name: a Service's
+#                                address in front of them, which no certificate can name in advance)
 #   CGROUP_NAME [sandgate]       node.cgroup_name
 #   NODE_EXTRA                   TOML lines added to [node] (image store, limits, ...)
 #   ROOT [/]                     where the files go; with another ROOT every path written into them is under
@@ -212,6 +215,13 @@ fleet_tls_lines=""
 [[ $scheme == https ]] && fleet_tls_lines="etcd_cacert = \"$CONF_FLEET/fleet-ca.pem\"
 etcd_cert = \"$CONF_FLEET/$NAME.pem\"
 etcd_key = \"$CONF_FLEET/$NAME.key\""
+if [[ -n ${ETCD_SERVER_NAME:-} ]]; then
+  [[ $MEMBERS == - && $scheme == https ]] || die "ETCD_SERVER_NAME is for https ETCD_ENDPOINTS (MEMBERS \"-\")"
+  [[ $ETCD_SERVER_NAME =~ ^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$ ]] ||
+    die "ETCD_SERVER_NAME '$ETCD_SERVER_NAME' is not a DNS name"
+  fleet_tls_lines+="
+etcd_server_name = \"$ETCD_SERVER_NAME\""
+fi
 
 conf=$CONF_DIR/sandgate.toml
 if [[ -f $conf ]] && ! grep -q "^# Written by sandgate's deploy/fleet-machine.sh" "$conf"; then

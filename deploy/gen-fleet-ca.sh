@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Creates the fleet CA and one certificate per node for the proxies' cross-node hop (mutual TLS between
 # each node's proxy and the others' proxy.fleet_listen; docs/fleet.md#cross-node-routing).
-#   deploy/gen-fleet-ca.sh DIR NODE[=IP[,IP...]]...
+#   deploy/gen-fleet-ca.sh DIR NODE[=ADDR[,ADDR...]]...    ADDR: a numeric IPv4 address, or DNS:NAME
 # Writes DIR/fleet-ca.pem + DIR/fleet-ca.key (10 years) once, and DIR/NODE.pem + DIR/NODE.key per node
 # (1 year; the certificate's DNS name and CN are the node's name, which is how a proxy knows who it talks
 # to), ECDSA P-256, keys mode 0600. Each certificate is both server and client (a node's proxy is both
 # ends of hops). With NODE=IP it also names that address (an IP SAN): the machine's etcd member serves
 # with it, and etcd clients verify the member's address (deploy/fleet-machine.sh's TLS etcd). A member
 # checks a peer's certificate against the address the peer connects from, so a machine whose connections
-# may leave from another of its addresses lists that one too (NODE=IP,OTHER_IP). Existing
+# may leave from another of its addresses lists that one too (NODE=IP,OTHER_IP). DNS:NAME adds a DNS name:
+# an etcd member on Kubernetes (deploy/kubernetes/fleet.yaml) is dialled by its stable name and through its
+# client Service's (fleet.etcd_server_name). Existing
 # files are kept: run it again with a new node name to add a node (remove a node's pair to remake it).
 # Copy fleet-ca.pem and that node's pair to each machine; fleet-ca.key stays where nodes are enrolled.
 set -euo pipefail
@@ -32,7 +34,13 @@ for arg in "$@"; do
     IFS=, read -r -a ips <<<"${arg#*=}"
     [[ ${#ips[@]} -ge 1 ]] || die "'$arg': no address after '='"
     for ip in "${ips[@]}"; do
-      [[ $ip =~ ^([0-9]{1,3}\.){3}[0-9]{1,3}$ ]] || die "'$arg': '$ip' is not a numeric IPv4 address"
+      if [[ $ip == DNS:* ]]; then
+        [[ ${ip#DNS:} =~ ^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$ ]] ||
+          die "'$arg': '${ip#DNS:}' is not a DNS name"
+        node_ip[$node]+="${node_ip[$node]:+,}$ip"
+        continue
+      fi
+      [[ $ip =~ ^([0-9]{1,3}\.){3}[0-9]{1,3}$ ]] || die "'$arg': '$ip' is not a numeric IPv4 address or DNS:NAME"
       node_ip[$node]+="${node_ip[$node]:+,}IP:$ip"
     done
   fi

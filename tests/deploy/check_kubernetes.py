@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Checks deploy/kubernetes/*.yaml without a cluster: each parses, and what one object names another has
 (a mount's volume, a probe's or Service's named port, a Service's selector, the secrets the header says to
-create), and every shell script in a container passes `bash -n`. Exit 1 with one line per problem."""
+create), and every shell script in a container passes `bash -n`. The fleet's etcd: TLS on every client and
+peer URL with certificates required both ways, each flag one that Debian's etcd knows (`etcd --help`, when
+it is installed), and the name the nodes check its certificates against is one each member's certificate
+carries. Exit 1 with one line per problem."""
+import os
 import pathlib
 import re
 import subprocess
@@ -42,6 +46,60 @@ def check_pod(path, workload, spec, labels, secrets_documented):
     return ports
 
 
+def etcd_flags():
+    """The flags `etcd --help` lists, or None without etcd."""
+    if not os.access("/usr/bin/etcd", os.X_OK):
+        return None
+    r = subprocess.run(["/usr/bin/etcd", "--help"], text=True, capture_output=True)
+    return set(re.findall(r"^\s+(--[a-z0-9-]+)", r.stdout + r.stderr, re.M))
+
+
+def check_etcd_tls(path, docs):
+    """The etcd StatefulSet serves TLS only and requires client certificates; the sandgate pods dial it over
+    https and check its certificates against a name its members' certificates carry."""
+    sets = [d for d in docs if d["kind"] == "StatefulSet" and "etcd" in d["metadata"]["name"]]
+    for w in sets:
+        spec = w["spec"]["template"]["spec"]
+        etcd = [c for c in spec["containers"] if c["name"] == "etcd"]
+        if not etcd:
+            problems.append(f"{path}: {w['metadata']['name']}: no container named etcd")
+            continue
+        args = etcd[0].get("args", [])
+        where = f"{path}: {w['metadata']['name']}/etcd"
+        for a in args:
+            flag, _, value = a.partition("=")
+            if flag.endswith("-urls") and flag != "--listen-metrics-urls" and "http://" in value:
+                problems.append(f"{where}: {flag} is clear text ({value})")
+            if flag == "--initial-cluster" and "http://" in value:
+                problems.append(f"{where}: --initial-cluster names clear-text peers")
+        for required in ("--client-cert-auth", "--peer-client-cert-auth", "--cert-file", "--key-file",
+                         "--trusted-ca-file", "--peer-cert-file", "--peer-key-file", "--peer-trusted-ca-file"):
+            if not any(a.partition("=")[0] == required for a in args):
+                problems.append(f"{where}: {required} is not set")
+        known = etcd_flags()
+        if known is not None:
+            for a in args:
+                if a.partition("=")[0] not in known:
+                    problems.append(f"{where}: {a.partition('=')[0]} is no flag of this etcd (etcd --help)")
+        scripts = " ".join(" ".join(c.get("command", [])) for c in spec.get("initContainers", []))
+        names = set(re.findall(r"DNS:([a-z0-9.$()_{}A-Z-]+)", scripts))
+        for d in docs:
+            if d["kind"] != "DaemonSet":
+                continue
+            for c in d["spec"]["template"]["spec"].get("initContainers", []):
+                script = " ".join(c.get("command", []))
+                if "ETCD_ENDPOINTS=" not in script:
+                    continue
+                if re.search(r'ETCD_ENDPOINTS="http://', script):
+                    problems.append(f"{path}: {d['metadata']['name']}/{c['name']}: etcd is dialled in clear text")
+                server = re.search(r"ETCD_SERVER_NAME=([a-z0-9.-]+)", script)
+                if not server:
+                    problems.append(f"{path}: {d['metadata']['name']}/{c['name']}: no ETCD_SERVER_NAME for the Service's address")
+                elif server.group(1) not in names:
+                    problems.append(f"{path}: {d['metadata']['name']}/{c['name']}: ETCD_SERVER_NAME {server.group(1)} "
+                                    f"is not a name the members' certificates carry ({sorted(names)})")
+
+
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     manifests = sorted((root / "deploy" / "kubernetes").glob("*.yaml"))
@@ -67,6 +125,7 @@ def main():
                 services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
                 if w["spec"]["serviceName"] not in services:
                     problems.append(f"{path}: {w['metadata']['name']}: serviceName {w['spec']['serviceName']!r} is not a Service here")
+        check_etcd_tls(path, docs)
         for s in (d for d in docs if d["kind"] == "Service"):
             selector = s["spec"].get("selector", {})
             targets = [(labels, ports) for labels, ports in named_ports.values() if selector.items() <= labels.items()]

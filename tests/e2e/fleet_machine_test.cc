@@ -122,6 +122,12 @@ TEST_F(FleetMachine, TheScriptRefusesMembersThatDoNotAddUp) {
   EXPECT_NE(no_ip.exit_code, 0);
   EXPECT_NE(no_ip.err.find("m1.pem does not name 127.0.0.1, which etcd's clients check"), std::string::npos) << no_ip.err;
   EXPECT_NE(no_ip.err.find("gen-fleet-ca.sh " + dir_ + "/no-ip-ca m1=127.0.0.1"), std::string::npos) << no_ip.err;
+  // DNS:NAME entries (an etcd member on Kubernetes, dialled by name) become DNS names of the certificate.
+  ASSERT_EQ(run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/no-ip-ca e0=10.1.2.3,DNS:e0.etcd.ns.svc").exit_code, 0);
+  auto sans = run("openssl x509 -in " + dir_ + "/no-ip-ca/e0.pem -noout -ext subjectAltName");
+  EXPECT_NE(sans.out.find("DNS:e0, IP Address:10.1.2.3, DNS:e0.etcd.ns.svc"), std::string::npos) << sans.out;
+  auto bad_dns = run("bash " + source("deploy/gen-fleet-ca.sh") + " " + dir_ + "/no-ip-ca e1=DNS:Not_A_Name");
+  EXPECT_NE(bad_dns.err.find("'Not_A_Name' is not a DNS name"), std::string::npos) << bad_dns.err;
   auto tls_flag = script(1, "m1 127.0.0.1 " + members(), "ETCD_TLS=yes");
   EXPECT_NE(tls_flag.err.find("ETCD_TLS must be 0 or 1"), std::string::npos) << tls_flag.err;
   EXPECT_FALSE(std::filesystem::exists(root(1) + "/etc/sandgate/sandgate.toml"));
@@ -163,6 +169,19 @@ TEST_F(FleetMachine, AMachineWithoutAnEtcdMemberUsesTheGivenEndpoints) {
   ASSERT_EQ(over_tls.exit_code, 0) << over_tls.err;
   const std::string tls_conf = read_file(root(2) + "/etc/sandgate/sandgate.toml");
   EXPECT_NE(tls_conf.find("etcd_cert = \"" + root(2) + "/etc/sandgate/fleet/m2.pem\""), std::string::npos) << tls_conf;
+  EXPECT_EQ(tls_conf.find("etcd_server_name"), std::string::npos) << tls_conf;
+  // Behind a Service's address (the Kubernetes packaging), the members' certificates are checked against its
+  // name; a name over clear text, or not a DNS name, is refused.
+  auto named_tls = script(3, "m3 127.0.0.3 -",
+                          "ETCD_ENDPOINTS=https://10.96.0.10:2379 ETCD_SERVER_NAME=sandgate-etcd-client.sandgate.svc");
+  ASSERT_EQ(named_tls.exit_code, 0) << named_tls.err;
+  EXPECT_NE(named_tls.err.find("sandgate.toml loads"), std::string::npos) << named_tls.err;
+  EXPECT_NE(read_file(root(3) + "/etc/sandgate/sandgate.toml").find("etcd_server_name = \"sandgate-etcd-client.sandgate.svc\""),
+            std::string::npos);
+  auto name_clear = script(3, "m3 127.0.0.3 -", "ETCD_ENDPOINTS=http://10.96.0.10:2379 ETCD_SERVER_NAME=etcd.svc");
+  EXPECT_NE(name_clear.err.find("ETCD_SERVER_NAME is for https ETCD_ENDPOINTS"), std::string::npos) << name_clear.err;
+  auto name_bad = script(3, "m3 127.0.0.3 -", "ETCD_ENDPOINTS=https://10.96.0.10:2379 ETCD_SERVER_NAME='a b'");
+  EXPECT_NE(name_bad.err.find("is not a DNS name"), std::string::npos) << name_bad.err;
 }
 
 TEST_F(FleetMachine, ThreeMachinesFromTheScriptFormAFleetThatAnswersThroughEveryProxy) {
