@@ -21,8 +21,8 @@ namespace {
 // An index is a few dozen bytes per upper dir entry: this bounds it at the layer entry limit.
 constexpr size_t kMaxIndexBytes = 512 * 1024 * 1024;
 
-// The index the next delta starts from, when it is consistent: it must stack on `base` (a sandbox's base
-// layers never change, so a chain that does not start with them is not this sandbox's).
+// The index the next delta starts from, when it is consistent: it must have been made for `base` (a
+// sandbox's base layers never change, so an index made for others is not this sandbox's).
 CheckpointIndex load_index(const std::string& path, const std::vector<std::string>& base) {
   CheckpointIndex fresh{base, {}, base};
   int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
