@@ -366,6 +366,11 @@ class QemuDriver final : public VmmDriver {
   // Loads the saved state at `path` into the QEMU just spawned with -incoming defer; `ignore_shared`: a
   // state without RAM, whose RAM the QEMU maps from the snapshot's file.
   Step incoming_step(std::string path, bool ignore_shared);
+  // Copies the file `from` to `to` (GuestDisks::copy: sparse, on the pool).
+  Step copy_step(std::string from, std::string to);
+  // `cont` after a checkpoint's `stop` at *stopped_at: records in result->pause_ms how long the guest stood.
+  Step cont_after_checkpoint_step(std::shared_ptr<std::chrono::steady_clock::time_point> stopped_at,
+                                  std::shared_ptr<VmCheckpoint> result);
   // A memory checkpoint of a hibernated guest: its saved state (RAM included) and disk overlay copied; no
   // QEMU runs.
   void checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
@@ -687,9 +692,9 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
     *ram = ram_memfd_path(static_cast<pid_t>(op->info.pid));
     migrate_step(state_file, false, !ram->empty())(op, std::move(d));
   });
-  steps.push_back([this, ram, to = dir + "/" + kMemoryRam](Op*, StepDone d) {
+  steps.push_back([this, ram, to = dir + "/" + kMemoryRam](Op* op, StepDone d) {
     if (ram->empty()) return d({});
-    disks_.copy(*ram, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+    copy_step(*ram, to)(op, std::move(d));
   });
   if (info.driver_data.contains(kIdentityAnswers)) {
     steps.push_back([to = dir + "/" + kIdentityAnswers](Op*, StepDone d) { d(write_private_file(to, "")); });
@@ -698,18 +703,10 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   if (disk != info.driver_data.end()) {
     // After the migration QEMU has flushed the disk and holds it inactive until `cont`: the copy is of
     // exactly what the saved guest wrote.
-    steps.push_back([this, from = disk->second, to = dir + "/" + kSnapshotDisk](Op*, StepDone d) {
-      disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
-    });
+    steps.push_back(copy_step(disk->second, dir + "/" + kSnapshotDisk));
   }
   if (!paused) {
-    steps.push_back([this, stopped_at, result](Op* op, StepDone d) {
-      command_step("cont")(op, [stopped_at, result, d](Status s) {
-        result->pause_ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
-        d(std::move(s));
-      });
-    });
+    steps.push_back(cont_after_checkpoint_step(stopped_at, result));
   }
   // Whatever failed, the guest runs again (a migration still going is cancelled first), or stays stopped.
   Step on_failure = [this, paused](Op* op, StepDone d) {
@@ -756,17 +753,9 @@ void QemuDriver::checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& inf
       command_step("stop")(op, std::move(d));
     });
   }
-  steps.push_back([this, from = disk->second, copy](Op*, StepDone d) {
-    disks_.copy(from, copy, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
-  });
+  steps.push_back(copy_step(disk->second, copy));
   if (running) {
-    steps.push_back([this, stopped_at, result](Op* op, StepDone d) {
-      command_step("cont")(op, [stopped_at, result, d](Status s) {
-        result->pause_ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
-        d(std::move(s));
-      });
-    });
+    steps.push_back(cont_after_checkpoint_step(stopped_at, result));
   }
   // Whatever failed, a guest that was running runs again.
   Step on_failure = [this, running](Op* op, StepDone d) {
@@ -780,6 +769,23 @@ void QemuDriver::checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& inf
         if (::stat(copy.c_str(), &st) == 0) result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
         done(*result);
       });
+}
+
+QemuDriver::Step QemuDriver::copy_step(std::string from, std::string to) {
+  return [this, from = std::move(from), to = std::move(to)](Op*, StepDone d) {
+    disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
+  };
+}
+
+QemuDriver::Step QemuDriver::cont_after_checkpoint_step(
+    std::shared_ptr<std::chrono::steady_clock::time_point> stopped_at, std::shared_ptr<VmCheckpoint> result) {
+  return [this, stopped_at, result](Op* op, StepDone d) {
+    command_step("cont")(op, [stopped_at, result, d](Status s) {
+      result->pause_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *stopped_at).count();
+      d(std::move(s));
+    });
+  };
 }
 
 QemuDriver::Step QemuDriver::guest_sync_step(const SandboxSpec& spec) {
@@ -821,13 +827,9 @@ void QemuDriver::checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInf
   auto op = new_op(spec, "checkpointing", info);
   std::vector<Step> steps;
   // The saved state holds the RAM pages (a plain migration): the checkpoint has no RAM file of its own.
-  steps.push_back([this, from = state->second, to = dir + "/" + kMemoryState](Op*, StepDone d) {
-    disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
-  });
+  steps.push_back(copy_step(state->second, dir + "/" + kMemoryState));
   if (auto disk = info.driver_data.find(kDisk); disk != info.driver_data.end()) {
-    steps.push_back([this, from = disk->second, to = dir + "/" + kSnapshotDisk](Op*, StepDone d) {
-      disks_.copy(from, to, [d](Result<std::string> copied) { d(copied ? Status() : Status(copied.failure())); });
-    });
+    steps.push_back(copy_step(disk->second, dir + "/" + kSnapshotDisk));
   }
   if (info.driver_data.contains(kIdentityAnswers)) {
     steps.push_back([to = dir + "/" + kIdentityAnswers](Op*, StepDone d) { d(write_private_file(to, "")); });
