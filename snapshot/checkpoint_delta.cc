@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <sys/stat.h>
-#include <sys/xattr.h>
 
 #include <time.h>
 
@@ -19,12 +18,6 @@ constexpr std::string_view kMagic = "sandgate-checkpoint-index 1\n";
 constexpr int64_t kRacyCtime = INT64_MIN;
 
 int64_t ns(const struct timespec& t) { return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec; }
-
-bool is_opaque(const std::string& dir) {
-  char value[2] = {};
-  ssize_t n = ::lgetxattr(dir.c_str(), "trusted.overlay.opaque", value, sizeof value);
-  return n == 1 && value[0] == 'y';
-}
 
 Status scan(const std::string& host, const std::string& rel, uint64_t max_entries, UpperIndex& out) {
   DIR* d = ::opendir(host.c_str());
@@ -49,7 +42,7 @@ Status scan(const std::string& host, const std::string& rel, uint64_t max_entrie
     EntrySig sig{static_cast<uint64_t>(st.st_ino), ns(st.st_ctim), ns(st.st_mtim), static_cast<uint64_t>(st.st_size),
                  st.st_mode, st.st_uid, st.st_gid, static_cast<uint64_t>(st.st_rdev), false};
     if (S_ISDIR(st.st_mode)) {
-      sig.opaque = is_opaque(child_host);
+      sig.opaque = is_opaque_dir(child_host);
       dirs.emplace_back(child_host, child_rel);
     }
     out.emplace(child_rel, sig);

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
 
 #include <spdlog/spdlog.h>
 
@@ -99,13 +98,7 @@ Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots
 
   auto dir = images.layers().make_temp_dir("checkpoint-");
   if (!dir) return dir.failure();
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-    }
-  } cleanup{*dir};
+  RemovedOnExit cleanup{*dir};
   const std::string blob = *dir + "/layer.tar";
 
   auto frozen_at = std::chrono::steady_clock::now();

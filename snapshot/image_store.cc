@@ -430,13 +430,7 @@ Result<Image> ImageStore::import(const std::string& archive_path, const std::str
 
   auto dir = layers_.make_temp_dir("import-");
   if (!dir) return dir.failure();
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{*dir};
+  RemovedOnExit cleanup{*dir};
 
   Staged staged(archive_path, *dir, layers_);
   if (auto s = staged.read_archive(); !s) return s.failure();

@@ -1,6 +1,5 @@
 #include "snapshot/layer_squash.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
@@ -15,11 +14,6 @@ namespace sg::snapshot {
 namespace {
 
 constexpr const char* kOpaqueXattr = "trusted.overlay.opaque";
-
-bool is_opaque(const std::string& dir) {
-  char value[2] = {};
-  return ::lgetxattr(dir.c_str(), kOpaqueXattr, value, sizeof value) == 1 && value[0] == 'y';
-}
 
 Status remove_path(const std::string& path) {
   std::error_code ec;
@@ -40,15 +34,9 @@ Status copy_dir_metadata(const std::string& dir, const struct stat& st) {
 
 // Lays the layer tree `from` over the scratch tree `to` (both directories), as the header says.
 Status merge_into(const std::string& from, const std::string& to, uint64_t& entries) {
-  DIR* d = ::opendir(from.c_str());
-  if (d == nullptr) return fail_errno("opendir " + from, errno);
-  std::vector<std::string> names;
-  while (dirent* e = ::readdir(d)) {
-    std::string_view n = e->d_name;
-    if (n != "." && n != "..") names.emplace_back(n);
-  }
-  ::closedir(d);
-  for (const std::string& name : names) {
+  auto names = sorted_entries(from);
+  if (!names) return names.failure();
+  for (const std::string& name : *names) {
     if (++entries > kMaxLayerEntries)
       return fail(Error::kLimitExceeded, "the layers hold more than " + std::to_string(kMaxLayerEntries) + " entries");
     const std::string src = from + "/" + name, dst = to + "/" + name;
@@ -56,7 +44,7 @@ Status merge_into(const std::string& from, const std::string& to, uint64_t& entr
     if (::lstat(src.c_str(), &st) != 0) return fail_errno("lstat " + src, errno);
     bool exists = ::lstat(dst.c_str(), &have) == 0;
     if (S_ISDIR(st.st_mode)) {
-      const bool opaque = is_opaque(src);
+      const bool opaque = is_opaque_dir(src);
       if (exists && (!S_ISDIR(have.st_mode) || opaque)) {
         if (Status s = remove_path(dst); !s) return s;
         exists = false;
@@ -85,13 +73,7 @@ Status merge_into(const std::string& from, const std::string& to, uint64_t& entr
 Result<std::string> squash_layers(ImageStore& images, const std::vector<std::string>& layers, std::string_view label) {
   auto dir = images.layers().make_temp_dir("squash-");
   if (!dir) return dir.failure();
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);  // the scratch tree's links only: the layers' inodes stay
-    }
-  } cleanup{*dir};
+  RemovedOnExit cleanup{*dir};  // the scratch tree's links only: the layers' inodes stay
   const std::string tree = *dir + "/tree", blob = *dir + "/layer.tar";
   if (::mkdir(tree.c_str(), 0755) != 0) return fail_errno("mkdir " + tree, errno);
   uint64_t entries = 0;

@@ -2,6 +2,7 @@
 
 #include <archive.h>
 #include <archive_entry.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <openssl/evp.h>
 #include <stdlib.h>
@@ -121,6 +122,29 @@ void drop_trusted_xattrs(archive_entry* e) {
 }
 
 }  // namespace
+
+bool is_opaque_dir(const std::string& dir) {
+  char value[2] = {};
+  return ::lgetxattr(dir.c_str(), "trusted.overlay.opaque", value, sizeof value) == 1 && value[0] == 'y';
+}
+
+Result<std::vector<std::string>> sorted_entries(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return fail_errno("opendir " + dir, errno);
+  std::vector<std::string> out;
+  while (dirent* e = ::readdir(d)) {
+    std::string_view n = e->d_name;
+    if (n != "." && n != "..") out.emplace_back(n);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+RemovedOnExit::~RemovedOnExit() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
 
 bool valid_digest(std::string_view digest) {
   if (!digest.starts_with(kSha256Prefix) || digest.size() != kSha256Prefix.size() + 64) return false;

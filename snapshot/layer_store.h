@@ -35,6 +35,17 @@ Result<std::string> sha256_file(const std::string& path);
 Status write_file_atomic(const std::string& path, std::string_view data);
 // fsync of a directory (after a rename into or out of it).
 Status fsync_dir(const std::string& path);
+// Whether `dir` carries overlayfs's opaque marker (trusted.overlay.opaque=y), as a store tree or an upper
+// dir does for a directory that hides everything below it.
+bool is_opaque_dir(const std::string& dir);
+// The names in `dir` but "." and "..", sorted (the same tree is walked in the same order, so it gives the
+// same tar and the same digest).
+Result<std::vector<std::string>> sorted_entries(const std::string& dir);
+// Removes `path` and everything under it when it goes out of scope (a make_temp_dir() directory).
+struct RemovedOnExit {
+  std::string path;
+  ~RemovedOnExit();
+};
 
 class LayerStore {
  public:

@@ -2,14 +2,11 @@
 
 #include <archive.h>
 #include <archive_entry.h>
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
-#include <sys/xattr.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -60,10 +57,10 @@ class Writer {
       if (auto s = emit(host, rel, st); !s) return s;
     if (!S_ISDIR(st.st_mode)) return {};
     bool opaque = delta != nullptr ? delta->opaque.count(rel) != 0
-                                   : source_.kind == LayerSource::Kind::kOverlayUpper && is_opaque(host);
+                                   : source_.kind == LayerSource::Kind::kOverlayUpper && is_opaque_dir(host);
     if (!rel.empty() && opaque)
       if (auto s = emit_marker(rel + "/" + std::string(kOpaqueMarker)); !s) return s;
-    auto names = children(host);
+    auto names = sorted_entries(host);
     if (!names) return names.failure();
     for (const std::string& name : *names)
       if (auto s = walk(host + "/" + name, rel.empty() ? name : rel + "/" + name); !s) return s;
@@ -85,25 +82,6 @@ class Writer {
   uint64_t entries() const { return entries_; }
 
  private:
-  static bool is_opaque(const std::string& dir) {
-    char value[2] = {};
-    ssize_t n = ::lgetxattr(dir.c_str(), "trusted.overlay.opaque", value, sizeof value);
-    return n == 1 && value[0] == 'y';
-  }
-
-  static Result<std::vector<std::string>> children(const std::string& dir) {
-    DIR* d = ::opendir(dir.c_str());
-    if (d == nullptr) return fail_errno("opendir " + dir, errno);
-    std::vector<std::string> out;
-    while (dirent* e = ::readdir(d)) {
-      std::string_view n = e->d_name;
-      if (n != "." && n != "..") out.emplace_back(n);
-    }
-    ::closedir(d);
-    std::sort(out.begin(), out.end());  // the same tree gives the same tar, so the same digest
-    return out;
-  }
-
   Status count() {
     if (++entries_ > source_.max_entries)
       return fail(Error::kLimitExceeded, "the layer has more than " + std::to_string(source_.max_entries) +
