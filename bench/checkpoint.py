@@ -13,17 +13,11 @@ One sandgate-node + sandgate-proxy on loopback. Files go into the sandbox throug
   - create to the agent's first answer: from a snapshot (256 MiB in its layers) and a cold create on the
     default image (the anchor, same run).
 """
-import http.client
-import os
-import socket
-import ssl
 import statistics
 import sys
 import time
 
-from sgbench import DOMAIN, Cluster, print_ms_table
-
-CHUNK = b"\xa5" * (1 << 20)
+from sgbench import Cluster, print_ms_table
 
 
 def main():
@@ -31,45 +25,11 @@ def main():
         sys.exit(__doc__)
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     c = Cluster(sys.argv[1], "checkpoint-bench")
-    tls = ssl.create_default_context(cafile=c.ca)
-
-    def agent(name, token, method, path, body=None, mib=0):
-        raw = socket.create_connection(("127.0.0.1", c.port), timeout=60)
-        host = f"{name}.{DOMAIN}"
-        conn = http.client.HTTPSConnection(host, c.port, context=tls, timeout=120)
-        conn.sock = tls.wrap_socket(raw, server_hostname=host)
-        headers = {"Authorization": "Bearer " + token}
-        if mib:
-            headers["Content-Length"] = str(mib << 20)
-            conn.putrequest(method, path)
-            for k, v in headers.items():
-                conn.putheader(k, v)
-            conn.endheaders()
-            for _ in range(mib):
-                conn.send(CHUNK)
-        else:
-            conn.request(method, path, body=body, headers=headers)
-        r = conn.getresponse()
-        r.read()
-        conn.close()
-        return r.status
-
-    def first_answer(name, token, timeout_s=30):
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            try:
-                if agent(name, token, "GET", "/health") == 200:
-                    return time.monotonic() - start
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(0.002)
-        raise RuntimeError(f"{name}: no answer")
-
     seq = [0]
 
     def write(name, token, mib):
         seq[0] += 1
-        status = agent(name, token, "PUT", f"/files?path=/f{seq[0]}", mib=mib) if mib else 0
+        status = c.agent(name, token, "PUT", f"/files?path=/f{seq[0]}", mib=mib) if mib else 0
         if mib and status not in (201, 204):
             raise RuntimeError(f"PUT: {status}")
 
@@ -91,7 +51,7 @@ def main():
 
         def sandbox(name, holds_mib):
             _, sb = c.create({"name": name, "command": ["sleep", "infinity"], "timeout_secs": 3600})
-            first_answer(name, sb["token"])
+            c.agent_answers(name, sb["token"])
             for _ in range(holds_mib // 64):
                 write(name, sb["token"], 64)
             checkpoint(name)  # the baseline: what it holds is in a layer now
@@ -117,13 +77,13 @@ def main():
         for r in range(runs):
             t0 = time.monotonic()
             _, sb = c.create({"name": f"from{r}", "snapshot_id": snap, "timeout_secs": 3600})
-            first_answer(f"from{r}", sb["token"])
+            c.agent_answers(f"from{r}", sb["token"])
             starts.setdefault("create --from the snapshot (256 MiB+ in its layers) to the agent's first answer", []).append(
                 (time.monotonic() - t0) * 1000)
             c.delete(f"from{r}")
             t0 = time.monotonic()
             _, sb = c.create({"name": f"cold{r}", "command": ["sleep", "infinity"], "timeout_secs": 3600})
-            first_answer(f"cold{r}", sb["token"])
+            c.agent_answers(f"cold{r}", sb["token"])
             starts.setdefault("anchor: cold create on the default image to the agent's first answer", []).append(
                 (time.monotonic() - t0) * 1000)
             c.delete(f"cold{r}")

@@ -12,16 +12,11 @@ total (the POST until its 201) of the checkpoints that flattened LIMIT layers fi
 not, with the layers of the chain after each; then create to the agent's first answer from the last snapshot
 against a cold create (the anchor, same run).
 """
-import http.client
-import socket
-import ssl
 import statistics
 import sys
 import time
 
-from sgbench import DOMAIN, Cluster, print_ms_table
-
-CHUNK = b"\x5a" * (1 << 20)
+from sgbench import Cluster, print_ms_table
 
 
 def main():
@@ -30,35 +25,6 @@ def main():
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     limit = int(sys.argv[3]) if len(sys.argv) > 3 else 32
     c = Cluster(sys.argv[1], "checkpoint-flatten-bench", node_toml=f"checkpoint_flatten_layers = {limit}\n")
-    tls = ssl.create_default_context(cafile=c.ca)
-
-    def agent(name, token, method, path, mib=0):
-        raw = socket.create_connection(("127.0.0.1", c.port), timeout=60)
-        host = f"{name}.{DOMAIN}"
-        conn = http.client.HTTPSConnection(host, c.port, context=tls, timeout=120)
-        conn.sock = tls.wrap_socket(raw, server_hostname=host)
-        conn.putrequest(method, path)
-        conn.putheader("Authorization", "Bearer " + token)
-        conn.putheader("Content-Length", str(mib << 20))
-        conn.endheaders()
-        for _ in range(mib):
-            conn.send(CHUNK)
-        r = conn.getresponse()
-        r.read()
-        conn.close()
-        return r.status
-
-    def first_answer(name, token, timeout_s=30):
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            try:
-                if agent(name, token, "GET", "/health") == 200:
-                    return time.monotonic() - start
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(0.002)
-        raise RuntimeError(f"{name}: no answer")
-
     def checkpoint(name):
         t0 = time.monotonic()
         status, answer = c.api("POST", f"/v1/sandboxes/{name}/checkpoint", {"type": "filesystem"})
@@ -71,9 +37,9 @@ def main():
         c.ensure_default_image()
         _, sb = c.create({"name": "long", "command": ["sleep", "infinity"], "timeout_secs": 3600})
         token = sb["token"]
-        first_answer("long", token)
+        c.agent_answers("long", token)
         for i in range(64):
-            if agent("long", token, "PUT", f"/files?path=/held{i}", mib=1) not in (201, 204):
+            if c.agent("long", token, "PUT", f"/files?path=/held{i}", mib=1) not in (201, 204):
                 raise RuntimeError("PUT failed")
         rows = {"flattening": [], "not flattening": []}
         flattenings = 0
@@ -81,7 +47,7 @@ def main():
         snap = None
         while flattenings < runs:
             step += 1
-            if agent("long", token, "PUT", f"/files?path=/step{step}", mib=1) not in (201, 204):
+            if c.agent("long", token, "PUT", f"/files?path=/step{step}", mib=1) not in (201, 204):
                 raise RuntimeError("PUT failed")
             answer, total = checkpoint("long")
             snap = answer["snapshot_id"]
@@ -106,13 +72,13 @@ def main():
         for r in range(runs):
             t0 = time.monotonic()
             _, made = c.create({"name": f"from{r}", "snapshot_id": snap, "timeout_secs": 3600})
-            first_answer(f"from{r}", made["token"])
+            c.agent_answers(f"from{r}", made["token"])
             starts.setdefault("create --from the last snapshot to the agent's first answer", []).append(
                 (time.monotonic() - t0) * 1000)
             c.delete(f"from{r}")
             t0 = time.monotonic()
             _, made = c.create({"name": f"cold{r}", "command": ["sleep", "infinity"], "timeout_secs": 3600})
-            first_answer(f"cold{r}", made["token"])
+            c.agent_answers(f"cold{r}", made["token"])
             starts.setdefault("anchor: cold create on the default image to the agent's first answer", []).append(
                 (time.monotonic() - t0) * 1000)
             c.delete(f"cold{r}")

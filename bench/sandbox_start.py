@@ -25,21 +25,7 @@ import sys
 import tarfile
 import time
 
-from sgbench import DOMAIN, Cluster, print_ms_table
-
-
-def first_answer(connect, timeout_s=30.0):
-    """Seconds until `connect()` gets an answer with status 200, polled every 2 ms."""
-    start = time.monotonic()
-    deadline = start + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if connect() == 200:
-                return time.monotonic() - start
-        except (OSError, http.client.HTTPException):
-            pass
-        time.sleep(0.002)
-    raise RuntimeError("no 200 answer within %.0f s" % timeout_s)
+from sgbench import DOMAIN, Cluster, first_answer, print_ms_table
 
 
 def busybox_image(path, layers):

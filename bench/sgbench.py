@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,24 @@ def wait_for(what, pred, timeout_s, proc=None, log=None):
             sys.exit(f"{what}: the process exited: {open(log).read()[-2000:] if log else ''}")
         time.sleep(0.05)
     sys.exit(f"{what}: not within {timeout_s} s")
+
+
+def first_answer(connect, timeout_s=30.0):
+    """Seconds until `connect()` gets an answer with status 200, polled every 2 ms."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if connect() == 200:
+                return time.monotonic() - start
+        except (OSError, http.client.HTTPException):
+            pass
+        time.sleep(0.002)
+    raise RuntimeError("no 200 answer within %.0f s" % timeout_s)
+
+
+# The body of an upload of N MiB to a sandbox's agent (Cluster.agent): its bytes do not matter.
+FILLER_MIB = b"\xa5" * (1 << 20)
 
 
 def print_ms_table(title, rows):
@@ -126,6 +145,34 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         data = r.read()
         c.close()
         return r.status, (json.loads(data) if data else None)
+
+    def agent(self, name, token, method, path, body=None, mib=0):
+        """The status of `method path` to sandbox `name`'s agent through the TLS proxy, with its token; with
+        `mib`, that many MiB of filler are streamed as the body instead of `body`."""
+        tls = ssl.create_default_context(cafile=self.ca)
+        raw = socket.create_connection(("127.0.0.1", self.port), timeout=60)
+        host = f"{name}.{DOMAIN}"
+        conn = http.client.HTTPSConnection(host, self.port, context=tls, timeout=120)
+        conn.sock = tls.wrap_socket(raw, server_hostname=host)
+        headers = {"Authorization": "Bearer " + token}
+        if mib:
+            headers["Content-Length"] = str(mib << 20)
+            conn.putrequest(method, path)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            for _ in range(mib):
+                conn.send(FILLER_MIB)
+        else:
+            conn.request(method, path, body=body, headers=headers)
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return r.status
+
+    def agent_answers(self, name, token, timeout_s=30.0):
+        """Seconds until sandbox `name`'s agent answers /health with 200."""
+        return first_answer(lambda: self.agent(name, token, "GET", "/health"), timeout_s)
 
     def ensure_default_image(self):
         if self.api("GET", "/v1/images/default")[0] != 200:
