@@ -5,6 +5,7 @@
 //                  [--ssh-listen ADDR:PORT --ssh-host-key FILE --ssh-authorized-keys FILE]
 //                  [--identity-listen ADDR:PORT [--identity-secret-file FILE] [--identity-id-file FILE]]
 //   sandgate-agent --reseed-rng HEX   (agent/identity.h)
+//   sandgate-agent --sftp-server      (SFTP on stdin/stdout, agent/sftp_server.h)
 //
 // With --identity-listen it applies the QEMU guest's identity lines (agent/identity_listener.h); that
 // listener is bound first, and failing to bind it is fatal, so the guest's init can fall back to its script.
@@ -26,6 +27,7 @@
 #include "agent/identity.h"
 #include "agent/identity_listener.h"
 #include "agent/server.h"
+#include "agent/sftp_server.h"
 #include "agent/ssh_server.h"
 #include "common/net.h"
 
@@ -77,7 +79,12 @@ int main(int argc, char** argv) {
   std::string reseed;
   app.add_option("--reseed-rng", reseed,
                  "reseed the kernel's RNG with these hex bytes and exit (the guest's init, after a restore)");
+  bool sftp_server = false;
+  app.add_flag("--sftp-server", sftp_server,
+               "serve SFTP on stdin/stdout and exit (the SSH server's sftp subsystem, where the image has no "
+               "sftp-server)");
   CLI11_PARSE(app, argc, argv);
+  if (sftp_server) return sg::agent::serve_sftp(STDIN_FILENO, STDOUT_FILENO);
   if (!reseed.empty()) {
     sg::Status s = sg::agent::reseed_rng(reseed);
     if (!s) {

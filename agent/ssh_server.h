@@ -5,8 +5,8 @@
 // the agent's HTTP side (libuv, threads) never forks into libssh. A connection authenticates with a public
 // key listed in the node's authorized_keys file (read afresh by every connection, so `sandgate ssh-keys`
 // takes effect at once) and then serves session channels (shell with or without a pty, exec, the sftp
-// subsystem through the image's sftp-server) and direct-tcpip channels (`ssh -L`) to addresses the
-// sandbox can reach. Every session runs as the sandbox's root, whatever user name the client gave.
+// subsystem through the image's sftp-server, else the agent's own, agent/sftp_server.h) and direct-tcpip
+// channels (`ssh -L`) to addresses the sandbox can reach. Every session runs as the sandbox's root, whatever user name the client gave.
 #pragma once
 
 #include <sys/types.h>
@@ -30,7 +30,7 @@ struct SshServerOptions {
 Result<pid_t> start_ssh_listener(int listen_fd, const SshServerOptions& opts);
 
 // The sftp-server the sftp subsystem runs: the first of OpenSSH's usual paths that is executable in the
-// image, or "" when it has none (the subsystem request is then refused).
+// image, or "" when it has none (the agent then serves SFTP itself: `sandgate-agent --sftp-server`).
 std::string find_sftp_server();
 
 }  // namespace sg::agent

@@ -73,6 +73,27 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   EXPECT_NE(sftp.out.find("/root/d/b.txt"), std::string::npos) << sftp.out;
   EXPECT_EQ(read_file(c.dir() + "/back.txt"), "hello sftp\n");
 
+  // An image without OpenSSH's sftp-server (a python:slim or busybox one): the agent serves SFTP itself.
+  auto removed = run(ssh + " nosshd 'rm -f /usr/lib/openssh/sftp-server /usr/libexec/openssh/sftp-server "
+                               "/usr/libexec/sftp-server /usr/lib/ssh/sftp-server /usr/lib/sftp-server'",
+                     60);
+  ASSERT_EQ(removed.exit_code, 0) << removed.err;
+  auto put2 = run(scp + " " + shell_quote(up) + " nosshd:/root/up2.bin", 120);
+  ASSERT_EQ(put2.exit_code, 0) << put2.err;
+  EXPECT_EQ(sha256_file(c.dir() + "/node/sandboxes/" + id + "/upper/root/up2.bin"), sha256_file(up));
+  auto get2 = run(scp + " nosshd:/root/up2.bin " + shell_quote(c.dir() + "/down2.bin"), 120);
+  ASSERT_EQ(get2.exit_code, 0) << get2.err;
+  EXPECT_EQ(sha256_file(c.dir() + "/down2.bin"), sha256_file(up));
+  write_file(c.dir() + "/batch2", "put " + c.dir() + "/small.txt /root/d/c.txt\nls -l /root/d\nget /root/d/c.txt " +
+                                      c.dir() + "/back2.txt\n");
+  auto own = run(ssh_client(c, "sftp", config, keys.good, known_hosts) + " -b " + shell_quote(c.dir() + "/batch2") +
+                     " nosshd",
+                 60);
+  EXPECT_EQ(own.exit_code, 0) << own.out << own.err;
+  EXPECT_EQ(read_file(c.dir() + "/back2.txt"), "hello sftp\n");
+  // The agent's server prints owners as numbers where OpenSSH's prints "root": this is the agent's.
+  EXPECT_NE(own.out.find(" 0        0 "), std::string::npos) << own.out;
+
   // ssh -L to the web server on the sandbox's loopback.
   const uint16_t local = static_cast<uint16_t>(20000 + ::getpid() % 20000);
   Daemon forward;
