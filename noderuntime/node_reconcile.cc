@@ -104,7 +104,14 @@ void Node::adopt(Sandbox& sb, bool paused) {
       break;
     case S::kRunning:
       if (paused) {
-        through({S::kSuspending, S::kSuspended}, "found paused after node restart");
+        // Running on record but paused: a suspend records `suspending` before it pauses, so only a
+        // checkpoint's or a fork's freeze leaves this behind, and their source must run on. Resumed
+        // through the legal states (each logged), as a wake would.
+        const std::string reason = "paused by a checkpoint when the node stopped; resumed";
+        for (S to : {S::kSuspending, S::kSuspended, S::kResuming})
+          if (!transition_or_fail(sb, to, reason)) return;
+        driver(sb).resume(sb.rec.spec, sb.rec.runtime,
+                          [this, id = sb.id()](Status s) { on_resume_done(id, std::move(s)); });
       } else {
         start_idle_clock(sb);
       }

@@ -955,8 +955,8 @@ TEST_F(Qemu, DiskFullDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestRunning) 
 
 // The node killed during a memory checkpoint (failpoints, docs/tests.md#failpoints): with the guest stopped
 // for the save, and with the files saved but not recorded. The restarted node lists no snapshot and keeps
-// none of its files, and the guest goes on with its memory: the counter continues (a stopped guest is
-// adopted as suspended, and the request wakes it). Then a checkpoint succeeds.
+// none of its files, and the guest goes on with its memory: the restarted node lets the guest it finds
+// stopped (running on record) run again, and the counter continues. Then a checkpoint succeeds.
 TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn) {
   Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
@@ -977,6 +977,8 @@ TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn
     c.start_node();
     EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n") << point;
     EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "") << point << ": files of no snapshot stayed";
+    EXPECT_TRUE(eventually([&] { return c.get("q").value("state", "") == "running"; }, std::chrono::seconds(30)))
+        << point << ": " << c.get("q").dump();
     EXPECT_EQ(counter(c).count, ++expected) << point << "\n" << c.get("q").dump() << c.node().log();
   }
   auto checkpoint = c.cli("checkpoint q --type memory --json", 180);

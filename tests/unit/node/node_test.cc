@@ -1176,6 +1176,20 @@ TEST_F(NodeTest, ReconcileFinishesAFreezeThatCompletedBeforeTheCrash) {
   EXPECT_EQ(node_->get("demo")->state_reason, "suspend completed before node restart");
 }
 
+// Running on record, paused in fact: a checkpoint's freeze the node died in (a suspend records `suspending`
+// first). The source must run on, so it is resumed, not adopted as suspended.
+TEST_F(NodeTest, ReconcileResumesASandboxACheckpointLeftPaused) {
+  SandboxInfo info = create("demo");
+  driver_->instances[info.spec.id].paused = true;
+  restart();
+  ASSERT_TRUE(node_->reconcile().ok());
+  ASSERT_TRUE(wait_state("demo", S::kRunning));
+  EXPECT_EQ(driver_->resumes, 1);
+  EXPECT_FALSE(driver_->instances[info.spec.id].paused);
+  EXPECT_EQ(node_->get("demo")->tier, SuspendTier::kNone);
+  EXPECT_TRUE(node_->get("demo")->idle_deadline_at_ms.has_value()) << "its idle clock runs again";
+}
+
 TEST_F(NodeTest, ShutdownKeepLeavesSandboxesRunning) {
   SandboxInfo info = create("demo");
   suspend_and_wait("demo");
