@@ -5,6 +5,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <charconv>
 #include <climits>
 
@@ -77,6 +78,21 @@ int64_t racy_threshold_now() {
   ::clock_gettime(CLOCK_REALTIME_COARSE, &now);
   ::clock_getres(CLOCK_REALTIME_COARSE, &tick);
   return ns(now) - ns(tick);
+}
+
+int64_t racy_threshold_after(const UpperIndex& index, int64_t max_wait_ns) {
+  int64_t newest = INT64_MIN;
+  for (const auto& [path, sig] : index) newest = std::max(newest, sig.ctime_ns);
+  int64_t threshold = racy_threshold_now();
+  const int64_t give_up = threshold + max_wait_ns;
+  while (threshold <= newest && threshold < give_up) {
+    struct timespec tick{};
+    ::clock_getres(CLOCK_REALTIME_COARSE, &tick);
+    struct timespec nap{0, std::min<long>(tick.tv_nsec > 0 ? tick.tv_nsec / 2 : 500'000, 2'000'000)};
+    ::nanosleep(&nap, nullptr);
+    threshold = racy_threshold_now();
+  }
+  return threshold;
 }
 
 DeltaPlan plan_delta(const UpperIndex& previous, const UpperIndex& current) {

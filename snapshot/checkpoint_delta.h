@@ -47,11 +47,17 @@ Result<UpperIndex> scan_upper(const std::string& upper, uint64_t max_entries);
 
 // File times come from the kernel's coarse clock (a tick of a few ms), so a write right after a checkpoint
 // can leave an entry's ctime, size and inode as they were. Entries changed at or after `since_ns` (the
-// CLOCK_REALTIME_COARSE time of the freeze, less one tick) are marked so that the next plan takes them
+// CLOCK_REALTIME_COARSE time at the thaw, less one tick) are marked so that the next plan takes them
 // whatever they look like then (git's "racily clean" entries).
 void mark_racy(UpperIndex& index, int64_t since_ns);
 // The threshold for mark_racy, read while the sandbox is frozen.
 int64_t racy_threshold_now();
+// The threshold for mark_racy once the clock has moved past every entry of `index`: waits (the sandbox
+// still frozen, so nothing changes meanwhile) until racy_threshold_now() is later than the newest ctime,
+// for at most `max_wait`, and returns the threshold then. So a file written just before the freeze costs
+// the pause a tick or two instead of being copied whole again by the next checkpoint; only a wait that ran
+// out (a clock set back) leaves racy entries.
+int64_t racy_threshold_after(const UpperIndex& index, int64_t max_wait_ns);
 
 struct DeltaPlan {
   std::set<std::string> entries;        // upper dir paths to write, their parent directories included

@@ -19,6 +19,9 @@ namespace {
 
 // An index is a few dozen bytes per upper dir entry: this bounds it at the layer entry limit.
 constexpr size_t kMaxIndexBytes = 512 * 1024 * 1024;
+// How long the freeze may be held for the file clock to leave the newest write's tick (one or two ticks of
+// 1-4 ms are enough; more means the clock was set back, and the racy marks take over).
+constexpr int64_t kMaxRacyWaitNs = 20'000'000;
 
 // The index the next delta starts from, when it is consistent: it must have been made for `base` (a
 // sandbox's base layers never change, so an index made for others is not this sandbox's).
@@ -103,13 +106,14 @@ Result<CheckpointResult> checkpoint(ImageStore& images, SnapshotStore& snapshots
 
   auto frozen_at = std::chrono::steady_clock::now();
   if (auto s = freezer.freeze(); !s) return fail(s.error(), "freeze: " + s.message());
-  const int64_t racy_since = racy_threshold_now();
   auto current = scan_upper(job.upper_dir, job.max_entries);
   Result<WrittenLayer> written = fail(Error::kInternal, "not written");
+  int64_t racy_since = INT64_MIN;
   if (current) {
     DeltaPlan plan = plan_delta(previous.index, *current);
     LayerSource source{LayerSource::Kind::kOverlayUpper, job.upper_dir, "", job.shift, job.max_entries, &plan};
     written = write_layer(source, blob);
+    racy_since = racy_threshold_after(*current, kMaxRacyWaitNs);
   }
   Status thawed = freezer.thaw();
   result.pause_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - frozen_at).count();

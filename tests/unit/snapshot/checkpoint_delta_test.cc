@@ -133,6 +133,20 @@ TEST(CheckpointDelta, AScanSeesAWriteAsAChangeAndAReadAsNone) {
   UpperIndex old = *before;
   mark_racy(old, INT64_MAX);
   EXPECT_EQ(old, *before);
+  // The threshold a checkpoint records waits for the clock to pass the newest write: nothing is racy then.
+  const int64_t newest = before->at("etc/conf").ctime_ns;
+  const int64_t settled = racy_threshold_after(*before, 1'000'000'000);
+  EXPECT_GT(settled, newest);
+  UpperIndex clean = *before;
+  mark_racy(clean, settled);
+  EXPECT_EQ(clean, *before);
+  // A ctime the clock does not reach (set back since): the wait gives up at its limit, and the entry is racy.
+  UpperIndex ahead = *before;
+  ahead["etc/conf"].ctime_ns = racy_threshold_now() + 3'600'000'000'000;
+  const int64_t gave_up = racy_threshold_after(ahead, 5'000'000);
+  EXPECT_LT(gave_up, ahead["etc/conf"].ctime_ns);
+  mark_racy(ahead, gave_up);
+  EXPECT_NE(ahead["etc/conf"].ctime_ns, before->at("etc/conf").ctime_ns);
   auto limited = scan_upper(tmp.path() + "/up", 1);
   ASSERT_FALSE(limited);
   EXPECT_EQ(limited.error(), Error::kLimitExceeded);
