@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -235,6 +236,27 @@ std::string long_name(const std::string& name, const struct stat& st) {
   return line + name;
 }
 
+// "~" is the session's home, which is where it started (the SSH server starts every session in root's
+// home, or in / when there is none), as OpenSSH's sftp-server takes it; "~name" is that user's home from
+// /etc/passwd, read with fgetpwent, since a static binary cannot look users up through NSS.
+std::optional<std::string> home_of(const std::string& user) {
+  if (user.empty()) {
+    char cwd[PATH_MAX];
+    if (::getcwd(cwd, sizeof cwd) == nullptr) return std::nullopt;
+    return std::string(cwd);
+  }
+  FILE* f = std::fopen("/etc/passwd", "re");
+  if (f == nullptr) return std::nullopt;
+  std::optional<std::string> home;
+  while (passwd* pw = ::fgetpwent(f))
+    if (user == pw->pw_name && pw->pw_dir != nullptr) {
+      home = pw->pw_dir;
+      break;
+    }
+  std::fclose(f);
+  return home;
+}
+
 // realpath(3) that also answers for a path whose last component does not exist yet (the destination of an
 // upload), as OpenSSH's sftp-server does.
 std::optional<std::string> resolve(const std::string& path, int& err) {
@@ -357,8 +379,11 @@ struct SftpSession::State {
     if (pflags & kOpenExclusive) flags |= O_EXCL;
     mode_t mode = (a.flags & kAttrPermissions) ? (a.permissions & 07777) : 0666;
     if (!has_free_slot()) return status(id, kFailure, "too many open handles");
-    int fd = ::open(path.c_str(), flags, mode);
+    // O_NONBLOCK for the open only: a FIFO would otherwise block it, and with it the whole session, until a
+    // partner came (reads and writes on it then fail with ESPIPE, as pread/pwrite on a pipe do).
+    int fd = ::open(path.c_str(), flags | O_NONBLOCK, mode);
     if (fd < 0) return errno_status(id, errno);
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     return handle_reply(id, Handle{Kind::kFile, fd, (pflags & kOpenAppend) != 0, nullptr});
   }
 
@@ -521,7 +546,7 @@ struct SftpSession::State {
       Handle* h = find(r.bytes(), Kind::kFile);
       if (!r.ok()) return status(id, kBadMessage);
       if (h == nullptr) return status(id, kFailure, "no such handle");
-      if (name[1] == 's') return done(id, ::fsync(h->fd));
+      if (name == "fsync@openssh.com") return done(id, ::fsync(h->fd));
       struct statvfs s{};
       return statvfs_reply(id, ::fstatvfs(h->fd, &s), s);
     }
@@ -544,9 +569,12 @@ struct SftpSession::State {
     if (name == "expand-path@openssh.com") {
       std::string path = r.text();
       if (!r.ok()) return status(id, kBadMessage);
-      // "~" and "~/..." are root's home, where every session runs; another user's "~name" is not looked up.
-      if (path == "~" || path.rfind("~/", 0) == 0) path = "/root" + path.substr(1);
-      else if (!path.empty() && path[0] == '~') return status(id, kNoSuchFile, "no such user");
+      if (!path.empty() && path[0] == '~') {
+        size_t slash = std::min(path.find('/'), path.size());
+        std::optional<std::string> home = home_of(path.substr(1, slash - 1));
+        if (!home) return status(id, kNoSuchFile, "no such user");
+        path = *home + path.substr(slash);
+      }
       return realpath(id, path);
     }
     return status(id, kOpUnsupported, "unsupported extension " + name);

@@ -265,8 +265,36 @@ TEST_F(SftpRequests, RealpathAnswersForAMissingLastComponentOnly) {
   std::string resolved = reply.substr(13, be32(reply, 9));
   EXPECT_EQ(resolved, fs::canonical(dir_.path()).string() + "/new");
   EXPECT_EQ(status_code(ask(Packet().u8(16).u32(2).str(path("no/such/new")))), 2);
-  // expand-path: "~" is root's home, another user's home is not looked up.
-  EXPECT_EQ(status_code(ask(Packet().u8(200).u32(3).str("expand-path@openssh.com").str("~nobody/x"))), 2);
+  // expand-path: "~" is where the session started (the SSH server starts it in root's home), "~name" that
+  // user's home from /etc/passwd.
+  auto expanded = [&](uint32_t id, const std::string& path) {
+    std::string r = ask(Packet().u8(200).u32(id).str("expand-path@openssh.com").str(path));
+    return static_cast<uint8_t>(r[0]) == 104 ? r.substr(13, be32(r, 9)) : "status " + std::to_string(status_code(r));
+  };
+  EXPECT_EQ(expanded(3, "~"), fs::current_path().string());
+  EXPECT_EQ(expanded(4, "~root"), fs::canonical("/root").string());
+  EXPECT_EQ(expanded(5, "~root/.."), "/");
+  EXPECT_EQ(expanded(6, "~no-such-user-here/x"), "status 2");
+}
+
+TEST_F(SftpRequests, StatvfsFstatvfsAndFsyncAnswerEachItsOwnWay) {
+  auto type_and_size = [](const std::string& r) { return std::make_pair(static_cast<int>(r[0] & 0xff), r.size()); };
+  // EXTENDED_REPLY: type, id and 11 uint64 fields.
+  EXPECT_EQ(type_and_size(ask(Packet().u8(200).u32(1).str("statvfs@openssh.com").str(dir_.path()))),
+            std::make_pair(201, size_t{5 + 88}));
+  std::string h = handle_of(open("f", 0x2 | 0x8));
+  EXPECT_EQ(type_and_size(ask(Packet().u8(200).u32(2).str("fstatvfs@openssh.com").str(h))),
+            std::make_pair(201, size_t{5 + 88}));
+  EXPECT_EQ(status_code(ask(Packet().u8(200).u32(3).str("fsync@openssh.com").str(h))), 0);
+  EXPECT_EQ(status_code(ask(Packet().u8(200).u32(4).str("fsync@openssh.com").str(std::string("\0\0\0\x09", 4)))), 4);
+}
+
+// A FIFO opened without a partner must not block the session: the open answers, and reading it fails.
+TEST_F(SftpRequests, AFifoDoesNotHangTheSession) {
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  EXPECT_EQ(status_code(open("fifo", 0x2)), 4);  // ENXIO: no reader
+  std::string h = handle_of(open("fifo", 0x1));
+  EXPECT_EQ(status_code(ask(Packet().u8(5).u32(2).str(h).u64(0).u32(10))), 4);  // ESPIPE
 }
 
 // The process around the session: framing, the packet limit and the ends of the stream.
