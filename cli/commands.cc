@@ -574,6 +574,17 @@ std::string format_list(const json& answer, TimePoint now) {
   return format_table(rows);
 }
 
+std::string format_drained(const json& answer) {
+  std::string out = "node " + text(answer, "node") + " is draining: no new sandbox is placed there\n";
+  const json* staying = field(answer, "sandboxes");
+  if (staying == nullptr || !staying->is_array() || staying->empty()) return out + "no sandbox stays on it\n";
+  out += std::to_string(staying->size()) + (staying->size() == 1 ? " sandbox stays" : " sandboxes stay") +
+         " on it (they keep answering and waking there; none is moved):\n";
+  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE"}};
+  for (const json& sb : *staying) rows.push_back({text(sb, "name"), text(sb, "state")});
+  return out + format_table(rows);
+}
+
 std::string format_nodes(const json& answer) {
   std::vector<std::vector<std::string>> rows = {
       {"NAME", "STATE", "SANDBOXES", "CAPACITY", "MEMORY-MB", "CPUS", "IMAGES", "API"}};

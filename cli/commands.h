@@ -157,6 +157,9 @@ std::string format_created(const nlohmann::json& sandbox);
 std::string format_list(const nlohmann::json& answer, TimePoint now);
 // `sandgate nodes`: NAME STATE SANDBOXES CAPACITY API, the answering node marked with "*".
 std::string format_nodes(const nlohmann::json& answer);
+// `sandgate node drain`: that the node drains, then the sandboxes that stay on it (NAME STATE), which
+// keep answering and waking there; none is moved.
+std::string format_drained(const nlohmann::json& answer);
 // A fleet node name as the config takes it ([a-z0-9-], 1-63 characters), checked before it goes in a path.
 Status check_node_name(std::string_view name);
 // `sandgate get`: one "key: value" line per field, timestamps with a relative hint.

@@ -339,6 +339,7 @@ int main(int argc, char** argv) {
   node_cmd->require_subcommand(1);
   CLI::App* node_drain = node_cmd->add_subcommand("drain", "Mark a node draining: placement skips it");
   node_drain->add_option("node", ref, "node name")->required();
+  node_drain->add_flag("--json", raw_json, "print the node's JSON answer (with the sandboxes that stay)");
   CLI::App* node_undrain = node_cmd->add_subcommand("undrain", "Mark a draining node ready again");
   node_undrain->add_option("node", ref, "node name")->required();
 
@@ -529,8 +530,8 @@ int main(int argc, char** argv) {
     bool drain = node_drain->parsed();
     if (auto valid = sg::cli::check_node_name(ref); !valid) return error(valid.message(), kExitUsage);
     return call(node, drain ? "node drain" : "node undrain", drain ? "POST" : "DELETE",
-                "/v1/fleet/nodes/" + ref + "/drain", "", false, [&](const json&) {
-                  return "node " + ref + (drain ? " is draining\n" : " is ready\n");
+                "/v1/fleet/nodes/" + ref + "/drain", "", raw_json, [&](const json& j) {
+                  return drain ? sg::cli::format_drained(j) : "node " + ref + " is ready\n";
                 });
   }
   if (get->parsed())

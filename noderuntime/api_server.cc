@@ -896,9 +896,15 @@ void ApiServer::route(const HttpMessage& request, bool can_pass_fds, Reply reply
       if (!name_ok) return reply(invalid("node name must be 1-63 characters of [a-z0-9-]"));
       if (method != "POST" && method != "DELETE") return method_not_allowed("POST, DELETE");
       bool draining = method == "POST";
-      fleet_->set_draining(node, draining, [reply, node, draining](Status s) {
-        if (!s) return reply(error_response(s.failure()));
-        reply(Response{200, to_text(ordered_json{{"node", node}, {"draining", draining}}), {}, ""});
+      fleet_->set_draining(node, draining, [reply, node, draining](Result<std::vector<FleetAdmin::NodeSandbox>> r) {
+        if (!r) return reply(error_response(r.failure()));
+        ordered_json answer{{"node", node}, {"draining", draining}};
+        if (draining) {
+          ordered_json staying = ordered_json::array();
+          for (const auto& sb : *r) staying.push_back({{"name", sb.name}, {"state", sb.state}});
+          answer["sandboxes"] = std::move(staying);
+        }
+        reply(Response{200, to_text(answer), {}, ""});
       });
       return;
     }

@@ -45,8 +45,16 @@ class FleetAdmin {
   virtual const std::string& node_name() const = 0;
   // The fleet's nodes as this node's view of etcd last saw them.
   virtual std::vector<fleet::NodeInfo> fleet_nodes() const = 0;
-  // Marks `node` draining (placement skips it) or ready again; `done` runs on the loop.
-  virtual void set_draining(const std::string& node, bool draining, std::function<void(Status)> done) = 0;
+  // A sandbox etcd gives to a node, with its state there.
+  struct NodeSandbox {
+    std::string name;
+    std::string state;
+  };
+  using DrainDone = std::function<void(Result<std::vector<NodeSandbox>>)>;
+  // Marks `node` draining (placement skips it) or ready again; `done` runs on the loop. A drain answers with
+  // the sandboxes that stay on the node (all of them: none is moved), sorted by name, for the operator to see
+  // what still lives there.
+  virtual void set_draining(const std::string& node, bool draining, DrainDone done) = 0;
   // Sandbox names etcd gives to another node while this node has a sandbox of that name (found by the last
   // reconcile or state write): for the operator to settle.
   virtual std::vector<std::string> conflicts() const = 0;

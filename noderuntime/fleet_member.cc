@@ -59,10 +59,10 @@ void FleetMember::stop() {
   directory_.stop();
 }
 
-void FleetMember::set_draining(const std::string& node, bool draining, std::function<void(Status)> done) {
+void FleetMember::set_draining(const std::string& node, bool draining, DrainDone done) {
   {
     std::lock_guard lock(mu_);
-    claims_.push_back(Claim{node, std::move(done), draining});
+    claims_.push_back(Claim{node, nullptr, draining, std::move(done)});
   }
   cv_.notify_all();
 }
@@ -151,11 +151,10 @@ void FleetMember::writer_loop() {
       lock.unlock();
       Status s;
       if (c.drain) {
-        // A key of its own rather than a field of the node key: the node key belongs to its node's lease
-        // and is rewritten by it, while a drain must outlive that node's restarts.
-        std::string key = std::string(kFleetDrainPrefix) + c.name;
-        auto r = *c.drain ? client_.put(key, "{}") : client_.delete_range(key);
-        if (!r) s = fail(Error::kUnavailable, "fleet: cannot write " + key + ": " + r.message());
+        auto staying = write_drain(c.name, *c.drain);
+        post([done = std::move(c.drained), staying = std::move(staying)]() mutable { done(std::move(staying)); });
+        lock.lock();
+        continue;
       } else {
         bool held = false;
         {
@@ -216,6 +215,27 @@ Status FleetMember::claim_now(const std::string& name, bool stale_claim_is_ours)
     if (rec) owner = "node '" + rec->node + "'";
   }
   return fail(Error::kAlreadyExists, "name '" + name + "' is already used in the fleet by a sandbox on " + owner);
+}
+
+Result<std::vector<FleetAdmin::NodeSandbox>> FleetMember::write_drain(const std::string& node, bool draining) {
+  // A key of its own rather than a field of the node key: the node key belongs to its node's lease and is
+  // rewritten by it, while a drain must outlive that node's restarts.
+  std::string key = std::string(kFleetDrainPrefix) + node;
+  auto written = draining ? client_.put(key, "{}") : client_.delete_range(key);
+  if (!written) return fail(Error::kUnavailable, "fleet: cannot write " + key + ": " + written.message());
+  std::vector<NodeSandbox> staying;
+  if (!draining) return staying;
+  // Read after the write, so nothing placed before the drain took effect is missed.
+  auto claims = client_.range_prefix(kFleetSandboxesPrefix);
+  if (!claims)
+    return fail(Error::kUnavailable, "fleet: " + node + " is draining, but its sandboxes cannot be listed: " +
+                                         claims.message());
+  for (const auto& kv : claims->kvs) {
+    auto rec = parse_sandbox_owner(kv.value);
+    if (rec && rec->node == node)
+      staying.push_back(NodeSandbox{kv.key.substr(kFleetSandboxesPrefix.size()), rec->state});
+  }
+  return staying;  // etcd ranges are sorted by key, so by name
 }
 
 Status FleetMember::write_state(const std::string& name, const std::string& state) {

@@ -82,7 +82,7 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   bool draining() const { return draining_.load(); }
   const std::string& node_name() const override { return config_.node_name; }
   std::vector<fleet::NodeInfo> fleet_nodes() const override { return directory_.nodes(); }
-  void set_draining(const std::string& node, bool draining, std::function<void(Status)> done) override;
+  void set_draining(const std::string& node, bool draining, DrainDone done) override;
   // The list + watch view of the fleet this node keeps (for the API and, later, placement).
   const fleet::Directory& directory() const { return directory_; }
   const etcd::Client& client() const { return client_; }
@@ -92,8 +92,10 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   struct Claim {
     std::string name;
     std::function<void(Status)> done;
-    // Not a claim but a drain flag write for node `name` (the same queue keeps etcd off the loop).
+    // Not a claim but a drain flag write for node `name` (the same queue keeps etcd off the loop), answered
+    // through `drained`.
     std::optional<bool> drain = std::nullopt;
+    DrainDone drained = nullptr;
   };
 
   void lease_loop();
@@ -106,6 +108,7 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   // node's in etcd is a leftover (a timed-out claim etcd carried out later) and may be taken over.
   Status claim_now(const std::string& name, bool stale_claim_is_ours);
   Status write_state(const std::string& key, const std::string& state);
+  Result<std::vector<NodeSandbox>> write_drain(const std::string& node, bool draining);
   void post(std::function<void()> fn);
   void drain_posted();
 

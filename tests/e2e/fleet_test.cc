@@ -150,14 +150,27 @@ TEST_F(Fleet, TwentyConcurrentCreatesOfOneNameThroughThreeNodesHaveOneWinner) {
   auto nodes = n[0]->cli("nodes");
   ASSERT_EQ(nodes.exit_code, 0) << nodes.err;
   for (const char* name : {"n0 *", "n1 ", "n2 "}) EXPECT_NE(nodes.out.find(name), std::string::npos) << nodes.out;
-  ASSERT_EQ(n[0]->cli("node drain n2").exit_code, 0);
+  // Drain the winner with its sandbox suspended: the drain says what stays there (none is moved).
+  ASSERT_EQ(w.cli("suspend dup").exit_code, 0);
+  ASSERT_TRUE(eventually([&] { auto k = key("/sandgate/sandboxes/dup"); return k && (*k)["state"] == "suspended"; }, 5s));
+  const std::string other = "n" + std::to_string((winner.back() - '0' + 1) % 3);
+  auto drain = n[other.back() - '0']->cli("node drain " + winner);
+  ASSERT_EQ(drain.exit_code, 0) << drain.err;
+  EXPECT_EQ(drain.out, "node " + winner + " is draining: no new sandbox is placed there\n"
+                       "1 sandbox stays on it (they keep answering and waking there; none is moved):\n"
+                       "NAME  STATE\n"
+                       "dup   suspended\n");
   EXPECT_TRUE(eventually([&] { return n[1]->cli("nodes").out.find("draining") != std::string::npos; }, 5s))
       << n[1]->cli("nodes").out;
-  auto drained = key("/sandgate/nodes/n2");
+  auto drained = key("/sandgate/nodes/" + winner);
   ASSERT_TRUE(drained);
   EXPECT_EQ((*drained)["state"], "draining");
-  ASSERT_EQ(n[0]->cli("node undrain n2").exit_code, 0);
-  EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/nodes/n2"); return k && (*k)["state"] == "ready"; }, 5s));
+  ASSERT_EQ(n[0]->cli("node undrain " + winner).exit_code, 0);
+  EXPECT_TRUE(eventually([&] { auto k = key("/sandgate/nodes/" + winner); return k && (*k)["state"] == "ready"; }, 5s));
+  auto json_drain = n[0]->cli("node drain --json n0");
+  ASSERT_EQ(json_drain.exit_code, 0) << json_drain.err;
+  EXPECT_EQ(json::parse(json_drain.out, nullptr, false).value("draining", false), true) << json_drain.out;
+  ASSERT_EQ(n[0]->cli("node undrain n0").exit_code, 0);
   EXPECT_NE(n[0]->cli("node drain ../x").exit_code, 0);
   // rm gives the name back to the fleet.
   ASSERT_EQ(w.cli("rm dup").exit_code, 0);

@@ -327,6 +327,15 @@ TEST(Format, FleetListHasANodeColumnAndNodesListsTheFleet) {
             "NAME  STATE     SANDBOXES  CAPACITY  MEMORY-MB     CPUS   IMAGES  API\n"
             "n1 *  ready     3          100       1536/1048576  2.5/4  2       https://10.0.0.1:9444\n"
             "n2    draining  0          50        0/-           0/-    -       https://10.0.0.2:9444\n");
+  EXPECT_EQ(format_drained(json::parse(R"({"node": "n2", "draining": true, "sandboxes": [
+      {"name": "job-1", "state": "suspended"}, {"name": "web", "state": "running"}]})")),
+            "node n2 is draining: no new sandbox is placed there\n"
+            "2 sandboxes stay on it (they keep answering and waking there; none is moved):\n"
+            "NAME   STATE\n"
+            "job-1  suspended\n"
+            "web    running\n");
+  EXPECT_EQ(format_drained(json::parse(R"({"node": "n2", "draining": true, "sandboxes": []})")),
+            "node n2 is draining: no new sandbox is placed there\nno sandbox stays on it\n");
   EXPECT_TRUE(check_node_name("n-1"));
   EXPECT_FALSE(check_node_name("../x"));
   EXPECT_FALSE(check_node_name(""));
