@@ -38,8 +38,8 @@ std::optional<SandboxOwner> EtcdDirectory::owner_of(std::string_view sandbox) co
   std::shared_lock lock(mu_);
   auto it = owners_.find(sandbox);
   if (it == owners_.end()) return std::nullopt;
-  SandboxOwner owner{it->second, std::nullopt};
-  if (auto n = nodes_.find(it->second); n != nodes_.end()) owner.node_info = n->second;
+  SandboxOwner owner{it->second.node, std::nullopt, it->second.ports};
+  if (auto n = nodes_.find(it->second.node); n != nodes_.end()) owner.node_info = n->second;
   return owner;
 }
 
@@ -61,13 +61,14 @@ Status EtcdDirectory::relist() {
   auto all = client_.range_prefix(kRoot);
   if (!all) return all.failure();
   std::map<std::string, NodeInfo, std::less<>> nodes;
-  std::map<std::string, std::string, std::less<>> owners;
+  std::map<std::string, SandboxRecord, std::less<>> owners;
   for (const etcd::KeyValue& kv : all->kvs) {
     std::string_view key = kv.key;
     if (key.starts_with(kFleetNodesPrefix)) {
       if (auto info = parse_node_info(kv.value)) nodes[std::string(key.substr(kFleetNodesPrefix.size()))] = *info;
     } else if (key.starts_with(kFleetSandboxesPrefix)) {
-      if (auto rec = parse_sandbox_owner(kv.value)) owners[std::string(key.substr(kFleetSandboxesPrefix.size()))] = rec->node;
+      if (auto rec = parse_sandbox_owner(kv.value))
+        owners[std::string(key.substr(kFleetSandboxesPrefix.size()))] = std::move(*rec);
     }
   }
   {
@@ -97,7 +98,7 @@ void EtcdDirectory::apply_put(const std::string& key, const std::string& value) 
       return;
     }
     std::unique_lock lock(mu_);
-    owners_[std::string(k.substr(kFleetSandboxesPrefix.size()))] = rec->node;
+    owners_[std::string(k.substr(kFleetSandboxesPrefix.size()))] = std::move(*rec);
   }
 }
 

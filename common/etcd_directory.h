@@ -15,6 +15,7 @@
 
 #include "common/etcd_client.h"
 #include "common/fleet_directory.h"
+#include "common/fleet_keys.h"
 
 namespace sg::fleet {
 
@@ -52,7 +53,7 @@ class EtcdDirectory : public Directory {
   etcd::Client client_;
   mutable std::shared_mutex mu_;
   std::map<std::string, NodeInfo, std::less<>> nodes_;
-  std::map<std::string, std::string, std::less<>> owners_;  // sandbox -> node
+  std::map<std::string, SandboxRecord, std::less<>> owners_;  // sandbox -> its node and ports
 
   std::atomic<bool> current_{false};
   std::atomic<bool> stopping_{false};

@@ -4,7 +4,8 @@
 //
 // etcd keys (values are JSON):
 //   /sandgate/nodes/<node>        NodeInfo, bound to the node's lease: gone when the node stops renewing it
-//   /sandgate/sandboxes/<name>    {"node": "<node>", "state": "<sandbox state>"}: the fleet-wide name claim
+//   /sandgate/sandboxes/<name>    {"node": "<node>", "state": "<sandbox state>", "ports": [PortRoute]}: the
+//                                 fleet-wide name claim
 #pragma once
 
 #include <cstdint>
@@ -43,11 +44,26 @@ inline constexpr size_t kMaxPublishedImages = 1000;
 // False only when `node` published its images and `image` is not among them.
 bool may_have_image(const NodeInfo& node, std::string_view image);
 
+// How the owning node carries one of a sandbox's exposed ports: what a proxy must know of another node's
+// sandbox at the ClientHello, before any request byte (it offers h2 only for an h2c port, and forwards a
+// public tcp port at once, since the server there may speak first). The owner's node still decides each
+// connection.
+struct PortRoute {
+  uint16_t port = 0;
+  std::string protocol;  // "http1", "h2c" or "tcp"
+  bool is_public = false;
+  bool operator==(const PortRoute&) const = default;
+};
+
+// A sandbox key carries at most this many ports (node/create_spec.h kMaxExposedPorts: a node exposes no more).
+inline constexpr size_t kMaxPublishedPorts = 64;
+
 struct SandboxOwner {
   std::string node;
   // Empty when the owner's node key is gone (lease expired): the sandbox exists but cannot be reached now,
   // which a proxy answers with 503 + Retry-After, not 404.
   std::optional<NodeInfo> node_info;
+  std::vector<PortRoute> ports;  // as the owner last published them (none from a node before ports were)
 };
 
 // Every method is safe to call from any thread (proxy workers share one directory).

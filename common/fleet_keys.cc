@@ -82,15 +82,38 @@ Result<fleet::NodeInfo> parse_node_info(std::string_view text) {
   return info;
 }
 
-std::string sandbox_owner_json(std::string_view node, std::string_view state) {
-  return json{{"node", node}, {"state", state}}.dump();
+std::string sandbox_owner_json(std::string_view node, std::string_view state,
+                               const std::vector<fleet::PortRoute>& ports) {
+  json j{{"node", node}, {"state", state}};
+  if (!ports.empty()) {
+    json list = json::array();
+    for (const fleet::PortRoute& p : ports)
+      list.push_back({{"port", p.port}, {"protocol", p.protocol}, {"public", p.is_public}});
+    j["ports"] = std::move(list);
+  }
+  return j.dump();
 }
 
 Result<SandboxRecord> parse_sandbox_owner(std::string_view text) {
   json j = json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return fail(Error::kInvalidArgument, "sandbox key: not a JSON object");
-  SandboxRecord r{str_field(j, "node"), str_field(j, "state")};
+  SandboxRecord r{str_field(j, "node"), str_field(j, "state"), {}};
   if (r.node.empty()) return fail(Error::kInvalidArgument, "sandbox key: no node");
+  auto ports = j.find("ports");
+  if (ports != j.end() && ports->is_array()) {
+    for (const json& p : *ports) {
+      if (r.ports.size() == fleet::kMaxPublishedPorts) break;
+      if (!p.is_object()) continue;
+      auto port = p.find("port");
+      auto is_public = p.find("public");
+      std::string protocol = str_field(p, "protocol");
+      if (port == p.end() || !port->is_number_unsigned() || port->get<uint64_t>() == 0 || port->get<uint64_t>() > 65535)
+        continue;
+      if (protocol != "http1" && protocol != "h2c" && protocol != "tcp") continue;
+      r.ports.push_back(fleet::PortRoute{static_cast<uint16_t>(port->get<uint64_t>()), std::move(protocol),
+                                         is_public != p.end() && is_public->is_boolean() && is_public->get<bool>()});
+    }
+  }
   return r;
 }
 

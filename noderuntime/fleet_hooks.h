@@ -34,8 +34,12 @@ class FleetHooks {
   // naming the node that holds it; kUnavailable when etcd cannot be reached or the node is fenced.
   virtual void claim(const std::string& name, std::function<void(Status)> done) = 0;
   // A sandbox's state as every proxy should see it ("running", "suspended", "failed"); "terminated" releases
-  // the name. `key` is the name, or the id for an unnamed sandbox. Written asynchronously.
-  virtual void publish(const std::string& key, std::string_view state) = 0;
+  // the name. `key` is the name, or the id for an unnamed sandbox. `ports` are its exposed ports as another
+  // node's proxy must know them at a ClientHello (fleet::PortRoute). Written asynchronously.
+  virtual void publish(const std::string& key, std::string_view state, std::vector<fleet::PortRoute> ports) = 0;
+  // Its ports changed, its state did not: written with the state last published (a sandbox whose create is
+  // still in flight gets them with its first state).
+  virtual void publish_ports(const std::string& key, std::vector<fleet::PortRoute> ports) = 0;
 };
 
 // What the node API serves about the fleet (GET /v1/fleet/nodes, drain), on the loop.

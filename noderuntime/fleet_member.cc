@@ -116,16 +116,32 @@ void FleetMember::claim(const std::string& name, std::function<void(Status)> don
   cv_.notify_all();
 }
 
-void FleetMember::publish(const std::string& key, std::string_view state) {
+void FleetMember::publish(const std::string& key, std::string_view state, std::vector<fleet::PortRoute> ports) {
   {
     std::lock_guard lock(mu_);
     claimed_.erase(key);  // its create is over, one way or the other
+    Published value{std::string(state), std::move(ports)};
     if (state == "terminated") local_.erase(key);
-    else local_[key] = std::string(state);
-    if (!pending_.count(key)) publish_order_.push_back(key);
-    pending_[key] = std::string(state);  // a later state replaces one not yet written
+    else local_[key] = value;
+    queue_write(key, std::move(value));
   }
   cv_.notify_all();
+}
+
+void FleetMember::publish_ports(const std::string& key, std::vector<fleet::PortRoute> ports) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = local_.find(key);
+    if (it == local_.end()) return;  // still creating: its first state carries the ports
+    it->second.ports = std::move(ports);
+    queue_write(key, it->second);
+  }
+  cv_.notify_all();
+}
+
+void FleetMember::queue_write(const std::string& key, Published value) {
+  if (!pending_.count(key)) publish_order_.push_back(key);
+  pending_[key] = std::move(value);  // a later value replaces one not yet written
 }
 
 std::vector<std::string> FleetMember::conflicts() const {
@@ -174,12 +190,12 @@ void FleetMember::writer_loop() {
     } else {
       std::string key = publish_order_.front();
       publish_order_.pop_front();
-      std::string state = pending_[key];
+      Published value = std::move(pending_[key]);
       pending_.erase(key);
       lock.unlock();
-      if (Status s = write_state(key, state); !s) {
+      if (Status s = write_state(key, value); !s) {
         // Not retried here: the reconcile after the next successful renewal writes every state again.
-        spdlog::warn("fleet: cannot publish sandbox {} as {}: {}", key, state, s.message());
+        spdlog::warn("fleet: cannot publish sandbox {} as {}: {}", key, value.state, s.message());
         needs_reconcile_ = true;
       }
       lock.lock();
@@ -238,9 +254,10 @@ Result<std::vector<FleetAdmin::NodeSandbox>> FleetMember::write_drain(const std:
   return staying;  // etcd ranges are sorted by key, so by name
 }
 
-Status FleetMember::write_state(const std::string& name, const std::string& state) {
+Status FleetMember::write_state(const std::string& name, const Published& published) {
+  const std::string& state = published.state;
   std::string key = std::string(kFleetSandboxesPrefix) + name;
-  std::string value = sandbox_owner_json(config_.node_name, state);
+  std::string value = sandbox_owner_json(config_.node_name, state, published.ports);
   // Read, then write guarded by what was read, so a key that another node holds is never overwritten.
   // Two round trips per state change; a lost race is retried a few times.
   for (int attempt = 0; attempt < 3; attempt++) {
@@ -388,7 +405,7 @@ Status FleetMember::reconcile() {
   auto all = client_.range_prefix(kFleetSandboxesPrefix);
   if (!all) return all.failure();
   // Taken after the range: a claim in that answer was added to claimed_ before its txn was sent.
-  std::map<std::string, std::string> local;
+  std::map<std::string, Published> local;
   std::set<std::string> claimed;
   {
     std::lock_guard lock(mu_);
@@ -419,7 +436,7 @@ Status FleetMember::reconcile() {
       op = Op{.kind = Op::Kind::kDelete, .key = kv.key};
       removed++;
     } else {
-      std::string value = sandbox_owner_json(config_.node_name, mine->second);
+      std::string value = sandbox_owner_json(config_.node_name, mine->second.state, mine->second.ports);
       if (kv.value == value && kv.lease == 0) continue;
       op = Op{.kind = Op::Kind::kPut, .key = kv.key, .value = value};
       written++;
@@ -428,12 +445,13 @@ Status FleetMember::reconcile() {
     if (!t) return t.failure();
     if (!t->succeeded) needs_reconcile_ = true;  // changed meanwhile: next round
   }
-  for (const auto& [name, state] : local) {
+  for (const auto& [name, published] : local) {
     if (in_etcd.count(name)) continue;
     std::string key = std::string(kFleetSandboxesPrefix) + name;
     // Re-claimed: this node has the sandbox and etcd lost (or never got) its key.
     auto t = client_.txn({{.key = key, .target = Compare::Target::kCreateRevision, .number = 0}},
-                         {{.kind = Op::Kind::kPut, .key = key, .value = sandbox_owner_json(config_.node_name, state)}}, {});
+                         {{.kind = Op::Kind::kPut, .key = key,
+                           .value = sandbox_owner_json(config_.node_name, published.state, published.ports)}}, {});
     if (!t) return t.failure();
     if (!t->succeeded) needs_reconcile_ = true;
     written++;

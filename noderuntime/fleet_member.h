@@ -76,7 +76,8 @@ class FleetMember : public FleetHooks, public FleetAdmin {
 
   Status admit(FleetAdmission what) const override;
   void claim(const std::string& name, std::function<void(Status)> done) override;
-  void publish(const std::string& key, std::string_view state) override;
+  void publish(const std::string& key, std::string_view state, std::vector<fleet::PortRoute> ports) override;
+  void publish_ports(const std::string& key, std::vector<fleet::PortRoute> ports) override;
 
   State state() const { return state_.load(); }
   bool draining() const { return draining_.load(); }
@@ -89,6 +90,11 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   std::vector<std::string> conflicts() const override;
 
  private:
+  // What a sandbox key says of this node's sandbox.
+  struct Published {
+    std::string state;
+    std::vector<fleet::PortRoute> ports;
+  };
   struct Claim {
     std::string name;
     std::function<void(Status)> done;
@@ -107,7 +113,8 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   // `stale_claim_is_ours`: no other create of this name is in flight here, so a "creating" claim of this
   // node's in etcd is a leftover (a timed-out claim etcd carried out later) and may be taken over.
   Status claim_now(const std::string& name, bool stale_claim_is_ours);
-  Status write_state(const std::string& key, const std::string& state);
+  Status write_state(const std::string& key, const Published& value);
+  void queue_write(const std::string& key, Published value);  // mu_ held
   Result<std::vector<NodeSandbox>> write_drain(const std::string& node, bool draining);
   void post(std::function<void()> fn);
   void drain_posted();
@@ -133,8 +140,8 @@ class FleetMember : public FleetHooks, public FleetAdmin {
   bool stopping_ = false;
   std::deque<Claim> claims_;
   std::deque<std::string> publish_order_;
-  std::map<std::string, std::string> pending_;  // key -> latest state not yet written
-  std::map<std::string, std::string> local_;    // key -> state of every sandbox this node has
+  std::map<std::string, Published> pending_;  // key -> latest value not yet written
+  std::map<std::string, Published> local_;    // key -> value of every sandbox this node has
   // Names whose claim is being sent or was won, until their create publishes a state: reconcile keeps their
   // "creating" keys and deletes every other "creating" key of this node (a claim whose answer timed out
   // may still have landed once etcd came back).

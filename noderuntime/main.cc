@@ -25,6 +25,7 @@
 #include "noderuntime/image_service.h"
 #include "noderuntime/snapshot_service.h"
 #include "noderuntime/node.h"
+#include "noderuntime/port_exposure.h"
 #include "noderuntime/cloud_hypervisor_driver.h"
 #include "noderuntime/firecracker_driver.h"
 #include "noderuntime/process_driver.h"
@@ -280,7 +281,7 @@ int main(int argc, char** argv) {
                                : info.state == sg::SandboxState::kResuming ? "running"
                                                                            : sg::state_name(info.state);
       if (info.state != sg::SandboxState::kCreating)
-        d.fleet->publish(info.spec.name.empty() ? info.spec.id : info.spec.name, state);
+        d.fleet->publish(info.spec.name.empty() ? info.spec.id : info.spec.name, state, sg::fleet_port_routes(info.spec));
     }
     if (auto s = d.fleet->start(); !s) {
       spdlog::critical("cannot start the fleet membership: {}", s.message());

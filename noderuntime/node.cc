@@ -15,6 +15,7 @@
 #include "common/operator_token.h"
 #include "common/token_digest.h"
 #include "noderuntime/names.h"
+#include "noderuntime/port_exposure.h"
 #include "noderuntime/state_machine.h"
 #include "noderuntime/uv_handles.h"
 
@@ -29,6 +30,9 @@ constexpr uint64_t kShutdownTerminateTimeoutMs = 15'000;
 // A worker's connection count lives this many report intervals past its last report (a few missed reports
 // are a slow proxy, not a dead one).
 constexpr int kReportTtlIntervals = 10;
+
+// A sandbox's key in the fleet: its name, or its id when it has none.
+std::string fleet_key(const LiveSandbox& sb) { return sb.rec.spec.name.empty() ? sb.id() : sb.rec.spec.name; }
 
 int64_t wall_now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -171,7 +175,7 @@ void Node::create_now(const CreateRequest& request, SandboxCallback done, bool c
             request,
             [this, name, done = std::move(done)](Result<SandboxInfo> r) {
               // A create that failed before its sandbox existed gives the name back.
-              if (!r && fleet_ != nullptr && registry_.id_of(name) == nullptr) fleet_->publish(name, "terminated");
+              if (!r && fleet_ != nullptr && registry_.id_of(name) == nullptr) fleet_->publish(name, "terminated", {});
               done(std::move(r));
             },
             true);
@@ -307,7 +311,7 @@ Status Node::transition(Sandbox& sb, SandboxState to, std::string reason) {
   if (!edge.empty()) failpoint("after:" + edge);
   // What the fleet's proxies route by: the settled states (the transient ones would only add writes).
   if (fleet_ != nullptr && (to == S::kRunning || to == S::kSuspended || to == S::kFailed || to == S::kTerminated))
-    fleet_->publish(sb.rec.spec.name.empty() ? sb.id() : sb.rec.spec.name, state_name(to));
+    fleet_->publish(fleet_key(sb), state_name(to), fleet_port_routes(sb.rec.spec));
   return {};
 }
 
@@ -840,6 +844,7 @@ void Node::expose_port(std::string_view ref, int64_t port, const ExposeRequest& 
       return done(fail(Error::kIo, "sandbox " + id + ": cannot store its ports: " + s.message()));
     }
     publish(now, "ports");
+    if (fleet_ != nullptr) fleet_->publish_ports(fleet_key(*now), fleet_port_routes(now->rec.spec));
     spdlog::info("sandbox {}: port {} exposed ({})", id, p, describe_ports(now->rec.spec));
     done(snapshot(*now));
   });
@@ -865,6 +870,7 @@ Result<SandboxInfo> Node::close_port(std::string_view ref, int64_t port) {
   // Connections to the port opened before now are cut by their proxies (activity()).
   sb.closed_ports.push_back(Sandbox::Closed{static_cast<uint16_t>(port), route_events_.stamp(), Clock::now()});
   publish(&sb, "ports");
+  if (fleet_ != nullptr) fleet_->publish_ports(fleet_key(sb), fleet_port_routes(sb.rec.spec));
   spdlog::info("sandbox {}: port {} closed", sb.id(), port);
   // The node refuses the port from now on whatever the driver does; the forward is only tidied away.
   driver(sb).unforward_port(sb.rec.spec, sb.rec.runtime, static_cast<uint16_t>(port), [id = sb.id(), port](Status s) {

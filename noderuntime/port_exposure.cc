@@ -40,4 +40,16 @@ Result<SandboxSpec> with_port_closed(const SandboxSpec& spec, int64_t port) {
   return out;
 }
 
+std::vector<fleet::PortRoute> fleet_port_routes(const SandboxSpec& spec) {
+  // The policies the node itself answers with (port_policy): allow_unauthenticated_access included, and
+  // the agent's port, which the SDK route reaches.
+  std::vector<uint16_t> ports = spec.exposed_ports;
+  if (spec.agent_port != 0) ports.push_back(spec.agent_port);
+  std::vector<fleet::PortRoute> out;
+  for (uint16_t port : ports)
+    if (auto p = port_policy(spec, port); p && out.size() < fleet::kMaxPublishedPorts)
+      out.push_back(fleet::PortRoute{p->port, std::string(protocol_name(p->protocol)), p->is_public});
+  return out;
+}
+
 }  // namespace sg

@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
+#include "common/fleet_directory.h"
 #include "noderuntime/sandbox.h"
 
 namespace sg {
@@ -26,5 +28,8 @@ Result<SandboxSpec> with_port_exposed(const SandboxSpec& spec, int64_t port, con
                                       size_t max_ports);
 // `spec` without `port`; kNotFound when it is not exposed.
 Result<SandboxSpec> with_port_closed(const SandboxSpec& spec, int64_t port);
+
+// The ports as the fleet's other proxies must know them (the sandbox's etcd key, docs/fleet.md).
+std::vector<fleet::PortRoute> fleet_port_routes(const SandboxSpec& spec);
 
 }  // namespace sg

@@ -486,6 +486,21 @@ void Connection::HandshakePhase::look_up_port_policy() {
     return run();
   }
   uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
+  // Another node's sandbox: its policy is the one its owner published in etcd (this node has none for it),
+  // and the owner's node decides the connection itself once the hop reaches it.
+  if (c_.fleet_ && c_.fleet_->directory && !c_.via_fleet_) {
+    fleet::Decision d = fleet::decide(c_.fleet_->directory.get(), c_.fleet_->self, route->target);
+    if (d.kind != fleet::Decision::Kind::kLocal) {
+      hello.policy_known = true;
+      c_.prewake_asked_ = true;  // woken on its own node, by the hop
+      for (const fleet::PortRoute& p : d.ports)
+        if (p.port == port) {
+          hello.port_protocol = p.protocol;
+          hello.port_public = p.is_public;
+        }
+      return run();
+    }
+  }
   const bool prewake = wants_prewake(*route, port);
   // A port seen within the cache's bound needs no node round trip here: the open is the connection's only one.
   if (auto known = c_.worker_->routes().find(route->target, port, now_ms(c_.worker_->loop()))) {
@@ -574,7 +589,7 @@ void Connection::HandshakePhase::finished() {
     return c.close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   if (c.via_fleet_) return c.enter<PreamblePhase>().read();
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
-  if (c.hello_.policy_known && c.hello_.port_protocol == "tcp" && c.hello_.port_public) {
+  if (c.headless_tcp()) {
     auto route = parse_route(c.rec_.sni, c.cfg_->domain);
     if (route && route->kind == RouteKind::kPort) {
       c.rec_.host = c.rec_.sni;
@@ -871,7 +886,19 @@ void Connection::PreamblePhase::received(fleet::Preamble p, size_t consumed) {
   // From here the connection is the client's own, as if it had arrived here with this SNI and ALPN.
   c.hello_.sni = p.host;
   c.rec_.sni = p.host;
-  c.h2_ = p.h2;
+  c.h2_ = p.protocol == fleet::HopProtocol::kHttp2;
+  if (p.protocol == fleet::HopProtocol::kTcp) {
+    // A public tcp port as the first proxy's view had it: opened at once, with no credentials, so this
+    // node's open refuses it unless the port is public here too.
+    if (!route || route->kind != RouteKind::kPort) {
+      c.rec_.host = p.host;
+      return c.close(TerminationCause::kBadRequest, "a tcp hop names no sandbox port: " + p.host);
+    }
+    c.rec_.host = p.host;
+    c.route_ = std::move(*route);
+    c.rec_.port = c.route_.port;
+    return c.open_sandbox();
+  }
   c.enter<HeadPhase>().read();
 }
 
@@ -944,7 +971,10 @@ void Connection::HopPhase::advance() {
       wait_for(r, "TLS handshake");
       return;
     }
-    out_ = fleet::encode_preamble({normalize_host(c_.rec_.host), c_.h2_, c_.rec_.client});
+    const fleet::HopProtocol protocol = c_.headless_tcp() ? fleet::HopProtocol::kTcp
+                                        : c_.h2_           ? fleet::HopProtocol::kHttp2
+                                                           : fleet::HopProtocol::kHttp1;
+    out_ = fleet::encode_preamble({normalize_host(c_.rec_.host), protocol, c_.rec_.client});
     step_ = Step::kSending;
   }
   if (step_ == Step::kSending) {

@@ -52,7 +52,8 @@ bool valid_node_name(std::string_view name) {
 }
 
 std::string encode_preamble(const Preamble& p) {
-  return std::string(kMagic) + " " + p.host + " " + (p.h2 ? "h2" : "h1") + " " + p.client + "\r\n";
+  const char* protocol = p.protocol == HopProtocol::kHttp2 ? "h2" : p.protocol == HopProtocol::kTcp ? "tcp" : "h1";
+  return std::string(kMagic) + " " + p.host + " " + protocol + " " + p.client + "\r\n";
 }
 
 Result<std::optional<Preamble>> parse_preamble(std::string_view buffered, size_t* consumed) {
@@ -66,8 +67,10 @@ Result<std::optional<Preamble>> parse_preamble(std::string_view buffered, size_t
   if (f[1].empty() || f[1].size() > kMaxHostBytes || !std::all_of(f[1].begin(), f[1].end(), host_char))
     return fail(Error::kInvalidArgument, "hop preamble: bad host");
   p.host = std::string(f[1]);
-  if (f[2] != "h1" && f[2] != "h2") return fail(Error::kInvalidArgument, "hop preamble: protocol must be h1 or h2");
-  p.h2 = f[2] == "h2";
+  if (f[2] == "h1") p.protocol = HopProtocol::kHttp1;
+  else if (f[2] == "h2") p.protocol = HopProtocol::kHttp2;
+  else if (f[2] == "tcp") p.protocol = HopProtocol::kTcp;
+  else return fail(Error::kInvalidArgument, "hop preamble: protocol must be h1, h2 or tcp");
   if (f[3].empty() || f[3].size() > kMaxClientBytes || !std::all_of(f[3].begin(), f[3].end(), client_char))
     return fail(Error::kInvalidArgument, "hop preamble: bad client address");
   p.client = std::string(f[3]);
@@ -116,6 +119,7 @@ Decision decide(const Directory* directory, std::string_view self, std::string_v
   }
   d.kind = Decision::Kind::kRemote;
   d.node = std::move(owner->node_info);
+  d.ports = std::move(owner->ports);
   return d;
 }
 

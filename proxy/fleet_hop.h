@@ -5,9 +5,11 @@
 // and when a redirect may be followed.
 //
 // On the wire, after the mTLS handshake (first proxy -> owning proxy):
-//   SANDGATE-HOP/1 <host> <h1|h2> <client address>\r\n
+//   SANDGATE-HOP/1 <host> <h1|h2|tcp> <client address>\r\n
 // then, once answered "ok", the client's bytes exactly as they arrived (request head with its credentials
 // included): the owning proxy runs the connection from its request head on as if the client were its own.
+// `tcp` is a public raw-TCP port (the server may speak first, so there is no head): the owning proxy opens
+// the port at once, and its node decides whether it may.
 // The owning proxy's answer, alone on the stream until the first proxy sends more:
 //   SANDGATE-HOP/1 ok\r\n | SANDGATE-HOP/1 redirect <node>\r\n | SANDGATE-HOP/1 gone <node>\r\n
 #pragma once
@@ -16,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/error.h"
 #include "common/fleet_directory.h"
@@ -30,9 +33,16 @@ inline constexpr size_t kMaxNodeNameBytes = 63;  // a DNS label: node names are 
 // views disagree and the client should retry later rather than bounce between nodes).
 inline constexpr int kMaxRedirects = 1;
 
+// What the bytes after the preamble are.
+enum class HopProtocol {
+  kHttp1,  // "h1": HTTP/1.1, from the request head on
+  kHttp2,  // "h2": the client's ALPN was h2, from the connection preface on
+  kTcp,    // "tcp": raw bytes of a public tcp port, whoever speaks first
+};
+
 struct Preamble {
-  std::string host;    // the client's SNI / Host: what the owning proxy routes by
-  bool h2 = false;     // the client's ALPN: the bytes that follow are HTTP/2
+  std::string host;  // the client's SNI / Host: what the owning proxy routes by
+  HopProtocol protocol = HopProtocol::kHttp1;
   std::string client;  // the client's address as the first proxy saw it (host:port), for the access log
 };
 
@@ -67,6 +77,7 @@ struct Decision {
   Kind kind = Kind::kLocal;
   std::string owner;              // the owning node's name (kRemote, kOwnerGone)
   std::optional<NodeInfo> node;   // kRemote
+  std::vector<PortRoute> ports;   // kRemote: the sandbox's ports as its owner published them
 };
 // `directory` null: fleet routing is off (the single-node default).
 Decision decide(const Directory* directory, std::string_view self, std::string_view sandbox);

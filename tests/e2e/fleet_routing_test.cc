@@ -114,6 +114,44 @@ TEST_F(FleetRouting, ASandboxOnAnotherNodeAnswersThroughThisProxyFromTheEtcdView
   EXPECT_NE((dup.out + dup.err).find("'b'"), std::string::npos) << dup.out << dup.err;
 }
 
+// The ports a connection must know at its ClientHello come with the owner's etcd key: through a, a public
+// raw-TCP port of a sandbox on b is forwarded at once (the server there speaks first), an h2c port gets
+// HTTP/2 while an HTTP/1.1 port stays HTTP/1.1.
+TEST_F(FleetRouting, AnotherNodesPublicTcpAndH2cPortsAnswerThroughThisProxyAsOnTheirOwn) {
+  Cluster& a = add("a");
+  Cluster& b = add("b");
+  auto banner = b.cli("create --json --name ban --public 7100/tcp -- /usr/bin/python3 " + tool("testserver.py") +
+                      " banner 7100 from-b");
+  ASSERT_EQ(banner.exit_code, 0) << banner.out << banner.err;
+  auto h2 = b.cli("create --json --name hh --public 7000/h2c -- " + tool("h2_recorder") + " 7000");
+  ASSERT_EQ(h2.exit_code, 0) << h2.out << h2.err;
+  b.create_http_sandbox("web", 8080, "--timeout 600");
+  b.wait_until_serving("web", 8080);
+  // a's view has web's claim, and so the two made before it (one watch, in order).
+  CommandResult v;
+  ASSERT_TRUE(eventually([&] { return Cluster::http_code(v = a.curl("8080-web.sandbox.localhost", "/", "--http2")) == 200; },
+                         std::chrono::seconds(10))) << v.out << v.err;
+  // An HTTP/1.1 port stays HTTP/1.1 (offering h2 there would hand the backend a connection it cannot read).
+  EXPECT_EQ(a.curl("8080-web.sandbox.localhost", "/", "--http2 -o /dev/null -w '%{http_version}'").out, "1.1");
+
+  // The client sends its line only after the banner came: a proxy waiting for a request head first would
+  // never pass the banner on, and would answer the line with an error.
+  const std::string host = "7100-ban.sandbox.localhost";
+  auto talk = run("(sleep 1; printf 'ping\\n') | timeout 20 openssl s_client -quiet -ign_eof -verify_return_error"
+                  " -servername " + host + " -CAfile " + shell_quote(a.ca()) + " -connect 127.0.0.1:" +
+                      std::to_string(a.port()) + " 2>/dev/null",
+                  30);
+  EXPECT_EQ(talk.out, "banner from-b\necho: ping\n") << talk.err << a.proxy().log();
+  auto entry = a.wait_access_entry([](const nlohmann::json& e) {
+    return e.value("hop_to", "") == "b" && e.value("sni", "").starts_with("7100-");
+  });
+  EXPECT_GT(entry.value("bytes_out", 0), 0) << entry.dump();
+
+  // HTTP/2 end to end through the hop, to an h2c port (h2_recorder speaks only HTTP/2).
+  v = a.curl("7000-hh.sandbox.localhost", "/", "--http2 -o /dev/null -w '%{http_version}'");
+  EXPECT_EQ(v.out, "2") << v.err << a.proxy().log();
+}
+
 class FleetRoutingOverTls : public FleetRouting {
  protected:
   bool etcd_over_tls() const override { return true; }

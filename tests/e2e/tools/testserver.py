@@ -13,6 +13,8 @@
                           parsed them: what the sandbox's code was given, and what it never saw
   testserver.py tcp PORT           raw TCP: reads until EOF (the client's half-close), then answers
                                    "<sha256> <bytes>\\n" and closes.
+  testserver.py banner PORT MARKER raw TCP where the server speaks first: "banner MARKER\\n" at once, then
+                                   one line read back as "echo: LINE\\n" (within 10 s), then it closes.
 """
 import hashlib
 import http.server
@@ -145,10 +147,38 @@ def serve_tcp(port):
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
+def serve_banner(port, marker):
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(64)
+
+    def handle(conn):
+        conn.sendall(("banner %s\n" % marker).encode())
+        conn.settimeout(10)
+        line = b""
+        try:
+            while not line.endswith(b"\n"):
+                data = conn.recv(1)
+                if not data:
+                    break
+                line += data
+            conn.sendall(b"echo: " + line)
+        except OSError:
+            pass
+        conn.close()
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
 def main():
     mode, port = sys.argv[1], int(sys.argv[2])
     if mode == "tcp":
         return serve_tcp(port)
+    if mode == "banner":
+        return serve_banner(port, sys.argv[3] if len(sys.argv) > 3 else "?")
     Handler.marker = sys.argv[3] if len(sys.argv) > 3 else "?"
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True

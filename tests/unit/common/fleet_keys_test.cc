@@ -77,5 +77,30 @@ TEST(FleetKeys, ANodeKeysImagesMustBeAtMostTheLimitOfNames) {
   EXPECT_NE(bad.message().find("at most 1000 names"), std::string::npos) << bad.message();
 }
 
+TEST(FleetKeys, ASandboxKeysPortsComeBackAndBadEntriesAreLeftOut) {
+  std::vector<fleet::PortRoute> ports = {{22, "tcp", true}, {7000, "h2c", false}, {8080, "http1", false}};
+  auto rec = parse_sandbox_owner(sandbox_owner_json("n1", "running", ports));
+  ASSERT_TRUE(rec) << rec.message();
+  EXPECT_EQ(rec->node, "n1");
+  EXPECT_EQ(rec->state, "running");
+  EXPECT_EQ(rec->ports, ports);
+  // Without ports the value is what it was before ports existed, and reads back with none.
+  EXPECT_EQ(sandbox_owner_json("n1", "running"), R"({"node":"n1","state":"running"})");
+  EXPECT_TRUE(parse_sandbox_owner(R"({"node":"n1","state":"running"})")->ports.empty());
+  // Any etcd client may write a key: what is not a port 1-65535 with a known protocol is dropped.
+  auto odd = parse_sandbox_owner(R"({"node":"n1","state":"running","ports":[
+      {"port":0,"protocol":"tcp"},{"port":70000,"protocol":"tcp"},{"port":-1,"protocol":"tcp"},
+      {"port":"22","protocol":"tcp"},{"port":22,"protocol":"udp"},{"port":22},"junk",7,
+      {"port":443,"protocol":"h2c","public":"yes"}]})");
+  ASSERT_TRUE(odd) << odd.message();
+  ASSERT_EQ(odd->ports.size(), 1u);
+  EXPECT_EQ(odd->ports[0], (fleet::PortRoute{443, "h2c", false}));
+  EXPECT_TRUE(parse_sandbox_owner(R"({"node":"n1","ports":"nope"})")->ports.empty());
+  // At most kMaxPublishedPorts.
+  std::string many = R"({"node":"n1","ports":[)";
+  for (int p = 1; p <= 100; ++p) many += std::string(p > 1 ? "," : "") + R"({"port":)" + std::to_string(p) + R"(,"protocol":"tcp"})";
+  EXPECT_EQ(parse_sandbox_owner(many + "]}")->ports.size(), fleet::kMaxPublishedPorts);
+}
+
 }  // namespace
 }  // namespace sg

@@ -1942,10 +1942,15 @@ class FakeFleet : public FleetHooks {
     taken[name] = "me";
     done({});
   }
-  void publish(const std::string& key, std::string_view state) override {
+  void publish(const std::string& key, std::string_view state, std::vector<fleet::PortRoute> ports) override {
     published.emplace_back(key, std::string(state));
+    published_ports[key] = std::move(ports);
     if (state == "terminated") taken.erase(key);
   }
+  void publish_ports(const std::string& key, std::vector<fleet::PortRoute> ports) override {
+    published_ports[key] = std::move(ports);
+  }
+  std::map<std::string, std::vector<fleet::PortRoute>> published_ports;
   std::string name = "me";
   bool fenced = false;
   std::map<std::string, std::string> taken;
@@ -1974,6 +1979,24 @@ TEST_F(NodeFleetTest, ANamedCreateClaimsFirstAndEveryStateThatRoutesIsPublished)
   SandboxInfo u = create(std::nullopt);
   EXPECT_EQ(fleet_.claims.size(), 1u);
   EXPECT_EQ(fleet_.published.back(), (P{u.spec.id, "running"}));
+}
+
+// Another node's proxy picks ALPN and the raw-TCP mode by the ports the owner publishes with its state, and
+// again whenever they change.
+TEST_F(NodeFleetTest, PortsArePublishedWithTheStateAndAgainWhenTheyChange) {
+  SandboxInfo a = create("a");
+  using PR = fleet::PortRoute;
+  // The agent's port too (h2c, never public): the SDK route.
+  const PR agent{a.spec.agent_port, "h2c", false};
+  ASSERT_NE(agent.port, 0);
+  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{{8080, "http1", false}, agent}));
+  std::optional<Result<SandboxInfo>> out;
+  node_->expose_port("a", 2222, ExposeRequest{true, "tcp"}, [&](Result<SandboxInfo> r) { out.emplace(std::move(r)); });
+  ASSERT_TRUE(run_until(&loop_, [&] { return out.has_value(); }));
+  ASSERT_TRUE(out->ok()) << out->message();
+  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{{8080, "http1", false}, {2222, "tcp", true}, agent}));
+  ASSERT_TRUE(node_->close_port("a", 8080).ok());
+  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{{2222, "tcp", true}, agent}));
 }
 
 TEST_F(NodeFleetTest, ALocalDuplicateNamesThisNode) {

@@ -13,6 +13,7 @@ class FakeDirectory final : public Directory {
  public:
   std::map<std::string, std::string, std::less<>> owners;
   std::map<std::string, NodeInfo, std::less<>> infos;
+  std::map<std::string, std::vector<PortRoute>, std::less<>> ports;
   void add_node(const std::string& name, const std::string& ingress) {
     NodeInfo info;
     info.name = name;
@@ -23,7 +24,8 @@ class FakeDirectory final : public Directory {
   std::optional<SandboxOwner> owner_of(std::string_view sandbox) const override {
     auto it = owners.find(sandbox);
     if (it == owners.end()) return std::nullopt;
-    return SandboxOwner{it->second, node(it->second)};
+    auto p = ports.find(sandbox);
+    return SandboxOwner{it->second, node(it->second), p == ports.end() ? std::vector<PortRoute>{} : p->second};
   }
   std::optional<NodeInfo> node(std::string_view name) const override {
     auto it = infos.find(name);
@@ -56,6 +58,10 @@ TEST(FleetDecide, AnotherNodesSandboxHopsThere) {
   EXPECT_EQ(r.owner, "b");
   ASSERT_TRUE(r.node);
   EXPECT_EQ(r.node->ingress, "127.0.0.1:7443");
+  EXPECT_TRUE(r.ports.empty());
+  // The owner's published ports come along: the first proxy picks ALPN and the raw-TCP mode by them.
+  d.ports["web"] = {PortRoute{22, "tcp", true}, PortRoute{7000, "h2c", false}};
+  EXPECT_EQ(decide(&d, "a", "web").ports, d.ports["web"]);
 }
 
 TEST(FleetDecide, OwnerWithoutRegistrationIsGoneNotUnknown) {
@@ -70,20 +76,27 @@ TEST(FleetDecide, OwnerWithoutRegistrationIsGoneNotUnknown) {
 }
 
 TEST(FleetPreamble, RoundTrips) {
-  Preamble p{"8080-web.sandbox.localhost", true, "[::1]:50123"};
+  Preamble p{"8080-web.sandbox.localhost", HopProtocol::kHttp2, "[::1]:50123"};
   std::string wire = encode_preamble(p) + "PRI * HTTP/2.0\r\n";
   size_t consumed = 0;
   auto r = parse_preamble(wire, &consumed);
   ASSERT_TRUE(r) << r.message();
   ASSERT_TRUE(*r);
   EXPECT_EQ((*r)->host, p.host);
-  EXPECT_TRUE((*r)->h2);
+  EXPECT_EQ((*r)->protocol, HopProtocol::kHttp2);
   EXPECT_EQ((*r)->client, p.client);
   EXPECT_EQ(wire.substr(consumed), "PRI * HTTP/2.0\r\n");
+  for (HopProtocol protocol : {HopProtocol::kHttp1, HopProtocol::kTcp}) {
+    auto again = parse_preamble(encode_preamble({"22-box.sandbox.localhost", protocol, "1.2.3.4:5"}), &consumed);
+    ASSERT_TRUE(again && *again);
+    EXPECT_EQ((*again)->protocol, protocol);
+  }
+  EXPECT_EQ(encode_preamble({"22-box.sandbox.localhost", HopProtocol::kTcp, "1.2.3.4:5"}),
+            "SANDGATE-HOP/1 22-box.sandbox.localhost tcp 1.2.3.4:5\r\n");
 }
 
 TEST(FleetPreamble, IncompleteNeedsMore) {
-  std::string wire = encode_preamble({"web.sandbox.localhost", false, "127.0.0.1:1"});
+  std::string wire = encode_preamble({"web.sandbox.localhost", HopProtocol::kHttp1, "127.0.0.1:1"});
   size_t consumed = 0;
   for (size_t n = 0; n < wire.size(); ++n) {
     auto r = parse_preamble(std::string_view(wire).substr(0, n), &consumed);
