@@ -182,6 +182,10 @@ ETCD_INITIAL_ADVERTISE_PEER_URLS=$scheme://$IP:$ETCD_PEER_PORT
 ETCD_INITIAL_CLUSTER=$initial_cluster
 ETCD_INITIAL_CLUSTER_STATE=$state
 ETCD_INITIAL_CLUSTER_TOKEN=sandgate-fleet
+# Revisions older than an hour go: every state change is a new revision, and without compaction the
+# database grows to etcd's quota and then refuses every write (bench/RESULTS.md, etcd load).
+ETCD_AUTO_COMPACTION_MODE=periodic
+ETCD_AUTO_COMPACTION_RETENTION=1h
 $etcd_tls_lines
 EOF
 
