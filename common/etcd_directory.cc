@@ -43,6 +43,12 @@ std::optional<SandboxOwner> EtcdDirectory::owner_of(std::string_view sandbox) co
   return owner;
 }
 
+EtcdDirectory::Owner EtcdDirectory::owner_from(SandboxRecord rec) {
+  Owner o{std::move(rec.node), nullptr};
+  if (!rec.ports.empty()) o.ports = std::make_shared<const std::vector<PortRoute>>(std::move(rec.ports));
+  return o;
+}
+
 std::optional<NodeInfo> EtcdDirectory::node(std::string_view name) const {
   std::shared_lock lock(mu_);
   auto it = nodes_.find(name);
@@ -61,14 +67,14 @@ Status EtcdDirectory::relist() {
   auto all = client_.range_prefix(kRoot);
   if (!all) return all.failure();
   std::map<std::string, NodeInfo, std::less<>> nodes;
-  std::map<std::string, SandboxRecord, std::less<>> owners;
+  std::map<std::string, Owner, std::less<>> owners;
   for (const etcd::KeyValue& kv : all->kvs) {
     std::string_view key = kv.key;
     if (key.starts_with(kFleetNodesPrefix)) {
       if (auto info = parse_node_info(kv.value)) nodes[std::string(key.substr(kFleetNodesPrefix.size()))] = *info;
     } else if (key.starts_with(kFleetSandboxesPrefix)) {
       if (auto rec = parse_sandbox_owner(kv.value))
-        owners[std::string(key.substr(kFleetSandboxesPrefix.size()))] = std::move(*rec);
+        owners[std::string(key.substr(kFleetSandboxesPrefix.size()))] = owner_from(std::move(*rec));
     }
   }
   {
@@ -97,8 +103,9 @@ void EtcdDirectory::apply_put(const std::string& key, const std::string& value) 
       spdlog::warn("fleet directory: ignoring {}: {}", key, rec.message());
       return;
     }
+    Owner owner = owner_from(std::move(*rec));
     std::unique_lock lock(mu_);
-    owners_[std::string(k.substr(kFleetSandboxesPrefix.size()))] = std::move(*rec);
+    owners_[std::string(k.substr(kFleetSandboxesPrefix.size()))] = std::move(owner);
   }
 }
 

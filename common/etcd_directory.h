@@ -53,7 +53,12 @@ class EtcdDirectory : public Directory {
   etcd::Client client_;
   mutable std::shared_mutex mu_;
   std::map<std::string, NodeInfo, std::less<>> nodes_;
-  std::map<std::string, SandboxRecord, std::less<>> owners_;  // sandbox -> its node and ports
+  struct Owner {
+    std::string node;
+    std::shared_ptr<const std::vector<PortRoute>> ports;
+  };
+  static Owner owner_from(SandboxRecord rec);
+  std::map<std::string, Owner, std::less<>> owners_;  // sandbox -> its node and ports
 
   std::atomic<bool> current_{false};
   std::atomic<bool> stopping_{false};

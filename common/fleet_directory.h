@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -63,7 +64,9 @@ struct SandboxOwner {
   // Empty when the owner's node key is gone (lease expired): the sandbox exists but cannot be reached now,
   // which a proxy answers with 503 + Retry-After, not 404.
   std::optional<NodeInfo> node_info;
-  std::vector<PortRoute> ports;  // as the owner last published them (none from a node before ports were)
+  // As the owner last published them (none from a node before ports were). Shared with the directory: a
+  // lookup per connection copies a pointer, not the list.
+  std::shared_ptr<const std::vector<PortRoute>> ports;
 };
 
 // Every method is safe to call from any thread (proxy workers share one directory).

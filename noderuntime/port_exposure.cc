@@ -43,8 +43,10 @@ Result<SandboxSpec> with_port_closed(const SandboxSpec& spec, int64_t port) {
 std::vector<fleet::PortRoute> fleet_port_routes(const SandboxSpec& spec) {
   // The policies the node itself answers with (port_policy): allow_unauthenticated_access included, and
   // the agent's port, which the SDK route reaches.
-  std::vector<uint16_t> ports = spec.exposed_ports;
+  // The agent's first: a sandbox with every port exposed still has it within kMaxPublishedPorts.
+  std::vector<uint16_t> ports;
   if (spec.agent_port != 0) ports.push_back(spec.agent_port);
+  ports.insert(ports.end(), spec.exposed_ports.begin(), spec.exposed_ports.end());
   std::vector<fleet::PortRoute> out;
   for (uint16_t port : ports)
     if (auto p = port_policy(spec, port); p && out.size() < fleet::kMaxPublishedPorts)

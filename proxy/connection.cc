@@ -493,11 +493,12 @@ void Connection::HandshakePhase::look_up_port_policy() {
     if (d.kind != fleet::Decision::Kind::kLocal) {
       hello.policy_known = true;
       c_.prewake_asked_ = true;  // woken on its own node, by the hop
-      for (const fleet::PortRoute& p : d.ports)
-        if (p.port == port) {
-          hello.port_protocol = p.protocol;
-          hello.port_public = p.is_public;
-        }
+      if (d.ports)
+        for (const fleet::PortRoute& p : *d.ports)
+          if (p.port == port) {
+            hello.port_protocol = p.protocol;
+            hello.port_public = p.is_public;
+          }
       return run();
     }
   }
@@ -592,6 +593,7 @@ void Connection::HandshakePhase::finished() {
   if (c.headless_tcp()) {
     auto route = parse_route(c.rec_.sni, c.cfg_->domain);
     if (route && route->kind == RouteKind::kPort) {
+      c.headless_ = true;
       c.rec_.host = c.rec_.sni;
       c.route_ = std::move(*route);
       c.rec_.sandbox = c.route_.target;
@@ -894,6 +896,7 @@ void Connection::PreamblePhase::received(fleet::Preamble p, size_t consumed) {
       c.rec_.host = p.host;
       return c.close(TerminationCause::kBadRequest, "a tcp hop names no sandbox port: " + p.host);
     }
+    c.headless_ = true;
     c.rec_.host = p.host;
     c.route_ = std::move(*route);
     c.rec_.port = c.route_.port;
@@ -971,7 +974,7 @@ void Connection::HopPhase::advance() {
       wait_for(r, "TLS handshake");
       return;
     }
-    const fleet::HopProtocol protocol = c_.headless_tcp() ? fleet::HopProtocol::kTcp
+    const fleet::HopProtocol protocol = c_.headless_       ? fleet::HopProtocol::kTcp
                                         : c_.h2_           ? fleet::HopProtocol::kHttp2
                                                            : fleet::HopProtocol::kHttp1;
     out_ = fleet::encode_preamble({normalize_host(c_.rec_.host), protocol, c_.rec_.client});
@@ -1122,6 +1125,7 @@ void Connection::open_local_sandbox() {
   for (const Credential& c : credentials_) candidates.push_back(c.token);
   // A running sandbox this worker reached recently: the cached route answers what the node would have.
   if (!cached_route_failed_) {
+    worker_->recheck_node();
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
       worker_->shared()->metrics.route_cache(true);
@@ -1195,6 +1199,11 @@ void Connection::use_opened(OpenedSocket opened) {
                                        .cache_ms = opened.cache_ms,
                                        .spares = std::move(opened.spares)},
                             now_ms(worker_->loop()));
+  // A policy that changed since the ClientHello (or since the first proxy's view of it, on a hop): the bytes
+  // would pass unfiltered (credentials, Host) to a port that now expects HTTP or a token.
+  if (headless_ && !(opened.policy.protocol == "tcp" && opened.policy.is_public))
+    return close(TerminationCause::kUnauthorized,
+                 "port " + std::to_string(opened.port) + " is no longer a public tcp port; a raw connection needs one");
   opened_at_ = opened.opened_at;
   rec_.woke = opened.woke;
   rec_.wake_ms = opened.wake_ms;

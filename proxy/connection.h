@@ -186,6 +186,9 @@ class Connection {
   // A public raw-TCP port (its policy known at the ClientHello): no request head, the server may speak
   // first, so the connection is opened as soon as the handshake is done.
   bool headless_tcp() const { return hello_.policy_known && hello_.port_protocol == "tcp" && hello_.port_public; }
+  // Opened with no request head (headless_tcp here, or a "tcp" hop from another node's proxy): no filter
+  // will see its bytes, so the open's answer must say the port is a public tcp port still.
+  bool headless_ = false;
   bool answering_head_ = false;            // the request the edge answers itself is a HEAD: no content
   uint32_t h2_stream_ = 0;                 // that request's stream, which the proxy's own answers go to
   bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -77,7 +78,7 @@ struct Decision {
   Kind kind = Kind::kLocal;
   std::string owner;              // the owning node's name (kRemote, kOwnerGone)
   std::optional<NodeInfo> node;   // kRemote
-  std::vector<PortRoute> ports;   // kRemote: the sandbox's ports as its owner published them
+  std::shared_ptr<const std::vector<PortRoute>> ports;  // kRemote: as its owner published them (or none)
 };
 // `directory` null: fleet routing is off (the single-node default).
 Decision decide(const Directory* directory, std::string_view self, std::string_view sandbox);

@@ -54,7 +54,7 @@ Result<std::shared_ptr<const StaticDirectory>> StaticDirectory::parse(std::strin
 std::optional<SandboxOwner> StaticDirectory::owner_of(std::string_view sandbox) const {
   auto it = owners_.find(sandbox);
   if (it == owners_.end()) return std::nullopt;
-  return SandboxOwner{it->second, node(it->second), {}};
+  return SandboxOwner{it->second, node(it->second), nullptr};
 }
 
 std::optional<NodeInfo> StaticDirectory::node(std::string_view name) const {

@@ -73,7 +73,7 @@ void RouteCache::erase_sandbox(std::string_view sandbox_id) {
 }
 
 bool RouteCache::has_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const {
-  if (!stream_up_) return false;
+  if (stream_ == Stream::kDown) return false;
   auto it = entries_.find(key(sandbox_ref, port));
   return it != entries_.end() && it->second.route && now_ms < it->second.route->expires_ms;
 }
@@ -87,12 +87,12 @@ bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end()) return false;
   const Entry& e = it->second;
-  return now_ms < e.awake_until_ms || (stream_up_ && e.route && now_ms < e.route->expires_ms);
+  return now_ms < e.awake_until_ms || (stream_ != Stream::kDown && e.route && now_ms < e.route->expires_ms);
 }
 
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
                                            std::span<const std::string> credentials, uint64_t now_ms) {
-  if (!stream_up_) return std::nullopt;
+  if (stream_ == Stream::kDown) return std::nullopt;
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end() || !it->second.route) return std::nullopt;
   Entry& e = it->second;
@@ -134,7 +134,7 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
 }
 
 bool RouteCache::stale(const std::string& sandbox_id, uint64_t opened_at) const {
-  if (!stream_up_ || opened_at < floor_stamp_) return true;
+  if (stream_ != Stream::kUp || opened_at < floor_stamp_) return true;
   auto it = invalidated_at_.find(sandbox_id);
   return it != invalidated_at_.end() && opened_at < it->second;
 }
@@ -190,15 +190,24 @@ void RouteCache::refill_failed(std::string_view sandbox_ref, std::string_view sa
 }
 
 void RouteCache::stream_up(uint64_t stamp) {
-  stream_up_ = true;
+  if (stream_ != Stream::kUp)
+    for (auto& [k, e] : entries_) drop_route(e);
+  stream_ = Stream::kUp;
   floor_stamp_ = stamp;
   invalidated_at_.clear();
 }
 
 void RouteCache::stream_down() {
-  stream_up_ = false;
+  stream_ = Stream::kDown;
   floor_stamp_ = UINT64_MAX;
-  for (auto& [k, e] : entries_) drop_route(e);
+}
+
+void RouteCache::node_gone() {
+  if (stream_ == Stream::kDown) stream_ = Stream::kNodeGone;
+}
+
+void RouteCache::node_back() {
+  if (stream_ == Stream::kNodeGone) stream_ = Stream::kDown;
 }
 
 void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {

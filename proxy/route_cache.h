@@ -8,7 +8,11 @@
 //   round trip. Kept for the `cache_ms` the node gave (short enough that the connections it lets through
 //   are reported before the idle timeout could suspend the sandbox), and dropped at once when the node's
 //   event stream says the sandbox stopped running or got a new token (invalidate), or the operator token
-//   changed (flush). While that stream is down nothing is routed from the cache.
+//   changed (flush). While that stream is down nothing is routed from the cache, with one exception: while
+//   the node is gone (its socket refuses connections, checked again before each such use), the routes still
+//   within their `cache_ms` keep serving with the spares they hold, since a node that is down changes
+//   nothing; the first sign of the node back stops that until the stream is back (which drops them all:
+//   events may have been missed).
 //
 // Ordering: an open answered before an invalidation may arrive after it (two sockets). Every answer
 // carries the node's stamp of the open, every event the stamp it happened at; an answer older than the
@@ -125,11 +129,18 @@ class RouteCache {
   void refill_failed(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port);
 
   // ---- the node's event stream ----
-  // Connected: events from `stamp` on will be seen, so grants stamped from then on may be cached.
+  // Connected: events from `stamp` on will be seen, so grants stamped from then on may be cached. Routes
+  // kept from before the stream broke are dropped: what happened meanwhile is not known.
   void stream_up(uint64_t stamp);
-  // Broken: every route is dropped (events may be missed until it is back) and none is cached.
+  // Broken: nothing is routed from the cache or cached. Routes are kept, for node_gone().
   void stream_down();
-  bool stream_is_up() const { return stream_up_; }
+  // With the stream down, the node is not accepting connections: the routes kept serve until they expire
+  // or node_back(). Ignored while the stream is up.
+  void node_gone();
+  // The node accepts connections again (the stream is not back yet): no more routing from the cache.
+  void node_back();
+  bool stream_is_up() const { return stream_ == Stream::kUp; }
+  bool serving_without_node() const { return stream_ == Stream::kNodeGone; }
   void invalidate(std::string_view sandbox_id, uint64_t stamp);
   // As invalidate, and the sandbox's port policies go too: its ports changed (exposed, closed, public or not).
   void forget(std::string_view sandbox_id, uint64_t stamp);
@@ -170,7 +181,12 @@ class RouteCache {
   size_t max_spares_;
   size_t spares_held_ = 0;
   std::unordered_map<std::string, Entry> entries_;
-  bool stream_up_ = false;
+  enum class Stream {
+    kDown,      // no event stream: nothing routed or cached (the start, or a break not yet explained)
+    kUp,        // events flow: cached routes serve, grants are cached
+    kNodeGone,  // no stream and no node: the routes kept serve until they expire; nothing new is cached
+  };
+  Stream stream_ = Stream::kDown;
   // Grants stamped before this are never cached: the stream's start, or the latest invalidation forgotten
   // when the map below was full.
   uint64_t floor_stamp_ = UINT64_MAX;

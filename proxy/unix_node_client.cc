@@ -1,8 +1,12 @@
 #include "proxy/unix_node_client.h"
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 
 #include "proxy/worker.h"
 
@@ -237,6 +241,15 @@ std::unique_ptr<NodeCall> UnixNodeClient::watch_routes(std::function<void(const 
         ended(fail(Error::kUnavailable, "internal/events answered " + std::to_string(r->status)));
       });
   return call;
+}
+
+bool UnixNodeClient::accepting() {
+  auto sa = to_sockaddr(shared_->snapshot()->config->node_socket);
+  if (!sa) return true;  // not a path to try: assume it is there, as every other call does
+  UniqueFd fd(::socket(sa->storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return true;
+  // A listening unix socket accepts or refuses at once; EAGAIN is a full backlog, which is a node that is up.
+  return ::connect(fd.get(), sa->get(), sa->len) == 0 || errno == EAGAIN || errno == EINPROGRESS;
 }
 
 }  // namespace sg

@@ -29,6 +29,7 @@ class UnixNodeClient : public NodeClient {
                                           std::function<void(Result<RouteGrant>)> done) override;
   std::unique_ptr<NodeCall> watch_routes(std::function<void(const RouteStreamEvent&)> on_event,
                                          std::function<void(Failure)> ended) override;
+  bool accepting() override;
 
  private:
   uv_loop_t* loop_;

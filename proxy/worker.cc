@@ -321,12 +321,27 @@ void Worker::on_route_stream_end(const Failure& why) {
   // Called from inside the stream's own callback: the call object is released after it returns.
   auto ended = std::move(route_stream_);
   routes_.stream_down();
+  // A node that is down changes nothing, so the routes kept may serve until it is back (recheck_node).
+  const bool gone = !node_->accepting();
+  if (gone) routes_.node_gone();
   if (!route_stream_warned_)
-    spdlog::warn("worker {}: route events from sandgate-node stopped ({}); every connection asks the node "
-                 "until they are back", index_, why.message);
+    spdlog::warn("worker {}: route events from sandgate-node stopped ({}); {} until they are back", index_,
+                 why.message,
+                 gone ? "the node is down: routes cached for running sandboxes serve, every other connection "
+                        "gets 503"
+                      : "every connection asks the node");
   route_stream_warned_ = true;
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
                  kRouteStreamRetryMs, 0);
+}
+
+void Worker::recheck_node() {
+  if (!routes_.serving_without_node() || !node_->accepting()) return;
+  routes_.node_back();
+  spdlog::info("worker {}: sandgate-node accepts connections again; routing from the cache waits for its events",
+               index_);
+  if (route_stream_) return;  // an attempt is under way already
+  uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); }, 0, 0);
 }
 
 void Worker::refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port) {

@@ -114,6 +114,9 @@ class Worker {
   ProxyShared* shared() { return shared_; }
   WorkerTraffic& traffic() { return traffic_; }
   RouteCache& routes() { return routes_; }
+  // Before a connection is routed from the cache without the node (routes_.serving_without_node()): if the
+  // node accepts connections again, the cache stops serving and the event stream is asked for at once.
+  void recheck_node();
   // A connection took one of the last spares of a cached route: ask the node for more in the background.
   void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port);
   NodeClient& node() { return *node_; }
@@ -135,8 +138,8 @@ class Worker {
   // The node's answer to a report names the reported sandboxes that are asleep or have a new token: their
   // connections opened before that go.
   void cut_connections(const ActivityCuts& cuts);
-  // The node's route events keep routes_ honest; while the stream is down routes_ serves no route, and it
-  // is reconnected after kRouteStreamRetryMs.
+  // The node's route events keep routes_ honest; while the stream is down routes_ serves no route (but
+  // those it kept, while the node is gone), and it is reconnected after kRouteStreamRetryMs.
   void watch_routes();
   void on_route_event(const RouteStreamEvent& e);
   void on_route_stream_end(const Failure& why);

@@ -68,11 +68,11 @@ TEST_F(EtcdDirectoryTest, ListsThenFollowsPutsAndDeletes) {
   EXPECT_EQ(a->node_info->ingress, "n1:1");
   EXPECT_EQ(a->node_info->images, (std::vector<std::string>{"base", "python"}));
   EXPECT_FALSE(d.owner_of("junk"));
-  EXPECT_TRUE(a->ports.empty());
+  EXPECT_FALSE(a->ports);
   // A ports change of a's (a new value of its key) reaches the view.
   std::vector<PortRoute> ports = {{22, "tcp", true}};
   ASSERT_TRUE(client_->put(std::string(kFleetSandboxesPrefix) + "a", sandbox_owner_json("n1", "running", ports)));
-  ASSERT_TRUE(wait_until([&] { auto o = d.owner_of("a"); return o && o->ports == ports; }, 5s));
+  ASSERT_TRUE(wait_until([&] { auto o = d.owner_of("a"); return o && o->ports && *o->ports == ports; }, 5s));
   EXPECT_FALSE(d.owner_of("b"));
   put_sandbox("b", "n2");
   put_node("n2");

@@ -1989,14 +1989,14 @@ TEST_F(NodeFleetTest, PortsArePublishedWithTheStateAndAgainWhenTheyChange) {
   // The agent's port too (h2c, never public): the SDK route.
   const PR agent{a.spec.agent_port, "h2c", false};
   ASSERT_NE(agent.port, 0);
-  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{{8080, "http1", false}, agent}));
+  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{agent, {8080, "http1", false}}));
   std::optional<Result<SandboxInfo>> out;
   node_->expose_port("a", 2222, ExposeRequest{true, "tcp"}, [&](Result<SandboxInfo> r) { out.emplace(std::move(r)); });
   ASSERT_TRUE(run_until(&loop_, [&] { return out.has_value(); }));
   ASSERT_TRUE(out->ok()) << out->message();
-  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{{8080, "http1", false}, {2222, "tcp", true}, agent}));
+  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{agent, {8080, "http1", false}, {2222, "tcp", true}}));
   ASSERT_TRUE(node_->close_port("a", 8080).ok());
-  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{{2222, "tcp", true}, agent}));
+  EXPECT_EQ(fleet_.published_ports["a"], (std::vector<PR>{agent, {2222, "tcp", true}}));
 }
 
 TEST_F(NodeFleetTest, ALocalDuplicateNamesThisNode) {

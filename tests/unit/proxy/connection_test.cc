@@ -387,6 +387,31 @@ TEST_F(ConnectionTest, NodeFailuresAreAnsweredWithTheirStatus) {
   }
 }
 
+// A public raw-TCP port is opened right after the handshake, with no head for a filter to read, so the open's
+// answer must still call it public tcp: a port whose policy changed since the ClientHello's lookup (or since
+// another node's view of it, on a hop) is not handed unfiltered bytes.
+TEST_F(ConnectionTest, AHeadlessTcpConnectionNeedsAPortThatIsStillPublicTcp) {
+  start("wake_at_client_hello = false\n");
+  node_->policy = PortPolicy{"sb-demo", "tcp", true};
+  for (const char* now : {"tcp", "http1"}) {
+    node_->on_open = [now](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+      UniqueFd end;
+      Result<OpenAnswer> a = opened(&end, std::nullopt, /*is_public=*/true);
+      a->opened.policy.protocol = now;
+      // The server speaks first, then closes: its bytes wait in the socket for the connection to carry.
+      EXPECT_EQ(::write(end.get(), "banner\n", 7), 7);
+      return a;
+    };
+    std::string r = exchange(kHost, "", /*offer_alpn=*/false);
+    if (std::string_view(now) == "tcp") {
+      EXPECT_EQ(r, "banner\n");
+    } else {
+      EXPECT_EQ(r, "") << "nothing of the sandbox's, and no HTTP answer to a raw client";
+      EXPECT_NE(access_log_when("no longer a public tcp port").find("\"unauthorized\""), std::string::npos);
+    }
+  }
+}
+
 TEST_F(ConnectionTest, ForwardsWithoutTheCredentialAndRefusesAnotherHostOnTheConnection) {
   start();
   SandboxEnd end;

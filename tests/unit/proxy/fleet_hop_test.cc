@@ -25,7 +25,8 @@ class FakeDirectory final : public Directory {
     auto it = owners.find(sandbox);
     if (it == owners.end()) return std::nullopt;
     auto p = ports.find(sandbox);
-    return SandboxOwner{it->second, node(it->second), p == ports.end() ? std::vector<PortRoute>{} : p->second};
+    return SandboxOwner{it->second, node(it->second),
+                        p == ports.end() ? nullptr : std::make_shared<const std::vector<PortRoute>>(p->second)};
   }
   std::optional<NodeInfo> node(std::string_view name) const override {
     auto it = infos.find(name);
@@ -58,10 +59,12 @@ TEST(FleetDecide, AnotherNodesSandboxHopsThere) {
   EXPECT_EQ(r.owner, "b");
   ASSERT_TRUE(r.node);
   EXPECT_EQ(r.node->ingress, "127.0.0.1:7443");
-  EXPECT_TRUE(r.ports.empty());
+  EXPECT_FALSE(r.ports);
   // The owner's published ports come along: the first proxy picks ALPN and the raw-TCP mode by them.
   d.ports["web"] = {PortRoute{22, "tcp", true}, PortRoute{7000, "h2c", false}};
-  EXPECT_EQ(decide(&d, "a", "web").ports, d.ports["web"]);
+  auto with_ports = decide(&d, "a", "web");
+  ASSERT_TRUE(with_ports.ports);
+  EXPECT_EQ(*with_ports.ports, d.ports["web"]);
 }
 
 TEST(FleetDecide, OwnerWithoutRegistrationIsGoneNotUnknown) {

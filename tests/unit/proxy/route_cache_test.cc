@@ -123,10 +123,41 @@ TEST(RouteCache, NothingIsRoutedWithoutTheEventStream) {
   cache.grant("demo", grant("sb-1", false, 20, 2), 0);
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 1));
   cache.stream_down();
-  EXPECT_EQ(cache.spare_count(), 0u) << "down: every route goes";
-  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1));
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "down: nothing is routed";
+  EXPECT_EQ(cache.spare_count(), 1u) << "but the route is kept, for a node that turns out to be gone";
   cache.grant("demo", grant("sb-1", false, 30, 2), 0);
-  EXPECT_EQ(cache.spare_count(), 0u) << "and none is cached while down";
+  EXPECT_EQ(cache.spare_count(), 1u) << "and none is cached while down";
+  cache.stream_up(40);
+  EXPECT_EQ(cache.spare_count(), 0u) << "back: what was kept goes (events may have been missed)";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 41));
+}
+
+// The node is down (its socket refuses): routes kept serve their spares until they expire, a credential
+// they cannot verify still goes to the node (503 there), and the first sign of the node back ends it.
+TEST(RouteCache, RoutesKeptServeWhileTheNodeIsGoneAndStopWhenItIsBack) {
+  RouteCache cache(1000, 100);
+  cache.node_gone();
+  cache.stream_up(10);
+  cache.node_gone();
+  cache.grant("demo", grant("sb-1", false, 20, 3, 500), 0);
+  ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 1)) << "node_gone is ignored while the stream is up";
+  cache.stream_down();
+  EXPECT_FALSE(cache.serving_without_node());
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 2)) << "a break alone: not known whether the node is gone";
+  cache.node_gone();
+  EXPECT_TRUE(cache.serving_without_node());
+  EXPECT_FALSE(cache.open("demo", 8080, std::vector<std::string>{"sgt_wrong"}, 3)) << "a token the route cannot verify";
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 3)) << "gone: the route serves";
+  EXPECT_TRUE(cache.has_route("demo", 8080, 3));
+  cache.grant("other", grant("sb-2", false, 30, 2, 500), 3);
+  EXPECT_FALSE(cache.open("other", 8080, kOwnToken, 4)) << "nothing new is cached without the stream";
+  cache.node_back();
+  EXPECT_FALSE(cache.serving_without_node());
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5)) << "the node is back: it answers, not the cache";
+  cache.stream_down();
+  cache.node_gone();  // down again before its stream came back
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 6)) << "the last spare";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 7)) << "out of spares: none can be made without the node";
 }
 
 TEST(RouteCache, ChangedPortsDropTheSandboxsPoliciesTooAndStillWinOverOlderOpens) {
