@@ -97,8 +97,9 @@ class NodeClient {
                                                   size_t /*count*/, std::function<void(Result<RouteGrant>)> /*done*/) {
     return nullptr;
   }
-  // Whether the node accepts connections now (a connect and nothing more; it never blocks, a unix socket
-  // answers at once). A client that cannot tell says true, so the route cache never serves without a node.
+  // Whether the node may be up: false only when its socket refuses connections or is gone (a connect and
+  // nothing more; a unix socket answers at once). A client that cannot tell says true, so the route cache
+  // never serves without a node.
   virtual bool accepting() { return true; }
   // The node's route events, until the stream ends (`ended`, once; then the caller reconnects).
   virtual std::unique_ptr<NodeCall> watch_routes(std::function<void(const RouteStreamEvent&)> /*on_event*/,

@@ -248,8 +248,10 @@ bool UnixNodeClient::accepting() {
   if (!sa) return true;  // not a path to try: assume it is there, as every other call does
   UniqueFd fd(::socket(sa->storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return true;
-  // A listening unix socket accepts or refuses at once; EAGAIN is a full backlog, which is a node that is up.
-  return ::connect(fd.get(), sa->get(), sa->len) == 0 || errno == EAGAIN || errno == EINPROGRESS;
+  // A listening unix socket accepts or refuses at once. Only a refusal or no socket at all is a node that is
+  // down; anything else (a full backlog, a permission the proxy's user lacks) may be a node that is up.
+  if (::connect(fd.get(), sa->get(), sa->len) == 0) return true;
+  return errno != ECONNREFUSED && errno != ENOENT;
 }
 
 }  // namespace sg

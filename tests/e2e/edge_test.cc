@@ -217,10 +217,15 @@ TEST(Edge, SandboxResetBeforeAnsweringIs502WithTheCause) {
   expect_still_serving(c, "flaky");
 }
 
-TEST(Edge, NodeDownAnswers503) {
+// With the node down, what the proxy's route cache cannot serve (here a suspended sandbox: its route was
+// dropped when it stopped running) is a 503 the client may retry. A running sandbox with a cached route is
+// served meanwhile: RouteCache.WhileTheNodeIsDown... (one worker, so that the route is in its cache).
+TEST(Edge, NodeDownAnswers503ForWhatTheCacheCannotServe) {
   Cluster c;
   c.create_http_sandbox("app", 8080);
   c.wait_until_serving("app", 8080);
+  ASSERT_EQ(c.cli("suspend app").exit_code, 0);
+  ASSERT_EQ(c.get("app").value("state", ""), "suspended");
   c.stop_node(SIGKILL);
   auto r = c.curl("8080-app.sandbox.localhost", "/", "-D -");
   EXPECT_EQ(Cluster::http_code(r), 503);
