@@ -320,17 +320,20 @@ void Worker::on_route_event(const RouteStreamEvent& e) {
 void Worker::on_route_stream_end(const Failure& why) {
   // Called from inside the stream's own callback: the call object is released after it returns.
   auto ended = std::move(route_stream_);
+  const bool was_gone = routes_.serving_without_node();
   routes_.stream_down();
-  // A node that is down changes nothing, so the routes kept may serve until it is back (recheck_node).
-  const bool gone = !node_->accepting();
-  if (gone) routes_.node_gone();
   if (!route_stream_warned_)
-    spdlog::warn("worker {}: route events from sandgate-node stopped ({}); {} until they are back", index_,
-                 why.message,
-                 gone ? "the node is down: routes cached for running sandboxes serve, every other connection "
-                        "gets 503"
-                      : "every connection asks the node");
+    spdlog::warn("worker {}: route events from sandgate-node stopped ({}); every connection asks the node until "
+                 "they are back", index_, why.message);
   route_stream_warned_ = true;
+  // A node that is down changes nothing, so the routes kept may serve until it is back (recheck_node). The
+  // stream's end can come before the dying node's listening socket is closed: each retry looks again.
+  if (!node_->accepting()) {
+    routes_.node_gone();
+    if (!was_gone)
+      spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve with the sockets they "
+                   "hold, every other connection gets 503, until it is back", index_);
+  }
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
                  kRouteStreamRetryMs, 0);
 }
