@@ -32,7 +32,7 @@ import threading
 import time
 import http.client
 
-from sgbench import DOMAIN, ROOT, Cluster, wait_for
+from sgbench import DOMAIN, ROOT, Cluster, stop, wait_for
 
 FAKE_NODES = 10
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -198,14 +198,14 @@ def main():
               f"| max ms | etcd RSS MiB | etcd db MB |")
         print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
         for rate in rates:
-            stop = threading.Event()
+            stopping = threading.Event()
             done = [0]
             lock = threading.Lock()
 
             def writer(per_thread):
                 rng = random.Random()
                 next_at = time.perf_counter()
-                while not stop.is_set():
+                while not stopping.is_set():
                     name = rng.choice(names)
                     etcd.write_state(f"/sandgate/sandboxes/{name}",
                                      sandbox_value(owner[name], rng.choice(("running", "suspended"))))
@@ -235,7 +235,7 @@ def main():
                 etcd.put(f"/sandgate/sandboxes/{name}", sandbox_value("f0", "running"))
                 marks.append(time_to_route(cluster.port, ctx, name, put_at))
                 time.sleep(max(0.0, 0.5 - (time.perf_counter() - put_at)))
-            stop.set()
+            stopping.set()
             for t in threads:
                 t.join()
             wall = time.perf_counter() - started
@@ -259,11 +259,7 @@ def main():
     finally:
         if cluster is not None:
             cluster.close()
-        etcd_proc.send_signal(signal.SIGTERM)
-        try:
-            etcd_proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            etcd_proc.kill()
+        stop(etcd_proc)
         subprocess.run(["rm", "-rf", tmp])
 
 

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 
-from sgbench import DOMAIN, ROOT, UnixHTTPConnection, wait_for
+from sgbench import DOMAIN, ROOT, UnixHTTPConnection, stop, wait_for
 
 MACHINES = 3
 
@@ -163,12 +163,7 @@ def main():
                   f"{v[-1]:+.1f} | {sum(1 for x in v if x < 0)} |")
     finally:
         for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop(p)
         subprocess.run(["rm", "-rf", tmp])
 
 

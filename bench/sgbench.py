@@ -48,6 +48,16 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
+def stop(proc, timeout_s=20):
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def wait_for(what, pred, timeout_s, proc=None, log=None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -195,10 +205,5 @@ init_path = "{self.build}/noderuntime/sandgate-init"
 
     def close(self):
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop(p)
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -54,21 +54,29 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
   const std::string scp = ssh_client(c, "scp -q", config, keys.good, known_hosts);
   const std::string up = c.dir() + "/up.bin";
   ASSERT_EQ(run("head -c 10485760 /dev/urandom > " + shell_quote(up)).exit_code, 0);
-  auto put = run(scp + " " + shell_quote(up) + " nosshd:/root/up.bin", 120);
-  ASSERT_EQ(put.exit_code, 0) << put.err;
-  EXPECT_EQ(sha256_file(c.dir() + "/node/sandboxes/" + id + "/upper/root/up.bin"), sha256_file(up));
-  auto get = run(scp + " nosshd:/root/up.bin " + shell_quote(c.dir() + "/down.bin"), 120);
-  ASSERT_EQ(get.exit_code, 0) << get.err;
-  EXPECT_EQ(sha256_file(c.dir() + "/down.bin"), sha256_file(up));
+  // `up` to /root/NAME in the sandbox and back to NAME.down here, each side hashed.
+  auto scp_both_ways = [&](const std::string& name) {
+    auto put = run(scp + " " + shell_quote(up) + " nosshd:/root/" + name, 120);
+    ASSERT_EQ(put.exit_code, 0) << put.err;
+    EXPECT_EQ(sha256_file(c.dir() + "/node/sandboxes/" + id + "/upper/root/" + name), sha256_file(up));
+    const std::string down = c.dir() + "/" + name + ".down";
+    auto get = run(scp + " nosshd:/root/" + name + " " + shell_quote(down), 120);
+    ASSERT_EQ(get.exit_code, 0) << get.err;
+    EXPECT_EQ(sha256_file(down), sha256_file(up));
+  };
+  ASSERT_NO_FATAL_FAILURE(scp_both_ways("up.bin"));
 
   // sftp in batch mode: mkdir, put, rename, ls, get.
+  auto sftp_batch = [&](const std::string& name, const std::string& commands) {
+    write_file(c.dir() + "/" + name, commands);
+    return run(ssh_client(c, "sftp", config, keys.good, known_hosts) + " -b " + shell_quote(c.dir() + "/" + name) +
+                   " nosshd",
+               60);
+  };
   write_file(c.dir() + "/small.txt", "hello sftp\n");
-  write_file(c.dir() + "/batch", "mkdir /root/d\nput " + c.dir() + "/small.txt /root/d/a.txt\n" +
-                                     "rename /root/d/a.txt /root/d/b.txt\nls /root/d\nget /root/d/b.txt " +
-                                     c.dir() + "/back.txt\n");
-  auto sftp = run(ssh_client(c, "sftp", config, keys.good, known_hosts) + " -b " + shell_quote(c.dir() + "/batch") +
-                      " nosshd",
-                  60);
+  auto sftp = sftp_batch("batch", "mkdir /root/d\nput " + c.dir() + "/small.txt /root/d/a.txt\n" +
+                                      "rename /root/d/a.txt /root/d/b.txt\nls /root/d\nget /root/d/b.txt " +
+                                      c.dir() + "/back.txt\n");
   EXPECT_EQ(sftp.exit_code, 0) << sftp.out << sftp.err;
   EXPECT_NE(sftp.out.find("/root/d/b.txt"), std::string::npos) << sftp.out;
   EXPECT_EQ(read_file(c.dir() + "/back.txt"), "hello sftp\n");
@@ -78,17 +86,9 @@ TEST(AgentSsh, SshScpSftpAndForwardingIntoASandboxWithoutSshd) {
                                "/usr/libexec/sftp-server /usr/lib/ssh/sftp-server /usr/lib/sftp-server'",
                      60);
   ASSERT_EQ(removed.exit_code, 0) << removed.err;
-  auto put2 = run(scp + " " + shell_quote(up) + " nosshd:/root/up2.bin", 120);
-  ASSERT_EQ(put2.exit_code, 0) << put2.err;
-  EXPECT_EQ(sha256_file(c.dir() + "/node/sandboxes/" + id + "/upper/root/up2.bin"), sha256_file(up));
-  auto get2 = run(scp + " nosshd:/root/up2.bin " + shell_quote(c.dir() + "/down2.bin"), 120);
-  ASSERT_EQ(get2.exit_code, 0) << get2.err;
-  EXPECT_EQ(sha256_file(c.dir() + "/down2.bin"), sha256_file(up));
-  write_file(c.dir() + "/batch2", "put " + c.dir() + "/small.txt /root/d/c.txt\nls -l /root/d\nget /root/d/c.txt " +
+  ASSERT_NO_FATAL_FAILURE(scp_both_ways("up2.bin"));
+  auto own = sftp_batch("batch2", "put " + c.dir() + "/small.txt /root/d/c.txt\nls -l /root/d\nget /root/d/c.txt " +
                                       c.dir() + "/back2.txt\n");
-  auto own = run(ssh_client(c, "sftp", config, keys.good, known_hosts) + " -b " + shell_quote(c.dir() + "/batch2") +
-                     " nosshd",
-                 60);
   EXPECT_EQ(own.exit_code, 0) << own.out << own.err;
   EXPECT_EQ(read_file(c.dir() + "/back2.txt"), "hello sftp\n");
   // The agent's server prints owners as numbers where OpenSSH's prints "root": this is the agent's.

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "tests/unit/agent/agent_test_support.h"
 #include "tests/unit/temp_dir.h"
 
 namespace sg::agent {
@@ -23,22 +24,10 @@ namespace fs = std::filesystem;
 
 const std::string kAgent = std::string(SANDGATE_BIN_DIR) + "/agent/sandgate-agent";
 
-struct Ran {
-  int code = -1;
-  std::string out;
-};
+using test_support::Ran;
 
-Ran run(const std::string& cmd) {
-  Ran r;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+// The client's output and errors together, as a user sees them.
+Ran run(const std::string& cmd) { return test_support::run(cmd + " 2>&1"); }
 
 std::string slurp(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -83,7 +72,7 @@ TEST_F(SftpClients, SftpMakesRenamesListsLinksAndRemoves) {
   spit(root_ / "up", data);
   Ran r = sftp("mkdir d\nput up d/a\nrename d/a d/b\nls -l d\nget d/b down\nln -s d/b lnk\nchmod 640 d/b\n"
                "df .\n");
-  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(slurp(root_ / "down"), data);
   EXPECT_FALSE(fs::exists(root_ / "d/a"));
   EXPECT_NE(r.out.find(" 3145745 "), std::string::npos) << r.out;  // ls -l shows the size
@@ -93,13 +82,13 @@ TEST_F(SftpClients, SftpMakesRenamesListsLinksAndRemoves) {
             fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
 
   r = sftp("rm lnk\nrm d/b\nrmdir d\n");
-  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_FALSE(fs::exists(root_ / "d"));
   EXPECT_FALSE(fs::is_symlink(root_ / "lnk"));
 
   // A failure is the client's error and a non-zero status, not a dead server.
   r = sftp("get missing\n");
-  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("not found"), std::string::npos) << r.out;
 }
 
@@ -109,15 +98,15 @@ TEST_F(SftpClients, ScpCopiesBothWaysAndRecursively) {
   fs::create_directories(root_ / "tree/sub");
   spit(root_ / "tree/sub/f", "leaf\n");
   Ran r = scp("big x:copy");
-  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
   r = scp("x:copy back");
-  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(slurp(root_ / "back"), data);
   r = scp("-r tree x:tree2");
-  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(slurp(root_ / "tree2/sub/f"), "leaf\n");
   r = scp("big x:no/such/dir/f");
-  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("No such file"), std::string::npos) << r.out;
 }
 
