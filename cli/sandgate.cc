@@ -583,7 +583,12 @@ int main(int argc, char** argv) {
                 [&](const json& j) { return sg::cli::format_snapshot_list(j, now); });
   if (snapshot_rm->parsed())
     return call(node, "snapshot rm", "DELETE", sg::cli::snapshot_path(ref), ref, false,
-                [&](const json&) { return "removed snapshot " + ref + "\n"; });
+                [&](const json& j) {
+                  // Its disk stays (unlisted) while a later checkpoint's disk holds only the changes over it.
+                  return "removed snapshot " + ref + (j.contains("removed") ? " (its disk stays until the snapshots "
+                                                                              "whose disks read it are removed)"
+                                                                            : "") + "\n";
+                });
   if (image_import->parsed()) {
     std::error_code ec;
     std::string cwd = std::filesystem::current_path(ec).string();

@@ -187,6 +187,8 @@ ordered_json snapshot_json(const snapshot::Snapshot& s) {
     j["disk_bytes"] = s.disk_bytes;  // a VM's filesystem checkpoint: its disk, not layers
   }
   if (!s.parent.empty()) j["parent"] = s.parent;
+  // The answer to a removal that kept the disk for a later snapshot's (its files go with the last of them).
+  if (s.removed) j["removed"] = "kept while a later snapshot's disk reads it";
   return j;
 }
 

@@ -79,6 +79,16 @@ struct VmCheckpoint {
   uint64_t ram_bytes = 0;    // the RAM file's allocated bytes (0: the RAM pages are in the state)
   uint64_t disk_bytes = 0;
   double pause_ms = 0;  // how long the guest stood still
+  // A disk checkpoint that holds only what changed since an earlier snapshot: that snapshot's id, whose disk
+  // this one's disk is an overlay of ("" when it is the sandbox's whole overlay).
+  std::string parent{};
+};
+// Where a disk checkpoint writes: `dir` (empty, made by the caller), which becomes `final_dir` once the
+// snapshot `id` is recorded. A later checkpoint's disk may name its disk there as its backing file.
+struct CheckpointFiles {
+  std::string id;
+  std::string dir;
+  std::string final_dir;
 };
 inline constexpr const char* kMemoryState = "state";
 // Where the instance a VM checkpoint saves stands: running (stood still only meanwhile), paused in memory
@@ -148,11 +158,13 @@ class Driver {
                                  CheckpointFrom, std::function<void(Result<VmCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
   }
-  // Filesystem checkpoints of a VM booted on a disk (capabilities().disk_checkpoint): copies its disk overlay
-  // into `dir` (kSnapshotDisk), with the guest's writes flushed first where the guest can be asked to, and
-  // the VM standing still during the copy. Where the instance stands as for checkpoint_memory(); a VM with
-  // no disk: kUnsupported. start() with spec.snapshot_disk set then boots a new VM on an overlay of it.
-  virtual void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/, CheckpointFrom,
+  // Filesystem checkpoints of a VM booted on a disk (capabilities().disk_checkpoint): writes its disk as it
+  // stands into files.dir (kSnapshotDisk), with the guest's writes flushed first where the guest can be asked
+  // to: what changed since the sandbox's last disk checkpoint as an overlay of that one's disk where the
+  // driver can (VmCheckpoint::parent), its whole overlay otherwise. Where the instance stands as for
+  // checkpoint_memory(); a VM with no disk: kUnsupported. start() with spec.snapshot_disk set then boots a
+  // new VM on an overlay of it.
+  virtual void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo&, const CheckpointFiles&, CheckpointFrom,
                                std::function<void(Result<VmCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot checkpoint a VM's disk"));
   }

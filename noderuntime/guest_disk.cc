@@ -285,6 +285,22 @@ void GuestDisks::copy(std::string from, std::string to, Done done) {
   submit([from = std::move(from), to = std::move(to)] { return sparse_copy(from, to); }, std::move(done));
 }
 
+void GuestDisks::delta_target(std::string backing, std::string format, uint64_t virtual_size, std::string to,
+                              Done done) {
+  submit([backing = std::move(backing), format = std::move(format), virtual_size, to = std::move(to)]()
+             -> Result<std::string> {
+    // -u: the backing file is the header's word only (it may be a snapshot's disk still to be renamed in).
+    if (Status s = run_tool({"qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", format, "-u", to,
+                             std::to_string(virtual_size)},
+                            to + ".log");
+        !s)
+      return s.failure();
+    std::error_code ec;
+    fs::remove(to + ".log", ec);
+    return to;
+  }, std::move(done));
+}
+
 void GuestDisks::submit(std::function<Result<std::string>()> job, Done done) {
   auto* w = new Work{};
   w->req.data = w;

@@ -59,6 +59,9 @@ class GuestDisks {
   // checkpoint copies while its guest stands still, and syncs every file of the snapshot once the guest runs
   // again. `done` gets `to`.
   void copy(std::string from, std::string to, Done done);
+  // Makes `to`: an empty qcow2 overlay of `backing` (a `format` file, named in its header, not opened) of
+  // `virtual_size` bytes, which a disk checkpoint's backup job fills. `done` gets `to`.
+  void delta_target(std::string backing, std::string format, uint64_t virtual_size, std::string to, Done done);
 
  private:
   void submit(std::function<Result<std::string>()> job, Done done);

@@ -119,6 +119,7 @@ void Node::checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback 
                                                                            : CheckpointFrom::kPaused;
   spdlog::info("sandbox {}: checkpoint ({}) {} started{}", sb.id(), memory ? "memory" : "filesystem, the VM's disk",
                record.id, source == CheckpointFrom::kRunning ? "" : " (suspended)");
+  const std::string id_of_record = record.id;
   auto saved_done = [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), record = std::move(record),
                      done = std::move(done)](Result<VmCheckpoint> saved) mutable {
         if (alive.expired()) return;
@@ -136,6 +137,8 @@ void Node::checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback 
           snapshots_->discard_files(record.id);
           return finish(saved.failure());
         }
+        // A disk that holds only what changed since an earlier checkpoint reads that one's under it.
+        if (!saved->parent.empty()) record.parent = saved->parent;
         record.state_bytes = saved->state_bytes;
         record.ram_bytes = saved->ram_bytes;
         record.disk_bytes = saved->disk_bytes;
@@ -149,7 +152,10 @@ void Node::checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback 
         });
       };
   if (memory) driver(sb).checkpoint_memory(sb.rec.spec, sb.rec.runtime, *dir, source, std::move(saved_done));
-  else driver(sb).checkpoint_disk(sb.rec.spec, sb.rec.runtime, *dir, source, std::move(saved_done));
+  else
+    driver(sb).checkpoint_disk(sb.rec.spec, sb.rec.runtime,
+                               CheckpointFiles{.id = id_of_record, .dir = *dir, .final_dir = snapshots_->files_dir(id_of_record)},
+                               source, std::move(saved_done));
 }
 
 void Node::on_checkpoint_done(const std::string& id) {

@@ -27,6 +27,7 @@
 #include "common/base64.h"
 #include "common/failpoint.h"
 #include "common/log.h"
+#include "noderuntime/disk_delta.h"
 #include "noderuntime/guest_disk.h"
 #include "noderuntime/guest_image.h"
 #include "noderuntime/hypervisor_client.h"
@@ -247,8 +248,8 @@ class QemuDriver final : public VmmDriver {
     c.disk_checkpoint = true;
     return c;
   }
-  void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, CheckpointFrom source,
-                       std::function<void(Result<VmCheckpoint>)> done) override;
+  void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
+                       CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override;
   void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
                          CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
@@ -371,6 +372,15 @@ class QemuDriver final : public VmmDriver {
   // `cont` after a checkpoint's `stop` at *stopped_at: records in result->pause_ms how long the guest stood.
   Step cont_after_checkpoint_step(std::shared_ptr<std::chrono::steady_clock::time_point> stopped_at,
                                   std::shared_ptr<VmCheckpoint> result);
+  // A disk checkpoint of a guest whose QEMU runs (the guest running, or paused in memory): a backup job
+  // (noderuntime/disk_delta.h) of what changed since the last one, or of the whole overlay.
+  void checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
+                            bool running, std::function<void(Result<VmCheckpoint>)> done);
+  // Waits for the backup job to conclude (polled), then dismisses it; a failed job is a failure.
+  void await_backup_job(Op* op, StepDone done);
+  // Takes away what an interrupted disk checkpoint left in QEMU (its job, cancelled first; its node). Best
+  // effort: `done` always gets success.
+  void drop_checkpoint_node(Op* op, StepDone done, int rounds = 0);
   // A memory checkpoint of a hibernated guest: its saved state (RAM included) and disk overlay copied; no
   // QEMU runs.
   void checkpoint_hibernated(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
@@ -729,46 +739,149 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
       });
 }
 
-void QemuDriver::checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+void QemuDriver::checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                                  CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) {
   auto disk = info.driver_data.find(kDisk);
   if (disk == info.driver_data.end())
     return done(fail(Error::kUnsupported, "sandbox " + spec.id +
                                               " boots the initramfs alone (no image): its files live in its memory, "
                                               "which only a memory checkpoint saves (--type memory)"));
-  const bool running = source == CheckpointFrom::kRunning;
+  if (source != CheckpointFrom::kHibernated)
+    return checkpoint_live_disk(spec, info, files, source == CheckpointFrom::kRunning, std::move(done));
+  // Hibernated: no QEMU runs to copy only the changes, and QEMU saved the disk when it hibernated. The whole
+  // overlay is copied as it stands.
+  auto op = new_op(spec, "checkpointing its disk", info);
+  const std::string copy = files.dir + "/" + kSnapshotDisk;
+  run(std::move(op), {copy_step(disk->second, copy)}, nullptr, [copy, done = std::move(done)](Op*, Status s) {
+    if (!s) return done(s.failure());
+    VmCheckpoint result;
+    struct stat st{};
+    if (::stat(copy.c_str(), &st) == 0) result.disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+    done(result);
+  });
+}
+
+void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
+                                      bool running, std::function<void(Result<VmCheckpoint>)> done) {
   auto op = new_op(spec, "checkpointing its disk", info);
   auto result = std::make_shared<VmCheckpoint>();
-  auto stopped_at = std::make_shared<std::chrono::steady_clock::time_point>();
-  const std::string copy = dir + "/" + kSnapshotDisk;
+  auto plan = std::make_shared<DiskDeltaPlan>();
+  const std::string overlay = info.driver_data.at(kDisk);
+  const std::string target = files.dir + "/" + kSnapshotDisk;
+  const std::string sandbox_dir = info.sandbox_dir;
   std::vector<Step> steps;
-  // A suspended guest is copied as it stands: QEMU flushed the disk when it stopped the guest (or saved it
-  // when it hibernated); what the guest had not written out yet is not on it.
-  if (running) {
-    steps.push_back(guest_sync_step(spec));
-    steps.push_back(connect_step(false));
-    steps.push_back([this, stopped_at](Op* op, StepDone d) {
-      *stopped_at = std::chrono::steady_clock::now();
-      // `stop` drains and flushes the guest's disk: the overlay then holds all it wrote.
-      command_step("stop")(op, std::move(d));
+  // A paused guest is copied as it stands: QEMU flushed the disk when it stopped the guest.
+  if (running) steps.push_back(guest_sync_step(spec));
+  steps.push_back(connect_step(false));
+  steps.push_back([this](Op* o, StepDone d) { drop_checkpoint_node(o, std::move(d)); });
+  steps.push_back([this, plan, overlay, sandbox_dir](Op* o, StepDone d) {
+    state(o).qmp->execute("query-named-block-nodes", {{"flat", true}},
+                          [plan, overlay, sandbox_dir, d](Result<nlohmann::json> r) {
+                            if (!r) return d(r.failure());
+                            auto planned = plan_disk_delta(*r, overlay, read_last_disk_checkpoint(sandbox_dir));
+                            if (!planned) return d(planned.failure());
+                            *plan = std::move(*planned);
+                            d({});
+                          });
+  });
+  steps.push_back([this, plan, target](Op*, StepDone d) {
+    disks_.delta_target(plan->backing, plan->backing_format, plan->virtual_size, target,
+                        [d](Result<std::string> made) { d(made ? Status() : Status(made.failure())); });
+  });
+  steps.push_back([this, target](Op* o, StepDone d) {
+    command_step("blockdev-add", {{"driver", "qcow2"},
+                                  {"node-name", kCheckpointNode},
+                                  {"file", {{"driver", "file"}, {"filename", target}}},
+                                  {"backing", nullptr}})(o, std::move(d));
+  });
+  // The guest runs on; its disk's requests drain for the moment the transaction takes, which is the pause.
+  steps.push_back([this, plan, result, running, id = files.id](Op* o, StepDone d) {
+    const auto started = std::chrono::steady_clock::now();
+    state(o).qmp->execute("transaction", disk_delta_transaction(*plan, id),
+                          [result, started, running, d](Result<nlohmann::json> r) {
+                            if (running)
+                              result->pause_ms = std::chrono::duration<double, std::milli>(
+                                                     std::chrono::steady_clock::now() - started)
+                                                     .count();
+                            d(r ? Status() : Status(r.failure()));
+                          });
+  });
+  steps.push_back([this](Op* o, StepDone d) { await_backup_job(o, std::move(d)); });
+  steps.push_back(command_step("blockdev-del", {{"node-name", kCheckpointNode}}));
+  // From now on the next checkpoint starts from this one, if the node records it.
+  steps.push_back([sandbox_dir, last = LastDiskCheckpoint{files.id, files.final_dir + "/" + kSnapshotDisk}](
+                      Op*, StepDone d) { d(write_last_disk_checkpoint(sandbox_dir, last)); });
+  // Best effort, each awaited (the connection closes with the op): a bitmap left costs a little per write.
+  steps.push_back([this, plan](Op* o, StepDone d) {
+    auto gone = std::make_shared<std::vector<std::string>>(plan->stale_bitmaps);
+    if (plan->delta()) gone->push_back(plan->base_id);
+    auto next = std::make_shared<std::function<void()>>();
+    *next = [this, o, gone, next, d] {
+      if (gone->empty()) {
+        d({});
+        *next = nullptr;  // the cycle through `next` ends here
+        return;
+      }
+      const std::string name = gone->back();
+      gone->pop_back();
+      state(o).qmp->execute("block-dirty-bitmap-remove", {{"node", "root"}, {"name", name}},
+                            [next](Result<nlohmann::json>) { (*next)(); });
+    };
+    (*next)();
+  });
+  Step on_failure = [this, id = files.id](Op* o, StepDone d) {
+    if (!state(o).qmp) return d({});
+    drop_checkpoint_node(o, [this, o, id, d](Status) {
+      state(o).qmp->execute("block-dirty-bitmap-remove", {{"node", "root"}, {"name", id}},
+                            [d](Result<nlohmann::json>) { d({}); });
     });
-  }
-  steps.push_back(copy_step(disk->second, copy));
-  if (running) {
-    steps.push_back(cont_after_checkpoint_step(stopped_at, result));
-  }
-  // Whatever failed, a guest that was running runs again.
-  Step on_failure = [this, running](Op* op, StepDone d) {
-    if (!running || !state(op).qmp) return d({});
-    state(op).qmp->execute("cont", nullptr, [d](Result<nlohmann::json>) { d({}); });
   };
   run(std::move(op), std::move(steps), std::move(on_failure),
-      [result, copy, done = std::move(done)](Op*, Status s) {
+      [result, plan, target, done = std::move(done)](Op*, Status s) {
         if (!s) return done(s.failure());
         struct stat st{};
-        if (::stat(copy.c_str(), &st) == 0) result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+        if (::stat(target.c_str(), &st) == 0) result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+        result->parent = plan->base_id;
         done(*result);
       });
+}
+
+void QemuDriver::await_backup_job(Op* op, StepDone done) {
+  state(op).qmp->execute("query-jobs", nullptr, [this, op, done](Result<nlohmann::json> r) {
+    if (!r) return done(r.failure());
+    auto job = backup_job_state(*r);
+    if (!job) {
+      // Concluded with an error: dismissed here, so the failure path finds no job to cancel.
+      return state(op).qmp->execute("job-dismiss", {{"id", kCheckpointNode}},
+                                    [done, failure = job.failure()](Result<nlohmann::json>) { done(failure); });
+    }
+    if (*job == BackupJob::kAbsent) return done(fail(Error::kInternal, "the disk's backup job vanished"));
+    if (*job == BackupJob::kConcluded)
+      return state(op).qmp->execute("job-dismiss", {{"id", kCheckpointNode}}, [done](Result<nlohmann::json> d) {
+        done(d ? Status() : Status(d.failure()));
+      });
+    after(op, kPollMs, [this, op, done] { await_backup_job(op, done); });
+  });
+}
+
+void QemuDriver::drop_checkpoint_node(Op* op, StepDone done, int rounds) {
+  // A job cancelled concludes within moments; past a few seconds the node delete below fails as it may.
+  constexpr int kMaxRounds = 250;
+  state(op).qmp->execute("query-jobs", nullptr, [this, op, done, rounds](Result<nlohmann::json> r) {
+    auto job = r ? backup_job_state(*r) : Result<BackupJob>(BackupJob::kAbsent);
+    const bool running = job && *job == BackupJob::kRunning;
+    if (running && rounds < kMaxRounds) {
+      if (rounds == 0) state(op).qmp->execute("job-cancel", {{"id", kCheckpointNode}}, [](Result<nlohmann::json>) {});
+      return after(op, kPollMs, [this, op, done, rounds] { drop_checkpoint_node(op, done, rounds + 1); });
+    }
+    auto del = [this, op, done] {
+      state(op).qmp->execute("blockdev-del", {{"node-name", kCheckpointNode}}, [done](Result<nlohmann::json>) {
+        done({});
+      });
+    };
+    if (running || (job && *job == BackupJob::kAbsent)) return del();
+    state(op).qmp->execute("job-dismiss", {{"id", kCheckpointNode}}, [del](Result<nlohmann::json>) { del(); });
+  });
 }
 
 QemuDriver::Step QemuDriver::copy_step(std::string from, std::string to) {

@@ -113,8 +113,17 @@ void SnapshotService::commit_files(snapshot::Snapshot record, Done done) {
         if (ec) return discard(fail(Error::kIo, "read " + tmp + ": " + ec.message()));
         if (Status s = snapshot::fsync_dir(tmp); !s) return discard(s);
         if (::rename(tmp.c_str(), dir.c_str()) != 0) return discard(fail_errno("rename " + tmp, errno));
-        // The record last: until it exists the files are nobody's, and the next start sweeps them.
-        if (Status s = store->create(out); !s) return discard(s);
+        // The record last: until it exists the files are nobody's, and the next start sweeps them. A disk
+        // that reads its parent's needs that one still there (a removal may have taken it meanwhile); the
+        // check and the record under remove()'s lock.
+        {
+          std::lock_guard lock(mu_);
+          if (!out.parent.empty())
+            if (auto parent = store->get(out.parent); !parent)
+              return discard(fail(Error::kConflict, "snapshot " + out.parent + ", whose disk this checkpoint's reads, "
+                                                    "was removed meanwhile: " + parent.message()));
+          if (Status s = store->create(out); !s) return discard(s);
+        }
         // Just hashed: the first create from a golden snapshot does not read its RAM file a second time.
         std::lock_guard lock(verified_mu_);
         for (const auto& [name, digest] : out.file_digests)
@@ -124,9 +133,21 @@ void SnapshotService::commit_files(snapshot::Snapshot record, Done done) {
       std::move(done));
 }
 
+Result<std::vector<snapshot::Snapshot>> SnapshotService::list() const {
+  auto all = store_->list();
+  if (all) std::erase_if(*all, [](const snapshot::Snapshot& s) { return s.removed; });
+  return all;
+}
+
+Result<snapshot::Snapshot> SnapshotService::get(std::string_view id) const {
+  auto found = store_->get(id);
+  if (found && found->removed) return fail(Error::kNotFound, "no snapshot " + std::string(id) + " (it was removed)");
+  return found;
+}
+
 Status SnapshotService::add_user(const std::string& id, const std::string& user) {
   std::lock_guard lock(mu_);
-  auto found = store_->get(id);
+  auto found = get(id);
   if (!found) return found.failure();
   return users_.add(id, user);  // never claimed outside mu_, which this holds: always succeeds
 }
@@ -141,7 +162,7 @@ std::optional<std::string> SnapshotService::image_user(const std::string& image)
 void SnapshotService::verify(std::string id, std::function<void(Status)> done) {
   run<bool>(
       [this, id = std::move(id)]() -> Result<bool> {
-        auto snap = store_->get(id);
+        auto snap = get(id);
         if (!snap) return snap.failure();
         // A file that hashed right is not hashed again while it is unchanged (same inode, size, times).
         auto check = [this](const std::string& key, const std::string& path,
@@ -165,19 +186,30 @@ void SnapshotService::verify(std::string id, std::function<void(Status)> done) {
                            [&] { return images_->layers().verify(layer); });
           if (!s) return fail(s.error(), "snapshot " + id + ": " + s.message());
         }
-        for (const auto& file : snap->file_digests) {
-          const std::string& name = file.first;  // not a structured binding: clang 14 cannot capture one
-          const std::string& digest = file.second;
-          const std::string path = store_->files_dir(id) + "/" + name;
-          Status s = check(id + "/" + name, path, [&]() -> Status {
-            auto got = snapshot::sha256_file(path);
-            if (!got) return got.failure();
-            if (*got != digest)
-              return fail(Error::kInvalidArgument, "its file " + name + " is corrupted: it hashes to " + *got +
-                                                       ", not to the " + digest + " it was saved with");
-            return {};
-          });
-          if (!s) return fail(s.error(), "snapshot " + id + ": " + s.message());
+        // Its files, and those of the snapshots its disk reads (a delta's parents, removed ones too).
+        std::optional<snapshot::Snapshot> at = std::move(*snap);
+        for (size_t depth = 0; at; ++depth) {
+          if (depth > snapshot::kMaxSnapshots)
+            return fail(Error::kInvalidArgument, "snapshot " + id + ": its parents make a loop");
+          for (const auto& file : at->file_digests) {
+            const std::string& name = file.first;  // not a structured binding: clang 14 cannot capture one
+            const std::string& digest = file.second;
+            const std::string path = store_->files_dir(at->id) + "/" + name;
+            const std::string whose = at->id == id ? "its" : "its parent " + at->id + "'s";
+            Status s = check(at->id + "/" + name, path, [&]() -> Status {
+              auto got = snapshot::sha256_file(path);
+              if (!got) return got.failure();
+              if (*got != digest)
+                return fail(Error::kInvalidArgument, whose + " file " + name + " is corrupted: it hashes to " + *got +
+                                                         ", not to the " + digest + " it was saved with");
+              return {};
+            });
+            if (!s) return fail(s.error(), "snapshot " + id + ": " + s.message());
+          }
+          if (at->parent.empty()) break;
+          auto parent = store_->get(at->parent);
+          if (!parent) return fail(parent.error(), "snapshot " + id + ": its parent " + at->parent + ": " + parent.message());
+          at = std::move(*parent);
         }
         return true;
       },
@@ -188,29 +220,42 @@ void SnapshotService::remove(std::string id, Done done) {
   run<snapshot::Snapshot>(
       [this, id = std::move(id)]() -> Result<snapshot::Snapshot> {
         Result<snapshot::Snapshot> found = fail(Error::kInternal, "not looked up");
+        std::vector<std::string> deleted;
         {
           std::lock_guard lock(mu_);
-          found = store_->get(id);
+          found = get(id);
           if (!found) return found.failure();
           if (auto user = users_.claim_for_removal(id))
             return fail(Error::kConflict, "snapshot " + id + " is in use by " + *user +
                                               " (created from it); remove that first");
-          // A checkpoint of a VM that ran on this snapshot's disk reads that disk under its own.
+          // add_user takes mu_ too, so the claim only has to last until the record is gone or marked.
+          // A disk another snapshot's disk reads stays, its record marked removed; otherwise both go, and
+          // so do the removed snapshots under it that were kept for it alone.
           auto child = store_->first_child_of(id);
-          if (!child || *child) {
-            users_.release_removal(id);
-            if (!child) return child.failure();
-            return fail(Error::kConflict, "snapshot " + id + " holds the disk under snapshot " + **child +
-                                              "'s (a checkpoint of a sandbox created from it); remove that first");
-          }
-          // add_user takes mu_ too, so the claim only has to last until the record is gone.
-          Status removed = store_->remove(id);
+          Status s = !child ? Status(child.failure()) : *child ? store_->mark_removed(id) : store_->remove(id);
           users_.release_removal(id);
-          if (!removed) return removed.failure();
+          if (!s) return s.failure();
+          found->removed = child->has_value();
+          if (!found->removed) {
+            deleted.push_back(id);
+            for (std::string parent = found->parent; !parent.empty();) {
+              auto up = store_->get(parent);
+              if (!up || !up->removed) break;
+              auto other = store_->first_child_of(parent);
+              if (!other || *other) break;
+              if (Status gone = store_->remove(parent); !gone) {
+                spdlog::warn("snapshot {}: its removed parent {} stays: {}", id, parent, gone.message());
+                break;
+              }
+              deleted.push_back(parent);
+              parent = up->parent;
+            }
+          }
         }
         {
           std::lock_guard lock(verified_mu_);
-          std::erase_if(verified_, [&](const auto& entry) { return entry.first.starts_with(id + "/"); });
+          for (const std::string& gone : deleted)
+            std::erase_if(verified_, [&](const auto& entry) { return entry.first.starts_with(gone + "/"); });
         }
         // The record is gone either way; layers left behind go at the next removal or node start.
         if (auto s = images_->collect_unused(); !s)

@@ -55,10 +55,13 @@ class SnapshotService {
   // bench/RESULTS.md). Bit rot under an unchanged file after the first check is not caught.
   void verify(std::string id, std::function<void(Status)> done);
   // kConflict naming the sandbox while one created from the snapshot lives; the layers no image or other
-  // snapshot holds are removed with it.
+  // snapshot holds are removed with it. A snapshot whose disk another one's reads (a later checkpoint's
+  // delta, a checkpoint of a sandbox created from it) is only marked removed (the answer's `removed`): its
+  // files go with the last of those, as do the removed ones under it.
   void remove(std::string id, Done done);
-  Result<std::vector<snapshot::Snapshot>> list() const { return store_->list(); }
-  Result<snapshot::Snapshot> get(std::string_view id) const { return store_->get(id); }
+  // The snapshots a user sees: the removed ones are not listed, and get() does not find them.
+  Result<std::vector<snapshot::Snapshot>> list() const;
+  Result<snapshot::Snapshot> get(std::string_view id) const;
 
  private:
   template <typename T>

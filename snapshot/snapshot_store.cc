@@ -29,7 +29,7 @@ ordered_json to_json(const Snapshot& s) {
   ordered_json ports = ordered_json::array();
   for (const SnapshotPort& p : s.ports)
     ports.push_back({{"port", p.port}, {"public", p.is_public}, {"protocol", p.protocol}});
-  return ordered_json{{"id", s.id},
+  ordered_json j{{"id", s.id},
                       {"type", s.type},
                       {"source_id", s.source_id},
                       {"source_name", s.source_name},
@@ -50,6 +50,8 @@ ordered_json to_json(const Snapshot& s) {
                       {"disk_bytes", s.disk_bytes},
                       {"parent", s.parent},
                       {"file_digests", s.file_digests}};
+  if (s.removed) j["removed"] = true;
+  return j;
 }
 
 // The node's own file; parsed defensively all the same (a disk can be edited or damaged).
@@ -135,6 +137,10 @@ Result<Snapshot> from_json(const std::string& text, const std::string& where) {
     if (!it->is_string() || (!it->get<std::string>().empty() && !check_snapshot_id(it->get<std::string>())))
       return bad("parent");
     s.parent = it->get<std::string>();
+  }
+  if (auto it = j.find("removed"); it != j.end()) {  // added with the disk deltas of VM checkpoints
+    if (!it->is_boolean()) return bad("removed");
+    s.removed = it->get<bool>();
   }
   if (s.type != "filesystem" && s.type != "memory") return bad("type");
   if (s.type == "memory" && (s.memory_mb == 0 || s.cpus <= 0)) return bad("memory_mb");
@@ -240,6 +246,13 @@ Status SnapshotStore::remove(std::string_view id) {
   std::error_code ec;
   fs::remove_all(files_dir(id), ec);
   return fsync_dir(root_);
+}
+
+Status SnapshotStore::mark_removed(std::string_view id) {
+  auto record = get(id);
+  if (!record) return record.failure();
+  record->removed = true;
+  return write_file_atomic(file(id), to_json(*record).dump(2) + "\n");
 }
 
 Result<std::set<std::string>> SnapshotStore::layers_in_use() const {

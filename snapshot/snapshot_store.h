@@ -64,6 +64,9 @@ struct Snapshot {
   // The snapshot whose disk this one's disk is an overlay of ("" for none): a VM checkpointed while it ran
   // on a snapshot's disk. That one cannot be removed while this one exists.
   std::string parent;
+  // Removed by its owner while a snapshot whose disk reads its disk exists (its `parent`): unlisted, no
+  // sandbox can start from it, and its record and files go with the last such child.
+  bool removed = false;
   // Each of its files (state, ram, disk.qcow2) -> "sha256:<hex>", checked before a sandbox starts from it.
   // Empty for memory records written before the digests.
   std::map<std::string, std::string> file_digests;
@@ -94,9 +97,11 @@ class SnapshotStore {
   Result<std::vector<Snapshot>> list() const;
   // Deletes the record (kNotFound if absent), then its files. The caller collects its layers afterwards.
   Status remove(std::string_view id);
+  // Rewrites the record with `removed` set (crash-safely); its files stay.
+  Status mark_removed(std::string_view id);
   // Every layer some record names: what the image store's GC must keep.
   Result<std::set<std::string>> layers_in_use() const;
-  // A snapshot whose parent is `id`, or nullopt.
+  // A snapshot whose parent is `id` (removed ones count: their disks still read it), or nullopt.
   Result<std::optional<std::string>> first_child_of(std::string_view id) const;
   // A snapshot whose image is `image`, described for a refusal ("snapshot snap-..."), or nullopt.
   Result<std::optional<std::string>> first_user_of_image(const std::string& image) const;

@@ -594,10 +594,11 @@ TEST_F(Qemu, ImageDiskKeepsWhatTheGuestWroteAcrossSuspendHibernateAndNodeRestart
 }
 
 // `sandgate checkpoint` (a filesystem checkpoint, the default) of a QEMU sandbox booted on an image's disk:
-// the guest's agent writes out what it just wrote before the VM stands still for the copy of its disk, the
-// source runs on, and a sandbox created from the checkpoint in another shape boots on that disk with the file
-// there. A checkpoint of that sandbox reads the first one's disk under its own, so the first cannot be removed
-// before it.
+// the guest's agent writes out what it just wrote before a backup job copies its disk while it runs on, and a
+// sandbox created from the checkpoint in another shape boots on that disk with the file there. The source's
+// next checkpoint holds only what it wrote since (1 MiB of a 17 MiB overlay) over the first one's disk, and a
+// sandbox from it has everything. A snapshot whose disk a later one reads is removed from the list at once
+// and from the disk with the last of those.
 TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape) {
   Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
   const std::string archive = busybox_image(c.dir() + "/img");
@@ -610,8 +611,11 @@ TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape
   const auto j = nlohmann::json::parse(created.out, nullptr, false);
   const std::string id = j.value("id", ""), token = j.value("token", "");
   // No sync here: the file is in the guest's page cache when the checkpoint is asked for.
-  const std::string kept = kept_value(exec_in(c, "vd.sandbox.localhost", token, "echo kept-$$ >/data.txt; cat /data.txt"));
+  const std::string kept = kept_value(exec_in(
+      c, "vd.sandbox.localhost", token,
+      "dd if=/dev/urandom of=/big bs=1M count=16 2>/dev/null; echo kept-$$ >/data.txt; cat /data.txt"));
   ASSERT_FALSE(kept.empty());
+  const std::string big_hash = exec_in(c, "vd.sandbox.localhost", token, "sha256sum /big");
 
   auto checkpoint = c.cli("checkpoint vd --json", 180);
   ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
@@ -619,10 +623,12 @@ TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape
   const std::string snap = cp.value("snapshot_id", "");
   ASSERT_FALSE(snap.empty()) << checkpoint.out;
   EXPECT_EQ(cp["snapshot"]["type"], "filesystem");
-  EXPECT_GT(cp["snapshot"].value("disk_bytes", 0), 0) << checkpoint.out;
+  const uint64_t first_bytes = cp["snapshot"].value("disk_bytes", 0ull);
+  EXPECT_GT(first_bytes, 16ull << 20) << checkpoint.out;
   EXPECT_FALSE(cp["snapshot"].contains("memory_mb")) << checkpoint.out;
-  std::fprintf(stderr, "filesystem checkpoint of a QEMU guest: stood still %.1f ms, disk %llu bytes\n",
-               cp.value("pause_ms", 0.0), static_cast<unsigned long long>(cp["snapshot"].value("disk_bytes", 0ull)));
+  EXPECT_FALSE(cp["snapshot"].contains("parent")) << checkpoint.out;
+  std::fprintf(stderr, "filesystem checkpoint of a QEMU guest: transaction %.1f ms, disk %llu bytes\n",
+               cp.value("pause_ms", 0.0), static_cast<unsigned long long>(first_bytes));
   EXPECT_EQ(c.node().log().find("write out its files"), std::string::npos) << c.node().log();
   EXPECT_EQ(c.node().log().find("did not confirm"), std::string::npos) << c.node().log();
   EXPECT_EQ(c.get("vd")["state"], "running");
@@ -642,20 +648,66 @@ TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape
   ASSERT_NE(mem, std::string::npos) << seen;
   EXPECT_GT(std::stol(seen.substr(mem + 9)), 300L * 1024) << seen;
   // The source's later writes are its own.
-  exec_in(c, "vd.sandbox.localhost", token, "echo later >/data.txt");
+  const std::string small_hash = exec_in(
+      c, "vd.sandbox.localhost", token, "echo later >/data.txt; dd if=/dev/urandom of=/small bs=1M count=1 2>/dev/null; "
+                                        "sha256sum /small");
+  ASSERT_NE(small_hash.find("  /small"), std::string::npos) << small_hash;
   EXPECT_EQ(kept_value(exec_in(c, "vd2.sandbox.localhost", copy_token, "cat /data.txt")), kept);
 
+  // The source's second checkpoint: what it wrote since the first, over the first one's disk.
+  auto delta = c.cli("checkpoint vd --json", 180);
+  ASSERT_EQ(delta.exit_code, 0) << delta.out << delta.err << c.node().log();
+  const auto cpd = nlohmann::json::parse(delta.out, nullptr, false);
+  const std::string snap_b = cpd.value("snapshot_id", "");
+  EXPECT_EQ(cpd["snapshot"].value("parent", ""), snap) << delta.out;
+  const uint64_t delta_bytes = cpd["snapshot"].value("disk_bytes", 0ull);
+  std::fprintf(stderr, "the next checkpoint, 1 MiB written since: transaction %.1f ms, disk %llu bytes (the first: %llu)\n",
+               cpd.value("pause_ms", 0.0), static_cast<unsigned long long>(delta_bytes),
+               static_cast<unsigned long long>(first_bytes));
+  EXPECT_GT(delta_bytes, 1ull << 20) << delta.out;
+  EXPECT_LT(delta_bytes, 4ull << 20) << "the second checkpoint copied more than what changed: " << delta.out;
+  auto third = c.cli("create --json --name vd3 --from " + snap_b, 180);
+  ASSERT_EQ(third.exit_code, 0) << third.out << third.err << c.node().log();
+  const std::string third_token = nlohmann::json::parse(third.out, nullptr, false).value("token", "");
+  const std::string in_third =
+      exec_in(c, "vd3.sandbox.localhost", third_token, "cat /data.txt; sha256sum /small; sha256sum /big");
+  EXPECT_NE(in_third.find("later"), std::string::npos) << in_third;
+  // sha256sum's line, "<64 hex>  <path>", in an exec's output.
+  auto hash_of = [](const std::string& out, const std::string& path) {
+    const size_t at = out.find("  " + path);
+    return at == std::string::npos || at < 64 ? std::string() : out.substr(at - 64, 64);
+  };
+  ASSERT_FALSE(hash_of(big_hash, "/big").empty()) << big_hash;
+  EXPECT_EQ(hash_of(in_third, "/small"), hash_of(small_hash, "/small")) << in_third << small_hash;
+  EXPECT_EQ(hash_of(in_third, "/big"), hash_of(big_hash, "/big")) << in_third << big_hash;
+
+  // vd2's checkpoint reads the first snapshot's disk under its own too.
   auto second = c.cli("checkpoint vd2 --json", 180);
   ASSERT_EQ(second.exit_code, 0) << second.out << second.err << c.node().log();
   const auto cp2 = nlohmann::json::parse(second.out, nullptr, false);
   const std::string child = cp2.value("snapshot_id", "");
   EXPECT_EQ(cp2["snapshot"].value("parent", ""), snap) << second.out;
   ASSERT_EQ(c.cli("rm vd2").exit_code, 0);
-  auto refused = c.cli("snapshot rm " + snap);
-  EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.err.find(child), std::string::npos) << refused.out << refused.err;
+
+  // Removed while two snapshots' disks read it: unlisted at once, its disk kept for them.
+  const std::string files = run("find " + c.dir() + " -maxdepth 4 -type d -name " + snap + ".d").out;
+  ASSERT_FALSE(files.empty()) << "no files dir for " << snap;
+  const std::string snap_dir = files.substr(0, files.find('\n'));
+  auto removed = c.cli("snapshot rm " + snap);
+  EXPECT_EQ(removed.exit_code, 0) << removed.out << removed.err;
+  EXPECT_NE(removed.out.find("stays"), std::string::npos) << removed.out;
+  const auto listed = nlohmann::json::parse(c.cli("snapshots --json").out, nullptr, false).value(
+      "snapshots", nlohmann::json());
+  ASSERT_TRUE(listed.is_array()) << listed.dump();
+  EXPECT_EQ(listed.size(), 2u) << listed.dump();
+  for (const auto& s : listed) EXPECT_NE(s.value("id", ""), snap) << "a removed snapshot is still listed";
+  EXPECT_NE(c.cli("create --name vd4 --from " + snap).exit_code, 0) << "a removed snapshot started a sandbox";
   EXPECT_EQ(c.cli("snapshot rm " + child).exit_code, 0);
-  EXPECT_EQ(c.cli("snapshot rm " + snap).exit_code, 0);
+  EXPECT_TRUE(std::filesystem::exists(snap_dir)) << "the disk went while " << snap_b << " reads it";
+  EXPECT_NE(c.cli("snapshot rm " + snap_b).exit_code, 0) << "removed while vd3 runs on it";
+  ASSERT_EQ(c.cli("rm vd3").exit_code, 0);
+  EXPECT_EQ(c.cli("snapshot rm " + snap_b).exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(snap_dir)) << "the removed snapshot's disk stayed after its last child went";
   EXPECT_EQ(c.cli("rm vd").exit_code, 0);
 }
 

@@ -231,14 +231,14 @@ class FakeDriver : public Driver {
     });
   }
   // Disk checkpoints (with can_checkpoint_disk): writes a kSnapshotDisk file of `disk_content` into the dir.
-  void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir, CheckpointFrom source,
-                       std::function<void(Result<VmCheckpoint>)> done) override {
-    if (!can_checkpoint_disk) return Driver::checkpoint_disk(spec, info, dir, source, std::move(done));
+  void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
+                       CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override {
+    if (!can_checkpoint_disk) return Driver::checkpoint_disk(spec, info, files, source, std::move(done));
     ++disk_checkpoints;
     last_disk_checkpoint_source = source;
-    later_with(op_delay_ms, spec.id, [this, dir, done = std::move(done)](bool) {
+    later_with(op_delay_ms, spec.id, [this, dir = files.dir, done = std::move(done)](bool) {
       std::ofstream(dir + "/" + kSnapshotDisk) << disk_content;
-      done(VmCheckpoint{.disk_bytes = disk_content.size(), .pause_ms = 0.5});
+      done(VmCheckpoint{.disk_bytes = disk_content.size(), .pause_ms = 0.5, .parent = disk_delta_parent});
     });
   }
   // Ports exposed after create: counted, and failed with fail_forward.
@@ -262,6 +262,7 @@ class FakeDriver : public Driver {
   bool can_checkpoint_disk = false;
   std::string disk_content = "guest disk";
   int disk_checkpoints = 0;
+  std::string disk_delta_parent;  // what a disk checkpoint says its disk is a delta over
   CheckpointFrom last_disk_checkpoint_source = CheckpointFrom::kRunning;
   std::string started_on_disk;  // the last start's spec.snapshot_disk
 

@@ -1792,7 +1792,9 @@ TEST_F(NodeCheckpointTest, AMemoryCheckpointIsCommittedWholeAndACreateFromItKeep
 }
 
 // A VM booted on a disk: its filesystem checkpoint is that disk (no layers), a create from it boots on it in
-// any shape, and a checkpoint of that sandbox is the first one's child, which keeps it from being removed.
+// any shape, and a checkpoint of that sandbox is the first one's child, as is a later checkpoint that holds
+// only the changes over it. Removing a snapshot with children unlists it and keeps its files until the last
+// child goes; a delta whose parent went meanwhile is refused.
 TEST_F(NodeCheckpointTest, AVmsFilesystemCheckpointIsItsDiskAndAChildKeepsItsParent) {
   driver_->can_checkpoint_disk = true;
   CreateRequest req;
@@ -1833,13 +1835,49 @@ TEST_F(NodeCheckpointTest, AVmsFilesystemCheckpointIsItsDiskAndAChildKeepsItsPar
   const snapshot::Snapshot child = (**second)->snapshot;
   EXPECT_EQ(child.parent, snap.id);
   ASSERT_TRUE(remove_sandbox("vm-copy"));
-  auto refused = remove_snapshot(snap.id);
-  ASSERT_FALSE(refused);
-  EXPECT_EQ(refused.error(), Error::kConflict);
-  EXPECT_NE(refused.message().find(child.id), std::string::npos) << refused.message();
+
+  // The source's next checkpoint, a delta over the first (as the driver says).
+  driver_->disk_delta_parent = snap.id;
+  auto later = checkpoint("vm", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return later->has_value(); }));
+  ASSERT_TRUE(**later) << (*later)->message();
+  const snapshot::Snapshot delta = (**later)->snapshot;
+  EXPECT_EQ(delta.parent, snap.id);
+
+  auto marked = remove_snapshot(snap.id);
+  ASSERT_TRUE(marked) << marked.message();
+  EXPECT_TRUE(marked->removed) << "removed outright while two snapshots' disks read its disk";
+  EXPECT_TRUE(std::filesystem::exists(disk));
+  auto listed = snapshots_->list();
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->size(), 2u);
+  for (const auto& s : *listed) EXPECT_NE(s.id, snap.id);
+  EXPECT_EQ(snapshots_->get(snap.id).error(), Error::kNotFound);
+  CreateRequest from_removed = from;
+  from_removed.name = "from-removed";
+  auto not_found = create_request(from_removed);
+  ASSERT_FALSE(not_found);
+  EXPECT_EQ(not_found.error(), Error::kNotFound);
+  EXPECT_EQ(remove_snapshot(snap.id).error(), Error::kNotFound) << "removed twice";
   ASSERT_TRUE(remove_snapshot(child.id));
-  auto removed = remove_snapshot(snap.id);
-  EXPECT_TRUE(removed) << removed.message();
+  EXPECT_TRUE(std::filesystem::exists(disk)) << "its files went while " << delta.id << " reads them";
+  auto last = remove_snapshot(delta.id);
+  ASSERT_TRUE(last) << last.message();
+  EXPECT_FALSE(last->removed);
+  EXPECT_FALSE(std::filesystem::exists(disk)) << "the removed parent stayed after its last child went";
+  EXPECT_FALSE(std::filesystem::exists(snapshots_->files_dir(snap.id)));
+
+  // A delta over a snapshot that is gone is never recorded.
+  driver_->disk_delta_parent = snap.id;
+  auto orphan = checkpoint("vm", "filesystem");
+  ASSERT_TRUE(run_until(&loop_, [&] { return orphan->has_value(); }));
+  ASSERT_FALSE(**orphan);
+  EXPECT_EQ((*orphan)->error(), Error::kConflict);
+  EXPECT_NE((*orphan)->message().find("removed meanwhile"), std::string::npos) << (*orphan)->message();
+  listed = snapshots_->list();
+  ASSERT_TRUE(listed);
+  EXPECT_TRUE(listed->empty());
+  driver_->disk_delta_parent.clear();
 
   // Hibernated: checkpointed as it stands (the driver copies its disk), and it stays so.
   CreateRequest tiered = request("tiered", false, 1);

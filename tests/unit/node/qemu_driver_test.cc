@@ -23,9 +23,11 @@
 #include <sstream>
 
 #include "common/subprocess.h"
+#include "noderuntime/disk_delta.h"
 #include "noderuntime/guest_disk.h"
 #include "noderuntime/hypervisor_client.h"
 #include "noderuntime/sandbox_egress.h"
+#include "snapshot/snapshot_store.h"
 #include "tests/unit/node/fake_hypervisor.h"
 
 namespace sg {
@@ -69,7 +71,7 @@ with open(os.path.join(d, "netns"), "a") as f:
     f.write(os.readlink("/proc/self/ns/net") + "\n")
 with open(os.path.join(d, "argv"), "w") as f:
     f.write("\0".join(args))
-import fcntl, json, socket, subprocess, threading, time
+import fcntl, json, shutil, socket, subprocess, threading, time
 if "-pidfile" in args:  # as util/oslib-posix.c qemu_write_pidfile: a lock on the whole file, or exit
     pidfile = open(args[args.index("-pidfile") + 1], "a")
     try:
@@ -133,6 +135,61 @@ if [a for a in args if a.startswith("memory-backend-memfd")]:
     os.pwrite(ram, b"SANDGATE-FAKE-RAM", 0)
     os.pwrite(ram, b"SANDGATE-FAKE-RAM", size // 2)
 ignore_shared = False
+# The guest's disk (-drive ...,id=root): its dirty bitmaps kept beside it, as QEMU keeps them in the qcow2.
+disk = [a.split(",")[0][len("file="):] for a in args if a.startswith("file=") and ",id=root," in a]
+disk = disk[0] if disk else None
+def bitmaps():
+    try:
+        with open(disk + ".bitmaps") as b: return json.load(b)
+    except FileNotFoundError: return []
+def set_bitmaps(names):
+    with open(disk + ".bitmaps", "w") as b: json.dump(names, b)
+block_nodes, jobs = {}, {}
+def block_command(cmd, a):  # (return value, error or None)
+    if cmd == "query-named-block-nodes":
+        img = json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", disk], capture_output=True).stdout)
+        inconsistent = mode == "bitmap-inconsistent"
+        return [{"node-name": "#block1", "drv": "qcow2",
+                 "image": {"filename": disk, "virtual-size": img["virtual-size"],
+                           "backing-filename": img.get("backing-filename"),
+                           "full-backing-filename": img.get("full-backing-filename"),
+                           "backing-filename-format": img.get("backing-filename-format")},
+                 "dirty-bitmaps": [dict({"name": n, "recording": True, "persistent": True, "busy": False},
+                                        **({"inconsistent": True} if inconsistent else {})) for n in bitmaps()]},
+                {"node-name": "#block0", "drv": "file", "image": {"filename": disk}}], None
+    if cmd == "blockdev-add":
+        if a["node-name"] in block_nodes: return None, "Duplicate nodes with node-name='%s'" % a["node-name"]
+        block_nodes[a["node-name"]] = a["file"]["filename"]; return {}, None
+    if cmd == "blockdev-del":
+        if a["node-name"] not in block_nodes: return None, "Failed to find node with node-name='%s'" % a["node-name"]
+        if any(j["status"] != "null" for j in jobs.values()): return None, "Node is in use"
+        del block_nodes[a["node-name"]]; return {}, None
+    if cmd == "transaction":
+        names = bitmaps()
+        for act in a["actions"]:
+            x = act["data"]
+            if act["type"] == "block-dirty-bitmap-add":
+                if x["name"] in names: return None, "Bitmap already exists: %s" % x["name"]
+                names.append(x["name"])
+            elif act["type"] == "blockdev-backup":
+                if x["sync"] == "bitmap" and x["bitmap"] not in bitmaps():
+                    return None, "Bitmap '%s' could not be found" % x["bitmap"]
+                with open(os.path.join(d, "backups"), "a") as f: f.write(json.dumps(x) + "\n")
+                # The fake copies the whole overlay: what the driver asked for is in "backups".
+                shutil.copyfile(disk, block_nodes[x["target"]])
+                jobs[x["job-id"]] = {"id": x["job-id"], "type": "backup", "status": "concluded"}
+                if mode == "backup-fail": jobs[x["job-id"]]["error"] = "No space left on device"
+        set_bitmaps(names); return {}, None
+    if cmd == "query-jobs": return list(jobs.values()), None
+    if cmd == "job-dismiss":
+        if a["id"] not in jobs: return None, "Job not found"
+        del jobs[a["id"]]; return {}, None
+    if cmd == "job-cancel": return {}, None
+    if cmd == "block-dirty-bitmap-remove":
+        names = bitmaps()
+        if a["name"] not in names: return None, "Dirty bitmap '%s' not found" % a["name"]
+        names.remove(a["name"]); set_bitmaps(names); return {}, None
+    return None, None
 srv = socket.socket(socket.AF_UNIX)
 srv.bind(qmp)
 srv.listen(1)
@@ -157,6 +214,15 @@ while True:
         if cmd == "stop" and mode == "qmp-error":
             f.write(json.dumps({"error": {"class": "GenericError", "desc": "fake refuses to stop"}, "id": i}) + "\n")
             f.flush(); continue
+        if disk is not None:
+            with open(os.path.join(d, "qmp-commands"), "a") as log: log.write(cmd + "\n")
+            ret, error = block_command(cmd, m.get("arguments", {}))
+            if error is not None:
+                f.write(json.dumps({"error": {"class": "GenericError", "desc": error}, "id": i}) + "\n")
+                f.flush(); continue
+            if ret is not None:
+                f.write(json.dumps({"return": ret, "id": i}) + "\n"); f.flush(); continue
+            ret = {}
         if cmd == "stop": status = "paused"
         elif cmd == "cont": status = "running"
         elif cmd == "query-status": ret = {"status": status, "running": status == "running"}
@@ -349,11 +415,14 @@ class QemuDriverTest : public ::testing::Test {
     return saved;
   }
   // A disk checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
+  // Into `dir` as snapshot `id` (a new one by default), which stays there once recorded.
   std::optional<Result<VmCheckpoint>> checkpoint_disk(const RuntimeInfo& info, const std::string& dir,
-                                                      CheckpointFrom source = CheckpointFrom::kRunning) {
+                                                      CheckpointFrom source = CheckpointFrom::kRunning,
+                                                      std::string id = snapshot::generate_snapshot_id()) {
     std::filesystem::create_directories(dir);
     std::optional<Result<VmCheckpoint>> saved;
-    driver().checkpoint_disk(spec_, info, dir, source, [&](Result<VmCheckpoint> r) { saved.emplace(std::move(r)); });
+    driver().checkpoint_disk(spec_, info, CheckpointFiles{.id = std::move(id), .dir = dir, .final_dir = dir}, source,
+                             [&](Result<VmCheckpoint> r) { saved.emplace(std::move(r)); });
     EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
     return saved;
   }
@@ -1236,9 +1305,10 @@ TEST_F(QemuDiskTest, BootsAQcow2OverlayOnTheImagesSharedReadOnlyBaseDisk) {
   EXPECT_EQ(st.st_mtim.tv_nsec, overlay_made.tv_nsec);  // not recreated
 }
 
-// A filesystem checkpoint of a VM is its disk overlay, copied while the VM stands still, after the guest's
-// agent wrote out its files; the guest runs again afterwards, and a VM started on the copy boots on an overlay
-// of its own over it. A suspended VM is copied as it stands (no QEMU asked, none started), and stays so.
+// A filesystem checkpoint of a VM is a backup job of its disk, after the guest's agent wrote out its files;
+// the guest never stops, and a VM started on the copy boots on an overlay of its own over it. A VM paused in
+// memory is copied as it stands (not asked), and stays paused; a hibernated one's overlay is copied with no
+// QEMU started.
 TEST_F(QemuDiskTest, AFilesystemCheckpointCopiesTheDiskAfterTheGuestWroteOutItsFilesAndANewVmBootsOnIt) {
   ::setenv("FAKE_QEMU_ANSWERS", "1", 1);
   ::setenv("FAKE_QEMU_AGENT", "listening", 1);
@@ -1253,7 +1323,10 @@ TEST_F(QemuDiskTest, AFilesystemCheckpointCopiesTheDiskAfterTheGuestWroteOutItsF
   ASSERT_TRUE(saved.has_value());
   ASSERT_TRUE(*saved) << saved->message();
   EXPECT_EQ(lines_of(sandbox_dir_ + "/syncs"), std::vector<std::string>{"sync while running"})
-      << "the guest was not asked to write out its files before it was stopped";
+      << "the guest was not asked to write out its files before the backup";
+  const std::vector<std::string> commands = lines_of(sandbox_dir_ + "/qmp-commands");
+  EXPECT_EQ(std::count(commands.begin(), commands.end(), "stop"), 0) << "the guest was stopped for its checkpoint";
+  EXPECT_EQ((*saved)->parent, "") << "a first checkpoint is the whole overlay";
   EXPECT_GT((*saved)->pause_ms, 0);
   EXPECT_GT((*saved)->disk_bytes, 0u);
   EXPECT_EQ((*saved)->state_bytes, 0u);
@@ -1283,6 +1356,7 @@ TEST_F(QemuDiskTest, AFilesystemCheckpointCopiesTheDiskAfterTheGuestWroteOutItsF
   auto paused = checkpoint_disk(*info, dir_.path() + "/snap-paused", CheckpointFrom::kPaused);
   ASSERT_TRUE(paused.has_value() && paused->ok()) << (paused ? paused->message() : "");
   EXPECT_EQ((*paused)->pause_ms, 0);
+  EXPECT_FALSE((*paused)->parent.empty()) << "the second checkpoint copied the whole overlay again";
   EXPECT_EQ(lines_of(sandbox_dir_ + "/syncs").size(), 1u);
   EXPECT_TRUE(driver().observe(spec_, *info).paused);
   // Hibernated: the overlay copied with no QEMU running.
@@ -1294,6 +1368,78 @@ TEST_F(QemuDiskTest, AFilesystemCheckpointCopiesTheDiskAfterTheGuestWroteOutItsF
   EXPECT_EQ(read_all(dir_.path() + "/snap-hibernated/" + kSnapshotDisk), read_all(disk));
   EXPECT_EQ(spawned_pids(sandbox_dir_).size(), spawns) << "a QEMU ran for the checkpoint";
   EXPECT_TRUE(driver().observe(spec_, *hibernated).hibernated);
+}
+
+// The backup jobs a live guest's checkpoints run: the first copies the overlay's own clusters (`sync: top`)
+// and starts a bitmap named after its snapshot; the next copies what that bitmap marks into an overlay of the
+// first one's disk, which it names as its parent, and the first bitmap goes. A base whose snapshot is gone,
+// or a job that fails, never leaves a delta over nothing: the failed one's bitmap goes, the base stays.
+TEST_F(QemuDiskTest, ALaterDiskCheckpointCopiesWhatChangedSinceTheLastOneOverItsDisk) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string disk = sandbox_dir_ + "/disk.qcow2";
+  auto backups = [&] { return lines_of(sandbox_dir_ + "/backups"); };
+  auto bitmaps = [&] { return read_all(disk + ".bitmaps"); };
+  const std::string id1 = snapshot::generate_snapshot_id(), id2 = snapshot::generate_snapshot_id(),
+                    id3 = snapshot::generate_snapshot_id(), id4 = snapshot::generate_snapshot_id(),
+                    id5 = snapshot::generate_snapshot_id();
+  const std::string snap1 = dir_.path() + "/" + id1, snap2 = dir_.path() + "/" + id2;
+
+  auto first = checkpoint_disk(*info, snap1, CheckpointFrom::kRunning, id1);
+  ASSERT_TRUE(first && *first) << (first ? first->message() : "");
+  EXPECT_EQ((*first)->parent, "");
+  ASSERT_EQ(backups().size(), 1u);
+  auto job = nlohmann::json::parse(backups()[0]);
+  EXPECT_EQ(job["sync"], "top");
+  EXPECT_EQ(job["device"], "root");
+  EXPECT_EQ(bitmaps(), "[\"" + id1 + "\"]");
+  auto last = read_last_disk_checkpoint(sandbox_dir_);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->id, id1);
+  EXPECT_EQ(last->disk, snap1 + "/" + kSnapshotDisk);
+
+  auto second = checkpoint_disk(*info, snap2, CheckpointFrom::kRunning, id2);
+  ASSERT_TRUE(second && *second) << (second ? second->message() : "");
+  EXPECT_EQ((*second)->parent, id1);
+  ASSERT_EQ(backups().size(), 2u);
+  job = nlohmann::json::parse(backups()[1]);
+  EXPECT_EQ(job["sync"], "bitmap");
+  EXPECT_EQ(job["bitmap"], id1);
+  EXPECT_EQ(job["bitmap-mode"], "never");
+  EXPECT_EQ(bitmaps(), "[\"" + id2 + "\"]") << "the first checkpoint's bitmap stayed";
+  EXPECT_EQ(read_last_disk_checkpoint(sandbox_dir_)->id, id2);
+
+  // The second snapshot is gone (removed, or never recorded): the next one is whole again.
+  std::filesystem::remove_all(snap2);
+  auto third = checkpoint_disk(*info, dir_.path() + "/" + id3, CheckpointFrom::kRunning, id3);
+  ASSERT_TRUE(third && *third) << (third ? third->message() : "");
+  EXPECT_EQ((*third)->parent, "");
+  EXPECT_EQ(nlohmann::json::parse(backups()[2])["sync"], "top");
+  EXPECT_EQ(bitmaps(), "[\"" + id3 + "\"]");
+
+  // A job that fails: a clear error; its bitmap and node go, and the next checkpoint is still a delta.
+  ::setenv("FAKE_QEMU_MODE", "backup-fail", 1);
+  ASSERT_TRUE(pause(*info).ok());
+  auto hibernated = hibernate(*info);
+  ASSERT_TRUE(hibernated.ok()) << hibernated.message();
+  auto restored = restore(*hibernated);  // the fake reads its mode at spawn
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  auto failed = checkpoint_disk(*restored, dir_.path() + "/" + id4, CheckpointFrom::kRunning, id4);
+  ASSERT_TRUE(failed.has_value());
+  ASSERT_FALSE(*failed);
+  EXPECT_NE(failed->message().find("No space left on device"), std::string::npos) << failed->message();
+  EXPECT_EQ(bitmaps(), "[\"" + id3 + "\"]") << "the failed checkpoint's bitmap stayed, or the base's went";
+  EXPECT_EQ(read_last_disk_checkpoint(sandbox_dir_)->id, id3);
+  EXPECT_FALSE(driver().observe(spec_, *restored).paused);
+  mode("ok");
+  ASSERT_TRUE(pause(*restored).ok());
+  hibernated = hibernate(*restored);
+  ASSERT_TRUE(hibernated.ok()) << hibernated.message();
+  restored = restore(*hibernated);
+  ASSERT_TRUE(restored.ok()) << restored.message();
+  auto fifth = checkpoint_disk(*restored, dir_.path() + "/" + id5, CheckpointFrom::kRunning, id5);
+  ASSERT_TRUE(fifth && *fifth) << (fifth ? fifth->message() : "");
+  EXPECT_EQ((*fifth)->parent, id3) << "the bitmap did not last through the hibernation";
 }
 
 // A guest whose agent does not listen cannot be asked to write out its files: its disk is copied as it

@@ -189,6 +189,16 @@ TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWith
   ASSERT_TRUE(first_child);
   EXPECT_EQ(*first_child, std::optional<std::string>(disk.id));
   EXPECT_EQ(*store->first_child_of(disk.id), std::nullopt);
+  // Marked removed: the record stays, rewritten whole, and still counts as its parent's child.
+  EXPECT_FALSE(child->removed);
+  ASSERT_TRUE(store->mark_removed(disk.id));
+  auto marked = store->get(disk.id);
+  ASSERT_TRUE(marked) << marked.message();
+  EXPECT_TRUE(marked->removed);
+  EXPECT_EQ(marked->parent, id);
+  EXPECT_EQ(marked->file_digests, disk.file_digests);
+  EXPECT_EQ(*store->first_child_of(id), std::optional<std::string>(disk.id));
+  EXPECT_EQ(store->mark_removed(generate_snapshot_id()).error(), Error::kNotFound);
   ASSERT_TRUE(store->remove(disk.id));
   Snapshot bad_parent = disk;
   bad_parent.id = generate_snapshot_id();

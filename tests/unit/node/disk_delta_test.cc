@@ -1,0 +1,157 @@
+// What a live QEMU guest's disk checkpoint copies, from QEMU's answers (noderuntime/disk_delta.h).
+#include "noderuntime/disk_delta.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "tests/unit/temp_dir.h"
+
+namespace sg {
+namespace {
+
+using nlohmann::json;
+
+const std::string kOverlay = "/sb/disk.qcow2";
+
+// query-named-block-nodes (flat) as QEMU 7.2 answers it for a guest whose overlay carries `bitmaps`.
+json nodes_with(json bitmaps) {
+  return json::array(
+      {{{"node-name", "#block0"}, {"drv", "raw"}, {"image", {{"filename", "/disks/base.raw"}}}},
+       {{"node-name", "#block1"},
+        {"drv", "qcow2"},
+        {"image",
+         {{"filename", kOverlay},
+          {"virtual-size", 1073741824},
+          {"backing-filename", "/disks/base.raw"},
+          {"full-backing-filename", "/disks/base.raw"},
+          {"backing-filename-format", "raw"}}},
+        {"dirty-bitmaps", std::move(bitmaps)}},
+       {{"node-name", "#block2"}, {"drv", "file"}, {"image", {{"filename", kOverlay}}}}});
+}
+
+json bitmap(const std::string& name, bool inconsistent = false) {
+  json b = {{"name", name}, {"recording", true}, {"persistent", true}, {"busy", false}, {"granularity", 65536}};
+  if (inconsistent) b["inconsistent"] = true;
+  return b;
+}
+
+class DiskDeltaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    base_disk_ = dir_.path() + "/snap-aaaaaaaaaaaa.d/disk.qcow2";
+    std::filesystem::create_directories(dir_.path() + "/snap-aaaaaaaaaaaa.d");
+    std::ofstream(base_disk_) << "qcow2";
+  }
+  testing::TempDir dir_{"disk-delta"};
+  std::string base_disk_;
+};
+
+TEST_F(DiskDeltaTest, AFirstCheckpointCopiesTheOverlayOntoItsOwnBackingFile) {
+  auto plan = plan_disk_delta(nodes_with(json::array()), kOverlay, std::nullopt);
+  ASSERT_TRUE(plan) << plan.message();
+  EXPECT_FALSE(plan->delta());
+  EXPECT_EQ(plan->backing, "/disks/base.raw");
+  EXPECT_EQ(plan->backing_format, "raw");
+  EXPECT_EQ(plan->virtual_size, 1073741824u);
+  json t = disk_delta_transaction(*plan, "snap-bbbbbbbbbbbb");
+  ASSERT_EQ(t["actions"].size(), 2u);
+  EXPECT_EQ(t["actions"][0]["type"], "block-dirty-bitmap-add");
+  EXPECT_EQ(t["actions"][0]["data"]["name"], "snap-bbbbbbbbbbbb");
+  EXPECT_EQ(t["actions"][0]["data"]["persistent"], true);
+  EXPECT_EQ(t["actions"][1]["type"], "blockdev-backup");
+  EXPECT_EQ(t["actions"][1]["data"]["sync"], "top");
+  EXPECT_EQ(t["actions"][1]["data"]["target"], kCheckpointNode);
+  EXPECT_EQ(t["actions"][1]["data"]["auto-dismiss"], false);
+  EXPECT_FALSE(t["actions"][1]["data"].contains("bitmap"));
+}
+
+TEST_F(DiskDeltaTest, ALaterOneCopiesWhatTheLastOnesBitmapMarksOverItsDisk) {
+  LastDiskCheckpoint last{"snap-aaaaaaaaaaaa", base_disk_};
+  auto plan = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa"), bitmap("backup-tool")})), kOverlay, last);
+  ASSERT_TRUE(plan) << plan.message();
+  EXPECT_TRUE(plan->delta());
+  EXPECT_EQ(plan->base_id, "snap-aaaaaaaaaaaa");
+  EXPECT_EQ(plan->backing, base_disk_);
+  EXPECT_EQ(plan->backing_format, "qcow2");
+  EXPECT_TRUE(plan->stale_bitmaps.empty()) << "a bitmap that is not ours was taken for stale";
+  json backup = disk_delta_transaction(*plan, "snap-bbbbbbbbbbbb")["actions"][1]["data"];
+  EXPECT_EQ(backup["sync"], "bitmap");
+  EXPECT_EQ(backup["bitmap"], "snap-aaaaaaaaaaaa");
+  EXPECT_EQ(backup["bitmap-mode"], "never");
+}
+
+// Never a delta over something that is not there or a bitmap that missed writes: the whole overlay instead,
+// and our bitmaps nothing will start from are named for removal.
+TEST_F(DiskDeltaTest, WithoutItsDiskItsBitmapOrAConsistentBitmapTheWholeOverlayIsCopied) {
+  LastDiskCheckpoint last{"snap-aaaaaaaaaaaa", base_disk_};
+  auto inconsistent = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa", true)})), kOverlay, last);
+  ASSERT_TRUE(inconsistent);
+  EXPECT_FALSE(inconsistent->delta());
+  EXPECT_EQ(inconsistent->backing, "/disks/base.raw");
+  EXPECT_EQ(inconsistent->stale_bitmaps, std::vector<std::string>{"snap-aaaaaaaaaaaa"});
+
+  auto no_bitmap = plan_disk_delta(nodes_with(json::array({bitmap("snap-cccccccccccc")})), kOverlay, last);
+  ASSERT_TRUE(no_bitmap);
+  EXPECT_FALSE(no_bitmap->delta());
+  EXPECT_EQ(no_bitmap->stale_bitmaps, std::vector<std::string>{"snap-cccccccccccc"});
+
+  std::filesystem::remove(base_disk_);
+  auto no_disk = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa")})), kOverlay, last);
+  ASSERT_TRUE(no_disk);
+  EXPECT_FALSE(no_disk->delta());
+  EXPECT_EQ(no_disk->stale_bitmaps, std::vector<std::string>{"snap-aaaaaaaaaaaa"});
+}
+
+// QEMU's answers are the peer's: anything malformed is an error naming what is missing, never a crash.
+TEST_F(DiskDeltaTest, AMalformedAnswerIsAnErrorNotACrash) {
+  for (const json& bad : {json(nullptr), json("nodes"), json::array(), json::array({42, "x", nullptr}),
+                          json::array({{{"drv", 7}, {"image", "x"}}}),
+                          json::array({{{"drv", "qcow2"}, {"image", {{"filename", kOverlay}, {"virtual-size", "big"}}}}}),
+                          json::array({{{"drv", "qcow2"}, {"image", {{"filename", kOverlay}, {"virtual-size", 65536}}}}}),
+                          json::array({{{"drv", "qcow2"},
+                                        {"image", {{"filename", kOverlay}, {"virtual-size", 65536},
+                                                   {"backing-filename", "/b"}, {"backing-filename-format", "vmdk"}}}}})}) {
+    auto plan = plan_disk_delta(bad, kOverlay, std::nullopt);
+    EXPECT_FALSE(plan) << bad.dump();
+    if (!plan) {
+      EXPECT_NE(plan.message().find(kOverlay), std::string::npos) << plan.message();
+    }
+  }
+  json odd = nodes_with(json::array({42, "x", {{"name", 7}}, {{"name", "snap-aaaaaaaaaaaa"}, {"inconsistent", "yes"}}}));
+  auto plan = plan_disk_delta(odd, kOverlay, LastDiskCheckpoint{"snap-aaaaaaaaaaaa", base_disk_});
+  ASSERT_TRUE(plan) << plan.message();
+  EXPECT_TRUE(plan->delta()) << "an 'inconsistent' that is not true made the bitmap unusable";
+}
+
+TEST_F(DiskDeltaTest, TheBackupJobIsFollowedByItsStatusAndItsErrorIsTheFailure) {
+  auto job = [](json fields) {
+    fields["id"] = kCheckpointNode;
+    fields["type"] = "backup";
+    return json::array({{{"id", "other"}, {"status", "concluded"}, {"error", "not ours"}}, std::move(fields)});
+  };
+  EXPECT_EQ(*backup_job_state(job({{"status", "running"}})), BackupJob::kRunning);
+  EXPECT_EQ(*backup_job_state(job({{"status", "pending"}})), BackupJob::kRunning);
+  EXPECT_EQ(*backup_job_state(job({{"status", "concluded"}})), BackupJob::kConcluded);
+  auto failed = backup_job_state(job({{"status", "concluded"}, {"error", "No space left on device"}}));
+  ASSERT_FALSE(failed);
+  EXPECT_NE(failed.message().find("No space left on device"), std::string::npos);
+  EXPECT_EQ(*backup_job_state(json::array()), BackupJob::kAbsent);
+  EXPECT_FALSE(backup_job_state(json::object()));
+}
+
+TEST_F(DiskDeltaTest, TheLastCheckpointRoundTripsAndADamagedMarkerIsNone) {
+  EXPECT_FALSE(read_last_disk_checkpoint(dir_.path()).has_value());
+  ASSERT_TRUE(write_last_disk_checkpoint(dir_.path(), {"snap-aaaaaaaaaaaa", base_disk_}));
+  auto last = read_last_disk_checkpoint(dir_.path());
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->id, "snap-aaaaaaaaaaaa");
+  EXPECT_EQ(last->disk, base_disk_);
+  for (const char* damaged : {"snap-aaaaaaaaaaaa\n", "../etc\n/x\n", "snap-aaaaaaaaaaaa\nrelative/disk\n", ""}) {
+    std::ofstream(dir_.path() + "/" + kDiskCheckpointMarker, std::ios::trunc) << damaged;
+    EXPECT_FALSE(read_last_disk_checkpoint(dir_.path()).has_value()) << damaged;
+  }
+}
+
+}  // namespace
+}  // namespace sg
