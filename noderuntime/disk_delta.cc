@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <fstream>
 
 #include "snapshot/layer_store.h"
@@ -32,17 +33,21 @@ bool bool_field(const nlohmann::json& j, const char* key) {
 std::optional<LastDiskCheckpoint> read_last_disk_checkpoint(const std::string& sandbox_dir) {
   std::ifstream in(sandbox_dir + "/" + kDiskCheckpointMarker);
   LastDiskCheckpoint last;
-  if (!std::getline(in, last.id) || !std::getline(in, last.disk)) return std::nullopt;
+  std::string chain;
+  if (!std::getline(in, last.id) || !std::getline(in, last.disk) || !std::getline(in, chain)) return std::nullopt;
   if (!snapshot::check_snapshot_id(last.id) || !last.disk.starts_with("/")) return std::nullopt;
+  auto [end, ec] = std::from_chars(chain.data(), chain.data() + chain.size(), last.chain);
+  if (ec != std::errc() || end != chain.data() + chain.size() || last.chain == 0) return std::nullopt;
   return last;
 }
 
 Status write_last_disk_checkpoint(const std::string& sandbox_dir, const LastDiskCheckpoint& last) {
-  return snapshot::write_file_atomic(sandbox_dir + "/" + kDiskCheckpointMarker, last.id + "\n" + last.disk + "\n");
+  return snapshot::write_file_atomic(sandbox_dir + "/" + kDiskCheckpointMarker,
+                                     last.id + "\n" + last.disk + "\n" + std::to_string(last.chain) + "\n");
 }
 
 Result<DiskDeltaPlan> plan_disk_delta(const nlohmann::json& nodes, const std::string& overlay,
-                                      const std::optional<LastDiskCheckpoint>& last) {
+                                      const std::optional<LastDiskCheckpoint>& last, uint32_t max_chain) {
   const nlohmann::json* node = nullptr;
   if (nodes.is_array())
     for (const nlohmann::json& n : nodes) {
@@ -72,12 +77,13 @@ Result<DiskDeltaPlan> plan_disk_delta(const nlohmann::json& nodes, const std::st
       if (last && name == last->id && !bool_field(b, "inconsistent")) base_bitmap = true;
       else plan.stale_bitmaps.push_back(name);
     }
-  if (base_bitmap && ::access(last->disk.c_str(), R_OK) == 0) {
+  if (base_bitmap && ::access(last->disk.c_str(), R_OK) == 0 && last->chain < max_chain) {
     plan.base_id = last->id;
     plan.backing = last->disk;
     plan.backing_format = "qcow2";
+    plan.chain = last->chain + 1;
   } else if (base_bitmap) {
-    plan.stale_bitmaps.push_back(last->id);  // its snapshot is gone: nothing will start from it
+    plan.stale_bitmaps.push_back(last->id);  // its snapshot is gone, or its chain full: nothing starts from it
   }
   return plan;
 }

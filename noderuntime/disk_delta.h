@@ -31,6 +31,7 @@ inline constexpr const char* kCheckpointNode = "sg-checkpoint";
 struct LastDiskCheckpoint {
   std::string id;    // its snapshot, which is also the name of the bitmap that started with it
   std::string disk;  // its snapshot's disk, where it stays once recorded
+  uint32_t chain = 1;  // how many of this sandbox's checkpoint disks that one reads through, itself included
 };
 // nullopt when there is none or it cannot be read (the next checkpoint copies the whole overlay).
 std::optional<LastDiskCheckpoint> read_last_disk_checkpoint(const std::string& sandbox_dir);
@@ -42,14 +43,17 @@ struct DiskDeltaPlan {
   std::string backing_format;  // of that file: "qcow2" or "raw"
   std::string base_id;         // the last checkpoint when the new disk holds only what changed since it
   std::vector<std::string> stale_bitmaps;  // ours ("snap-...") that no checkpoint will start from
+  uint32_t chain = 1;                      // the new disk's chain (LastDiskCheckpoint::chain)
   bool delta() const { return !base_id.empty(); }
 };
 
 // From QEMU's answer to query-named-block-nodes (flat): the qcow2 node whose file is `overlay` (its size,
 // backing file and bitmaps) and the last checkpoint, whose disk must still be readable and whose bitmap must
-// be there, consistent, to start from it. kInternal naming what is missing when QEMU's answer lacks the node.
+// be there, consistent, to start from it, and whose chain must be shorter than `max_chain` (else the whole
+// overlay is copied, which starts a new chain). kInternal naming what is missing when QEMU's answer lacks the
+// node.
 Result<DiskDeltaPlan> plan_disk_delta(const nlohmann::json& nodes, const std::string& overlay,
-                                      const std::optional<LastDiskCheckpoint>& last);
+                                      const std::optional<LastDiskCheckpoint>& last, uint32_t max_chain);
 
 // The QMP transaction: the bitmap `new_id` and the backup of the guest's disk ("root") into kCheckpointNode.
 nlohmann::json disk_delta_transaction(const DiskDeltaPlan& plan, const std::string& new_id);

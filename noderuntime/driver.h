@@ -70,6 +70,8 @@ struct CheckpointSource {
   snapshot::IdShift shift;
   std::vector<std::string> base_layers;
   std::unique_ptr<snapshot::Freezer> freezer;
+  // What upper_dir needs until the checkpoint ends (a disk_mb sandbox's: the mount it lies in).
+  std::shared_ptr<void> hold;
 };
 
 // What a VM's checkpoint wrote into its directory: a memory checkpoint kMemoryState (and kMemoryRam), and
@@ -89,6 +91,9 @@ struct CheckpointFiles {
   std::string id;
   std::string dir;
   std::string final_dir;
+  // How many disks a chain of deltas may hold before a checkpoint copies the whole disk again, so that a
+  // long session's disk never reads through more (node.checkpoint_flatten_layers).
+  uint32_t max_chain = 32;
 };
 inline constexpr const char* kMemoryState = "state";
 // Where the instance a VM checkpoint saves stands: running (stood still only meanwhile), paused in memory

@@ -79,7 +79,7 @@ void Node::checkpoint_filesystem(Sandbox& sb, CheckpointCallback done) {
   sb.checkpointing = true;
   spdlog::info("sandbox {}: checkpoint (filesystem) started", sb.id());
   snapshots_->checkpoint(std::move(job), std::move(source->freezer),
-                         [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(),
+                         [this, alive = std::weak_ptr<bool>(alive_), id = sb.id(), hold = std::move(source->hold),
                           done = std::move(done)](Result<snapshot::CheckpointResult> r) {
                            if (alive.expired()) return;
                            if (r) {
@@ -154,7 +154,10 @@ void Node::checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback 
   if (memory) driver(sb).checkpoint_memory(sb.rec.spec, sb.rec.runtime, *dir, source, std::move(saved_done));
   else
     driver(sb).checkpoint_disk(sb.rec.spec, sb.rec.runtime,
-                               CheckpointFiles{.id = id_of_record, .dir = *dir, .final_dir = snapshots_->files_dir(id_of_record)},
+                               CheckpointFiles{.id = id_of_record,
+                                               .dir = *dir,
+                                               .final_dir = snapshots_->files_dir(id_of_record),
+                                               .max_chain = config_->get()->node.checkpoint_flatten_layers},
                                source, std::move(saved_done));
 }
 

@@ -1,9 +1,13 @@
 #include "noderuntime/process_driver.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <linux/loop.h>
 #include <sched.h>
 #include <spawn.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -565,10 +569,42 @@ class CgroupFreezer final : public snapshot::Freezer {
   uint32_t timeout_ms_;
 };
 
+// A disk_mb sandbox's upper dir is on its ext4 file, mounted through a loop device in the sandbox's mount
+// namespace alone. The same device mounted again gives the same filesystem (one superblock per device), so
+// the node sees exactly what the sandbox wrote: as a detached mount (fsmount, attached to no namespace, so
+// nothing else sees it), read-only, gone when its fd closes. The device is the one whose backing file is
+// `image` (its device and inode, from LOOP_GET_STATUS64).
+Result<UniqueFd> open_disk_view(const std::string& image) {
+  struct stat want{};
+  if (::stat(image.c_str(), &want) != 0) return fail_errno("stat " + image, errno);
+  std::string device;
+  if (DIR* dir = ::opendir("/sys/block"); dir != nullptr) {
+    while (dirent* e = ::readdir(dir)) {
+      if (std::strncmp(e->d_name, "loop", 4) != 0) continue;
+      const std::string path = std::string("/dev/") + e->d_name;
+      UniqueFd loop(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+      loop_info64 info{};
+      if (loop.valid() && ::ioctl(loop.get(), LOOP_GET_STATUS64, &info) == 0 && info.lo_device == want.st_dev &&
+          info.lo_inode == want.st_ino) {
+        device = path;
+        break;
+      }
+    }
+    ::closedir(dir);
+  }
+  if (device.empty()) return fail(Error::kUnavailable, "no loop device holds " + image + " (the sandbox is not running)");
+  UniqueFd context(::fsopen("ext4", FSOPEN_CLOEXEC));
+  if (!context.valid()) return fail_errno("fsopen ext4", errno);
+  if (::fsconfig(context.get(), FSCONFIG_SET_STRING, "source", device.c_str(), 0) != 0 ||
+      ::fsconfig(context.get(), FSCONFIG_CMD_CREATE, nullptr, nullptr, 0) != 0)
+    return fail_errno("open the ext4 on " + device + " (" + image + ")", errno);
+  UniqueFd mount(::fsmount(context.get(), FSMOUNT_CLOEXEC,
+                           MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC));
+  if (!mount.valid()) return fail_errno("mount the ext4 on " + device + " (" + image + ")", errno);
+  return mount;
+}
+
 Result<CheckpointSource> ProcessDriver::checkpoint_source(const SandboxSpec& spec, const RuntimeInfo& info) {
-  if (spec.disk_mb > 0)
-    return fail(Error::kUnsupported, "sandbox " + spec.id + " has disk_mb: its upper dir lives on an ext4 file "
-                                     "mounted only inside the sandbox, which checkpoints cannot read yet");
   if (!capabilities().pause) return fail(Error::kUnsupported, "no cgroup freezer on this host: checkpoints need one");
   if (spec.uid_base == 0 || info.sandbox_dir.empty())
     return fail(Error::kUnsupported, "sandbox " + spec.id + " predates layered root filesystems");
@@ -576,6 +612,12 @@ Result<CheckpointSource> ProcessDriver::checkpoint_source(const SandboxSpec& spe
   if (!layers) return layers.failure();
   CheckpointSource source;
   source.upper_dir = info.sandbox_dir + "/upper";
+  if (spec.disk_mb > 0) {
+    auto view = open_disk_view(info.sandbox_dir + "/disk.img");
+    if (!view) return fail(view.error(), "sandbox " + spec.id + " (disk_mb): " + view.message());
+    source.upper_dir = "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(view->get()) + "/upper";
+    source.hold = std::make_shared<UniqueFd>(std::move(*view));
+  }
   source.shift = snapshot::IdShift{spec.uid_base, kUidRangeSize};
   source.base_layers = std::move(*layers);
   source.freezer = std::make_unique<CgroupFreezer>(cgroups_.sandbox(spec.id), suspend_timeout_ms_);

@@ -774,11 +774,12 @@ void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo
   if (running) steps.push_back(guest_sync_step(spec));
   steps.push_back(connect_step(false));
   steps.push_back([this](Op* o, StepDone d) { drop_checkpoint_node(o, std::move(d)); });
-  steps.push_back([this, plan, overlay, sandbox_dir](Op* o, StepDone d) {
+  steps.push_back([this, plan, overlay, sandbox_dir, max_chain = files.max_chain](Op* o, StepDone d) {
     state(o).qmp->execute("query-named-block-nodes", {{"flat", true}},
-                          [plan, overlay, sandbox_dir, d](Result<nlohmann::json> r) {
+                          [plan, overlay, sandbox_dir, max_chain, d](Result<nlohmann::json> r) {
                             if (!r) return d(r.failure());
-                            auto planned = plan_disk_delta(*r, overlay, read_last_disk_checkpoint(sandbox_dir));
+                            auto planned =
+                                plan_disk_delta(*r, overlay, read_last_disk_checkpoint(sandbox_dir), max_chain);
                             if (!planned) return d(planned.failure());
                             *plan = std::move(*planned);
                             d({});
@@ -803,14 +804,19 @@ void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo
                               result->pause_ms = std::chrono::duration<double, std::milli>(
                                                      std::chrono::steady_clock::now() - started)
                                                      .count();
+                            if (r) failpoint("disk-checkpoint:copying");  // a node dying here leaves the job in QEMU
                             d(r ? Status() : Status(r.failure()));
                           });
   });
   steps.push_back([this](Op* o, StepDone d) { await_backup_job(o, std::move(d)); });
   steps.push_back(command_step("blockdev-del", {{"node-name", kCheckpointNode}}));
   // From now on the next checkpoint starts from this one, if the node records it.
-  steps.push_back([sandbox_dir, last = LastDiskCheckpoint{files.id, files.final_dir + "/" + kSnapshotDisk}](
-                      Op*, StepDone d) { d(write_last_disk_checkpoint(sandbox_dir, last)); });
+  steps.push_back([sandbox_dir, plan, disk = files.final_dir + "/" + kSnapshotDisk, id = files.id](Op*, StepDone d) {
+    const LastDiskCheckpoint last{id, disk, plan->chain};
+    Status written = write_last_disk_checkpoint(sandbox_dir, last);
+    if (written) failpoint("disk-checkpoint:copied");  // a node dying here leaves a base that is never recorded
+    d(std::move(written));
+  });
   // Best effort, each awaited (the connection closes with the op): a bitmap left costs a little per write.
   steps.push_back([this, plan](Op* o, StepDone d) {
     auto gone = std::make_shared<std::vector<std::string>>(plan->stale_bitmaps);

@@ -1038,6 +1038,53 @@ TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn
   EXPECT_EQ(counter(c).count, ++expected);
 }
 
+// The node killed during a disk checkpoint, while QEMU's backup job runs and once it has finished but before
+// the snapshot is recorded: after each restart no snapshot is listed and no file stays, the guest runs on
+// with its files, and the next checkpoint works (whole again: the last one was never recorded) and boots.
+TEST_F(Qemu, ANodeKilledDuringADiskCheckpointLeavesNoSnapshotAndTheGuestGoesOn) {
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
+  const std::string archive = busybox_image(c.dir() + "/img");
+  ASSERT_EQ(c.cli("image import " + archive + " qdisk").exit_code, 0);
+  auto created = c.cli("create --json --name vk --driver qemu --image qdisk --timeout 600 --memory-mb 256 "
+                       "-- /bin/sh -c 'exec sleep 100000'",
+                       180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  const std::string token = nlohmann::json::parse(created.out, nullptr, false).value("token", "");
+  const std::string kept = kept_value(exec_in(c, "vk.sandbox.localhost", token,
+                                              "dd if=/dev/urandom of=/big bs=1M count=8 2>/dev/null; "
+                                              "echo kept-$$ >/data.txt; cat /data.txt"));
+  ASSERT_FALSE(kept.empty());
+  for (const std::string point : {"disk-checkpoint:copying", "disk-checkpoint:copied"}) {
+    c.stop_node(SIGKILL);
+    c.start_node({"SANDGATE_FAILPOINTS=" + point});
+    const size_t from = c.node().log().size();
+    (void)c.cli("checkpoint vk", 120);
+    const int status = c.node().wait_exit(120000);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << ": status " << status;
+    ASSERT_NE(c.node().log().find("failpoint " + point + ": SIGKILL", from), std::string::npos) << c.node().log();
+    c.start_node();
+    EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n") << point;
+    EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "") << point << ": files of no snapshot stayed";
+    EXPECT_TRUE(eventually([&] { return c.get("vk").value("state", "") == "running"; }, std::chrono::seconds(30)))
+        << point << ": " << c.get("vk").dump();
+    EXPECT_EQ(kept_value(exec_in(c, "vk.sandbox.localhost", token, "cat /data.txt")), kept) << point;
+  }
+  auto checkpoint = c.cli("checkpoint vk --json", 180);
+  ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
+  const auto cp = nlohmann::json::parse(checkpoint.out, nullptr, false);
+  EXPECT_FALSE(cp["snapshot"].contains("parent")) << "a delta over a checkpoint that was never recorded: "
+                                                  << checkpoint.out;
+  auto from = c.cli("create --json --name vk2 --from " + cp.value("snapshot_id", ""), 180);
+  ASSERT_EQ(from.exit_code, 0) << from.out << from.err << c.node().log();
+  const std::string from_token = nlohmann::json::parse(from.out, nullptr, false).value("token", "");
+  EXPECT_EQ(kept_value(exec_in(c, "vk2.sandbox.localhost", from_token, "cat /data.txt")), kept);
+  // The job the first kill left in QEMU was cleared: a second checkpoint is a delta over the first.
+  auto next = c.cli("checkpoint vk --json", 180);
+  ASSERT_EQ(next.exit_code, 0) << next.out << next.err << c.node().log();
+  EXPECT_EQ(nlohmann::json::parse(next.out, nullptr, false)["snapshot"].value("parent", ""),
+            cp.value("snapshot_id", "")) << next.out;
+}
+
 // The node killed on either side of the state writes of a hibernation (memory tier -> disk) and of the
 // restore that wakes it (failpoints): after each restart the sandbox settles suspended or running with the
 // guest's RAM intact (its counter goes on from where it was), whatever the moment of the kill.

@@ -194,6 +194,40 @@ TEST(Snapshot, CheckpointCreateFromRestartAndRemove) {
 // above the image's, the next checkpoint flattens them into one first (snapshot/layer_squash.h), so the chain
 // never reaches overlayfs' limit. What every checkpoint wrote, and an image file deleted at the start, are as
 // they were in a sandbox created from the last snapshot; the earlier snapshots keep their own chains.
+// A sandbox with disk_mb keeps its upper dir on an ext4 file mounted in its own namespace only: the node reads
+// it through the same loop device, and its checkpoints are what any sandbox's are (v1 in the snapshot, v2 in
+// the source, the next checkpoint only what changed). Its size limit holds in a sandbox made from it too.
+TEST(Snapshot, ASandboxWithADiskLimitIsCheckpointedLikeAnyOther) {
+  Cluster c(own_store_with_proxy());
+  import_test_image(c);
+  json src = create_with_agent(c, "lim", "--disk-mb 64 -- /bin/sleep 3600");
+  const std::string token = token_of(src);
+  ASSERT_FALSE(token.empty());
+  ASSERT_EQ(sh(c, "lim", token, "echo v1 > /root/file && head -c 4194304 /dev/urandom > /root/blob && "
+                                "sha256sum /root/blob").code, 0);
+  const std::string blob = sh(c, "lim", token, "sha256sum < /root/blob").out;
+  json first = checkpoint(c, "lim");
+  const std::string snap1 = first.value("snapshot_id", "");
+  ASSERT_FALSE(snap1.empty());
+  EXPECT_GT(first["snapshot"].value("layer_bytes", 0ull), 4ull << 20) << first.dump();
+  ASSERT_EQ(sh(c, "lim", token, "echo v2 > /root/file").code, 0);
+  json second = checkpoint(c, "lim");
+  EXPECT_LT(second["snapshot"].value("layer_bytes", 0ull), 64ull << 10) << "the second checkpoint took more than "
+                                                                        << "what changed: " << second.dump();
+  EXPECT_EQ(c.get("lim").value("state", ""), "running");
+  EXPECT_EQ(sh(c, "lim", token, "cat /root/file").out, "v2\n");
+  // No mount of the sandbox's disk is left in the node's namespace.
+  EXPECT_EQ(run("grep -c " + shell_quote(src.value("id", "")) + " /proc/self/mountinfo").out, "0\n");
+
+  json copy = create_with_agent(c, "lim-copy", "--from " + snap1 + " --disk-mb 64");
+  const std::string copy_token = token_of(copy);
+  ASSERT_FALSE(copy_token.empty());
+  EXPECT_EQ(sh(c, "lim-copy", copy_token, "cat /root/file").out, "v1\n");
+  EXPECT_EQ(sh(c, "lim-copy", copy_token, "sha256sum < /root/blob").out, blob);
+  Exec dd = sh(c, "lim-copy", copy_token, "dd if=/dev/zero of=/root/fill bs=1M count=96 2>&1; echo dd=$?");
+  EXPECT_NE(dd.out.find("No space left on device"), std::string::npos) << dd.out;
+}
+
 TEST(Snapshot, ALongSessionsChainIsFlattenedAndStillHoldsEverything) {
   ClusterOptions options = own_store_with_proxy();
   options.node_extra += "checkpoint_flatten_layers = 4\n";

@@ -48,7 +48,7 @@ class DiskDeltaTest : public ::testing::Test {
 };
 
 TEST_F(DiskDeltaTest, AFirstCheckpointCopiesTheOverlayOntoItsOwnBackingFile) {
-  auto plan = plan_disk_delta(nodes_with(json::array()), kOverlay, std::nullopt);
+  auto plan = plan_disk_delta(nodes_with(json::array()), kOverlay, std::nullopt, 32);
   ASSERT_TRUE(plan) << plan.message();
   EXPECT_FALSE(plan->delta());
   EXPECT_EQ(plan->backing, "/disks/base.raw");
@@ -68,12 +68,13 @@ TEST_F(DiskDeltaTest, AFirstCheckpointCopiesTheOverlayOntoItsOwnBackingFile) {
 
 TEST_F(DiskDeltaTest, ALaterOneCopiesWhatTheLastOnesBitmapMarksOverItsDisk) {
   LastDiskCheckpoint last{"snap-aaaaaaaaaaaa", base_disk_};
-  auto plan = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa"), bitmap("backup-tool")})), kOverlay, last);
+  auto plan = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa"), bitmap("backup-tool")})), kOverlay, last, 32);
   ASSERT_TRUE(plan) << plan.message();
   EXPECT_TRUE(plan->delta());
   EXPECT_EQ(plan->base_id, "snap-aaaaaaaaaaaa");
   EXPECT_EQ(plan->backing, base_disk_);
   EXPECT_EQ(plan->backing_format, "qcow2");
+  EXPECT_EQ(plan->chain, 2u);
   EXPECT_TRUE(plan->stale_bitmaps.empty()) << "a bitmap that is not ours was taken for stale";
   json backup = disk_delta_transaction(*plan, "snap-bbbbbbbbbbbb")["actions"][1]["data"];
   EXPECT_EQ(backup["sync"], "bitmap");
@@ -85,22 +86,37 @@ TEST_F(DiskDeltaTest, ALaterOneCopiesWhatTheLastOnesBitmapMarksOverItsDisk) {
 // and our bitmaps nothing will start from are named for removal.
 TEST_F(DiskDeltaTest, WithoutItsDiskItsBitmapOrAConsistentBitmapTheWholeOverlayIsCopied) {
   LastDiskCheckpoint last{"snap-aaaaaaaaaaaa", base_disk_};
-  auto inconsistent = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa", true)})), kOverlay, last);
+  auto inconsistent = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa", true)})), kOverlay, last, 32);
   ASSERT_TRUE(inconsistent);
   EXPECT_FALSE(inconsistent->delta());
   EXPECT_EQ(inconsistent->backing, "/disks/base.raw");
   EXPECT_EQ(inconsistent->stale_bitmaps, std::vector<std::string>{"snap-aaaaaaaaaaaa"});
 
-  auto no_bitmap = plan_disk_delta(nodes_with(json::array({bitmap("snap-cccccccccccc")})), kOverlay, last);
+  auto no_bitmap = plan_disk_delta(nodes_with(json::array({bitmap("snap-cccccccccccc")})), kOverlay, last, 32);
   ASSERT_TRUE(no_bitmap);
   EXPECT_FALSE(no_bitmap->delta());
   EXPECT_EQ(no_bitmap->stale_bitmaps, std::vector<std::string>{"snap-cccccccccccc"});
 
   std::filesystem::remove(base_disk_);
-  auto no_disk = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa")})), kOverlay, last);
+  auto no_disk = plan_disk_delta(nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa")})), kOverlay, last, 32);
   ASSERT_TRUE(no_disk);
   EXPECT_FALSE(no_disk->delta());
   EXPECT_EQ(no_disk->stale_bitmaps, std::vector<std::string>{"snap-aaaaaaaaaaaa"});
+}
+
+// A chain of deltas as long as the node allows: the next checkpoint is whole, and starts a new chain.
+TEST_F(DiskDeltaTest, AFullChainStartsOverWithTheWholeOverlay) {
+  auto nodes = nodes_with(json::array({bitmap("snap-aaaaaaaaaaaa")}));
+  auto last_but_one = plan_disk_delta(nodes, kOverlay, LastDiskCheckpoint{"snap-aaaaaaaaaaaa", base_disk_, 31}, 32);
+  ASSERT_TRUE(last_but_one);
+  EXPECT_TRUE(last_but_one->delta());
+  EXPECT_EQ(last_but_one->chain, 32u);
+  auto full = plan_disk_delta(nodes, kOverlay, LastDiskCheckpoint{"snap-aaaaaaaaaaaa", base_disk_, 32}, 32);
+  ASSERT_TRUE(full);
+  EXPECT_FALSE(full->delta());
+  EXPECT_EQ(full->chain, 1u);
+  EXPECT_EQ(full->backing, "/disks/base.raw");
+  EXPECT_EQ(full->stale_bitmaps, std::vector<std::string>{"snap-aaaaaaaaaaaa"});
 }
 
 // QEMU's answers are the peer's: anything malformed is an error naming what is missing, never a crash.
@@ -112,14 +128,14 @@ TEST_F(DiskDeltaTest, AMalformedAnswerIsAnErrorNotACrash) {
                           json::array({{{"drv", "qcow2"},
                                         {"image", {{"filename", kOverlay}, {"virtual-size", 65536},
                                                    {"backing-filename", "/b"}, {"backing-filename-format", "vmdk"}}}}})}) {
-    auto plan = plan_disk_delta(bad, kOverlay, std::nullopt);
+    auto plan = plan_disk_delta(bad, kOverlay, std::nullopt, 32);
     EXPECT_FALSE(plan) << bad.dump();
     if (!plan) {
       EXPECT_NE(plan.message().find(kOverlay), std::string::npos) << plan.message();
     }
   }
   json odd = nodes_with(json::array({42, "x", {{"name", 7}}, {{"name", "snap-aaaaaaaaaaaa"}, {"inconsistent", "yes"}}}));
-  auto plan = plan_disk_delta(odd, kOverlay, LastDiskCheckpoint{"snap-aaaaaaaaaaaa", base_disk_});
+  auto plan = plan_disk_delta(odd, kOverlay, LastDiskCheckpoint{"snap-aaaaaaaaaaaa", base_disk_}, 32);
   ASSERT_TRUE(plan) << plan.message();
   EXPECT_TRUE(plan->delta()) << "an 'inconsistent' that is not true made the bitmap unusable";
 }
@@ -142,12 +158,15 @@ TEST_F(DiskDeltaTest, TheBackupJobIsFollowedByItsStatusAndItsErrorIsTheFailure) 
 
 TEST_F(DiskDeltaTest, TheLastCheckpointRoundTripsAndADamagedMarkerIsNone) {
   EXPECT_FALSE(read_last_disk_checkpoint(dir_.path()).has_value());
-  ASSERT_TRUE(write_last_disk_checkpoint(dir_.path(), {"snap-aaaaaaaaaaaa", base_disk_}));
+  ASSERT_TRUE(write_last_disk_checkpoint(dir_.path(), {"snap-aaaaaaaaaaaa", base_disk_, 7}));
   auto last = read_last_disk_checkpoint(dir_.path());
   ASSERT_TRUE(last.has_value());
   EXPECT_EQ(last->id, "snap-aaaaaaaaaaaa");
   EXPECT_EQ(last->disk, base_disk_);
-  for (const char* damaged : {"snap-aaaaaaaaaaaa\n", "../etc\n/x\n", "snap-aaaaaaaaaaaa\nrelative/disk\n", ""}) {
+  EXPECT_EQ(last->chain, 7u);
+  for (const char* damaged : {"snap-aaaaaaaaaaaa\n", "../etc\n/x\n1\n", "snap-aaaaaaaaaaaa\nrelative/disk\n1\n", "",
+                              "snap-aaaaaaaaaaaa\n/x\n", "snap-aaaaaaaaaaaa\n/x\n0\n", "snap-aaaaaaaaaaaa\n/x\n2x\n",
+                              "snap-aaaaaaaaaaaa\n/x\n99999999999\n"}) {
     std::ofstream(dir_.path() + "/" + kDiskCheckpointMarker, std::ios::trunc) << damaged;
     EXPECT_FALSE(read_last_disk_checkpoint(dir_.path()).has_value()) << damaged;
   }

@@ -1397,6 +1397,7 @@ TEST_F(QemuDiskTest, ALaterDiskCheckpointCopiesWhatChangedSinceTheLastOneOverIts
   ASSERT_TRUE(last.has_value());
   EXPECT_EQ(last->id, id1);
   EXPECT_EQ(last->disk, snap1 + "/" + kSnapshotDisk);
+  EXPECT_EQ(last->chain, 1u);
 
   auto second = checkpoint_disk(*info, snap2, CheckpointFrom::kRunning, id2);
   ASSERT_TRUE(second && *second) << (second ? second->message() : "");
@@ -1408,6 +1409,7 @@ TEST_F(QemuDiskTest, ALaterDiskCheckpointCopiesWhatChangedSinceTheLastOneOverIts
   EXPECT_EQ(job["bitmap-mode"], "never");
   EXPECT_EQ(bitmaps(), "[\"" + id2 + "\"]") << "the first checkpoint's bitmap stayed";
   EXPECT_EQ(read_last_disk_checkpoint(sandbox_dir_)->id, id2);
+  EXPECT_EQ(read_last_disk_checkpoint(sandbox_dir_)->chain, 2u);
 
   // The second snapshot is gone (removed, or never recorded): the next one is whole again.
   std::filesystem::remove_all(snap2);
