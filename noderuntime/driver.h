@@ -159,8 +159,8 @@ class Driver {
   // with the other operations like them (the node holds suspends and wakes back).
   // start() with spec.memory_snapshot_dir set starts an instance from such a directory instead of booting:
   // its processes continue where they were, under the new spec's identity.
-  virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const std::string& /*dir*/,
-                                 CheckpointFrom, std::function<void(Result<VmCheckpoint>)> done) {
+  virtual void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo&, const CheckpointFiles&, CheckpointFrom,
+                                 std::function<void(Result<VmCheckpoint>)> done) {
     done(fail(Error::kUnsupported, "the " + spec.driver + " driver cannot save running processes"));
   }
   // Filesystem checkpoints of a VM booted on a disk (capabilities().disk_checkpoint): writes its disk as it

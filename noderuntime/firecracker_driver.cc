@@ -146,9 +146,10 @@ class FirecrackerDriver final : public VmmDriver {
 
   // Paused only for Firecracker's own full snapshot: the device state (`vmstate`) and the guest memory
   // (`memory`) into `dir`, then resumed, whatever the outcome (a VM suspended in memory stays paused).
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                          CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override {
     if (source == CheckpointFrom::kHibernated) return done(hibernated_refusal(spec));
+    const std::string& dir = files.dir;
     checkpoint_paused(
         spec, info, source == CheckpointFrom::kPaused, [this](Op* o, StepDone d) { api(o)->pause(std::move(d)); },
         [this, dir](Op* o, StepDone d) {

@@ -151,14 +151,12 @@ void Node::checkpoint_vm(Sandbox& sb, std::string_view type, CheckpointCallback 
           finish(snapshot::CheckpointResult{.snapshot = std::move(*r), .pause_ms = pause_ms, .entries = 0});
         });
       };
-  if (memory) driver(sb).checkpoint_memory(sb.rec.spec, sb.rec.runtime, *dir, source, std::move(saved_done));
-  else
-    driver(sb).checkpoint_disk(sb.rec.spec, sb.rec.runtime,
-                               CheckpointFiles{.id = id_of_record,
-                                               .dir = *dir,
-                                               .final_dir = snapshots_->files_dir(id_of_record),
-                                               .max_chain = config_->get()->node.checkpoint_flatten_layers},
-                               source, std::move(saved_done));
+  const CheckpointFiles files{.id = id_of_record,
+                              .dir = *dir,
+                              .final_dir = snapshots_->files_dir(id_of_record),
+                              .max_chain = config_->get()->node.checkpoint_flatten_layers};
+  if (memory) driver(sb).checkpoint_memory(sb.rec.spec, sb.rec.runtime, files, source, std::move(saved_done));
+  else driver(sb).checkpoint_disk(sb.rec.spec, sb.rec.runtime, files, source, std::move(saved_done));
 }
 
 void Node::on_checkpoint_done(const std::string& id) {

@@ -250,7 +250,7 @@ class QemuDriver final : public VmmDriver {
   }
   void checkpoint_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                        CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override;
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                          CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override;
   void forward_port(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port, Done done) override;
   // Not awaited: a running guest applies the line within moments (the node's API does not wait for every
@@ -376,6 +376,15 @@ class QemuDriver final : public VmmDriver {
   // (noderuntime/disk_delta.h) of what changed since the last one, or of the whole overlay.
   void checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                             bool running, std::function<void(Result<VmCheckpoint>)> done);
+  // The steps of a backup job of the guest's disk (`overlay`) into files.dir: planned, run, its node taken
+  // away, the sandbox's last checkpoint noted and the bitmaps nothing starts from removed. `on_transaction`
+  // gets how long the transaction took. undo_disk_backup() is what a failure after them needs.
+  std::vector<Step> disk_backup_steps(const CheckpointFiles& files, const std::string& overlay,
+                                      const std::string& sandbox_dir, std::shared_ptr<DiskDeltaPlan> plan,
+                                      std::function<void(double)> on_transaction);
+  void undo_disk_backup(Op* op, const std::string& id, StepDone done);
+  // Removes the guest disk's bitmaps `names`, one after the other; best effort (`done` gets success).
+  void remove_bitmaps(Op* op, std::vector<std::string> names, StepDone done);
   // Waits for the backup job to conclude (polled), then dismisses it; a failed job is a failure.
   void await_backup_job(Op* op, StepDone done);
   // Takes away what an interrupted disk checkpoint left in QEMU (its job, cancelled first; its node). Best
@@ -674,8 +683,9 @@ void QemuDriver::start_from_memory(const SandboxSpec& spec, const std::string& s
   });
 }
 
-void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                                    CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) {
+  const std::string& dir = files.dir;
   if (source == CheckpointFrom::kHibernated) return checkpoint_hibernated(spec, info, dir, std::move(done));
   const bool paused = source == CheckpointFrom::kPaused;
   auto op = new_op(spec, "checkpointing", info);
@@ -695,6 +705,13 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
       });
     });
   }
+  // The disk first, while the guest stands and before the migration leaves the disk inactive: what the guest
+  // wrote since its last checkpoint, or its whole overlay (as a disk checkpoint copies it).
+  auto disk = info.driver_data.find(kDisk);
+  auto plan = std::make_shared<DiskDeltaPlan>();
+  if (disk != info.driver_data.end())
+    for (Step& step : disk_backup_steps(files, disk->second, info.sandbox_dir, plan, [](double) {}))
+      steps.push_back(std::move(step));
   // Stopped first, so the migration is one pass over a still guest (a live one would chase its writes).
   // With the RAM in a memfd the state is the devices' alone (KiB), and the RAM is copied from the memfd
   // while the guest still stands; otherwise every RAM page goes into the state.
@@ -709,25 +726,22 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   if (info.driver_data.contains(kIdentityAnswers)) {
     steps.push_back([to = dir + "/" + kIdentityAnswers](Op*, StepDone d) { d(write_private_file(to, "")); });
   }
-  auto disk = info.driver_data.find(kDisk);
-  if (disk != info.driver_data.end()) {
-    // After the migration QEMU has flushed the disk and holds it inactive until `cont`: the copy is of
-    // exactly what the saved guest wrote.
-    steps.push_back(copy_step(disk->second, dir + "/" + kSnapshotDisk));
-  }
   if (!paused) {
     steps.push_back(cont_after_checkpoint_step(stopped_at, result));
   }
-  // Whatever failed, the guest runs again (a migration still going is cancelled first), or stays stopped.
-  Step on_failure = [this, paused](Op* op, StepDone d) {
+  // Whatever failed, the guest runs again (a migration still going is cancelled first), or stays stopped;
+  // what a disk backup left goes.
+  Step on_failure = [this, paused, id = files.id](Op* op, StepDone d) {
     if (!state(op).qmp) return d({});
-    settle_migration(op, [this, op, d, paused](Status) {
-      if (paused) return d({});
-      state(op).qmp->execute("cont", nullptr, [d](Result<nlohmann::json>) { d({}); });
-    }, false);
+    undo_disk_backup(op, id, [this, op, d, paused](Status) {
+      settle_migration(op, [this, op, d, paused](Status) {
+        if (paused) return d({});
+        state(op).qmp->execute("cont", nullptr, [d](Result<nlohmann::json>) { d({}); });
+      }, false);
+    });
   };
   run(std::move(op), std::move(steps), std::move(on_failure),
-      [result, state_file, dir, done = std::move(done)](Op*, Status s) {
+      [result, plan, state_file, dir, done = std::move(done)](Op*, Status s) {
         if (!s) return done(s.failure());
         struct stat st{};
         if (::stat(state_file.c_str(), &st) == 0) result->state_bytes = static_cast<uint64_t>(st.st_size);
@@ -735,6 +749,7 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
           result->ram_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
         if (::stat((dir + "/" + kSnapshotDisk).c_str(), &st) == 0)
           result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+        result->parent = plan->base_id;
         done(*result);
       });
 }
@@ -773,6 +788,30 @@ void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo
   // A paused guest is copied as it stands: QEMU flushed the disk when it stopped the guest.
   if (running) steps.push_back(guest_sync_step(spec));
   steps.push_back(connect_step(false));
+  for (Step& step : disk_backup_steps(files, overlay, sandbox_dir, plan, [result, running](double ms) {
+         if (running) result->pause_ms = ms;
+       }))
+    steps.push_back(std::move(step));
+  Step on_failure = [this, id = files.id](Op* o, StepDone d) {
+    if (!state(o).qmp) return d({});
+    undo_disk_backup(o, id, std::move(d));
+  };
+  run(std::move(op), std::move(steps), std::move(on_failure),
+      [result, plan, target, done = std::move(done)](Op*, Status s) {
+        if (!s) return done(s.failure());
+        struct stat st{};
+        if (::stat(target.c_str(), &st) == 0) result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+        result->parent = plan->base_id;
+        done(*result);
+      });
+}
+
+std::vector<QemuDriver::Step> QemuDriver::disk_backup_steps(const CheckpointFiles& files, const std::string& overlay,
+                                                          const std::string& sandbox_dir,
+                                                          std::shared_ptr<DiskDeltaPlan> plan,
+                                                          std::function<void(double)> on_transaction) {
+  const std::string target = files.dir + "/" + kSnapshotDisk;
+  std::vector<Step> steps;
   steps.push_back([this](Op* o, StepDone d) { drop_checkpoint_node(o, std::move(d)); });
   steps.push_back([this, plan, overlay, sandbox_dir, max_chain = files.max_chain](Op* o, StepDone d) {
     state(o).qmp->execute("query-named-block-nodes", {{"flat", true}},
@@ -796,14 +835,13 @@ void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo
                                   {"backing", nullptr}})(o, std::move(d));
   });
   // The guest runs on; its disk's requests drain for the moment the transaction takes, which is the pause.
-  steps.push_back([this, plan, result, running, id = files.id](Op* o, StepDone d) {
+  steps.push_back([this, plan, on_transaction, id = files.id](Op* o, StepDone d) {
     const auto started = std::chrono::steady_clock::now();
     state(o).qmp->execute("transaction", disk_delta_transaction(*plan, id),
-                          [result, started, running, d](Result<nlohmann::json> r) {
-                            if (running)
-                              result->pause_ms = std::chrono::duration<double, std::milli>(
-                                                     std::chrono::steady_clock::now() - started)
-                                                     .count();
+                          [on_transaction, started, d](Result<nlohmann::json> r) {
+                            on_transaction(std::chrono::duration<double, std::milli>(
+                                               std::chrono::steady_clock::now() - started)
+                                               .count());
                             if (r) failpoint("disk-checkpoint:copying");  // a node dying here leaves the job in QEMU
                             d(r ? Status() : Status(r.failure()));
                           });
@@ -819,37 +857,28 @@ void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo
   });
   // Best effort, each awaited (the connection closes with the op): a bitmap left costs a little per write.
   steps.push_back([this, plan](Op* o, StepDone d) {
-    auto gone = std::make_shared<std::vector<std::string>>(plan->stale_bitmaps);
-    if (plan->delta()) gone->push_back(plan->base_id);
-    auto next = std::make_shared<std::function<void()>>();
-    *next = [this, o, gone, next, d] {
-      if (gone->empty()) {
-        d({});
-        *next = nullptr;  // the cycle through `next` ends here
-        return;
-      }
-      const std::string name = gone->back();
-      gone->pop_back();
-      state(o).qmp->execute("block-dirty-bitmap-remove", {{"node", "root"}, {"name", name}},
-                            [next](Result<nlohmann::json>) { (*next)(); });
-    };
-    (*next)();
+    std::vector<std::string> gone = plan->stale_bitmaps;
+    if (plan->delta()) gone.push_back(plan->base_id);
+    remove_bitmaps(o, std::move(gone), std::move(d));
   });
-  Step on_failure = [this, id = files.id](Op* o, StepDone d) {
-    if (!state(o).qmp) return d({});
-    drop_checkpoint_node(o, [this, o, id, d](Status) {
-      state(o).qmp->execute("block-dirty-bitmap-remove", {{"node", "root"}, {"name", id}},
-                            [d](Result<nlohmann::json>) { d({}); });
-    });
-  };
-  run(std::move(op), std::move(steps), std::move(on_failure),
-      [result, plan, target, done = std::move(done)](Op*, Status s) {
-        if (!s) return done(s.failure());
-        struct stat st{};
-        if (::stat(target.c_str(), &st) == 0) result->disk_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
-        result->parent = plan->base_id;
-        done(*result);
-      });
+  return steps;
+}
+
+void QemuDriver::remove_bitmaps(Op* op, std::vector<std::string> names, StepDone done) {
+  if (names.empty()) return done({});
+  const std::string name = names.back();
+  names.pop_back();
+  state(op).qmp->execute("block-dirty-bitmap-remove", {{"node", "root"}, {"name", name}},
+                         [this, op, names = std::move(names), done](Result<nlohmann::json>) mutable {
+                           remove_bitmaps(op, std::move(names), std::move(done));
+                         });
+}
+
+void QemuDriver::undo_disk_backup(Op* op, const std::string& id, StepDone done) {
+  drop_checkpoint_node(op, [this, op, id, done](Status) {
+    state(op).qmp->execute("block-dirty-bitmap-remove", {{"node", "root"}, {"name", id}},
+                           [done](Result<nlohmann::json>) { done({}); });
+  });
 }
 
 void QemuDriver::await_backup_job(Op* op, StepDone done) {

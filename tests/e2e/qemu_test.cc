@@ -681,6 +681,24 @@ TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape
   EXPECT_EQ(hash_of(in_third, "/small"), hash_of(small_hash, "/small")) << in_third << small_hash;
   EXPECT_EQ(hash_of(in_third, "/big"), hash_of(big_hash, "/big")) << in_third << big_hash;
 
+  // A memory checkpoint copies the disk the same way, while the guest stands: a delta over snap_b. A sandbox
+  // from it continues with the disk as it was.
+  exec_in(c, "vd.sandbox.localhost", token, "echo kept-in-memory >/data.txt");
+  auto memory = c.cli("checkpoint vd --type memory --json", 180);
+  ASSERT_EQ(memory.exit_code, 0) << memory.out << memory.err << c.node().log();
+  const auto cpm = nlohmann::json::parse(memory.out, nullptr, false);
+  const std::string snap_m = cpm.value("snapshot_id", "");
+  EXPECT_EQ(cpm["snapshot"].value("parent", ""), snap_b) << memory.out;
+  EXPECT_LT(cpm["snapshot"].value("disk_bytes", 0ull), 4ull << 20) << memory.out;
+  auto warm = c.cli("create --json --name vd5 --from " + snap_m, 180);
+  ASSERT_EQ(warm.exit_code, 0) << warm.out << warm.err << c.node().log();
+  const std::string warm_token = nlohmann::json::parse(warm.out, nullptr, false).value("token", "");
+  const std::string in_warm = exec_in(c, "vd5.sandbox.localhost", warm_token, "cat /data.txt; sha256sum /small");
+  EXPECT_NE(in_warm.find("kept-in-memory"), std::string::npos) << in_warm;
+  EXPECT_EQ(hash_of(in_warm, "/small"), hash_of(small_hash, "/small")) << in_warm;
+  ASSERT_EQ(c.cli("rm vd5").exit_code, 0);
+  ASSERT_EQ(c.cli("snapshot rm " + snap_m).exit_code, 0);
+
   // vd2's checkpoint reads the first snapshot's disk under its own too.
   auto second = c.cli("checkpoint vd2 --json", 180);
   ASSERT_EQ(second.exit_code, 0) << second.out << second.err << c.node().log();

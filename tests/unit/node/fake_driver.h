@@ -219,9 +219,10 @@ class FakeDriver : public Driver {
   std::string checkpoint_upper;
   std::shared_ptr<HeldFreezer> freezer = std::make_shared<HeldFreezer>();
   // Memory checkpoints (with can_checkpoint_memory): writes a "state" file of `memory_state` into the dir.
-  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const std::string& dir,
+  void checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                          CheckpointFrom source, std::function<void(Result<VmCheckpoint>)> done) override {
-    if (!can_checkpoint_memory) return Driver::checkpoint_memory(spec, info, dir, source, std::move(done));
+    if (!can_checkpoint_memory) return Driver::checkpoint_memory(spec, info, files, source, std::move(done));
+    const std::string& dir = files.dir;
     ++memory_checkpoints;
     last_memory_checkpoint_source = source;
     later_with(op_delay_ms, spec.id, [this, dir, done = std::move(done)](bool) {

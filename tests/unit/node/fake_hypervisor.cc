@@ -19,6 +19,7 @@
 
 #include "common/http.h"
 #include "noderuntime/hypervisor_client.h"
+#include "snapshot/snapshot_store.h"
 
 namespace sg::testing {
 namespace {
@@ -518,7 +519,8 @@ Result<VmCheckpoint> checkpoint_memory(Driver& driver, TestLoop& loop, const San
                                            const RuntimeInfo& info, const std::string& dir,
                                            CheckpointFrom source) {
   std::optional<Result<VmCheckpoint>> saved;
-  driver.checkpoint_memory(spec, info, dir, source, [&](Result<VmCheckpoint> r) { saved = std::move(r); });
+  driver.checkpoint_memory(spec, info, CheckpointFiles{.id = snapshot::generate_snapshot_id(), .dir = dir, .final_dir = dir},
+                           source, [&](Result<VmCheckpoint> r) { saved = std::move(r); });
   if (!loop.run_until([&] { return saved.has_value(); }, 8000)) return fail(Error::kTimeout, "no answer");
   return *saved;
 }

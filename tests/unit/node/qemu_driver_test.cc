@@ -405,11 +405,13 @@ class QemuDriverTest : public ::testing::Test {
     return wait_runtime([&](Driver::RuntimeDone d) { driver().hibernate(spec_, info, std::move(d)); });
   }
   // A memory checkpoint of spec_ into `dir` (made here); nullopt if it never answered.
-  std::optional<Result<VmCheckpoint>> checkpoint_memory(
-      const RuntimeInfo& info, const std::string& dir, CheckpointFrom source = CheckpointFrom::kRunning) {
+  std::optional<Result<VmCheckpoint>> checkpoint_memory(const RuntimeInfo& info, const std::string& dir,
+                                                        CheckpointFrom source = CheckpointFrom::kRunning,
+                                                        std::string id = snapshot::generate_snapshot_id()) {
     std::filesystem::create_directories(dir);
     std::optional<Result<VmCheckpoint>> saved;
-    driver().checkpoint_memory(spec_, info, dir, source,
+    driver().checkpoint_memory(spec_, info, CheckpointFiles{.id = std::move(id), .dir = dir, .final_dir = dir},
+                               source,
                                [&](Result<VmCheckpoint> r) { saved.emplace(std::move(r)); });
     EXPECT_TRUE(loop_.run_until([&] { return saved.has_value(); }, 20000));
     return saved;
@@ -1442,6 +1444,33 @@ TEST_F(QemuDiskTest, ALaterDiskCheckpointCopiesWhatChangedSinceTheLastOneOverIts
   auto fifth = checkpoint_disk(*restored, dir_.path() + "/" + id5, CheckpointFrom::kRunning, id5);
   ASSERT_TRUE(fifth && *fifth) << (fifth ? fifth->message() : "");
   EXPECT_EQ((*fifth)->parent, id3) << "the bitmap did not last through the hibernation";
+}
+
+// A memory checkpoint of a guest with a disk copies the disk while the guest stands, before the migration
+// leaves the disk inactive: a backup job like a disk checkpoint's, a delta over the last checkpoint.
+TEST_F(QemuDiskTest, AMemoryCheckpointCopiesTheDiskWhileTheGuestStandsAsADeltaOverTheLastCheckpoint) {
+  auto info = start();
+  ASSERT_TRUE(info.ok()) << info.message();
+  const std::string id1 = snapshot::generate_snapshot_id(), id2 = snapshot::generate_snapshot_id();
+  auto first = checkpoint_disk(*info, dir_.path() + "/" + id1, CheckpointFrom::kRunning, id1);
+  ASSERT_TRUE(first && *first) << (first ? first->message() : "");
+  std::filesystem::remove(sandbox_dir_ + "/qmp-commands");
+  auto saved = checkpoint_memory(*info, dir_.path() + "/" + id2, CheckpointFrom::kRunning, id2);
+  ASSERT_TRUE(saved && *saved) << (saved ? saved->message() : "");
+  EXPECT_EQ((*saved)->parent, id1);
+  EXPECT_GT((*saved)->disk_bytes, 0u);
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() + "/" + id2 + "/" + kSnapshotDisk));
+  const std::vector<std::string> commands = lines_of(sandbox_dir_ + "/qmp-commands");
+  auto at = [&](const std::string& command) {
+    return std::find(commands.begin(), commands.end(), command) - commands.begin();
+  };
+  EXPECT_LT(at("stop"), at("transaction"));
+  EXPECT_LT(at("transaction"), at("migrate"));
+  EXPECT_LT(at("migrate"), at("cont"));
+  EXPECT_LT(at("cont"), static_cast<long>(commands.size()));
+  EXPECT_EQ(nlohmann::json::parse(lines_of(sandbox_dir_ + "/backups").back())["bitmap"], id1);
+  EXPECT_EQ(read_last_disk_checkpoint(sandbox_dir_)->id, id2);
+  EXPECT_FALSE(driver().observe(spec_, *info).paused);
 }
 
 // A guest whose agent does not listen cannot be asked to write out its files: its disk is copied as it
