@@ -18,6 +18,7 @@ one the clusters written since the one before (a dirty bitmap) over that one's d
   - create to the agent's first answer: from the last snapshot (a chain of deltas) and a cold create of the
     same guest on the image (the anchor).
 """
+import json
 import os
 import statistics
 import subprocess
@@ -41,6 +42,11 @@ def main():
     def write(name, token, mib, path):
         if not mib:
             return
+        # Removed first: the agent writes a temp file and renames it over the old one, which would need the
+        # old file's blocks and the new file's at once (the guest has 256 MiB free).
+        rm = json.dumps({"command": ["rm", "-f", path]})
+        if c.agent(name, token, "POST", "/exec", body=rm, content_type="application/json") != 200:
+            raise RuntimeError(f"rm {path}")
         status = c.agent(name, token, "PUT", f"/files?path={path}", mib=mib)
         if status not in (201, 204):
             raise RuntimeError(f"PUT {path}: {status}")
@@ -71,8 +77,8 @@ def main():
 
     try:
         c.ensure_default_image()
-        # The image's disk leaves 256 MiB free in the guest: the rows that write 16 and 128 MiB run on a guest
-        # holding 64 MiB, and each run rewrites the same file (its blocks are freed and taken again).
+        # The image's disk leaves about 256 MiB free in the guest: the rows that write 16 and 128 MiB run on a
+        # guest holding 64 MiB, and each run replaces the same file (its blocks are freed and taken again).
         sandboxes = {}
         for name, holds in (("small", 16), ("mid", 64), ("big", 192)):
             _, token = boot(name)

@@ -156,7 +156,7 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         c.close()
         return r.status, (json.loads(data) if data else None)
 
-    def agent(self, name, token, method, path, body=None, mib=0):
+    def agent(self, name, token, method, path, body=None, mib=0, content_type=None):
         """The status of `method path` to sandbox `name`'s agent through the TLS proxy, with its token; with
         `mib`, that many MiB of filler are streamed as the body instead of `body`."""
         tls = ssl.create_default_context(cafile=self.ca)
@@ -165,6 +165,8 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         conn = http.client.HTTPSConnection(host, self.port, context=tls, timeout=120)
         conn.sock = tls.wrap_socket(raw, server_hostname=host)
         headers = {"Authorization": "Bearer " + token}
+        if content_type:
+            headers["Content-Type"] = content_type
         if mib:
             headers["Content-Length"] = str(mib << 20)
             conn.putrequest(method, path)

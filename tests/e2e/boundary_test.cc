@@ -190,6 +190,20 @@ TEST(Boundary, AptGetInstallAndWritesToEtcWorkInside) {
   ASSERT_EQ(::stat((upper_dir(c, box) + "/home/bob").c_str(), &st), 0);
   EXPECT_GE(st.st_uid, 0x10000000u + 1000);
   EXPECT_LT(st.st_uid, 0x10000000u + 65536);
+
+  // What was installed is in a checkpoint: a sandbox from it (another uid range) runs the package, dpkg knows
+  // it, and bob's home is bob's.
+  auto checkpoint = c.cli("checkpoint box");
+  ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err;
+  std::string snap = checkpoint.out;
+  while (!snap.empty() && snap.back() == '\n') snap.pop_back();
+  json copy = create_with_agent(c, "copy", "--from " + snap);
+  ASSERT_TRUE(copy.contains("token")) << copy.dump();
+  Exec there = sh(c, "copy", copy["token"], "hello && dpkg -s hello | grep Status && stat -c %U /home/bob");
+  EXPECT_EQ(there.code, 0) << there.out;
+  EXPECT_NE(there.out.find("Hello, world!"), std::string::npos) << there.out;
+  EXPECT_NE(there.out.find("Status: install ok installed"), std::string::npos) << there.out;
+  EXPECT_NE(there.out.find("bob"), std::string::npos) << there.out;
 }
 
 TEST(Boundary, CreateWithAMissingImageIsA404NamingIt) {
