@@ -91,8 +91,9 @@ struct CheckpointFiles {
   std::string id;
   std::string dir;
   std::string final_dir;
-  // How many disks a chain of deltas may hold before a checkpoint copies the whole disk again, so that a
-  // long session's disk never reads through more (node.checkpoint_flatten_layers).
+  // How many of a sandbox's own checkpoint disks a chain of deltas may hold before a checkpoint copies its
+  // whole overlay again (node.checkpoint_flatten_layers). A sandbox made from a snapshot starts its chain on
+  // top of that snapshot's.
   uint32_t max_chain = 32;
 };
 inline constexpr const char* kMemoryState = "state";

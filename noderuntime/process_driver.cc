@@ -573,26 +573,37 @@ class CgroupFreezer final : public snapshot::Freezer {
 // namespace alone. The same device mounted again gives the same filesystem (one superblock per device), so
 // the node sees exactly what the sandbox wrote: as a detached mount (fsmount, attached to no namespace, so
 // nothing else sees it), read-only, gone when its fd closes. The device is the one whose backing file is
-// `image` (its device and inode, from LOOP_GET_STATUS64).
-Result<UniqueFd> open_disk_view(const std::string& image) {
+// `image` (its device and inode, from LOOP_GET_STATUS64), held open meanwhile so that it cannot be released
+// and taken by another sandbox, and it must be in use by a mount already (else mounting it would make a new,
+// writable filesystem of a file no one mounts). `device_fd` gets the held device.
+Result<UniqueFd> open_disk_view(const std::string& image, UniqueFd* device_fd) {
   struct stat want{};
   if (::stat(image.c_str(), &want) != 0) return fail_errno("stat " + image, errno);
+  auto holds_image = [&](int fd) {
+    loop_info64 info{};
+    return ::ioctl(fd, LOOP_GET_STATUS64, &info) == 0 && info.lo_device == want.st_dev && info.lo_inode == want.st_ino;
+  };
   std::string device;
+  UniqueFd held;
   if (DIR* dir = ::opendir("/sys/block"); dir != nullptr) {
     while (dirent* e = ::readdir(dir)) {
       if (std::strncmp(e->d_name, "loop", 4) != 0) continue;
       const std::string path = std::string("/dev/") + e->d_name;
       UniqueFd loop(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-      loop_info64 info{};
-      if (loop.valid() && ::ioctl(loop.get(), LOOP_GET_STATUS64, &info) == 0 && info.lo_device == want.st_dev &&
-          info.lo_inode == want.st_ino) {
-        device = path;
-        break;
+      if (!loop.valid() || !holds_image(loop.get())) continue;
+      if (held.valid()) {
+        ::closedir(dir);
+        return fail(Error::kConflict, "two loop devices hold " + image + " (" + device + ", " + path + ")");
       }
+      device = path;
+      held = std::move(loop);
     }
     ::closedir(dir);
   }
-  if (device.empty()) return fail(Error::kUnavailable, "no loop device holds " + image + " (the sandbox is not running)");
+  if (!held.valid()) return fail(Error::kUnavailable, "no loop device holds " + image + " (the sandbox is not running)");
+  // A mounted device refuses an exclusive open: one that does not is no one's filesystem.
+  if (UniqueFd exclusive(::open(device.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC)); exclusive.valid() || errno != EBUSY)
+    return fail(Error::kUnavailable, device + " (" + image + ") is not mounted by its sandbox");
   UniqueFd context(::fsopen("ext4", FSOPEN_CLOEXEC));
   if (!context.valid()) return fail_errno("fsopen ext4", errno);
   if (::fsconfig(context.get(), FSCONFIG_SET_STRING, "source", device.c_str(), 0) != 0 ||
@@ -601,6 +612,8 @@ Result<UniqueFd> open_disk_view(const std::string& image) {
   UniqueFd mount(::fsmount(context.get(), FSMOUNT_CLOEXEC,
                            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC));
   if (!mount.valid()) return fail_errno("mount the ext4 on " + device + " (" + image + ")", errno);
+  if (!holds_image(held.get())) return fail(Error::kConflict, device + " changed hands while it was mounted");
+  *device_fd = std::move(held);
   return mount;
 }
 
@@ -613,10 +626,12 @@ Result<CheckpointSource> ProcessDriver::checkpoint_source(const SandboxSpec& spe
   CheckpointSource source;
   source.upper_dir = info.sandbox_dir + "/upper";
   if (spec.disk_mb > 0) {
-    auto view = open_disk_view(info.sandbox_dir + "/disk.img");
+    auto held = std::make_shared<std::pair<UniqueFd, UniqueFd>>();  // the mount, and its loop device
+    auto view = open_disk_view(info.sandbox_dir + "/disk.img", &held->second);
     if (!view) return fail(view.error(), "sandbox " + spec.id + " (disk_mb): " + view.message());
-    source.upper_dir = "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(view->get()) + "/upper";
-    source.hold = std::make_shared<UniqueFd>(std::move(*view));
+    source.upper_dir = "/proc/self/fd/" + std::to_string(view->get()) + "/upper";
+    held->first = std::move(*view);
+    source.hold = std::move(held);
   }
   source.shift = snapshot::IdShift{spec.uid_base, kUidRangeSize};
   source.base_layers = std::move(*layers);

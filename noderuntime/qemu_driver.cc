@@ -56,6 +56,9 @@ constexpr uint64_t kIdentityAckMs = 5000;
 // How long a disk checkpoint waits for the guest to write out its files before it copies the disk anyway.
 // Writing out a page cache full of a big build's output takes a while; the guest keeps running meanwhile.
 constexpr uint64_t kGuestSyncMs = 30000;
+// How long a disk checkpoint's backup job may run (it copies what the guest wrote, at the disk's speed); a
+// stuck one would hold the sandbox's suspends back.
+constexpr uint64_t kBackupJobTimeoutMs = 30 * 60 * 1000;
 // In driver_data, "1" when the guest answers its identity lines (it printed kGuestIdentityMarker at boot);
 // next to a memory snapshot's state, a file that says its guest does.
 constexpr const char* kIdentityAnswers = "identity_answers";
@@ -376,17 +379,20 @@ class QemuDriver final : public VmmDriver {
   // (noderuntime/disk_delta.h) of what changed since the last one, or of the whole overlay.
   void checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo& info, const CheckpointFiles& files,
                             bool running, std::function<void(Result<VmCheckpoint>)> done);
-  // The steps of a backup job of the guest's disk (`overlay`) into files.dir: planned, run, its node taken
-  // away, the sandbox's last checkpoint noted and the bitmaps nothing starts from removed. `on_transaction`
-  // gets how long the transaction took. undo_disk_backup() is what a failure after them needs.
+  // The steps of a backup job of the guest's disk (`overlay`) into files.dir: planned, run, and its node
+  // taken away. `on_transaction` gets how long the transaction took. undo_disk_backup() is what a failure
+  // after them needs; disk_backup_noted_steps(), once the rest of the checkpoint went well, make it the
+  // sandbox's last checkpoint and remove the bitmaps nothing will start from.
   std::vector<Step> disk_backup_steps(const CheckpointFiles& files, const std::string& overlay,
                                       const std::string& sandbox_dir, std::shared_ptr<DiskDeltaPlan> plan,
                                       std::function<void(double)> on_transaction);
+  std::vector<Step> disk_backup_noted_steps(const CheckpointFiles& files, const std::string& sandbox_dir,
+                                            std::shared_ptr<DiskDeltaPlan> plan);
   void undo_disk_backup(Op* op, const std::string& id, StepDone done);
   // Removes the guest disk's bitmaps `names`, one after the other; best effort (`done` gets success).
   void remove_bitmaps(Op* op, std::vector<std::string> names, StepDone done);
   // Waits for the backup job to conclude (polled), then dismisses it; a failed job is a failure.
-  void await_backup_job(Op* op, StepDone done);
+  void await_backup_job(Op* op, uint64_t started_ms, StepDone done);
   // Takes away what an interrupted disk checkpoint left in QEMU (its job, cancelled first; its node). Best
   // effort: `done` always gets success.
   void drop_checkpoint_node(Op* op, StepDone done, int rounds = 0);
@@ -729,6 +735,9 @@ void QemuDriver::checkpoint_memory(const SandboxSpec& spec, const RuntimeInfo& i
   if (!paused) {
     steps.push_back(cont_after_checkpoint_step(stopped_at, result));
   }
+  // Noted once all of it went well: a failure before keeps the last checkpoint's bitmap for the next one.
+  if (disk != info.driver_data.end())
+    for (Step& step : disk_backup_noted_steps(files, info.sandbox_dir, plan)) steps.push_back(std::move(step));
   // Whatever failed, the guest runs again (a migration still going is cancelled first), or stays stopped;
   // what a disk backup left goes.
   Step on_failure = [this, paused, id = files.id](Op* op, StepDone d) {
@@ -792,6 +801,7 @@ void QemuDriver::checkpoint_live_disk(const SandboxSpec& spec, const RuntimeInfo
          if (running) result->pause_ms = ms;
        }))
     steps.push_back(std::move(step));
+  for (Step& step : disk_backup_noted_steps(files, sandbox_dir, plan)) steps.push_back(std::move(step));
   Step on_failure = [this, id = files.id](Op* o, StepDone d) {
     if (!state(o).qmp) return d({});
     undo_disk_backup(o, id, std::move(d));
@@ -846,8 +856,18 @@ std::vector<QemuDriver::Step> QemuDriver::disk_backup_steps(const CheckpointFile
                             d(r ? Status() : Status(r.failure()));
                           });
   });
-  steps.push_back([this](Op* o, StepDone d) { await_backup_job(o, std::move(d)); });
+  steps.push_back([this](Op* o, StepDone d) {
+    uv_update_time(loop_);
+    await_backup_job(o, uv_now(loop_), std::move(d));
+  });
   steps.push_back(command_step("blockdev-del", {{"node-name", kCheckpointNode}}));
+  return steps;
+}
+
+std::vector<QemuDriver::Step> QemuDriver::disk_backup_noted_steps(const CheckpointFiles& files,
+                                                                 const std::string& sandbox_dir,
+                                                                 std::shared_ptr<DiskDeltaPlan> plan) {
+  std::vector<Step> steps;
   // From now on the next checkpoint starts from this one, if the node records it.
   steps.push_back([sandbox_dir, plan, disk = files.final_dir + "/" + kSnapshotDisk, id = files.id](Op*, StepDone d) {
     const LastDiskCheckpoint last{id, disk, plan->chain};
@@ -881,8 +901,12 @@ void QemuDriver::undo_disk_backup(Op* op, const std::string& id, StepDone done) 
   });
 }
 
-void QemuDriver::await_backup_job(Op* op, StepDone done) {
-  state(op).qmp->execute("query-jobs", nullptr, [this, op, done](Result<nlohmann::json> r) {
+void QemuDriver::await_backup_job(Op* op, uint64_t started_ms, StepDone done) {
+  uv_update_time(loop_);
+  if (uv_now(loop_) - started_ms > kBackupJobTimeoutMs)  // the failure path cancels it
+    return done(fail(Error::kTimeout, "the disk's backup job did not finish within " +
+                                          std::to_string(kBackupJobTimeoutMs / 1000) + " s"));
+  state(op).qmp->execute("query-jobs", nullptr, [this, op, started_ms, done](Result<nlohmann::json> r) {
     if (!r) return done(r.failure());
     auto job = backup_job_state(*r);
     if (!job) {
@@ -895,7 +919,7 @@ void QemuDriver::await_backup_job(Op* op, StepDone done) {
       return state(op).qmp->execute("job-dismiss", {{"id", kCheckpointNode}}, [done](Result<nlohmann::json> d) {
         done(d ? Status() : Status(d.failure()));
       });
-    after(op, kPollMs, [this, op, done] { await_backup_job(op, done); });
+    after(op, kPollMs, [this, op, started_ms, done] { await_backup_job(op, started_ms, done); });
   });
 }
 
@@ -1377,9 +1401,13 @@ void QemuDriver::hibernate(const SandboxSpec& spec, const RuntimeInfo& info, Run
     std::filesystem::remove(tmp, ec);
     d({});
   };
-  run(std::move(op),
-      {connect_step(false), migrate_step(tmp, true, false), cancel_point_step(), commit, end_watch, kill_step()},
-      on_failure, [this, done = std::move(done)](Op* o, Status s) {
+  std::vector<Step> steps = {connect_step(false)};
+  // A backup job a killed node left running would fail the migration (the disk cannot be inactivated).
+  if (info.driver_data.contains(kDisk))
+    steps.push_back([this](Op* o, StepDone d) { drop_checkpoint_node(o, std::move(d)); });
+  for (Step& step : std::vector<Step>{migrate_step(tmp, true, false), cancel_point_step(), commit, end_watch, kill_step()})
+    steps.push_back(std::move(step));
+  run(std::move(op), std::move(steps), on_failure, [this, done = std::move(done)](Op* o, Status s) {
         if (!s) return done(s.failure());
         netns_.erase(o->sandbox_id);  // QEMU is gone, and its namespace with our fd
         RuntimeInfo saved = o->info;

@@ -188,7 +188,18 @@ Result<SnapshotStore> SnapshotStore::open(const std::string& root) {
       fs::remove_all(entry.path(), ignored);
   }
   if (ec) return fail(Error::kIo, "read " + root + ": " + ec.message());
-  return SnapshotStore(root);
+  SnapshotStore store(root);
+  // Removed snapshots whose last child went, but a crash came before they went with it.
+  for (bool again = true; again;) {
+    again = false;
+    auto all = store.list();
+    if (!all) break;  // a damaged record might be a child: keep them all
+    std::set<std::string> parents;
+    for (const Snapshot& s : *all) parents.insert(s.parent);
+    for (const Snapshot& s : *all)
+      if (s.removed && !parents.contains(s.id) && store.remove(s.id)) again = true;
+  }
+  return store;
 }
 
 Status SnapshotStore::create(const Snapshot& snapshot) {
@@ -252,7 +263,13 @@ Status SnapshotStore::mark_removed(std::string_view id) {
   auto record = get(id);
   if (!record) return record.failure();
   record->removed = true;
-  return write_file_atomic(file(id), to_json(*record).dump(2) + "\n");
+  // Only its disk is read by its children: a memory snapshot's state and RAM go now.
+  std::erase_if(record->file_digests, [](const auto& f) { return f.first != kDiskFile; });
+  if (Status s = write_file_atomic(file(id), to_json(*record).dump(2) + "\n"); !s) return s;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(files_dir(id), ec))
+    if (entry.path().filename() != kDiskFile) fs::remove_all(entry.path(), ec);
+  return {};
 }
 
 Result<std::set<std::string>> SnapshotStore::layers_in_use() const {
@@ -275,7 +292,9 @@ Result<std::optional<std::string>> SnapshotStore::first_user_of_image(const std:
   auto all = list();
   if (!all) return all.failure();
   for (const Snapshot& s : *all)
-    if (s.image == image) return std::optional<std::string>("snapshot " + s.id);
+    if (s.image == image)
+      return std::optional<std::string>("snapshot " + s.id +
+                                        (s.removed ? " (removed; kept while a later snapshot's disk reads it)" : ""));
   return std::optional<std::string>();
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "tests/unit/snapshot/archive_builder.h"
 #include "tests/unit/temp_dir.h"
@@ -216,6 +217,56 @@ TEST(SnapshotStore, AMemorySnapshotKeepsItsShapeAndItsFilesGoWithItsRecordOrWith
     EXPECT_NE(store->get(pointing.id).message().find("field file_digests"), std::string::npos) << name;
     ASSERT_TRUE(store->remove(pointing.id));
   }
+}
+
+// A removed snapshot keeps only what its children read (its disk), and one whose last child went before a
+// crash let it go too is taken at the next open, with the removed ones under it.
+TEST(SnapshotStore, ARemovedSnapshotKeepsItsDiskAloneAndGoesAtOpenOnceNoChildReadsIt) {
+  TempDir tmp;
+  auto store = SnapshotStore::open(tmp.path());
+  ASSERT_TRUE(store) << store.message();
+  Snapshot grand = sample(generate_snapshot_id());
+  grand.type = "memory";
+  grand.memory_mb = 256;
+  grand.cpus = 1;
+  grand.layers.clear();
+  grand.file_digests = {{kDiskFile, "sha256:" + std::string(64, 'a')},
+                        {"ram", "sha256:" + std::string(64, 'b')},
+                        {"state", "sha256:" + std::string(64, 'c')}};
+  ASSERT_TRUE(store->create(grand));
+  fs::create_directories(store->files_dir(grand.id));
+  for (const char* f : {kDiskFile, "ram", "state"}) std::ofstream(store->files_dir(grand.id) + "/" + f) << f;
+  Snapshot parent = grand;
+  parent.id = generate_snapshot_id();
+  parent.type = "filesystem";
+  parent.file_digests = {{kDiskFile, "sha256:" + std::string(64, 'd')}};
+  parent.parent = grand.id;
+  ASSERT_TRUE(store->create(parent));
+  Snapshot child = parent;
+  child.id = generate_snapshot_id();
+  child.parent = parent.id;
+  ASSERT_TRUE(store->create(child));
+
+  ASSERT_TRUE(store->mark_removed(grand.id));
+  auto marked = store->get(grand.id);
+  ASSERT_TRUE(marked) << marked.message();
+  EXPECT_EQ(marked->file_digests.size(), 1u);
+  EXPECT_TRUE(marked->file_digests.contains(kDiskFile));
+  EXPECT_TRUE(fs::exists(store->files_dir(grand.id) + "/" + kDiskFile));
+  EXPECT_FALSE(fs::exists(store->files_dir(grand.id) + "/ram")) << "a removed memory snapshot kept its RAM";
+  EXPECT_FALSE(fs::exists(store->files_dir(grand.id) + "/state"));
+  ASSERT_TRUE(store->mark_removed(parent.id));
+
+  // Still read by `child`: a reopen keeps both.
+  ASSERT_TRUE(SnapshotStore::open(tmp.path()));
+  EXPECT_TRUE(store->get(grand.id));
+  EXPECT_TRUE(store->get(parent.id));
+  // The child goes, and the node dies before the removed ones under it go: the next open takes them.
+  ASSERT_TRUE(store->remove(child.id));
+  ASSERT_TRUE(SnapshotStore::open(tmp.path()));
+  EXPECT_EQ(store->get(parent.id).error(), Error::kNotFound);
+  EXPECT_EQ(store->get(grand.id).error(), Error::kNotFound);
+  EXPECT_FALSE(fs::exists(store->files_dir(grand.id)));
 }
 
 }  // namespace
