@@ -28,6 +28,9 @@ bool bool_field(const nlohmann::json& j, const char* key) {
   return f != nullptr && f->is_boolean() && f->get<bool>();
 }
 
+// A chain longer than this is damaged (a loop of backing files): the walk stops.
+constexpr size_t kMaxChainWalk = 4096;
+
 }  // namespace
 
 std::optional<LastDiskCheckpoint> read_last_disk_checkpoint(const std::string& sandbox_dir) {
@@ -77,6 +80,22 @@ Result<DiskDeltaPlan> plan_disk_delta(const nlohmann::json& nodes, const std::st
       if (last && name == last->id && !bool_field(b, "inconsistent")) base_bitmap = true;
       else plan.stale_bitmaps.push_back(name);
     }
+  // The overlay's backing chain, node by node (each format node's backing file is the next one's file).
+  std::vector<const nlohmann::json*> below;
+  for (std::string next = plan.backing; !next.empty() && below.size() <= kMaxChainWalk;) {
+    const nlohmann::json* found = nullptr;
+    if (nodes.is_array())
+      for (const nlohmann::json& n : nodes) {
+        const nlohmann::json* image = field(n, "image");
+        if (image != nullptr && string_field(n, "drv") != "file" && string_field(*image, "filename") == next) found = &n;
+      }
+    if (found == nullptr) break;
+    below.push_back(found);
+    const nlohmann::json& image = *field(*found, "image");
+    next = string_field(image, "full-backing-filename");
+    if (next.empty()) next = string_field(image, "backing-filename");
+  }
+
   if (base_bitmap && ::access(last->disk.c_str(), R_OK) == 0 && last->chain < max_chain) {
     plan.base_id = last->id;
     plan.backing = last->disk;
@@ -85,7 +104,21 @@ Result<DiskDeltaPlan> plan_disk_delta(const nlohmann::json& nodes, const std::st
   } else if (base_bitmap) {
     plan.stale_bitmaps.push_back(last->id);  // its snapshot is gone, or its chain full: nothing starts from it
   }
+  // The disks under the overlay, all but the bottom (the image's base) being snapshots': as many as the bound,
+  // and the whole copy would start the new snapshot's chain on all of them.
+  if (!plan.delta() && below.size() > 1 && below.size() - 1 >= max_chain) {
+    const nlohmann::json& bottom = *below.back();
+    plan.stream_base_node = string_field(bottom, "node-name");
+    plan.backing = string_field(*field(bottom, "image"), "filename");
+    plan.backing_format = string_field(bottom, "drv");
+    if (plan.stream_base_node.empty() || (plan.backing_format != "raw" && plan.backing_format != "qcow2"))
+      return fail(Error::kInternal, "QEMU names no node for the bottom of the disk chain under " + overlay);
+  }
   return plan;
+}
+
+nlohmann::json disk_stream_arguments(const DiskDeltaPlan& plan) {
+  return {{"job-id", kCheckpointNode}, {"device", "root"}, {"base-node", plan.stream_base_node}, {"auto-dismiss", false}};
 }
 
 nlohmann::json disk_delta_transaction(const DiskDeltaPlan& plan, const std::string& new_id) {
@@ -114,7 +147,7 @@ Result<BackupJob> backup_job_state(const nlohmann::json& jobs) {
     const std::string status = string_field(job, "status");
     if (status != "concluded" && status != "null") return BackupJob::kRunning;
     if (std::string error = string_field(job, "error"); !error.empty())
-      return fail(Error::kIo, "the disk's backup job failed: " + error);
+      return fail(Error::kIo, "the disk's checkpoint job failed: " + error);
     return BackupJob::kConcluded;
   }
   return BackupJob::kAbsent;

@@ -44,16 +44,24 @@ struct DiskDeltaPlan {
   std::string base_id;         // the last checkpoint when the new disk holds only what changed since it
   std::vector<std::string> stale_bitmaps;  // ours ("snap-...") that no checkpoint will start from
   uint32_t chain = 1;                      // the new disk's chain (LastDiskCheckpoint::chain)
+  // Set when the disks under the overlay (those of the snapshot the sandbox was made from, and theirs) are
+  // max_chain or more: a block-stream job first copies their data into the overlay, whose backing file is
+  // then the chain's bottom (the image's base disk), the new disk's backing file too.
+  std::string stream_base_node;
   bool delta() const { return !base_id.empty(); }
 };
 
 // From QEMU's answer to query-named-block-nodes (flat): the qcow2 node whose file is `overlay` (its size,
-// backing file and bitmaps) and the last checkpoint, whose disk must still be readable and whose bitmap must
-// be there, consistent, to start from it, and whose chain must be shorter than `max_chain` (else the whole
-// overlay is copied, which starts a new chain). kInternal naming what is missing when QEMU's answer lacks the
-// node.
+// backing file, bitmaps, and the nodes of its backing chain) and the last checkpoint, whose disk must still be
+// readable and whose bitmap must be there, consistent, to start from it, and whose chain must be shorter than
+// `max_chain` (else the whole overlay is copied, which starts a new chain, on a chain of inherited disks
+// shorter than `max_chain` too: stream_base_node). kInternal naming what is missing when QEMU's answer lacks
+// the node.
 Result<DiskDeltaPlan> plan_disk_delta(const nlohmann::json& nodes, const std::string& overlay,
                                       const std::optional<LastDiskCheckpoint>& last, uint32_t max_chain);
+
+// The QMP arguments of the block-stream job that flattens the overlay's chain onto plan.stream_base_node.
+nlohmann::json disk_stream_arguments(const DiskDeltaPlan& plan);
 
 // The QMP transaction: the bitmap `new_id` and the backup of the guest's disk ("root") into kCheckpointNode.
 nlohmann::json disk_delta_transaction(const DiskDeltaPlan& plan, const std::string& new_id);

@@ -834,6 +834,16 @@ std::vector<QemuDriver::Step> QemuDriver::disk_backup_steps(const CheckpointFile
                             d({});
                           });
   });
+  // Disks inherited through a line of snapshots as many as the bound: copied into the overlay first (the
+  // guest runs on), so that the new disk backs on the image's base alone.
+  steps.push_back([this, plan](Op* o, StepDone d) {
+    if (plan->stream_base_node.empty()) return d({});
+    state(o).qmp->execute("block-stream", disk_stream_arguments(*plan), [this, o, d](Result<nlohmann::json> r) {
+      if (!r) return d(r.failure());
+      uv_update_time(loop_);
+      await_backup_job(o, uv_now(loop_), d);
+    });
+  });
   steps.push_back([this, plan, target](Op*, StepDone d) {
     disks_.delta_target(plan->backing, plan->backing_format, plan->virtual_size, target,
                         [d](Result<std::string> made) { d(made ? Status() : Status(made.failure())); });
@@ -904,7 +914,7 @@ void QemuDriver::undo_disk_backup(Op* op, const std::string& id, StepDone done) 
 void QemuDriver::await_backup_job(Op* op, uint64_t started_ms, StepDone done) {
   uv_update_time(loop_);
   if (uv_now(loop_) - started_ms > kBackupJobTimeoutMs)  // the failure path cancels it
-    return done(fail(Error::kTimeout, "the disk's backup job did not finish within " +
+    return done(fail(Error::kTimeout, "the disk's checkpoint job did not finish within " +
                                           std::to_string(kBackupJobTimeoutMs / 1000) + " s"));
   state(op).qmp->execute("query-jobs", nullptr, [this, op, started_ms, done](Result<nlohmann::json> r) {
     if (!r) return done(r.failure());
@@ -914,7 +924,7 @@ void QemuDriver::await_backup_job(Op* op, uint64_t started_ms, StepDone done) {
       return state(op).qmp->execute("job-dismiss", {{"id", kCheckpointNode}},
                                     [done, failure = job.failure()](Result<nlohmann::json>) { done(failure); });
     }
-    if (*job == BackupJob::kAbsent) return done(fail(Error::kInternal, "the disk's backup job vanished"));
+    if (*job == BackupJob::kAbsent) return done(fail(Error::kInternal, "the disk's checkpoint job vanished"));
     if (*job == BackupJob::kConcluded)
       return state(op).qmp->execute("job-dismiss", {{"id", kCheckpointNode}}, [done](Result<nlohmann::json> d) {
         done(d ? Status() : Status(d.failure()));

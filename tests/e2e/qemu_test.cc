@@ -729,6 +729,47 @@ TEST_F(Qemu, AFilesystemCheckpointHasWhatTheGuestJustWroteAndBootsInAnotherShape
   EXPECT_EQ(c.cli("rm vd").exit_code, 0);
 }
 
+// A line of sandboxes, each made from the last one's checkpoint: each checkpoint is a whole copy of its
+// sandbox's overlay on the snapshot under it, so the chain of disks would grow by one per generation. Once
+// the disks under a sandbox's overlay reach node.checkpoint_flatten_layers (2 here), its checkpoint first
+// streams them into the overlay: the new snapshot's disk backs on the image's base alone, and has every
+// generation's file.
+TEST_F(Qemu, ALineOfSandboxesFromCheckpointsKeepsItsDiskChainShort) {
+  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\ncheckpoint_flatten_layers = 2\n"));
+  const std::string archive = busybox_image(c.dir() + "/img");
+  ASSERT_EQ(c.cli("image import " + archive + " qdisk").exit_code, 0);
+  // The number of images in the backing chain of snapshot `snap`'s disk, itself included.
+  auto chain_of = [&](const std::string& snap) {
+    const std::string dir = run("find " + c.dir() + " -maxdepth 4 -type d -name " + snap + ".d").out;
+    const std::string disk = dir.substr(0, dir.find('\n')) + "/disk.qcow2";
+    return std::stoi(run("qemu-img info -U --backing-chain " + disk + " | grep -c '^image:'").out);
+  };
+  std::string from = "--driver qemu --image qdisk -- /bin/sh -c 'exec sleep 100000'";
+  std::vector<std::string> snaps;
+  for (int g = 0; g < 3; ++g) {
+    const std::string name = "g" + std::to_string(g);
+    auto created = c.cli("create --json --name " + name + " --timeout 600 --memory-mb 256 " + from, 180);
+    ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+    const std::string token = nlohmann::json::parse(created.out, nullptr, false).value("token", "");
+    const std::string seen = exec_in(c, name + ".sandbox.localhost", token,
+                                     "echo kept-" + std::to_string(g) + " >/" + name + "; cat /g0 /g1 /g2 2>/dev/null");
+    for (int before = 0; before < g; ++before)
+      EXPECT_NE(seen.find("kept-" + std::to_string(before)), std::string::npos) << name << ": " << seen;
+    auto checkpoint = c.cli("checkpoint " + name + " --json", 180);
+    ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
+    snaps.push_back(nlohmann::json::parse(checkpoint.out, nullptr, false).value("snapshot_id", ""));
+    from = "--from " + snaps.back();
+  }
+  EXPECT_EQ(chain_of(snaps[0]), 2);  // g0's disk, the image's base
+  EXPECT_EQ(chain_of(snaps[1]), 3);  // g1's, g0's, the base
+  EXPECT_EQ(chain_of(snaps[2]), 2) << "g2's checkpoint did not flatten the disks it inherited";
+  auto last = c.cli("create --json --name g3 --timeout 600 " + from, 180);
+  ASSERT_EQ(last.exit_code, 0) << last.out << last.err << c.node().log();
+  const std::string token = nlohmann::json::parse(last.out, nullptr, false).value("token", "");
+  const std::string seen = exec_in(c, "g3.sandbox.localhost", token, "cat /g0 /g1 /g2");
+  for (int g = 0; g < 3; ++g) EXPECT_NE(seen.find("kept-" + std::to_string(g)), std::string::npos) << seen;
+}
+
 // node.qemu_image is the default image of QEMU sandboxes (the create names none): the guest boots its disk,
 // the sandbox records the image, `image rm` is refused while the sandbox uses it and succeeds once it is gone.
 TEST_F(Qemu, ImageDiskFromTheNodeDefaultIsInUseUntilTheSandboxGoes) {

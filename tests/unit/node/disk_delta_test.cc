@@ -119,6 +119,48 @@ TEST_F(DiskDeltaTest, AFullChainStartsOverWithTheWholeOverlay) {
   EXPECT_EQ(full->stale_bitmaps, std::vector<std::string>{"snap-aaaaaaaaaaaa"});
 }
 
+// A sandbox made from a snapshot of a sandbox made from a snapshot...: once the disks under its overlay reach
+// the bound, its next whole copy first streams them into the overlay, and the new disk backs on the bottom.
+TEST_F(DiskDeltaTest, AnInheritedChainAtTheBoundIsStreamedIntoTheOverlayFirst) {
+  auto node = [](const std::string& name, const std::string& drv, const std::string& file, const std::string& backing,
+                 const std::string& format) {
+    json image = {{"filename", file}, {"virtual-size", 1073741824}};
+    if (!backing.empty()) {
+      image["backing-filename"] = backing;
+      image["full-backing-filename"] = backing;
+      image["backing-filename-format"] = format;
+    }
+    return json{{"node-name", name}, {"drv", drv}, {"image", image}};
+  };
+  // overlay -> s2 -> s1 -> base.raw, each with its file node.
+  json nodes = json::array({node("#ov", "qcow2", kOverlay, "/snaps/s2.qcow2", "qcow2"),
+                            node("#ovf", "file", kOverlay, "", ""),
+                            node("#s2", "qcow2", "/snaps/s2.qcow2", "/snaps/s1.qcow2", "qcow2"),
+                            node("#s2f", "file", "/snaps/s2.qcow2", "", ""),
+                            node("#s1", "qcow2", "/snaps/s1.qcow2", "/disks/base.raw", "raw"),
+                            node("#s1f", "file", "/snaps/s1.qcow2", "", ""),
+                            node("#base", "raw", "/disks/base.raw", "", ""),
+                            node("#basef", "file", "/disks/base.raw", "", "")});
+  auto under_bound = plan_disk_delta(nodes, kOverlay, std::nullopt, 3);
+  ASSERT_TRUE(under_bound) << under_bound.message();
+  EXPECT_EQ(under_bound->stream_base_node, "");
+  EXPECT_EQ(under_bound->backing, "/snaps/s2.qcow2");
+  auto at_bound = plan_disk_delta(nodes, kOverlay, std::nullopt, 2);
+  ASSERT_TRUE(at_bound) << at_bound.message();
+  EXPECT_EQ(at_bound->stream_base_node, "#base");
+  EXPECT_EQ(at_bound->backing, "/disks/base.raw");
+  EXPECT_EQ(at_bound->backing_format, "raw");
+  json stream = disk_stream_arguments(*at_bound);
+  EXPECT_EQ(stream["base-node"], "#base");
+  EXPECT_EQ(stream["device"], "root");
+  EXPECT_EQ(stream["job-id"], kCheckpointNode);
+  // A loop of backing files (a damaged chain) ends the walk rather than the node.
+  json loop = json::array({node("#ov", "qcow2", kOverlay, "/snaps/a.qcow2", "qcow2"),
+                           node("#a", "qcow2", "/snaps/a.qcow2", "/snaps/b.qcow2", "qcow2"),
+                           node("#b", "qcow2", "/snaps/b.qcow2", "/snaps/a.qcow2", "qcow2")});
+  EXPECT_TRUE(plan_disk_delta(loop, kOverlay, std::nullopt, 2));
+}
+
 // QEMU's answers are the peer's: anything malformed is an error naming what is missing, never a crash.
 TEST_F(DiskDeltaTest, AMalformedAnswerIsAnErrorNotACrash) {
   for (const json& bad : {json(nullptr), json("nodes"), json::array(), json::array({42, "x", nullptr}),
