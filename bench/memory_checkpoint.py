@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from sgbench import DOMAIN, ROOT, Cluster, print_ms_table
+from sgbench import DOMAIN, Cluster, print_ms_table
 
 SERVER = ("mkdir -p /tmp/www/cgi-bin; printf '#!/bin/sh\\nn=$(cat /tmp/n 2>/dev/null || echo 0); n=$((n+1)); "
           "echo $n >/tmp/n; echo Content-Type: text/plain; echo; echo $n\\n' >/tmp/www/cgi-bin/c; "
@@ -37,12 +37,7 @@ def main():
         sys.exit(__doc__)
     build = os.path.abspath(sys.argv[1])
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    guest = os.environ.get("GUEST_DIR", build + "/qemu-guest")
-    subprocess.run(["bash", ROOT + "/deploy/build-guest-image.sh", guest, build + "/agent/sandgate-agent"],
-                   check=True, stdout=subprocess.DEVNULL)
-    c = Cluster(build, "memory-checkpoint-bench",
-                node_toml=f'guest_kernel = "{guest}/vmlinuz"\nguest_initrd = "{guest}/initrd.img"\n'
-                          'qemu_boot_timeout_ms = 120000\nmax_timeout_secs = 86400\n')
+    c = Cluster.with_qemu(build, "memory-checkpoint-bench", 120000)
     tls = ssl.create_default_context(cafile=c.ca)
 
     def counter(name, timeout_s=120):

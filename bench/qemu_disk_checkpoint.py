@@ -21,11 +21,10 @@ one the clusters written since the one before (a dirty bitmap) over that one's d
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from sgbench import ROOT, Cluster, print_ms_table
+from sgbench import Cluster, print_ms_table
 
 
 def main():
@@ -33,12 +32,7 @@ def main():
         sys.exit(__doc__)
     build = os.path.abspath(sys.argv[1])
     runs = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    guest = os.environ.get("GUEST_DIR", build + "/qemu-guest")
-    subprocess.run(["bash", ROOT + "/deploy/build-guest-image.sh", guest, build + "/agent/sandgate-agent"],
-                   check=True, stdout=subprocess.DEVNULL)
-    c = Cluster(build, "qemu-disk-checkpoint-bench",
-                node_toml=f'guest_kernel = "{guest}/vmlinuz"\nguest_initrd = "{guest}/initrd.img"\n'
-                          'qemu_boot_timeout_ms = 180000\nmax_timeout_secs = 86400\n')
+    c = Cluster.with_qemu(build, "qemu-disk-checkpoint-bench", 180000)
     def write(name, token, mib, path):
         if not mib:
             return

@@ -205,6 +205,16 @@ init_path = "{self.build}/noderuntime/sandgate-init"
         if status != 200:
             raise RuntimeError(f"delete {name}: {status}")
 
+    @classmethod
+    def with_qemu(cls, build, name, boot_timeout_ms):
+        """A cluster whose node boots QEMU guests from GUEST_DIR (default BUILD/qemu-guest, built with
+        deploy/build-guest-image.sh and BUILD's agent when missing)."""
+        guest = os.environ.get("GUEST_DIR", build + "/qemu-guest")
+        subprocess.run(["bash", ROOT + "/deploy/build-guest-image.sh", guest, build + "/agent/sandgate-agent"],
+                       check=True, stdout=subprocess.DEVNULL)
+        return cls(build, name, node_toml=f'guest_kernel = "{guest}/vmlinuz"\nguest_initrd = "{guest}/initrd.img"\n'
+                                          f'qemu_boot_timeout_ms = {boot_timeout_ms}\nmax_timeout_secs = 86400\n')
+
     def close(self):
         for p in reversed(self.procs):
             stop(p)

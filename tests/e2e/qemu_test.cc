@@ -1064,6 +1064,24 @@ TEST_F(Qemu, DiskFullDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestRunning) 
   ASSERT_EQ(c.cli("rm q").exit_code, 0);
 }
 
+// Kills the node at failpoint `point` during `checkpoint` (a CLI command line), starts it again unarmed and
+// checks what a checkpoint that never finished must leave: no snapshot listed, no file, sandbox `name` running.
+void kill_node_during_checkpoint(Cluster& c, const std::string& point, const std::string& checkpoint,
+                                 const std::string& name) {
+  c.stop_node(SIGKILL);
+  c.start_node({"SANDGATE_FAILPOINTS=" + point});
+  const size_t from = c.node().log().size();
+  (void)c.cli(checkpoint, 120);
+  const int status = c.node().wait_exit(120000);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << ": status " << status;
+  ASSERT_NE(c.node().log().find("failpoint " + point + ": SIGKILL", from), std::string::npos) << c.node().log();
+  c.start_node();
+  EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n") << point;
+  EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "") << point << ": files of no snapshot stayed";
+  EXPECT_TRUE(eventually([&] { return c.get(name).value("state", "") == "running"; }, std::chrono::seconds(30)))
+      << point << ": " << c.get(name).dump();
+}
+
 // The node killed during a memory checkpoint (failpoints, docs/tests.md#failpoints): with the guest stopped
 // for the save, and with the files saved but not recorded. The restarted node lists no snapshot and keeps
 // none of its files, and the guest goes on with its memory: the restarted node lets the guest it finds
@@ -1078,18 +1096,8 @@ TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn
   long expected = counter(c).count;
   ASSERT_EQ(expected, 1);
   for (const std::string point : {"memory-checkpoint:stopped", "memory-checkpoint:saved"}) {
-    c.stop_node(SIGKILL);
-    c.start_node({"SANDGATE_FAILPOINTS=" + point});
-    const size_t from = c.node().log().size();
-    (void)c.cli("checkpoint q --type memory", 120);
-    const int status = c.node().wait_exit(120000);
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << ": status " << status;
-    ASSERT_NE(c.node().log().find("failpoint " + point + ": SIGKILL", from), std::string::npos) << c.node().log();
-    c.start_node();
-    EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n") << point;
-    EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "") << point << ": files of no snapshot stayed";
-    EXPECT_TRUE(eventually([&] { return c.get("q").value("state", "") == "running"; }, std::chrono::seconds(30)))
-        << point << ": " << c.get("q").dump();
+    kill_node_during_checkpoint(c, point, "checkpoint q --type memory", "q");
+    if (HasFatalFailure()) return;
     EXPECT_EQ(counter(c).count, ++expected) << point << "\n" << c.get("q").dump() << c.node().log();
   }
   auto checkpoint = c.cli("checkpoint q --type memory --json", 180);
@@ -1114,18 +1122,8 @@ TEST_F(Qemu, ANodeKilledDuringADiskCheckpointLeavesNoSnapshotAndTheGuestGoesOn) 
                                               "echo kept-$$ >/data.txt; cat /data.txt"));
   ASSERT_FALSE(kept.empty());
   for (const std::string point : {"disk-checkpoint:copying", "disk-checkpoint:copied"}) {
-    c.stop_node(SIGKILL);
-    c.start_node({"SANDGATE_FAILPOINTS=" + point});
-    const size_t from = c.node().log().size();
-    (void)c.cli("checkpoint vk", 120);
-    const int status = c.node().wait_exit(120000);
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << point << ": status " << status;
-    ASSERT_NE(c.node().log().find("failpoint " + point + ": SIGKILL", from), std::string::npos) << c.node().log();
-    c.start_node();
-    EXPECT_EQ(c.cli("snapshots").out, "ID  SOURCE  TYPE  LAYERS  LAYER-SIZE  AGE\n") << point;
-    EXPECT_EQ(run("ls -A " + c.dir() + "/node/snapshots").out, "") << point << ": files of no snapshot stayed";
-    EXPECT_TRUE(eventually([&] { return c.get("vk").value("state", "") == "running"; }, std::chrono::seconds(30)))
-        << point << ": " << c.get("vk").dump();
+    kill_node_during_checkpoint(c, point, "checkpoint vk", "vk");
+    if (HasFatalFailure()) return;
     EXPECT_EQ(kept_value(exec_in(c, "vk.sandbox.localhost", token, "cat /data.txt")), kept) << point;
   }
   auto checkpoint = c.cli("checkpoint vk --json", 180);
