@@ -47,6 +47,7 @@ std::string_view cause_name(TerminationCause c) {
     case TerminationCause::kFleetOwnerGone: return "fleet_owner_gone";
     case TerminationCause::kFleetHopFailed: return "fleet_hop_failed";
     case TerminationCause::kFleetRedirect: return "fleet_redirect";
+    case TerminationCause::kSocketWatchFailed: return "socket_watch_failed";
     case TerminationCause::kShutdown: return "shutdown";
   }
   return "unknown";

@@ -51,6 +51,7 @@ enum class TerminationCause {
   kFleetOwnerGone,      // the sandbox's owning node is gone from the fleet (its lease expired): 503 + Retry-After
   kFleetHopFailed,      // the owning node's fleet ingress could not be reached or broke the hop protocol
   kFleetRedirect,       // fleet ingress: this node does not own the sandbox; the hop was sent to the owner
+  kSocketWatchFailed,   // the proxy could not watch one of the connection's sockets (epoll_ctl: ENOMEM, ENOSPC)
   kShutdown,
 };
 

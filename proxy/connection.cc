@@ -367,12 +367,14 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer, bool v
   rec_.started_steady = std::chrono::steady_clock::now();
   rec_.client = std::move(peer);
   uv_loop_t* loop = worker_->loop();
-  uv_poll_init(loop, &client_poll_, client_fd_.get());
+  client_watch_.init(&worker_->sockets(), client_fd_.get(), [](void* self, int st, int ev) {
+    static_cast<Connection*>(self)->on_client_io(st, ev);
+  }, this);
   uv_timer_init(loop, &deadline_);
   uv_timer_init(loop, &idle_timer_);
   uv_idle_init(loop, &pump_again_);
-  client_poll_.data = deadline_.data = idle_timer_.data = upstream_poll_.data = pump_again_.data = this;
-  handles_open_ = 4;
+  deadline_.data = idle_timer_.data = pump_again_.data = this;
+  handles_open_ = 3;
   enter<HandshakePhase>();
 }
 
@@ -414,20 +416,15 @@ void Connection::on_idle_timer() {
 
 void Connection::update_interest() {
   if (phase() == PhaseKind::kClosed) return;
-  const int want_client = phase_->client_interest();
-  const int want_upstream = phase_->upstream_interest();
-  auto client_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_client_io(st, ev); };
-  auto upstream_cb = [](uv_poll_t* p, int st, int ev) { static_cast<Connection*>(p->data)->on_upstream_io(st, ev); };
-  if (want_client != client_events_) {
-    client_events_ = want_client;
-    if (want_client) uv_poll_start(&client_poll_, want_client, client_cb);
-    else uv_poll_stop(&client_poll_);
-  }
-  if (upstream_poll_started_ && want_upstream != upstream_events_) {
-    upstream_events_ = want_upstream;
-    if (want_upstream) uv_poll_start(&upstream_poll_, want_upstream, upstream_cb);
-    else uv_poll_stop(&upstream_poll_);
-  }
+  Status s = client_watch_.set(phase_->client_interest());
+  if (s && upstream_watch_.initialized()) s = upstream_watch_.set(phase_->upstream_interest());
+  if (!s) close(TerminationCause::kSocketWatchFailed, s.failure().message);
+}
+
+void Connection::watch_upstream() {
+  upstream_watch_.init(&worker_->sockets(), upstream_fd_.get(), [](void* self, int st, int ev) {
+    static_cast<Connection*>(self)->on_upstream_io(st, ev);
+  }, this);
 }
 
 void Connection::on_client_io(int status, int events) {
@@ -1085,9 +1082,7 @@ void Connection::begin_hop_forwarding(UniqueFd fd, SSL* ssl) {
   traffic_ = &node_api_traffic_;
   upstream_fd_ = std::move(fd);
   upstream_ = std::make_unique<TlsTransport>(ssl, upstream_fd_.get(), nullptr);
-  uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
-  upstream_poll_started_ = true;
-  ++handles_open_;
+  watch_upstream();
   begin_forwarding();
 }
 
@@ -1285,9 +1280,7 @@ void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t 
   }
   upstream_fd_ = std::move(socket);
   upstream_ = std::make_unique<TcpTransport>(upstream_fd_.get());
-  uv_poll_init(worker_->loop(), &upstream_poll_, upstream_fd_.get());
-  upstream_poll_started_ = true;
-  ++handles_open_;
+  watch_upstream();
   enter<ConnectPhase>();
   if (connected) return begin_forwarding();
   arm_deadline(cfg_->proxy.connect_timeout_ms, TerminationCause::kUpstreamConnectTimeout);
@@ -1727,9 +1720,10 @@ void Connection::close(TerminationCause cause, std::string detail) {
     auto* self = static_cast<Connection*>(h->data);
     if (--self->handles_open_ == 0) delete self;
   };
-  // Stop polling before the descriptors close (libuv must not watch a closed fd), then free the handles.
-  uv_close(reinterpret_cast<uv_handle_t*>(&client_poll_), on_closed);
-  if (upstream_poll_started_) uv_close(reinterpret_cast<uv_handle_t*>(&upstream_poll_), on_closed);
+  // Stop watching before the descriptors close (a closed descriptor may be reused at once), then free the
+  // handles.
+  client_watch_.stop();
+  upstream_watch_.stop();
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&pump_again_), on_closed);

@@ -20,6 +20,7 @@
 #include "proxy/forwarder.h"
 #include "proxy/node_api.h"
 #include "proxy/route.h"
+#include "proxy/socket_watch.h"
 #include "proxy/tls.h"
 #include "proxy/traffic.h"
 #include "proxy/transport.h"
@@ -102,6 +103,8 @@ class Connection {
   void on_idle_timer();
   void arm_deadline(uint32_t ms, TerminationCause cause);
   void update_interest();
+  // upstream_fd_ is set: watch it (for nothing yet) in the worker's set.
+  void watch_upstream();
 
   // kTLS: what the handshake offloaded, and why not (logged once per reason).
   void plan_data_path();
@@ -160,9 +163,8 @@ class Connection {
   UniqueFd upstream_fd_;
   std::unique_ptr<TlsTransport> client_;    // the client's TLS (set by start())
   std::unique_ptr<Transport> upstream_;  // the sandbox's socket, once the node gave it (or the hop's TLS)
-  uv_poll_t client_poll_{};
-  uv_poll_t upstream_poll_{};
-  bool upstream_poll_started_ = false;
+  SocketWatch client_watch_;    // in the worker's SocketWatchSet
+  SocketWatch upstream_watch_;  // initialized with upstream_fd_
   uv_timer_t deadline_{};
   uv_timer_t idle_timer_{};
   // Work poll() never reports: whole records read ahead inside OpenSSL after the socket ran dry, and what a
@@ -170,8 +172,6 @@ class Connection {
   uv_idle_t pump_again_{};
   int handles_open_ = 0;
   TerminationCause deadline_cause_ = TerminationCause::kHandshakeTimeout;
-  int client_events_ = 0;  // currently polled
-  int upstream_events_ = 0;
   uint64_t last_activity_ms_ = 0;  // forwarding: the idle timer's reference
 
   HelloState hello_;  // SNI and the routed port's policy, filled during the handshake (OpenSSL's callbacks)

@@ -51,7 +51,8 @@ Result<std::string> request_bytes(const std::string& method, const std::string& 
 
 }  // namespace
 
-std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, const Endpoint& node, std::string method,
+std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, SocketWatchSet* sockets, const Endpoint& node,
+                                                std::string method,
                                                 std::string path, std::string body, uint32_t timeout_ms,
                                                 std::string extra_headers, Callback done) {
   std::unique_ptr<NodeRequest> req(new NodeRequest());
@@ -89,16 +90,24 @@ std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, const Endpoint&
       timeout_ms, 0);
   if (req->connect_failure_) return req;
   req->fd_.reset(fd);
-  req->poll_ = new uv_poll_t;
-  uv_poll_init(loop, req->poll_, fd);
-  req->poll_->data = req.get();
-  req->arm(UV_WRITABLE);
+  req->watch_.init(sockets, fd, [](void* self, int status, int ev) {
+    static_cast<NodeRequest*>(self)->on_io(status, ev);
+  }, req.get());
+  if (Status s = req->arm(UV_WRITABLE); !s) {
+    // Reported from the loop like a connect failure.
+    req->connect_failure_ = fail(Error::kUnavailable, "request to sandgate-node " + path + ": " + s.message());
+    uv_timer_start(req->timer_, [](uv_timer_t* t) {
+      auto* self = static_cast<NodeRequest*>(t->data);
+      self->finish(*self->connect_failure_);
+    }, 0, 0);
+  }
   return req;
 }
 
-std::unique_ptr<NodeRequest> NodeRequest::stream(uv_loop_t* loop, const Endpoint& node, std::string path,
-                                                 uint32_t head_timeout_ms, LineCallback on_line, Callback ended) {
-  auto req = start(loop, node, "GET", std::move(path), "", head_timeout_ms, "", std::move(ended));
+std::unique_ptr<NodeRequest> NodeRequest::stream(uv_loop_t* loop, SocketWatchSet* sockets, const Endpoint& node,
+                                                 std::string path, uint32_t head_timeout_ms, LineCallback on_line,
+                                                 Callback ended) {
+  auto req = start(loop, sockets, node, "GET", std::move(path), "", head_timeout_ms, "", std::move(ended));
   req->on_line_ = std::move(on_line);
   req->parser_ = std::make_unique<HttpParser>(HttpParser::Kind::kResponse, HttpLimits{16 * 1024, 0, true});
   return req;
@@ -131,15 +140,11 @@ bool NodeRequest::deliver_lines(std::string_view bytes) {
 
 NodeRequest::~NodeRequest() {
   if (alive_ != nullptr) *alive_ = false;
-  close_and_free(poll_);
+  watch_.stop();
   close_and_free(timer_);
 }
 
-void NodeRequest::arm(int events) {
-  uv_poll_start(poll_, events, [](uv_poll_t* p, int status, int ev) {
-    static_cast<NodeRequest*>(p->data)->on_io(status, ev);
-  });
-}
+Status NodeRequest::arm(int events) { return watch_.set(events); }
 
 void NodeRequest::on_io(int status, int events) {
   if (status < 0) return finish(fail(Error::kIo, std::string("node socket: ") + uv_strerror(status)));
@@ -147,7 +152,9 @@ void NodeRequest::on_io(int status, int events) {
     ssize_t n = ::send(fd_.get(), out_.data() + out_off_, out_.size() - out_off_, MSG_NOSIGNAL);
     if (n < 0 && errno != EAGAIN) return finish(fail_errno("send to sandgate-node", errno));
     if (n > 0) out_off_ += static_cast<size_t>(n);
-    if (out_off_ == out_.size()) arm(UV_READABLE);
+    if (out_off_ == out_.size()) {
+      if (Status s = arm(UV_READABLE); !s) return finish(fail(Error::kIo, "node socket: " + s.message()));
+    }
     return;
   }
   if (!(events & UV_READABLE)) return;
@@ -191,7 +198,7 @@ void NodeRequest::on_io(int status, int events) {
 void NodeRequest::finish(Result<NodeResponse> r) {
   if (finished_) return;
   finished_ = true;
-  if (poll_) uv_poll_stop(poll_);
+  watch_.stop();
   uv_timer_stop(timer_);
   fd_.reset();
   Callback done = std::move(done_);

@@ -15,6 +15,7 @@
 #include "common/fd.h"
 #include "common/http.h"
 #include "common/net.h"
+#include "proxy/socket_watch.h"
 
 namespace sg {
 
@@ -29,8 +30,10 @@ class NodeRequest {
   using Callback = std::function<void(Result<NodeResponse>)>;
 
   // Starts the request; `done` runs once on the loop (never before start() returns) unless the request is
-  // destroyed first, which cancels it. `timeout_ms` bounds the whole exchange.
-  static std::unique_ptr<NodeRequest> start(uv_loop_t* loop, const Endpoint& node, std::string method,
+  // destroyed first, which cancels it. `timeout_ms` bounds the whole exchange. The request's socket is
+  // watched in `sockets`, which `loop` polls.
+  static std::unique_ptr<NodeRequest> start(uv_loop_t* loop, SocketWatchSet* sockets, const Endpoint& node,
+                                            std::string method,
                                             std::string path, std::string body, uint32_t timeout_ms,
                                             std::string extra_headers, Callback done);
   // A GET whose 200 answer never ends (internal/events): each line of its body goes to `on_line` (without
@@ -38,7 +41,8 @@ class NodeRequest {
   // a line was longer than kMaxStreamLineBytes, or the answer did not start within `head_timeout_ms` or was
   // not a 200 (its status is then in NodeResponse, with the body read so far).
   using LineCallback = std::function<void(std::string_view line)>;
-  static std::unique_ptr<NodeRequest> stream(uv_loop_t* loop, const Endpoint& node, std::string path,
+  static std::unique_ptr<NodeRequest> stream(uv_loop_t* loop, SocketWatchSet* sockets, const Endpoint& node,
+                                             std::string path,
                                              uint32_t head_timeout_ms, LineCallback on_line, Callback ended);
   static constexpr size_t kMaxStreamLineBytes = 64 * 1024;
   ~NodeRequest();
@@ -49,14 +53,14 @@ class NodeRequest {
   NodeRequest() = default;
   void on_io(int status, int events);
   void finish(Result<NodeResponse> r);
-  void arm(int events);
+  Status arm(int events);
   // Stream mode: splits what follows the head into lines; false once finish() ran.
   bool deliver_lines(std::string_view bytes);
 
   uv_loop_t* loop_ = nullptr;
   UniqueFd fd_;
-  // Handles are heap-allocated and freed in their close callbacks, which may run after this object is gone.
-  uv_poll_t* poll_ = nullptr;
+  SocketWatch watch_;  // of fd_ (declared after it: stopped before the descriptor closes)
+  // Heap-allocated and freed in its close callback, which may run after this object is gone.
   uv_timer_t* timer_ = nullptr;
   std::string out_;
   size_t out_off_ = 0;

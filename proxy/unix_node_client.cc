@@ -54,11 +54,11 @@ Failure not_the_api(std::string_view what) {
 }
 
 template <typename Answer, typename Parse>
-std::unique_ptr<NodeCall> start(uv_loop_t* loop, const ProxyShared* shared, std::string path, std::string body,
+std::unique_ptr<NodeCall> start(uv_loop_t* loop, SocketWatchSet* sockets, const ProxyShared* shared, std::string path, std::string body,
                                 uint32_t timeout_ms, std::string headers,
                                 std::function<void(Result<Answer>)> done, Parse parse) {
   auto call = std::make_unique<RequestCall>();
-  call->request = NodeRequest::start(loop, shared->snapshot()->config->node_socket, "POST", std::move(path),
+  call->request = NodeRequest::start(loop, sockets, shared->snapshot()->config->node_socket, "POST", std::move(path),
                                      std::move(body), timeout_ms, std::move(headers),
                                      [done = std::move(done), parse](Result<NodeResponse> r) {
                                        if (!r) return done(r.failure());
@@ -189,7 +189,7 @@ std::unique_ptr<NodeCall> UnixNodeClient::lookup(const std::string& sandbox, uin
   json body = {{"sandbox", sandbox}, {"port", port}};
   if (!client.address.empty()) body["client"] = client.address;
   if (client.prewake) body["prewake"] = true;
-  return start<LookupAnswer>(loop_, shared_, "/v1/internal/lookup", body.dump(), timeout_ms, "", std::move(done),
+  return start<LookupAnswer>(loop_, sockets_, shared_, "/v1/internal/lookup", body.dump(), timeout_ms, "", std::move(done),
                              [](NodeResponse& r) { return parse_lookup_answer(r.status, r.body); });
 }
 
@@ -201,21 +201,21 @@ std::unique_ptr<NodeCall> UnixNodeClient::open(const std::string& sandbox, uint1
   if (shared_->snapshot()->config->proxy.route_cache) body["spare_sockets"] = RouteCache::kSparesPerGrant;
   if (!credentials.empty()) body["credentials"] = json(std::vector<std::string>(credentials.begin(), credentials.end()));
   // The node bounds the wake; the exchange gets a second more so its 504 arrives before our own timeout.
-  return start<OpenAnswer>(loop_, shared_, "/v1/internal/open", body.dump(), wake_timeout_ms + 1000,
+  return start<OpenAnswer>(loop_, sockets_, shared_, "/v1/internal/open", body.dump(), wake_timeout_ms + 1000,
                            "X-Sandgate-Wake-Timeout-Ms: " + std::to_string(wake_timeout_ms) + "\r\n", std::move(done),
                            [](NodeResponse& r) { return parse_open_answer(r.status, r.body, std::move(r.passed_fds)); });
 }
 
 std::unique_ptr<NodeCall> UnixNodeClient::report_activity(std::string report_json,
                                                           std::function<void(Result<ActivityCuts>)> done) {
-  return start<ActivityCuts>(loop_, shared_, "/v1/internal/activity", std::move(report_json), 5000, "",
+  return start<ActivityCuts>(loop_, sockets_, shared_, "/v1/internal/activity", std::move(report_json), 5000, "",
                              std::move(done), [](NodeResponse& r) { return parse_activity_answer(r.status, r.body); });
 }
 
 std::unique_ptr<NodeCall> UnixNodeClient::spare_sockets(const std::string& sandbox_id, uint16_t port, size_t count,
                                                         std::function<void(Result<RouteGrant>)> done) {
   json body = {{"sandbox", sandbox_id}, {"port", port}, {"count", count}};
-  return start<RouteGrant>(loop_, shared_, "/v1/internal/sockets", body.dump(), 5000, "", std::move(done),
+  return start<RouteGrant>(loop_, sockets_, shared_, "/v1/internal/sockets", body.dump(), 5000, "", std::move(done),
                            [](NodeResponse& r) { return parse_sockets_answer(r.status, r.body, std::move(r.passed_fds)); });
 }
 
@@ -225,7 +225,7 @@ std::unique_ptr<NodeCall> UnixNodeClient::watch_routes(std::function<void(const 
   // A line that is not the API ends the stream: an event that cannot be read may be an invalidation.
   auto failed = std::make_shared<std::optional<Failure>>();
   call->request = NodeRequest::stream(
-      loop_, shared_->snapshot()->config->node_socket, "/v1/internal/events", 5000,
+      loop_, sockets_, shared_->snapshot()->config->node_socket, "/v1/internal/events", 5000,
       [on_event, failed](std::string_view line) {
         if (*failed) return;
         auto e = parse_route_event(line);

@@ -16,7 +16,9 @@ class UnixNodeClient : public NodeClient {
  public:
   // The node's address is read from the current snapshot at each call, so a reload that moves it applies
   // to the next request.
-  UnixNodeClient(uv_loop_t* loop, const ProxyShared* shared) : loop_(loop), shared_(shared) {}
+  // Its requests' sockets are watched in `sockets` (the worker's, polled from `loop`).
+  UnixNodeClient(uv_loop_t* loop, SocketWatchSet* sockets, const ProxyShared* shared)
+      : loop_(loop), sockets_(sockets), shared_(shared) {}
 
   std::unique_ptr<NodeCall> lookup(const std::string& sandbox, uint16_t port, const ClientHint& client,
                                    uint32_t timeout_ms, std::function<void(Result<LookupAnswer>)> done) override;
@@ -33,6 +35,7 @@ class UnixNodeClient : public NodeClient {
 
  private:
   uv_loop_t* loop_;
+  SocketWatchSet* sockets_;
   const ProxyShared* shared_;
 };
 

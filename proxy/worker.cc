@@ -36,7 +36,7 @@ Worker::Worker(int index, ProxyShared* shared, std::unique_ptr<NodeClient> node)
       routes_(kPortPolicyTtlMs, kMaxPortPolicies, shared->spare_sockets_per_worker),
       reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
   uv_loop_init(&loop_);
-  node_ = node ? std::move(node) : std::make_unique<UnixNodeClient>(&loop_, shared_);
+  node_ = node ? std::move(node) : std::make_unique<UnixNodeClient>(&loop_, &sockets_, shared_);
 }
 
 Worker::~Worker() {
@@ -89,6 +89,7 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
   if (!fleet_listen.empty()) fleet_listeners_from_ = fleet_from;
   fleet_bound_ = std::move(*fleet_bound);
   bound_ = std::move(*bound);
+  if (Status s = sockets_.open(&loop_); !s) return s;
   for (UniqueFd& fd : fds) {
     auto poll = std::make_unique<uv_poll_t>();
     uv_poll_init(&loop_, poll.get(), fd.get());
@@ -115,6 +116,7 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
     uv_close(reinterpret_cast<uv_handle_t*>(&self->accept_pause_timer_), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->stop_async_), nullptr);
     self->report_in_flight_.reset();
+    self->sockets_.close();  // no event after this; watches still set go with their owners
   });
   stop_async_.data = this;
   uv_async_init(&loop_, &drain_async_, [](uv_async_t* a) { static_cast<Worker*>(a->data)->start_draining(); });

@@ -21,6 +21,7 @@
 #include "proxy/metrics.h"
 #include "proxy/node_api.h"
 #include "proxy/route_cache.h"
+#include "proxy/socket_watch.h"
 #include "proxy/tls.h"
 #include "proxy/traffic.h"
 
@@ -111,6 +112,8 @@ class Worker {
   void join();
 
   uv_loop_t* loop() { return &loop_; }
+  // Where the connections' client and sandbox sockets are watched (open from bind() to stop()).
+  SocketWatchSet& sockets() { return sockets_; }
   ProxyShared* shared() { return shared_; }
   WorkerTraffic& traffic() { return traffic_; }
   RouteCache& routes() { return routes_; }
@@ -147,6 +150,7 @@ class Worker {
   int index_;
   ProxyShared* shared_;
   uv_loop_t loop_{};
+  SocketWatchSet sockets_;
   uv_async_t stop_async_{};
   uv_timer_t report_timer_{};
   std::vector<UniqueFd> listen_fds_;
