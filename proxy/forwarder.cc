@@ -109,12 +109,12 @@ bool Direction::read_into_buffer() {
   IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
   buffer_.produced(r.bytes);
   if (r.bytes > 0 && hooks_.observe) hooks_.observe(std::string_view(fresh, r.bytes));
-  read_filled_ = r.status == IoResult::Status::kOk;
+  read_filled_ = r.status == IoResult::Status::kOk && !r.drained;
   return received(r);
 }
 
 bool Direction::received(const IoResult& r) {
-  if (r.status == IoResult::Status::kWouldBlock && !r.waits_for_writable) source_ready_ = false;
+  if ((r.status == IoResult::Status::kWouldBlock && !r.waits_for_writable) || r.drained) source_ready_ = false;
   if (r.bytes > 0) hooks_.received(r.bytes);
   switch (r.status) {
     case IoResult::Status::kOk:

@@ -45,7 +45,11 @@ IoResult Transport::read_record(std::span<char>) { return IoResult::error("no TL
 
 IoResult TcpTransport::read(std::span<char> into) {
   ssize_t n = ::recv(fd_, into.data(), into.size(), 0);
-  if (n > 0) return IoResult::ok(static_cast<size_t>(n));
+  if (n > 0) {
+    // A stream socket's recv returns less than asked only when it took everything queued.
+    return static_cast<size_t>(n) < into.size() ? IoResult::ok_drained(static_cast<size_t>(n))
+                                                : IoResult::ok(static_cast<size_t>(n));
+  }
   return errno_result(n);
 }
 
@@ -69,6 +73,11 @@ IoResult TlsTransport::read(std::span<char> into) {
     if (n <= 0) break;
     got += static_cast<size_t>(n);
     if (rx_handover_ != RxHandover::kNone) break;  // the kernel may take over at the next record boundary
+    // With read-ahead, OpenSSL's last read() asked for a whole buffer (64 KiB): once what it brought in is
+    // all decrypted and handed over, the socket most likely holds nothing (and if it does, poll says so),
+    // so the next SSL_read's read() would fail with EAGAIN. Without read-ahead it reads record by record,
+    // and an empty OpenSSL buffer says nothing about the socket.
+    if (got < into.size() && read_ahead_ && SSL_has_pending(ssl_) == 0) return IoResult::ok_drained(got);
   }
   if (n > 0) return IoResult::ok(got);  // stopped for room; an EOF or error behind the data comes next time
   int err = SSL_get_error(ssl_, n);

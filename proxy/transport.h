@@ -40,8 +40,17 @@ struct IoResult {
   // unset: an I/O failure of that side.
   std::optional<TerminationCause> cause;
   bool waits_for_writable = false;  // kWouldBlock: retry when writable, not when readable
+  // kOk from a read that took all the socket had (a short read): reading again now would only fail with
+  // EAGAIN, so the reader waits for poll() (level-triggered: bytes that came meanwhile are reported). Saves
+  // that failed read() per burst on each side: two of the six system calls of a small keep-alive request.
+  bool drained = false;
 
   static IoResult ok(size_t n) { return {Status::kOk, n, {}, {}}; }
+  static IoResult ok_drained(size_t n) {
+    IoResult r{Status::kOk, n, {}, {}};
+    r.drained = true;
+    return r;
+  }
   static IoResult would_block(size_t n = 0) { return {Status::kWouldBlock, n, {}, {}}; }
   // Would block until the socket is writable (a TLS read that must send first): readability says nothing.
   static IoResult would_block_on_write(size_t n = 0) {
@@ -101,15 +110,17 @@ class TlsTransport final : public Transport {
  public:
   // `ssl` is set up on `fd` and owned by this transport; `tracker` (for the TLS 1.3 receive handover)
   // is attached to it when kTLS is possible.
-  TlsTransport(SSL* ssl, int fd, KtlsRxTracker* tracker) : ssl_(ssl), fd_(fd), tracker_(tracker) {}
+  TlsTransport(SSL* ssl, int fd, KtlsRxTracker* tracker)
+      : ssl_(ssl), fd_(fd), tracker_(tracker), read_ahead_(SSL_get_read_ahead(ssl) != 0) {}
   ~TlsTransport() override { SSL_free(ssl_); }
   TlsTransport(const TlsTransport&) = delete;
   TlsTransport& operator=(const TlsTransport&) = delete;
 
   SSL* ssl() const { return ssl_; }
   int fd() const override { return fd_; }
-  // SSL_read until `into` is full or the socket is dry: SSL_read returns one record at a time, and the
-  // sandbox should get one large send instead of one per record. While receive waits to be handed to the
+  // SSL_read until `into` is full or the socket is dry (or, with read-ahead, OpenSSL's buffer is: then the
+  // result is `drained`): SSL_read returns one record at a time, and the sandbox should get one large send
+  // instead of one per record. While receive waits to be handed to the
   // kernel, one record at a time, so the handover can happen at any record boundary.
   IoResult read(std::span<char> into) override;
   IoResult write(std::span<const char> from) override;
@@ -133,6 +144,7 @@ class TlsTransport final : public Transport {
   SSL* ssl_;
   int fd_;
   KtlsRxTracker* tracker_;
+  bool read_ahead_;  // set on the context when kTLS is not possible (proxy/tls.cc)
   bool ktls_tx_ = false;
   RxHandover rx_handover_ = RxHandover::kNone;
   bool rx_spliced_ = false;

@@ -39,6 +39,14 @@ TEST(TcpTransport, ReadWriteEofAndErrors) {
   IoResult r = t.read(buf);
   EXPECT_EQ(r.status, IoResult::Status::kOk);
   EXPECT_EQ(std::string(buf, r.bytes), "world");
+  EXPECT_TRUE(r.drained) << "a short read took all there was: the next would only fail";
+  ASSERT_EQ(::send(p.b.get(), "0123456789", 10, MSG_NOSIGNAL), 10);
+  char four[4];
+  r = t.read(four);
+  EXPECT_EQ(r.bytes, 4u);
+  EXPECT_FALSE(r.drained) << "stopped for room: more may be there";
+  r = t.read(buf);
+  EXPECT_EQ(std::string(buf, r.bytes), "456789");
   EXPECT_TRUE(t.shutdown_write());
   char got[8];
   EXPECT_EQ(::recv(p.b.get(), got, sizeof got, 0), 5);
@@ -78,6 +86,7 @@ class TlsTransportTest : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ctx_ = SSL_CTX_new(TLS_server_method());
+    if (read_ahead_) SSL_CTX_set_read_ahead(server_ctx_, 1);  // as the proxy's contexts without kTLS
     SSL_CTX_use_certificate(server_ctx_, cert_.cert);
     SSL_CTX_use_PrivateKey(server_ctx_, cert_.key);
     client_ctx_ = SSL_CTX_new(TLS_client_method());
@@ -117,6 +126,7 @@ class TlsTransportTest : public ::testing::Test {
     return got;
   }
 
+  bool read_ahead_ = false;
   test_support::TestCert cert_;
   Pair pair_ = socket_pair();
   KtlsRxTracker tracker_;
@@ -139,6 +149,34 @@ TEST_F(TlsTransportTest, ReadsAcrossRecordsUntilTheSocketIsDry) {
   r = transport_->read(small);
   EXPECT_EQ(r.status, IoResult::Status::kOk);
   EXPECT_EQ(std::string(small, r.bytes), "0123");
+  EXPECT_TRUE(transport_->has_buffered_input());
+}
+
+class TlsTransportReadAheadTest : public TlsTransportTest {
+ protected:
+  TlsTransportReadAheadTest() { read_ahead_ = true; }
+};
+
+// With read-ahead, what one read() brought in is decrypted whole: the read stops there instead of calling
+// read() again for an EAGAIN, and says the socket is dry.
+TEST_F(TlsTransportReadAheadTest, StopsWhenOpenSslsBufferIsEmptyAndSaysTheSocketIsDry) {
+  client_sends("one record, ");
+  client_sends("and another");
+  char buf[256];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_TRUE(r.drained);
+  EXPECT_EQ(std::string(buf, r.bytes), "one record, and another");
+  EXPECT_FALSE(transport_->has_buffered_input());
+  r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kWouldBlock) << "it was dry";
+  EXPECT_EQ(r.bytes, 0u);
+  // Stopped for room: not dry, and the rest is inside OpenSSL.
+  client_sends("0123456789");
+  char small[4];
+  r = transport_->read(small);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_FALSE(r.drained);
   EXPECT_TRUE(transport_->has_buffered_input());
 }
 
