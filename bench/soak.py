@@ -54,12 +54,16 @@ async def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 10000
-    # The client's N sockets; the daemons inherit the same limit. The proxy reserves 6 descriptors per
-    # connection (kFdsPerConnection) and refuses what RLIMIT_NOFILE cannot carry, so N must fit the hard limit.
+    # The client's N sockets; the daemons inherit the same limit. The proxy reserves 3 descriptors per
+    # connection (6 where kTLS is possible: proxy/fd_limits.h), 64 for itself and up to 512 spare sockets per
+    # worker (2 here), and refuses what RLIMIT_NOFILE cannot carry, so N must fit the hard limit.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if n * 6 + 100 > hard:
-        sys.exit(f"N={n} needs a hard RLIMIT_NOFILE of at least {n * 6 + 100} (this one is {hard}): "
+    per_connection = 6 if os.path.exists("/proc/sys/net/ipv4/tcp_available_ulp") and \
+        "tls" in open("/proc/sys/net/ipv4/tcp_available_ulp").read() else 3
+    need = n * per_connection + 64 + 2 * min(hard // 16 // 2, 512)
+    if need > hard:
+        sys.exit(f"N={n} needs a hard RLIMIT_NOFILE of at least {need} (this one is {hard}): "
                  "raise it (ulimit -Hn, as root with CAP_SYS_RESOURCE) or lower N")
     limit = n + 1000
     c = Cluster(sys.argv[1], "soak", f"max_connections = {limit}\nmax_connections_per_client = {limit}\n"

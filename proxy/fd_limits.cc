@@ -13,9 +13,10 @@ uint32_t spare_sockets_for_fd_limit(uint64_t nofile, unsigned workers) {
   return static_cast<uint32_t>(std::min<uint64_t>(nofile / 16 / std::max(workers, 1u), RouteCache::kDefaultMaxSpares));
 }
 
-uint32_t max_connections_for_fd_limit(uint64_t nofile) {
-  if (nofile <= kReservedFds + kFdsPerConnection) return 1;
-  return static_cast<uint32_t>(std::min<uint64_t>((nofile - kReservedFds) / kFdsPerConnection, UINT32_MAX));
+uint32_t max_connections_for_fd_limit(uint64_t nofile, bool splice_pipes) {
+  const uint64_t per_connection = fds_per_connection(splice_pipes);
+  if (nofile <= kReservedFds + per_connection) return 1;
+  return static_cast<uint32_t>(std::min<uint64_t>((nofile - kReservedFds) / per_connection, UINT32_MAX));
 }
 
 Result<FdLimit> raise_fd_limit() {

@@ -10,18 +10,26 @@
 
 namespace sg {
 
-// Descriptors one connection can hold at its peak: the client socket, the sandbox socket, and on the kTLS
-// path two splice pipes (one per direction) of two ends each. While the node opens the sandbox there is a
-// third socket (the node request), but the pipes are made only after it is gone, so 6 bounds both phases.
-inline constexpr uint64_t kFdsPerConnection = 6;
+// Descriptors one connection can hold at its peak: the client socket, the sandbox socket, and while the node
+// opens the sandbox a third (the node request). On the kTLS path two splice pipes (one per direction) of two
+// ends each come after that request is gone, so 6 bounds both phases there; without kTLS no pipe is ever made
+// and 3 do. Counting pipes a proxy cannot use would halve what a limit carries (65536: 10,912 connections
+// instead of 21,824). A reload that makes kTLS possible later keeps the start's budget: a pipe that then
+// finds no descriptor is a refused splice, and the connection is copied in userspace (ktls = "auto") or
+// closed with ktls_required ("on").
+inline constexpr uint64_t kFdsPerConnection = 3;
+inline constexpr uint64_t kFdsPerSplicedConnection = 6;
+inline constexpr uint64_t fds_per_connection(bool splice_pipes) {
+  return splice_pipes ? kFdsPerSplicedConnection : kFdsPerConnection;
+}
 // Descriptors the process needs besides connections: stdio, the access log, per worker its listeners, loop
 // (epoll, eventfds) and activity report socket, and files opened on reload (config, certificates, token).
 inline constexpr uint64_t kReservedFds = 64;
 
-// Connections a soft RLIMIT_NOFILE of `nofile` carries: (nofile - kReservedFds) / kFdsPerConnection, at
-// least 1 (a proxy that starts must be able to serve something; a tiny limit then fails at accept, which
-// backs off). 1024 -> 160.
-uint32_t max_connections_for_fd_limit(uint64_t nofile);
+// Connections a soft RLIMIT_NOFILE of `nofile` carries: (nofile - kReservedFds) / fds_per_connection(
+// splice_pipes), at least 1 (a proxy that starts must be able to serve something; a tiny limit then fails at
+// accept, which backs off). 1024 -> 320, or 160 with splice pipes (kTLS possible).
+uint32_t max_connections_for_fd_limit(uint64_t nofile, bool splice_pipes);
 
 // Spare sockets each of `workers` route caches may hold (proxy/route_cache.h): a sixteenth of the limit
 // shared by the workers, at most RouteCache's default of 512 each. They come out of what connections get:

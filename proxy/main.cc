@@ -241,12 +241,14 @@ int main(int argc, char** argv) {
   proxy.shared->spare_sockets_per_worker =
       (*cfg)->proxy.route_cache ? sg::spare_sockets_for_fd_limit(fd_limit->soft, workers) : 0;
   const uint64_t spares = uint64_t{proxy.shared->spare_sockets_per_worker} * workers;
+  const bool splice_pipes = (*tls)->ktls_possible();
   proxy.shared->fd_max_connections =
-      sg::max_connections_for_fd_limit(fd_limit->soft > spares ? fd_limit->soft - spares : 0);
+      sg::max_connections_for_fd_limit(fd_limit->soft > spares ? fd_limit->soft - spares : 0, splice_pipes);
   // max_connections may change on reload; the rlimit does not, so its share is fixed here.
   spdlog::info("RLIMIT_NOFILE {} (hard {}) carries {} connections at {} fds each and {} spare sockets per "
                "worker's route cache; effective max_connections {}",
-               fd_limit->soft, fd_limit->hard, proxy.shared->fd_max_connections, sg::kFdsPerConnection,
+               fd_limit->soft, fd_limit->hard, proxy.shared->fd_max_connections,
+               sg::fds_per_connection(splice_pipes),
                proxy.shared->spare_sockets_per_worker,
                std::min((*cfg)->proxy.max_connections, proxy.shared->fd_max_connections));
   auto access_log = sg::AccessLog::open((*cfg)->proxy.access_log);
