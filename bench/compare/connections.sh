@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Per-connection CPU benchmark: one NEW TLS connection per request (wrk -H "Connection: close"), through
-# sandgate-proxy + sandgate-node (one build or several side by side) and through nginx as the anchor, all on
-# 127.0.0.1 with the same certificate (ECDSA P-256 wildcard from deploy/gen-cert.sh), the same backend
-# program (bench/compare/backend.c answering GET /dl/N with N bytes) and the same client.
+# Small-request benchmark, side by side: CPU per request and per new TLS connection through sandgate-proxy +
+# sandgate-node (one build or several) and through nginx and HAProxy as anchors, all on 127.0.0.1 with the
+# same certificate (ECDSA P-256 wildcard from deploy/gen-cert.sh), the same backend program
+# (bench/compare/backend.c in its `small` mode: GET /dl/N answered with N bytes, keep-alive, many connections
+# at once) and the same client (wrk). Modes: one NEW TLS
+# connection per request (wrk -H "Connection: close"), full or resumed handshakes, and keep-alive (many
+# requests per connection: req/s, CPU per request, p99 latency).
 #
 #   bench/compare/connections.sh                                   # the build in ./build vs nginx
 #   BUILDS="before=/work/build-bench-before after=/work/build-bench-after" bench/compare/connections.sh
@@ -17,9 +20,13 @@
 #   NGINX="stream http"  anchor rows: nginx `stream` + `ssl` + proxy_pass (TLS terminator, bytes forwarded)
 #                     and nginx `http` + `ssl` + proxy_pass (parses the request, opens an upstream per
 #                     request); "" for none
-#   MODES="full resumed"  full: every connection is a full TLS 1.3 handshake (the client forgets the session
-#                     before reconnecting); resumed: the client offers the session ticket it got on its last
-#                     connection (PSK with ECDHE), as a browser or an HTTP client library would
+#   HAPROXY="tcp"     anchor row: HAProxy `mode tcp` + `bind ... ssl` (TLS terminator, bytes forwarded, one
+#                     tcplog line per connection); "" for none
+#   MODES="full resumed keepalive"  full: every connection is a full TLS 1.3 handshake (the client forgets
+#                     the session before reconnecting); resumed: the client offers the session ticket it got
+#                     on its last connection (PSK with ECDHE), as a browser or an HTTP client library would;
+#                     keepalive: KEEPALIVE_CONNECTIONS connections opened once, requests back to back on each
+#   KEEPALIVE_CONNECTIONS=64  wrk -c in keepalive mode
 #   DURATION=10       seconds of each measurement (one wrk run)
 #   RUNS=3            measurements per (row, mode); the table reports medians. Runs are interleaved (every
 #                     cell once per run, start row rotated) so slow drift hits all rows alike
@@ -39,7 +46,8 @@
 #   OUT=FILE          also write the Markdown report to FILE (it always goes to stdout; logs go to stderr)
 #
 # What is measured, per (row, mode) and run: wrk (1 thread, CONNECTIONS connections, DURATION s, header
-# "Connection: close", so every request is a new TCP connection and a new TLS handshake). Reported:
+# "Connection: close", so every request is a new TCP connection and a new TLS handshake; in keepalive mode
+# KEEPALIVE_CONNECTIONS connections and no such header, and wrk's p99 latency too). Reported:
 # connections/s (completed requests / wrk's time; all answers must be 200), and CPU per connection =
 # utime+stime from /proc/PID/stat (all threads) before/after the run divided by the completed connections:
 # the proxy process (nginx: master + worker), and for sandgate separately the node process (the proxy's
@@ -51,7 +59,7 @@
 # Fairness: one worker each (sandgate `workers = 1`, nginx `worker_processes 1`); each proxy writes one
 # access-log line per connection (sandgate's JSON log, nginx's access_log) to a temp file.
 #
-# Dependencies: wrk (Debian 4.1.0), nginx and libnginx-mod-stream are installed with apt-get if missing
+# Dependencies: wrk (Debian 4.1.0), nginx, libnginx-mod-stream and haproxy are installed with apt-get if missing
 # (Debian's services are not left running); cc and the OpenSSL headers (libssl-dev) build the backend and
 # the client shim. Runs as root (sandgate-node creates namespaces and cgroups). Everything this script starts
 # is stopped on exit, error or Ctrl-C; every wait has a deadline.
@@ -63,7 +71,9 @@ BIN_DIR=${BIN_DIR:-$root/build}
 BUILDS=${BUILDS-sandgate=$BIN_DIR}
 ACCESS=${ACCESS:-public private}
 NGINX=${NGINX-stream http}
-MODES=${MODES:-full resumed}
+HAPROXY=${HAPROXY-tcp}
+KEEPALIVE_CONNECTIONS=${KEEPALIVE_CONNECTIONS:-64}
+MODES=${MODES:-full resumed keepalive}
 DURATION=${DURATION:-10}
 RUNS=${RUNS:-3}
 CONNECTIONS=${CONNECTIONS:-4}
@@ -78,14 +88,17 @@ KEEP_TMP=${KEEP_TMP:-0}
 OUT=${OUT:-}
 wait_deadline=$((SECONDS + 100000))  # set when measuring starts
 
-for v in DURATION RUNS CONNECTIONS BODY_BYTES; do
+for v in DURATION RUNS CONNECTIONS BODY_BYTES KEEPALIVE_CONNECTIONS; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$v must be a positive integer" >&2; exit 2; }
 done
 [[ $WARMUP =~ ^[0-9]+$ ]] || { echo "WARMUP must be a non-negative integer" >&2; exit 2; }
-for m in $MODES; do [[ $m == full || $m == resumed ]] || { echo "MODES: full and/or resumed" >&2; exit 2; }; done
+for m in $MODES; do
+  [[ $m == full || $m == resumed || $m == keepalive ]] || { echo "MODES: full, resumed and/or keepalive" >&2; exit 2; }
+done
+[[ -z $HAPROXY || $HAPROXY == tcp ]] || { echo "HAPROXY: tcp or empty" >&2; exit 2; }
 for a in $ACCESS; do [[ $a == public || $a == private ]] || { echo "ACCESS: public and/or private" >&2; exit 2; }; done
 for n in $NGINX; do [[ $n == stream || $n == http ]] || { echo "NGINX: stream and/or http" >&2; exit 2; }; done
-command_line="BUILDS=\"$BUILDS\" ACCESS=\"$ACCESS\" NGINX=\"$NGINX\" MODES=\"$MODES\" DURATION=$DURATION RUNS=$RUNS CONNECTIONS=$CONNECTIONS bench/compare/connections.sh"
+command_line="BUILDS=\"$BUILDS\" ACCESS=\"$ACCESS\" NGINX=\"$NGINX\" HAPROXY=\"$HAPROXY\" MODES=\"$MODES\" DURATION=$DURATION RUNS=$RUNS CONNECTIONS=$CONNECTIONS KEEPALIVE_CONNECTIONS=$KEEPALIVE_CONNECTIONS bench/compare/connections.sh"
 
 log() { echo "[connections] $*" >&2; }
 die() {
@@ -109,7 +122,7 @@ for b in $BUILDS; do
   labels+=("$l")
   bdir[$l]=$(cd "$d" && pwd)
 done
-((${#labels[@]} > 0 || ${#NGINX} > 0)) || die "nothing to measure"
+((${#labels[@]} > 0 || ${#NGINX} > 0 || ${#HAPROXY} > 0)) || die "nothing to measure"
 
 # ---------------------------------------------------------------------------------------------- cleanup
 tmp=""
@@ -139,6 +152,7 @@ if [[ -n $NGINX ]]; then
   command -v nginx >/dev/null || need_install+=(nginx)
   [[ " $NGINX " != *" stream "* || -e /usr/lib/nginx/modules/ngx_stream_module.so ]] || need_install+=(libnginx-mod-stream)
 fi
+[[ -z $HAPROXY ]] || command -v haproxy >/dev/null || need_install+=(haproxy)
 if ((${#need_install[@]})); then
   apt_install "${need_install[@]}"
 fi
@@ -204,9 +218,9 @@ EOF
 rows=()
 declare -A rport rhost rpids rnode rauth rlabel rlog
 backend_port=""
-if [[ -n $NGINX ]]; then
+if [[ -n $NGINX || -n $HAPROXY ]]; then
   pick_port backend_port
-  start backend "$tmp/backend" 127.0.0.1 "$backend_port"
+  start backend "$tmp/backend" 127.0.0.1 "$backend_port" small
   wait_port "$backend_port" "$started" backend
 fi
 
@@ -263,6 +277,38 @@ EOF
   rows+=("$r")
 done
 
+if [[ -n $HAPROXY ]]; then
+  r=haproxy-tcp
+  pick_port "rport[$r]"
+  mkdir -p "$tmp/$r"
+  cat "$tmp/tls/server.pem" "$tmp/tls/server.key" >"$tmp/$r/server.pem"
+  # One thread like the others' one worker; the tcplog line per connection goes to stdout ($tmp/$r.log).
+  cat >"$tmp/$r/haproxy.cfg" <<EOF
+global
+    nbthread 1
+    maxconn 4096
+    log stdout format raw local0
+defaults
+    mode tcp
+    log global
+    option tcplog
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend fe
+    bind 127.0.0.1:${rport[$r]} ssl crt $tmp/$r/server.pem ssl-min-ver TLSv1.3
+    default_backend be
+backend be
+    server s1 127.0.0.1:$backend_port
+EOF
+  haproxy -c -q -f "$tmp/$r/haproxy.cfg" || die "haproxy rejected its config"
+  start "$r" haproxy -db -f "$tmp/$r/haproxy.cfg"
+  wait_port "${rport[$r]}" "$started" "$r"
+  rpids[$r]=$started rnode[$r]="" rauth[$r]="" rlog[$r]=$tmp/$r.log rhost[$r]=9000-bench.sandbox.localhost
+  rlabel[$r]="HAProxy $(haproxy -v | head -1 | awk '{print $3}') mode tcp+ssl"
+  rows+=("$r")
+fi
+
 for l in "${labels[@]}"; do
   d=${bdir[$l]} sg=$tmp/sg-$l cg="sandgate-bench-$$-$l"
   cg_names+=("$cg")
@@ -275,7 +321,7 @@ for l in "${labels[@]}"; do
   import_bench_image "$d/cli/sandgate" --api "unix:$sg/node.sock"
   XDG_CONFIG_HOME=$sg/xdg timeout 60 "$d/cli/sandgate" --api "unix:$sg/node.sock" create --name bench \
     --image bench --public 9000 --expose 9001 --cpus 2 --timeout 86400 -- \
-    /bin/sh -c "/bench/backend 127.0.0.1 9001 & exec /bench/backend 127.0.0.1 9000" >"$tmp/create-$l.out" 2>&1 ||
+    /bin/sh -c "/bench/backend 127.0.0.1 9001 small & exec /bench/backend 127.0.0.1 9000 small" >"$tmp/create-$l.out" 2>&1 ||
     die "sandgate create ($l) failed: $(cat "$tmp/create-$l.out")"
   token=""
   [[ -r $sg/xdg/sandgate/tokens/bench ]] && token=$(tr -d '\n' <"$sg/xdg/sandgate/tokens/bench")
@@ -331,11 +377,14 @@ backend_pids() {
 
 # ---------------------------------------------------------------------------------------------- measure
 # One wrk run against ROW in MODE for SECS seconds. Prints
-#   "conns conn_per_s proxy_s node_s client_s others_s full resumed errors server_conns"
+#   "requests req_per_s proxy_s node_s client_s others_s full resumed errors server_conns p99_ms"
+# (in the modes with one request per connection, requests are connections)
 wrk_once() {  # ROW MODE SECS
   local r=$1 mode=$2 secs=$3 p0 p1 n0 n1 m0 m1 b0 b1 l0 l1 forget=0
   local out="$tmp/wrk.out" timef="$tmp/time.txt" shim="$tmp/shim.out"
   local -a hdr=(-H "Connection: close")
+  local conns=$CONNECTIONS
+  [[ $mode == keepalive ]] && hdr=() conns=$KEEPALIVE_CONNECTIONS
   [[ -n ${rauth[$r]} ]] && hdr+=(-H "${rauth[$r]}")
   [[ $mode == full ]] && forget=1
   local bp
@@ -349,7 +398,7 @@ wrk_once() {  # ROW MODE SECS
   m0=$(machine_ticks)
   local TIMEFORMAT='%3U %3S'
   { time timeout $((secs + 30)) env SHIM_FORGET=$forget SHIM_OUT="$shim" LD_PRELOAD="$tmp/shim.so" \
-    OPENSSL_CONF="$tmp/client-openssl.cnf" wrk -t1 -c"$CONNECTIONS" -d"${secs}s" --timeout 5s -s "$tmp/loopback.lua" \
+    OPENSSL_CONF="$tmp/client-openssl.cnf" wrk -t1 -c"$conns" -d"${secs}s" --timeout 5s --latency -s "$tmp/loopback.lua" \
     "${hdr[@]}" "$(url "$r")" >"$out" 2>&1; } 2>"$timef" || die "$r $mode: wrk failed: $(cat "$out")"
   sleep 0.3  # let the servers finish the last connections and write their log lines before CPU is read
   p1=$(cpu_ticks_total ${rpids[$r]})
@@ -357,22 +406,26 @@ wrk_once() {  # ROW MODE SECS
   b1=$(cpu_ticks_total $bp)
   m1=$(machine_ticks)
   l1=$(wc -l <"${rlog[$r]}")
-  local reqs wall non2xx sockerr full resumed cu cs
+  local reqs wall non2xx sockerr full resumed cu cs p99
   reqs=$(awk '/ requests in / { print $1 }' "$out")
   wall=$(awk '/ requests in / { sub(/s,$/, "", $4); print $4 }' "$out")
   non2xx=$(awk '/Non-2xx or 3xx responses:/ { print $NF }' "$out")
   sockerr=$(awk '/Socket errors:/ { gsub(/,/, ""); print $4 + $6 + $8 + $10 }' "$out")
-  [[ -n $reqs && -n $wall ]] || die "$r $mode: cannot parse wrk's output: $(cat "$out")"
+  # wrk --latency: "     99%    4.90ms" (us, ms, s or m)
+  p99=$(awk '$1 == "99%" { v = $2; u = v; sub(/^[0-9.]+/, "", u); sub(/[a-z]+$/, "", v)
+                           print (u == "us" ? v / 1000 : u == "s" ? v * 1000 : u == "m" ? v * 60000 : v) }' "$out")
+  [[ -n $reqs && -n $wall && -n $p99 ]] || die "$r $mode: cannot parse wrk's output: $(cat "$out")"
   [[ -z $non2xx || $non2xx == 0 ]] || die "$r $mode: $non2xx answers were not 2xx: $(cat "$out")"
   ((reqs > 0)) || die "$r $mode: no request completed: $(cat "$out")"
-  read -r full resumed <"$shim" 2>/dev/null || { full=0 resumed=0; }
+  full=0 resumed=0
+  [[ -s $shim ]] && read -r full resumed <"$shim"  # keepalive: no handshake after the first, no file
   read -r cu cs <"$timef"
   awk -v n="$reqs" -v w="$wall" -v p0="$p0" -v p1="$p1" -v n0="$n0" -v n1="$n1" -v b0="$b0" -v b1="$b1" \
     -v m0="$m0" -v m1="$m1" -v t="$clk_tck" -v cu="$cu" -v cs="$cs" -v f="$full" -v rs="$resumed" \
-    -v e="${sockerr:-0}" -v sc="$((l1 - l0))" \
+    -v e="${sockerr:-0}" -v sc="$((l1 - l0))" -v p99="$p99" \
     'BEGIN { proxy = (p1 - p0) / t; node = (n1 - n0) / t; be = (b1 - b0) / t
              others = (m1 - m0) / t - proxy - node - be - cu - cs; if (others < 0) others = 0
-             printf "%d %.1f %.3f %.3f %.3f %.3f %d %d %d %d\n", n, n / w, proxy, node, cu + cs, others, f, rs, e, sc }'
+             printf "%d %.1f %.3f %.3f %.3f %.3f %d %d %d %d %.3f\n", n, n / w, proxy, node, cu + cs, others, f, rs, e, sc, p99 }'
 }
 measure() {  # ROW MODE: the least disturbed of up to 1 + RETRIES runs
   least_disturbed 6 "$DURATION" "$1 $2" run wrk_once "$1" "$2" "$DURATION"
@@ -403,7 +456,7 @@ for ((run = 1; run <= RUNS; run++)); do
       r=${rows[(k + run - 1) % nrows]}  # start row rotated each run
       s=$(measure "$r" "$mode")
       samples["$r $mode"]+="$s"$'\n'
-      log "run $run/$RUNS $r $mode: conns conn/s proxy-s node-s client-s others-s full resumed errors server-conns = $s"
+      log "run $run/$RUNS $r $mode: requests req/s proxy-s node-s client-s others-s full resumed errors server-conns p99-ms = $s"
     done
   done
 done
@@ -417,40 +470,69 @@ fi
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 col() { awk -v c="$2" 'NF { print $c }' <<<"$1" | median; }
 {
-  echo "Command: \`$command_line\` (one request per TLS connection; wrk -t1 -c$CONNECTIONS -d${DURATION}s -H 'Connection: close', GET /dl/$BODY_BYTES; medians of $RUNS interleaved runs; measuring took ${elapsed} s)"
+  echo "Command: \`$command_line\` (wrk -t1, GET /dl/$BODY_BYTES, ${DURATION} s per run; full/resumed: -c$CONNECTIONS -H 'Connection: close', one request per TLS connection; keepalive: -c$KEEPALIVE_CONNECTIONS, requests back to back on each connection; medians of $RUNS interleaved runs; measuring took ${elapsed} s)"
   echo
-  echo "Date: $(date -u '+%Y-%m-%d %H:%M UTC'). Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), kernel $(uname -r), $(openssl version | awk '{print $1, $2}'), $(nginx -v 2>&1 | sed 's/.*: //'), client $(wrk -v 2>&1 | head -1 | awk '{print $1, $2}')."
+  anchors=""
+  [[ -n $NGINX ]] && anchors+=", $(nginx -v 2>&1 | sed 's/.*: //')"
+  [[ -n $HAPROXY ]] && anchors+=", HAProxy $(haproxy -v | head -1 | awk '{print $3}')"
+  echo "Date: $(date -u '+%Y-%m-%d %H:%M UTC'). Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), kernel $(uname -r), $(openssl version | awk '{print $1, $2}')$anchors, client $(wrk -v 2>&1 | head -1 | awk '{print $1, $2}')."
   echo
   for l in "${labels[@]}"; do
     echo "- build \`$l\`: ${bdir[$l]}$(git -C "${bdir[$l]}" rev-parse --short HEAD 2>/dev/null | sed 's/^/ (git /;s/$/)/')"
   done
   echo "- TLS as negotiated (curl probe): $(for r in "${rows[@]}"; do printf '%s: %s; ' "$r" "${negotiated[$r]}"; done | sed 's/; $//')."
   echo "- Load average before: $load_before, after: $load_after. \"others\" = cores the rest of the machine used during a run (median); near 0 means an otherwise idle machine."
-  echo
-  echo "| row | handshake | conn/s (median) | conn/s (min-max) | proxy CPU µs/conn | node CPU µs/conn | proxy+node µs/conn | client (wrk) µs/conn | resumed handshakes | errors | others cores |"
-  echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-  for mode in $MODES; do
+  if [[ " $MODES " == *" keepalive "* ]]; then
+    echo
+    echo "Keep-alive, $KEEPALIVE_CONNECTIONS connections:"
+    echo
+    echo "| row | req/s (median) | req/s (min-max) | proxy CPU µs/req | node CPU µs/req | proxy+node µs/req | p99 latency ms | client (wrk) µs/req | errors | others cores |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     for r in "${rows[@]}"; do
-      data=${samples["$r $mode"]}
-      cps=$(col "$data" 2)
-      cmin=$(awk 'NF { print $2 }' <<<"$data" | sort -g | head -1)
-      cmax=$(awk 'NF { print $2 }' <<<"$data" | sort -g | tail -1)
-      pu=$(awk 'NF { print 1e6 * $3 / $1 }' <<<"$data" | median)
+      data=${samples["$r keepalive"]}
       nu=$(awk 'NF { print 1e6 * $4 / $1 }' <<<"$data" | median)
-      tu=$(awk 'NF { print 1e6 * ($3 + $4) / $1 }' <<<"$data" | median)
-      cu=$(awk 'NF { print 1e6 * $5 / $1 }' <<<"$data" | median)
-      rs=$(awk 'NF { f += $7; r += $8 } END { printf "%.1f%%", (f + r > 0 ? 100 * r / (f + r) : 0) }' <<<"$data")
-      er=$(awk 'NF { e += $9 } END { print e + 0 }' <<<"$data")
-      ot=$(awk -v d="$DURATION" 'NF { print $6 / d }' <<<"$data" | median)
-      if [[ -n ${rnode[$r]} ]]; then nus=$(printf '%.0f' "$nu"); else nus="—"; fi
-      printf '| %s | %s | %.0f | %.0f-%.0f | %.0f | %s | %.0f | %.0f | %s | %s | %.2f |\n' "${rlabel[$r]}" "$mode" \
-        "$cps" "$cmin" "$cmax" "$pu" "$nus" "$tu" "$cu" "$rs" "$er" "$ot"
+      if [[ -n ${rnode[$r]} ]]; then nus=$(printf '%.1f' "$nu"); else nus="—"; fi
+      printf '| %s | %.0f | %.0f-%.0f | %.1f | %s | %.1f | %.2f | %.1f | %s | %.2f |\n' "${rlabel[$r]}" \
+        "$(col "$data" 2)" "$(awk 'NF { print $2 }' <<<"$data" | sort -g | head -1)" \
+        "$(awk 'NF { print $2 }' <<<"$data" | sort -g | tail -1)" \
+        "$(awk 'NF { print 1e6 * $3 / $1 }' <<<"$data" | median)" "$nus" \
+        "$(awk 'NF { print 1e6 * ($3 + $4) / $1 }' <<<"$data" | median)" "$(col "$data" 11)" \
+        "$(awk 'NF { print 1e6 * $5 / $1 }' <<<"$data" | median)" \
+        "$(awk 'NF { e += $9 } END { print e + 0 }' <<<"$data")" \
+        "$(awk -v d="$DURATION" 'NF { print $6 / d }' <<<"$data" | median)"
     done
-  done
+  fi
+  if [[ " $MODES " == *" full "* || " $MODES " == *" resumed "* ]]; then
+    echo
+    echo "One new TLS connection per request, $CONNECTIONS at a time:"
+    echo
+    echo "| row | handshake | conn/s (median) | conn/s (min-max) | proxy CPU µs/conn | node CPU µs/conn | proxy+node µs/conn | client (wrk) µs/conn | resumed handshakes | errors | others cores |"
+    echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    for mode in $MODES; do
+      [[ $mode == keepalive ]] && continue
+      for r in "${rows[@]}"; do
+        data=${samples["$r $mode"]}
+        cps=$(col "$data" 2)
+        cmin=$(awk 'NF { print $2 }' <<<"$data" | sort -g | head -1)
+        cmax=$(awk 'NF { print $2 }' <<<"$data" | sort -g | tail -1)
+        pu=$(awk 'NF { print 1e6 * $3 / $1 }' <<<"$data" | median)
+        nu=$(awk 'NF { print 1e6 * $4 / $1 }' <<<"$data" | median)
+        tu=$(awk 'NF { print 1e6 * ($3 + $4) / $1 }' <<<"$data" | median)
+        cu=$(awk 'NF { print 1e6 * $5 / $1 }' <<<"$data" | median)
+        rs=$(awk 'NF { f += $7; r += $8 } END { printf "%.1f%%", (f + r > 0 ? 100 * r / (f + r) : 0) }' <<<"$data")
+        er=$(awk 'NF { e += $9 } END { print e + 0 }' <<<"$data")
+        ot=$(awk -v d="$DURATION" 'NF { print $6 / d }' <<<"$data" | median)
+        if [[ -n ${rnode[$r]} ]]; then nus=$(printf '%.0f' "$nu"); else nus="—"; fi
+        printf '| %s | %s | %.0f | %.0f-%.0f | %.0f | %s | %.0f | %.0f | %s | %s | %.2f |\n' "${rlabel[$r]}" "$mode" \
+          "$cps" "$cmin" "$cmax" "$pu" "$nus" "$tu" "$cu" "$rs" "$er" "$ot"
+      done
+    done
+  fi
   echo
-  echo "CPU = utime+stime from /proc/PID/stat (${clk_tck} Hz ticks, all threads; nginx master+worker summed) around each ${DURATION} s run, divided by the connections wrk completed; each column's median is taken separately (proxy+node is the median of the per-run sums). One worker each: sandgate \`workers = 1\`, \`ktls = \"off\"\`; nginx \`worker_processes 1\`. Client, proxies, node and backend share the $(nproc) cores, so conn/s is bounded by all of them; CPU µs/conn is the per-proxy cost. Resumed handshakes: share of connections whose handshake resumed a session (counted by the client)."
+  echo "CPU = utime+stime from /proc/PID/stat (${clk_tck} Hz ticks, all threads; nginx master+worker summed) around each ${DURATION} s run, divided by the requests wrk completed; each column's median is taken separately (proxy+node is the median of the per-run sums). One worker each: sandgate \`workers = 1\`, \`ktls = \"off\"\`; nginx \`worker_processes 1\`; HAProxy \`nbthread 1\`. Client, proxies, node and backend share the $(nproc) cores, so req/s and conn/s are bounded by all of them; CPU µs per request or connection is the per-proxy cost. p99: wrk's latency distribution (\`--latency\`). Resumed handshakes: share of connections whose handshake resumed a session (counted by the client)."
 } >"$tmp/report.md"
 [[ -n $OUT ]] && cp "$tmp/report.md" "$OUT"
 cat "$tmp/report.md"
 [[ -n $OUT ]] && log "report written to $OUT"
 exit 0
+

@@ -7,6 +7,8 @@
 # between runs so later runs start where earlier ones stopped), artifacts, logs and TMPDIR; the seeds in
 # tests/fuzz/corpus are only read.
 #   FUZZ_TARGETS="route http1"  run only these targets
+#   FUZZ_RUNS=10000000          stop each target after this many executions (SECONDS stays the time cap): the
+#                               documented long run, `FUZZ_RUNS=10000000 tests/fuzz/run.sh build-fuzz 7200`
 set -euo pipefail
 
 [[ $# -ge 1 && $# -le 2 ]] || { echo "usage: tests/fuzz/run.sh BUILD_DIR [SECONDS]" >&2; exit 2; }
@@ -14,6 +16,11 @@ build=$(cd "$1" && pwd)
 seconds=${2:-20}
 seeds=$(cd "$(dirname "$0")" && pwd)/corpus
 read -ra targets <<<"${FUZZ_TARGETS:-client_hello route http1 h2_headers api_body config}"
+run_limit=()
+if [[ -n ${FUZZ_RUNS:-} ]]; then
+  [[ $FUZZ_RUNS =~ ^[1-9][0-9]*$ ]] || { echo "FUZZ_RUNS must be a positive integer" >&2; exit 2; }
+  run_limit=(-runs="$FUZZ_RUNS")
+fi
 
 out=$build/fuzz
 mkdir -p "$out/tmp"
@@ -29,7 +36,7 @@ for t in "${targets[@]}"; do
   start=$SECONDS
   # New inputs go to the first corpus directory (ours), never to the seed directory. -timeout: an input that
   # takes over 10 s is a hang, i.e. a finding.
-  if ! "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+  if ! "$bin" -max_total_time="$seconds" "${run_limit[@]}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
       -artifact_prefix="$out/artifacts/$t/" "$out/corpus/$t" "$seeds/$t" >"$log" 2>&1; then
     tail -n 60 "$log" >&2
     echo "fuzz: $t FAILED after $((SECONDS - start)) s; reproducer in $out/artifacts/$t/, log $log" >&2
