@@ -375,6 +375,7 @@ void read_node(const toml::table& t, std::string_view source, const std::string&
   out->init_path = resolve_path(base_dir, out->init_path);
   r.integer("default_hibernate_after_secs", &out->default_hibernate_after_secs, 0, 365 * 24 * 3600);
   r.integer("prewake_window_secs", &out->prewake_window_secs, 0, 30 * 24 * 3600);
+  r.boolean("batch_scheduling", &out->batch_scheduling);
   r.string("agent_path", &out->agent_path);
   out->agent_path = resolve_path(base_dir, out->agent_path);
   r.string("images_dir", &out->images_dir);

@@ -311,6 +311,7 @@ class ProcessDriver final : public Driver {
         images_(images),
         suspend_timeout_ms_(cfg.suspend_timeout_ms),
         log_max_bytes_(cfg.log_max_bytes),
+        batch_scheduling_(cfg.batch_scheduling),
         cgroups_(std::move(cgroups)),
         init_path_(std::move(init_path)),
         agent_path_(std::move(agent_path)),
@@ -424,6 +425,7 @@ class ProcessDriver final : public Driver {
   snapshot::ImageStore* images_;
   uint32_t suspend_timeout_ms_;
   uint32_t log_max_bytes_;
+  bool batch_scheduling_;  // node.batch_scheduling: sandgate-init --sched batch
   CgroupManager cgroups_;
   std::string init_path_;
   std::string agent_path_;  // empty: no agent found, sandboxes run without one
@@ -662,6 +664,7 @@ Result<int> ProcessDriver::spawn_init(const SandboxSpec& spec, const std::string
                                    std::to_string(spec.uid_base)};
   for (const std::string& tree : *trees) args.insert(args.end(), {"--layer", tree});
   if (spec.disk_mb > 0) args.insert(args.end(), {"--disk", sandbox_dir + "/disk.img"});
+  args.insert(args.end(), {"--sched", batch_scheduling_ ? "batch" : "normal"});
   // All addresses: the sandbox's network namespace has only its own loopback, which is where the node's
   // sockets connect from.
   if (!agent_path_.empty() && spec.agent_port != 0) {

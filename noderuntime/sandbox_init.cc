@@ -2,7 +2,8 @@
 //
 //   sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD --uid-base UID
 //                 --layer TREE [--layer TREE]... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT]
-//                 [--agent-ssh-listen ADDR:PORT --ssh-host-dir DIR --ssh-keys-dir DIR] -- CMD ARGS...
+//                 [--agent-ssh-listen ADDR:PORT --ssh-host-dir DIR --ssh-keys-dir DIR] [--sched batch|normal]
+//                 -- CMD ARGS...
 //
 // The node starts it as host root in namespaces owned by the initial user namespace, so the mounts below are
 // made by host root and the sandbox's root (which only ever has capabilities in its own user namespace) can
@@ -20,6 +21,9 @@
 //      cloned as detached mounts before the pivot, attached after it);
 //   5. setns into the user namespace and setresuid/setresgid 0 there (host uid UID);
 //   6. confinement (noderuntime/confinement.h): Docker's default capabilities, no_new_privs, seccomp.
+// With --sched batch (node.batch_scheduling) it and everything it starts run under SCHED_BATCH: a sandbox's
+// process woken by a packet does not preempt the task that woke it (the proxy, the node), it gets its CPU
+// share at the next scheduler tick instead (docs/security.md, "CPU scheduling").
 // It opens the sandbox log (a host file, opened first; see Log below: capped at BYTES, one older generation
 // in FILE.1), then runs CMD with the environment it was given, its output relayed to the log. As PID 1 it must forward signals (the kernel drops unhandled signals aimed at a namespace init) and
 // reap orphans (they are reparented to it). It exits with CMD's status; the kernel then kills whatever else
@@ -95,6 +99,7 @@ struct Options {
   const char* userns_fd = nullptr;     // the sandbox's user namespace, inherited from the node
   const char* uid_base = nullptr;      // host uid (and gid) of the sandbox's root
   const char* disk = nullptr;          // optional: ext4 file the upper dir lives on (disk_mb)
+  const char* sched = nullptr;         // optional: "batch" or "normal" (the default)
   const char* layers[kMaxLayers] = {};  // image layer trees, bottom first
   int layer_count = 0;
   char** command = nullptr;            // NULL-terminated, from argv
@@ -119,6 +124,7 @@ bool parse_options(int argc, char** argv, Options* out) {
     if (strcmp(argv[i], "--userns-fd") == 0) target = &out->userns_fd;
     if (strcmp(argv[i], "--uid-base") == 0) target = &out->uid_base;
     if (strcmp(argv[i], "--disk") == 0) target = &out->disk;
+    if (strcmp(argv[i], "--sched") == 0) target = &out->sched;
     if (strcmp(argv[i], "--layer") == 0) {
       if (out->layer_count == kMaxLayers) return false;
       target = &out->layers[out->layer_count++];
@@ -134,6 +140,7 @@ bool parse_options(int argc, char** argv, Options* out) {
   bool ssh = out->agent_ssh_listen != nullptr;
   if (ssh != (out->ssh_host_dir != nullptr) || ssh != (out->ssh_keys_dir != nullptr)) return false;
   if (ssh && out->agent == nullptr) return false;
+  if (out->sched != nullptr && strcmp(out->sched, "batch") != 0 && strcmp(out->sched, "normal") != 0) return false;
   out->command = argv + i + 1;
   return true;
 }
@@ -573,13 +580,19 @@ int main(int argc, char** argv) {
     fprintf(stderr,
             "usage: sandgate-init --hostname NAME --cwd DIR --log FILE --log-max BYTES --sandbox-dir DIR --userns-fd FD "
             "--uid-base UID --layer TREE... [--disk FILE] [--agent PATH --agent-listen ADDR:PORT] [--agent-ssh-listen ADDR:PORT --ssh-host-dir DIR "
-            "--ssh-keys-dir DIR] -- CMD [ARGS...]\n");
+            "--ssh-keys-dir DIR] [--sched batch|normal] -- CMD [ARGS...]\n");
     return kExitUsage;
   }
   // The log comes first so that every later setup error lands where the sandbox's owner will look.
   const Log log = open_log(opts.log, opts.log_max);
   set_up_namespaces(opts);
   if (chdir(opts.cwd) != 0) die("chdir", opts.cwd);
+  if (opts.sched != nullptr && strcmp(opts.sched, "batch") == 0) {
+    // Inherited by every process of the sandbox (fork keeps the policy). Not a boundary: a process may go
+    // back to SCHED_OTHER itself, which costs only its neighbours.
+    const struct sched_param param = {0};
+    if (sched_setscheduler(0, SCHED_BATCH, &param) != 0) die("sched_setscheduler(SCHED_BATCH)", nullptr);
+  }
   // From here on the init itself is confined, and so is everything it starts.
   if (sg::Status s = sg::confine_current_process(); !s) {
     fprintf(stderr, "sandgate-init: %s\n", s.message().c_str());

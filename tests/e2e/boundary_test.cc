@@ -84,6 +84,20 @@ TEST(Boundary, TheHostsFilesAreNotThereAndWritesStayInTheSandbox) {
   EXPECT_EQ(cg.out, "done\n");
 }
 
+// node.batch_scheduling (on by default): the sandbox's init, its command and what the agent runs for /exec
+// are SCHED_BATCH (3), so none of them preempts the proxy or the node when a packet wakes it.
+TEST(Boundary, ASandboxsProcessesRunUnderSchedBatch) {
+  Cluster c;
+  json box = create_with_agent(c, "box", "-- /bin/sleep 3600");
+  ASSERT_TRUE(box.contains("token"));
+  Exec policy = exec_in(c, "box", box["token"],
+                        {"python3", "-c",
+                         "import os, subprocess\n"
+                         "sleep = int(subprocess.check_output(['pgrep', '-x', 'sleep']).split()[0])\n"
+                         "print(os.sched_getscheduler(0), os.sched_getscheduler(1), os.sched_getscheduler(sleep))"});
+  EXPECT_EQ(policy.out, "3 3 3\n");
+}
+
 TEST(Boundary, MountUnshareOfAUserNamespaceAndKexecFailWithEperm) {
   Cluster c;
   json box = create_with_agent(c, "box", "-- /bin/sleep 3600");

@@ -23,6 +23,7 @@ TEST(Config, EmptyFileGivesDefaults) {
   EXPECT_EQ((*c)->proxy.wake_timeout_ms, 30000u);
   EXPECT_EQ((*c)->proxy.max_connections_per_client, 256u);
   EXPECT_EQ((*c)->node.on_shutdown, ShutdownPolicy::kKeep);
+  EXPECT_TRUE((*c)->node.batch_scheduling);
 }
 
 // tests/fuzz/config_fuzz found these: toml++ 3.3.0 hits __builtin_unreachable() on some non-ASCII code
@@ -105,6 +106,7 @@ key = "/abs/key.pem"
 state_dir = "state"
 on_shutdown = "terminate"
 cgroup_name = "sg-test"
+batch_scheduling = false
 )");
   ASSERT_TRUE(c.ok()) << c.message();
   const Config& cfg = **c;
@@ -118,6 +120,7 @@ cgroup_name = "sg-test"
   EXPECT_EQ(cfg.proxy.certificates[0].key_file, "/abs/key.pem");
   EXPECT_EQ(cfg.node.state_dir, "/base/state");
   EXPECT_EQ(cfg.node.on_shutdown, ShutdownPolicy::kTerminate);
+  EXPECT_FALSE(cfg.node.batch_scheduling);
   EXPECT_EQ(cfg.port_url(8080, "demo"), "https://8080-demo.sb.example.com:9443/");
 }
 
