@@ -14,7 +14,9 @@
 #   BIN_DIR=<repo>/build  the sandgate build to measure (its proxy/sandgate-proxy, noderuntime/sandgate-node,
 #                     noderuntime/sandgate-init and cli/sandgate); its rows are labelled "sandgate"
 #   BUILDS="label=dir ..."  several builds measured in the same session instead of BIN_DIR; each gets its own
-#                     node + proxy (started once, idle while another row is measured)
+#                     node + proxy (started once, idle while another row is measured). The same dir may
+#                     appear under two labels, with NODE_TOML_<label> ("-" as "_") lines added to one's
+#                     [node] table (e.g. NODE_TOML_other="batch_scheduling = false")
 #   ACCESS="public private"  sandgate rows per build: a public port (no credential) and a private port with
 #                     "Authorization: Bearer <the sandbox's token>" (the realistic case)
 #   NGINX="stream http"  anchor rows: nginx `stream` + `ssl` + proxy_pass (TLS terminator, bytes forwarded)
@@ -313,7 +315,8 @@ for l in "${labels[@]}"; do
   d=${bdir[$l]} sg=$tmp/sg-$l cg="sandgate-bench-$$-$l"
   cg_names+=("$cg")
   mkdir -p "$sg/xdg"
-  start_node "$d" "$sg" "$cg" "-$l"
+  node_toml_var=NODE_TOML_${l//-/_}  # a label's "-" is "_" in the name
+  start_node "$d" "$sg" "$cg" "-$l" "${!node_toml_var:-}"
   cli_up[$l]=1
   start_proxy "$d" "$sg" "-$l"
   pport=$proxy_port

@@ -199,11 +199,11 @@ import_bench_image() {
 }
 
 # ---------------------------------------------------------------------------------------------- sandgate
-# BUILD SGDIR CGROUP NAME: writes SGDIR/sandgate.toml (one proxy worker, userspace TLS, the $tmp/tls
-# certificate, access log SGDIR/access.log), starts sandgate-node and waits until it is ready. Logs go to
-# $tmp/node$NAME.log; sets node_pid.
+# BUILD SGDIR CGROUP NAME [NODE_TOML]: writes SGDIR/sandgate.toml (one proxy worker, userspace TLS, the
+# $tmp/tls certificate, access log SGDIR/access.log; NODE_TOML: more [node] lines), starts sandgate-node and
+# waits until it is ready. Logs go to $tmp/node$NAME.log; sets node_pid.
 start_node() {
-  local d=$1 sg=$2 cg=$3
+  local d=$1 sg=$2 cg=$3 node_toml=${5:-}
   mkdir -p "$sg/state"
   cat >"$sg/sandgate.toml" <<EOF
 domain = "sandbox.localhost"
@@ -225,6 +225,7 @@ state_dir = "$sg/state"
 on_shutdown = "terminate"
 cgroup_name = "$cg"
 init_path = "$d/noderuntime/sandgate-init"
+$node_toml
 EOF
   start "node$4" "$d/noderuntime/sandgate-node" --config "$sg/sandgate.toml"
   node_pid=$started
