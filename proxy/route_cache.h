@@ -92,9 +92,15 @@ class RouteCache {
   RouteCache(const RouteCache&) = delete;
   RouteCache& operator=(const RouteCache&) = delete;
 
-  // Spares asked for with each open, and the level at which more are asked for in the background.
+  // Spares asked for with each open; the level at which more are asked for in the background, and how many
+  // then. Only a route used again within its cache_ms gets a refill, so the larger refill (the node's most,
+  // Node::kMaxSpareSockets) goes to busy routes only: each refill is a node round trip (and the node's
+  // setns into the sandbox's namespace), and a route that runs dry before its refill is back sends its next
+  // connection through a full open. Asking while 2 are left instead of 1 makes that rarer with a few
+  // connections starting at once (bench/RESULTS.md, "Small requests side by side").
   static constexpr size_t kSparesPerGrant = 4;
-  static constexpr size_t kRefillBelow = 2;
+  static constexpr size_t kRefillBelow = 3;
+  static constexpr size_t kSparesPerRefill = 8;
   static constexpr uint32_t kMaxRouteMs = 30'000;
 
   // ---- port policies (the ClientHello) ----

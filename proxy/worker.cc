@@ -353,7 +353,7 @@ void Worker::refill_route(const std::string& sandbox_ref, const std::string& san
   std::string key = sandbox_ref + ":" + std::to_string(port);
   if (refills_.contains(key)) return;
   shared_->metrics.node_call(NodeCallKind::kSpareSockets);
-  auto call = node_->spare_sockets(sandbox_id, port, RouteCache::kSparesPerGrant,
+  auto call = node_->spare_sockets(sandbox_id, port, RouteCache::kSparesPerRefill,
                                    [this, key, sandbox_ref, sandbox_id, port](Result<RouteGrant> r) {
                                      auto done = std::move(refills_[key]);  // freed when this returns
                                      refills_.erase(key);
