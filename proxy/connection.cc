@@ -414,6 +414,7 @@ void Connection::on_idle_timer() {
                  idle_ms - quiet, 0);
 }
 
+// May close the connection (the kernel refused to watch a socket): a caller that goes on checks phase().
 void Connection::update_interest() {
   if (phase() == PhaseKind::kClosed) return;
   Status s = client_watch_.set(phase_->client_interest());
@@ -1103,6 +1104,7 @@ void Connection::open_sandbox() {
       case fleet::Decision::Kind::kRemote: {
         auto& hop = enter<HopPhase>(std::move(*d.node));
         update_interest();
+        if (phase() == PhaseKind::kClosed) return;  // the socket could not be watched
         return hop.begin();
       }
     }
@@ -1113,6 +1115,7 @@ void Connection::open_sandbox() {
 void Connection::open_local_sandbox() {
   auto& open = enter<OpenPhase>();
   update_interest();
+  if (phase() == PhaseKind::kClosed) return;  // the socket could not be watched
   uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
   // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
@@ -1563,6 +1566,7 @@ void Connection::ForwardPhase::pump() {
     settled = rec.bytes_in + rec.bytes_out == before && c2u_.pending() + u2c_.pending() == pending_before;
   }
   c_.update_interest();
+  if (c_.phase() == PhaseKind::kClosed) return;  // a socket could not be watched
   // Hidden input only after a read that stopped for room: one that stopped at WANT_READ left at most a
   // partial record, whose remainder makes the socket readable.
   if (!settled || c2u_.hidden_input() || u2c_.hidden_input()) {

@@ -4,6 +4,7 @@
 #include "proxy/socket_watch.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -215,6 +216,24 @@ TEST_F(SocketWatchTest, AWatchStoppedByAnotherCallbackInTheSameTurnGetsNothing) 
   turn();
   EXPECT_EQ(both.calls, 1);
   EXPECT_TRUE(registered(set_).empty());
+}
+
+// What the connection closes with socket_watch_failed: the kernel refusing the watch (here EPERM, a regular
+// file; in production ENOMEM or fs.epoll.max_user_watches) is an error, and the watch stays as it was.
+TEST_F(SocketWatchTest, AWatchTheKernelRefusesIsAnErrorAndChangesNothing) {
+  UniqueFd file(::open("/proc/self/stat", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(file.valid());
+  Seen seen;
+  SocketWatch w;
+  w.init(&set_, file.get(), record, &seen);
+  Status s = w.set(UV_READABLE);
+  ASSERT_FALSE(s);
+  EXPECT_NE(s.message().find("epoll_ctl"), std::string::npos) << s.message();
+  EXPECT_EQ(w.events(), 0);
+  EXPECT_TRUE(registered(set_).empty());
+  w.stop();
+  turn();
+  EXPECT_EQ(seen.calls, 0);
 }
 
 TEST_F(SocketWatchTest, ManyReadySocketsAreAllServedOverSeveralTurns) {
