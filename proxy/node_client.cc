@@ -79,6 +79,15 @@ std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, SocketWatchSet*
     req->connect_failure_ = fail(Error::kUnavailable,
                                  "cannot reach sandgate-node at " + node.to_string() + ": " + std::strerror(err));
     timeout_ms = 0;
+  } else {
+    req->fd_.reset(fd);
+    req->watch_.init(sockets, fd, [](void* self, int status, int ev) {
+      static_cast<NodeRequest*>(self)->on_io(status, ev);
+    }, req.get());
+    if (Status s = req->arm(UV_WRITABLE); !s) {
+      req->connect_failure_ = fail(Error::kUnavailable, "request to sandgate-node " + path + ": " + s.message());
+      timeout_ms = 0;
+    }
   }
   uv_timer_start(
       req->timer_,
@@ -88,19 +97,6 @@ std::unique_ptr<NodeRequest> NodeRequest::start(uv_loop_t* loop, SocketWatchSet*
         self->finish(fail(Error::kTimeout, "sandgate-node did not answer in time"));
       },
       timeout_ms, 0);
-  if (req->connect_failure_) return req;
-  req->fd_.reset(fd);
-  req->watch_.init(sockets, fd, [](void* self, int status, int ev) {
-    static_cast<NodeRequest*>(self)->on_io(status, ev);
-  }, req.get());
-  if (Status s = req->arm(UV_WRITABLE); !s) {
-    // Reported from the loop like a connect failure.
-    req->connect_failure_ = fail(Error::kUnavailable, "request to sandgate-node " + path + ": " + s.message());
-    uv_timer_start(req->timer_, [](uv_timer_t* t) {
-      auto* self = static_cast<NodeRequest*>(t->data);
-      self->finish(*self->connect_failure_);
-    }, 0, 0);
-  }
   return req;
 }
 
