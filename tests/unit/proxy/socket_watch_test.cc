@@ -14,25 +14,26 @@
 #include <string>
 #include <vector>
 
-#include "common/net.h"
+#include "tests/unit/tcp_pair.h"
 
 namespace sg {
 namespace {
 
 struct TcpPair {
-  UniqueFd ours;    // watched
+  UniqueFd ours;    // watched (the accepted, non-blocking end)
   UniqueFd theirs;  // the peer the test acts as
 };
 
 TcpPair connected_pair() {
-  auto listener = listen_on(*parse_endpoint("127.0.0.1:0"), false, 4);
-  EXPECT_TRUE(listener);
-  auto port = local_port(listener->get());
-  auto a = connect_blocking(*parse_endpoint("127.0.0.1:" + std::to_string(*port)), 1000);
-  EXPECT_TRUE(a);
-  UniqueFd b(::accept4(listener->get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-  EXPECT_TRUE(b.valid());
-  return {std::move(b), std::move(*a)};
+  testing::TcpPair p = testing::connected_tcp_pair();
+  return {std::move(p.b), std::move(p.a)};
+}
+
+// The peer resets the connection: close() with a zero linger sends RST.
+void reset_by_peer(TcpPair& p) {
+  linger abort_on_close{1, 0};
+  ASSERT_EQ(::setsockopt(p.theirs.get(), SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close), 0);
+  p.theirs.reset();
 }
 
 struct Seen {
@@ -138,9 +139,7 @@ TEST_F(SocketWatchTest, AnErrorWhileNothingIsWatchedLeavesTheSetAndIsReportedOnc
   ASSERT_TRUE(w.set(UV_READABLE));
   ASSERT_TRUE(w.set(0));  // e.g. a handshake waiting for the node's answer
   ASSERT_EQ(registered(set_).count(p.ours.get()), 1u);
-  linger abort_on_close{1, 0};  // close() sends RST
-  ASSERT_EQ(::setsockopt(p.theirs.get(), SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close), 0);
-  p.theirs.reset();
+  reset_by_peer(p);
   turn();
   EXPECT_EQ(seen.calls, 0);
   // epoll reports an error or a hang-up whatever the mask; a level-triggered set would report it at every
@@ -175,9 +174,7 @@ TEST_F(SocketWatchTest, AResetIsReportedOnceAsAnErrorAndThenNothingIsWatched) {
   SocketWatch w;
   w.init(&set_, p.ours.get(), record, &seen);
   ASSERT_TRUE(w.set(UV_READABLE));
-  linger abort_on_close{1, 0};  // close() sends RST
-  ASSERT_EQ(::setsockopt(p.theirs.get(), SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close), 0);
-  p.theirs.reset();
+  reset_by_peer(p);
   turn();
   EXPECT_EQ(seen.calls, 1);
   EXPECT_EQ(seen.status, UV_EBADF);  // as uv_poll reports EPOLLERR

@@ -9,26 +9,12 @@
 
 #include <string>
 
-#include "common/net.h"
+#include "tests/unit/tcp_pair.h"
 
 namespace sg {
 namespace {
 
-struct TcpPair {
-  UniqueFd a;
-  UniqueFd b;
-};
-
-TcpPair connected_pair() {
-  auto listener = listen_on(*parse_endpoint("127.0.0.1:0"), false, 1);
-  EXPECT_TRUE(listener);
-  auto port = local_port(listener->get());
-  auto a = connect_blocking(*parse_endpoint("127.0.0.1:" + std::to_string(*port)), 1000);
-  EXPECT_TRUE(a);
-  UniqueFd b(::accept4(listener->get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-  EXPECT_TRUE(b.valid());
-  return {std::move(*a), std::move(b)};
-}
+using testing::connected_tcp_pair;
 
 std::string pattern(size_t n) {
   std::string s(n, '\0');
@@ -37,8 +23,8 @@ std::string pattern(size_t n) {
 }
 
 TEST(SplicePipe, ForwardsBytesInOrderAndReportsEof) {
-  auto in = connected_pair();
-  auto out = connected_pair();
+  auto in = connected_tcp_pair();
+  auto out = connected_tcp_pair();
   auto pipe = SplicePipe::create(64 * 1024);
   ASSERT_TRUE(pipe) << pipe.message();
   std::string sent = pattern(300 * 1000);  // more than the pipe holds: several fill/drain rounds
@@ -75,8 +61,8 @@ TEST(SplicePipe, ForwardsBytesInOrderAndReportsEof) {
 }
 
 TEST(SplicePipe, StopsAcceptingWhenFullUntilDrained) {
-  auto in = connected_pair();
-  auto out = connected_pair();
+  auto in = connected_tcp_pair();
+  auto out = connected_tcp_pair();
   auto pipe = SplicePipe::create(64 * 1024);
   ASSERT_TRUE(pipe) << pipe.message();
   // Many small segments: each can take a pipe slot of its own.
