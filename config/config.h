@@ -93,8 +93,9 @@ struct NodeConfig {
   // opened it with a verified credential within this many seconds (noderuntime/prewake_gate.h); 0: never.
   // Public ports are woken for anyone, as their requests are.
   uint32_t prewake_window_secs = 86'400;
-  // Sandboxes' processes run under SCHED_BATCH (process driver): woken by a packet, they do not preempt the
-  // proxy or the node that woke them, and get their share at the next tick. Off: SCHED_OTHER.
+  // Sandboxes' processes (process driver) and VMMs (QEMU, Firecracker, Cloud Hypervisor) run under
+  // SCHED_BATCH: woken by a packet, they do not preempt the proxy or the node that woke them, and get their
+  // share at the next tick. Off: SCHED_OTHER.
   bool batch_scheduling = true;
   uint32_t max_sandboxes = 1000;
   // What the sandboxes a node holds may reserve in all, each its create's memory_mb and cpus in any state but

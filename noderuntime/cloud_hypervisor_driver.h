@@ -78,6 +78,7 @@ struct CloudHypervisorConfig {
   HypervisorClientOptions api;
   uint32_t spawn_connect_wait_ms = 3000;
   uint32_t exit_wait_ms = 5000;
+  bool batch_scheduling = true;  // node.batch_scheduling (VmmDriverOptions)
 };
 
 std::unique_ptr<Driver> make_cloud_hypervisor_driver(uv_loop_t* loop, CloudHypervisorConfig config);

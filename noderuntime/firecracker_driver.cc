@@ -139,7 +139,8 @@ class FirecrackerDriver final : public VmmDriver {
                   VmmDriverOptions{.binary = config.binary,
                                    .api = config.api,
                                    .spawn_connect_wait_ms = config.spawn_connect_wait_ms,
-                                   .exit_wait_ms = config.exit_wait_ms}),
+                                   .exit_wait_ms = config.exit_wait_ms,
+                                   .batch_scheduling = config.batch_scheduling}),
         config_(std::move(config)) {}
 
   std::string_view name() const override { return "firecracker"; }

@@ -108,6 +108,7 @@ struct FirecrackerConfig {
   HypervisorClientOptions api;
   uint32_t spawn_connect_wait_ms = 3000;
   uint32_t exit_wait_ms = 5000;
+  bool batch_scheduling = true;  // node.batch_scheduling (VmmDriverOptions)
 };
 
 std::unique_ptr<Driver> make_firecracker_driver(uv_loop_t* loop, FirecrackerConfig config);

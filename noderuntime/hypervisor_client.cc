@@ -1,6 +1,7 @@
 #include "noderuntime/hypervisor_client.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -18,6 +19,8 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+
+#include <spdlog/spdlog.h>
 
 #include "common/http_client.h"
 #include "noderuntime/uv_handles.h"
@@ -284,7 +287,7 @@ Status run_on_private_loop(const std::function<std::shared_ptr<void>(uv_loop_t*,
 // ---- the VMM process ----
 
 Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, const std::vector<std::string>& args,
-                             const std::string& log_path, const std::string& cwd) {
+                             const std::string& log_path, const VmmSpawnOptions& options) {
   struct stat st{};
   if (::stat(binary.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || ::access(binary.c_str(), X_OK) != 0)
     return fail(Error::kUnsupported, std::string(peer) + " binary not found at " + binary);
@@ -296,7 +299,7 @@ Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, c
   posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_addopen(&files, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0640);
   posix_spawn_file_actions_adddup2(&files, 1, 2);
-  if (!cwd.empty()) posix_spawn_file_actions_addchdir_np(&files, cwd.c_str());
+  if (!options.cwd.empty()) posix_spawn_file_actions_addchdir_np(&files, options.cwd.c_str());
   // Its own session (survives the node, not hit by a terminal's signals), default signal dispositions and an
   // empty mask whatever the node's loop has blocked.
   sigset_t none, all;
@@ -310,8 +313,27 @@ Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, c
   argv.push_back(const_cast<char*>(binary.c_str()));
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  // The child inherits the spawning thread's policy, so it has SCHED_BATCH from its first instruction and
+  // every thread it creates does too (glibc's posix_spawnattr_setschedpolicy takes only FIFO, RR and OTHER).
+  // This thread is SCHED_BATCH for the length of the spawn only.
+  const int own_policy = ::sched_getscheduler(0);
+  sched_param own_priority{};
+  const bool switch_policy = options.batch_scheduling && own_policy != SCHED_BATCH;
+  if (switch_policy) {
+    const sched_param batch_priority{};
+    if (own_policy < 0 || ::sched_getparam(0, &own_priority) != 0 ||
+        ::sched_setscheduler(0, SCHED_BATCH, &batch_priority) != 0) {
+      const int err = errno;
+      posix_spawn_file_actions_destroy(&files);
+      posix_spawnattr_destroy(&attr);
+      return fail_errno("cannot start " + std::string(peer) + " under SCHED_BATCH", err);
+    }
+  }
   pid_t pid = 0;
   int rc = ::posix_spawn(&pid, binary.c_str(), &files, &attr, argv.data(), environ);
+  if (switch_policy && ::sched_setscheduler(0, own_policy, &own_priority) != 0)
+    spdlog::warn("the node's thread stays SCHED_BATCH after starting {}: sched_setscheduler: {}", peer,
+                 std::strerror(errno));
   posix_spawn_file_actions_destroy(&files);
   posix_spawnattr_destroy(&attr);
   if (rc != 0) return fail(Error::kIo, "cannot start " + std::string(peer) + " (" + binary + "): " + std::strerror(rc));
@@ -568,7 +590,8 @@ VmmDriver::Step VmmDriver::spawn_step(std::vector<std::string> args) {
     std::filesystem::remove(sock, ec);  // a stale socket of a dead VMM would make the new one fail to bind
     // In the sandbox's directory: the socket paths a snapshot records are relative to it (kVsockName), so a
     // sandbox started from another's memory snapshot binds its own.
-    auto p = spawn_vmm(peer_, options_.binary, args, op->info.sandbox_dir + "/" + peer_ + ".log", op->info.sandbox_dir);
+    auto p = spawn_vmm(peer_, options_.binary, args, op->info.sandbox_dir + "/" + peer_ + ".log",
+                       {.cwd = op->info.sandbox_dir, .batch_scheduling = options_.batch_scheduling});
     if (!p) return done(p.failure());
     op->process = *p;
     op->spawned = true;

@@ -86,11 +86,17 @@ struct VmmProcess {
   uint64_t start_time_ticks = 0;
 };
 
+// How a VMM process starts besides its arguments.
+struct VmmSpawnOptions {
+  std::string cwd;                // empty: the node's
+  bool batch_scheduling = false;  // SCHED_BATCH (node.batch_scheduling), for every thread it will have
+};
+
 // Starts `binary args...` in its own session, stdout and stderr appended to `log_path`, so the VMM outlives
-// a node restart like every other sandbox; in directory `cwd` when it is not empty. kUnsupported "<peer>
-// binary not found at <binary>" when there is no executable there.
+// a node restart like every other sandbox. kUnsupported "<peer> binary not found at <binary>" when there is
+// no executable there.
 Result<VmmProcess> spawn_vmm(std::string_view peer, const std::string& binary, const std::vector<std::string>& args,
-                             const std::string& log_path, const std::string& cwd = {});
+                             const std::string& log_path, const VmmSpawnOptions& options = {});
 // A file's size, or with `allocated` the bytes its blocks take (a memory file is sparse where the guest's RAM
 // is zero); 0 when it cannot be read. What a memory checkpoint reports of the files it wrote.
 uint64_t file_bytes(const std::string& path, bool allocated);
@@ -134,6 +140,8 @@ struct VmmDriverOptions {
   uint32_t spawn_connect_wait_ms = 3000;  // how long a new VMM may take to create its API socket
   uint32_t exit_wait_ms = 5000;           // how long a killed VMM may take to be gone
   uint32_t vsock_connect_timeout_ms = 1000;
+  // node.batch_scheduling: a guest's vCPU, woken by a packet the proxy wrote, does not preempt the proxy.
+  bool batch_scheduling = true;
 };
 
 // The VMM-independent half of a microVM driver. Subclasses sequence API calls as Steps; an operation owns its

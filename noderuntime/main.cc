@@ -230,6 +230,7 @@ int main(int argc, char** argv) {
     fc.binary = c.node.firecracker_binary;
     fc.kernel_image_path = kernel;
     fc.initrd_path = initrd;
+    fc.batch_scheduling = c.node.batch_scheduling;
     drivers.push_back(sg::make_firecracker_driver(d.loop, std::move(fc)));
   }
   if (!c.node.cloud_hypervisor_binary.empty()) {
@@ -237,6 +238,7 @@ int main(int argc, char** argv) {
     ch.binary = c.node.cloud_hypervisor_binary;
     ch.kernel = kernel;
     ch.initramfs = initrd;
+    ch.batch_scheduling = c.node.batch_scheduling;
     drivers.push_back(sg::make_cloud_hypervisor_driver(d.loop, std::move(ch)));
   }
   d.node = std::make_unique<sg::Node>(d.loop, d.config.get(), std::move(drivers), std::move(*store));

@@ -217,9 +217,10 @@ Status fsync_path(const std::string& path, int flags) {
   return {};
 }
 
-VmmDriverOptions vmm_options(std::string binary) {
+VmmDriverOptions vmm_options(std::string binary, bool batch_scheduling) {
   VmmDriverOptions o;
   o.binary = std::move(binary);
+  o.batch_scheduling = batch_scheduling;
   return o;
 }
 
@@ -227,7 +228,7 @@ class QemuDriver final : public VmmDriver {
  public:
   QemuDriver(uv_loop_t* loop, const NodeConfig& cfg, uint16_t agent_port, std::string binary,
              ImageLayers image_layers, SandboxEgress* egress)
-      : VmmDriver(loop, "qemu", vmm_options(std::move(binary))),
+      : VmmDriver(loop, "qemu", vmm_options(std::move(binary), cfg.batch_scheduling)),
         image_layers_(std::move(image_layers)),
         egress_(egress),
         disks_(loop, guest_disks_dir(cfg.state_dir)),
@@ -1667,7 +1668,9 @@ Result<VmmProcess> QemuDriver::spawn_qemu(const SandboxSpec& spec, const std::ve
   }
   // posix_spawn's child starts in the namespace of the thread that spawns it.
   std::optional<Result<VmmProcess>> spawned;
-  if (Status s = in_netns(ns->get(), host_netns_.get(), [&] { spawned = spawn_vmm("qemu", options_.binary, args, log); });
+  if (Status s = in_netns(ns->get(), host_netns_.get(), [&] {
+        spawned = spawn_vmm("qemu", options_.binary, args, log, {.cwd = {}, .batch_scheduling = options_.batch_scheduling});
+      });
       !s) {
     if (spawned && *spawned) (void)kill_vmm(**spawned);
     return s.failure();

@@ -83,6 +83,15 @@ void expect_every_identity_line_taken(Cluster& c) {
     EXPECT_EQ(c.node().log().find(warning), std::string::npos) << c.node().log();
 }
 
+// The scheduling classes (ps's CLS: TS for SCHED_OTHER, B for SCHED_BATCH) of every thread of the sandbox's
+// QEMU, one line each without repeats; "" when no QEMU runs for it.
+std::string qemu_thread_classes(const std::string& id) {
+  auto pid = run("pgrep -f '[s]andgate-" + id + "' || true").out;
+  while (!pid.empty() && pid.back() == '\n') pid.pop_back();
+  if (pid.empty()) return "";
+  return run("ps -L -o cls= -p " + pid + " | tr -d ' ' | sort -u").out;
+}
+
 // A 16 MiB tmpfs mounted on `path` (made first) for as long as it lives: a disk that fills up.
 struct SmallTmpfs {
   explicit SmallTmpfs(std::string p) : path(std::move(p)) {
@@ -134,6 +143,8 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   Answer a = counter(c);
   ASSERT_EQ(a.code, 200) << c.node().log();
   EXPECT_EQ(a.count, 1);
+  // node.batch_scheduling (on by default): every vCPU and I/O thread, so none preempts the proxy.
+  EXPECT_EQ(qemu_thread_classes(id), "B\n");
 
   // Memory tier after the idle timeout; a request wakes it and the guest's RAM is intact.
   ASSERT_TRUE(eventually([&] { return c.get("q")["tier"] == "memory"; }, std::chrono::seconds(30)))
@@ -163,6 +174,7 @@ TEST_F(Qemu, WakesFromBothTiersKeepsMemoryFixesClockAndSurvivesNodeKill) {
   EXPECT_EQ(a.count, 3) << "the counter in guest RAM did not survive the hibernation";
   EXPECT_LE(std::labs(a.guest_time - host_now), 3) << "guest clock " << a.guest_time << " vs host " << host_now
                                                    << c.node().log();
+  EXPECT_EQ(qemu_thread_classes(id), "B\n") << "the restored QEMU";
   // A sandbox from the hibernated guest's checkpoint continues it (2 -> 3), with its clock set.
   ASSERT_EQ(c.cli("create --name h --from " + snap, 180).exit_code, 0) << c.node().log();
   Answer from_disk = counter(c, "h");

@@ -3,6 +3,7 @@
 #include "noderuntime/cloud_hypervisor_driver.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 
 #include <filesystem>
@@ -209,6 +210,7 @@ TEST_F(CloudHypervisorTest, FullLifecycleConformsToTheSpec) {
   auto info = wait([&](auto done) { d->start(spec_sb_, sandbox_dir_, done); });
   ASSERT_TRUE(info.ok()) << info.message();
   EXPECT_TRUE(testing::process_alive(info->pid));
+  EXPECT_EQ(::sched_getscheduler(info->pid), SCHED_BATCH) << "node.batch_scheduling is on by default";
   ASSERT_TRUE(wait_status([&](auto done) { d->pause(spec_sb_, *info, done); }).ok());
   ASSERT_TRUE(wait_status([&](auto done) { d->resume(spec_sb_, *info, done); }).ok());
   ASSERT_TRUE(wait_status([&](auto done) { d->pause(spec_sb_, *info, done); }).ok());

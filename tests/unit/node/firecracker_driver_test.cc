@@ -3,6 +3,7 @@
 #include "noderuntime/firecracker_driver.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <filesystem>
 #include <fstream>
@@ -345,6 +346,7 @@ TEST_F(FirecrackerDriverTest, FullLifecycleConformsToTheSpec) {
   ASSERT_TRUE(info.ok()) << info.message();
   EXPECT_EQ(info->pid, testing::read_pid_file(sandbox_dir_ + "/vmm.pid"));
   EXPECT_TRUE(testing::process_alive(info->pid));
+  EXPECT_EQ(::sched_getscheduler(info->pid), SCHED_BATCH) << "node.batch_scheduling is on by default";
   bool exited = false;
   ASSERT_TRUE(d->watch_exit(spec_sb_, *info, [&] { exited = true; }).ok());
 
