@@ -3,19 +3,53 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
+#include <memory>
+
 namespace sg {
+
+std::optional<TokenDigest> token_sha256(std::string_view token) {
+  // Fetched once for the process (EVP_sha256() would be looked up in the provider store at every init).
+  static EVP_MD* const sha256 = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+  struct CtxFree {
+    void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
+  };
+  thread_local std::unique_ptr<EVP_MD_CTX, CtxFree> ctx(EVP_MD_CTX_new());
+  TokenDigest out{};
+  unsigned int len = 0;
+  if (sha256 == nullptr || !ctx || EVP_DigestInit_ex2(ctx.get(), sha256, nullptr) != 1 ||
+      EVP_DigestUpdate(ctx.get(), token.data(), token.size()) != 1 ||
+      EVP_DigestFinal_ex(ctx.get(), out.data(), &len) != 1 || len != out.size())
+    return std::nullopt;
+  return out;
+}
+
+std::optional<TokenDigest> parse_token_digest(std::string_view hex) {
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  TokenDigest out{};
+  if (hex.size() != 2 * out.size()) return std::nullopt;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out[i] = static_cast<unsigned char>(hi << 4 | lo);
+  }
+  return out;
+}
 
 std::string token_digest(std::string_view token) {
   static constexpr char kHex[] = "0123456789abcdef";
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  // EVP_Digest with SHA-256 cannot fail short of memory exhaustion; an empty result then never matches.
-  if (EVP_Digest(token.data(), token.size(), md, &len, EVP_sha256(), nullptr) != 1) return {};
+  // Cannot fail short of memory exhaustion; an empty result then never matches.
+  auto md = token_sha256(token);
+  if (!md) return {};
   std::string hex;
-  hex.reserve(2 * len);
-  for (unsigned int i = 0; i < len; ++i) {
-    hex += kHex[md[i] >> 4];
-    hex += kHex[md[i] & 15];
+  hex.reserve(2 * md->size());
+  for (unsigned char b : *md) {
+    hex += kHex[b >> 4];
+    hex += kHex[b & 15];
   }
   return hex;
 }

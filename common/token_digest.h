@@ -3,10 +3,21 @@
 // proxy (which strips the tokens it recognises before a request reaches sandbox code).
 #pragma once
 
+#include <array>
+#include <optional>
 #include <string>
 #include <string_view>
 
 namespace sg {
+
+using TokenDigest = std::array<unsigned char, 32>;
+
+// SHA-256 of `token`, nullopt only when OpenSSL fails (out of memory). With the digest fetched once and a
+// context per thread: no provider lookup, lock or allocation per call, since the proxy hashes the credential
+// of every request it forwards.
+std::optional<TokenDigest> token_sha256(std::string_view token);
+// 64 hex digits (token_digest's form, either case) as bytes; nullopt for anything else.
+std::optional<TokenDigest> parse_token_digest(std::string_view hex);
 
 // SHA-256 of `token` as 64 lowercase hex digits.
 std::string token_digest(std::string_view token);

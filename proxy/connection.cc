@@ -66,6 +66,9 @@ class Connection::Phase {
   virtual void stop() {}
   // The proxy drains (Worker::drain): a phase that can end the connection cleanly does so.
   virtual void drain_tick() {}
+  // The connection has been quiet for a while: memory kept for the next bytes goes back. True while some
+  // is still held (bytes in flight).
+  virtual bool release_memory_while_idle() { return false; }
 
  protected:
   Connection& c_;
@@ -220,6 +223,14 @@ class Connection::ForwardPhase final : public Phase {
   bool spliced_from_client() const { return c2u_.spliced(); }
   bool start() { return c2u_.run_stage(); }
   void drain_tick() override;
+  bool release_memory_while_idle() override {
+    c2u_.release_memory_while_idle();
+    u2c_.release_memory_while_idle();
+    c_.client_->release_memory_while_idle();
+    c_.upstream_->release_memory_while_idle();
+    if (h1_filter_) h1_filter_->release_memory_while_idle();
+    return holds_memory();
+  }
 
  private:
   Direction::Hooks client_to_sandbox_hooks();
@@ -242,6 +253,7 @@ class Connection::ForwardPhase final : public Phase {
   bool handle_half_close();
   // The request on an HTTP route has had no byte back from the sandbox yet (so a 502 can still answer it).
   bool awaiting_first_response() const;
+  bool holds_memory() const { return c2u_.holds_memory() || u2c_.holds_memory(); }
   // The sandbox side failed (detail: how); answers 502 while awaiting_first_response(). Always false.
   bool upstream_failed(std::string detail);
   void count(uint64_t& record, uint64_t& traffic, size_t n);
@@ -410,8 +422,29 @@ void Connection::on_idle_timer() {
   uint64_t quiet = now_ms(worker_->loop()) - last_activity_ms_;
   if (quiet >= idle_ms) return close(TerminationCause::kIdleTimeout);
   // Activity is recorded as a timestamp (no timer restart per read); re-arm for the remainder.
-  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
-                 idle_ms - quiet, 0);
+  uint64_t next = idle_ms - quiet;
+  if (holding_buffers_) {
+    if (quiet < kReleaseIdleMemoryAfterMs) {
+      next = std::min(next, kReleaseIdleMemoryAfterMs - quiet);
+    } else if (phase_->release_memory_while_idle()) {
+      next = std::min(next, kReleaseIdleMemoryAfterMs);  // bytes in flight keep their memory: again later
+    } else {
+      holding_buffers_ = false;
+      worker_->shared()->metrics.buffers_held(-1);
+    }
+  }
+  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); }, next, 0);
+}
+
+void Connection::release_memory_when_quiet() {
+  if (holding_buffers_) return;
+  holding_buffers_ = true;
+  worker_->shared()->metrics.buffers_held(1);
+  // The timer is due at the idle timeout (tens of seconds) or sooner.
+  if (!uv_is_active(reinterpret_cast<uv_handle_t*>(&idle_timer_)) ||
+      uv_timer_get_due_in(&idle_timer_) > kReleaseIdleMemoryAfterMs)
+    uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
+                   kReleaseIdleMemoryAfterMs, 0);
 }
 
 // May close the connection (the kernel refused to watch a socket): a caller that goes on checks phase().
@@ -797,17 +830,20 @@ std::optional<Connection::RequestRefusal> Connection::later_request_refusal(std:
   // Browsers reuse a connection for every host the wildcard certificate covers (h2 coalescing), and any
   // client may send another Host on a keep-alive connection: the connection is bound to its first request's
   // route, so a request naming another goes nowhere. An absolute-form target names its host too.
-  const std::string bound = normalize_host(rec_.host);
+  // The same bytes as the first request's Host (the usual case) name the same route without normalizing.
+  auto names_bound_route = [this](std::string_view host) {
+    return host == rec_.host || normalize_host(host) == normalize_host(rec_.host);
+  };
   std::string_view named = authority;
   for (std::string_view scheme : {"http://", "https://"}) {
     if (target.size() > scheme.size() &&
         std::equal(scheme.begin(), scheme.end(), target.begin(), [](char a, char b) { return a == std::tolower(static_cast<unsigned char>(b)); })) {
       std::string_view rest = target.substr(scheme.size());
       std::string_view target_authority = rest.substr(0, rest.find_first_of("/?#"));
-      if (normalize_host(target_authority) != bound) named = target_authority;
+      if (!names_bound_route(target_authority)) named = target_authority;
     }
   }
-  if (named.empty() || normalize_host(named) != bound)
+  if (named.empty() || !names_bound_route(named))
     return RequestRefusal{421, TerminationCause::kMisdirected,
                           "this connection was opened for " + rec_.host + ", not " + std::string(named) +
                               ": send the request on a connection of its own\n"};
@@ -1393,10 +1429,10 @@ Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
 void Connection::ForwardPhase::start_request_filters() {
   // What the edge consumed is recognised in every request and taken out: the credential the node accepted
   // (none on a public port), the operator token, and the sandbox's own token whatever the port.
-  if (!c_.snapshot_->operator_token.empty()) consumed_.tokens.push_back(c_.snapshot_->operator_token);
+  consumed_.add_token(c_.snapshot_->operator_token);
   if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size())
-    consumed_.tokens.push_back(c_.credentials_[c_.credential_index_].token);
-  consumed_.sandbox_token_sha256 = c_.sandbox_token_sha256_;
+    consumed_.add_token(c_.credentials_[c_.credential_index_].token);
+  consumed_.add_token_digest_hex(c_.sandbox_token_sha256_);
   const size_t max_head = c_.cfg_->proxy.max_request_head_bytes;
   if (c_.h2_) {
     h2_filter_ = std::make_unique<H2ClientFilter>(H2FilterLimits{.max_header_list_bytes = max_head},
@@ -1567,6 +1603,7 @@ void Connection::ForwardPhase::pump() {
   }
   c_.update_interest();
   if (c_.phase() == PhaseKind::kClosed) return;  // a socket could not be watched
+  if (holds_memory()) c_.release_memory_when_quiet();
   // Hidden input only after a read that stopped for room: one that stopped at WANT_READ left at most a
   // partial record, whose remainder makes the socket readable.
   if (!settled || c2u_.hidden_input() || u2c_.hidden_input()) {
@@ -1717,6 +1754,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   release_sandbox_slot();
   if (!client_slot_.empty()) worker_->shared()->client_limits.release(client_slot_);
   worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);
+  if (std::exchange(holding_buffers_, false)) worker_->shared()->metrics.buffers_held(-1);
   worker_->forget(this);
   prewake_.reset();  // a wake for a client that left is not wanted any more
 

@@ -101,6 +101,9 @@ class Connection {
   void on_upstream_io(int status, int events);
   void on_deadline();
   void on_idle_timer();
+  // Forwarding holds memory for the next bytes (buffers, TLS records): the idle timer gives it back once
+  // the connection has been quiet for kReleaseIdleMemoryAfterMs.
+  void release_memory_when_quiet();
   void arm_deadline(uint32_t ms, TerminationCause cause);
   void update_interest();
   // upstream_fd_ is set: watch it (for nothing yet) in the worker's set.
@@ -173,6 +176,12 @@ class Connection {
   int handles_open_ = 0;
   TerminationCause deadline_cause_ = TerminationCause::kHandshakeTimeout;
   uint64_t last_activity_ms_ = 0;  // forwarding: the idle timer's reference
+  // A keep-alive client's next request comes within this as a rule; a connection quiet for longer holds no
+  // forwarding memory (the RSS of idle connections, bench/soak.py).
+  static constexpr uint64_t kReleaseIdleMemoryAfterMs = 1000;
+  // Forwarding memory may be held (sandgate_proxy_connections_holding_buffers): the idle timer fires by
+  // kReleaseIdleMemoryAfterMs after the last activity.
+  bool holding_buffers_ = false;
 
   HelloState hello_;  // SNI and the routed port's policy, filled during the handshake (OpenSSL's callbacks)
   // The early wake this connection's ClientHello asks for (proxy.wake_at_client_hello): decided once; a call

@@ -1,7 +1,6 @@
 #include "proxy/edge_auth.h"
 
 #include <openssl/crypto.h>
-#include <openssl/sha.h>
 
 #include <algorithm>
 #include <cctype>
@@ -140,10 +139,22 @@ std::vector<Credential> find_credentials(std::string_view target, std::span<cons
   return found;
 }
 
+void ConsumedCredentials::add_token(std::string_view token) {
+  if (token.empty()) return;
+  if (auto d = token_sha256(token)) digests_.push_back(*d);
+}
+
+void ConsumedCredentials::add_token_digest_hex(std::string_view hex) {
+  if (auto d = parse_token_digest(hex)) digests_.push_back(*d);
+}
+
 bool ConsumedCredentials::matches(std::string_view token) const {
-  for (const std::string& t : tokens)
-    if (!t.empty() && token_matches(token, t)) return true;
-  return token_matches_digest(token, sandbox_token_sha256);
+  if (digests_.empty()) return false;
+  auto presented = token_sha256(token);
+  if (!presented) return false;
+  bool found = false;
+  for (const TokenDigest& d : digests_) found |= CRYPTO_memcmp(presented->data(), d.data(), d.size()) == 0;
+  return found;
 }
 
 size_t strip_credentials(std::string& target, std::vector<HttpHeader>& headers, const ConsumedCredentials& consumed) {
@@ -276,11 +287,8 @@ Result<std::string> http1_refusal(int status, std::string_view content_type, std
 }
 
 bool token_matches(std::string_view presented, std::string_view expected) {
-  unsigned char a[SHA256_DIGEST_LENGTH];
-  unsigned char b[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(presented.data()), presented.size(), a);
-  SHA256(reinterpret_cast<const unsigned char*>(expected.data()), expected.size(), b);
-  return CRYPTO_memcmp(a, b, sizeof a) == 0;
+  auto a = token_sha256(presented), b = token_sha256(expected);
+  return a && b && CRYPTO_memcmp(a->data(), b->data(), a->size()) == 0;
 }
 
 }  // namespace sg

@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/http.h"
+#include "common/token_digest.h"
 
 namespace sg {
 
@@ -57,11 +58,19 @@ bool is_valid_token(std::string_view token);
 // left out, so an empty result means "no credential": answer 401.
 std::vector<Credential> find_credentials(std::string_view target, std::span<const HttpHeader> headers);
 
-// The credentials the edge consumed on a connection, recognised in each request it forwards.
-struct ConsumedCredentials {
-  std::vector<std::string> tokens;  // plaintext: the credential the node accepted, the operator token
-  std::string sandbox_token_sha256; // the sandbox's own token (the node's internal/open answer); "" unknown
+// The credentials the edge consumed on a connection, recognised in each request it forwards: kept as SHA-256
+// digests, so a request's token is hashed once and compared with each in constant time.
+class ConsumedCredentials {
+ public:
+  // The credential the node accepted, the operator token; "" is ignored.
+  void add_token(std::string_view token);
+  // The sandbox's own token as the node's internal/open answer gives it (64 hex digits); "" (unknown) or
+  // anything malformed is ignored.
+  void add_token_digest_hex(std::string_view hex);
   bool matches(std::string_view token) const;
+
+ private:
+  std::vector<TokenDigest> digests_;
 };
 
 // Takes the edge's credentials out of a request before it is forwarded, so sandbox code never sees one (its

@@ -42,11 +42,10 @@ bool Direction::move() {
   if (!run_stage()) return false;
   if (queued() > 0 && !write_sink()) return false;
   if (pipe_ && pipe_->buffered() > 0 && !splice_to_sink()) return false;
-  release_while_idle();
   return true;
 }
 
-void Direction::release_while_idle() {
+void Direction::release_memory_while_idle() {
   if (source_ready_ || source_->has_buffered_input()) return;
   buffer_.release();
   if (out_pending() == 0 && out_.capacity() > kKeptStagingBytes) {

@@ -104,6 +104,11 @@ class Direction {
   size_t pending() const { return buffer_.readable() + out_pending() + (pipe_ ? pipe_->buffered() : 0); }
   // The direction holds forwarding memory (a buffer, a staging string larger than kKeptStagingBytes).
   bool holds_memory() const { return buffer_.holds_memory() || out_.capacity() > kKeptStagingBytes; }
+  // Waiting for the source with nothing in flight: the buffer and the staging string go back to the
+  // allocator, so an idle connection holds no forwarding memory. The connection calls it once it has been
+  // quiet for a while (Connection::kReleaseIdleMemoryAfterMs), not after every burst: a keep-alive client's
+  // next request reuses the memory instead of taking it from the allocator again.
+  void release_memory_while_idle();
   // Reading the source can make progress.
   bool has_room() const;
   bool wants_source_readable() const { return state_ == State::kMoving && has_room(); }
@@ -142,10 +147,6 @@ class Direction {
   // before them.
   bool copy_while_spliced() const { return hooks_.splice_budget && hooks_.splice_budget() < kMinSplicedRun; }
   bool read_into_buffer();
-  // Waiting for the source with nothing in flight: the buffer and the staging string go back to the
-  // allocator (its per-thread cache hands them out again at the next read), so an idle connection holds no
-  // forwarding memory.
-  void release_while_idle();
   bool received(const IoResult& r);
   bool source_ended();
 

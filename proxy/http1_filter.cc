@@ -19,6 +19,7 @@ struct Http1RequestFilter::Parser {
   size_t head_bytes = 0;
 
   static Parser* of(llhttp_t* p) { return static_cast<Parser*>(p->data); }
+  static constexpr size_t kUsualFieldCount = 16;
 
   Parser() {
     llhttp_settings_init(&settings);
@@ -32,6 +33,7 @@ struct Http1RequestFilter::Parser {
     };
     settings.on_header_field = [](llhttp_t* p, const char* at, size_t len) {
       Parser* self = of(p);
+      if (self->request.headers.capacity() == 0) self->request.headers.reserve(kUsualFieldCount);
       if (self->last_was_value || self->request.headers.empty()) self->request.headers.push_back({});
       self->last_was_value = false;
       self->request.headers.back().name.append(at, len);
@@ -59,7 +61,12 @@ struct Http1RequestFilter::Parser {
   }
 
   void next_message() {
+    // The header list keeps its capacity from one request to the next: a keep-alive connection allocates it
+    // once instead of growing it field by field in every request.
+    std::vector<HttpHeader> headers = std::move(request.headers);
+    headers.clear();
     request = Http1Request{};
+    request.headers = std::move(headers);
     in_head = true;
     last_was_value = false;
     upgrade = false;
@@ -84,6 +91,13 @@ void Http1RequestFilter::resolve_upgrade(bool switched) {
 }
 
 Http1RequestFilter::~Http1RequestFilter() = default;
+
+void Http1RequestFilter::release_memory_while_idle() {
+  // Once a head was judged and forwarded (in_head false: its body, if any, passes as it comes) nothing reads
+  // it again; an empty one holds only the list's capacity. A head being read keeps what was parsed of it.
+  if (!parser_->in_head) parser_->request = Http1Request{};
+  else if (parser_->request.headers.empty()) std::vector<HttpHeader>().swap(parser_->request.headers);
+}
 
 void ask_to_close(std::vector<HttpHeader>& headers) {
   std::string value = "close";

@@ -72,6 +72,9 @@ class Http1RequestFilter {
   // goes out with the next feed() (which may be given no input).
   void resolve_upgrade(bool switched);
   bool has_released() const { return !held_.empty() && state_ != State::kAwaitingSwitch; }
+  // The connection has been quiet for a while: the last request's parsed head, and the header list kept for
+  // the next one, go back (not a head being read).
+  void release_memory_while_idle();
 
   // Bytes held in kAwaitingSwitch at most (a client that sends more before the answer gets a 400).
   static constexpr size_t kMaxHeldBytes = 64 * 1024;

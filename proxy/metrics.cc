@@ -1,5 +1,7 @@
 #include "proxy/metrics.h"
 
+#include <algorithm>
+
 namespace sg {
 
 std::string_view node_call_name(NodeCallKind k) {
@@ -38,6 +40,11 @@ std::string ProxyMetrics::render(uint32_t open_connections, uint32_t max_connect
   m.family("sandgate_proxy_connections_max", "gauge",
            "Effective connection limit: proxy.max_connections or what RLIMIT_NOFILE carries, the smaller.");
   m.sample("sandgate_proxy_connections_max", {}, uint64_t{max_connections});
+  m.family("sandgate_proxy_connections_holding_buffers", "gauge",
+           "Open connections holding forwarding buffers: active within the last second, or with bytes in flight. "
+           "The others hold none.");
+  m.sample("sandgate_proxy_connections_holding_buffers", {},
+           static_cast<uint64_t>(std::max<int64_t>(holding_buffers_.load(std::memory_order_relaxed), 0)));
   m.family("sandgate_proxy_bytes_total", "counter",
            "Bytes forwarded, by direction (counted as the workers report activity to the node, about once a second).");
   m.sample("sandgate_proxy_bytes_total", {{"direction", "client_to_sandbox"}}, bytes_in_.value());

@@ -32,6 +32,9 @@ class ProxyMetrics {
   void node_call(NodeCallKind k) { node_calls_[static_cast<size_t>(k)].add(); }
   // A connection's route came from the worker's cache (hit) or from a node call (miss).
   void route_cache(bool hit) { (hit ? route_hits_ : route_misses_).add(); }
+  // A connection took forwarding memory it keeps between bursts (+1), or gave it back or ended (-1).
+  void buffers_held(int delta) { holding_buffers_.fetch_add(delta, std::memory_order_relaxed); }
+  int64_t connections_holding_buffers() const { return holding_buffers_.load(std::memory_order_relaxed); }
 
   // The exposition, with the gauges the caller reads at scrape time.
   std::string render(uint32_t open_connections, uint32_t max_connections) const;
@@ -42,6 +45,7 @@ class ProxyMetrics {
   std::array<Counter, kTerminationCauses> refused_streams_;
   std::array<Counter, kNodeCallKinds> node_calls_;
   Counter bytes_in_, bytes_out_, wakes_, route_hits_, route_misses_;
+  std::atomic<int64_t> holding_buffers_{0};
   Histogram handshake_ = make_handshake_histogram();
   Histogram wake_ = make_wake_histogram();
 };

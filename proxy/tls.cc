@@ -190,12 +190,12 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
       SSL_CTX_set_read_ahead(ctx.get(), 1);
       SSL_CTX_set_default_read_buffer_len(ctx.get(), 64 * 1024);
     }
-    // Partial writes let the forwarder drain a buffer across several socket-writable events.
-    // SSL_MODE_RELEASE_BUFFERS: OpenSSL frees a record buffer once it is empty, so an idle connection holds
-    // neither the 64 KiB read-ahead buffer nor the write buffer (the allocator hands them back at the next
-    // record: a cost per burst, not per byte).
-    SSL_CTX_set_mode(ctx.get(),
-                     SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_RELEASE_BUFFERS);
+    // Partial writes let the forwarder drain a buffer across several socket-writable events. No
+    // SSL_MODE_RELEASE_BUFFERS: it frees a record buffer whenever it is empty, that is after every burst, and
+    // the 64 KiB read-ahead buffer is past the allocator's per-thread cache. A connection quiet for a while
+    // frees both with SSL_free_buffers instead (TlsTransport::release_memory_while_idle), so an idle
+    // connection still holds neither.
+    SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
     SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);
     if (SSL_CTX_use_certificate_chain_file(ctx.get(), cc.cert_file.c_str()) != 1)
       return fail(Error::kInvalidArgument, "certificate " + cc.cert_file + ": " + take_ssl_error());

@@ -3,8 +3,12 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <optional>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace sg {
 namespace {
@@ -105,6 +109,28 @@ TEST(Token, IsPrefixedBase64UrlOf32RandomBytes) {
 TEST(Token, DigestIsSha256Hex) {
   EXPECT_EQ(token_digest(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(token_digest("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+// The raw form the proxy compares every request's credential with, from several threads (a context each).
+TEST(Token, RawDigestAndItsHexFormAgreeOnEveryThread) {
+  const std::string hex = token_digest("abc");
+  auto parsed = parse_token_digest(hex);
+  ASSERT_TRUE(parsed);
+  std::vector<std::optional<TokenDigest>> got(4);
+  std::vector<std::thread> threads;
+  for (auto& g : got)
+    threads.emplace_back([&g] {
+      for (int i = 0; i < 100; ++i) g = token_sha256("abc");
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& g : got) EXPECT_EQ(g, parsed);
+  std::string upper = hex;
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  EXPECT_EQ(parse_token_digest(upper), parsed);
+  EXPECT_FALSE(parse_token_digest(""));
+  EXPECT_FALSE(parse_token_digest(hex.substr(1)));
+  EXPECT_FALSE(parse_token_digest(hex + "0"));
+  EXPECT_FALSE(parse_token_digest("g" + hex.substr(1)));
 }
 
 TEST(Token, MatchesOnlyTheExactToken) {

@@ -724,6 +724,55 @@ TEST_F(ConnectionTest, ForwardPhaseEndsWhenTheSandboxCloses) {
   EXPECT_NE(access_log_when("upstream_closed").find("\"upstream_closed\""), std::string::npos);
 }
 
+// Issue 12: a keep-alive connection keeps its forwarding memory (buffers, TLS records) between requests, and
+// gives it back once quiet for Connection::kReleaseIdleMemoryAfterMs (1 s), staying open; the next request
+// takes it again.
+TEST_F(ConnectionTest, AQuietKeepAliveConnectionGivesItsBuffersBackAndServesTheNextRequest) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return end.open(std::nullopt, /*is_public=*/true);
+  };
+  const ProxyMetrics& metrics = shared_->metrics;
+  auto c = connect_tls(kHost);
+  ASSERT_TRUE(c);
+  UniqueFd sandbox;
+  auto request = [&](const std::string& path) {
+    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n";
+    if (SSL_write(c->ssl, req.data(), static_cast<int>(req.size())) <= 0) return std::string("[write failed]");
+    if (!sandbox.valid()) sandbox = end.take();
+    if (sandbox_reads(sandbox.get(), "\r\n\r\n").find(path) == std::string::npos) return std::string("[not forwarded]");
+    const std::string answer = "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(path.size()) + "\r\n\r\n" + path;
+    ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+    std::string got;
+    char buf[4096];
+    while (got.size() < answer.size()) {
+      int n = SSL_read(c->ssl, buf, sizeof buf);
+      if (n <= 0) break;
+      got.append(buf, static_cast<size_t>(n));
+    }
+    return got;
+  };
+  auto holding_becomes = [&](int64_t want, std::chrono::milliseconds within) {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    while (metrics.connections_holding_buffers() != want && std::chrono::steady_clock::now() < deadline) ::usleep(5000);
+    return metrics.connections_holding_buffers() == want;
+  };
+
+  EXPECT_EQ(request("/one").rfind("HTTP/1.1 200 OK", 0), 0u);
+  EXPECT_EQ(metrics.connections_holding_buffers(), 1) << "kept for the next request";
+  const auto quiet_from = std::chrono::steady_clock::now();
+  ASSERT_TRUE(holding_becomes(0, std::chrono::seconds(5)));
+  EXPECT_GE(std::chrono::steady_clock::now() - quiet_from, std::chrono::milliseconds(900)) << "given back too soon";
+  EXPECT_EQ(request("/two").rfind("HTTP/1.1 200 OK", 0), 0u) << "the connection is still open";
+  EXPECT_EQ(metrics.connections_holding_buffers(), 1);
+  ASSERT_TRUE(holding_becomes(0, std::chrono::seconds(5)));
+  c.reset();
+  sandbox.reset();
+  EXPECT_EQ(access_log_count("\"cause\"", 1), 1u) << "the connection ended";
+  EXPECT_TRUE(holding_becomes(0, std::chrono::seconds(5))) << "an ended connection holds nothing";
+}
+
 TEST_F(ConnectionTest, LingerPhase) {
   start();
   const std::string refused = "GET / HTTP/1.1\r\nHost: 8080-other.sandbox.localhost\r\n\r\n";

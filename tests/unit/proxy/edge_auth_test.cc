@@ -229,7 +229,11 @@ TEST(EdgeAuth, Http1RefusalRejectsInjection) {
 
 TEST(EdgeAuth, StripCredentialsTakesOutWhatTheEdgeConsumed) {
   const std::string sandbox_token = "sgt_sandbox";
-  ConsumedCredentials consumed{{"verified-one", "operator-token"}, token_digest(sandbox_token)};
+  ConsumedCredentials consumed;
+  consumed.add_token("verified-one");
+  consumed.add_token("operator-token");
+  consumed.add_token("");  // no operator token: matches nothing, not an empty bearer token
+  consumed.add_token_digest_hex(token_digest(sandbox_token));
   std::string target = "/p?a=1&sandgate_token=verified-one&sandgate%5Ftoken=x&b=2";
   std::vector<HttpHeader> headers = {
       {"Host", "8080-a.example"},

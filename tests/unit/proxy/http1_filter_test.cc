@@ -35,6 +35,28 @@ TEST(Http1Filter, EveryPipelinedHeadIsCheckedAndRewritten) {
   EXPECT_EQ(f.forwarded(), 2u);
 }
 
+// A quiet connection's filter gives its header list back between requests, never in the middle of a head:
+// what was parsed of a head split by the quiet moment is all there when the rest comes.
+TEST(Http1Filter, ReleasingIdleMemoryKeepsAHalfReadHeadAndTheNextRequestsWhole) {
+  Checker c;
+  Http1RequestFilter f(16 * 1024, c.fn());
+  std::string out;
+  EXPECT_EQ(f.feed("POST /1 HTTP/1.1\r\nHost: a.test\r\nX-One: 1\r\nContent-Length: 4\r\n\r\nbo", out),
+            State::kRequests);
+  f.release_memory_while_idle();  // in the body: the judged head goes
+  EXPECT_EQ(f.feed("dy", out), State::kRequests);
+  f.release_memory_while_idle();
+  EXPECT_EQ(f.feed("GET /2 HTTP/1.1\r\nHost: a.test\r\nX-Two", out), State::kRequests);
+  f.release_memory_while_idle();
+  EXPECT_EQ(f.feed(": 2\r\nsecret: s\r\n\r\n", out), State::kRequests);
+  ASSERT_EQ(c.seen.size(), 2u);
+  ASSERT_EQ(c.seen[1].headers.size(), 3u);
+  EXPECT_EQ(c.seen[1].headers[1].name, "X-Two");
+  EXPECT_EQ(c.seen[1].headers[1].value, "2");
+  EXPECT_EQ(out, "POST /1 HTTP/1.1\r\nHost: a.test\r\nX-One: 1\r\nContent-Length: 4\r\n\r\nbody"
+                 "GET /2 HTTP/1.1\r\nHost: a.test\r\nX-Two: 2\r\n\r\n");
+}
+
 TEST(Http1Filter, ARefusedHeadStopsTheDirection) {
   Checker c;
   Http1RequestFilter f(16 * 1024, c.fn());
