@@ -477,7 +477,7 @@ void Connection::on_upstream_io(int status, int events) {
 // ---- Handshake ----
 
 void Connection::HandshakePhase::run() {
-  ERR_clear_error();
+  clear_stale_ssl_errors();
   int r = SSL_do_handshake(c_.client_->ssl());
   c_.rec_.sni = c_.hello_.sni;
   int err = r == 1 ? SSL_ERROR_NONE : SSL_get_error(c_.client_->ssl(), r);
@@ -1003,7 +1003,7 @@ void Connection::HopPhase::advance() {
     step_ = Step::kHandshaking;
   }
   if (step_ == Step::kHandshaking) {
-    ERR_clear_error();
+    clear_stale_ssl_errors();
     if (int r = SSL_do_handshake(ssl_); r != 1) {
       wait_for(r, "TLS handshake");
       return;
@@ -1016,7 +1016,7 @@ void Connection::HopPhase::advance() {
   }
   if (step_ == Step::kSending) {
     while (sent_ < out_.size()) {
-      ERR_clear_error();
+      clear_stale_ssl_errors();
       int n = SSL_write(ssl_, out_.data() + sent_, static_cast<int>(out_.size() - sent_));
       if (n <= 0) {
         wait_for(n, "sending the preamble");
@@ -1028,7 +1028,7 @@ void Connection::HopPhase::advance() {
   }
   char buf[fleet::kMaxAnswerBytes];
   for (;;) {
-    ERR_clear_error();
+    clear_stale_ssl_errors();
     int n = SSL_read(ssl_, buf, sizeof buf);
     if (n <= 0) {
       wait_for(n, "awaiting the answer");

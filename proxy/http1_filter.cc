@@ -195,7 +195,7 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
       p.request.upgrade = p.upgrade;
       Http1Verdict verdict = on_request_(p.request);
       if (verdict.refuse_status != 0) return refuse(verdict.refuse_status, std::move(verdict.reason));
-      out += serialize_request_head(p.request);
+      append_request_head(p.request, out);
       ++forwarded_;
       if (p.upgrade && !has_body(p.parser)) {
         // What follows is the new protocol's or the next request: it waits for the sandbox's answer.
@@ -227,16 +227,23 @@ Http1RequestFilter::State Http1RequestFilter::feed(std::string_view in, std::str
   return state_;
 }
 
-std::string serialize_request_head(const Http1Request& r) {
-  std::string out;
+void append_request_head(const Http1Request& r, std::string& out) {
   size_t size = r.method.size() + r.target.size() + 16;
   for (const HttpHeader& h : r.headers) size += h.name.size() + h.value.size() + 4;
-  out.reserve(size);
-  out.append(r.method).append(" ").append(r.target);
-  out.append(" HTTP/").append(std::to_string(r.http_major)).append(".").append(std::to_string(r.http_minor));
+  out.reserve(out.size() + size);
+  // Versions are single digits (llhttp accepts nothing else).
+  out.append(r.method).append(" ").append(r.target).append(" HTTP/");
+  out.push_back(static_cast<char>('0' + r.http_major % 10));
+  out.push_back('.');
+  out.push_back(static_cast<char>('0' + r.http_minor % 10));
   out.append("\r\n");
   for (const HttpHeader& h : r.headers) out.append(h.name).append(": ").append(h.value).append("\r\n");
   out.append("\r\n");
+}
+
+std::string serialize_request_head(const Http1Request& r) {
+  std::string out;
+  append_request_head(r, out);
   return out;
 }
 

@@ -96,5 +96,7 @@ void ask_to_close(std::vector<HttpHeader>& headers);
 
 // "METHOD target HTTP/x.y\r\n" + "name: value\r\n"... + "\r\n".
 std::string serialize_request_head(const Http1Request& r);
+// The same, appended to `out` (the filter's output, without a string of its own per request).
+void append_request_head(const Http1Request& r, std::string& out);
 
 }  // namespace sg

@@ -3,6 +3,7 @@
 // proceeds, and refuses names this ingress does not serve (alert unrecognized_name).
 #pragma once
 
+#include <openssl/err.h>
 #include <openssl/ssl.h>
 
 #include <memory>
@@ -70,6 +71,12 @@ int hello_ex_index();
 
 // The first OpenSSL error on this thread's queue as text (and clears the queue).
 std::string take_ssl_error();
+// Before an SSL_* call whose failure SSL_get_error will explain: the thread's error queue must not hold older
+// errors. It is cleared only when it holds some, since OpenSSL 3.0's ERR_clear_error frees every slot's
+// strings even when the queue is empty (32 free() calls, at each SSL_read and SSL_write of a request).
+inline void clear_stale_ssl_errors() {
+  if (ERR_peek_error() != 0) ERR_clear_error();
+}
 
 }  // namespace sg
 

@@ -68,7 +68,7 @@ IoResult TlsTransport::read(std::span<char> into) {
   int n = 0;
   size_t got = 0;
   while (got < into.size()) {
-    ERR_clear_error();
+    clear_stale_ssl_errors();
     n = SSL_read(ssl_, into.data() + got, static_cast<int>(into.size() - got));
     if (n <= 0) break;
     got += static_cast<size_t>(n);
@@ -90,7 +90,7 @@ IoResult TlsTransport::read(std::span<char> into) {
 }
 
 IoResult TlsTransport::write(std::span<const char> from) {
-  ERR_clear_error();
+  clear_stale_ssl_errors();
   int n = SSL_write(ssl_, from.data(), static_cast<int>(from.size()));
   if (n > 0) return IoResult::ok(static_cast<size_t>(n));
   int err = SSL_get_error(ssl_, n);
@@ -99,7 +99,7 @@ IoResult TlsTransport::write(std::span<const char> from) {
 }
 
 bool TlsTransport::shutdown_write() {
-  ERR_clear_error();
+  clear_stale_ssl_errors();
   int r = SSL_shutdown(ssl_);
   if (r < 0) {
     int err = SSL_get_error(ssl_, r);

@@ -152,6 +152,23 @@ TEST_F(TlsTransportTest, ReadsAcrossRecordsUntilTheSocketIsDry) {
   EXPECT_TRUE(transport_->has_buffered_input());
 }
 
+// An error some other OpenSSL call left on this thread's queue must not make a read or a write look failed
+// (SSL_get_error reads the queue): it is cleared first, and an empty queue is left alone.
+TEST_F(TlsTransportTest, AStaleErrorOnTheThreadDoesNotFailAReadOrAWrite) {
+  char buf[64];
+  for (int i = 0; i < 2; ++i) {
+    ERR_raise(ERR_LIB_SSL, SSL_R_BAD_LENGTH);
+    ASSERT_NE(ERR_peek_error(), 0u);
+    IoResult r = transport_->read(buf);
+    EXPECT_EQ(r.status, IoResult::Status::kWouldBlock) << r.detail;
+    ERR_raise(ERR_LIB_SSL, SSL_R_BAD_LENGTH);
+    r = transport_->write(std::string_view("pong"));
+    EXPECT_EQ(r.status, IoResult::Status::kOk) << r.detail;
+  }
+  EXPECT_EQ(ERR_peek_error(), 0u);
+  EXPECT_EQ(client_reads(), "pongpong");
+}
+
 class TlsTransportReadAheadTest : public TlsTransportTest {
  protected:
   TlsTransportReadAheadTest() { read_ahead_ = true; }
