@@ -1157,6 +1157,73 @@ TEST_F(Qemu, ANodeKilledDuringADiskCheckpointLeavesNoSnapshotAndTheGuestGoesOn) 
 // The node killed on either side of the state writes of a hibernation (memory tier -> disk) and of the
 // restore that wakes it (failpoints): after each restart the sandbox settles suspended or running with the
 // guest's RAM intact (its counter goes on from where it was), whatever the moment of the kill.
+// A create killed after its record and before the start answered: before QEMU was spawned, and once the
+// guest booted (QEMU running, the record naming no process). The restarted node stops the QEMU it finds for
+// the record (by its -pidfile lock), removes the record since its caller got no answer, and the name can be
+// used again. NodeKill.ACreateKilledBeforeItsStartWasRecorded... is the same for a process sandbox. Then a
+// fork killed at the same points.
+TEST_F(Qemu, ACreateOrForkKilledBeforeItsStartWasRecordedLeavesNoQemuAndTheNameFree) {
+  Cluster c(ClusterOptions::node(node_config()));
+  // This cluster's QEMUs (their command lines name files in its directory); "[q]" keeps the shell out.
+  const std::string count_qemus = "pgrep -c -f -- '[q]emu-system.*" + c.dir() + "' || true";
+  const std::string create = "create --name qk --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
+                             "/bin/sh -c " + shell_quote(kGuestServer);
+  for (const std::string failpoint : {"after:creating", "before:creating->running"}) {
+    SCOPED_TRACE(failpoint);
+    c.stop_node(SIGKILL);
+    const size_t from = c.node().log().size();
+    c.start_node({"SANDGATE_FAILPOINTS=" + failpoint});
+    auto r = c.cli(create, 180);
+    EXPECT_NE(r.exit_code, 0) << r.out;
+    const int status = c.node().wait_exit(180000);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status << c.node().log();
+    ASSERT_NE(c.node().log().find("failpoint " + failpoint + ": SIGKILL", from), std::string::npos) << c.node().log();
+    if (failpoint == "before:creating->running") {
+      EXPECT_EQ(run(count_qemus).out, "1\n") << "the booted guest's QEMU, which no record names";
+    }
+    c.start_node();
+    EXPECT_TRUE(eventually([&] { return c.get("qk").empty(); }, std::chrono::seconds(60)))
+        << c.get("qk").dump() << c.node().log();
+    EXPECT_NE(c.node().log().find("its create did not finish before the node restarted", from), std::string::npos)
+        << c.node().log();
+    EXPECT_TRUE(eventually([&] { return run(count_qemus).out == "0\n"; }, std::chrono::seconds(30)))
+        << run("pgrep -af '[q]emu-system'").out << c.node().log();
+  }
+  auto created = c.cli(create, 180);
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err << c.node().log();
+  c.wait_until_serving("qk", 8080);
+  EXPECT_EQ(counter(c, "qk").code, 200) << c.node().log();
+
+  // A fork killed the same way (its memory checkpoint written, its sandbox being created from it, before
+  // and after that guest came up): the source runs on, and no fork's record or QEMU is left.
+  for (const std::string failpoint : {"after:creating", "before:creating->running"}) {
+    SCOPED_TRACE("fork, " + failpoint);
+    c.stop_node(SIGKILL);
+    const size_t from = c.node().log().size();
+    c.start_node({"SANDGATE_FAILPOINTS=" + failpoint});
+    auto r = c.cli("fork qk --count 1 --name-prefix qf --json", 300);
+    EXPECT_NE(r.exit_code, 0) << r.out;
+    const int status = c.node().wait_exit(180000);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status << c.node().log();
+    ASSERT_NE(c.node().log().find("failpoint " + failpoint + ": SIGKILL", from), std::string::npos) << c.node().log();
+    if (failpoint == "before:creating->running") {
+      EXPECT_EQ(run(count_qemus).out, "2\n") << "the source's QEMU and the fork's, which no record names";
+    }
+    c.start_node();
+    EXPECT_TRUE(eventually([&] { return c.get("qf-1").empty(); }, std::chrono::seconds(60)))
+        << c.get("qf-1").dump() << c.node().log();
+    EXPECT_TRUE(eventually([&] { return run(count_qemus).out == "1\n"; }, std::chrono::seconds(30)))
+        << "the source's only\n" << run("pgrep -af '[q]emu-system'").out << c.node().log();
+    EXPECT_EQ(counter(c, "qk").code, 200) << c.node().log();
+  }
+  auto forked = c.cli("fork qk --count 1 --name-prefix qf --json", 300);
+  ASSERT_EQ(forked.exit_code, 0) << forked.out << forked.err << c.node().log();
+  EXPECT_EQ(counter(c, "qf-1").code, 200) << c.node().log();
+  ASSERT_EQ(c.cli("rm qk").exit_code, 0);
+  ASSERT_EQ(c.cli("rm qf-1").exit_code, 0);
+  EXPECT_TRUE(eventually([&] { return run(count_qemus).out == "0\n"; }, std::chrono::seconds(30)));
+}
+
 TEST_F(Qemu, ANodeKilledDuringAHibernationOrARestoreKeepsTheGuestsMemory) {
   Cluster c(ClusterOptions::node(node_config()));
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --hibernate-after 2 "
