@@ -433,7 +433,11 @@ void Connection::on_idle_timer() {
       worker_->shared()->metrics.buffers_held(-1);
     }
   }
-  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); }, next, 0);
+  arm_idle_timer(next);
+}
+
+void Connection::arm_idle_timer(uint64_t ms) {
+  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); }, ms, 0);
 }
 
 void Connection::release_memory_when_quiet() {
@@ -443,8 +447,7 @@ void Connection::release_memory_when_quiet() {
   // The timer is due at the idle timeout (tens of seconds) or sooner.
   if (!uv_is_active(reinterpret_cast<uv_handle_t*>(&idle_timer_)) ||
       uv_timer_get_due_in(&idle_timer_) > kReleaseIdleMemoryAfterMs)
-    uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
-                   kReleaseIdleMemoryAfterMs, 0);
+    arm_idle_timer(kReleaseIdleMemoryAfterMs);
 }
 
 // May close the connection (the kernel refused to watch a socket): a caller that goes on checks phase().
@@ -1359,8 +1362,7 @@ void Connection::begin_forwarding() {
   auto& forward = enter<ForwardPhase>();
   if (!hopped_ && !tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) forward.start_request_filters();
   last_activity_ms_ = now_ms(worker_->loop());
-  uv_timer_start(&idle_timer_, [](uv_timer_t* t) { static_cast<Connection*>(t->data)->on_idle_timer(); },
-                 uint64_t{cfg_->proxy.idle_timeout_secs} * 1000, 0);
+  arm_idle_timer(uint64_t{cfg_->proxy.idle_timeout_secs} * 1000);
   if (!forward.start()) return;
   forward.pump();
 }

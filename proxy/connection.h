@@ -101,6 +101,7 @@ class Connection {
   void on_upstream_io(int status, int events);
   void on_deadline();
   void on_idle_timer();
+  void arm_idle_timer(uint64_t ms);
   // Forwarding holds memory for the next bytes (buffers, TLS records): the idle timer gives it back once
   // the connection has been quiet for kReleaseIdleMemoryAfterMs.
   void release_memory_when_quiet();

@@ -1168,16 +1168,24 @@ TEST_F(Qemu, ACreateOrForkKilledBeforeItsStartWasRecordedLeavesNoQemuAndTheNameF
   const std::string count_qemus = "pgrep -c -f -- '[q]emu-system.*" + c.dir() + "' || true";
   const std::string create = "create --name qk --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
                              "/bin/sh -c " + shell_quote(kGuestServer);
-  for (const std::string failpoint : {"after:creating", "before:creating->running"}) {
-    SCOPED_TRACE(failpoint);
+  // Arms `failpoint` in a restarted node and runs `command`, which the kill leaves unanswered; the node stays
+  // down. *from: where the node's log of this attempt starts.
+  auto kill_during = [&](const std::string& failpoint, const std::string& command, size_t* from) {
     c.stop_node(SIGKILL);
-    const size_t from = c.node().log().size();
+    *from = c.node().log().size();
     c.start_node({"SANDGATE_FAILPOINTS=" + failpoint});
-    auto r = c.cli(create, 180);
+    auto r = c.cli(command, 300);
     EXPECT_NE(r.exit_code, 0) << r.out;
     const int status = c.node().wait_exit(180000);
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status << c.node().log();
-    ASSERT_NE(c.node().log().find("failpoint " + failpoint + ": SIGKILL", from), std::string::npos) << c.node().log();
+    ASSERT_NE(c.node().log().find("failpoint " + failpoint + ": SIGKILL", *from), std::string::npos)
+        << c.node().log();
+  };
+  for (const std::string failpoint : {"after:creating", "before:creating->running"}) {
+    SCOPED_TRACE(failpoint);
+    size_t from = 0;
+    kill_during(failpoint, create, &from);
+    if (HasFatalFailure()) return;
     if (failpoint == "before:creating->running") {
       EXPECT_EQ(run(count_qemus).out, "1\n") << "the booted guest's QEMU, which no record names";
     }
@@ -1198,14 +1206,9 @@ TEST_F(Qemu, ACreateOrForkKilledBeforeItsStartWasRecordedLeavesNoQemuAndTheNameF
   // and after that guest came up): the source runs on, and no fork's record or QEMU is left.
   for (const std::string failpoint : {"after:creating", "before:creating->running"}) {
     SCOPED_TRACE("fork, " + failpoint);
-    c.stop_node(SIGKILL);
-    const size_t from = c.node().log().size();
-    c.start_node({"SANDGATE_FAILPOINTS=" + failpoint});
-    auto r = c.cli("fork qk --count 1 --name-prefix qf --json", 300);
-    EXPECT_NE(r.exit_code, 0) << r.out;
-    const int status = c.node().wait_exit(180000);
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status << c.node().log();
-    ASSERT_NE(c.node().log().find("failpoint " + failpoint + ": SIGKILL", from), std::string::npos) << c.node().log();
+    size_t from = 0;
+    kill_during(failpoint, "fork qk --count 1 --name-prefix qf --json", &from);
+    if (HasFatalFailure()) return;
     if (failpoint == "before:creating->running") {
       EXPECT_EQ(run(count_qemus).out, "2\n") << "the source's QEMU and the fork's, which no record names";
     }
