@@ -3,6 +3,7 @@
 
 #include "common/http.h"
 #include "noderuntime/api_request.h"
+#include "proxy/access_log.h"
 #include "proxy/route.h"
 #include "proxy/traffic.h"
 
@@ -78,6 +79,31 @@ void BM_ParseRequestHead(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(head.size()));
 }
 BENCHMARK(BM_ParseRequestHead);
+
+// The access-log line every connection ends with, for a forwarded request as the benchmarks make them.
+void BM_AccessLogFormat(benchmark::State& state) {
+  AccessRecord r;
+  r.started_at = std::chrono::system_clock::now();
+  r.started_steady = std::chrono::steady_clock::now();
+  r.client = "127.0.4.17:53124";
+  r.sni = "9000-bench.sandbox.localhost";
+  r.host = "9000-bench.sandbox.localhost";
+  r.sandbox_id = "sb-5f0c1e2d3a4b";
+  r.sandbox = "bench";
+  r.port = 9000;
+  r.bytes_in = 112;
+  r.bytes_out = 180;
+  r.route_cached = true;
+  r.tls_version = "TLSv1.3";
+  r.data_path = "userspace";
+  r.cause = TerminationCause::kClientClosed;
+  r.phase = "forward";
+  for (auto _ : state) {
+    std::string line = AccessLog::format(r);
+    benchmark::DoNotOptimize(line);
+  }
+}
+BENCHMARK(BM_AccessLogFormat);
 
 }  // namespace
 }  // namespace sg

@@ -5,8 +5,10 @@
 
 #include <cmath>
 
+#include <iterator>
 #include <memory>
-#include <nlohmann/json.hpp>
+
+#include "common/json_text.h"
 
 namespace sg {
 
@@ -69,36 +71,72 @@ AccessLog::~AccessLog() {
   if (owned_ && out_) std::fclose(out_);
 }
 
+// Written field by field, not through an nlohmann tree: one line per connection, and the tree cost ~10 µs of
+// its ~900 (BM_AccessLogFormat, bench/RESULTS.md).
 std::string AccessLog::format(const AccessRecord& r) {
   using namespace std::chrono;
-  double duration_ms = duration<double, std::milli>(steady_clock::now() - r.started_steady).count();
-  auto ms = time_point_cast<milliseconds>(r.started_at);
-  nlohmann::json j = {
-      {"time", fmt::format("{:%Y-%m-%dT%H:%M:%S}.{:03d}Z", ms, ms.time_since_epoch().count() % 1000)},
-      {"client", r.client},
-      {"sni", r.sni.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.sni)},
-      {"host", r.host.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.host)},
-      {"sandbox", r.sandbox_id.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.sandbox_id)},
-      {"sandbox_ref", r.sandbox.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.sandbox)},
-      {"port", r.port == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.port)},
-      {"status", r.status == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.status)},
-      {"bytes_in", r.bytes_in},
-      {"bytes_out", r.bytes_out},
-      {"duration_ms", std::round(duration_ms * 1000) / 1000},
-      {"woke", r.woke},
-      {"route_cached", r.route_cached},
-      {"prewake", r.prewake},
-      {"wake_ms", r.woke ? nlohmann::json(std::round(r.wake_ms * 1000) / 1000) : nlohmann::json(nullptr)},
-      {"tls", r.tls_version.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.tls_version)},
-      {"path", r.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.data_path)},
-      {"cause", cause_name(r.cause)},
-      {"phase", r.phase.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phase)},
+  const double duration_ms = duration<double, std::milli>(steady_clock::now() - r.started_steady).count();
+  const auto ms = time_point_cast<milliseconds>(r.started_at);
+  std::string out;
+  out.reserve(512);
+  const auto key = [&](std::string_view k) {
+    out += out.empty() ? "{\"" : ",\"";
+    out += k;
+    out += "\":";
   };
-  if (!r.detail.empty()) j["detail"] = r.detail;
-  if (!r.hop_to.empty()) j["hop_to"] = r.hop_to;
-  if (!r.hop_from.empty()) j["hop_from"] = r.hop_from;
-  // Untrusted strings (SNI, Host) may hold invalid UTF-8: replace instead of throwing.
-  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  // Untrusted strings (SNI, Host) may hold anything: append_json_string escapes them and replaces what is
+  // not UTF-8.
+  const auto text = [&](std::string_view k, std::string_view v) {
+    key(k);
+    append_json_string(out, v);
+  };
+  const auto text_or_null = [&](std::string_view k, std::string_view v) {
+    key(k);
+    if (v.empty()) out += "null";
+    else append_json_string(out, v);
+  };
+  const auto number = [&](std::string_view k, uint64_t v) {
+    key(k);
+    append_json_number(out, v);
+  };
+  const auto decimal = [&](std::string_view k, double v) {
+    key(k);
+    append_json_double(out, v);
+  };
+  const auto flag = [&](std::string_view k, bool v) {
+    key(k);
+    out += v ? "true" : "false";
+  };
+  key("time");
+  out += '"';
+  fmt::format_to(std::back_inserter(out), "{:%Y-%m-%dT%H:%M:%S}.{:03d}Z", ms, ms.time_since_epoch().count() % 1000);
+  out += '"';
+  text("client", r.client);
+  text_or_null("sni", r.sni);
+  text_or_null("host", r.host);
+  text_or_null("sandbox", r.sandbox_id);
+  text_or_null("sandbox_ref", r.sandbox);
+  if (r.port == 0) text_or_null("port", {});
+  else number("port", uint64_t{r.port});
+  if (r.status <= 0) text_or_null("status", {});
+  else number("status", static_cast<uint64_t>(r.status));
+  number("bytes_in", r.bytes_in);
+  number("bytes_out", r.bytes_out);
+  decimal("duration_ms", std::round(duration_ms * 1000) / 1000);
+  flag("woke", r.woke);
+  flag("route_cached", r.route_cached);
+  flag("prewake", r.prewake);
+  if (r.woke) decimal("wake_ms", std::round(r.wake_ms * 1000) / 1000);
+  else text_or_null("wake_ms", {});
+  text_or_null("tls", r.tls_version);
+  text_or_null("path", r.data_path);
+  text("cause", cause_name(r.cause));
+  text_or_null("phase", r.phase);
+  if (!r.detail.empty()) text("detail", r.detail);
+  if (!r.hop_to.empty()) text("hop_to", r.hop_to);
+  if (!r.hop_from.empty()) text("hop_from", r.hop_from);
+  out += '}';
+  return out;
 }
 
 void AccessLog::write(const AccessRecord& r) {

@@ -73,8 +73,8 @@ struct AccessRecord {
   double wake_ms = 0;
   bool route_cached = false;  // routed from the worker's route cache: no node round trip
   bool prewake = false;       // the ClientHello asked the node to start waking the sandbox
-  std::string tls_version;
-  std::string data_path;  // "userspace", "ktls-tx-only", "ktls-splice"
+  std::string_view tls_version;  // OpenSSL's name for it (static storage)
+  std::string_view data_path;    // "userspace", "ktls-tx-only", "ktls-splice"
   TerminationCause cause = TerminationCause::kClientClosed;
   // The phase the connection ended in ("handshake", "head", "open", "connect", "forward"); for an answer the
   // edge gave itself, the phase that decided on it (not the respond/linger that carried it out).

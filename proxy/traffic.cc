@@ -1,7 +1,8 @@
 #include "proxy/traffic.h"
 
-#include <charconv>
 #include <string_view>
+
+#include "common/json_text.h"
 
 namespace sg {
 
@@ -18,36 +19,6 @@ void WorkerTraffic::close_connection(const std::string& sandbox_id) {
   --it->second.connections;
   it->second.reported_connections_dirty = true;
 }
-
-namespace {
-
-// A JSON string: ids and reporter names are ASCII in practice, but whatever they hold is escaped.
-void append_json_string(std::string& out, std::string_view s) {
-  out += '"';
-  for (char c : s) {
-    const auto u = static_cast<unsigned char>(c);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (u < 0x20) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\u00";
-      out += kHex[u >> 4];
-      out += kHex[u & 0xf];
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-}
-
-void append_number(std::string& out, uint64_t n) {
-  char digits[20];
-  auto [end, ec] = std::to_chars(digits, digits + sizeof digits, n);
-  out.append(digits, end);
-}
-
-}  // namespace
 
 std::string WorkerTraffic::take_report(const std::string& reporter) {
   // Written directly, not through a JSON tree: a worker with 10,000 active sandboxes sends this every
@@ -67,11 +38,11 @@ std::string WorkerTraffic::take_report(const std::string& reporter) {
       any = true;
       append_json_string(body, it->first);
       body += ",\"bytes_in\":";
-      append_number(body, t.bytes_in);
+      append_json_number(body, t.bytes_in);
       body += ",\"bytes_out\":";
-      append_number(body, t.bytes_out);
+      append_json_number(body, t.bytes_out);
       body += ",\"connections\":";
-      append_number(body, t.connections);
+      append_json_number(body, t.connections);
       body += '}';
       reported_.bytes_in += t.bytes_in;
       reported_.bytes_out += t.bytes_out;

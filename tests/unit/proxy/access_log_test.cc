@@ -40,12 +40,22 @@ TEST(AccessLog, OneJsonObjectWithEveryField) {
   EXPECT_TRUE(j["time"].get<std::string>().ends_with("Z"));
 }
 
-TEST(AccessLog, InvalidUtf8FromClientsDoesNotThrow) {
+TEST(AccessLog, WhatAClientSentIsEscapedAndWhatIsNotUtf8Replaced) {
   AccessRecord r;
-  r.host = "\xff\xfe bad";
+  r.host = "\xff\xfe bad\"\n";
+  r.sni = "8080-x.sandbox.localhost";
+  r.detail = "OpenSSL: \"quoted\" \\ and a tab\t";
   r.cause = TerminationCause::kBadRequest;
   std::string line = AccessLog::format(r);
-  EXPECT_NE(line.find("bad_request"), std::string::npos);
+  EXPECT_EQ(line.find('\n'), std::string::npos);
+  auto j = nlohmann::json::parse(line);  // throws on invalid JSON or invalid UTF-8
+  EXPECT_EQ(j["host"], "\xEF\xBF\xBD\xEF\xBF\xBD bad\"\n");
+  EXPECT_EQ(j["detail"], r.detail);
+  EXPECT_EQ(j["cause"], "bad_request");
+  // What the connection never learned is null, not 0 or "".
+  for (const char* k : {"sandbox", "sandbox_ref", "port", "status", "wake_ms", "tls", "path", "phase"})
+    EXPECT_TRUE(j[k].is_null()) << k;
+  EXPECT_FALSE(j.contains("hop_to"));
 }
 
 TEST(AccessLog, EveryCauseHasAName) {
