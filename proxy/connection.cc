@@ -137,7 +137,7 @@ class Connection::OpenPhase final : public Phase {
 class Connection::PreamblePhase final : public Phase {
  public:
   explicit PreamblePhase(Connection& c) : Phase(c) {
-    c.arm_deadline(c.cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
+    c.arm_deadline(c.cfg()->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
   }
   PhaseKind kind() const override { return PhaseKind::kPreamble; }
   int client_interest() const override { return UV_READABLE; }
@@ -233,8 +233,36 @@ class Connection::ForwardPhase final : public Phase {
   }
 
  private:
-  Direction::Hooks client_to_sandbox_hooks();
-  Direction::Hooks sandbox_to_client_hooks();
+  // Each direction's events, declared before the directions that hold them.
+  class ClientToSandboxEvents final : public DirectionEvents {
+   public:
+    explicit ClientToSandboxEvents(ForwardPhase& f) : f_(f) {}
+    void received(size_t n) override;
+    bool source_finished() override;
+    bool source_failed(IoResult r) override;
+    bool sink_failed(IoResult r) override;
+    bool may_splice() const override;
+    bool splice_refused(std::string why) override;
+
+   private:
+    ForwardPhase& f_;
+  };
+  class SandboxToClientEvents final : public DirectionEvents {
+   public:
+    explicit SandboxToClientEvents(ForwardPhase& f) : f_(f) {}
+    void received(size_t n) override;
+    void observe(std::string_view bytes) override;
+    uint64_t splice_budget() const override;
+    void passed_unseen(size_t n) override;
+    bool source_finished() override;
+    bool source_failed(IoResult r) override;
+    bool sink_failed(IoResult r) override;
+    bool may_splice() const override;
+    bool splice_refused(std::string why) override;
+
+   private:
+    ForwardPhase& f_;
+  };
   // The client -> sandbox stage: the client's bytes through the filter (and the proxy's own h2 frames
   // toward the client); false when the connection was closed.
   bool filter_client_bytes(std::string_view in, std::string& out);
@@ -258,6 +286,8 @@ class Connection::ForwardPhase final : public Phase {
   bool upstream_failed(std::string detail);
   void count(uint64_t& record, uint64_t& traffic, size_t n);
 
+  ClientToSandboxEvents client_to_sandbox_events_{*this};
+  SandboxToClientEvents sandbox_to_client_events_{*this};
   Direction c2u_;  // client -> sandbox
   Direction u2c_;  // sandbox -> client
   std::unique_ptr<Http1RequestFilter> h1_filter_;
@@ -363,17 +393,24 @@ std::string_view Connection::phase_name(PhaseKind k) {
 
 void Connection::drop_left_phases() { left_phases_.clear(); }
 
+const Config* Connection::cfg() const { return snapshot_->config.get(); }
+TlsContexts* Connection::tls() const { return snapshot_->tls.get(); }
+const FleetContext* Connection::fleet() const { return snapshot_->fleet.get(); }
+
+void Connection::pump_again() {
+  pump_again_queued_ = false;
+  drop_left_phases();
+  if (phase() == PhaseKind::kForward) static_cast<ForwardPhase*>(phase_.get())->pump();
+}
+
 // ---- The connection ------------------------------------------------------------------------------------
 
 Connection::Connection(Worker* worker, UniqueFd client, std::string peer, bool via_fleet)
     : worker_(worker),
       snapshot_(worker->shared()->snapshot()),
-      cfg_(snapshot_->config.get()),
-      tls_(snapshot_->tls.get()),
       client_fd_(std::move(client)),
       // The head must fit in the buffer that later forwards it; one byte more detects "too large".
-      request_(std::max<size_t>(kForwardBufferBytes, cfg_->proxy.max_request_head_bytes + 1)) {
-  fleet_ = snapshot_->fleet.get();
+      request_(std::max<size_t>(kForwardBufferBytes, snapshot_->config->proxy.max_request_head_bytes + 1)) {
   via_fleet_ = via_fleet;
   rec_.started_at = std::chrono::system_clock::now();
   rec_.started_steady = std::chrono::steady_clock::now();
@@ -384,9 +421,8 @@ Connection::Connection(Worker* worker, UniqueFd client, std::string peer, bool v
   }, this);
   uv_timer_init(loop, &deadline_);
   uv_timer_init(loop, &idle_timer_);
-  uv_idle_init(loop, &pump_again_);
-  deadline_.data = idle_timer_.data = pump_again_.data = this;
-  handles_open_ = 3;
+  deadline_.data = idle_timer_.data = this;
+  handles_open_ = 2;
   enter<HandshakePhase>();
 }
 
@@ -395,15 +431,18 @@ Connection::~Connection() = default;
 void Connection::start() {
   auto& handshake = static_cast<HandshakePhase&>(*phase_);
   // A reload may have turned the fleet off while the listener stays bound (listeners are read at start).
-  if (via_fleet_ && !fleet_) return close(TerminationCause::kHandshakeFailed, "proxy.fleet_cert is no longer set");
-  SSL* ssl = SSL_new(via_fleet_ ? fleet_->server.get() : tls_->default_ctx());
+  if (via_fleet_ && !fleet()) return close(TerminationCause::kHandshakeFailed, "proxy.fleet_cert is no longer set");
+  SSL* ssl = SSL_new(via_fleet_ ? fleet()->server.get() : tls()->default_ctx());
   if (!ssl) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
-  client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), &ktls_rx_tracker_);
+  if (tls()->ktls_possible()) {
+    ktls_rx_tracker_ = std::make_unique<KtlsRxTracker>();
+    ktls_rx_tracker_->attach(ssl);
+  }
+  client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), ktls_rx_tracker_.get());
   SSL_set_fd(ssl, client_fd_.get());
   SSL_set_accept_state(ssl);
   SSL_set_ex_data(ssl, hello_ex_index(), &hello_);
-  if (tls_->ktls_possible()) ktls_rx_tracker_.attach(ssl);
-  arm_deadline(cfg_->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
+  arm_deadline(cfg()->proxy.handshake_timeout_ms, TerminationCause::kHandshakeTimeout);
   handshake.run();
 }
 
@@ -418,7 +457,7 @@ void Connection::on_deadline() {
 }
 
 void Connection::on_idle_timer() {
-  uint64_t idle_ms = uint64_t{cfg_->proxy.idle_timeout_secs} * 1000;
+  uint64_t idle_ms = uint64_t{cfg()->proxy.idle_timeout_secs} * 1000;
   uint64_t quiet = now_ms(worker_->loop()) - last_activity_ms_;
   if (quiet >= idle_ms) return close(TerminationCause::kIdleTimeout);
   // Activity is recorded as a timestamp (no timer restart per read); re-arm for the remainder.
@@ -488,10 +527,10 @@ void Connection::HandshakePhase::run() {
   // The ClientHello was read and answered without a lookup (a cached policy, or an HTTP/1.1-only ALPN). On
   // loopback the client's Finished may even arrive within this same call (r == 1).
   if ((r == 1 || err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) && !c_.prewake_asked_ &&
-      !c_.hello_.sni.empty() && c_.cfg_->proxy.wake_at_client_hello) {
-    auto route = parse_route(c_.hello_.sni, c_.cfg_->domain);
+      !c_.hello_.sni.empty() && c_.cfg()->proxy.wake_at_client_hello) {
+    auto route = parse_route(c_.hello_.sni, c_.cfg()->domain);
     if (route && route->kind != RouteKind::kApi) {
-      uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
+      uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg()->agent_port : route->port;
       if (wants_prewake(*route, port)) send_prewake(*route, port);
     } else {
       c_.prewake_asked_ = true;  // nothing to wake: not parsed again at the next handshake step
@@ -502,7 +541,7 @@ void Connection::HandshakePhase::run() {
     wants_write_ = err == SSL_ERROR_WANT_WRITE;
     return c_.update_interest();
   }
-  if (!c_.rec_.sni.empty() && c_.tls_->select(c_.rec_.sni) == nullptr)
+  if (!c_.rec_.sni.empty() && c_.tls()->select(c_.rec_.sni) == nullptr)
     return c_.close(TerminationCause::kUnknownSni, "no certificate for " + c_.rec_.sni);
   // A peer that connects and leaves (health checks, port scans) did not fail a handshake.
   if (err == SSL_ERROR_ZERO_RETURN || (err == SSL_ERROR_SYSCALL && ERR_peek_error() == 0))
@@ -514,16 +553,16 @@ void Connection::HandshakePhase::run() {
 // routed port's policy (tls.cc). The node answers from memory, without waking the sandbox.
 void Connection::HandshakePhase::look_up_port_policy() {
   HelloState& hello = c_.hello_;
-  auto route = parse_route(hello.sni, c_.cfg_->domain);
+  auto route = parse_route(hello.sni, c_.cfg()->domain);
   if (!route || route->kind == RouteKind::kApi) {
     hello.policy_known = true;  // nothing to look up; the request head decides
     return run();
   }
-  uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg_->agent_port : route->port;
+  uint16_t port = route->kind == RouteKind::kSdk ? c_.cfg()->agent_port : route->port;
   // Another node's sandbox: its policy is the one its owner published in etcd (this node has none for it),
   // and the owner's node decides the connection itself once the hop reaches it.
-  if (c_.fleet_ && c_.fleet_->directory && !c_.via_fleet_) {
-    fleet::Decision d = fleet::decide(c_.fleet_->directory.get(), c_.fleet_->self, route->target);
+  if (c_.fleet() && c_.fleet()->directory && !c_.via_fleet_) {
+    fleet::Decision d = fleet::decide(c_.fleet()->directory.get(), c_.fleet()->self, route->target);
     if (d.kind != fleet::Decision::Kind::kLocal) {
       hello.policy_known = true;
       c_.prewake_asked_ = true;  // woken on its own node, by the hop
@@ -547,7 +586,7 @@ void Connection::HandshakePhase::look_up_port_policy() {
   }
   // Bounded well inside the handshake deadline: a node that does not answer soon costs only the port's
   // policy (no h2 offer, no raw-TCP mode), and the request head then gets the node's real answer (or 503).
-  uint32_t lookup_ms = std::min(c_.cfg_->proxy.wake_timeout_ms, c_.cfg_->proxy.handshake_timeout_ms / 2);
+  uint32_t lookup_ms = std::min(c_.cfg()->proxy.wake_timeout_ms, c_.cfg()->proxy.handshake_timeout_ms / 2);
   c_.worker_->shared()->metrics.node_call(NodeCallKind::kLookup);
   c_.rec_.prewake = prewake;
   lookup_ = c_.worker_->node().lookup(route->target, port, ClientHint{c_.client_address(), prewake}, lookup_ms,
@@ -577,10 +616,10 @@ void Connection::HandshakePhase::on_lookup_result(const std::string& target, Res
 bool Connection::HandshakePhase::wants_prewake(const Route& route, uint16_t port) {
   if (c_.prewake_asked_) return false;
   c_.prewake_asked_ = true;
-  if (!c_.cfg_->proxy.wake_at_client_hello || c_.via_fleet_) return false;
+  if (!c_.cfg()->proxy.wake_at_client_hello || c_.via_fleet_) return false;
   // Another node's sandbox is woken by the hop's own connection on its node; this node does not know it.
-  if (c_.fleet_ && c_.fleet_->directory &&
-      fleet::decide(c_.fleet_->directory.get(), c_.fleet_->self, route.target).kind != fleet::Decision::Kind::kLocal)
+  if (c_.fleet() && c_.fleet()->directory &&
+      fleet::decide(c_.fleet()->directory.get(), c_.fleet()->self, route.target).kind != fleet::Decision::Kind::kLocal)
     return false;
   // A sandbox this worker routes from its cache, or that the node said was awake, is running: nothing to
   // wake, and no node call.
@@ -593,7 +632,7 @@ void Connection::HandshakePhase::send_prewake(const Route& route, uint16_t port)
   Connection& c = c_;
   c.rec_.prewake = true;
   c.worker_->shared()->metrics.node_call(NodeCallKind::kLookup);
-  uint32_t lookup_ms = std::min(c.cfg_->proxy.wake_timeout_ms, c.cfg_->proxy.handshake_timeout_ms / 2);
+  uint32_t lookup_ms = std::min(c.cfg()->proxy.wake_timeout_ms, c.cfg()->proxy.handshake_timeout_ms / 2);
   c.prewake_ = c.worker_->node().lookup(route.target, port, ClientHint{c.client_address(), true}, lookup_ms,
                                         [&c, target = route.target](Result<LookupAnswer> r) {
                                           auto call = std::move(c.prewake_);  // destroyed after its callback
@@ -611,7 +650,7 @@ void Connection::remember_lookup(const std::string& target, const LookupAnswer& 
 
 void Connection::HandshakePhase::finished() {
   Connection& c = c_;  // this phase is left below
-  c.ktls_rx_tracker_.handshake_finished();
+  if (c.ktls_rx_tracker_) c.ktls_rx_tracker_->handshake_finished();
   c.worker_->shared()->metrics.handshake_done(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - c.rec_.started_steady).count());
   const unsigned char* alpn = nullptr;
@@ -620,12 +659,12 @@ void Connection::HandshakePhase::finished() {
   c.h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
   c.rec_.tls_version = SSL_get_version(c.client_->ssl());
   c.plan_data_path();
-  if (c.cfg_->proxy.ktls == KtlsMode::kOn && (!c.client_->ktls_tx() || !c.client_->ktls_rx_planned()))
+  if (c.cfg()->proxy.ktls == KtlsMode::kOn && (!c.client_->ktls_tx() || !c.client_->ktls_rx_planned()))
     return c.close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   if (c.via_fleet_) return c.enter<PreamblePhase>().read();
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
   if (c.headless_tcp()) {
-    auto route = parse_route(c.rec_.sni, c.cfg_->domain);
+    auto route = parse_route(c.rec_.sni, c.cfg()->domain);
     if (route && route->kind == RouteKind::kPort) {
       c.headless_ = true;
       c.rec_.host = c.rec_.sni;
@@ -647,10 +686,10 @@ void Connection::plan_data_path() {
   const bool rx = client_->ktls_rx_planned();
   set_data_path_label(tx, rx);
   std::string why;
-  if (cfg_->proxy.ktls == KtlsMode::kOff) {
+  if (cfg()->proxy.ktls == KtlsMode::kOff) {
     why = "ktls = off in the config";
-  } else if (!tls_->ktls_kernel_reason().empty()) {
-    why = tls_->ktls_kernel_reason();
+  } else if (!tls()->ktls_kernel_reason().empty()) {
+    why = tls()->ktls_kernel_reason();
   } else if (!tx || !rx) {
     SSL* ssl = client_->ssl();
     why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", tx ? "receive" : "transmit",
@@ -673,7 +712,7 @@ bool Connection::ktls_downgrade(std::string why) {
   auto* forward = phase() == PhaseKind::kForward ? static_cast<ForwardPhase*>(phase_.get()) : nullptr;
   set_data_path_label(forward && forward->spliced_to_client(),
                       (forward && forward->spliced_from_client()) || client_->ktls_rx_planned());
-  if (cfg_->proxy.ktls != KtlsMode::kOn) return true;
+  if (cfg()->proxy.ktls != KtlsMode::kOn) return true;
   close(TerminationCause::kKtlsRequired, std::move(why));
   return false;
 }
@@ -684,13 +723,13 @@ Connection::HeadPhase::HeadPhase(Connection& c) : Phase(c) {
   if (c.h2_) {
     // Everything scanned stays in request_ to be forwarded, so the scan may not outgrow it.
     scanner_ = std::make_unique<H2RequestScanner>(H2ScanLimits{
-        .max_bytes_before_request = c.request_.space() - 1, .max_header_list_bytes = c.cfg_->proxy.max_request_head_bytes});
+        .max_bytes_before_request = c.request_.space() - 1, .max_header_list_bytes = c.cfg()->proxy.max_request_head_bytes});
   } else {
     parser_ = std::make_unique<HttpParser>(
-        HttpParser::Kind::kRequest, HttpLimits{c.cfg_->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
+        HttpParser::Kind::kRequest, HttpLimits{c.cfg()->proxy.max_request_head_bytes, 0, /*stop_after_head=*/true});
   }
   leftover_ = c.request_.readable();
-  c.arm_deadline(c.cfg_->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
+  c.arm_deadline(c.cfg()->proxy.request_head_timeout_ms, TerminationCause::kHeadTimeout);
 }
 
 void Connection::HeadPhase::read() {
@@ -761,7 +800,7 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   // would let one certificate's connection reach another name's sandbox.
   if (!rec_.sni.empty() && normalize_host(host) != rec_.sni)
     return respond(421, "Host does not match the TLS server name\n", TerminationCause::kMisdirected);
-  auto route = parse_route(host, cfg_->domain);
+  auto route = parse_route(host, cfg()->domain);
   if (!route) {
     if (route.error() == Error::kNotFound) return respond(421, route.message() + "\n", TerminationCause::kMisdirected);
     return respond(400, route.message() + "\n", TerminationCause::kBadRequest);
@@ -795,7 +834,7 @@ void Connection::on_request(std::string_view host, std::string_view method, std:
   // Decided before the node is asked.
   if (auto refusal = cross_origin_refusal(host, method, target, headers))
     return respond(refusal->status, refusal->message, refusal->cause);
-  if (route_.kind == RouteKind::kSdk) route_.port = cfg_->agent_port;
+  if (route_.kind == RouteKind::kSdk) route_.port = cfg()->agent_port;
   // CONNECT (sandgate ssh-proxy): the sandbox and port come from Host like any request; the proxy answers
   // 200 itself and the bytes after the head are the tunnel's.
   // An HTTP/2 CONNECT here is an extended CONNECT (RFC 8441, e.g. a WebSocket): a request for the sandbox.
@@ -900,15 +939,15 @@ void Connection::PreamblePhase::received(fleet::Preamble p, size_t consumed) {
   c.rec_.client = p.client;
   c.request_.consumed(consumed);
   fleet::Answer answer;  // ok
-  auto route = parse_route(p.host, c.cfg_->domain);
+  auto route = parse_route(p.host, c.cfg()->domain);
   if (route && route->kind == RouteKind::kApi) {
     // Each node's API is reached on its own (the CLI names it): a hop never carries the operator token.
     c.rec_.host = p.host;
-    return c.close(TerminationCause::kMisdirected, "api." + c.cfg_->domain + " is not served over a hop");
+    return c.close(TerminationCause::kMisdirected, "api." + c.cfg()->domain + " is not served over a hop");
   }
   if (route) {
     c.rec_.sandbox = route->target;
-    fleet::Decision d = fleet::decide(c.fleet_->directory.get(), c.fleet_->self, route->target);
+    fleet::Decision d = fleet::decide(c.fleet()->directory.get(), c.fleet()->self, route->target);
     if (d.kind == fleet::Decision::Kind::kRemote) answer = {fleet::Answer::Kind::kRedirect, d.owner};
     if (d.kind == fleet::Decision::Kind::kOwnerGone) answer = {fleet::Answer::Kind::kGone, d.owner};
   }
@@ -946,7 +985,7 @@ void Connection::PreamblePhase::received(fleet::Preamble p, size_t consumed) {
 
 void Connection::HopPhase::begin() {
   c_.rec_.hop_to = node_.name;
-  c_.arm_deadline(c_.cfg_->proxy.connect_timeout_ms, TerminationCause::kFleetHopFailed);
+  c_.arm_deadline(c_.cfg()->proxy.connect_timeout_ms, TerminationCause::kFleetHopFailed);
   step_ = Step::kConnecting;
   auto ep = parse_endpoint(node_.ingress);
   if (!ep || ep->kind != Endpoint::Kind::kTcp) return failed("bad fleet ingress address \"" + node_.ingress + "\"");
@@ -992,14 +1031,14 @@ void Connection::HopPhase::advance() {
     socklen_t len = sizeof err;
     ::getsockopt(fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
     if (err != 0) return failed(std::string("connect: ") + std::strerror(err));
-    ssl_ = SSL_new(c_.fleet_->client.get());
+    ssl_ = SSL_new(c_.fleet()->client.get());
     if (!ssl_) return failed("SSL_new: " + take_ssl_error());
     SSL_set_fd(ssl_, fd_.get());
     SSL_set_connect_state(ssl_);
     SSL_set_tlsext_host_name(ssl_, node_.name.c_str());
     // The peer must be the node the directory names, not merely some member of the fleet.
     SSL_set1_host(ssl_, node_.name.c_str());
-    if (SSL_SESSION* resumed = c_.fleet_->sessions->get(node_.name)) {
+    if (SSL_SESSION* resumed = c_.fleet()->sessions->get(node_.name)) {
       SSL_set_session(ssl_, resumed);
       SSL_SESSION_free(resumed);
     }
@@ -1064,7 +1103,7 @@ void Connection::HopPhase::answered(const fleet::Answer& a) {
       break;
   }
   // The client's bytes go only after "ok", so a redirect always comes before any was sent.
-  const fleet::RedirectAction action = fleet::on_redirect(redirects_, /*sent_upstream=*/false, a.node, c_.fleet_->self);
+  const fleet::RedirectAction action = fleet::on_redirect(redirects_, /*sent_upstream=*/false, a.node, c_.fleet()->self);
   ++redirects_;
   switch (action) {
     case fleet::RedirectAction::kRefuse:
@@ -1078,7 +1117,7 @@ void Connection::HopPhase::answered(const fleet::Answer& a) {
       c_.rec_.hop_to.clear();
       return c_.open_local_sandbox();
     case fleet::RedirectAction::kRetryRemote: {
-      auto info = c_.fleet_->directory ? c_.fleet_->directory->node(a.node) : std::nullopt;
+      auto info = c_.fleet()->directory ? c_.fleet()->directory->node(a.node) : std::nullopt;
       if (!info || info->ingress.empty()) {
         c_.rec_.detail = "node " + node_.name + " redirected to " + a.node + ", which is gone";
         return c_.respond(503, "sandbox " + target + " is on node " + a.node + ", which is not reachable now; try again shortly\n",
@@ -1119,7 +1158,7 @@ void Connection::begin_hop_forwarding(UniqueFd fd, SSL* ssl) {
   hopped_ = true;
   // The owning node's proxy counts this connection's bytes for its node's idle tracking; here they belong
   // to no sandbox of this node.
-  traffic_ = &node_api_traffic_;
+  traffic_ = worker_->traffic().unattributed();
   upstream_fd_ = std::move(fd);
   upstream_ = std::make_unique<TlsTransport>(ssl, upstream_fd_.get(), nullptr);
   watch_upstream();
@@ -1130,8 +1169,8 @@ void Connection::begin_hop_forwarding(UniqueFd fd, SSL* ssl) {
 
 void Connection::open_sandbox() {
   // The fleet's routing decision, from this proxy's directory view (memory, no I/O). Fleet off: one test.
-  if (fleet_ && fleet_->directory && !via_fleet_) {
-    fleet::Decision d = fleet::decide(fleet_->directory.get(), fleet_->self, route_.target);
+  if (fleet() && fleet()->directory && !via_fleet_) {
+    fleet::Decision d = fleet::decide(fleet()->directory.get(), fleet()->self, route_.target);
     switch (d.kind) {
       case fleet::Decision::Kind::kLocal:
         break;
@@ -1155,7 +1194,7 @@ void Connection::open_local_sandbox() {
   auto& open = enter<OpenPhase>();
   update_interest();
   if (phase() == PhaseKind::kClosed) return;  // the socket could not be watched
-  uint32_t wake_ms = cfg_->proxy.wake_timeout_ms;
+  uint32_t wake_ms = cfg()->proxy.wake_timeout_ms;
   arm_deadline(wake_ms, TerminationCause::kWakeTimeout);
   // Every candidate in one request: the node says which verified (an application's own Bearer may come first).
   std::vector<std::string> candidates;
@@ -1262,7 +1301,7 @@ void Connection::use_opened(OpenedSocket opened) {
   }
 
   ProxyShared* shared = worker_->shared();
-  if (!shared->sandbox_limits.try_acquire(rec_.sandbox_id, cfg_->proxy.max_connections_per_sandbox)) {
+  if (!shared->sandbox_limits.try_acquire(rec_.sandbox_id, cfg()->proxy.max_connections_per_sandbox)) {
     return respond(429, "too many connections to this sandbox\n", TerminationCause::kSandboxConnLimit,
                    {{"Retry-After", "1"}});
   }
@@ -1283,15 +1322,15 @@ void Connection::open_node_api() {
   bool allowed = false;
   for (const auto& c : credentials_) allowed = allowed || (!token.empty() && token_matches(c.token, token));
   if (!allowed) {
-    return respond(401, "api." + cfg_->domain + " needs the operator token: Authorization: Bearer <token>\n",
+    return respond(401, "api." + cfg()->domain + " needs the operator token: Authorization: Bearer <token>\n",
                    TerminationCause::kUnauthorized, {{"WWW-Authenticate", std::string(kBearerChallenge)}});
   }
   rec_.sandbox = "api";
-  traffic_ = &node_api_traffic_;
+  traffic_ = worker_->traffic().unattributed();
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  const std::string& path = cfg_->node_socket.path;
+  const std::string& path = cfg()->node_socket.path;
   if (!fd.valid() || path.size() >= sizeof addr.sun_path)
     return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
   std::memcpy(addr.sun_path, path.data(), path.size());
@@ -1325,7 +1364,7 @@ void Connection::start_connect(UniqueFd socket, const sockaddr* addr, socklen_t 
   watch_upstream();
   enter<ConnectPhase>();
   if (connected) return begin_forwarding();
-  arm_deadline(cfg_->proxy.connect_timeout_ms, TerminationCause::kUpstreamConnectTimeout);
+  arm_deadline(cfg()->proxy.connect_timeout_ms, TerminationCause::kUpstreamConnectTimeout);
   update_interest();
 }
 
@@ -1362,15 +1401,15 @@ void Connection::begin_forwarding() {
   auto& forward = enter<ForwardPhase>();
   if (!hopped_ && !tunnel_ && (answers_request_ || route_.kind == RouteKind::kApi)) forward.start_request_filters();
   last_activity_ms_ = now_ms(worker_->loop());
-  arm_idle_timer(uint64_t{cfg_->proxy.idle_timeout_secs} * 1000);
+  arm_idle_timer(uint64_t{cfg()->proxy.idle_timeout_secs} * 1000);
   if (!forward.start()) return;
   forward.pump();
 }
 
 Connection::ForwardPhase::ForwardPhase(Connection& c)
     : Phase(c),
-      c2u_(c.client_.get(), c.upstream_.get(), std::move(c.request_), client_to_sandbox_hooks()),
-      u2c_(c.upstream_.get(), c.client_.get(), ByteBuffer(kForwardBufferBytes), sandbox_to_client_hooks()) {}
+      c2u_(c.client_.get(), c.upstream_.get(), std::move(c.request_), client_to_sandbox_events_),
+      u2c_(c.upstream_.get(), c.client_.get(), ByteBuffer(kForwardBufferBytes), sandbox_to_client_events_) {}
 
 void Connection::ForwardPhase::count(uint64_t& record, uint64_t& traffic, size_t n) {
   record += n;
@@ -1378,54 +1417,55 @@ void Connection::ForwardPhase::count(uint64_t& record, uint64_t& traffic, size_t
   c_.last_activity_ms_ = now_ms(c_.worker_->loop());
 }
 
-Direction::Hooks Connection::ForwardPhase::client_to_sandbox_hooks() {
-  return {
-      .received = [this](size_t n) { count(c_.rec_.bytes_in, c_.traffic_->bytes_in, n); },
-      .observe = nullptr,  // the request filter is this direction's stage
-      .splice_budget = nullptr,
-      .passed_unseen = nullptr,
-      .source_finished =
-          [this] {
-            if (!u2c_.source_done()) client_closed_first_ = true;
-            return true;
-          },
-      .source_failed =
-          [this](IoResult r) {
-            c_.close(r.cause.value_or(TerminationCause::kClientReset), std::move(r.detail));
-            return false;
-          },
-      .sink_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
-      // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
-      .may_splice = [this] { return !requests_are_read(); },
-      .splice_refused = [this](std::string why) { return c_.ktls_downgrade(std::move(why)); },
-  };
+// Client -> sandbox: no watcher (the request filter is this direction's stage).
+void Connection::ForwardPhase::ClientToSandboxEvents::received(size_t n) {
+  f_.count(f_.c_.rec_.bytes_in, f_.c_.traffic_->bytes_in, n);
+}
+bool Connection::ForwardPhase::ClientToSandboxEvents::source_finished() {
+  if (!f_.u2c_.source_done()) f_.client_closed_first_ = true;
+  return true;
+}
+bool Connection::ForwardPhase::ClientToSandboxEvents::source_failed(IoResult r) {
+  f_.c_.close(r.cause.value_or(TerminationCause::kClientReset), std::move(r.detail));
+  return false;
+}
+bool Connection::ForwardPhase::ClientToSandboxEvents::sink_failed(IoResult r) {
+  return f_.upstream_failed(std::move(r.detail));
+}
+// Request heads must be read by the filter, so the kernel takes receive over only once none will come.
+bool Connection::ForwardPhase::ClientToSandboxEvents::may_splice() const { return !f_.requests_are_read(); }
+bool Connection::ForwardPhase::ClientToSandboxEvents::splice_refused(std::string why) {
+  return f_.c_.ktls_downgrade(std::move(why));
 }
 
-Direction::Hooks Connection::ForwardPhase::sandbox_to_client_hooks() {
-  return {
-      .received = [this](size_t n) { count(c_.rec_.bytes_out, c_.traffic_->bytes_out, n); },
-      .observe =
-          [this](std::string_view bytes) {
-            if (responses_) observe_responses(bytes);
-          },
-      // Spliced into kTLS, a response's body passes unseen; heads and chunk framing are copied and parsed.
-      .splice_budget = [this] { return responses_ ? responses_->unseen_allowed() : UINT64_MAX; },
-      .passed_unseen =
-          [this](size_t n) {
-            if (responses_) responses_->skip(n);
-          },
-      .source_finished =
-          [this] { return !awaiting_first_response() || upstream_failed("the sandbox closed the connection"); },
-      .source_failed = [this](IoResult r) { return upstream_failed(std::move(r.detail)); },
-      .sink_failed =
-          [this](IoResult r) {
-            c_.close(TerminationCause::kClientReset, std::move(r.detail));
-            return false;
-          },
-      // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
-      .may_splice = [this] { return !h2_frames_; },
-      .splice_refused = [this](std::string why) { return c_.ktls_downgrade(std::move(why)); },
-  };
+// Sandbox -> client: the response tracker watches it.
+void Connection::ForwardPhase::SandboxToClientEvents::received(size_t n) {
+  f_.count(f_.c_.rec_.bytes_out, f_.c_.traffic_->bytes_out, n);
+}
+void Connection::ForwardPhase::SandboxToClientEvents::observe(std::string_view bytes) {
+  if (f_.responses_) f_.observe_responses(bytes);
+}
+// Spliced into kTLS, a response's body passes unseen; heads and chunk framing are copied and parsed.
+uint64_t Connection::ForwardPhase::SandboxToClientEvents::splice_budget() const {
+  return f_.responses_ ? f_.responses_->unseen_allowed() : UINT64_MAX;
+}
+void Connection::ForwardPhase::SandboxToClientEvents::passed_unseen(size_t n) {
+  if (f_.responses_) f_.responses_->skip(n);
+}
+bool Connection::ForwardPhase::SandboxToClientEvents::source_finished() {
+  return !f_.awaiting_first_response() || f_.upstream_failed("the sandbox closed the connection");
+}
+bool Connection::ForwardPhase::SandboxToClientEvents::source_failed(IoResult r) {
+  return f_.upstream_failed(std::move(r.detail));
+}
+bool Connection::ForwardPhase::SandboxToClientEvents::sink_failed(IoResult r) {
+  f_.c_.close(TerminationCause::kClientReset, std::move(r.detail));
+  return false;
+}
+// h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
+bool Connection::ForwardPhase::SandboxToClientEvents::may_splice() const { return !f_.h2_frames_; }
+bool Connection::ForwardPhase::SandboxToClientEvents::splice_refused(std::string why) {
+  return f_.c_.ktls_downgrade(std::move(why));
 }
 
 void Connection::ForwardPhase::start_request_filters() {
@@ -1435,7 +1475,7 @@ void Connection::ForwardPhase::start_request_filters() {
   if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size())
     consumed_.add_token(c_.credentials_[c_.credential_index_].token);
   consumed_.add_token_digest_hex(c_.sandbox_token_sha256_);
-  const size_t max_head = c_.cfg_->proxy.max_request_head_bytes;
+  const size_t max_head = c_.cfg()->proxy.max_request_head_bytes;
   if (c_.h2_) {
     h2_filter_ = std::make_unique<H2ClientFilter>(H2FilterLimits{.max_header_list_bytes = max_head},
                                                   [this](H2Request& r) { return check_h2_request(r); });
@@ -1608,14 +1648,8 @@ void Connection::ForwardPhase::pump() {
   if (holds_memory()) c_.release_memory_when_quiet();
   // Hidden input only after a read that stopped for room: one that stopped at WANT_READ left at most a
   // partial record, whose remainder makes the socket readable.
-  if (!settled || c2u_.hidden_input() || u2c_.hidden_input()) {
-    uv_idle_start(&c_.pump_again_, [](uv_idle_t* h) {
-      uv_idle_stop(h);
-      auto* self = static_cast<Connection*>(h->data);
-      self->drop_left_phases();
-      if (self->phase() == PhaseKind::kForward) static_cast<ForwardPhase*>(self->phase_.get())->pump();
-    });
-  }
+  if ((!settled || c2u_.hidden_input() || u2c_.hidden_input()) && !std::exchange(c_.pump_again_queued_, true))
+    c_.worker_->pump_again(&c_);
 }
 
 // A side that finished sending is told so once its buffered bytes are delivered: FIN to the sandbox,
@@ -1679,7 +1713,7 @@ void Connection::respond_bytes(std::string out, TerminationCause cause) {
   if (rec_.phase.empty()) rec_.phase = phase_name(phase());  // the phase that decided on this answer
   auto& respond = enter<RespondPhase>(std::move(out), cause);
   // A response must not wait forever on a client that does not read.
-  arm_deadline(cfg_->proxy.request_head_timeout_ms, cause);
+  arm_deadline(cfg()->proxy.request_head_timeout_ms, cause);
   respond.flush();
 }
 
@@ -1758,6 +1792,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   worker_->shared()->open_connections.fetch_sub(1, std::memory_order_relaxed);
   if (std::exchange(holding_buffers_, false)) worker_->shared()->metrics.buffers_held(-1);
   worker_->forget(this);
+  if (std::exchange(pump_again_queued_, false)) worker_->cancel_pump_again(this);
   prewake_.reset();  // a wake for a client that left is not wanted any more
 
   auto on_closed = [](uv_handle_t* h) {
@@ -1770,7 +1805,6 @@ void Connection::close(TerminationCause cause, std::string detail) {
   upstream_watch_.stop();
   uv_close(reinterpret_cast<uv_handle_t*>(&deadline_), on_closed);
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_timer_), on_closed);
-  uv_close(reinterpret_cast<uv_handle_t*>(&pump_again_), on_closed);
   // The phases and transports stay until the handles are closed: close() may run inside one of them.
   client_fd_.reset();
   upstream_fd_.reset();

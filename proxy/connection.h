@@ -63,6 +63,8 @@ class Connection {
   bool cut_if_opened_before(const std::string& sandbox_id, uint64_t stamp, Cut why, uint16_t port = 0);
   // Worker::drain's tick (the proxy handed its listeners over): ends the connection at the next clean point.
   void drain_tick();
+  // The worker's turn for a forwarding pump that asked to run again (Worker::pump_again).
+  void pump_again();
 
  private:
   // Caches what a lookup answered (HandshakePhase).
@@ -157,10 +159,15 @@ class Connection {
   void respond(int status, std::string_view body, TerminationCause cause, std::vector<HttpHeader> extra_headers = {});
   void respond_bytes(std::string bytes, TerminationCause cause);
 
+  // snapshot_'s parts.
+  const Config* cfg() const;
+  TlsContexts* tls() const;
+  const FleetContext* fleet() const;  // null: off
+
+  // Members are ordered so that an idle connection's object stays small (no padding between flags): it is
+  // one of the ~20 KiB each held connection costs (bench/soak.py).
   Worker* worker_;
   std::shared_ptr<const ProxySnapshot> snapshot_;  // the reload this connection was accepted under
-  const Config* cfg_;                               // snapshot_'s parts
-  TlsContexts* tls_;
   std::unique_ptr<Phase> phase_;
   std::vector<std::unique_ptr<Phase>> left_phases_;  // see enter()
   UniqueFd client_fd_;
@@ -171,38 +178,25 @@ class Connection {
   SocketWatch upstream_watch_;  // initialized with upstream_fd_
   uv_timer_t deadline_{};
   uv_timer_t idle_timer_{};
-  // Work poll() never reports: whole records read ahead inside OpenSSL after the socket ran dry, and what a
-  // pump that spent its rounds left unsettled. Such a pump re-runs from this idle handle on the next loop turn.
-  uv_idle_t pump_again_{};
   int handles_open_ = 0;
   TerminationCause deadline_cause_ = TerminationCause::kHandshakeTimeout;
   uint64_t last_activity_ms_ = 0;  // forwarding: the idle timer's reference
   // A keep-alive client's next request comes within this as a rule; a connection quiet for longer holds no
   // forwarding memory (the RSS of idle connections, bench/soak.py).
   static constexpr uint64_t kReleaseIdleMemoryAfterMs = 1000;
-  // Forwarding memory may be held (sandgate_proxy_connections_holding_buffers): the idle timer fires by
-  // kReleaseIdleMemoryAfterMs after the last activity.
-  bool holding_buffers_ = false;
 
   HelloState hello_;  // SNI and the routed port's policy, filled during the handshake (OpenSSL's callbacks)
   // The early wake this connection's ClientHello asks for (proxy.wake_at_client_hello): decided once; a call
   // of its own when no lookup was needed, kept until the node answered whatever phase the connection is in.
-  bool prewake_asked_ = false;
   std::unique_ptr<NodeCall> prewake_;
-  KtlsRxTracker ktls_rx_tracker_;  // what OpenSSL's callbacks saw, for the TLS 1.3 receive handover
+  // What OpenSSL's callbacks saw, for the TLS 1.3 receive handover; only where kTLS is possible.
+  std::unique_ptr<KtlsRxTracker> ktls_rx_tracker_;
 
   // The first request: what every later phase goes by.
-  bool h2_ = false;                        // ALPN h2: the first request arrives as an HTTP/2 HEADERS frame
   // A public raw-TCP port (its policy known at the ClientHello): no request head, the server may speak
   // first, so the connection is opened as soon as the handshake is done.
   bool headless_tcp() const { return hello_.policy_known && hello_.port_protocol == "tcp" && hello_.port_public; }
-  // Opened with no request head (headless_tcp here, or a "tcp" hop from another node's proxy): no filter
-  // will see its bytes, so the open's answer must say the port is a public tcp port still.
-  bool headless_ = false;
-  bool answering_head_ = false;            // the request the edge answers itself is a HEAD: no content
-  uint32_t h2_stream_ = 0;                 // that request's stream, which the proxy's own answers go to
-  bool tunnel_ = false;                    // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
-  bool answers_request_ = false;           // an HTTP request (not CONNECT, not raw TCP) is being forwarded
+  uint32_t h2_stream_ = 0;                 // the request's stream, which the proxy's own answers go to
   size_t head_bytes_ = 0;                  // length of the HTTP/1.1 head at the front of request_
   std::vector<Credential> credentials_;    // all sent in one open; the node checks them (a 401 never wakes)
   size_t credential_index_ = 0;            // the one the node accepted; credentials_.size() for none
@@ -214,16 +208,27 @@ class Connection {
 
   // The open: what the node said about the sandbox port.
   uint64_t opened_at_ = 0;            // the node's stamp of the open that gave the socket (0: not opened)
-  bool opened_public_ = false;        // the port needed no token
-  bool cached_route_failed_ = false;  // the route cache's socket did not connect: this open asks the node
   std::string sandbox_token_sha256_;  // recognised (and removed) in every request
-  SandboxTraffic node_api_traffic_;   // api.<domain> bytes belong to no sandbox
-  SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox
-  bool holds_sandbox_slot_ = false;
+  SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox (or of none)
   std::string client_slot_;  // the address whose slot this connection holds; "" = none
 
-  // Fleet: this snapshot's fleet context (null: off), and which end of a hop this connection is.
-  const FleetContext* fleet_ = nullptr;
+  // Flags, side by side.
+  // Forwarding memory may be held (sandgate_proxy_connections_holding_buffers): the idle timer fires by
+  // kReleaseIdleMemoryAfterMs after the last activity.
+  bool holding_buffers_ = false;
+  bool pump_again_queued_ = false;  // in the worker's list for pump_again()
+  bool prewake_asked_ = false;
+  bool h2_ = false;  // ALPN h2: the first request arrives as an HTTP/2 HEADERS frame
+  // Opened with no request head (headless_tcp here, or a "tcp" hop from another node's proxy): no filter
+  // will see its bytes, so the open's answer must say the port is a public tcp port still.
+  bool headless_ = false;
+  bool answering_head_ = false;       // the request the edge answers itself is a HEAD: no content
+  bool tunnel_ = false;               // HTTP/1.1 CONNECT: the proxy answers 200, the head is not forwarded
+  bool answers_request_ = false;      // an HTTP request (not CONNECT, not raw TCP) is being forwarded
+  bool opened_public_ = false;        // the port needed no token
+  bool cached_route_failed_ = false;  // the route cache's socket did not connect: this open asks the node
+  bool holds_sandbox_slot_ = false;
+  // Fleet: which end of a hop this connection is.
   bool via_fleet_ = false;  // accepted on the fleet listener: it never hops again
   bool hopped_ = false;     // forwarded to another node's proxy: that proxy filters, authenticates and counts
 

@@ -22,8 +22,8 @@ void compact(std::string& queue, size_t& sent) {
 
 }  // namespace
 
-Direction::Direction(Transport* source, Transport* sink, ByteBuffer buffer, Hooks hooks)
-    : source_(source), sink_(sink), buffer_(std::move(buffer)), hooks_(std::move(hooks)) {}
+Direction::Direction(Transport* source, Transport* sink, ByteBuffer buffer, DirectionEvents& events)
+    : source_(source), sink_(sink), buffer_(std::move(buffer)), events_(events) {}
 
 bool Direction::has_room() const {
   // Spliced bytes go out only after what the buffer holds (the request head), so the pipe fills once the
@@ -67,21 +67,21 @@ bool Direction::run_stage() {
 bool Direction::start_splice_if_possible(bool* started) {
   *started = false;
   if (splice_ != Splice::kCopying || source_->splice_in_state() == Transport::SpliceIn::kNever || !sink_->can_splice_out() ||
-      !hooks_.may_splice())
+      !events_.may_splice())
     return true;
   const bool handover = source_->splice_in_state() == Transport::SpliceIn::kNotYet;
   auto pipe = SplicePipe::create(kSplicePipeBytes);
   if (!pipe) {
     splice_ = Splice::kRefused;
     source_->give_up_splice_in();
-    return hooks_.splice_refused(std::string(handover ? "no pipe to splice from the kTLS socket: "
+    return events_.splice_refused(std::string(handover ? "no pipe to splice from the kTLS socket: "
                                                       : "no pipe to splice into the kTLS socket: ") +
                                  pipe.message());
   }
   if (handover) {
     if (auto st = source_->start_splice_in(); !st) {
       splice_ = Splice::kRefused;
-      return hooks_.splice_refused(st.message());
+      return events_.splice_refused(st.message());
     }
   }
   pipe_ = std::move(*pipe);
@@ -107,14 +107,14 @@ bool Direction::read_into_buffer() {
   const char* fresh = buffer_.write_ptr();
   IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
   buffer_.produced(r.bytes);
-  if (r.bytes > 0 && hooks_.observe) hooks_.observe(std::string_view(fresh, r.bytes));
+  if (r.bytes > 0) events_.observe(std::string_view(fresh, r.bytes));
   read_filled_ = r.status == IoResult::Status::kOk && !r.drained;
   return received(r);
 }
 
 bool Direction::received(const IoResult& r) {
   if ((r.status == IoResult::Status::kWouldBlock && !r.waits_for_writable) || r.drained) source_ready_ = false;
-  if (r.bytes > 0) hooks_.received(r.bytes);
+  if (r.bytes > 0) events_.received(r.bytes);
   switch (r.status) {
     case IoResult::Status::kOk:
     case IoResult::Status::kWouldBlock:
@@ -125,19 +125,19 @@ bool Direction::received(const IoResult& r) {
     case IoResult::Status::kError:
       break;
   }
-  return hooks_.source_failed(r);
+  return events_.source_failed(r);
 }
 
 bool Direction::source_ended() {
-  if (!hooks_.source_finished()) return false;
+  if (!events_.source_finished()) return false;
   stop_reading();
   return true;
 }
 
 bool Direction::splice_from_source() {
-  const uint64_t budget = hooks_.splice_budget ? hooks_.splice_budget() : UINT64_MAX;
+  const uint64_t budget = events_.splice_budget();
   IoResult r = source_->splice_in(*pipe_, budget);
-  if (r.bytes > 0 && hooks_.passed_unseen) hooks_.passed_unseen(r.bytes);
+  if (r.bytes > 0) events_.passed_unseen(r.bytes);
   if (r.status != IoResult::Status::kNotData) return received(r);
   // Read once the pipe has delivered what came before it.
   if (pipe_->buffered() == 0) return read_source_record();
@@ -155,7 +155,7 @@ bool Direction::read_source_record() {
 bool Direction::write_sink() {
   const char* data = stage_ ? out_.data() + out_sent_ : buffer_.read_ptr();
   IoResult r = sink_->write(std::span<const char>(data, queued()));
-  if (r.status == IoResult::Status::kError) return hooks_.sink_failed(std::move(r));
+  if (r.status == IoResult::Status::kError) return events_.sink_failed(std::move(r));
   if (stage_) {
     out_sent_ += r.bytes;
     compact(out_, out_sent_);
@@ -167,7 +167,7 @@ bool Direction::write_sink() {
 
 bool Direction::splice_to_sink() {
   IoResult r = sink_->splice_out(*pipe_);
-  if (r.status == IoResult::Status::kError) return hooks_.sink_failed(std::move(r));
+  if (r.status == IoResult::Status::kError) return events_.sink_failed(std::move(r));
   if (pipe_->buffered() == 0) record_waits_ = false;
   return true;
 }

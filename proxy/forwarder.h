@@ -56,33 +56,38 @@ class ByteBuffer {
   size_t end_ = 0;
 };
 
+// What the connection makes of one direction's events: an interface the connection implements once per
+// direction (one pointer in the direction, not a table of std::functions in every connection), and the
+// forwarder's tests with a fake. Each returning bool gives false when the connection was closed (the
+// direction must then not be touched).
+class DirectionEvents {
+ public:
+  virtual ~DirectionEvents() = default;
+  virtual void received(size_t n) = 0;  // bytes taken from the source (counted, activity)
+  // The bytes themselves, when copied (a watcher of the stream; it must not change them). Default: unwatched.
+  virtual void observe(std::string_view /*bytes*/) {}
+  // For a watcher on a spliced direction: how many of the source's next bytes may pass unseen (spliced);
+  // while it says fewer than Direction::kMinSplicedRun they are copied and shown to observe(). Default: any.
+  virtual uint64_t splice_budget() const { return UINT64_MAX; }
+  // That many bytes passed spliced, unseen (in order with what observe() was shown).
+  virtual void passed_unseen(size_t /*n*/) {}
+  virtual bool source_finished() = 0;           // the source sent its last byte (EOF, close_notify)
+  virtual bool source_failed(IoResult r) = 0;   // always false
+  virtual bool sink_failed(IoResult r) = 0;     // always false
+  // May both ends splice now? (The request filter must read every client byte while requests come.)
+  virtual bool may_splice() const = 0;
+  // A direction whose ends could splice cannot after all (no pipe, the kernel refused the key).
+  virtual bool splice_refused(std::string why) = 0;
+};
+
 class Direction {
  public:
-  // What the connection makes of this direction's events. Each returning bool gives false when the
-  // connection was closed (the direction must then not be touched).
-  struct Hooks {
-    std::function<void(size_t)> received;           // bytes taken from the source (counted, activity)
-    // Optional: the bytes themselves, when copied (a watcher of the stream; it must not change them).
-    std::function<void(std::string_view)> observe;
-    // Optional, for a watcher on a spliced direction: how many of the source's next bytes may pass unseen
-    // (spliced); while it says fewer than kMinSplicedRun they are copied and shown to `observe`. Absent:
-    // any number.
-    std::function<uint64_t()> splice_budget;
-    // Optional: that many bytes passed spliced, unseen (in order with what `observe` was shown).
-    std::function<void(size_t)> passed_unseen;
-    std::function<bool()> source_finished;           // the source sent its last byte (EOF, close_notify)
-    std::function<bool(IoResult)> source_failed;     // always false
-    std::function<bool(IoResult)> sink_failed;       // always false
-    // May both ends splice now? (The request filter must read every client byte while requests come.)
-    std::function<bool()> may_splice;
-    // A direction whose ends could splice cannot after all (no pipe, the kernel refused the key).
-    std::function<bool(std::string why)> splice_refused;
-  };
   // Moves all of `in` (what the source gave) into `out` (what goes to the sink); false when closed.
   using Stage = std::function<bool(std::string_view in, std::string& out)>;
 
   // `buffer` may already hold bytes from the source (the request head) that go first.
-  Direction(Transport* source, Transport* sink, ByteBuffer buffer, Hooks hooks);
+  // `events` outlives the direction.
+  Direction(Transport* source, Transport* sink, ByteBuffer buffer, DirectionEvents& events);
 
   void set_stage(Stage stage) { stage_ = std::move(stage); }
   // Reads the source while there is room, passes the bytes through the stage, writes the sink; each
@@ -145,7 +150,7 @@ class Direction {
   // While spliced, the watcher needs to see the next bytes (or so few may pass unseen that a splice would
   // cost more syscalls than a copy): they are read into the buffer, once the pipe has delivered what came
   // before them.
-  bool copy_while_spliced() const { return hooks_.splice_budget && hooks_.splice_budget() < kMinSplicedRun; }
+  bool copy_while_spliced() const { return events_.splice_budget() < kMinSplicedRun; }
   bool read_into_buffer();
   bool received(const IoResult& r);
   bool source_ended();
@@ -153,7 +158,7 @@ class Direction {
   Transport* source_;
   Transport* sink_;
   ByteBuffer buffer_;
-  Hooks hooks_;
+  DirectionEvents& events_;
   Stage stage_;
   std::string out_;  // staged bytes for the sink; what was sent leaves the front (compact)
   size_t out_sent_ = 0;

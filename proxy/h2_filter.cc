@@ -358,7 +358,8 @@ Status H2ClientFilter::refuse(uint32_t stream_id, int status, bool end_stream, s
     append_frame(to_client, kRstStream, 0, stream_id, code);
   }
   refused_.push_back(stream_id);
-  while (refused_.size() > limits_.max_refused_streams) refused_.pop_front();
+  if (refused_.size() > limits_.max_refused_streams)
+    refused_.erase(refused_.begin(), refused_.end() - static_cast<ptrdiff_t>(limits_.max_refused_streams));
   return {};
 }
 

@@ -4,14 +4,24 @@
 
 namespace sg {
 
+// The same callbacks for every tracker: one table, not one per connection (llhttp keeps a pointer to it).
+const llhttp_settings_t* Http1ResponseTracker::settings() {
+  static const llhttp_settings_t table = [] {
+    llhttp_settings_t s;
+    llhttp_settings_init(&s);
+    s.on_message_begin = &Http1ResponseTracker::on_message_begin;
+    s.on_headers_complete = &Http1ResponseTracker::on_headers_complete;
+    s.on_message_complete = &Http1ResponseTracker::on_message_complete;
+    s.on_chunk_header = &Http1ResponseTracker::on_chunk_header;
+    s.on_chunk_complete = &Http1ResponseTracker::on_chunk_complete;
+    return s;
+  }();
+  return &table;
+}
+
 Http1ResponseTracker::Http1ResponseTracker() {
-  llhttp_settings_init(&settings_);
-  settings_.on_message_begin = &Http1ResponseTracker::on_message_begin;
-  settings_.on_headers_complete = &Http1ResponseTracker::on_headers_complete;
-  settings_.on_message_complete = &Http1ResponseTracker::on_message_complete;
-  settings_.on_chunk_header = &Http1ResponseTracker::on_chunk_header;
-  settings_.on_chunk_complete = &Http1ResponseTracker::on_chunk_complete;
-  llhttp_init(&parser_, HTTP_RESPONSE, &settings_);
+  // llhttp_init takes a non-const pointer but only reads the table.
+  llhttp_init(&parser_, HTTP_RESPONSE, const_cast<llhttp_settings_t*>(settings()));
   parser_.data = this;
 }
 
@@ -85,7 +95,7 @@ int Http1ResponseTracker::on_chunk_complete(llhttp_t* p) {
 }
 
 void Http1ResponseTracker::finish_response() {
-  if (!pending_.empty()) pending_.pop_front();
+  if (!pending_.empty()) pending_.erase(pending_.begin());
   ++answered_;
 }
 

@@ -15,9 +15,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 namespace sg {
 
@@ -66,13 +66,15 @@ class Http1ResponseTracker {
   static int on_message_complete(llhttp_t* p);
   static int on_chunk_header(llhttp_t* p);
   static int on_chunk_complete(llhttp_t* p);
+  static const llhttp_settings_t* settings();
   void finish_response();
   // The Content-Length body's next n bytes (n <= fixed_left_) went by.
   void count_fixed_body(uint64_t n);
 
-  llhttp_settings_t settings_{};
   llhttp_t parser_{};
-  std::deque<Request> pending_;  // forwarded, not yet answered
+  // Forwarded, not yet answered, oldest first. A vector, not a deque: libstdc++'s deque allocates 576 bytes
+  // even empty, and a connection seldom has more than one request in flight.
+  std::vector<Request> pending_;
   State state_ = State::kHead;
   uint64_t fixed_left_ = 0;
   size_t answered_ = 0;

@@ -24,6 +24,9 @@ class WorkerTraffic {
   // Stable until release_connection() of the last connection and the following report.
   SandboxTraffic* open_connection(const std::string& sandbox_id);
   void close_connection(const std::string& sandbox_id);
+  // Where connections count bytes that belong to no sandbox of this node (api.<domain>, a hop to another
+  // node's proxy, which counts them there): never reported.
+  SandboxTraffic* unattributed() { return &unattributed_; }
 
   // JSON body for POST /v1/internal/activity with the deltas since the previous call, or "" when nothing
   // changed. Entries with no connections left are dropped after they are reported.
@@ -36,6 +39,7 @@ class WorkerTraffic {
 
  private:
   std::unordered_map<std::string, SandboxTraffic> by_sandbox_;
+  SandboxTraffic unattributed_;
   Totals reported_;
 };
 

@@ -112,7 +112,7 @@ bool TlsTransport::shutdown_write() {
 void TlsTransport::plan_ktls() {
   ktls_tx_ = BIO_get_ktls_send(SSL_get_wbio(ssl_));
   if (BIO_get_ktls_recv(SSL_get_rbio(ssl_))) rx_handover_ = RxHandover::kOffloadedByOpenSsl;
-  else if (ktls_tx_ && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
+  else if (ktls_tx_ && tracker_ != nullptr && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
 }
 
 Transport::SpliceIn TlsTransport::splice_in_state() const {

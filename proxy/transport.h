@@ -112,7 +112,7 @@ class TcpTransport final : public Transport {
 class TlsTransport final : public Transport {
  public:
   // `ssl` is set up on `fd` and owned by this transport; `tracker` (for the TLS 1.3 receive handover)
-  // is attached to it when kTLS is possible.
+  // is attached to it when kTLS is possible, and null otherwise.
   TlsTransport(SSL* ssl, int fd, KtlsRxTracker* tracker)
       : ssl_(ssl), fd_(fd), tracker_(tracker), read_ahead_(SSL_get_read_ahead(ssl) != 0) {}
   ~TlsTransport() override { SSL_free(ssl_); }

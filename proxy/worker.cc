@@ -100,6 +100,8 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
   start_listen_polls();
   uv_timer_init(&loop_, &accept_pause_timer_);
   accept_pause_timer_.data = this;
+  uv_idle_init(&loop_, &pump_again_idle_);
+  pump_again_idle_.data = this;
   uv_async_init(&loop_, &stop_async_, [](uv_async_t* a) {
     auto* self = static_cast<Worker*>(a->data);
     self->close_listeners();
@@ -108,6 +110,7 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
     // Closing removes the connection from the set: iterate over a copy.
     std::vector<Connection*> open(self->connections_.begin(), self->connections_.end());
     for (Connection* c : open) c->close(TerminationCause::kShutdown);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->pump_again_idle_), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->report_timer_), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->route_stream_retry_), nullptr);
     self->route_stream_.reset();
@@ -136,6 +139,26 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
 }
 
 void Worker::start() { thread_ = std::thread([this] { run(); }); }
+
+void Worker::pump_again(Connection* c) {
+  if (pump_again_.empty())
+    uv_idle_start(&pump_again_idle_, [](uv_idle_t* h) { static_cast<Worker*>(h->data)->run_pumps_again(); });
+  pump_again_.push_back(c);
+}
+
+void Worker::cancel_pump_again(Connection* c) {
+  std::erase(pump_again_, c);
+  if (pump_again_.empty()) uv_idle_stop(&pump_again_idle_);
+}
+
+void Worker::run_pumps_again() {
+  // A pump may queue its connection again (for the turn after this one); one closed meanwhile is still
+  // allocated (connections are freed once their handles closed, after this callback) and pumps nothing.
+  pumping_.swap(pump_again_);
+  uv_idle_stop(&pump_again_idle_);
+  for (Connection* c : pumping_) c->pump_again();
+  pumping_.clear();
+}
 
 void Worker::run() { uv_run(&loop_, UV_RUN_DEFAULT); }
 

@@ -125,6 +125,11 @@ class Worker {
   NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
+  // A forwarding pump has work poll() never reports (whole records read ahead inside OpenSSL after the
+  // socket ran dry, or what a pump that spent its rounds left unsettled): `c` is pumped again on the next
+  // loop turn (Connection::pump_again), from one idle handle for the worker, not one per connection.
+  void pump_again(Connection* c);
+  void cancel_pump_again(Connection* c);  // `c` closed while queued
 
  private:
   void run();
@@ -169,6 +174,10 @@ class Worker {
   uint64_t fd_shortage_since_ms_ = 0;  // loop time the current episode began; 0 = none
   uint32_t fd_shortage_pauses_ = 0;
   std::unordered_set<Connection*> connections_;
+  void run_pumps_again();
+  uv_idle_t pump_again_idle_{};
+  std::vector<Connection*> pump_again_;  // queued for the next turn
+  std::vector<Connection*> pumping_;     // this turn's (kept to keep its capacity)
   WorkerTraffic traffic_;
   RouteCache routes_;
   std::unique_ptr<NodeClient> node_;

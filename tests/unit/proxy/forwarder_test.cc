@@ -31,44 +31,42 @@ std::string pattern(size_t n) {
   return s;
 }
 
-struct Events {
-  size_t received = 0;
-  std::string observed;  // what the observe hook was shown
+// The connection's side of a direction, faked: it records what the direction reports.
+struct Events : DirectionEvents {
+  size_t received_bytes = 0;
+  std::string observed;  // what observe() was shown
   bool finished = false;
-  bool sink_failed = false;
+  bool sink_failed_seen = false;
   std::string sink_detail;
+  bool splice_allowed = false;
+
+  void received(size_t n) override { received_bytes += n; }
+  void observe(std::string_view bytes) override { observed.append(bytes); }
+  bool source_finished() override {
+    finished = true;
+    return true;
+  }
+  bool source_failed(IoResult r) override {
+    ADD_FAILURE() << "source failed: " << r.detail;
+    return false;
+  }
+  bool sink_failed(IoResult r) override {
+    sink_failed_seen = true;
+    sink_detail = r.detail;
+    return false;
+  }
+  bool may_splice() const override { return splice_allowed; }
+  bool splice_refused(std::string why) override {
+    ADD_FAILURE() << "splice refused: " << why;
+    return false;
+  }
 };
 
 class DirectionTest : public ::testing::Test {
  protected:
   void make(bool may_splice, ByteBuffer buffer = ByteBuffer(4096)) {
-    Direction::Hooks hooks{
-        .received = [this](size_t n) { events_.received += n; },
-        .observe = [this](std::string_view bytes) { events_.observed.append(bytes); },
-        .splice_budget = nullptr,
-        .passed_unseen = nullptr,
-        .source_finished =
-            [this] {
-              events_.finished = true;
-              return true;
-            },
-        .source_failed = [](IoResult r) -> bool {
-          ADD_FAILURE() << "source failed: " << r.detail;
-          return false;
-        },
-        .sink_failed =
-            [this](IoResult r) {
-              events_.sink_failed = true;
-              events_.sink_detail = r.detail;
-              return false;
-            },
-        .may_splice = [may_splice] { return may_splice; },
-        .splice_refused = [](std::string why) -> bool {
-          ADD_FAILURE() << "splice refused: " << why;
-          return false;
-        },
-    };
-    dir_ = std::make_unique<Direction>(&source_, &sink_, std::move(buffer), std::move(hooks));
+    events_.splice_allowed = may_splice;
+    dir_ = std::make_unique<Direction>(&source_, &sink_, std::move(buffer), events_);
   }
 
   // Writes `data` into the source while moving, and reads the sink until `want` bytes or EOF.
@@ -102,7 +100,7 @@ TEST_F(DirectionTest, CopiesInOrderAndShutsTheSinkAfterTheSourceEnds) {
   const std::string data = pattern(1 << 20);
   EXPECT_EQ(pass(data, data.size()), data);
   EXPECT_FALSE(dir_->spliced());
-  EXPECT_EQ(events_.received, data.size());
+  EXPECT_EQ(events_.received_bytes, data.size());
   EXPECT_TRUE(events_.observed == data) << "the observer saw every copied byte once, in order";
   src_.theirs.reset();  // EOF
   ASSERT_TRUE(dir_->move());
@@ -125,7 +123,7 @@ TEST_F(DirectionTest, SplicesWhenBothEndsCanAndTheBufferGoesFirst) {
   const std::string data = pattern(1 << 20);
   EXPECT_EQ(pass(data, first.size() + data.size()), first + data);
   EXPECT_TRUE(dir_->spliced());
-  EXPECT_EQ(events_.received, data.size()) << "the buffer's bytes were counted by whoever filled it";
+  EXPECT_EQ(events_.received_bytes, data.size()) << "the buffer's bytes were counted by whoever filled it";
   EXPECT_EQ(dir_->pending(), 0u);
 }
 
@@ -133,42 +131,36 @@ TEST_F(DirectionTest, SplicesWhenBothEndsCanAndTheBufferGoesFirst) {
 // read: here bytes [64 KiB, 576 KiB) of the stream, a body between two parts it must see.
 TEST_F(DirectionTest, ASpliceBudgetSplicesOnlyWhatTheWatcherNeedNotSee) {
   constexpr uint64_t kSeenUntil = 64 * 1024, kSeenFrom = 576 * 1024;
-  uint64_t position = 0;  // stream bytes taken from the source so far
-  uint64_t unseen = 0;
-  bool unseen_outside = false;
-  make(/*may_splice=*/true);
-  dir_ = std::make_unique<Direction>(
-      &source_, &sink_, ByteBuffer(4096),
-      Direction::Hooks{
-          .received = [this](size_t n) { events_.received += n; },
-          .observe =
-              [&](std::string_view bytes) {
-                events_.observed.append(bytes);
-                position += bytes.size();
-              },
-          .splice_budget =
-              [&]() -> uint64_t { return position >= kSeenUntil && position < kSeenFrom ? kSeenFrom - position : 0; },
-          .passed_unseen =
-              [&](size_t n) {
-                if (position < kSeenUntil || position + n > kSeenFrom) unseen_outside = true;
-                position += n;
-                unseen += n;
-              },
-          .source_finished = [] { return true; },
-          .source_failed = [](IoResult) { return false; },
-          .sink_failed = [](IoResult) { return false; },
-          .may_splice = [] { return true; },
-          .splice_refused = [](std::string) { return false; },
-      });
+  // A watcher that must see the stream before kSeenUntil and from kSeenFrom on.
+  struct Watcher : Events {
+    uint64_t position = 0;  // stream bytes taken from the source so far
+    uint64_t unseen = 0;
+    bool unseen_outside = false;
+    void observe(std::string_view bytes) override {
+      observed.append(bytes);
+      position += bytes.size();
+    }
+    uint64_t splice_budget() const override {
+      return position >= kSeenUntil && position < kSeenFrom ? kSeenFrom - position : 0;
+    }
+    void passed_unseen(size_t n) override {
+      if (position < kSeenUntil || position + n > kSeenFrom) unseen_outside = true;
+      position += n;
+      unseen += n;
+    }
+  } watcher;
+  watcher.splice_allowed = true;
+  dir_ = std::make_unique<Direction>(&source_, &sink_, ByteBuffer(4096), watcher);
   const std::string data = pattern(640 * 1024);
   EXPECT_EQ(pass(data, data.size()), data) << "in order, whether copied or spliced";
-  EXPECT_FALSE(unseen_outside) << "no byte the watcher must see was spliced past it";
-  EXPECT_EQ(position, data.size()) << "every byte was either shown or counted as unseen, once";
-  EXPECT_EQ(events_.observed.size() + unseen, data.size());
-  EXPECT_EQ(events_.observed.substr(0, kSeenUntil), data.substr(0, kSeenUntil));
-  EXPECT_EQ(events_.observed.substr(events_.observed.size() - 64 * 1024), data.substr(kSeenFrom))
+  EXPECT_FALSE(watcher.unseen_outside) << "no byte the watcher must see was spliced past it";
+  EXPECT_EQ(watcher.position, data.size()) << "every byte was either shown or counted as unseen, once";
+  EXPECT_EQ(watcher.observed.size() + watcher.unseen, data.size());
+  EXPECT_EQ(watcher.observed.substr(0, kSeenUntil), data.substr(0, kSeenUntil));
+  EXPECT_EQ(watcher.observed.substr(watcher.observed.size() - 64 * 1024), data.substr(kSeenFrom))
       << "the part after the body was shown";
-  EXPECT_GT(unseen, 400u * 1024) << "the body was spliced, not copied through the 4 KiB buffer";
+  EXPECT_GT(watcher.unseen, 400u * 1024) << "the body was spliced, not copied through the 4 KiB buffer";
+  dir_.reset();  // before the watcher it holds
 }
 
 TEST_F(DirectionTest, AStageSeesEveryByteAndWhatItWritesIsSent) {
@@ -189,7 +181,7 @@ TEST_F(DirectionTest, AFailingSinkIsReported) {
   const std::string data = "for nobody";
   ASSERT_EQ(::send(src_.theirs.get(), data.data(), data.size(), MSG_NOSIGNAL), static_cast<ssize_t>(data.size()));
   EXPECT_FALSE(dir_->move());
-  EXPECT_TRUE(events_.sink_failed);
+  EXPECT_TRUE(events_.sink_failed_seen);
   EXPECT_FALSE(events_.sink_detail.empty());
 }
 
@@ -248,7 +240,7 @@ TEST_F(DirectionTest, StopsReadingWhenTheBufferIsFull) {
   while (::send(dst_.ours.get(), filler.data(), filler.size(), MSG_NOSIGNAL) > 0) {
   }
   ASSERT_TRUE(dir_->move());
-  EXPECT_EQ(events_.received, 16u);
+  EXPECT_EQ(events_.received_bytes, 16u);
   EXPECT_EQ(dir_->pending(), 16u);
   EXPECT_FALSE(dir_->wants_source_readable()) << "no room: the source is not polled";
   EXPECT_TRUE(dir_->wants_sink_writable());
