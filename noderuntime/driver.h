@@ -149,6 +149,19 @@ class Driver {
   virtual ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) = 0;
   // A socket through which the proxy reaches `port` of the running instance (see GuestSocket).
   virtual Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) = 0;
+  // `count` of them at once (a proxy's spare sockets). A driver that makes them inside a namespace enters it
+  // once for all; the default asks open_socket() `count` times.
+  virtual Result<std::vector<GuestSocket>> open_sockets(const SandboxSpec& spec, const RuntimeInfo& info,
+                                                        uint16_t port, size_t count) {
+    std::vector<GuestSocket> sockets;
+    sockets.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      auto socket = open_socket(spec, info, port);
+      if (!socket) return socket.failure();
+      sockets.push_back(std::move(*socket));
+    }
+    return sockets;
+  }
   // Filesystem checkpoints of a running instance; kUnsupported (the default) for a driver that has none.
   virtual Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo&) {
     return fail(Error::kUnsupported, "the " + spec.driver + " driver cannot take filesystem checkpoints yet");

@@ -972,12 +972,13 @@ Result<SpareSockets> Node::spare_sockets(std::string_view id, uint16_t port, siz
     return fail(Error::kUnavailable, "sandbox " + sb->id() + " is " + std::string(state_name(sb->rec.state)));
   if (!port_policy(sb->rec.spec, port)) return fail(Error::kPermissionDenied, "port not exposed");
   SpareSockets spares;
-  for (size_t i = 0; i < std::min(count, kMaxSpareSockets); ++i) {
-    auto socket = driver(*sb).open_socket(sb->rec.spec, sb->rec.runtime, sandbox_port(sb->rec.spec, port));
-    if (!socket) return fail(socket.error(), "cannot open a socket in sandbox " + sb->id() + ": " + socket.message());
-    if (socket->connected) return fail(Error::kUnsupported, "the driver's sockets are one connected stream each");
-    spares.connect_port = socket->connect_port;
-    spares.fds.push_back(std::move(socket->fd));
+  auto sockets = driver(*sb).open_sockets(sb->rec.spec, sb->rec.runtime, sandbox_port(sb->rec.spec, port),
+                                          std::min(count, kMaxSpareSockets));
+  if (!sockets) return fail(sockets.error(), "cannot open a socket in sandbox " + sb->id() + ": " + sockets.message());
+  for (GuestSocket& socket : *sockets) {
+    if (socket.connected) return fail(Error::kUnsupported, "the driver's sockets are one connected stream each");
+    spares.connect_port = socket.connect_port;
+    spares.fds.push_back(std::move(socket.fd));
   }
   spares.opened_at = route_events_.stamp();
   spares.cache_ms = route_cache_ms(sb->id());

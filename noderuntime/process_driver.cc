@@ -351,6 +351,8 @@ class ProcessDriver final : public Driver {
   void unwatch(const SandboxSpec& spec) override;
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
+  Result<std::vector<GuestSocket>> open_sockets(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port,
+                                                size_t count) override;
   Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo& info) override;
 
  private:
@@ -962,6 +964,13 @@ ObservedInstance ProcessDriver::observe(const SandboxSpec& spec, const RuntimeIn
 }
 
 Result<GuestSocket> ProcessDriver::open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) {
+  auto sockets = open_sockets(spec, info, port, 1);
+  if (!sockets) return sockets.failure();
+  return std::move(sockets->front());
+}
+
+Result<std::vector<GuestSocket>> ProcessDriver::open_sockets(const SandboxSpec& spec, const RuntimeInfo& info,
+                                                             uint16_t port, size_t count) {
   auto cached = netns_.find(spec.id);
   if (cached != netns_.end() &&
       (cached->second.pid != info.pid || cached->second.start_time_ticks != info.start_time_ticks)) {
@@ -978,19 +987,27 @@ Result<GuestSocket> ProcessDriver::open_socket(const SandboxSpec& spec, const Ru
     cached = netns_.emplace(spec.id, Netns{info.pid, info.start_time_ticks, std::move(fd)}).first;
   }
 
-  // setns() switches only the calling thread; a socket keeps the namespace it was created in.
+  // setns() switches only the calling thread; a socket keeps the namespace it was created in. One setns()
+  // pair for all `count`: a refill of a proxy's spares is one node call, and the pair is most of its cost
+  // after the call itself.
   if (::setns(cached->second.fd.get(), CLONE_NEWNET) != 0)
     return fail_errno("sandbox " + spec.id + ": setns into its network namespace", errno);
-  UniqueFd sock(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  const int socket_errno = errno;
+  std::vector<GuestSocket> sockets;
+  sockets.reserve(count);
+  int socket_errno = 0;
+  for (size_t i = 0; i < count && socket_errno == 0; ++i) {
+    UniqueFd sock(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!sock.valid()) socket_errno = errno;
+    else sockets.push_back(GuestSocket{.fd = std::move(sock), .connected = false, .connect_port = port});
+  }
   if (::setns(host_netns_.get(), CLONE_NEWNET) != 0) {
     // Every later connection of this thread would silently go to the wrong network: make it loud.
     const int err = errno;
     spdlog::critical("cannot return to the host network namespace: {}", std::strerror(err));
     return fail_errno("setns back into the host network namespace", err);
   }
-  if (!sock.valid()) return fail_errno("sandbox " + spec.id + ": socket", socket_errno);
-  return GuestSocket{.fd = std::move(sock), .connected = false, .connect_port = port};
+  if (socket_errno != 0) return fail_errno("sandbox " + spec.id + ": socket", socket_errno);
+  return sockets;
 }
 
 }  // namespace

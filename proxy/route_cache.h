@@ -100,7 +100,7 @@ class RouteCache {
   // connections starting at once (bench/RESULTS.md, "Small requests side by side").
   static constexpr size_t kSparesPerGrant = 4;
   static constexpr size_t kRefillBelow = 3;
-  static constexpr size_t kSparesPerRefill = 8;
+  static constexpr size_t kSparesPerRefill = 16;
   static constexpr uint32_t kMaxRouteMs = 30'000;
 
   // ---- port policies (the ClientHello) ----

@@ -511,9 +511,10 @@ TEST_F(ApiServerTest, OpenHandsOverSparesAndTheVerdictForTheRouteCache) {
   // default_timeout_secs 300: capped at the most a proxy may cache a route.
   EXPECT_EQ(body["cache_ms"], Node::kMaxRouteCacheMs);
   EXPECT_EQ(body["operator_token_sha256"], "");
-  for (const char* bad : {R"({"sandbox":"demo","port":8080,"spare_sockets":9})",
-                          R"({"sandbox":"demo","port":8080,"spare_sockets":-1})",
-                          R"({"sandbox":"demo","port":8080,"spare_sockets":"2"})"})
+  const std::string one_too_many =
+      R"({"sandbox":"demo","port":8080,"spare_sockets":)" + std::to_string(Node::kMaxSpareSockets + 1) + "}";
+  for (const std::string& bad : {one_too_many, std::string(R"({"sandbox":"demo","port":8080,"spare_sockets":-1})"),
+                                 std::string(R"({"sandbox":"demo","port":8080,"spare_sockets":"2"})")})
     expect_error(c.request("POST", "/v1/internal/open", bad), 400, "invalid_argument", "spare_sockets");
   // A short idle timeout leaves no room to cache: the proxy must report a connection before it expires.
   Reply shorter = c.request("POST", "/v1/sandboxes",
