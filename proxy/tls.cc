@@ -197,6 +197,9 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
     // connection still holds neither.
     SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
     SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);
+    // OpenSSL sends two after a full handshake by default (one after a resumed one); each is a session copy,
+    // its encoding and encryption (bench/RESULTS.md).
+    SSL_CTX_set_num_tickets(ctx.get(), cfg.proxy.tls13_session_tickets);
     if (SSL_CTX_use_certificate_chain_file(ctx.get(), cc.cert_file.c_str()) != 1)
       return fail(Error::kInvalidArgument, "certificate " + cc.cert_file + ": " + take_ssl_error());
     if (SSL_CTX_use_PrivateKey_file(ctx.get(), cc.key_file.c_str(), SSL_FILETYPE_PEM) != 1)

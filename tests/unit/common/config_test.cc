@@ -22,6 +22,7 @@ TEST(Config, EmptyFileGivesDefaults) {
   EXPECT_EQ((*c)->proxy.listen[0].to_string(), "127.0.0.1:8443");
   EXPECT_EQ((*c)->proxy.wake_timeout_ms, 30000u);
   EXPECT_EQ((*c)->proxy.max_connections_per_client, 256u);
+  EXPECT_EQ((*c)->proxy.tls13_session_tickets, 1u);
   EXPECT_EQ((*c)->node.on_shutdown, ShutdownPolicy::kKeep);
   EXPECT_TRUE((*c)->node.batch_scheduling);
 }
@@ -141,6 +142,7 @@ TEST(Config, ErrorsNameFileLineAndKey) {
       {"[proxy]\nlisten = \"example.com:443\"\n", "not a numeric IP address"},
       {"[proxy]\nlisten = \"127.0.0.1:99999\"\n", "invalid port"},
       {"[proxy]\nktls = \"maybe\"\n", "t.toml:2: proxy.ktls: must be one of auto, on, off"},
+      {"[proxy]\ntls13_session_tickets = 9\n", "t.toml:2: proxy.tls13_session_tickets: must be between 0 and 8"},
       {"[[proxy.certificates]]\ncert = \"a.pem\"\n", "needs both cert and key"},
       {"[node]\non_shutdown = \"explode\"\n", "t.toml:2: node.on_shutdown"},
       {"[node]\ncgroup_name = \"../escape\"\n", "node.cgroup_name"},
