@@ -304,6 +304,29 @@ TEST(Config, AllErrorsReportedAtOnce) {
   EXPECT_NE(c.message().find("proxy.foo"), std::string::npos);
 }
 
+// The example file is what deploy/install.sh and the container image install: it must load, and the values
+// it shows must be the defaults it says they are.
+TEST(Config, TheExampleFileLoadsAndShowsTheDefaults) {
+  auto example = load_config_file(std::string(SANDGATE_SOURCE_DIR) + "/deploy/sandgate.example.toml");
+  ASSERT_TRUE(example.ok()) << example.message();
+  auto defaults = load("");
+  ASSERT_TRUE(defaults.ok()) << defaults.message();
+  const ProxyConfig& e = (*example)->proxy;
+  const ProxyConfig& d = (*defaults)->proxy;
+  EXPECT_EQ(e.workers, d.workers);
+  EXPECT_EQ(e.ktls, d.ktls);
+  EXPECT_EQ(e.handshake_timeout_ms, d.handshake_timeout_ms);
+  EXPECT_EQ(e.tls13_session_tickets, d.tls13_session_tickets);
+  EXPECT_EQ(e.request_head_timeout_ms, d.request_head_timeout_ms);
+  EXPECT_EQ(e.max_request_head_bytes, d.max_request_head_bytes);
+  EXPECT_EQ(e.max_connections, d.max_connections);
+  EXPECT_EQ(e.max_connections_per_sandbox, d.max_connections_per_sandbox);
+  EXPECT_EQ(e.max_connections_per_client, d.max_connections_per_client);
+  EXPECT_EQ(e.wake_timeout_ms, d.wake_timeout_ms);
+  EXPECT_EQ(e.idle_timeout_secs, d.idle_timeout_secs);
+  EXPECT_EQ((*example)->node.batch_scheduling, (*defaults)->node.batch_scheduling);
+}
+
 TEST(Config, MissingFile) {
   auto c = load_config_file("/nonexistent/sandgate.toml");
   ASSERT_FALSE(c.ok());
