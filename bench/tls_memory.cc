@@ -33,6 +33,7 @@
 #include "config/config.h"
 #include "proxy/tls.h"
 #include "tests/unit/test_cert.h"
+#include "tests/unit/tls_handshake.h"
 
 namespace {
 
@@ -108,32 +109,9 @@ struct Held {
   std::exit(1);
 }
 
-// Both ends' handshake steps in turn until both are done (nonblocking socketpair, one thread).
 void handshake(Held& h) {
-  bool server_done = false, client_done = false;
-  for (int round = 0; round < 100 && !(server_done && client_done); ++round) {
-    if (!client_done) {
-      int r = SSL_do_handshake(h.client);
-      if (r == 1) client_done = true;
-      else if (SSL_get_error(h.client, r) != SSL_ERROR_WANT_READ) die("client handshake");
-    }
-    if (!server_done) {
-      int r = as_server([&] { return SSL_do_handshake(h.server); });
-      if (r == 1) {
-        server_done = true;
-      } else {
-        const int err = SSL_get_error(h.server, r);
-        if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) {
-          // What the node answers for an ordinary HTTP port, as Connection's policy lookup sets it.
-          h.hello.policy_known = true;
-          h.hello.port_protocol = "http1";
-        } else if (err != SSL_ERROR_WANT_READ) {
-          die("server handshake");
-        }
-      }
-    }
-  }
-  if (!(server_done && client_done)) die("the handshake did not finish");
+  if (!sg::test_support::handshake_in_turn(h.client, h.server, h.hello, [](auto step) { return as_server(step); }))
+    die("the handshake failed or did not finish");
 }
 
 // The client's request and the server's answer; the client reads the answer (and the session tickets).

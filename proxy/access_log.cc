@@ -90,10 +90,13 @@ std::string AccessLog::format(const AccessRecord& r) {
     key(k);
     append_json_string(out, v);
   };
-  const auto text_or_null = [&](std::string_view k, std::string_view v) {
+  const auto null = [&](std::string_view k) {
     key(k);
-    if (v.empty()) out += "null";
-    else append_json_string(out, v);
+    out += "null";
+  };
+  const auto text_or_null = [&](std::string_view k, std::string_view v) {
+    if (v.empty()) null(k);
+    else text(k, v);
   };
   const auto number = [&](std::string_view k, uint64_t v) {
     key(k);
@@ -116,9 +119,9 @@ std::string AccessLog::format(const AccessRecord& r) {
   text_or_null("host", r.host);
   text_or_null("sandbox", r.sandbox_id);
   text_or_null("sandbox_ref", r.sandbox);
-  if (r.port == 0) text_or_null("port", {});
+  if (r.port == 0) null("port");
   else number("port", uint64_t{r.port});
-  if (r.status <= 0) text_or_null("status", {});
+  if (r.status <= 0) null("status");
   else number("status", static_cast<uint64_t>(r.status));
   number("bytes_in", r.bytes_in);
   number("bytes_out", r.bytes_out);
@@ -127,7 +130,7 @@ std::string AccessLog::format(const AccessRecord& r) {
   flag("route_cached", r.route_cached);
   flag("prewake", r.prewake);
   if (r.woke) decimal("wake_ms", std::round(r.wake_ms * 1000) / 1000);
-  else text_or_null("wake_ms", {});
+  else null("wake_ms");
   text_or_null("tls", r.tls_version);
   text_or_null("path", r.data_path);
   text("cause", cause_name(r.cause));

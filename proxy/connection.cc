@@ -233,23 +233,28 @@ class Connection::ForwardPhase final : public Phase {
   }
 
  private:
-  // Each direction's events, declared before the directions that hold them.
-  class ClientToSandboxEvents final : public DirectionEvents {
+  // Each direction's events, declared before the directions that hold them. What both directions do alike
+  // is in the base.
+  class Events : public DirectionEvents {
    public:
-    explicit ClientToSandboxEvents(ForwardPhase& f) : f_(f) {}
+    explicit Events(ForwardPhase& f) : f_(f) {}
+    bool splice_refused(std::string why) override { return f_.c_.ktls_downgrade(std::move(why)); }
+
+   protected:
+    ForwardPhase& f_;
+  };
+  class ClientToSandboxEvents final : public Events {
+   public:
+    using Events::Events;
     void received(size_t n) override;
     bool source_finished() override;
     bool source_failed(IoResult r) override;
     bool sink_failed(IoResult r) override;
     bool may_splice() const override;
-    bool splice_refused(std::string why) override;
-
-   private:
-    ForwardPhase& f_;
   };
-  class SandboxToClientEvents final : public DirectionEvents {
+  class SandboxToClientEvents final : public Events {
    public:
-    explicit SandboxToClientEvents(ForwardPhase& f) : f_(f) {}
+    using Events::Events;
     void received(size_t n) override;
     void observe(std::string_view bytes) override;
     uint64_t splice_budget() const override;
@@ -258,10 +263,6 @@ class Connection::ForwardPhase final : public Phase {
     bool source_failed(IoResult r) override;
     bool sink_failed(IoResult r) override;
     bool may_splice() const override;
-    bool splice_refused(std::string why) override;
-
-   private:
-    ForwardPhase& f_;
   };
   // The client -> sandbox stage: the client's bytes through the filter (and the proxy's own h2 frames
   // toward the client); false when the connection was closed.
@@ -1434,9 +1435,6 @@ bool Connection::ForwardPhase::ClientToSandboxEvents::sink_failed(IoResult r) {
 }
 // Request heads must be read by the filter, so the kernel takes receive over only once none will come.
 bool Connection::ForwardPhase::ClientToSandboxEvents::may_splice() const { return !f_.requests_are_read(); }
-bool Connection::ForwardPhase::ClientToSandboxEvents::splice_refused(std::string why) {
-  return f_.c_.ktls_downgrade(std::move(why));
-}
 
 // Sandbox -> client: the response tracker watches it.
 void Connection::ForwardPhase::SandboxToClientEvents::received(size_t n) {
@@ -1464,9 +1462,6 @@ bool Connection::ForwardPhase::SandboxToClientEvents::sink_failed(IoResult r) {
 }
 // h2 frames from the sandbox are parsed (the proxy inserts its own), so they are copied, not spliced.
 bool Connection::ForwardPhase::SandboxToClientEvents::may_splice() const { return !f_.h2_frames_; }
-bool Connection::ForwardPhase::SandboxToClientEvents::splice_refused(std::string why) {
-  return f_.c_.ktls_downgrade(std::move(why));
-}
 
 void Connection::ForwardPhase::start_request_filters() {
   // What the edge consumed is recognised in every request and taken out: the credential the node accepted

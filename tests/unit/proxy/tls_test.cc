@@ -13,6 +13,7 @@
 #include "config/config.h"
 #include "tests/unit/temp_dir.h"
 #include "tests/unit/test_cert.h"
+#include "tests/unit/tls_handshake.h"
 
 namespace sg {
 namespace {
@@ -65,19 +66,7 @@ class TlsContextsTest : public ::testing::Test {
     SSL_set_ex_data(server, hello_ex_index(), &hello);
     SSL_set_fd(server, server_fd.get());
     SSL_set_accept_state(server);
-    bool client_done = false, server_done = false;
-    for (int round = 0; round < 50 && !(client_done && server_done); ++round) {
-      if (!client_done) client_done = SSL_do_handshake(client) == 1;
-      if (!server_done) {
-        int r = SSL_do_handshake(server);
-        server_done = r == 1;
-        if (r != 1 && SSL_get_error(server, r) == SSL_ERROR_WANT_CLIENT_HELLO_CB) {
-          hello.policy_known = true;  // what the node answers for an ordinary HTTP port
-          hello.port_protocol = "http1";
-        }
-      }
-    }
-    EXPECT_TRUE(client_done && server_done) << "the handshake did not finish";
+    EXPECT_TRUE(test_support::handshake_in_turn(client, server, hello)) << "the handshake failed or did not finish";
     const std::string request = "GET / HTTP/1.1\r\n\r\n", answer = "HTTP/1.1 204 No Content\r\n\r\n";
     EXPECT_EQ(SSL_write(client, request.data(), static_cast<int>(request.size())), static_cast<int>(request.size()));
     char buf[256];
