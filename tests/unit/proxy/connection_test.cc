@@ -10,12 +10,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "proxy/worker.h"
 #include "tests/unit/test_cert.h"
@@ -772,6 +774,53 @@ TEST_F(ConnectionTest, AQuietKeepAliveConnectionGivesItsBuffersBackAndServesTheN
   sandbox.reset();
   EXPECT_EQ(access_log_count("\"cause\"", 1), 1u) << "the connection ended";
   EXPECT_TRUE(holding_becomes(0, std::chrono::seconds(5))) << "an ended connection holds nothing";
+}
+
+// A pump moves bytes for at most kPumpRounds rounds, then lets the worker's other connections in. When its
+// budget runs out with the rest of an upload already read from the socket into OpenSSL (read-ahead brings
+// in 64 KiB at a time), no socket event will come for it: the pump must go on at the next loop turn
+// (Worker::pump_again). Where the budget ends relative to OpenSSL's reads depends on the size, so a range
+// of sizes is sent, each as one burst the client does not follow with anything (it waits for the answer).
+TEST_F(ConnectionTest, AnUploadLeftInsideOpenSslWhenThePumpsBudgetEndsIsStillForwarded) {
+  start();
+  SandboxEnd end;
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    return end.open(std::nullopt, /*is_public=*/true);
+  };
+  for (size_t size = 256 * 1024; size <= 384 * 1024; size += 1024 + 37) {
+    SCOPED_TRACE("body of " + std::to_string(size) + " bytes");
+    auto c = connect_tls(kHost);
+    ASSERT_TRUE(c);
+    const std::string head = "POST /upload HTTP/1.1\r\nHost: " + kHost + "\r\nContent-Length: " +
+                             std::to_string(size) + "\r\n\r\n";
+    const std::string request = head + std::string(size, 'u');
+    std::atomic<bool> written{false};
+    std::thread writer([&] {
+      size_t sent = 0;
+      while (sent < request.size()) {
+        int n = SSL_write(c->ssl, request.data() + sent, static_cast<int>(request.size() - sent));
+        if (n <= 0) return;
+        sent += static_cast<size_t>(n);
+      }
+      written = true;
+    });
+    UniqueFd sandbox = end.take();
+    size_t got = 0;
+    if (sandbox.valid()) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      char buf[65536];
+      while (got < request.size() && std::chrono::steady_clock::now() < deadline) {
+        pollfd p{sandbox.get(), POLLIN, 0};
+        if (::poll(&p, 1, 100) <= 0) continue;
+        ssize_t n = ::recv(sandbox.get(), buf, sizeof buf, 0);
+        if (n <= 0) break;
+        got += static_cast<size_t>(n);
+      }
+    }
+    writer.join();
+    EXPECT_TRUE(written) << "the client could not send it all";
+    ASSERT_EQ(got, request.size()) << "the sandbox got part of the upload only";
+  }
 }
 
 TEST_F(ConnectionTest, LingerPhase) {
