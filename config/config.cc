@@ -208,6 +208,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   else r.error(*t.get("ktls"), "proxy.ktls", "must be one of auto, on, off");
   r.integer("handshake_timeout_ms", &out->handshake_timeout_ms, 100, 600'000);
   r.integer("tls13_session_tickets", &out->tls13_session_tickets, 0, 8);
+  r.integer("tls_ticket_key_rotation_secs", &out->tls_ticket_key_rotation_secs, 60, 7 * 86'400);
   r.integer("request_head_timeout_ms", &out->request_head_timeout_ms, 100, 600'000);
   r.integer("max_request_head_bytes", &out->max_request_head_bytes, 1024, 1024 * 1024);
   r.integer("max_connections", &out->max_connections, 1, 10'000'000);

@@ -33,6 +33,10 @@ struct ProxyConfig {
   // Each costs the proxy CPU (about 100 µs on the benchmark machine, bench/RESULTS.md); one lets a client
   // resume its next connection, and every resumption brings a fresh one. 0: no TLS 1.3 resumption.
   uint32_t tls13_session_tickets = 1;
+  // How often the session ticket key rotates (proxy/ticket_keys.h): new tickets use the new key, and tickets
+  // under the two keys before it still resume, so a ticket resumes for at least twice this after it was
+  // issued (OpenSSL's ticket lifetime is 2 h) and a key is gone three periods after it was made.
+  uint32_t tls_ticket_key_rotation_secs = 3600;
   uint32_t request_head_timeout_ms = 10'000;
   uint32_t max_request_head_bytes = 16 * 1024;
   uint32_t max_connections = 10'000;

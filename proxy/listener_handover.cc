@@ -81,6 +81,10 @@ Result<HandoverClient> HandoverClient::take_over(const std::string& path, int ti
       if (!end->is_number_unsigned() || end->get<uint64_t>() != client.listeners_.size() || !fds.empty())
         return fail(Error::kInvalidArgument, "handover: the end message does not match the " +
                                                  std::to_string(client.listeners_.size()) + " sockets received");
+      if (auto keys = j.find("ticket_keys"); keys != j.end()) {
+        if (!keys->is_string()) return fail(Error::kInvalidArgument, "handover: ticket_keys is not a string");
+        client.ticket_keys_ = keys->get<std::string>();
+      }
       return client;
     }
     if (client.listeners_.size() == kMaxHandedListeners)
@@ -123,7 +127,8 @@ Status HandoverClient::finish(int timeout_ms) {
 }
 
 Result<std::unique_ptr<HandoverServer>> HandoverServer::start(uv_loop_t* loop, const std::string& path,
-                                                              ListListeners list, HandedOver handed_over) {
+                                                              ListListeners list, HandedOver handed_over,
+                                                              TicketKeysText ticket_keys) {
   auto addr = unix_address(path);
   if (!addr) return addr.failure();
   std::unique_ptr<HandoverServer> s(new HandoverServer());
@@ -131,6 +136,7 @@ Result<std::unique_ptr<HandoverServer>> HandoverServer::start(uv_loop_t* loop, c
   s->path_ = path;
   s->list_ = std::move(list);
   s->handed_over_ = std::move(handed_over);
+  s->ticket_keys_ = std::move(ticket_keys);
   s->listen_fd_ = UniqueFd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!s->listen_fd_.valid()) return fail_errno("socket", errno);
   // A proxy still answering there is not stale: two proxies, one path, would hand over each other's ingress.
@@ -223,8 +229,9 @@ void HandoverServer::on_peer_readable() {
       const int fd = l.fd;
       if (Status s = send_message(peer_fd_.get(), msg, std::span<const int>(&fd, 1)); !s) return drop_peer(s.message());
     }
-    if (Status s = send_message(peer_fd_.get(), nlohmann::json{{"listeners", listeners.size()}}.dump()); !s)
-      return drop_peer(s.message());
+    nlohmann::json end{{"listeners", listeners.size()}};
+    if (ticket_keys_) end["ticket_keys"] = ticket_keys_();
+    if (Status s = send_message(peer_fd_.get(), end.dump()); !s) return drop_peer(s.message());
     spdlog::info("handover: sent {} listening sockets to the new process", listeners.size());
     stage_ = Stage::kAwaitingReady;
     return;

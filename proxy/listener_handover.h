@@ -7,7 +7,8 @@
 // The exchange, on a SOCK_SEQPACKET socket (one message each, descriptors attached to theirs):
 //   new -> old   "takeover"
 //   old -> new   one {"worker":W,"endpoint":"ADDR:PORT","role":"client"|"fleet"} per listening socket, its
-//                descriptor attached, then {"listeners":N}
+//                descriptor attached, then {"listeners":N,"ticket_keys":"HEX"} (the session ticket keys,
+//                proxy/ticket_keys.h, so that clients resume on the new process; absent from older ones)
 //   new -> old   "ready"      (the new process serves on them)
 //   old -> new   "done"       (the old one stopped accepting and removed the socket's path)
 // Only a process of the same user, or root, may ask (SO_PEERCRED): the sockets are the ingress.
@@ -47,6 +48,8 @@ class HandoverClient {
   // Connects to the running proxy's handover socket at `path` and receives its listening sockets.
   static Result<HandoverClient> take_over(const std::string& path, int timeout_ms = kHandoverTimeoutMs);
   std::vector<HandedListener>& listeners() { return listeners_; }
+  // The old process's session ticket keys (TicketKeys::serialize), "" when it sent none.
+  const std::string& ticket_keys() const { return ticket_keys_; }
   // Tells the old process that this one serves, and waits until it stopped accepting and gave up the
   // socket's path (so this process can bind its own handover socket there).
   Status finish(int timeout_ms = kHandoverTimeoutMs);
@@ -54,6 +57,7 @@ class HandoverClient {
  private:
   UniqueFd sock_;
   std::vector<HandedListener> listeners_;
+  std::string ticket_keys_;
 };
 
 // The running process's side: listens at `path` (mode 0600, replacing a stale socket) on `loop`.
@@ -70,9 +74,12 @@ class HandoverServer {
   // The new process serves: stop accepting, start draining. Called once; the server has closed and unlinked
   // its socket before it is called.
   using HandedOver = std::function<void()>;
+  // The session ticket keys to hand over with the listeners (TicketKeys::serialize), asked at the same time.
+  using TicketKeysText = std::function<std::string()>;
 
   static Result<std::unique_ptr<HandoverServer>> start(uv_loop_t* loop, const std::string& path,
-                                                       ListListeners list, HandedOver handed_over);
+                                                       ListListeners list, HandedOver handed_over,
+                                                       TicketKeysText ticket_keys = nullptr);
   ~HandoverServer();
   HandoverServer(const HandoverServer&) = delete;
   HandoverServer& operator=(const HandoverServer&) = delete;
@@ -89,6 +96,7 @@ class HandoverServer {
   std::string path_;
   ListListeners list_;
   HandedOver handed_over_;
+  TicketKeysText ticket_keys_;
   UniqueFd listen_fd_;
   uv_poll_t* listen_poll_ = nullptr;  // freed in its close callback
   UniqueFd peer_fd_;

@@ -24,6 +24,7 @@
 #include "proxy/listener_handover.h"
 #include "proxy/metrics_server.h"
 #include "proxy/privileges.h"
+#include "proxy/ticket_keys.h"
 #include "proxy/worker.h"
 
 // jemalloc's tuning, read at its start. Freed pages go back to the kernel within about a second (dirty
@@ -50,6 +51,10 @@ struct Proxy {
   // [fleet]: the etcd view of which node owns which sandbox, kept across reloads (a reload that changed
   // [fleet] needs a restart).
   std::shared_ptr<sg::fleet::EtcdDirectory> fleet_view;
+  // The session ticket keys of every TLS context this process makes, reloads included; rotated on a timer
+  // and handed to a successor (proxy/ticket_keys.h).
+  std::shared_ptr<sg::TicketKeys> ticket_keys;
+  uv_timer_t ticket_key_rotation{};
   uv_timer_t drain_timer{};
   uint64_t drain_deadline_ms = 0;
 };
@@ -114,6 +119,17 @@ std::vector<sg::Worker::Inherited> assign_inherited(std::vector<sg::HandedListen
   return out;
 }
 
+// The period is read at each rotation, so a reload's new value applies from the next one on.
+void schedule_ticket_key_rotation(Proxy* p) {
+  const uint64_t period_ms = uint64_t{p->shared->snapshot()->config->proxy.tls_ticket_key_rotation_secs} * 1000;
+  uv_timer_start(&p->ticket_key_rotation, [](uv_timer_t* t) {
+    auto* proxy = static_cast<Proxy*>(t->data);
+    if (auto s = proxy->ticket_keys->rotate(); !s)
+      spdlog::warn("session ticket key rotation: {} (the current key stays)", s.message());
+    schedule_ticket_key_rotation(proxy);
+  }, period_ms, 0);
+}
+
 // Appended to a failure to read a file after the switch to proxy.user: the file is most likely fine but
 // readable by root only.
 std::string as_user_hint(const Proxy* p) {
@@ -126,7 +142,7 @@ void apply_reload(Proxy* p) {
   const std::string hint = as_user_hint(p);
   auto cfg = sg::load_config_file(p->config_path);
   if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}{}", cfg.message(), hint);
-  auto tls = sg::TlsContexts::create(**cfg);
+  auto tls = sg::TlsContexts::create(**cfg, p->ticket_keys);
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
   if (!token) return spdlog::error("reload failed, keeping the running config: {}{}", token.message(), hint);
@@ -198,7 +214,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   sg::init_logging("sandgate-proxy", (*cfg)->log_level);
-  auto tls = sg::TlsContexts::create(**cfg);
+  auto ticket_keys = sg::TicketKeys::generate();
+  if (!ticket_keys) {
+    spdlog::error("{}", ticket_keys.message());
+    return 1;
+  }
+  proxy.ticket_keys = std::move(*ticket_keys);
+  auto tls = sg::TlsContexts::create(**cfg, proxy.ticket_keys);
   if (!tls) {
     spdlog::error("{}", tls.message());
     return 2;
@@ -271,6 +293,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     spdlog::info("takeover: received {} listening sockets from the running proxy", taken->listeners().size());
+    if (taken->ticket_keys().empty())
+      spdlog::info("takeover: the running proxy sent no session ticket keys: its clients' tickets will not resume here");
+    else if (auto kept = proxy.ticket_keys->replace_with(taken->ticket_keys()); !kept)
+      spdlog::warn("takeover: {}: its clients' tickets will not resume here", kept.message());
     predecessor = std::move(*taken);
   }
   auto inherited = predecessor ? assign_inherited(std::move(predecessor->listeners()), (*cfg)->proxy, n)
@@ -341,6 +367,9 @@ int main(int argc, char** argv) {
   uv_signal_start(&sigint, on_stop, SIGINT);
   uv_signal_start(&sigterm, on_stop, SIGTERM);
   uv_signal_start(&sighup, [](uv_signal_t* s, int) { reload(static_cast<Proxy*>(s->data)); }, SIGHUP);
+  uv_timer_init(loop, &proxy.ticket_key_rotation);
+  proxy.ticket_key_rotation.data = &proxy;
+  schedule_ticket_key_rotation(&proxy);
   for (auto& w : proxy.workers) w->start();
   std::string listening;
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();
@@ -369,7 +398,7 @@ int main(int argc, char** argv) {
               all.push_back({static_cast<unsigned>(i), l.endpoint, l.fd, l.role});
           return all;
         },
-        [&proxy, loop] { start_draining(&proxy, loop); });
+        [&proxy, loop] { start_draining(&proxy, loop); }, [&proxy] { return proxy.ticket_keys->serialize(); });
     if (!server) {
       spdlog::error("proxy.handover_socket: {}", server.message());
       return 1;

@@ -157,10 +157,16 @@ int TlsContexts::select_alpn(SSL* ssl, const unsigned char** out, unsigned char*
 
 constexpr const char* kTls12Ciphers = "ECDHE+AESGCM:ECDHE+CHACHA20";
 
-Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
+Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg, std::shared_ptr<TicketKeys> ticket_keys) {
   if (cfg.proxy.certificates.empty())
     return fail(Error::kInvalidArgument, "proxy.certificates: at least one certificate is needed");
   auto self = std::make_shared<TlsContexts>();
+  if (!ticket_keys) {
+    auto own = TicketKeys::generate();
+    if (!own) return own.failure();
+    ticket_keys = std::move(*own);
+  }
+  self->ticket_keys_ = std::move(ticket_keys);
   self->domain_ = cfg.domain;
   self->ktls_mode_ = cfg.proxy.ktls;
   if (self->ktls_mode_ != KtlsMode::kOff) self->ktls_kernel_reason_ = ktls_unavailable_reason();
@@ -195,11 +201,16 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg) {
     // the 64 KiB read-ahead buffer is past the allocator's per-thread cache. A connection quiet for a while
     // frees both with SSL_free_buffers instead (TlsTransport::release_memory_while_idle), so an idle
     // connection still holds neither.
-    SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+    // NO_AUTO_CHAIN: the chain sent is the certificate file's (leaf, then intermediates). Without it, OpenSSL
+    // tries to build one from the context's trust store at every handshake where the file holds the leaf
+    // alone, and that store is empty here: a verification context made and failed per connection for nothing.
+    SSL_CTX_set_mode(ctx.get(),
+                     SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_NO_AUTO_CHAIN);
     SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);
     // OpenSSL sends two after a full handshake by default (one after a resumed one); each is a session copy,
     // its encoding and encryption (bench/RESULTS.md).
     SSL_CTX_set_num_tickets(ctx.get(), cfg.proxy.tls13_session_tickets);
+    self->ticket_keys_->install(ctx.get());
     if (SSL_CTX_use_certificate_chain_file(ctx.get(), cc.cert_file.c_str()) != 1)
       return fail(Error::kInvalidArgument, "certificate " + cc.cert_file + ": " + take_ssl_error());
     if (SSL_CTX_use_PrivateKey_file(ctx.get(), cc.key_file.c_str(), SSL_FILETYPE_PEM) != 1)

@@ -14,6 +14,7 @@
 #include "common/net.h"
 #include "config/config.h"
 #include "proxy/route.h"
+#include "proxy/ticket_keys.h"
 
 namespace sg {
 
@@ -24,8 +25,11 @@ using SslCtxPtr = std::unique_ptr<SSL_CTX, SslCtxDeleter>;
 
 class TlsContexts {
  public:
-  // Loads every certificate; an unreadable file or a key that does not match its cert is an error.
-  static Result<std::shared_ptr<TlsContexts>> create(const Config& cfg);
+  // Loads every certificate; an unreadable file or a key that does not match its cert is an error. Session
+  // tickets are issued and read with `ticket_keys`, which a reload passes on so that tickets issued before
+  // it still resume (proxy/ticket_keys.h); none: a ring of its own.
+  static Result<std::shared_ptr<TlsContexts>> create(const Config& cfg,
+                                                     std::shared_ptr<TicketKeys> ticket_keys = nullptr);
 
   // The context new connections start with (the first certificate). Its ClientHello callback switches
   // to the certificate matching the SNI.
@@ -49,6 +53,7 @@ class TlsContexts {
   static int select_alpn(SSL* ssl, const unsigned char** out, unsigned char* outlen, const unsigned char* in,
                          unsigned inlen, void* arg);
 
+  std::shared_ptr<TicketKeys> ticket_keys_;  // before certs_: the contexts point to it until they are freed
   std::vector<Cert> certs_;
   std::string domain_;
   KtlsMode ktls_mode_ = KtlsMode::kAuto;

@@ -1,7 +1,8 @@
 // Reloads and binary upgrades of the proxy under load, with wrk keeping requests flowing: a SIGHUP with a new
 // certificate, and `sandgate-proxy --takeover` (proxy/listener_handover.h) taking the running proxy's
 // listening sockets. Not one request fails; after a takeover a download in flight finishes on the old
-// process, which then exits by itself, and the new one serves.
+// process, which then exits by itself, and the new one serves. Session tickets issued before either resume
+// after it.
 #include <gtest/gtest.h>
 
 #include <regex>
@@ -58,6 +59,18 @@ std::string served_fingerprint(const Cluster& c) {
       .out;
 }
 
+// One request over a new TLS 1.3 connection with openssl s_client, which saves the session (its ticket) in
+// `session` or offers the one saved there; "New" or "Reused" as s_client says, "" if it printed neither.
+std::string tls13_session(const Cluster& c, const std::string& session, bool offer) {
+  auto r = run("printf 'GET / HTTP/1.1\\r\\nHost: 8080-web.sandbox.localhost\\r\\nConnection: close\\r\\n\\r\\n' | "
+               "timeout 10 openssl s_client -tls1_3 -ign_eof -connect 127.0.0.1:" + std::to_string(c.port()) +
+               " -servername 8080-web.sandbox.localhost " + (offer ? "-sess_in " : "-sess_out ") + shell_quote(session) +
+               " 2>/dev/null");
+  std::smatch m;
+  if (!std::regex_search(r.out, m, std::regex(R"(\n(New|Reused), TLSv1\.3)"))) return "";
+  return m[1].str();
+}
+
 TEST(Handover, ReloadWithANewCertificateUnderLoadFailsNoRequest) {
   Cluster c;
   auto created = c.cli("create --name web --public 8080 -- python3 -c " + shell_quote(kServer));
@@ -65,6 +78,7 @@ TEST(Handover, ReloadWithANewCertificateUnderLoadFailsNoRequest) {
   c.wait_until_serving("web", 8080);
   const std::string before = served_fingerprint(c);
   ASSERT_NE(before, "");
+  ASSERT_EQ(tls13_session(c, c.dir() + "/session.pem", false), "New");
   start_wrk(c.dir(), "https://8080-web.sandbox.localhost:" + std::to_string(c.port()) + "/", 4);
   c.wait_access_entry([](const nlohmann::json& e) { return e.value("bytes_out", 0) > 0; });
   // A new server certificate from the same CA (gen-cert.sh keeps a valid CA), then SIGHUP.
@@ -79,6 +93,8 @@ TEST(Handover, ReloadWithANewCertificateUnderLoadFailsNoRequest) {
   EXPECT_NE(after, "");
   EXPECT_NE(after, before) << "the new certificate is served after the reload";
   EXPECT_EQ(Cluster::http_code(c.curl("8080-web.sandbox.localhost")), 200) << "it verifies against the CA";
+  EXPECT_EQ(tls13_session(c, c.dir() + "/session.pem", true), "Reused")
+      << "a session ticket issued before the reload resumes after it (the ticket keys are the process's)";
 }
 
 TEST(Handover, ANewProcessTakesTheListenersUnderLoadWithNoFailedRequest) {
@@ -95,6 +111,7 @@ TEST(Handover, ANewProcessTakesTheListenersUnderLoadWithNoFailedRequest) {
       std::to_string(c.port()) + ":127.0.0.1 --limit-rate 1M -o " + shell_quote(dir + "/download") + " " +
       shell_quote(url + "/?size=" + std::to_string(download_bytes)) + "; echo $? > " + shell_quote(dir + "/download.rc") +
       ") >/dev/null 2>&1 &");
+  ASSERT_EQ(tls13_session(c, dir + "/session.pem", false), "New");
   start_wrk(dir, url + "/", 6);
   // Under load before the takeover: the old process has answered requests.
   c.wait_access_entry([](const nlohmann::json& e) { return e.value("bytes_out", 0) > 0; });
@@ -121,6 +138,8 @@ TEST(Handover, ANewProcessTakesTheListenersUnderLoadWithNoFailedRequest) {
   auto after = run("curl -sS -o /dev/null -w '%{http_code}' --cacert " + shell_quote(c.ca()) + " --resolve 8080-web.sandbox.localhost:" +
                    std::to_string(c.port()) + ":127.0.0.1 " + shell_quote(url + "/"));
   EXPECT_EQ(after.out, "200") << after.err;
+  EXPECT_EQ(tls13_session(c, dir + "/session.pem", true), "Reused")
+      << "a session ticket the old process issued resumes on the new one (the keys came with the listeners)";
   EXPECT_NE(next.log().find("handover socket"), std::string::npos) << next.log();
   next.stop();
 }

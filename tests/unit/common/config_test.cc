@@ -23,6 +23,7 @@ TEST(Config, EmptyFileGivesDefaults) {
   EXPECT_EQ((*c)->proxy.wake_timeout_ms, 30000u);
   EXPECT_EQ((*c)->proxy.max_connections_per_client, 256u);
   EXPECT_EQ((*c)->proxy.tls13_session_tickets, 1u);
+  EXPECT_EQ((*c)->proxy.tls_ticket_key_rotation_secs, 3600u);
   EXPECT_EQ((*c)->node.on_shutdown, ShutdownPolicy::kKeep);
   EXPECT_TRUE((*c)->node.batch_scheduling);
 }
@@ -143,6 +144,8 @@ TEST(Config, ErrorsNameFileLineAndKey) {
       {"[proxy]\nlisten = \"127.0.0.1:99999\"\n", "invalid port"},
       {"[proxy]\nktls = \"maybe\"\n", "t.toml:2: proxy.ktls: must be one of auto, on, off"},
       {"[proxy]\ntls13_session_tickets = 9\n", "t.toml:2: proxy.tls13_session_tickets: must be between 0 and 8"},
+      {"[proxy]\ntls_ticket_key_rotation_secs = 59\n",
+       "t.toml:2: proxy.tls_ticket_key_rotation_secs: must be between 60 and 604800"},
       {"[[proxy.certificates]]\ncert = \"a.pem\"\n", "needs both cert and key"},
       {"[node]\non_shutdown = \"explode\"\n", "t.toml:2: node.on_shutdown"},
       {"[node]\ncgroup_name = \"../escape\"\n", "node.cgroup_name"},
@@ -317,6 +320,7 @@ TEST(Config, TheExampleFileLoadsAndShowsTheDefaults) {
   EXPECT_EQ(e.ktls, d.ktls);
   EXPECT_EQ(e.handshake_timeout_ms, d.handshake_timeout_ms);
   EXPECT_EQ(e.tls13_session_tickets, d.tls13_session_tickets);
+  EXPECT_EQ(e.tls_ticket_key_rotation_secs, d.tls_ticket_key_rotation_secs);
   EXPECT_EQ(e.request_head_timeout_ms, d.request_head_timeout_ms);
   EXPECT_EQ(e.max_request_head_bytes, d.max_request_head_bytes);
   EXPECT_EQ(e.max_connections, d.max_connections);

@@ -50,7 +50,7 @@ TEST_F(ListenerHandoverTest, HandsTheListeningSocketsOverAndReportsWhenTheNewPro
             {0, {Endpoint::Kind::kTcp, "127.0.0.1", port_a, ""}, a->get()},
             {1, {Endpoint::Kind::kTcp, "127.0.0.1", port_b, ""}, b->get(), ListenerRole::kFleet}};
       },
-      [&] { handed_over = true; });
+      [&] { handed_over = true; }, [] { return std::string("0123abcd"); });
   ASSERT_TRUE(server) << server.message();
   struct stat st{};
   ASSERT_EQ(::stat(path_.c_str(), &st), 0);
@@ -59,10 +59,12 @@ TEST_F(ListenerHandoverTest, HandsTheListeningSocketsOverAndReportsWhenTheNewPro
   std::atomic<bool> client_done{false};
   Status finished;
   std::vector<HandedListener> got;
+  std::string ticket_keys;
   std::thread client([&] {
     auto taken = HandoverClient::take_over(path_, 5000);
     if (taken) {
       got = std::move(taken->listeners());
+      ticket_keys = taken->ticket_keys();
       finished = taken->finish(5000);
     } else {
       finished = taken.failure();
@@ -81,6 +83,7 @@ TEST_F(ListenerHandoverTest, HandsTheListeningSocketsOverAndReportsWhenTheNewPro
   EXPECT_EQ(got[0].role, ListenerRole::kClient);
   EXPECT_EQ(got[1].role, ListenerRole::kFleet) << "a fleet listener is handed over as one";
   EXPECT_EQ(*local_port(got[1].fd.get()), port_b) << "the same socket, not a new one";
+  EXPECT_EQ(ticket_keys, "0123abcd") << "the session ticket keys come with the listeners";
   // The received socket accepts what connects to the port, while the old one is closed.
   a->reset();
   auto conn = connect_blocking(*parse_endpoint("127.0.0.1:" + std::to_string(port_a)), 2000);
@@ -171,11 +174,17 @@ TEST_F(ListenerHandoverTest, TheNewProcessRefusesMalformedHandovers) {
   ASSERT_FALSE(bad_role);
   EXPECT_NE(bad_role.message().find("role is client or fleet"), std::string::npos) << bad_role.message();
 
-  // Without a role (a process from before fleet listeners were handed over): a client listener.
+  auto bad_keys = fake_old({{R"({"listeners":0,"ticket_keys":7})", -1}});
+  ASSERT_FALSE(bad_keys);
+  EXPECT_NE(bad_keys.message().find("ticket_keys"), std::string::npos) << bad_keys.message();
+
+  // Without a role (a process from before fleet listeners were handed over): a client listener. Without
+  // ticket keys (from before they were handed over): none.
   auto ok = fake_old({{R"({"worker":3,"endpoint":"127.0.0.1:1"})", l->get()}, {R"({"listeners":1})", -1}});
   ASSERT_TRUE(ok) << ok.message();
   EXPECT_EQ(ok->listeners().at(0).worker, 3u);
   EXPECT_EQ(ok->listeners().at(0).role, ListenerRole::kClient);
+  EXPECT_EQ(ok->ticket_keys(), "");
   ::close(not_listening);
   ::close(fd);
 }

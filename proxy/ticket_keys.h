@@ -1,0 +1,71 @@
+// The keys that encrypt the TLS session tickets the proxy hands out, kept by the process rather than by each
+// SSL_CTX. OpenSSL's own keys are random per SSL_CTX, so every SIGHUP (which builds new contexts) and every
+// binary upgrade would make every ticket out there useless: each client's next connection a full handshake.
+// Here one ring serves every context of the process and of each reload, and a takeover hands it to the new
+// process with the listeners (proxy/listener_handover.h).
+//
+// Forward secrecy: the ring rotates (proxy.tls_ticket_key_rotation_secs). New tickets use the newest key;
+// a ticket under one of the kKept - 1 keys before it still resumes, and the client gets a ticket under the
+// newest key. A key is gone for good kKept rotations after it was made, so a ticket outlives its key by at
+// most that. A ticket under a key the ring does not have means a full handshake, never a failure.
+//
+// Thread-safe: the workers' handshakes read the ring while the main thread rotates or replaces it.
+#pragma once
+
+#include <openssl/evp.h>
+#include <openssl/ssl.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+
+namespace sg {
+
+class TicketKeys {
+ public:
+  static constexpr size_t kKept = 3;  // the newest, which encrypts, and two older ones, which still decrypt
+
+  struct Key {
+    std::array<unsigned char, 16> name{};  // sent in the clear in each ticket: which key to decrypt with
+    std::array<unsigned char, 32> aes{};   // AES-256-CBC, as OpenSSL's own tickets
+    std::array<unsigned char, 32> hmac{};  // HMAC-SHA256 over the encrypted ticket
+  };
+
+  // A ring with one fresh random key.
+  static Result<std::shared_ptr<TicketKeys>> generate();
+  ~TicketKeys();
+  TicketKeys(const TicketKeys&) = delete;
+  TicketKeys& operator=(const TicketKeys&) = delete;
+
+  // Every handshake on `ctx` issues and reads tickets with this ring. The context keeps a reference (ex data
+  // plus the caller's shared_ptr): the ring must outlive it.
+  void install(SSL_CTX* ctx);
+
+  // A fresh key becomes the newest; the oldest beyond kKept is dropped.
+  Status rotate();
+
+  // For the handover: every key, newest first, as hex (secret: the handover socket is 0600, same user).
+  std::string serialize() const;
+  // Replaces the ring with a serialized one (the previous process's). A malformed text changes nothing.
+  Status replace_with(std::string_view serialized);
+
+  size_t size() const;
+
+ private:
+  TicketKeys() = default;
+  static int on_ticket(SSL* ssl, unsigned char key_name[16], unsigned char iv[EVP_MAX_IV_LENGTH],
+                       EVP_CIPHER_CTX* cipher, EVP_MAC_CTX* mac, int encrypt);
+  static Result<Key> fresh_key();
+
+  mutable std::mutex mu_;
+  std::vector<Key> keys_;  // newest first
+  EVP_CIPHER* aes_ = nullptr;  // fetched once, not per ticket
+};
+
+}  // namespace sg
