@@ -45,17 +45,20 @@ class TlsContextsTest : public ::testing::Test {
     SSL_SESSION* session = nullptr;  // the last ticket's session (the caller frees it)
     int chain_length = 0;            // certificates the server sent
     bool handshake_done = false;     // false: either end failed, and nothing else was tried
+    std::string ticket;              // the ticket the client holds at the end (TLS 1.2: renewed or not)
   };
 
   // One TLS 1.3 connection over a socketpair, both ends in this thread: the handshake, a request and its
   // answer (the client reads the tickets before the answer). `resume`: a session to offer.
   // `trust`: the client verifies the server's certificate against it (the handshake fails otherwise).
-  static Outcome connect(TlsContexts& tls, SSL_SESSION* resume, X509* trust = nullptr) {
+  // `max_version`: the newest TLS version the client offers (0: OpenSSL's, TLS 1.3).
+  static Outcome connect(TlsContexts& tls, SSL_SESSION* resume, X509* trust = nullptr, int max_version = 0) {
     Outcome out;
     int sv[2];
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
     UniqueFd server_fd(sv[0]), client_fd(sv[1]);
     SSL_CTX* client_ctx = SSL_CTX_new(TLS_client_method());
+    if (max_version != 0) SSL_CTX_set_max_proto_version(client_ctx, max_version);
     if (trust) {
       X509_STORE_add_cert(SSL_CTX_get_cert_store(client_ctx), trust);
       SSL_CTX_set_verify(client_ctx, SSL_VERIFY_PEER, nullptr);
@@ -93,6 +96,12 @@ class TlsContextsTest : public ::testing::Test {
     EXPECT_EQ(SSL_write(server, answer.data(), static_cast<int>(answer.size())), static_cast<int>(answer.size()));
     EXPECT_EQ(SSL_read(client, buf, sizeof buf), static_cast<int>(answer.size()));
     out.resumed = SSL_session_reused(client) == 1;
+    if (SSL_SESSION* held = SSL_get_session(client); held != nullptr && SSL_SESSION_has_ticket(held)) {
+      const unsigned char* bytes = nullptr;
+      size_t len = 0;
+      SSL_SESSION_get0_ticket(held, &bytes, &len);
+      out.ticket.assign(reinterpret_cast<const char*>(bytes), len);
+    }
     STACK_OF(X509)* sent = SSL_get_peer_cert_chain(client);
     out.chain_length = sent ? sk_X509_num(sent) : 0;
     // A client that leaves without close_notify has its session marked not resumable by SSL_free.
@@ -197,6 +206,33 @@ TEST_F(TlsContextsTest, TicketsResumeUntilTheirKeyRotatesOutOfTheRing) {
     }
   }
   for (SSL_SESSION* s : first_key_tickets) SSL_SESSION_free(s);
+}
+
+// TLS 1.2 clients resume with the same keys: a session ticket after the full handshake, the same one kept
+// after a resumption under the newest key, a fresh one after a rotation.
+TEST_F(TlsContextsTest, ATls12TicketResumesAndIsRenewedOnlyAfterARotation) {
+  auto keys = TicketKeys::generate();
+  ASSERT_TRUE(keys) << keys.message();
+  auto tls = contexts("", *keys);
+  ASSERT_TRUE(tls);
+  Outcome full = connect(*tls, nullptr, nullptr, TLS1_2_VERSION);
+  ASSERT_TRUE(full.handshake_done);
+  ASSERT_NE(full.session, nullptr);
+  EXPECT_EQ(full.tickets, 1);
+  Outcome again = connect(*tls, full.session, nullptr, TLS1_2_VERSION);
+  ASSERT_TRUE(again.handshake_done);
+  EXPECT_TRUE(again.resumed);
+  ASSERT_FALSE(full.ticket.empty());
+  EXPECT_EQ(again.ticket, full.ticket) << "the ticket is under the newest key: kept";
+  ASSERT_TRUE((*keys)->rotate());
+  Outcome rotated = connect(*tls, full.session, nullptr, TLS1_2_VERSION);
+  ASSERT_TRUE(rotated.handshake_done);
+  EXPECT_TRUE(rotated.resumed);
+  EXPECT_FALSE(rotated.ticket.empty());
+  EXPECT_NE(rotated.ticket, full.ticket) << "renewed under the new key";
+  if (again.session) SSL_SESSION_free(again.session);
+  if (rotated.session) SSL_SESSION_free(rotated.session);
+  SSL_SESSION_free(full.session);
 }
 
 // A takeover hands the keys to the new process as text: the new process's ring then reads the old one's
