@@ -132,6 +132,7 @@ std::string AccessLog::format(const AccessRecord& r) {
   if (r.woke) decimal("wake_ms", std::round(r.wake_ms * 1000) / 1000);
   else null("wake_ms");
   text_or_null("tls", r.tls_version);
+  flag("tls_resumed", r.tls_resumed);
   text_or_null("path", r.data_path);
   text("cause", cause_name(r.cause));
   text_or_null("phase", r.phase);

@@ -74,6 +74,7 @@ struct AccessRecord {
   bool route_cached = false;  // routed from the worker's route cache: no node round trip
   bool prewake = false;       // the ClientHello asked the node to start waking the sandbox
   std::string_view tls_version;  // OpenSSL's name for it (static storage)
+  bool tls_resumed = false;      // the handshake resumed a session (a ticket) instead of a full handshake
   std::string_view data_path;    // "userspace", "ktls-tx-only", "ktls-splice"
   TerminationCause cause = TerminationCause::kClientClosed;
   // The phase the connection ended in ("handshake", "head", "open", "connect", "forward"); for an answer the

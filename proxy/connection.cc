@@ -652,8 +652,10 @@ void Connection::remember_lookup(const std::string& target, const LookupAnswer& 
 void Connection::HandshakePhase::finished() {
   Connection& c = c_;  // this phase is left below
   if (c.ktls_rx_tracker_) c.ktls_rx_tracker_->handshake_finished();
+  c.rec_.tls_resumed = SSL_session_reused(c.client_->ssl()) == 1;
   c.worker_->shared()->metrics.handshake_done(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - c.rec_.started_steady).count());
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - c.rec_.started_steady).count(),
+      c.rec_.tls_resumed);
   const unsigned char* alpn = nullptr;
   unsigned alpn_len = 0;
   SSL_get0_alpn_selected(c.client_->ssl(), &alpn, &alpn_len);

@@ -24,6 +24,7 @@
 #include "proxy/listener_handover.h"
 #include "proxy/metrics_server.h"
 #include "proxy/privileges.h"
+#include "proxy/ticket_key_rotation.h"
 #include "proxy/ticket_keys.h"
 #include "proxy/worker.h"
 
@@ -54,7 +55,7 @@ struct Proxy {
   // The session ticket keys of every TLS context this process makes, reloads included; rotated on a timer
   // and handed to a successor (proxy/ticket_keys.h).
   std::shared_ptr<sg::TicketKeys> ticket_keys;
-  uv_timer_t ticket_key_rotation{};
+  std::unique_ptr<sg::TicketKeyRotation> ticket_key_rotation;
   uv_timer_t drain_timer{};
   uint64_t drain_deadline_ms = 0;
 };
@@ -117,17 +118,6 @@ std::vector<sg::Worker::Inherited> assign_inherited(std::vector<sg::HandedListen
                    fleet ? "fleet_listen" : "listen");
   }
   return out;
-}
-
-// The period is read at each rotation, so a reload's new value applies from the next one on.
-void schedule_ticket_key_rotation(Proxy* p) {
-  const uint64_t period_ms = uint64_t{p->shared->snapshot()->config->proxy.tls_ticket_key_rotation_secs} * 1000;
-  uv_timer_start(&p->ticket_key_rotation, [](uv_timer_t* t) {
-    auto* proxy = static_cast<Proxy*>(t->data);
-    if (auto s = proxy->ticket_keys->rotate(); !s)
-      spdlog::warn("session ticket key rotation: {} (the current key stays)", s.message());
-    schedule_ticket_key_rotation(proxy);
-  }, period_ms, 0);
 }
 
 // Appended to a failure to read a file after the switch to proxy.user: the file is most likely fine but
@@ -367,9 +357,10 @@ int main(int argc, char** argv) {
   uv_signal_start(&sigint, on_stop, SIGINT);
   uv_signal_start(&sigterm, on_stop, SIGTERM);
   uv_signal_start(&sighup, [](uv_signal_t* s, int) { reload(static_cast<Proxy*>(s->data)); }, SIGHUP);
-  uv_timer_init(loop, &proxy.ticket_key_rotation);
-  proxy.ticket_key_rotation.data = &proxy;
-  schedule_ticket_key_rotation(&proxy);
+  proxy.ticket_key_rotation = std::make_unique<sg::TicketKeyRotation>(loop, proxy.ticket_keys, [shared = proxy.shared.get()] {
+    return uint64_t{shared->snapshot()->config->proxy.tls_ticket_key_rotation_secs} * 1000;
+  });
+  proxy.ticket_key_rotation->start();
   for (auto& w : proxy.workers) w->start();
   std::string listening;
   for (const auto& ep : listen) listening += (listening.empty() ? "" : ", ") + ep.to_string();

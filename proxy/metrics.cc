@@ -51,6 +51,10 @@ std::string ProxyMetrics::render(uint32_t open_connections, uint32_t max_connect
   m.sample("sandgate_proxy_bytes_total", {{"direction", "sandbox_to_client"}}, bytes_out_.value());
   m.histogram("sandgate_proxy_tls_handshake_duration_seconds",
               "From accept to a finished TLS handshake with the client.", handshake_);
+  m.family("sandgate_proxy_tls_handshakes_total", "counter",
+           "Finished TLS handshakes with clients: full, or resumed from a session ticket.");
+  m.sample("sandgate_proxy_tls_handshakes_total", {{"resumed", "false"}}, full_handshakes_.value());
+  m.sample("sandgate_proxy_tls_handshakes_total", {{"resumed", "true"}}, resumed_handshakes_.value());
   m.family("sandgate_proxy_wakes_total", "counter", "Connections that waited for their sandbox to wake.");
   m.sample("sandgate_proxy_wakes_total", {}, wakes_.value());
   m.histogram("sandgate_proxy_wake_duration_seconds",

@@ -24,7 +24,11 @@ class ProxyMetrics {
   // A connection ended (or an h2 stream was refused by the edge, `stream` true): its cause, its wake.
   void connection_ended(const AccessRecord& r);
   void stream_refused(TerminationCause cause) { refused_streams_[index(cause)].add(); }
-  void handshake_done(double seconds) { handshake_.observe(seconds); }
+  // A TLS handshake finished: full, or resumed from a session ticket.
+  void handshake_done(double seconds, bool resumed) {
+    handshake_.observe(seconds);
+    (resumed ? resumed_handshakes_ : full_handshakes_).add();
+  }
   void bytes(uint64_t client_to_sandbox, uint64_t sandbox_to_client) {
     bytes_in_.add(client_to_sandbox);
     bytes_out_.add(sandbox_to_client);
@@ -44,7 +48,7 @@ class ProxyMetrics {
   std::array<Counter, kTerminationCauses> ended_;
   std::array<Counter, kTerminationCauses> refused_streams_;
   std::array<Counter, kNodeCallKinds> node_calls_;
-  Counter bytes_in_, bytes_out_, wakes_, route_hits_, route_misses_;
+  Counter bytes_in_, bytes_out_, wakes_, route_hits_, route_misses_, full_handshakes_, resumed_handshakes_;
   std::atomic<int64_t> holding_buffers_{0};
   Histogram handshake_ = make_handshake_histogram();
   Histogram wake_ = make_wake_histogram();

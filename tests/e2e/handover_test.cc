@@ -95,6 +95,8 @@ TEST(Handover, ReloadWithANewCertificateUnderLoadFailsNoRequest) {
   EXPECT_EQ(Cluster::http_code(c.curl("8080-web.sandbox.localhost")), 200) << "it verifies against the CA";
   EXPECT_EQ(tls13_session(c, c.dir() + "/session.pem", true), "Reused")
       << "a session ticket issued before the reload resumes after it (the ticket keys are the process's)";
+  // The access log says so too.
+  c.wait_access_entry([](const nlohmann::json& e) { return e.value("tls_resumed", false); });
 }
 
 TEST(Handover, ANewProcessTakesTheListenersUnderLoadWithNoFailedRequest) {

@@ -70,6 +70,10 @@ TEST(Metrics, BothDaemonsServeCountersThatMoveWithTraffic) {
   }, std::chrono::seconds(10))) << proxy_text;
   EXPECT_GE(sample(proxy_text, R"(sandgate_proxy_connections_total{cause="unknown_sandbox"})"), 1) << proxy_text;
   EXPECT_GE(sample(proxy_text, "sandgate_proxy_tls_handshake_duration_seconds_count"), 5) << proxy_text;
+  EXPECT_EQ(sample(proxy_text, R"(sandgate_proxy_tls_handshakes_total{resumed="false"})") +
+                sample(proxy_text, R"(sandgate_proxy_tls_handshakes_total{resumed="true"})"),
+            sample(proxy_text, "sandgate_proxy_tls_handshake_duration_seconds_count"))
+      << "every finished handshake is counted once, full or resumed:\n" << proxy_text;
   EXPECT_GE(sample(proxy_text, "sandgate_proxy_wakes_total"), 1) << proxy_text;
   EXPECT_GE(sample(proxy_text, "sandgate_proxy_wake_duration_seconds_count"), 1) << proxy_text;
   EXPECT_GE(sample(proxy_text, R"(sandgate_proxy_node_requests_total{call="open"})"), 1) << proxy_text;

@@ -21,6 +21,8 @@ TEST(AccessLog, OneJsonObjectWithEveryField) {
   r.woke = true;
   r.wake_ms = 1.25;
   r.data_path = "userspace";
+  r.tls_version = "TLSv1.3";
+  r.tls_resumed = true;
   r.cause = TerminationCause::kUpstreamClosed;
   r.phase = "forward";
   std::string line = AccessLog::format(r);
@@ -34,6 +36,8 @@ TEST(AccessLog, OneJsonObjectWithEveryField) {
   EXPECT_EQ(j["bytes_out"], 2000);
   EXPECT_EQ(j["woke"], true);
   EXPECT_DOUBLE_EQ(j["wake_ms"].get<double>(), 1.25);
+  EXPECT_EQ(j["tls"], "TLSv1.3");
+  EXPECT_EQ(j["tls_resumed"], true);
   EXPECT_EQ(j["cause"], "upstream_closed");
   EXPECT_EQ(j["phase"], "forward");
   EXPECT_TRUE(j["duration_ms"].is_number());
@@ -56,6 +60,7 @@ TEST(AccessLog, WhatAClientSentIsEscapedAndWhatIsNotUtf8Replaced) {
   for (const char* k : {"sandbox", "sandbox_ref", "port", "status", "wake_ms", "tls", "path", "phase"})
     EXPECT_TRUE(j[k].is_null()) << k;
   EXPECT_FALSE(j.contains("hop_to"));
+  EXPECT_EQ(j["tls_resumed"], false);
 }
 
 TEST(AccessLog, EveryCauseHasAName) {
