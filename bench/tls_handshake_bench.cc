@@ -48,8 +48,6 @@ Result<std::shared_ptr<TlsContexts>> bench_contexts() {
   return tls;
 }
 
-// One connection: the handshake (offering `offer` when set) and the client's read of the session ticket,
-// which it keeps in `*ticket` (the caller frees it). Returns the proxy's CPU time, or nullopt if it failed.
 // This thread's CPU time: what the proxy's steps cost, without the time another process or the hypervisor
 // took the core meanwhile (wall time varied by 10% between repetitions on the benchmark VM).
 std::chrono::nanoseconds thread_cpu_time() {
@@ -58,8 +56,10 @@ std::chrono::nanoseconds thread_cpu_time() {
   return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
 }
 
-std::optional<std::chrono::nanoseconds> connect_once(SSL_CTX* server_ctx, SSL_CTX* client_ctx,
-                                                                SSL_SESSION* offer, SSL_SESSION** ticket) {
+// One connection: the handshake (offering `offer` when set) and the client's read of the session ticket,
+// which it keeps in `*ticket` (the caller frees it). Returns the proxy's CPU time, or nullopt if it failed.
+std::optional<std::chrono::nanoseconds> connect_once(SSL_CTX* server_ctx, SSL_CTX* client_ctx, SSL_SESSION* offer,
+                                                     SSL_SESSION** ticket) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) != 0) return std::nullopt;
   UniqueFd server_fd(sv[0]), client_fd(sv[1]);

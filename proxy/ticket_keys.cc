@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 
 namespace sg {
 
@@ -16,8 +17,6 @@ int ring_ex_index() {
   static const int index = SSL_CTX_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
   return index;
 }
-
-constexpr size_t kKeyBytes = sizeof(TicketKeys::Key::name) + sizeof(TicketKeys::Key::aes) + sizeof(TicketKeys::Key::hmac);
 
 int hex_value(char c) {
   if (c >= '0' && c <= '9') return c - '0';
@@ -76,42 +75,30 @@ std::string TicketKeys::serialize() const {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::lock_guard lock(mu_);
   std::string out;
-  out.reserve(keys_.size() * kKeyBytes * 2);
-  for (const Key& k : keys_) {
-    unsigned char raw[kKeyBytes];
-    std::memcpy(raw, k.name.data(), k.name.size());
-    std::memcpy(raw + k.name.size(), k.aes.data(), k.aes.size());
-    std::memcpy(raw + k.name.size() + k.aes.size(), k.hmac.data(), k.hmac.size());
-    for (unsigned char b : raw) {
+  out.reserve(keys_.size() * sizeof(Key) * 2);
+  for (const Key& k : keys_)
+    for (unsigned char b : std::span(reinterpret_cast<const unsigned char*>(&k), sizeof k)) {
       out += kDigits[b >> 4];
       out += kDigits[b & 0xf];
     }
-    OPENSSL_cleanse(raw, sizeof raw);
-  }
   return out;
 }
 
 Status TicketKeys::replace_with(std::string_view serialized) {
-  const size_t per_key = kKeyBytes * 2;
+  const size_t per_key = sizeof(Key) * 2;
   if (serialized.empty() || serialized.size() % per_key != 0 || serialized.size() / per_key > kKept)
     return fail(Error::kInvalidArgument, "session ticket keys: expected 1 to " + std::to_string(kKept) + " keys of " +
                                              std::to_string(per_key) + " hex digits, got " +
                                              std::to_string(serialized.size()) + " characters");
   std::vector<Key> keys(serialized.size() / per_key);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    unsigned char raw[kKeyBytes];
-    for (size_t j = 0; j < kKeyBytes; ++j) {
-      const int hi = hex_value(serialized[i * per_key + 2 * j]), lo = hex_value(serialized[i * per_key + 2 * j + 1]);
-      if (hi < 0 || lo < 0) {
-        OPENSSL_cleanse(raw, sizeof raw);
-        return fail(Error::kInvalidArgument, "session ticket keys: not lowercase hex");
-      }
-      raw[j] = static_cast<unsigned char>(hi << 4 | lo);
+  auto* bytes = reinterpret_cast<unsigned char*>(keys.data());
+  for (size_t j = 0; j < keys.size() * sizeof(Key); ++j) {
+    const int hi = hex_value(serialized[2 * j]), lo = hex_value(serialized[2 * j + 1]);
+    if (hi < 0 || lo < 0) {
+      OPENSSL_cleanse(bytes, keys.size() * sizeof(Key));
+      return fail(Error::kInvalidArgument, "session ticket keys: not lowercase hex");
     }
-    std::memcpy(keys[i].name.data(), raw, keys[i].name.size());
-    std::memcpy(keys[i].aes.data(), raw + keys[i].name.size(), keys[i].aes.size());
-    std::memcpy(keys[i].hmac.data(), raw + keys[i].name.size() + keys[i].aes.size(), keys[i].hmac.size());
-    OPENSSL_cleanse(raw, sizeof raw);
+    bytes[j] = static_cast<unsigned char>(hi << 4 | lo);
   }
   std::lock_guard lock(mu_);
   for (Key& k : keys_) OPENSSL_cleanse(&k, sizeof k);

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "common/error.h"
@@ -36,6 +37,8 @@ class TicketKeys {
     std::array<unsigned char, 32> aes{};   // AES-256-CBC, as OpenSSL's own tickets
     std::array<unsigned char, 32> hmac{};  // HMAC-SHA256 over the encrypted ticket
   };
+  // The three fields are the key's 80 bytes, in order (serialize() and replace_with() read and write them so).
+  static_assert(sizeof(Key) == 16 + 32 + 32 && std::is_trivially_copyable_v<Key>);
 
   // A ring with one fresh random key.
   static Result<std::shared_ptr<TicketKeys>> generate();
