@@ -1,4 +1,5 @@
 #include "common/token_digest.h"
+#include "common/hex.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -24,34 +25,16 @@ std::optional<TokenDigest> token_sha256(std::string_view token) {
 }
 
 std::optional<TokenDigest> parse_token_digest(std::string_view hex) {
-  auto nibble = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-  };
   TokenDigest out{};
-  if (hex.size() != 2 * out.size()) return std::nullopt;
-  for (size_t i = 0; i < out.size(); ++i) {
-    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return std::nullopt;
-    out[i] = static_cast<unsigned char>(hi << 4 | lo);
-  }
+  if (!hex_decode(hex, out)) return std::nullopt;
   return out;
 }
 
 std::string token_digest(std::string_view token) {
-  static constexpr char kHex[] = "0123456789abcdef";
   // Cannot fail short of memory exhaustion; an empty result then never matches.
   auto md = token_sha256(token);
   if (!md) return {};
-  std::string hex;
-  hex.reserve(2 * md->size());
-  for (unsigned char b : *md) {
-    hex += kHex[b >> 4];
-    hex += kHex[b & 15];
-  }
-  return hex;
+  return hex_encode(*md);
 }
 
 bool token_matches_digest(std::string_view token, std::string_view digest_hex) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/fd.h"
+#include "common/hex.h"
 
 namespace sg {
 namespace {
@@ -32,13 +33,7 @@ std::string key_of(const std::vector<std::string>& trees) {
   for (const std::string& t : trees) joined += t + "\n";
   unsigned char md[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(joined.data()), joined.size(), md);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string hex;
-  for (unsigned char b : md) {
-    hex += kHex[b >> 4];
-    hex += kHex[b & 15];
-  }
-  return hex;
+  return hex_encode(md);
 }
 
 // Runs argv[0] (a PATH name) with stdout and stderr to `log`; the log's tail is the error.

@@ -36,6 +36,7 @@
 #include "noderuntime/sandbox_egress.h"
 #include "noderuntime/ssh_keys.h"
 #include "noderuntime/uv_handles.h"
+#include "common/hex.h"
 
 namespace sg {
 namespace {
@@ -166,12 +167,9 @@ std::string read_identity_secret(const std::string& sandbox_dir) {
 }
 
 std::string random_hex(size_t bytes) {
-  static constexpr char kHex[] = "0123456789abcdef";
   std::vector<unsigned char> raw(bytes);
-  std::string out;
-  if (::getrandom(raw.data(), raw.size(), 0) != static_cast<ssize_t>(raw.size())) return out;
-  for (unsigned char b : raw) out += {kHex[b >> 4], kHex[b & 15]};
-  return out;
+  if (::getrandom(raw.data(), raw.size(), 0) != static_cast<ssize_t>(raw.size())) return {};
+  return hex_encode(raw);
 }
 
 // driver_data comes back from the store; a value that is not a port is treated as absent.

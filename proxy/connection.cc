@@ -439,7 +439,9 @@ void Connection::start() {
     ktls_rx_tracker_ = std::make_unique<KtlsRxTracker>();
     ktls_rx_tracker_->attach(ssl);
   }
-  client_ = std::make_unique<TlsTransport>(ssl, client_fd_.get(), ktls_rx_tracker_.get());
+  auto tls = std::make_unique<TlsTransport>(ssl, client_fd_.get(), ktls_rx_tracker_.get());
+  client_tls_ = tls.get();
+  client_ = std::move(tls);
   SSL_set_fd(ssl, client_fd_.get());
   SSL_set_accept_state(ssl);
   SSL_set_ex_data(ssl, hello_ex_index(), &hello_);
@@ -521,9 +523,10 @@ void Connection::on_upstream_io(int status, int events) {
 
 void Connection::HandshakePhase::run() {
   clear_stale_ssl_errors();
-  int r = SSL_do_handshake(c_.client_->ssl());
+  SSL* ssl = c_.client_tls_->ssl();
+  int r = SSL_do_handshake(ssl);
   c_.rec_.sni = c_.hello_.sni;
-  int err = r == 1 ? SSL_ERROR_NONE : SSL_get_error(c_.client_->ssl(), r);
+  int err = r == 1 ? SSL_ERROR_NONE : SSL_get_error(ssl, r);
   if (err == SSL_ERROR_WANT_CLIENT_HELLO_CB) return look_up_port_policy();
   // The ClientHello was read and answered without a lookup (a cached policy, or an HTTP/1.1-only ALPN). On
   // loopback the client's Finished may even arrive within this same call (r == 1).
@@ -651,18 +654,20 @@ void Connection::remember_lookup(const std::string& target, const LookupAnswer& 
 
 void Connection::HandshakePhase::finished() {
   Connection& c = c_;  // this phase is left below
+  SSL* ssl = c.client_tls_->ssl();
   if (c.ktls_rx_tracker_) c.ktls_rx_tracker_->handshake_finished();
-  c.rec_.tls_resumed = SSL_session_reused(c.client_->ssl()) == 1;
+  c.rec_.tls_resumed = SSL_session_reused(ssl) == 1;
   c.worker_->shared()->metrics.handshake_done(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - c.rec_.started_steady).count(),
       c.rec_.tls_resumed);
   const unsigned char* alpn = nullptr;
   unsigned alpn_len = 0;
-  SSL_get0_alpn_selected(c.client_->ssl(), &alpn, &alpn_len);
+  SSL_get0_alpn_selected(ssl, &alpn, &alpn_len);
   c.h2_ = alpn_len == 2 && std::memcmp(alpn, "h2", 2) == 0;
-  c.rec_.tls_version = SSL_get_version(c.client_->ssl());
-  c.plan_data_path();
-  if (c.cfg()->proxy.ktls == KtlsMode::kOn && (!c.client_->ktls_tx() || !c.client_->ktls_rx_planned()))
+  c.rec_.tls_version = SSL_get_version(ssl);
+  if (c.via_fleet_) c.rec_.hop_from = peer_node_name(ssl);
+  c.plan_data_path();  // may free the SSL
+  if (c.cfg()->proxy.ktls == KtlsMode::kOn && c.client_tls_ != nullptr)
     return c.close(TerminationCause::kKtlsRequired, "ktls = on but this connection could not be offloaded");
   if (c.via_fleet_) return c.enter<PreamblePhase>().read();
   // A public raw-TCP port (sshd speaks first) has no request head: the SNI names the destination.
@@ -680,24 +685,30 @@ void Connection::HandshakePhase::finished() {
   c.enter<HeadPhase>().read();
 }
 
-// Transmit is the kernel's when OpenSSL offloaded it; bytes from the sandbox then splice into the socket.
-// Receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3 (proxy/ktls.h);
-// either way the client socket is spliced only after the request head, once OpenSSL holds no input.
+// Transmit is the kernel's when OpenSSL offloaded it; bytes from the sandbox can then splice into the socket.
+// Receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3 (proxy/ktls.h). With
+// both the kernel's, OpenSSL has nothing left to do: the SSL is freed, and the connection reads and writes
+// the socket itself (KernelTlsTransport); both directions can splice.
 void Connection::plan_data_path() {
-  client_->plan_ktls();
-  const bool tx = client_->ktls_tx();
-  const bool rx = client_->ktls_rx_planned();
-  set_data_path_label(tx, rx);
+  TlsTransport& openssl = *client_tls_;
+  openssl.plan_ktls();
+  const bool tx = openssl.ktls_tx();
   std::string why;
   if (cfg()->proxy.ktls == KtlsMode::kOff) {
     why = "ktls = off in the config";
   } else if (!tls()->ktls_kernel_reason().empty()) {
     why = tls()->ktls_kernel_reason();
-  } else if (!tx || !rx) {
-    SSL* ssl = client_->ssl();
-    why = fmt::format("OpenSSL did not offload {} for {} {}: cipher not offloadable", tx ? "receive" : "transmit",
-                      SSL_get_version(ssl), SSL_get_cipher_name(ssl));
+  } else if (!tx) {
+    why = fmt::format("OpenSSL did not offload transmit for {} {}: cipher not offloadable", SSL_get_version(openssl.ssl()),
+                      SSL_get_cipher_name(openssl.ssl()));
+  } else if (auto st = openssl.hand_receive_to_kernel(); !st) {
+    why = st.message();
+  } else {
+    client_tls_ = nullptr;
+    client_ = std::make_unique<KernelTlsTransport>(client_fd_.get());
+    ktls_rx_tracker_.reset();
   }
+  set_data_path_label(tx, client_tls_ == nullptr);
   if (!why.empty()) log_ktls_fallback_once(why);
 }
 
@@ -714,7 +725,7 @@ bool Connection::ktls_downgrade(std::string why) {
   log_ktls_fallback_once(why);
   auto* forward = phase() == PhaseKind::kForward ? static_cast<ForwardPhase*>(phase_.get()) : nullptr;
   set_data_path_label(forward && forward->spliced_to_client(),
-                      (forward && forward->spliced_from_client()) || client_->ktls_rx_planned());
+                      (forward && forward->spliced_from_client()) || client_tls_ == nullptr);
   if (cfg()->proxy.ktls != KtlsMode::kOn) return true;
   close(TerminationCause::kKtlsRequired, std::move(why));
   return false;
@@ -938,7 +949,6 @@ void Connection::PreamblePhase::read() {
 
 void Connection::PreamblePhase::received(fleet::Preamble p, size_t consumed) {
   Connection& c = c_;  // this phase is left below
-  c.rec_.hop_from = peer_node_name(c.client_->ssl());
   c.rec_.client = p.client;
   c.request_.consumed(consumed);
   fleet::Answer answer;  // ok

@@ -112,7 +112,8 @@ class Connection {
   // upstream_fd_ is set: watch it (for nothing yet) in the worker's set.
   void watch_upstream();
 
-  // kTLS: what the handshake offloaded, and why not (logged once per reason).
+  // kTLS, right after the handshake: when the kernel can do the TLS both ways, client_ becomes a
+  // KernelTlsTransport and the SSL is freed; why not is logged once per reason.
   void plan_data_path();
   void set_data_path_label(bool tx_spliced, bool rx_spliced);
   // A direction planned for splice cannot; false when that closed the connection (ktls = on).
@@ -172,7 +173,8 @@ class Connection {
   std::vector<std::unique_ptr<Phase>> left_phases_;  // see enter()
   UniqueFd client_fd_;
   UniqueFd upstream_fd_;
-  std::unique_ptr<TlsTransport> client_;    // the client's TLS (set by start())
+  std::unique_ptr<Transport> client_;  // the client's TLS (set by start()): OpenSSL's, or the kernel's
+  TlsTransport* client_tls_ = nullptr;  // client_ while it is OpenSSL's
   std::unique_ptr<Transport> upstream_;  // the sandbox's socket, once the node gave it (or the hop's TLS)
   SocketWatch client_watch_;    // in the worker's SocketWatchSet
   SocketWatch upstream_watch_;  // initialized with upstream_fd_

@@ -66,23 +66,12 @@ bool Direction::run_stage() {
 
 bool Direction::start_splice_if_possible(bool* started) {
   *started = false;
-  if (splice_ != Splice::kCopying || source_->splice_in_state() == Transport::SpliceIn::kNever || !sink_->can_splice_out() ||
-      !events_.may_splice())
+  if (splice_ != Splice::kCopying || !source_->can_splice_in() || !sink_->can_splice_out() || !events_.may_splice())
     return true;
-  const bool handover = source_->splice_in_state() == Transport::SpliceIn::kNotYet;
   auto pipe = SplicePipe::create(kSplicePipeBytes);
   if (!pipe) {
     splice_ = Splice::kRefused;
-    source_->give_up_splice_in();
-    return events_.splice_refused(std::string(handover ? "no pipe to splice from the kTLS socket: "
-                                                      : "no pipe to splice into the kTLS socket: ") +
-                                 pipe.message());
-  }
-  if (handover) {
-    if (auto st = source_->start_splice_in(); !st) {
-      splice_ = Splice::kRefused;
-      return events_.splice_refused(st.message());
-    }
+    return events_.splice_refused("no pipe to splice through: " + pipe.message());
   }
   pipe_ = std::move(*pipe);
   splice_ = Splice::kRunning;
@@ -146,8 +135,8 @@ bool Direction::splice_from_source() {
 }
 
 bool Direction::read_source_record() {
-  // The buffer is empty while splicing (has_room), so a whole record (at most 16 KiB) fits.
-  IoResult r = source_->read_record(std::span<char>(buffer_.write_ptr(), buffer_.space()));
+  // The buffer is empty while splicing (has_room): the record goes into it like any read.
+  IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
   buffer_.produced(r.bytes);
   return received(r);
 }

@@ -76,7 +76,7 @@ class DirectionEvents {
   virtual bool sink_failed(IoResult r) = 0;     // always false
   // May both ends splice now? (The request filter must read every client byte while requests come.)
   virtual bool may_splice() const = 0;
-  // A direction whose ends could splice cannot after all (no pipe, the kernel refused the key).
+  // A direction whose ends could splice cannot after all (no pipe): its bytes are copied.
   virtual bool splice_refused(std::string why) = 0;
 };
 

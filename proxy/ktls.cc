@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/log.h"
+#include "common/hex.h"
 
 namespace sg {
 namespace {
@@ -24,13 +25,6 @@ int tracker_ex_index() {
 }
 
 KtlsRxTracker* tracker_of(const SSL* ssl) { return static_cast<KtlsRxTracker*>(SSL_get_ex_data(ssl, tracker_ex_index())); }
-
-int hex_value(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
 
 // HKDF-Expand-Label(secret, label, "", length) from RFC 8446 section 7.1.
 Status hkdf_expand_label(const EVP_MD* digest, std::span<const unsigned char> secret, std::string_view label,
@@ -81,11 +75,9 @@ void ktls_on_keylog(const SSL* ssl, const char* line) {
   auto space = text.rfind(' ');
   std::string_view hex = text.substr(space + 1);
   if (hex.size() % 2 != 0 || hex.size() / 2 > sizeof t->client_secret_) return;
-  for (size_t i = 0; i < hex.size() / 2; ++i) {
-    int hi = hex_value(hex[2 * i]);
-    int lo = hex_value(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return;
-    t->client_secret_[i] = static_cast<unsigned char>(hi << 4 | lo);
+  if (!hex_decode(hex, std::span(t->client_secret_, hex.size() / 2))) {
+    OPENSSL_cleanse(t->client_secret_, sizeof t->client_secret_);
+    return;
   }
   t->client_secret_len_ = hex.size() / 2;
 }
@@ -201,7 +193,7 @@ void enable_ktls_rx_tracking(SSL_CTX* ctx) {
   SSL_CTX_set_msg_callback(ctx, ktls_on_message);
 }
 
-ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type) {
+ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type, int flags) {
   char control[CMSG_SPACE(sizeof(uint8_t))];
   iovec iov{buf, capacity};
   msghdr msg{};
@@ -209,13 +201,29 @@ ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
-  ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+  ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | flags);
   if (n < 0) return n;
-  // Without the cmsg the kernel delivered application data (it attaches the type only to other records).
+  // Without the cmsg (a socket without kTLS receive) the bytes are application data.
   *record_type = SSL3_RT_APPLICATION_DATA;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
     if (c->cmsg_level == SOL_TLS && c->cmsg_type == TLS_GET_RECORD_TYPE) *record_type = *CMSG_DATA(c);
   return n;
+}
+
+ssize_t send_tls_record(int fd, uint8_t record_type, const void* payload, size_t size) {
+  char control[CMSG_SPACE(sizeof record_type)] = {};
+  iovec iov{const_cast<void*>(payload), size};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_TLS;
+  c->cmsg_type = TLS_SET_RECORD_TYPE;
+  c->cmsg_len = CMSG_LEN(sizeof record_type);
+  *CMSG_DATA(c) = record_type;
+  return ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
 void log_ktls_fallback_once(std::string_view reason) {

@@ -1,16 +1,17 @@
 // Kernel TLS (kTLS) support beyond what OpenSSL 3.0 does by itself.
 //
 // OpenSSL 3.0 (SSL_OP_ENABLE_KTLS) hands the transmit side to the kernel for TLS 1.2 and 1.3 and the
-// receive side for TLS 1.2. It declines TLS 1.3 receive, so we install that key ourselves: the client
-// application traffic secret comes from the keylog callback, the key and IV are derived from it with
-// HKDF-Expand-Label (RFC 8446 7.3), and the record sequence number is the count of records OpenSSL read
-// under that key (the proxy reads the request head through SSL_read before the switch, because routing
-// needs it; the msg callback counts those records).
+// receive side for TLS 1.2. It declines TLS 1.3 receive, so we install that key ourselves, right after the
+// handshake: the client application traffic secret comes from the keylog callback, the key and IV are
+// derived from it with HKDF-Expand-Label (RFC 8446 7.3), and the record sequence number is the count of
+// records OpenSSL read under that key (the msg callback counts them; none, when the switch comes at once).
+// From then on the connection reads the socket itself (recvmsg, with each record's type) and frees its
+// SSL (proxy/transport.h, KernelTlsTransport).
 //
 // Why the switch is safe: read_ahead stays off, so OpenSSL reads the socket one record at a time and never
 // past a record boundary. Once SSL_has_pending() is false, every byte OpenSSL took from the socket has been
 // decrypted and handed to us, and the socket's next byte starts the record with the counted sequence
-// number. Until then receive stays in user space (SSL_read), record by record.
+// number.
 #pragma once
 
 #include <linux/tls.h>
@@ -79,10 +80,13 @@ class KtlsRxTracker {
 // callbacks run for every record, and the keylog callback sees secrets (they never leave the tracker).
 void enable_ktls_rx_tracking(SSL_CTX* ctx);
 
-// One record read from a kTLS receive socket with recvmsg, with its TLS content type (the cmsg
-// TLS_GET_RECORD_TYPE). Needed when splice stops at a record that is not application data (EINVAL).
+// Reads from a kTLS receive socket with recvmsg: application data (one record or more), or one record of
+// another type, with the TLS content type (the cmsg TLS_GET_RECORD_TYPE). `flags` as recvmsg's (MSG_PEEK).
 // Returns the payload length, 0 at EOF, or -1 with errno.
-ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type);
+ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type, int flags = 0);
+// Sends one record of `record_type` through a kTLS transmit socket (TLS_SET_RECORD_TYPE): an alert, since
+// application data needs no type. Returns what send returns.
+ssize_t send_tls_record(int fd, uint8_t record_type, const void* payload, size_t size);
 
 // Logs, once per process for each distinct reason, why a connection uses the userspace TLS path.
 void log_ktls_fallback_once(std::string_view reason);

@@ -1,4 +1,5 @@
 #include "proxy/ticket_keys.h"
+#include "common/hex.h"
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
@@ -16,12 +17,6 @@ namespace {
 int ring_ex_index() {
   static const int index = SSL_CTX_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
   return index;
-}
-
-int hex_value(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  return -1;
 }
 
 }  // namespace
@@ -72,15 +67,10 @@ size_t TicketKeys::size() const {
 }
 
 std::string TicketKeys::serialize() const {
-  static constexpr char kDigits[] = "0123456789abcdef";
   std::lock_guard lock(mu_);
   std::string out;
   out.reserve(keys_.size() * sizeof(Key) * 2);
-  for (const Key& k : keys_)
-    for (unsigned char b : std::span(reinterpret_cast<const unsigned char*>(&k), sizeof k)) {
-      out += kDigits[b >> 4];
-      out += kDigits[b & 0xf];
-    }
+  for (const Key& k : keys_) hex_append(std::span(reinterpret_cast<const unsigned char*>(&k), sizeof k), out);
   return out;
 }
 
@@ -91,14 +81,10 @@ Status TicketKeys::replace_with(std::string_view serialized) {
                                              std::to_string(per_key) + " hex digits, got " +
                                              std::to_string(serialized.size()) + " characters");
   std::vector<Key> keys(serialized.size() / per_key);
-  auto* bytes = reinterpret_cast<unsigned char*>(keys.data());
-  for (size_t j = 0; j < keys.size() * sizeof(Key); ++j) {
-    const int hi = hex_value(serialized[2 * j]), lo = hex_value(serialized[2 * j + 1]);
-    if (hi < 0 || lo < 0) {
-      OPENSSL_cleanse(bytes, keys.size() * sizeof(Key));
-      return fail(Error::kInvalidArgument, "session ticket keys: not lowercase hex");
-    }
-    bytes[j] = static_cast<unsigned char>(hi << 4 | lo);
+  std::span bytes(reinterpret_cast<unsigned char*>(keys.data()), keys.size() * sizeof(Key));
+  if (!hex_decode(serialized, bytes)) {
+    OPENSSL_cleanse(bytes.data(), bytes.size());
+    return fail(Error::kInvalidArgument, "session ticket keys: not hex");
   }
   std::lock_guard lock(mu_);
   for (Key& k : keys_) OPENSSL_cleanse(&k, sizeof k);

@@ -41,8 +41,6 @@ IoResult Transport::splice_out(SplicePipe& pipe) {
   return errno_result(n);
 }
 
-IoResult Transport::read_record(std::span<char>) { return IoResult::error("no TLS records on this transport"); }
-
 IoResult TcpTransport::read(std::span<char> into) {
   ssize_t n = ::recv(fd_, into.data(), into.size(), 0);
   if (n > 0) {
@@ -72,7 +70,6 @@ IoResult TlsTransport::read(std::span<char> into) {
     n = SSL_read(ssl_, into.data() + got, static_cast<int>(into.size() - got));
     if (n <= 0) break;
     got += static_cast<size_t>(n);
-    if (rx_handover_ != RxHandover::kNone) break;  // the kernel may take over at the next record boundary
     // With read-ahead, OpenSSL's last read() asked for a whole buffer (64 KiB): once what it brought in is
     // all decrypted and handed over, the socket most likely holds nothing (and if it does, poll says so),
     // so the next SSL_read's read() would fail with EAGAIN. Without read-ahead it reads record by record,
@@ -109,55 +106,74 @@ bool TlsTransport::shutdown_write() {
   return true;
 }
 
-void TlsTransport::plan_ktls() {
-  ktls_tx_ = BIO_get_ktls_send(SSL_get_wbio(ssl_));
-  if (BIO_get_ktls_recv(SSL_get_rbio(ssl_))) rx_handover_ = RxHandover::kOffloadedByOpenSsl;
-  else if (ktls_tx_ && tracker_ != nullptr && SSL_version(ssl_) == TLS1_3_VERSION) rx_handover_ = RxHandover::kInstallTls13Key;
-}
+void TlsTransport::plan_ktls() { ktls_tx_ = BIO_get_ktls_send(SSL_get_wbio(ssl_)); }
 
-Transport::SpliceIn TlsTransport::splice_in_state() const {
-  if (rx_spliced_) return SpliceIn::kReady;
-  // OpenSSL has handed out every byte it read only when it holds none: the socket is at a record boundary.
-  if (rx_handover_ != RxHandover::kNone && !has_buffered_input()) return SpliceIn::kNotYet;
-  return SpliceIn::kNever;
-}
-
-Status TlsTransport::start_splice_in() {
-  RxHandover how = std::exchange(rx_handover_, RxHandover::kNone);
-  if (how == RxHandover::kInstallTls13Key) {
-    if (auto st = tracker_->install_tls13_rx(ssl_, fd_); !st)
-      return fail(st.error(), "TLS 1.3 receive not handed to the kernel: " + st.message());
-  }
-  rx_spliced_ = true;
+Status TlsTransport::hand_receive_to_kernel() {
+  if (!ktls_tx_) return fail(Error::kUnsupported, "transmit is not the kernel's");
+  // Without read-ahead OpenSSL reads the socket one record at a time, so after the handshake it holds
+  // nothing and the socket's next byte starts a record.
+  if (SSL_has_pending(ssl_)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
+  if (BIO_get_ktls_recv(SSL_get_rbio(ssl_))) return {};  // TLS 1.2: OpenSSL offloaded it
+  if (tracker_ == nullptr || SSL_version(ssl_) != TLS1_3_VERSION)
+    return fail(Error::kUnsupported, fmt::format("OpenSSL did not offload receive for {} {}", SSL_get_version(ssl_),
+                                                 SSL_get_cipher_name(ssl_)));
+  if (auto st = tracker_->install_tls13_rx(ssl_, fd_); !st)
+    return fail(st.error(), "TLS 1.3 receive not handed to the kernel: " + st.message());
   return {};
 }
 
-IoResult TlsTransport::read_record(std::span<char> into) {
-  uint8_t type = 0;
-  ssize_t n = recv_tls_record(fd_, into.data(), into.size(), &type);
-  if (n < 0) {
-    if (errno == EAGAIN || errno == EINTR) return IoResult::would_block();
-    return IoResult::error(std::string("kTLS receive: ") + std::strerror(errno));
-  }
-  if (n == 0) return IoResult::eof();
-  const auto* record = reinterpret_cast<const unsigned char*>(into.data());
+IoResult kernel_tls_record_result(uint8_t type, const char* data, size_t n) {
+  const auto* record = reinterpret_cast<const unsigned char*>(data);
   switch (type) {
     case SSL3_RT_APPLICATION_DATA:
-      return IoResult::ok(static_cast<size_t>(n));
+      return IoResult::ok(n);
     case SSL3_RT_ALERT:
-      if (n >= 2 && record[1] == SSL_AD_CLOSE_NOTIFY) return IoResult::eof();
-      if (n >= 2 && record[1] == SSL_AD_USER_CANCELLED) return IoResult::would_block();  // a close_notify follows
-      return IoResult::error(std::string("TLS alert from the client: ") +
-                                 SSL_alert_desc_string_long(n >= 2 ? record[1] : 0),
+      if (n < 2) return IoResult::error("a truncated TLS alert from the client");
+      if (record[1] == SSL_AD_CLOSE_NOTIFY) return IoResult::eof();
+      if (record[1] == SSL_AD_USER_CANCELLED) return IoResult::would_block();  // a close_notify follows
+      return IoResult::error(std::string("TLS alert from the client: ") + SSL_alert_desc_string_long(record[1]),
                              TerminationCause::kClientClosed);
     case SSL3_RT_HANDSHAKE:
-      if (record[0] == SSL3_MT_KEY_UPDATE)
+      if (n >= 1 && record[0] == SSL3_MT_KEY_UPDATE)
         return IoResult::error("the client sent a TLS 1.3 KeyUpdate; this kernel cannot rekey kTLS",
                                TerminationCause::kKtlsKeyUpdate);
-      return IoResult::error(fmt::format("unexpected TLS handshake message {} after the handshake", record[0]));
+      return IoResult::error(fmt::format("unexpected TLS handshake message {} after the handshake", n >= 1 ? record[0] : 0));
     default:
       return IoResult::error(fmt::format("unexpected TLS record type {}", type));
   }
+}
+
+IoResult KernelTlsTransport::read(std::span<char> into) {
+  // A record that is not application data is read whole only if it fits, and alerts (2 bytes) and the
+  // messages a client may send after the handshake are small: a reader with less room than that (its
+  // buffer nearly full) learns the next record's type first, and such a record is read into a buffer here.
+  constexpr size_t kControlRecordRoom = 64;
+  char control_record[kControlRecordRoom];
+  uint8_t type = SSL3_RT_APPLICATION_DATA;
+  if (into.size() < kControlRecordRoom) {
+    ssize_t peeked = recv_tls_record(fd_, control_record, sizeof control_record, &type, MSG_PEEK);
+    if (peeked <= 0) return errno_result(peeked);
+    if (type != SSL3_RT_APPLICATION_DATA) into = std::span<char>(control_record, sizeof control_record);
+  }
+  ssize_t n = recv_tls_record(fd_, into.data(), into.size(), &type);
+  if (n <= 0) {
+    IoResult r = errno_result(n);
+    if (r.status == IoResult::Status::kError) r.detail = "kTLS receive: " + r.detail;
+    return r;
+  }
+  IoResult r = kernel_tls_record_result(type, into.data(), static_cast<size_t>(n));
+  // The kernel returns fewer bytes than asked only when no whole record is left (poll says when the next
+  // one is in) or the next one is of another type (then poll says readable at once).
+  if (r.status == IoResult::Status::kOk && r.bytes < into.size()) r.drained = true;
+  return r;
+}
+
+bool KernelTlsTransport::shutdown_write() {
+  const unsigned char close_notify[2] = {SSL3_AL_WARNING, SSL_AD_CLOSE_NOTIFY};
+  if (send_tls_record(fd_, SSL3_RT_ALERT, close_notify, sizeof close_notify) < 0 && (errno == EAGAIN || errno == EINTR))
+    return false;
+  ::shutdown(fd_, SHUT_WR);
+  return true;
 }
 
 }  // namespace sg

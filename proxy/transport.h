@@ -3,10 +3,11 @@
 // transport without knowing what they are, and splice is a capability a transport has or not.
 //   TcpTransport  the sandbox's socket (TCP, a unix socket, vsock): read/write are recv/send, splice
 //                 always works.
-//   TlsTransport  the client's socket: SSL_read/SSL_write. With kTLS the kernel does the record crypto:
-//                 transmit offloaded means bytes can splice out into the socket; receive is handed over
-//                 after the request head (proxy/ktls.h), from then on bytes splice in from it, and a record
-//                 that is not application data is read with recvmsg (read_record).
+//   TlsTransport  the client's socket during the handshake, and after it when the kernel cannot do its TLS
+//                 both ways: SSL_read/SSL_write. Transmit offloaded to the kernel alone (kTLS) means bytes
+//                 can splice out into the socket.
+//   KernelTlsTransport  the client's socket once the kernel does its TLS both ways: the SSL is freed,
+//                 reads are recvmsg (with each record's type), writes are send, and both directions splice.
 #pragma once
 
 #include <openssl/ssl.h>
@@ -31,7 +32,7 @@ struct IoResult {
     kWouldBlock,  // moved `bytes` (perhaps 0), then the socket would block: poll says when to retry
     kEof,         // moved `bytes`, then the peer finished sending
     kError,       // failed (`detail` says how); `bytes` moved before the failure still count
-    kNotData,     // kTLS splice stopped at a record that is not application data: read_record() takes it
+    kNotData,     // kTLS splice stopped at a record that is not application data: read() takes it
   };
   Status status = Status::kOk;
   size_t bytes = 0;
@@ -76,26 +77,20 @@ class Transport {
   // reports it, so whoever stops reading with some must come back without waiting for the socket.
   virtual bool has_buffered_input() const { return false; }
 
-  // Splice. Out (pipe -> socket) is there from the start or never; in (socket -> pipe) may become
-  // possible later (kTLS receive is handed to the kernel at a record boundary, after the request head).
-  enum class SpliceIn { kNever, kNotYet, kReady };
+  // Splice, a capability a transport has for its whole life or never. out: pipe -> socket; in: socket ->
+  // pipe. After splice_in returned kNotData (a kTLS record that is not application data), read() takes
+  // that record.
   virtual bool can_splice_out() const { return false; }
-  virtual SpliceIn splice_in_state() const { return SpliceIn::kNever; }
-  // kNotYet -> kReady (now: the socket is at a record boundary). On failure splice_in_state() is kNever.
-  virtual Status start_splice_in() { return {}; }
-  // kNotYet -> kNever: the caller will not splice after all (it has no pipe).
-  virtual void give_up_splice_in() {}
+  virtual bool can_splice_in() const { return false; }
   // At most `max` bytes.
   IoResult splice_in(SplicePipe& pipe, uint64_t max = UINT64_MAX);
   IoResult splice_out(SplicePipe& pipe);
-  // After splice_in returned kNotData: that record, read with recvmsg into `into` (at least 16 KiB).
-  virtual IoResult read_record(std::span<char> into);
   // The connection has been quiet for a while: memory kept for the next bytes (TLS record buffers) goes
   // back, unless bytes are in it.
   virtual void release_memory_while_idle() {}
 };
 
-class TcpTransport final : public Transport {
+class TcpTransport : public Transport {
  public:
   explicit TcpTransport(int fd) : fd_(fd) {}
   int fd() const override { return fd_; }
@@ -103,16 +98,16 @@ class TcpTransport final : public Transport {
   IoResult write(std::span<const char> from) override;
   bool shutdown_write() override;
   bool can_splice_out() const override { return true; }
-  SpliceIn splice_in_state() const override { return SpliceIn::kReady; }
+  bool can_splice_in() const override { return true; }
 
- private:
+ protected:
   int fd_;  // owned by the connection
 };
 
 class TlsTransport final : public Transport {
  public:
-  // `ssl` is set up on `fd` and owned by this transport; `tracker` (for the TLS 1.3 receive handover)
-  // is attached to it when kTLS is possible, and null otherwise.
+  // `ssl` is set up on `fd` and owned by this transport; `tracker` (for handing TLS 1.3 receive to the
+  // kernel) is attached to it when kTLS is possible, and null otherwise.
   TlsTransport(SSL* ssl, int fd, KtlsRxTracker* tracker)
       : ssl_(ssl), fd_(fd), tracker_(tracker), read_ahead_(SSL_get_read_ahead(ssl) != 0) {}
   ~TlsTransport() override { SSL_free(ssl_); }
@@ -123,37 +118,52 @@ class TlsTransport final : public Transport {
   int fd() const override { return fd_; }
   // SSL_read until `into` is full or the socket is dry (or, with read-ahead, OpenSSL's buffer is: then the
   // result is `drained`): SSL_read returns one record at a time, and the sandbox should get one large send
-  // instead of one per record. While receive waits to be handed to the
-  // kernel, one record at a time, so the handover can happen at any record boundary.
+  // instead of one per record.
   IoResult read(std::span<char> into) override;
   IoResult write(std::span<const char> from) override;
   bool shutdown_write() override;
   bool has_buffered_input() const override { return SSL_has_pending(ssl_) == 1; }
 
-  // After the handshake: what the kernel took over. Transmit offloaded by OpenSSL makes splice out
-  // possible; receive is OpenSSL's for TLS 1.2 when it offloaded it, ours to hand over for TLS 1.3.
+  // After the handshake: whether OpenSSL handed transmit to the kernel (then bytes can splice out).
   void plan_ktls();
   bool ktls_tx() const { return ktls_tx_; }
-  // Receive is (or will be) the kernel's.
-  bool ktls_rx_planned() const { return rx_handover_ != RxHandover::kNone || rx_spliced_; }
+  // With transmit the kernel's, receive too: OpenSSL offloaded it itself (TLS 1.2), or the TLS 1.3 key is
+  // installed here (proxy/ktls.h). Then OpenSSL has nothing left to do on this connection, and the caller
+  // replaces this transport with a KernelTlsTransport. Must be called right after the handshake, before
+  // any read: the socket is then at a record boundary. Fails, leaving receive to OpenSSL, with a reason
+  // that names no connection (it is logged once per reason).
+  Status hand_receive_to_kernel();
   bool can_splice_out() const override { return ktls_tx_; }
-  SpliceIn splice_in_state() const override;
-  Status start_splice_in() override;
-  void give_up_splice_in() override { rx_handover_ = RxHandover::kNone; }
-  IoResult read_record(std::span<char> into) override;
   // OpenSSL keeps its record buffers between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc): freeing
   // and taking 64 KiB + 16 KiB again per keep-alive request cost more than the request's own work.
   void release_memory_while_idle() override { SSL_free_buffers(ssl_); }
 
  private:
-  enum class RxHandover { kNone, kOffloadedByOpenSsl, kInstallTls13Key };
   SSL* ssl_;
   int fd_;
   KtlsRxTracker* tracker_;
   bool read_ahead_;  // set on the context when kTLS is not possible (proxy/tls.cc)
   bool ktls_tx_ = false;
-  RxHandover rx_handover_ = RxHandover::kNone;
-  bool rx_spliced_ = false;
 };
+
+// The client's socket once the kernel does its TLS both ways. The handshake is over and OpenSSL has nothing
+// left to do, so the connection frees its SSL (13 KiB of an idle connection's 18, bench/RESULTS.md) and
+// keeps only this. The kernel says each record's type: application data is read, close_notify is EOF, and
+// anything else ends the connection (kernel_tls_record_result). TLS 1.3 tickets went out with the handshake;
+// a client's KeyUpdate ends the connection, since this kernel cannot rekey (kKtlsKeyUpdate). Otherwise a TCP
+// socket: writes are plain sends (the kernel cuts them into records), and it splices both ways.
+class KernelTlsTransport final : public TcpTransport {
+ public:
+  using TcpTransport::TcpTransport;
+  IoResult read(std::span<char> into) override;
+  // close_notify (an alert record the kernel encrypts), then FIN. False: retry once writable.
+  bool shutdown_write() override;
+};
+
+// What `n` bytes the kernel delivered as one read, all of record type `type`, mean for the reader:
+// application data is read; a close_notify alert is EOF; user_canceled waits for the close_notify that
+// follows it; another alert ends the connection as the client's doing (kClientClosed, the alert named); a
+// KeyUpdate ends it with kKtlsKeyUpdate; anything else is an error.
+IoResult kernel_tls_record_result(uint8_t type, const char* data, size_t n);
 
 }  // namespace sg

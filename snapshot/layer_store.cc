@@ -22,6 +22,7 @@
 
 #include "common/fd.h"
 #include "snapshot/tar_reader.h"
+#include "common/hex.h"
 
 namespace sg::snapshot {
 namespace {
@@ -170,12 +171,8 @@ Result<std::string> sha256_file(const std::string& path) {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   EVP_DigestFinal_ex(ctx.get(), md, &len);
-  static constexpr char kHex[] = "0123456789abcdef";
   std::string out(kSha256Prefix);
-  for (unsigned int i = 0; i < len; ++i) {
-    out += kHex[md[i] >> 4];
-    out += kHex[md[i] & 0xf];
-  }
+  hex_append(std::span(md, len), out);
   return out;
 }
 

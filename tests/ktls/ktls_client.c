@@ -11,6 +11,9 @@
  * GET /chunked/DOWN, an Upgrade the backend refuses (404), and one whose Host is OTHER_HOST. It expects both
  * bodies intact, the 404, then 421 from the edge and the connection closed by it within 10 s of the second
  * body, although the backend keeps its side open for 30 s.
+ *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER 0 DOWN hold N
+ * opens N connections to an HTTP port, gets GET /len/DOWN on each (checked), prints "ok held N" and keeps them
+ * all open and quiet until it is killed: the idle connections whose memory the bench measures.
  * Prints one line "ok ..." or "error: ..." and exits 0 or 1. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -179,9 +182,58 @@ static int pipeline(SSL* ssl, const char* sni, const char* other, unsigned long 
   return 0;
 }
 
+static SSL* connect_tls(SSL_CTX* ctx, const char* port, const char* sni, int* fd_out) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(port))};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, (struct sockaddr*)&a, sizeof a) != 0) return NULL;
+  SSL* ssl = SSL_new(ctx);
+  SSL_set_fd(ssl, fd);
+  SSL_set_tlsext_host_name(ssl, sni);
+  SSL_set1_host(ssl, sni);
+  if (SSL_connect(ssl) != 1) return NULL;
+  *fd_out = fd;
+  return ssl;
+}
+
+/* One GET /len/DOWN on a new connection, answered 200 with the stream; the connection, or NULL. */
+static SSL* get_on_new_connection(SSL_CTX* ctx, const char* port, const char* sni, const char* request, size_t len,
+                                  unsigned long long down, char* head, size_t head_cap) {
+  int fd = -1;
+  head[0] = 0;
+  SSL* ssl = connect_tls(ctx, port, sni, &fd);
+  if (!ssl) return NULL;
+  struct test_stream s;
+  test_stream_init(&s, KTLS_DOWN_SEED);
+  if (ssl_write_all(ssl, (const unsigned char*)request, len) != 0 || read_head(ssl, head, head_cap) != 0 ||
+      strncmp(head, "HTTP/1.1 200", 12) != 0 || read_stream(ssl, &s, down) != 0) {
+    SSL_free(ssl);
+    close(fd);
+    return NULL;
+  }
+  return ssl;
+}
+
+static int hold(SSL_CTX* ctx, const char* port, const char* sni, unsigned long long down, int count) {
+  char request[256], head[4096];
+  int len = snprintf(request, sizeof request, "GET /len/%llu HTTP/1.1\r\nHost: %s\r\n\r\n", down, sni);
+  for (int i = 0; i < count; ++i) {
+    /* The first is retried for 60 s: the sandbox may still be starting. */
+    SSL* ssl = NULL;
+    for (int attempt = 0; !ssl && attempt < (i == 0 ? 300 : 1); ++attempt) {
+      if (attempt > 0) usleep(200 * 1000);
+      ssl = get_on_new_connection(ctx, port, sni, request, (size_t)len, down, head, sizeof head);
+    }
+    if (!ssl) return printf("error: connection %d got no answer: %s\n", i, head), 1;
+  }
+  printf("ok held %d\n", count);
+  fflush(stdout);
+  for (;;) pause();
+}
+
 int main(int argc, char** argv) {
   if (argc < 8) {
-    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate|alert|pipeline OTHER_HOST]\n", argv[0]);
+    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate|alert|pipeline OTHER_HOST|hold N]\n", argv[0]);
     return 2;
   }
   const char* sni = argv[2];
@@ -191,6 +243,7 @@ int main(int argc, char** argv) {
   int keyupdate = argc > 8 && strcmp(argv[8], "keyupdate") == 0;
   int alert = argc > 8 && strcmp(argv[8], "alert") == 0;
   const char* pipeline_other = argc > 9 && strcmp(argv[8], "pipeline") == 0 ? argv[9] : NULL;
+  int hold_count = argc > 9 && strcmp(argv[8], "hold") == 0 ? atoi(argv[9]) : 0;
 
   SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
   int version = tls13 ? TLS1_3_VERSION : TLS1_2_VERSION;
@@ -201,17 +254,12 @@ int main(int argc, char** argv) {
   if (SSL_CTX_load_verify_locations(ctx, argv[3], NULL) != 1) return fail("CA file");
   SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, NULL);
   if (alert) SSL_CTX_set_options(ctx, SSL_OP_ENABLE_KTLS);
+  if (hold_count > 0) return hold(ctx, argv[1], sni, down, hold_count);
 
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[1]))};
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, (struct sockaddr*)&a, sizeof a) != 0) return fail("connect");
-  SSL* ssl = SSL_new(ctx);
-  SSL_set_fd(ssl, fd);
-  SSL_set_tlsext_host_name(ssl, sni);
-  SSL_set1_host(ssl, sni);
   double start = now_s();
-  if (SSL_connect(ssl) != 1) return fail("handshake");
+  int fd = -1;
+  SSL* ssl = connect_tls(ctx, argv[1], sni, &fd);
+  if (!ssl) return fail("connect or handshake");
   const char* negotiated = SSL_get_cipher_name(ssl);
   if (alert && !BIO_get_ktls_send(SSL_get_wbio(ssl))) return fail("the alert case needs the client's transmit in kTLS");
   if (pipeline_other) return pipeline(ssl, sni, pipeline_other, down);

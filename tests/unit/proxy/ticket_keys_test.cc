@@ -38,8 +38,9 @@ TEST(TicketKeys, TheTextOfARingRebuildsItAndMalformedTextChangesNothing) {
   ASSERT_TRUE((*from)->rotate());
   const std::string text = (*from)->serialize();
   const std::string own = (*to)->serialize();
+  // The last: hex up to its last character, so most of it decodes before it fails.
   for (const std::string& bad : {std::string(), text.substr(1), std::string(text.size(), 'g'), text + text,
-                                 std::string(text.size(), 'A')}) {
+                                 text.substr(0, text.size() - 1) + "z"}) {
     EXPECT_FALSE((*to)->replace_with(bad)) << bad.size() << " characters";
     EXPECT_EQ((*to)->serialize(), own) << "unchanged";
   }

@@ -1,7 +1,9 @@
 // The transports over real sockets: TcpTransport's results (data, would-block, EOF, error) and splice
-// capability, and TlsTransport (userspace TLS, no kTLS on this host) against an OpenSSL client over a
+// capability, TlsTransport (userspace TLS, no kTLS on this host) against an OpenSSL client over a
 // socketpair: reads fill the span across records, close_notify is EOF, shutdown_write sends one, and it
-// has no splice capability without kTLS.
+// has no splice capability without kTLS; and what KernelTlsTransport can be checked without kernel TLS
+// (the guest test, tests/ktls/, runs it on a kTLS socket): its reads and writes on a socket that delivers
+// application data, the alert its shutdown sends, and what each record type the kernel reports means.
 #include "proxy/transport.h"
 
 #include <gtest/gtest.h>
@@ -59,7 +61,7 @@ TEST(TcpTransport, ReadWriteEofAndErrors) {
   EXPECT_FALSE(failed.cause) << "an I/O failure: the connection decides the cause";
   // A plain socket splices both ways from the start.
   EXPECT_TRUE(t.can_splice_out());
-  EXPECT_EQ(t.splice_in_state(), Transport::SpliceIn::kReady);
+  EXPECT_TRUE(t.can_splice_in());
 }
 
 TEST(TcpTransport, SplicesThroughAPipe) {
@@ -79,7 +81,6 @@ TEST(TcpTransport, SplicesThroughAPipe) {
   EXPECT_EQ(source.splice_in(**pipe).status, IoResult::Status::kWouldBlock);
   in.b.reset();
   EXPECT_EQ(source.splice_in(**pipe).status, IoResult::Status::kEof);
-  EXPECT_EQ(source.read_record(got).status, IoResult::Status::kError) << "no TLS records on TCP";
 }
 
 class TlsTransportTest : public ::testing::Test {
@@ -222,11 +223,107 @@ TEST_F(TlsTransportTest, ABrokenRecordIsAnError) {
   EXPECT_FALSE(r.detail.empty());
 }
 
-TEST_F(TlsTransportTest, NoSpliceWithoutKtls) {
+TEST_F(TlsTransportTest, NoSpliceWithoutKtlsAndReceiveStaysWithOpenSsl) {
   EXPECT_FALSE(transport_->ktls_tx());
-  EXPECT_FALSE(transport_->ktls_rx_planned());
   EXPECT_FALSE(transport_->can_splice_out());
-  EXPECT_EQ(transport_->splice_in_state(), Transport::SpliceIn::kNever);
+  EXPECT_FALSE(transport_->can_splice_in());
+  Status handed = transport_->hand_receive_to_kernel();
+  EXPECT_FALSE(handed);
+  EXPECT_EQ(handed.error(), Error::kUnsupported) << handed.message();
+  // Refused, it changed nothing: OpenSSL still reads.
+  client_sends("still OpenSSL's");
+  char buf[64];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(std::string(buf, r.bytes), "still OpenSSL's");
+}
+
+TEST(KernelTlsTransport, ReadsAndWritesASocketWhoseRecordsAreData) {
+  Pair p = socket_pair();
+  KernelTlsTransport t(p.a.get());
+  EXPECT_TRUE(t.can_splice_out());
+  EXPECT_TRUE(t.can_splice_in());
+  char buf[256];
+  EXPECT_EQ(t.read(buf).status, IoResult::Status::kWouldBlock);
+  ASSERT_EQ(::send(p.b.get(), "request", 7, MSG_NOSIGNAL), 7);
+  IoResult r = t.read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_EQ(std::string(buf, r.bytes), "request");
+  EXPECT_TRUE(r.drained) << "a short read took all there was";
+  IoResult w = t.write(std::string_view("response"));
+  EXPECT_EQ(w.bytes, 8u);
+  char got[16];
+  EXPECT_EQ(std::string(got, static_cast<size_t>(::recv(p.b.get(), got, sizeof got, 0))), "response");
+  p.b.reset();
+  EXPECT_EQ(t.read(buf).status, IoResult::Status::kEof) << "a FIN without close_notify still ends the input";
+  EXPECT_EQ(t.write(std::string_view("to nobody")).status, IoResult::Status::kError);
+}
+
+// A reader whose buffer is nearly full learns the next record's type before it reads (a control record
+// must come whole): data still arrives, as much as fits, and the rest stays for the next read.
+TEST(KernelTlsTransport, AReaderWithLittleRoomGetsWhatFitsAndTheRestNext) {
+  Pair p = socket_pair();
+  KernelTlsTransport t(p.a.get());
+  ASSERT_EQ(::send(p.b.get(), "0123456789", 10, MSG_NOSIGNAL), 10);
+  char four[4];
+  IoResult r = t.read(four);
+  EXPECT_EQ(r.status, IoResult::Status::kOk);
+  EXPECT_EQ(std::string(four, r.bytes), "0123");
+  EXPECT_FALSE(r.drained) << "stopped for room";
+  char rest[16];
+  r = t.read(rest);
+  EXPECT_EQ(std::string(rest, r.bytes), "456789");
+}
+
+// On a kTLS socket the kernel encrypts the two bytes into an alert record; here they arrive as they are.
+TEST(KernelTlsTransport, ShutdownSendsAWarningCloseNotifyThenFin) {
+  Pair p = socket_pair();
+  KernelTlsTransport t(p.a.get());
+  EXPECT_TRUE(t.shutdown_write());
+  char got[8];
+  ASSERT_EQ(::recv(p.b.get(), got, sizeof got, 0), 2);
+  EXPECT_EQ(got[0], SSL3_AL_WARNING);
+  EXPECT_EQ(got[1], SSL_AD_CLOSE_NOTIFY);
+  EXPECT_EQ(::recv(p.b.get(), got, sizeof got, 0), 0) << "FIN";
+}
+
+TEST(KernelTlsTransport, EachRecordTypeTheKernelReportsHasItsMeaning) {
+  auto result = [](uint8_t type, std::string_view record) {
+    return kernel_tls_record_result(type, record.data(), record.size());
+  };
+  IoResult data = result(SSL3_RT_APPLICATION_DATA, "GET / HTTP/1.1\r\n");
+  EXPECT_EQ(data.status, IoResult::Status::kOk);
+  EXPECT_EQ(data.bytes, 16u);
+
+  const char close_notify[] = {SSL3_AL_WARNING, SSL_AD_CLOSE_NOTIFY};
+  EXPECT_EQ(result(SSL3_RT_ALERT, std::string_view(close_notify, 2)).status, IoResult::Status::kEof);
+  const char user_canceled[] = {SSL3_AL_WARNING, SSL_AD_USER_CANCELLED};
+  EXPECT_EQ(result(SSL3_RT_ALERT, std::string_view(user_canceled, 2)).status, IoResult::Status::kWouldBlock)
+      << "a close_notify follows it";
+
+  const char fatal[] = {SSL3_AL_FATAL, SSL_AD_HANDSHAKE_FAILURE};
+  IoResult alert = result(SSL3_RT_ALERT, std::string_view(fatal, 2));
+  EXPECT_EQ(alert.status, IoResult::Status::kError);
+  EXPECT_EQ(alert.cause, TerminationCause::kClientClosed) << "the client ended it";
+  EXPECT_NE(alert.detail.find("handshake failure"), std::string::npos) << alert.detail;
+
+  const char key_update[] = {SSL3_MT_KEY_UPDATE, 0, 0, 1, 0};
+  IoResult rekey = result(SSL3_RT_HANDSHAKE, std::string_view(key_update, sizeof key_update));
+  EXPECT_EQ(rekey.status, IoResult::Status::kError);
+  EXPECT_EQ(rekey.cause, TerminationCause::kKtlsKeyUpdate);
+
+  // Anything else ends the connection as an error of its own; short records too, without reading past them.
+  const char client_hello[] = {SSL3_MT_CLIENT_HELLO, 0, 0, 0};
+  for (auto [type, record] : std::initializer_list<std::pair<uint8_t, std::string_view>>{
+           {SSL3_RT_HANDSHAKE, std::string_view(client_hello, sizeof client_hello)},
+           {SSL3_RT_HANDSHAKE, {}},
+           {SSL3_RT_ALERT, std::string_view(fatal, 1)},
+           {SSL3_RT_CHANGE_CIPHER_SPEC, "\x01"},
+           {99, "?"}}) {
+    IoResult other = result(type, record);
+    EXPECT_EQ(other.status, IoResult::Status::kError) << int{type} << " " << record.size();
+    EXPECT_NE(other.cause, TerminationCause::kKtlsKeyUpdate);
+    EXPECT_FALSE(other.detail.empty());
+  }
 }
 
 }  // namespace
