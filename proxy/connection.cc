@@ -704,6 +704,7 @@ void Connection::plan_data_path() {
   } else if (auto st = openssl.hand_receive_to_kernel(); !st) {
     why = st.message();
   } else {
+    openssl.keep_session_when_freed();
     client_tls_ = nullptr;
     client_ = std::make_unique<KernelTlsTransport>(client_fd_.get());
     ktls_rx_tracker_.reset();
@@ -719,8 +720,8 @@ void Connection::set_data_path_label(bool tx_spliced, bool rx_spliced) {
                                             : "userspace";
 }
 
-// A direction planned for kTLS that cannot splice after all: with ktls = on that refuses the connection,
-// otherwise it carries on through SSL_read/SSL_write (OpenSSL still uses whatever the kernel took over).
+// A direction that could splice cannot after all (no pipe): with ktls = on that refuses the connection,
+// otherwise its bytes are copied through the same transports.
 bool Connection::ktls_downgrade(std::string why) {
   log_ktls_fallback_once(why);
   auto* forward = phase() == PhaseKind::kForward ? static_cast<ForwardPhase*>(phase_.get()) : nullptr;

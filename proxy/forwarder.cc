@@ -87,7 +87,8 @@ bool Direction::fill() {
     if (started && !has_room()) return true;
   }
   if (!source_ready_ && !source_->has_buffered_input()) return true;
-  if (pipe_ && !copy_while_spliced()) return splice_from_source();
+  // Input the transport holds came off the socket before what a splice would take now.
+  if (pipe_ && !copy_while_spliced() && !source_->has_buffered_input()) return splice_from_source();
   return read_into_buffer();
 }
 

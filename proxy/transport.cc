@@ -3,6 +3,7 @@
 #include <openssl/err.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -144,27 +145,34 @@ IoResult kernel_tls_record_result(uint8_t type, const char* data, size_t n) {
 }
 
 IoResult KernelTlsTransport::read(std::span<char> into) {
-  // A record that is not application data is read whole only if it fits, and alerts (2 bytes) and the
-  // messages a client may send after the handshake are small: a reader with less room than that (its
-  // buffer nearly full) learns the next record's type first, and such a record is read into a buffer here.
-  constexpr size_t kControlRecordRoom = 64;
-  char control_record[kControlRecordRoom];
-  uint8_t type = SSL3_RT_APPLICATION_DATA;
-  if (into.size() < kControlRecordRoom) {
-    ssize_t peeked = recv_tls_record(fd_, control_record, sizeof control_record, &type, MSG_PEEK);
-    if (peeked <= 0) return errno_result(peeked);
-    if (type != SSL3_RT_APPLICATION_DATA) into = std::span<char>(control_record, sizeof control_record);
+  if (stash_len_ > 0) {
+    const size_t n = std::min<size_t>(stash_len_, into.size());
+    std::memcpy(into.data(), stash_ + stash_at_, n);
+    stash_at_ += n;
+    stash_len_ -= n;
+    return IoResult::ok(n);  // the socket may hold more: not drained
   }
-  ssize_t n = recv_tls_record(fd_, into.data(), into.size(), &type);
+  const bool small = into.size() < kControlRecordRoom;
+  char* dest = small ? stash_ : into.data();
+  const size_t room = small ? sizeof stash_ : into.size();
+  uint8_t type = SSL3_RT_APPLICATION_DATA;
+  ssize_t n = recv_tls_record(fd_, dest, room, &type);
   if (n <= 0) {
     IoResult r = errno_result(n);
     if (r.status == IoResult::Status::kError) r.detail = "kTLS receive: " + r.detail;
     return r;
   }
-  IoResult r = kernel_tls_record_result(type, into.data(), static_cast<size_t>(n));
+  IoResult r = kernel_tls_record_result(type, dest, static_cast<size_t>(n));
+  if (r.status != IoResult::Status::kOk) return r;
+  if (small) {
+    r.bytes = std::min(r.bytes, into.size());
+    std::memcpy(into.data(), stash_, r.bytes);
+    stash_at_ = static_cast<uint8_t>(r.bytes);
+    stash_len_ = static_cast<uint8_t>(static_cast<size_t>(n) - r.bytes);
+  }
   // The kernel returns fewer bytes than asked only when no whole record is left (poll says when the next
   // one is in) or the next one is of another type (then poll says readable at once).
-  if (r.status == IoResult::Status::kOk && r.bytes < into.size()) r.drained = true;
+  if (static_cast<size_t>(n) < room && stash_len_ == 0) r.drained = true;
   return r;
 }
 

@@ -133,6 +133,10 @@ class TlsTransport final : public Transport {
   // any read: the socket is then at a record boundary. Fails, leaving receive to OpenSSL, with a reason
   // that names no connection (it is logged once per reason).
   Status hand_receive_to_kernel();
+  // Before the transport is destroyed with its TLS going on in the kernel: OpenSSL drops the session of an
+  // SSL freed before its connection shut down from the context's cache (its guard against a truncated
+  // connection), and this connection has not ended. Keeps TLS 1.2 session-ID resumption working.
+  void keep_session_when_freed() { SSL_set_shutdown(ssl_, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN); }
   bool can_splice_out() const override { return ktls_tx_; }
   // OpenSSL keeps its record buffers between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc): freeing
   // and taking 64 KiB + 16 KiB again per keep-alive request cost more than the request's own work.
@@ -149,7 +153,7 @@ class TlsTransport final : public Transport {
 // The client's socket once the kernel does its TLS both ways. The handshake is over and OpenSSL has nothing
 // left to do, so the connection frees its SSL (13 KiB of an idle connection's 18, bench/RESULTS.md) and
 // keeps only this. The kernel says each record's type: application data is read, close_notify is EOF, and
-// anything else ends the connection (kernel_tls_record_result). TLS 1.3 tickets went out with the handshake;
+// any other record but user_canceled ends the connection (kernel_tls_record_result). TLS 1.3 tickets went out with the handshake;
 // a client's KeyUpdate ends the connection, since this kernel cannot rekey (kKtlsKeyUpdate). Otherwise a TCP
 // socket: writes are plain sends (the kernel cuts them into records), and it splices both ways.
 class KernelTlsTransport final : public TcpTransport {
@@ -158,6 +162,17 @@ class KernelTlsTransport final : public TcpTransport {
   IoResult read(std::span<char> into) override;
   // close_notify (an alert record the kernel encrypts), then FIN. False: retry once writable.
   bool shutdown_write() override;
+  bool has_buffered_input() const override { return stash_len_ > 0; }
+
+ private:
+  // The kernel hands over a record that is not application data only whole, so a reader with less room
+  // than this (its buffer nearly full) reads into stash_, and the data beyond its room waits there. A
+  // record's type cannot be peeked instead: a peek at an empty data record leaves it queued, and the
+  // socket would stay readable with nothing to read.
+  static constexpr size_t kControlRecordRoom = 64;
+  char stash_[kControlRecordRoom];
+  uint8_t stash_at_ = 0;
+  uint8_t stash_len_ = 0;
 };
 
 // What `n` bytes the kernel delivered as one read, all of record type `type`, mean for the reader:

@@ -5,7 +5,8 @@
 # ktls_backend, then for TLS 1.2 and 1.3 x AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305
 # moves SIZE bytes each way with ktls_client and checks: data intact both ways (sha256 / byte compare),
 # close_notify half-close in both directions, the access log's path = ktls-splice, and the kernel's
-# /proc/net/tls_stat software TX and RX counters rising with no decrypt errors. Then a TLS 1.3 KeyUpdate
+# /proc/net/tls_stat software TX and RX counters rising with no decrypt errors. Then a TLS 1.2 session resumed
+# by its ID (the SSL freed for the kernel left it in the cache), a TLS 1.3 KeyUpdate
 # must end the connection with cause ktls_key_update, and a fatal alert from the client with cause
 # client_closed. Then pipelined HTTP/1.1 requests on an HTTP port: Content-Length and chunked bodies spliced
 # intact, a refused Upgrade, and a request for another route answered 421 without waiting for the backend's
@@ -151,6 +152,13 @@ for v in 1.2 1.3; do
   for c in $ciphers; do run_case $v $c; done
 done
 [ "$BIG_SIZE" != "$SIZE" ] && run_case 1.3 TLS_AES_128_GCM_SHA256 "$BIG_SIZE"
+
+# The SSL freed for the kernel keeps its TLS 1.2 session in the proxy's cache: resumption by session ID.
+out=$(client 1.2 ECDHE-ECDSA-AES128-GCM-SHA256 65536 65536 resume 2>&1)
+case "$out" in
+  ok*resumed=1) echo "KTLS-CASE PASS TLS1.2 session ID resumption after the SSL was freed: $out" ;;
+  *) echo "KTLS-CASE FAIL TLS1.2 session ID resumption after the SSL was freed: $out"; failures=$((failures + 1)) ;;
+esac
 
 lines=$(log_lines)
 out=$(closing_client 1.3 TLS_AES_128_GCM_SHA256 4194304 0 keyupdate 2>&1)

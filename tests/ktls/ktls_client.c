@@ -14,6 +14,9 @@
  *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER 0 DOWN hold N
  * opens N connections to an HTTP port, gets GET /len/DOWN on each (checked), prints "ok held N" and keeps them
  * all open and quiet until it is killed: the idle connections whose memory the bench measures.
+ *   ktls_client PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN resume
+ * first makes a connection that only does its handshake and ends with close_notify, then the transfer on a
+ * second one that offers the first's session by its ID (no tickets); adds "resumed=0|1" to the line.
  * Prints one line "ok ..." or "error: ..." and exits 0 or 1. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -182,7 +185,7 @@ static int pipeline(SSL* ssl, const char* sni, const char* other, unsigned long 
   return 0;
 }
 
-static SSL* connect_tls(SSL_CTX* ctx, const char* port, const char* sni, int* fd_out) {
+static SSL* connect_tls(SSL_CTX* ctx, const char* port, const char* sni, int* fd_out, SSL_SESSION* offer) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(port))};
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -191,6 +194,7 @@ static SSL* connect_tls(SSL_CTX* ctx, const char* port, const char* sni, int* fd
   SSL_set_fd(ssl, fd);
   SSL_set_tlsext_host_name(ssl, sni);
   SSL_set1_host(ssl, sni);
+  if (offer) SSL_set_session(ssl, offer);
   if (SSL_connect(ssl) != 1) return NULL;
   *fd_out = fd;
   return ssl;
@@ -201,7 +205,7 @@ static SSL* get_on_new_connection(SSL_CTX* ctx, const char* port, const char* sn
                                   unsigned long long down, char* head, size_t head_cap) {
   int fd = -1;
   head[0] = 0;
-  SSL* ssl = connect_tls(ctx, port, sni, &fd);
+  SSL* ssl = connect_tls(ctx, port, sni, &fd, NULL);
   if (!ssl) return NULL;
   struct test_stream s;
   test_stream_init(&s, KTLS_DOWN_SEED);
@@ -233,7 +237,7 @@ static int hold(SSL_CTX* ctx, const char* port, const char* sni, unsigned long l
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate|alert|pipeline OTHER_HOST|hold N]\n", argv[0]);
+    fprintf(stderr, "usage: %s PORT SNI CA_FILE 1.2|1.3 CIPHER UP DOWN [keyupdate|alert|resume|pipeline OTHER_HOST|hold N]\n", argv[0]);
     return 2;
   }
   const char* sni = argv[2];
@@ -244,6 +248,7 @@ int main(int argc, char** argv) {
   int alert = argc > 8 && strcmp(argv[8], "alert") == 0;
   const char* pipeline_other = argc > 9 && strcmp(argv[8], "pipeline") == 0 ? argv[9] : NULL;
   int hold_count = argc > 9 && strcmp(argv[8], "hold") == 0 ? atoi(argv[9]) : 0;
+  int resume = argc > 8 && strcmp(argv[8], "resume") == 0;
 
   SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
   int version = tls13 ? TLS1_3_VERSION : TLS1_2_VERSION;
@@ -255,10 +260,22 @@ int main(int argc, char** argv) {
   SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, NULL);
   if (alert) SSL_CTX_set_options(ctx, SSL_OP_ENABLE_KTLS);
   if (hold_count > 0) return hold(ctx, argv[1], sni, down, hold_count);
+  SSL_SESSION* offer = NULL;
+  if (resume) {
+    /* A first connection whose session the transfer's offers: by session ID, the server's cache (no ticket). */
+    SSL_CTX_set_options(ctx, SSL_OP_NO_TICKET);
+    int first_fd = -1;
+    SSL* first = connect_tls(ctx, argv[1], sni, &first_fd, NULL);
+    if (!first) return fail("first connection");
+    offer = SSL_get1_session(first);
+    SSL_shutdown(first);  /* a clean end keeps the session resumable on this side */
+    SSL_free(first);
+    close(first_fd);
+  }
 
   double start = now_s();
   int fd = -1;
-  SSL* ssl = connect_tls(ctx, argv[1], sni, &fd);
+  SSL* ssl = connect_tls(ctx, argv[1], sni, &fd, offer);
   if (!ssl) return fail("connect or handshake");
   const char* negotiated = SSL_get_cipher_name(ssl);
   if (alert && !BIO_get_ktls_send(SSL_get_wbio(ssl))) return fail("the alert case needs the client's transmit in kTLS");
@@ -340,8 +357,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   double end = now_s();
-  printf("ok %s %s up=%llu down=%llu upload_s=%.3f download_s=%.3f\n", SSL_get_version(ssl), negotiated, up, down,
+  printf("ok %s %s up=%llu down=%llu upload_s=%.3f download_s=%.3f", SSL_get_version(ssl), negotiated, up, down,
          uploaded - start, end - uploaded);
+  if (resume) printf(" resumed=%d", SSL_session_reused(ssl));
+  printf("\n");
   SSL_free(ssl);
   close(fd);
   SSL_CTX_free(ctx);

@@ -1,5 +1,6 @@
 // One Direction between two TcpTransports over socketpairs, driven by calling move() (no loop): bytes
-// arrive in order copied or spliced, what the buffer held goes before the pipe, a stage sees every byte,
+// arrive in order copied or spliced, what the buffer or the source transport held goes before the pipe, a
+// stage sees every byte,
 // EOF shuts the sink once everything is delivered, and a failing sink is reported.
 #include "proxy/forwarder.h"
 
@@ -112,6 +113,22 @@ TEST_F(DirectionTest, CopiesInOrderAndShutsTheSinkAfterTheSourceEnds) {
   EXPECT_EQ(::recv(dst_.theirs.get(), &byte, 1, 0), 0) << "FIN to the sink";
   EXPECT_FALSE(dir_->wants_source_readable());
   EXPECT_FALSE(dir_->wants_sink_writable());
+}
+
+// A kernel-TLS source holds what it read past a nearly full reader's room (KernelTlsTransport); those bytes
+// came off the socket first, so they go out before anything the direction splices from it.
+TEST_F(DirectionTest, BytesTheSourceHoldsGoBeforeWhatItSplices) {
+  KernelTlsTransport ktls(src_.ours.get());
+  ASSERT_EQ(::send(src_.theirs.get(), "0123456789", 10, MSG_NOSIGNAL), 10);
+  char four[4];
+  ASSERT_EQ(ktls.read(four).bytes, 4u);
+  ASSERT_TRUE(ktls.has_buffered_input()) << "\"456789\" stays with the transport";
+  events_.splice_allowed = true;
+  dir_ = std::make_unique<Direction>(&ktls, &sink_, ByteBuffer(4096), events_);
+  const std::string more = pattern(100000);
+  EXPECT_EQ(pass(more, 6 + more.size()), "456789" + more);
+  EXPECT_TRUE(dir_->spliced());
+  dir_.reset();
 }
 
 TEST_F(DirectionTest, SplicesWhenBothEndsCanAndTheBufferGoesFirst) {

@@ -237,6 +237,57 @@ TEST_F(TlsTransportTest, NoSpliceWithoutKtlsAndReceiveStaysWithOpenSsl) {
   EXPECT_EQ(std::string(buf, r.bytes), "still OpenSSL's");
 }
 
+// The switch to the kernel frees the SSL of a connection that goes on: its TLS 1.2 session must stay in the
+// context's cache for a session-ID resumption, which OpenSSL prevents for an SSL freed unshut.
+TEST(TlsTransportSession, ATls12SessionStaysResumableWhenTheSslIsFreedForTheKernel) {
+  test_support::TestCert cert;
+  SSL_CTX* server_ctx = SSL_CTX_new(TLS_server_method());
+  SSL_CTX_use_certificate(server_ctx, cert.cert);
+  SSL_CTX_use_PrivateKey(server_ctx, cert.key);
+  SSL_CTX_set_options(server_ctx, SSL_OP_NO_TICKET);  // resumption by session ID, from the server's cache
+  SSL_CTX_set_max_proto_version(server_ctx, TLS1_2_VERSION);
+  SSL_CTX* client_ctx = SSL_CTX_new(TLS_client_method());
+  // One handshake through a TlsTransport, freed as the switch frees it (kept) or as a connection cut short
+  // is; returns whether it resumed and the client's session.
+  auto connect = [&](SSL_SESSION* offer, bool keep) {
+    Pair p = socket_pair();
+    SSL* server = SSL_new(server_ctx);
+    SSL_set_fd(server, p.a.get());
+    SSL_set_accept_state(server);
+    auto transport = std::make_unique<TlsTransport>(server, p.a.get(), nullptr);
+    SSL* client = SSL_new(client_ctx);
+    SSL_set_fd(client, p.b.get());
+    SSL_set_connect_state(client);
+    if (offer) SSL_set_session(client, offer);
+    bool server_done = false, client_done = false;
+    for (int i = 0; i < 100 && !(server_done && client_done); ++i) {
+      if (!server_done) server_done = SSL_do_handshake(server) == 1;
+      if (!client_done) client_done = SSL_do_handshake(client) == 1;
+    }
+    EXPECT_TRUE(server_done && client_done);
+    const bool resumed = SSL_session_reused(server) == 1;
+    if (keep) transport->keep_session_when_freed();
+    transport.reset();
+    SSL_SESSION* session = SSL_get1_session(client);
+    SSL_set_shutdown(client, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);  // the client's session stays resumable
+    SSL_free(client);
+    return std::make_pair(resumed, session);
+  };
+  auto [first_resumed, kept] = connect(nullptr, true);
+  EXPECT_FALSE(first_resumed);
+  auto [resumed, second] = connect(kept, false);
+  EXPECT_TRUE(resumed) << "the session outlived the SSL freed for the kernel";
+  // The same without keep_session_when_freed: the second connection's SSL was freed unshut, so its session
+  // (the one resumed) left the cache.
+  auto [resumed_again, third] = connect(second, true);
+  EXPECT_FALSE(resumed_again) << "OpenSSL drops the session of an SSL freed unshut";
+  SSL_SESSION_free(kept);
+  SSL_SESSION_free(second);
+  SSL_SESSION_free(third);
+  SSL_CTX_free(client_ctx);
+  SSL_CTX_free(server_ctx);
+}
+
 TEST(KernelTlsTransport, ReadsAndWritesASocketWhoseRecordsAreData) {
   Pair p = socket_pair();
   KernelTlsTransport t(p.a.get());
@@ -258,8 +309,9 @@ TEST(KernelTlsTransport, ReadsAndWritesASocketWhoseRecordsAreData) {
   EXPECT_EQ(t.write(std::string_view("to nobody")).status, IoResult::Status::kError);
 }
 
-// A reader whose buffer is nearly full learns the next record's type before it reads (a control record
-// must come whole): data still arrives, as much as fits, and the rest stays for the next read.
+// A reader whose buffer is nearly full reads through a small buffer of the transport's (a control record
+// must come whole): data still arrives, as much as fits, and the rest waits there, where poll cannot see
+// it (has_buffered_input), ahead of what the socket holds.
 TEST(KernelTlsTransport, AReaderWithLittleRoomGetsWhatFitsAndTheRestNext) {
   Pair p = socket_pair();
   KernelTlsTransport t(p.a.get());
@@ -269,9 +321,18 @@ TEST(KernelTlsTransport, AReaderWithLittleRoomGetsWhatFitsAndTheRestNext) {
   EXPECT_EQ(r.status, IoResult::Status::kOk);
   EXPECT_EQ(std::string(four, r.bytes), "0123");
   EXPECT_FALSE(r.drained) << "stopped for room";
-  char rest[16];
+  EXPECT_TRUE(t.has_buffered_input());
+  ASSERT_EQ(::send(p.b.get(), "abc", 3, MSG_NOSIGNAL), 3);
+  char three[3];
+  r = t.read(three);
+  EXPECT_EQ(std::string(three, r.bytes), "456");
+  char rest[256];
   r = t.read(rest);
-  EXPECT_EQ(std::string(rest, r.bytes), "456789");
+  EXPECT_EQ(std::string(rest, r.bytes), "789") << "what was held comes before the socket's next bytes";
+  EXPECT_FALSE(t.has_buffered_input());
+  r = t.read(rest);
+  EXPECT_EQ(std::string(rest, r.bytes), "abc");
+  EXPECT_TRUE(r.drained);
 }
 
 // On a kTLS socket the kernel encrypts the two bytes into an alert record; here they arrive as they are.
