@@ -1,10 +1,11 @@
 #include "common/token_digest.h"
-#include "common/hex.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
 #include <memory>
+
+#include "common/hex.h"
 
 namespace sg {
 

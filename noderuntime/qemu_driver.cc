@@ -26,6 +26,7 @@
 
 #include "common/base64.h"
 #include "common/failpoint.h"
+#include "common/hex.h"
 #include "common/log.h"
 #include "noderuntime/disk_delta.h"
 #include "noderuntime/guest_disk.h"
@@ -36,7 +37,6 @@
 #include "noderuntime/sandbox_egress.h"
 #include "noderuntime/ssh_keys.h"
 #include "noderuntime/uv_handles.h"
-#include "common/hex.h"
 
 namespace sg {
 namespace {

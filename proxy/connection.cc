@@ -698,9 +698,6 @@ void Connection::plan_data_path() {
     why = "ktls = off in the config";
   } else if (!tls()->ktls_kernel_reason().empty()) {
     why = tls()->ktls_kernel_reason();
-  } else if (!tx) {
-    why = fmt::format("OpenSSL did not offload transmit for {} {}: cipher not offloadable", SSL_get_version(openssl.ssl()),
-                      SSL_get_cipher_name(openssl.ssl()));
   } else if (auto st = openssl.hand_receive_to_kernel(); !st) {
     why = st.message();
   } else {

@@ -86,9 +86,10 @@ bool Direction::fill() {
     // The pipe fills only once the buffer is delivered.
     if (started && !has_room()) return true;
   }
-  if (!source_ready_ && !source_->has_buffered_input()) return true;
+  const bool buffered = source_->has_buffered_input();
+  if (!source_ready_ && !buffered) return true;
   // Input the transport holds came off the socket before what a splice would take now.
-  if (pipe_ && !copy_while_spliced() && !source_->has_buffered_input()) return splice_from_source();
+  if (pipe_ && !copy_while_spliced() && !buffered) return splice_from_source();
   return read_into_buffer();
 }
 
@@ -129,17 +130,10 @@ bool Direction::splice_from_source() {
   IoResult r = source_->splice_in(*pipe_, budget);
   if (r.bytes > 0) events_.passed_unseen(r.bytes);
   if (r.status != IoResult::Status::kNotData) return received(r);
-  // Read once the pipe has delivered what came before it.
-  if (pipe_->buffered() == 0) return read_source_record();
+  // Read (into the buffer, empty while splicing) once the pipe has delivered what came before it.
+  if (pipe_->buffered() == 0) return read_into_buffer();
   record_waits_ = true;
   return true;
-}
-
-bool Direction::read_source_record() {
-  // The buffer is empty while splicing (has_room): the record goes into it like any read.
-  IoResult r = source_->read(std::span<char>(buffer_.write_ptr(), buffer_.space()));
-  buffer_.produced(r.bytes);
-  return received(r);
 }
 
 bool Direction::write_sink() {

@@ -142,7 +142,6 @@ class Direction {
   size_t queued() const { return stage_ ? out_pending() : buffer_.readable(); }
   bool fill();
   bool splice_from_source();
-  bool read_source_record();
   bool write_sink();
   bool splice_to_sink();
   // Both ends can splice and the connection allows it: the pipe takes over (false when closed).

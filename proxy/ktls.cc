@@ -11,8 +11,8 @@
 #include <set>
 #include <string>
 
-#include "common/log.h"
 #include "common/hex.h"
+#include "common/log.h"
 
 namespace sg {
 namespace {
@@ -74,8 +74,8 @@ void ktls_on_keylog(const SSL* ssl, const char* line) {
   // "CLIENT_TRAFFIC_SECRET_0 <client random hex> <secret hex>"
   auto space = text.rfind(' ');
   std::string_view hex = text.substr(space + 1);
-  if (hex.size() % 2 != 0 || hex.size() / 2 > sizeof t->client_secret_) return;
-  if (!hex_decode(hex, std::span(t->client_secret_, hex.size() / 2))) {
+  if (hex.size() / 2 > sizeof t->client_secret_) return;
+  if (!hex_decode(hex, std::span(t->client_secret_, hex.size() / 2))) {  // an odd length fails too
     OPENSSL_cleanse(t->client_secret_, sizeof t->client_secret_);
     return;
   }
@@ -193,7 +193,7 @@ void enable_ktls_rx_tracking(SSL_CTX* ctx) {
   SSL_CTX_set_msg_callback(ctx, ktls_on_message);
 }
 
-ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type, int flags) {
+ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type) {
   char control[CMSG_SPACE(sizeof(uint8_t))];
   iovec iov{buf, capacity};
   msghdr msg{};
@@ -201,7 +201,7 @@ ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
-  ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | flags);
+  ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
   if (n < 0) return n;
   // Without the cmsg (a socket without kTLS receive) the bytes are application data.
   *record_type = SSL3_RT_APPLICATION_DATA;

@@ -81,9 +81,9 @@ class KtlsRxTracker {
 void enable_ktls_rx_tracking(SSL_CTX* ctx);
 
 // Reads from a kTLS receive socket with recvmsg: application data (one record or more), or one record of
-// another type, with the TLS content type (the cmsg TLS_GET_RECORD_TYPE). `flags` as recvmsg's (MSG_PEEK).
+// another type, with the TLS content type (the cmsg TLS_GET_RECORD_TYPE).
 // Returns the payload length, 0 at EOF, or -1 with errno.
-ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type, int flags = 0);
+ssize_t recv_tls_record(int fd, char* buf, size_t capacity, uint8_t* record_type);
 // Sends one record of `record_type` through a kTLS transmit socket (TLS_SET_RECORD_TYPE): an alert, since
 // application data needs no type. Returns what send returns.
 ssize_t send_tls_record(int fd, uint8_t record_type, const void* payload, size_t size);

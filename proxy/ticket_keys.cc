@@ -1,5 +1,4 @@
 #include "proxy/ticket_keys.h"
-#include "common/hex.h"
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
@@ -8,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 #include <span>
+
+#include "common/hex.h"
 
 namespace sg {
 

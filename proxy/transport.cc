@@ -110,7 +110,9 @@ bool TlsTransport::shutdown_write() {
 void TlsTransport::plan_ktls() { ktls_tx_ = BIO_get_ktls_send(SSL_get_wbio(ssl_)); }
 
 Status TlsTransport::hand_receive_to_kernel() {
-  if (!ktls_tx_) return fail(Error::kUnsupported, "transmit is not the kernel's");
+  if (!ktls_tx_)
+    return fail(Error::kUnsupported, fmt::format("OpenSSL did not offload transmit for {} {}: cipher not offloadable",
+                                                 SSL_get_version(ssl_), SSL_get_cipher_name(ssl_)));
   // Without read-ahead OpenSSL reads the socket one record at a time, so after the handshake it holds
   // nothing and the socket's next byte starts a record.
   if (SSL_has_pending(ssl_)) return fail(Error::kConflict, "OpenSSL still holds received bytes");

@@ -127,7 +127,7 @@ class TlsTransport final : public Transport {
   // After the handshake: whether OpenSSL handed transmit to the kernel (then bytes can splice out).
   void plan_ktls();
   bool ktls_tx() const { return ktls_tx_; }
-  // With transmit the kernel's, receive too: OpenSSL offloaded it itself (TLS 1.2), or the TLS 1.3 key is
+  // Transmit is the kernel's, and now receive too: OpenSSL offloaded it itself (TLS 1.2), or the TLS 1.3 key is
   // installed here (proxy/ktls.h). Then OpenSSL has nothing left to do on this connection, and the caller
   // replaces this transport with a KernelTlsTransport. Must be called right after the handshake, before
   // any read: the socket is then at a record boundary. Fails, leaving receive to OpenSSL, with a reason
@@ -153,9 +153,10 @@ class TlsTransport final : public Transport {
 // The client's socket once the kernel does its TLS both ways. The handshake is over and OpenSSL has nothing
 // left to do, so the connection frees its SSL (13 KiB of an idle connection's 18, bench/RESULTS.md) and
 // keeps only this. The kernel says each record's type: application data is read, close_notify is EOF, and
-// any other record but user_canceled ends the connection (kernel_tls_record_result). TLS 1.3 tickets went out with the handshake;
-// a client's KeyUpdate ends the connection, since this kernel cannot rekey (kKtlsKeyUpdate). Otherwise a TCP
-// socket: writes are plain sends (the kernel cuts them into records), and it splices both ways.
+// any other record but user_canceled ends the connection (kernel_tls_record_result); a client's KeyUpdate
+// too, since this kernel cannot rekey (kKtlsKeyUpdate). TLS 1.3 tickets went out with the handshake.
+// Otherwise a TCP socket: writes are plain sends (the kernel cuts them into records), and it splices both
+// ways.
 class KernelTlsTransport final : public TcpTransport {
  public:
   using TcpTransport::TcpTransport;

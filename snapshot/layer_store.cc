@@ -21,8 +21,8 @@
 #include <utility>
 
 #include "common/fd.h"
-#include "snapshot/tar_reader.h"
 #include "common/hex.h"
+#include "snapshot/tar_reader.h"
 
 namespace sg::snapshot {
 namespace {
