@@ -1216,7 +1216,8 @@ void Connection::open_local_sandbox() {
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
       worker_->shared()->metrics.route_cache(true);
-      if (cached->wants_refill) worker_->refill_route(route_.target, cached->opened.id, cached->opened.port);
+      if (cached->refill > 0)
+        worker_->refill_route(route_.target, cached->opened.id, cached->opened.port, cached->refill);
       return use_opened(std::move(cached->opened));
     }
   }

@@ -127,8 +127,16 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   r.spares.pop_back();
   --spares_held_;
   if (r.spares.size() < kRefillBelow && !r.refill_asked) {
-    r.refill_asked = true;
-    out.wants_refill = true;
+    // How long the last refill lasted sizes the next (the first is kSparesPerRefill: an open's few spares
+    // going fast say little).
+    const uint64_t lasted_ms = now_ms - r.refilled_ms;
+    if (r.refilled_ms != 0 && lasted_ms < kBusyRefillMs)
+      r.refill_size = std::min(r.refill_size * 2, kMaxSparesPerRefill);
+    if (r.refilled_ms != 0 && lasted_ms > 4 * kBusyRefillMs)
+      r.refill_size = std::max(r.refill_size / 2, kSparesPerRefill);
+    // Beyond the descriptor budget the refill's spares would be closed as they came.
+    out.refill = std::min(r.refill_size, max_spares_ - std::min(spares_held_, max_spares_));
+    r.refill_asked = out.refill > 0;
   }
   return out;
 }
@@ -146,9 +154,14 @@ void RouteCache::grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t 
   if (spares_held_ - replaced + grant.spares.size() > max_spares_) return;  // the descriptor budget is spent
   Entry* e = slot(sandbox_ref, grant.port, now_ms);
   if (e == nullptr) return;
+  Route r;
+  // An open that found the route dry replaces it: the pace of its refills stays with the sandbox's route.
+  if (e->route && e->policy.sandbox_id == grant.sandbox_id) {
+    r.refill_size = e->route->refill_size;
+    r.refilled_ms = e->route->refilled_ms;
+  }
   drop_route(*e);
   e->policy = std::move(grant.policy);
-  Route r;
   r.token_sha256 = std::move(grant.token_sha256);
   r.operator_token_sha256 = std::move(grant.operator_token_sha256);
   r.connect_port = grant.connect_port;
@@ -181,6 +194,7 @@ void RouteCache::refill(std::string_view sandbox_ref, RouteGrant grant, uint64_t
   r->opened_at = grant.opened_at;
   r->expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
   if (spares_held_ + grant.spares.size() > max_spares_) return;  // over budget: they are closed
+  r->refilled_ms = now_ms;
   spares_held_ += grant.spares.size();
   std::move(grant.spares.begin(), grant.spares.end(), std::back_inserter(r->spares));
 }

@@ -77,7 +77,7 @@ struct OpenedSocket {
 // A connection routed from the cache.
 struct CachedOpen {
   OpenedSocket opened;
-  bool wants_refill = false;  // few spares left and no refill asked for yet: the caller asks the node
+  size_t refill = 0;  // few spares left and no refill asked for yet: the caller asks the node for this many
 };
 
 class RouteCache {
@@ -93,14 +93,19 @@ class RouteCache {
   RouteCache& operator=(const RouteCache&) = delete;
 
   // Spares asked for with each open; the level at which more are asked for in the background, and how many
-  // then. Only a route used again within its cache_ms gets a refill, so the larger refill (the node's most,
-  // Node::kMaxSpareSockets) goes to busy routes only: each refill is a node round trip (and the node's
-  // setns into the sandbox's namespace), and a route that runs dry before its refill is back sends its next
-  // connection through a full open. Asking while 2 are left instead of 1 makes that rarer with a few
-  // connections starting at once (bench/RESULTS.md, "Small requests side by side").
+  // then. Only a route used again within its cache_ms gets a refill, so refills go to busy routes only: each
+  // is a node round trip (and the node's setns into the sandbox's namespace), and a route that runs dry
+  // before its refill is back sends its next connection through a full open. Asking while 2 are left instead
+  // of 1 makes that rarer with a few connections starting at once (bench/RESULTS.md, "Small requests side by
+  // side"). A refill is 16 spares; a route that used the last ones up within kBusyRefillMs asks for twice as
+  // many next time, up to the node's most (Node::kMaxSpareSockets), and one that took over 4 x kBusyRefillMs
+  // for half as many: hundreds of new connections a second cost a node call per 64, and a route that sees a
+  // few holds few descriptors.
   static constexpr size_t kSparesPerGrant = 4;
   static constexpr size_t kRefillBelow = 3;
   static constexpr size_t kSparesPerRefill = 16;
+  static constexpr size_t kMaxSparesPerRefill = 64;
+  static constexpr uint64_t kBusyRefillMs = 250;
   static constexpr uint32_t kMaxRouteMs = 30'000;
 
   // ---- port policies (the ClientHello) ----
@@ -168,6 +173,8 @@ class RouteCache {
     uint64_t expires_ms = 0;
     std::vector<UniqueFd> spares;
     bool refill_asked = false;
+    size_t refill_size = kSparesPerRefill;  // what the next refill asks for
+    uint64_t refilled_ms = 0;               // when the latest refill came (0: none yet)
   };
   struct Entry {
     PortPolicy policy;

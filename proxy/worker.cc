@@ -372,11 +372,12 @@ void Worker::recheck_node() {
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); }, 0, 0);
 }
 
-void Worker::refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port) {
+void Worker::refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port,
+                          size_t count) {
   std::string key = sandbox_ref + ":" + std::to_string(port);
   if (refills_.contains(key)) return;
   shared_->metrics.node_call(NodeCallKind::kSpareSockets);
-  auto call = node_->spare_sockets(sandbox_id, port, RouteCache::kSparesPerRefill,
+  auto call = node_->spare_sockets(sandbox_id, port, count,
                                    [this, key, sandbox_ref, sandbox_id, port](Result<RouteGrant> r) {
                                      auto done = std::move(refills_[key]);  // freed when this returns
                                      refills_.erase(key);

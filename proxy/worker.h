@@ -121,7 +121,7 @@ class Worker {
   // node accepts connections again, the cache stops serving and the event stream is asked for at once.
   void recheck_node();
   // A connection took one of the last spares of a cached route: ask the node for more in the background.
-  void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port);
+  void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port, size_t count);
   NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }

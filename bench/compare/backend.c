@@ -111,6 +111,7 @@ struct small_conn {
   char* out;  // unsent answer bytes (a write the socket did not take whole)
   size_t out_len, out_off;
   int closing;  // answered a "Connection: close" request: FIN after the answer, then wait for the peer
+  int shut;     // that FIN went: shutting down again would wake this socket's epoll entry (a busy loop)
 };
 static struct small_conn* conns[SMALL_MAX_CONNS];
 static char answer[SMALL_MAX_BODY + 256];
@@ -167,7 +168,10 @@ static int small_answer(struct small_conn* c, int fd) {
       c->out_len = len - (size_t)w;
     }
   }
-  if (c->closing && c->out == NULL) shutdown(fd, SHUT_WR);
+  if (c->closing && c->out == NULL && !c->shut) {
+    shutdown(fd, SHUT_WR);
+    c->shut = 1;
+  }
   return 0;
 }
 

@@ -91,14 +91,14 @@ TEST(RouteCache, RoutesFromSparesWithTheNodesCredentialCheck) {
   EXPECT_EQ(hit->opened.id, "sb-1");
   EXPECT_EQ(hit->opened.opened_at, 20u);
   EXPECT_TRUE(hit->opened.socket.valid());
-  EXPECT_FALSE(hit->wants_refill) << "three left";
+  EXPECT_EQ(hit->refill, 0u) << "three left";
   auto second = cache.open("demo", 8080, kOwnToken, 1);
   ASSERT_TRUE(second);
   EXPECT_EQ(second->opened.credential, std::optional<size_t>(0));
-  EXPECT_TRUE(second->wants_refill) << "two left: ask for more, once";
+  EXPECT_EQ(second->refill, RouteCache::kSparesPerRefill) << "two left: ask for more, once";
   auto third = cache.open("demo", 8080, kOwnToken, 1);
   ASSERT_TRUE(third);
-  EXPECT_FALSE(third->wants_refill) << "already asked";
+  EXPECT_EQ(third->refill, 0u) << "already asked";
   ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 1));
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "out of spares: the node";
   EXPECT_FALSE(cache.open("other", 8080, kOwnToken, 1)) << "per ref";
@@ -271,7 +271,7 @@ TEST(RouteCache, RefillsTopUpTheRouteThatAsked) {
   cache.grant("demo", grant("sb-1", false, 20, 1), 0);
   auto hit = cache.open("demo", 8080, kOwnToken, 1);
   ASSERT_TRUE(hit);
-  EXPECT_TRUE(hit->wants_refill);
+  EXPECT_GT(hit->refill, 0u);
   cache.refill("demo", grant("sb-1", false, 30, 4), 2);
   EXPECT_EQ(cache.spare_count(), 4u);
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 3));
@@ -281,6 +281,67 @@ TEST(RouteCache, RefillsTopUpTheRouteThatAsked) {
   cache.refill("demo", std::move(rotated), 4);
   EXPECT_EQ(cache.spare_count(), 0u);
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5));
+}
+
+// Takes spares until the route asks for a refill; returns how many it asked for (0: it ran dry first).
+size_t use_until_refill(RouteCache& cache, uint64_t now_ms) {
+  while (auto hit = cache.open("demo", 8080, kOwnToken, now_ms))
+    if (hit->refill > 0) return hit->refill;
+  return 0;
+}
+
+TEST(RouteCache, ABusyRouteAsksForLargerRefillsAndAQuietOneForSmallerOnes) {
+  RouteCache cache(1000, 100, 1000);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 4, 60'000), 0);
+  uint64_t now = 1;
+  EXPECT_EQ(use_until_refill(cache, now), RouteCache::kSparesPerRefill)
+      << "the first refill, however fast the open's spares went";
+  size_t asked = RouteCache::kSparesPerRefill;
+  for (int i = 0; i < 4; ++i) {
+    cache.refill("demo", grant("sb-1", false, 20, asked, 60'000), now);
+    now += 10;  // each refill used up within 10 ms
+    size_t next = use_until_refill(cache, now);
+    EXPECT_EQ(next, std::min(2 * asked, RouteCache::kMaxSparesPerRefill)) << "refill " << i;
+    asked = next;
+  }
+  EXPECT_EQ(asked, RouteCache::kMaxSparesPerRefill) << "no more than the node makes per call";
+  cache.refill("demo", grant("sb-1", false, 20, asked, 60'000), now);
+  now += 2 * RouteCache::kBusyRefillMs;  // neither busy nor quiet: the same again
+  EXPECT_EQ(use_until_refill(cache, now), RouteCache::kMaxSparesPerRefill);
+  cache.refill("demo", grant("sb-1", false, 20, asked, 60'000), now);
+  now += 5 * RouteCache::kBusyRefillMs;  // quiet: half
+  EXPECT_EQ(use_until_refill(cache, now), RouteCache::kMaxSparesPerRefill / 2);
+  for (int i = 0; i < 3; ++i) {
+    cache.refill("demo", grant("sb-1", false, 20, RouteCache::kSparesPerRefill, 60'000), now);
+    now += 5 * RouteCache::kBusyRefillMs;
+    EXPECT_EQ(use_until_refill(cache, now), RouteCache::kSparesPerRefill) << "never below the first size";
+  }
+}
+
+TEST(RouteCache, AnOpenThatFoundTheRouteDryKeepsThePaceOfItsRefills) {
+  RouteCache cache(1000, 100, 1000);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 4, 60'000), 0);
+  EXPECT_EQ(use_until_refill(cache, 1), RouteCache::kSparesPerRefill);
+  cache.refill("demo", grant("sb-1", false, 20, RouteCache::kSparesPerRefill, 60'000), 2);
+  EXPECT_EQ(use_until_refill(cache, 3), 2 * RouteCache::kSparesPerRefill);
+  while (cache.open("demo", 8080, kOwnToken, 3)) {
+  }
+  // Dry before the refill came back: the next connection's open brings a grant, which replaces the route.
+  cache.grant("demo", grant("sb-1", false, 30, 4, 60'000), 4);
+  cache.refill("demo", grant("sb-1", false, 30, 2 * RouteCache::kSparesPerRefill, 60'000), 5);
+  EXPECT_EQ(use_until_refill(cache, 6), 4 * RouteCache::kSparesPerRefill) << "still doubling";
+  cache.grant("demo", grant("sb-2", false, 40, 4, 60'000), 7);  // the name is another sandbox's now
+  EXPECT_EQ(use_until_refill(cache, 8), RouteCache::kSparesPerRefill) << "a new route starts over";
+}
+
+TEST(RouteCache, ARefillAsksForNoMoreThanTheDescriptorBudgetLeaves) {
+  RouteCache cache(1000, 100, 12);
+  cache.stream_up(10);
+  cache.grant("other", grant("sb-2", false, 20, 8), 0);
+  cache.grant("demo", grant("sb-1", false, 20, 4), 0);
+  EXPECT_EQ(use_until_refill(cache, 2000), 12u - 8u - 2u) << "8 held for another route, 2 still for this one";
 }
 
 TEST(RouteCache, HoldsNoMoreSparesThanItsBudget) {
