@@ -44,9 +44,11 @@ Result<UniqueFd> connect_blocking(const Endpoint& ep, int timeout_ms);
 // The port a bound socket ended up on (for port 0 in tests).
 Result<uint16_t> local_port(int fd);
 
-// The most descriptors one message carries: an open's socket plus the node's most spares
-// (Node::kMaxSpareSockets, which the node API checks against this).
-inline constexpr size_t kMaxPassedFds = 65;
+// The most spare sockets the node sends on one message (internal/open, internal/sockets), so the most a
+// proxy's route-cache refill asks for.
+inline constexpr size_t kMaxSpareSockets = 64;
+// The most descriptors one message carries: an open's socket plus its spares.
+inline constexpr size_t kMaxPassedFds = kMaxSpareSockets + 1;
 // sendmsg() of `data` with `fds` (at most kMaxPassedFds) attached via SCM_RIGHTS. Returns bytes written (may
 // be short; the descriptors travel with the first byte).
 Result<size_t> send_with_fds(int sock, const void* data, size_t len, std::span<const int> fds);

@@ -25,9 +25,6 @@
 
 namespace sg {
 
-// An open's answer carries its socket and up to the node's most spares in one message.
-static_assert(Node::kMaxSpareSockets + 1 <= kMaxPassedFds);
-
 namespace {
 
 using json = nlohmann::json;

@@ -41,6 +41,7 @@
 
 #include "common/error.h"
 #include "common/fd.h"
+#include "common/net.h"
 #include "config/config.h"
 #include "noderuntime/connection_reports.h"
 #include "noderuntime/create_spec.h"
@@ -258,7 +259,7 @@ class Node {
   // wakes it and is not activity (the connections that use them are reported). kUnavailable when it is not
   // running, kUnsupported for a driver whose sockets come connected (a vsock stream per connection).
   Result<SpareSockets> spare_sockets(std::string_view id, uint16_t port, size_t count);
-  static constexpr size_t kMaxSpareSockets = 64;
+  static constexpr size_t kMaxSpareSockets = sg::kMaxSpareSockets;
   // How long a proxy may route new connections to sandbox `id` from its cache without asking: short enough
   // that the connections it lets through are reported (activity) well before the idle timeout could
   // suspend it, and at most kMaxRouteCacheMs. 0: do not cache.

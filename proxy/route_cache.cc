@@ -129,11 +129,11 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   if (r.spares.size() < kRefillBelow && !r.refill_asked) {
     // How long the last refill lasted sizes the next (the first is kSparesPerRefill: an open's few spares
     // going fast say little).
-    const uint64_t lasted_ms = now_ms - r.refilled_ms;
-    if (r.refilled_ms != 0 && lasted_ms < kBusyRefillMs)
-      r.refill_size = std::min(r.refill_size * 2, kMaxSparesPerRefill);
-    if (r.refilled_ms != 0 && lasted_ms > 4 * kBusyRefillMs)
-      r.refill_size = std::max(r.refill_size / 2, kSparesPerRefill);
+    if (r.refilled_ms != 0) {
+      const uint64_t lasted_ms = now_ms - r.refilled_ms;
+      if (lasted_ms < kBusyRefillMs) r.refill_size = std::min(r.refill_size * 2, kMaxSparesPerRefill);
+      if (lasted_ms > 4 * kBusyRefillMs) r.refill_size = std::max(r.refill_size / 2, kSparesPerRefill);
+    }
     // Beyond the descriptor budget the refill's spares would be closed as they came.
     out.refill = std::min(r.refill_size, max_spares_ - std::min(spares_held_, max_spares_));
     r.refill_asked = out.refill > 0;

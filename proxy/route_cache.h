@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/fd.h"
+#include "common/net.h"
 
 namespace sg {
 
@@ -98,13 +99,13 @@ class RouteCache {
   // before its refill is back sends its next connection through a full open. Asking while 2 are left instead
   // of 1 makes that rarer with a few connections starting at once (bench/RESULTS.md, "Small requests side by
   // side"). A refill is 16 spares; a route that used the last ones up within kBusyRefillMs asks for twice as
-  // many next time, up to the node's most (Node::kMaxSpareSockets), and one that took over 4 x kBusyRefillMs
+  // many next time, up to the node's most (kMaxSpareSockets), and one that took over 4 x kBusyRefillMs
   // for half as many: hundreds of new connections a second cost a node call per 64, and a route that sees a
   // few holds few descriptors.
   static constexpr size_t kSparesPerGrant = 4;
   static constexpr size_t kRefillBelow = 3;
   static constexpr size_t kSparesPerRefill = 16;
-  static constexpr size_t kMaxSparesPerRefill = 64;
+  static constexpr size_t kMaxSparesPerRefill = kMaxSpareSockets;
   static constexpr uint64_t kBusyRefillMs = 250;
   static constexpr uint32_t kMaxRouteMs = 30'000;
 
