@@ -77,6 +77,11 @@ class SocketWatchTest : public ::testing::Test {
     uv_run(&loop_, UV_RUN_DEFAULT);  // the set's handle closes
     EXPECT_EQ(uv_loop_close(&loop_), 0);
   }
+  // `w` watches our end of `p` for `events`, recording into `seen`.
+  void watch(SocketWatch& w, TcpPair& p, Seen& seen, int events) {
+    w.init(&set_, p.ours.get(), record, &seen);
+    ASSERT_TRUE(w.set(events));
+  }
   // A few loop turns without blocking: enough for anything ready to be delivered.
   void turn() {
     for (int i = 0; i < 3; ++i) uv_run(&loop_, UV_RUN_NOWAIT);
@@ -131,12 +136,47 @@ TEST_F(SocketWatchTest, ReportsWhatIsWatchedForAsLongAsItIsReady) {
   EXPECT_EQ(seen.calls, 4);
 }
 
+// Watching nothing is applied just before the loop waits: watching the same again or stopping first costs
+// no epoll_ctl call, and what the kernel still reports meanwhile is not delivered.
+TEST_F(SocketWatchTest, WatchingNothingIsAppliedOnlyIfItLastsUntilTheLoopWaits) {
+  TcpPair p = connected_pair();
+  Seen seen;
+  SocketWatch w;
+  watch(w, p, seen, UV_READABLE);
+  const uint64_t after_add = set_.control_calls();
+
+  ASSERT_TRUE(w.set(0));
+  ASSERT_TRUE(w.set(UV_READABLE));
+  turn();
+  EXPECT_EQ(set_.control_calls(), after_add) << "nothing, then the same again: no call";
+  EXPECT_EQ(registered(set_).at(p.ours.get()), unsigned{EPOLLIN});
+
+  ASSERT_EQ(::write(p.theirs.get(), "x", 1), 1);
+  ASSERT_TRUE(w.set(0));
+  EXPECT_EQ(registered(set_).at(p.ours.get()), unsigned{EPOLLIN}) << "not applied yet";
+  turn();
+  EXPECT_EQ(seen.calls, 0) << "readable, but nothing is watched";
+  EXPECT_EQ(registered(set_).count(p.ours.get()), 1u) << "still registered, so watching again is one MOD";
+  EXPECT_EQ(registered(set_).at(p.ours.get()), 0u);
+
+  ASSERT_TRUE(w.set(UV_READABLE));
+  uv_run(&loop_, UV_RUN_NOWAIT);
+  EXPECT_EQ(seen.calls, 1);
+  const uint64_t before_stop = set_.control_calls();
+  ASSERT_TRUE(w.set(0));
+  w.stop();
+  EXPECT_EQ(set_.control_calls(), before_stop + 1) << "nothing, then stopped: only the EPOLL_CTL_DEL";
+  turn();
+  EXPECT_TRUE(registered(set_).empty());
+  EXPECT_EQ(set_.control_calls(), before_stop + 1);
+  EXPECT_EQ(seen.calls, 1);
+}
+
 TEST_F(SocketWatchTest, AnErrorWhileNothingIsWatchedLeavesTheSetAndIsReportedOnceWatchedAgain) {
   TcpPair p = connected_pair();
   Seen seen;
   SocketWatch w;
-  w.init(&set_, p.ours.get(), record, &seen);
-  ASSERT_TRUE(w.set(UV_READABLE));
+  watch(w, p, seen, UV_READABLE);
   ASSERT_TRUE(w.set(0));  // e.g. a handshake waiting for the node's answer
   ASSERT_EQ(registered(set_).count(p.ours.get()), 1u);
   reset_by_peer(p);
@@ -157,8 +197,7 @@ TEST_F(SocketWatchTest, ThePeersEndOfStreamIsReadable) {
   TcpPair p = connected_pair();
   Seen seen;
   SocketWatch w;
-  w.init(&set_, p.ours.get(), record, &seen);
-  ASSERT_TRUE(w.set(UV_READABLE));
+  watch(w, p, seen, UV_READABLE);
   ASSERT_EQ(::shutdown(p.theirs.get(), SHUT_WR), 0);
   uv_run(&loop_, UV_RUN_NOWAIT);
   EXPECT_EQ(seen.calls, 1);
@@ -172,8 +211,7 @@ TEST_F(SocketWatchTest, AResetIsReportedOnceAsAnErrorAndThenNothingIsWatched) {
   TcpPair p = connected_pair();
   Seen seen;
   SocketWatch w;
-  w.init(&set_, p.ours.get(), record, &seen);
-  ASSERT_TRUE(w.set(UV_READABLE));
+  watch(w, p, seen, UV_READABLE);
   reset_by_peer(p);
   turn();
   EXPECT_EQ(seen.calls, 1);
