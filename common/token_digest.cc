@@ -39,10 +39,15 @@ std::string token_digest(std::string_view token) {
 }
 
 bool token_matches_digest(std::string_view token, std::string_view digest_hex) {
-  std::string presented = token_digest(token);
+  auto presented = token_sha256(token);
+  return presented && digest_matches_hex(*presented, digest_hex);
+}
+
+bool digest_matches_hex(const TokenDigest& presented, std::string_view digest_hex) {
+  const std::string presented_hex = hex_encode(presented);
   // The lengths are public (always 64 for a stored digest); only the contents are compared in constant time.
-  if (digest_hex.empty() || presented.size() != digest_hex.size()) return false;
-  return CRYPTO_memcmp(presented.data(), digest_hex.data(), presented.size()) == 0;
+  if (digest_hex.empty() || presented_hex.size() != digest_hex.size()) return false;
+  return CRYPTO_memcmp(presented_hex.data(), digest_hex.data(), presented_hex.size()) == 0;
 }
 
 }  // namespace sg

@@ -1302,6 +1302,7 @@ void Connection::use_opened(OpenedSocket opened) {
   credential_index_ = opened.credential && *opened.credential < credentials_.size() ? *opened.credential
                                                                                    : credentials_.size();
   sandbox_token_sha256_ = opened.token_sha256;
+  credential_sha256_ = opened.credential_sha256;
   // A browser's one-time ?sandgate_token=: now verified, it becomes a cookie and leaves the URL. Not on a
   // public port, where the node verified nothing.
   if (!port_public && credential_index_ < credentials_.size() &&
@@ -1483,9 +1484,12 @@ bool Connection::ForwardPhase::SandboxToClientEvents::may_splice() const { retur
 void Connection::ForwardPhase::start_request_filters() {
   // What the edge consumed is recognised in every request and taken out: the credential the node accepted
   // (none on a public port), the operator token, and the sandbox's own token whatever the port.
-  consumed_.add_token(c_.snapshot_->operator_token);
-  if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size())
-    consumed_.add_token(c_.credentials_[c_.credential_index_].token);
+  if (c_.snapshot_->operator_token_sha256) consumed_.add_digest(*c_.snapshot_->operator_token_sha256);
+  else consumed_.add_token(c_.snapshot_->operator_token);
+  if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size()) {
+    if (c_.credential_sha256_) consumed_.add_digest(*c_.credential_sha256_);
+    else consumed_.add_token(c_.credentials_[c_.credential_index_].token);
+  }
   consumed_.add_token_digest_hex(c_.sandbox_token_sha256_);
   const size_t max_head = c_.cfg()->proxy.max_request_head_bytes;
   if (c_.h2_) {

@@ -209,6 +209,7 @@ class Connection {
   ByteBuffer request_;
 
   // The open: what the node said about the sandbox port.
+  std::optional<TokenDigest> credential_sha256_;  // the verified credential's, when the route cache hashed it
   uint64_t opened_at_ = 0;            // the node's stamp of the open that gave the socket (0: not opened)
   std::string sandbox_token_sha256_;  // recognised (and removed) in every request
   SandboxTraffic* traffic_ = nullptr;  // worker-owned counters of this connection's sandbox (or of none)

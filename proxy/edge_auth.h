@@ -67,6 +67,8 @@ class ConsumedCredentials {
   // The sandbox's own token as the node's internal/open answer gives it (64 hex digits); "" (unknown) or
   // anything malformed is ignored.
   void add_token_digest_hex(std::string_view hex);
+  // A token hashed already (the route cache's check, the snapshot's operator token).
+  void add_digest(const TokenDigest& digest) { digests_.push_back(digest); }
   bool matches(std::string_view token) const;
 
  private:

@@ -143,7 +143,7 @@ void apply_reload(Proxy* p) {
   if ((*cfg)->proxy.user != p->user || (*cfg)->proxy.group != p->group)
     spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
   p->shared->replace(
-      std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*token), std::move(*fleet)}));
+      sg::make_snapshot(sg::ProxySnapshot{*cfg, *tls, std::move(*token), std::move(*fleet)}));
   spdlog::info("config reloaded from {}", p->config_path);
 }
 
@@ -242,7 +242,7 @@ int main(int argc, char** argv) {
   }
 
   proxy.shared = std::make_unique<sg::ProxyShared>(
-      std::make_shared<const sg::ProxySnapshot>(sg::ProxySnapshot{*cfg, *tls, std::move(*operator_token), *fleet}));
+      sg::make_snapshot(sg::ProxySnapshot{*cfg, *tls, std::move(*operator_token), *fleet}));
   auto fd_limit = sg::raise_fd_limit();
   if (!fd_limit) {
     spdlog::error("{}", fd_limit.message());

@@ -103,14 +103,20 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   }
   if (r.spares.empty()) return std::nullopt;
   std::optional<size_t> credential;
+  std::optional<TokenDigest> credential_sha256;
   if (!e.policy.is_public) {
     // The node's check (Node::check_credential): the sandbox's token or the operator token, both digests
     // compared for each candidate so the time taken does not tell which one a guess matched.
     for (size_t i = 0; i < credentials.size() && !credential; ++i) {
       if (credentials[i].empty()) continue;
-      bool own = token_matches_digest(credentials[i], r.token_sha256);
-      bool op = token_matches_digest(credentials[i], r.operator_token_sha256);
-      if (own || op) credential = i;
+      auto presented = token_sha256(credentials[i]);
+      if (!presented) continue;
+      bool own = digest_matches_hex(*presented, r.token_sha256);
+      bool op = digest_matches_hex(*presented, r.operator_token_sha256);
+      if (own || op) {
+        credential = i;
+        credential_sha256 = *presented;
+      }
     }
     if (!credential) return std::nullopt;
   }
@@ -123,6 +129,7 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   o.opened_at = r.opened_at;
   o.token_sha256 = r.token_sha256;
   o.credential = credential;
+  o.credential_sha256 = credential_sha256;
   o.socket = std::move(r.spares.back());
   r.spares.pop_back();
   --spares_held_;

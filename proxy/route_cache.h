@@ -32,6 +32,7 @@
 
 #include "common/fd.h"
 #include "common/net.h"
+#include "common/token_digest.h"
 
 namespace sg {
 
@@ -67,6 +68,7 @@ struct OpenedSocket {
   uint64_t opened_at = 0;     // the node's stamp of this open (suspends and rotations cut older connections)
   std::string token_sha256;   // the sandbox's token, recognised and removed in every request
   std::optional<size_t> credential;  // which candidate verified; none on a public port
+  std::optional<TokenDigest> credential_sha256;  // its digest, when the route cache hashed it already
   UniqueFd socket;
   // For the worker's route cache (route_cache.h): more unconnected sockets like `socket`, how long they may
   // be used without asking, and the operator token's digest the node checked against. None: do not cache.

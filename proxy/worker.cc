@@ -30,6 +30,11 @@ std::string client_address(const std::string& peer) { return peer.substr(0, peer
 
 }  // namespace
 
+std::shared_ptr<const ProxySnapshot> make_snapshot(ProxySnapshot s) {
+  if (!s.operator_token.empty()) s.operator_token_sha256 = token_sha256(s.operator_token);
+  return std::make_shared<const ProxySnapshot>(std::move(s));
+}
+
 Worker::Worker(int index, ProxyShared* shared, std::unique_ptr<NodeClient> node)
     : index_(index),
       shared_(shared),

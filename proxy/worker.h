@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "common/fd.h"
+#include "common/token_digest.h"
 #include "config/config.h"
 #include "proxy/access_log.h"
 #include "proxy/fleet_context.h"
@@ -37,7 +39,11 @@ struct ProxySnapshot {
   std::shared_ptr<TlsContexts> tls;
   std::string operator_token;  // "" when operator_token_file is not set (read_operator_token)
   std::shared_ptr<const FleetContext> fleet;  // null: proxy.fleet_cert unset, no cross-node routing
+  std::optional<TokenDigest> operator_token_sha256 = {};  // set by make_snapshot: hashed once per reload
 };
+
+// `s` with the operator token's digest, shared: every proxy snapshot is made here.
+std::shared_ptr<const ProxySnapshot> make_snapshot(ProxySnapshot s);
 
 // State every worker reads.
 struct ProxyShared {

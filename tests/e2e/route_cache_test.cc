@@ -21,7 +21,9 @@ size_t cached_entries(Cluster& c, const std::string& ref) {
 }
 
 TEST(RouteCache, ConnectionsToARunningSandboxDoNotAskTheNode) {
-  Cluster c(one_worker());
+  ClusterOptions options = one_worker();
+  options.operator_token = "sgop_route-cache-operator";
+  Cluster c(options);
   const std::string token = c.create_private_serving("warm");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-warm.sandbox.localhost";
@@ -36,6 +38,12 @@ TEST(RouteCache, ConnectionsToARunningSandboxDoNotAskTheNode) {
   auto echo = c.curl(host, "/seen", bearer(token));
   EXPECT_EQ(Cluster::http_code(echo), 200);
   EXPECT_EQ(Cluster::body(echo).find(token), std::string::npos) << Cluster::body(echo);
+  // Nor the operator token, which opens it too.
+  before = opens(c);
+  echo = c.curl(host, "/seen", bearer(options.operator_token));
+  EXPECT_EQ(Cluster::http_code(echo), 200);
+  EXPECT_EQ(opens(c), before) << "routed from the cache";
+  EXPECT_EQ(Cluster::body(echo).find(options.operator_token), std::string::npos) << Cluster::body(echo);
   // Only positive verdicts are cached: a wrong token is the node's 401.
   before = opens(c);
   EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer("sgt_wrong"))), 401);

@@ -197,7 +197,7 @@ class ConnectionTest : public ::testing::Test {
     ASSERT_TRUE(cfg) << cfg.message();
     auto tls = TlsContexts::create(**cfg);
     ASSERT_TRUE(tls) << tls.message();
-    shared_ = std::make_unique<ProxyShared>(std::make_shared<const ProxySnapshot>(ProxySnapshot{*cfg, *tls, "", nullptr}));
+    shared_ = std::make_unique<ProxyShared>(make_snapshot(ProxySnapshot{*cfg, *tls, "", nullptr}));
     auto log = AccessLog::open((*cfg)->proxy.access_log);
     ASSERT_TRUE(log) << log.message();
     shared_->access_log = std::move(*log);

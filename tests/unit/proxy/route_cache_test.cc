@@ -88,6 +88,8 @@ TEST(RouteCache, RoutesFromSparesWithTheNodesCredentialCheck) {
   auto hit = cache.open("demo", 8080, two, 1);
   ASSERT_TRUE(hit);
   EXPECT_EQ(hit->opened.credential, std::optional<size_t>(1)) << "which candidate matched, as the node says";
+  EXPECT_EQ(hit->opened.credential_sha256, token_sha256("operator-token"))
+      << "and its digest, so the connection strips it from requests without hashing it again";
   EXPECT_EQ(hit->opened.id, "sb-1");
   EXPECT_EQ(hit->opened.opened_at, 20u);
   EXPECT_TRUE(hit->opened.socket.valid());
