@@ -85,9 +85,25 @@ Result<SockAddr> to_sockaddr(const Endpoint& ep) {
 std::string format_peer(const sockaddr* sa) {
   char buf[INET6_ADDRSTRLEN] = {0};
   if (sa->sa_family == AF_INET) {
+    // By hand: every accepted connection is named this way, and glibc's inet_ntop formats IPv4 with sprintf.
     auto* in4 = reinterpret_cast<const sockaddr_in*>(sa);
-    inet_ntop(AF_INET, &in4->sin_addr, buf, sizeof buf);
-    return std::string(buf) + ":" + std::to_string(ntohs(in4->sin_port));
+    const auto* octets = reinterpret_cast<const unsigned char*>(&in4->sin_addr);
+    std::string out;
+    out.reserve(21);  // "255.255.255.255:65535"
+    const auto decimal = [&out](unsigned v) {
+      char digits[5];
+      int n = 0;
+      do digits[n++] = static_cast<char>('0' + v % 10);
+      while ((v /= 10) != 0);
+      while (n > 0) out += digits[--n];
+    };
+    for (int i = 0; i < 4; ++i) {
+      if (i > 0) out += '.';
+      decimal(octets[i]);
+    }
+    out += ':';
+    decimal(ntohs(in4->sin_port));
+    return out;
   }
   if (sa->sa_family == AF_INET6) {
     auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);

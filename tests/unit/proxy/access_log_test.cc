@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <nlohmann/json.hpp>
 
 namespace sg {
@@ -42,6 +44,24 @@ TEST(AccessLog, OneJsonObjectWithEveryField) {
   EXPECT_EQ(j["phase"], "forward");
   EXPECT_TRUE(j["duration_ms"].is_number());
   EXPECT_TRUE(j["time"].get<std::string>().ends_with("Z"));
+}
+
+// The time is UTC with milliseconds; the seconds part is kept between lines, so a line in another second
+// (later, or earlier: the wall clock can step back) must not reuse it.
+TEST(AccessLog, TheTimeIsUtcWithMillisecondsForEveryLine) {
+  using namespace std::chrono;
+  const auto time_of = [](sys_time<milliseconds> t) {
+    AccessRecord r;
+    r.started_at = t;
+    r.started_steady = steady_clock::now();
+    return nlohmann::json::parse(AccessLog::format(r))["time"].get<std::string>();
+  };
+  const sys_time<milliseconds> t = sys_days(year(2026) / 12 / 7) + hours(2) + minutes(52) + seconds(1);
+  EXPECT_EQ(time_of(t + milliseconds(7)), "2026-12-07T02:52:01.007Z");
+  EXPECT_EQ(time_of(t + milliseconds(999)), "2026-12-07T02:52:01.999Z");
+  EXPECT_EQ(time_of(t + milliseconds(1000)), "2026-12-07T02:52:02.000Z");
+  EXPECT_EQ(time_of(t - hours(3)), "2026-12-06T23:52:01.000Z");
+  EXPECT_EQ(time_of(sys_days(year(2028) / 2 / 29) + milliseconds(123)), "2028-02-29T00:00:00.123Z");
 }
 
 TEST(AccessLog, WhatAClientSentIsEscapedAndWhatIsNotUtf8Replaced) {
