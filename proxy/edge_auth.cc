@@ -79,6 +79,17 @@ void for_each_parameter(std::string_view query, Fn&& fn) {
   }
 }
 
+// Calls fn(pair) for each non-empty ';'-separated pair of a Cookie field's value, blanks trimmed.
+template <typename Fn>
+void for_each_cookie(std::string_view cookies, Fn&& fn) {
+  while (!cookies.empty()) {
+    const size_t semicolon = cookies.find(';');
+    const std::string_view pair = trim_ows(cookies.substr(0, semicolon));
+    cookies = semicolon == std::string_view::npos ? std::string_view() : cookies.substr(semicolon + 1);
+    if (!pair.empty()) fn(pair);
+  }
+}
+
 // A parameter's name is percent-decoded before comparing, so "sandgate%5Ftoken=..." is found (and removed)
 // just like "sandgate_token=...": a browser or a script may encode it either way.
 bool is_token_parameter(std::string_view parameter) {
@@ -116,18 +127,14 @@ std::vector<Credential> find_credentials(std::string_view target, std::span<cons
   }
   for (const HttpHeader& h : headers) {
     if (!equals_ignore_case(h.name, "cookie")) continue;
-    std::string_view cookies = h.value;
-    while (!cookies.empty()) {
-      const size_t semicolon = cookies.find(';');
-      const std::string_view pair = trim_ows(cookies.substr(0, semicolon));
-      cookies = semicolon == std::string_view::npos ? std::string_view() : cookies.substr(semicolon + 1);
+    for_each_cookie(h.value, [&](std::string_view pair) {
       const size_t equals = pair.find('=');
       // Cookie names are case-sensitive (RFC 6265 §5.4 compares them byte for byte).
-      if (equals == std::string_view::npos || pair.substr(0, equals) != kTokenCookieName) continue;
+      if (equals == std::string_view::npos || pair.substr(0, equals) != kTokenCookieName) return;
       std::string_view value = pair.substr(equals + 1);
       if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
       add_if_valid(found, CredentialSource::kCookie, value);
-    }
+    });
   }
   for_each_parameter(query_of(target), [&](std::string_view parameter) {
     if (!is_token_parameter(parameter)) return;
@@ -150,17 +157,22 @@ void ConsumedCredentials::add_token_digest_hex(std::string_view hex) {
 
 bool ConsumedCredentials::matches(std::string_view token) const {
   if (digests_.empty()) return false;
+  if (!last_match_.empty() && last_match_.size() == token.size() &&
+      CRYPTO_memcmp(last_match_.data(), token.data(), token.size()) == 0)
+    return true;
   auto presented = token_sha256(token);
   if (!presented) return false;
   bool found = false;
   for (const TokenDigest& d : digests_) found |= CRYPTO_memcmp(presented->data(), d.data(), d.size()) == 0;
+  if (found) last_match_.assign(token);
   return found;
 }
 
 size_t strip_credentials(std::string& target, std::vector<HttpHeader>& headers, const ConsumedCredentials& consumed) {
   size_t removed = 0;
-  std::vector<HttpHeader> kept;
-  kept.reserve(headers.size());
+  // Compacted in place: the list keeps its capacity for the connection's next request, and a request with
+  // nothing to take out allocates nothing.
+  size_t kept = 0;
   for (HttpHeader& h : headers) {
     if (equals_ignore_case(h.name, "authorization")) {
       const std::string_view value = trim_ows(h.value);
@@ -171,29 +183,26 @@ size_t strip_credentials(std::string& target, std::vector<HttpHeader>& headers, 
         continue;
       }
     } else if (equals_ignore_case(h.name, "cookie")) {
-      std::string rebuilt;
+      // Any value, well-formed or not: the name is the edge's, never the application's.
+      const auto is_ours = [](std::string_view pair) { return pair.substr(0, pair.find('=')) == kTokenCookieName; };
       size_t taken = 0;
-      std::string_view cookies = h.value;
-      while (!cookies.empty()) {
-        const size_t semicolon = cookies.find(';');
-        const std::string_view pair = trim_ows(cookies.substr(0, semicolon));
-        cookies = semicolon == std::string_view::npos ? std::string_view() : cookies.substr(semicolon + 1);
-        if (pair.empty()) continue;
-        // Any value, well-formed or not: the name is the edge's, never the application's.
-        if (pair.substr(0, pair.find('=')) == kTokenCookieName) {
-          ++taken;
-          continue;
-        }
-        if (!rebuilt.empty()) rebuilt += "; ";
-        rebuilt += pair;
+      for_each_cookie(h.value, [&](std::string_view pair) { taken += is_ours(pair); });
+      if (taken > 0) {
+        std::string rebuilt;
+        for_each_cookie(h.value, [&](std::string_view pair) {
+          if (is_ours(pair)) return;
+          if (!rebuilt.empty()) rebuilt += "; ";
+          rebuilt += pair;
+        });
+        removed += taken;
+        if (rebuilt.empty()) continue;
+        h.value = std::move(rebuilt);
       }
-      removed += taken;
-      if (taken > 0 && rebuilt.empty()) continue;
-      if (taken > 0) h.value = std::move(rebuilt);
     }
-    kept.push_back(std::move(h));
+    if (&headers[kept] != &h) headers[kept] = std::move(h);
+    ++kept;
   }
-  headers = std::move(kept);
+  headers.erase(headers.begin() + static_cast<std::ptrdiff_t>(kept), headers.end());
   size_t parameters = 0;
   for_each_parameter(query_of(target), [&](std::string_view parameter) { parameters += is_token_parameter(parameter); });
   if (parameters > 0) {

@@ -227,6 +227,22 @@ TEST(EdgeAuth, Http1RefusalRejectsInjection) {
   EXPECT_FALSE(http1_refusal(600, "text/plain", "", {}).ok());
 }
 
+// The token found last is remembered, so a keep-alive client's next request is not hashed again: what it
+// matches must stay exactly what the digests match.
+TEST(EdgeAuth, ConsumedCredentialsMatchTheSameTokensWhenOneIsRemembered) {
+  ConsumedCredentials consumed;
+  consumed.add_token("verified-one");
+  consumed.add_token("operator-token");
+  EXPECT_FALSE(consumed.matches("verified-two"));
+  EXPECT_TRUE(consumed.matches("verified-one"));
+  EXPECT_TRUE(consumed.matches("verified-one"));
+  for (const char* other : {"verified-onf", "verified-on", "verified-one ", "", "Verified-one"})
+    EXPECT_FALSE(consumed.matches(other)) << other;
+  EXPECT_TRUE(consumed.matches("operator-token"));
+  EXPECT_TRUE(consumed.matches("verified-one"));
+  EXPECT_FALSE(ConsumedCredentials{}.matches("verified-one"));
+}
+
 TEST(EdgeAuth, StripCredentialsTakesOutWhatTheEdgeConsumed) {
   const std::string sandbox_token = "sgt_sandbox";
   ConsumedCredentials consumed;
