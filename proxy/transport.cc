@@ -32,6 +32,7 @@ IoResult Transport::splice_in(SplicePipe& pipe, uint64_t max) {
   // kTLS: the next record is not application data (an alert, a post-handshake message); splice cannot
   // carry it.
   if (n < 0 && errno == EINVAL) return {IoResult::Status::kNotData, 0, {}, {}};
+  if (n == 0 && !spliced_zero_is_eof()) return {IoResult::Status::kNotData, 0, {}, {}};
   return errno_result(n);
 }
 

@@ -84,6 +84,10 @@ class Transport {
   virtual bool can_splice_in() const { return false; }
   // At most `max` bytes.
   IoResult splice_in(SplicePipe& pipe, uint64_t max = UINT64_MAX);
+  // Whether splice_in moving nothing means the peer finished. Not on a kTLS socket, where an empty
+  // application-data record also splices as 0 (Linux's tls_sw_splice_read consumes it and returns 0): there
+  // splice_in says kNotData, and read(), which steps over empty records, tells EOF from nothing yet.
+  virtual bool spliced_zero_is_eof() const { return true; }
   IoResult splice_out(SplicePipe& pipe);
   // The connection has been quiet for a while: memory kept for the next bytes (TLS record buffers) goes
   // back, unless bytes are in it.
@@ -164,6 +168,7 @@ class KernelTlsTransport final : public TcpTransport {
   // close_notify (an alert record the kernel encrypts), then FIN. False: retry once writable.
   bool shutdown_write() override;
   bool has_buffered_input() const override { return stash_len_ > 0; }
+  bool spliced_zero_is_eof() const override { return false; }
 
  private:
   // The kernel hands over a record that is not application data only whole, so a reader with less room

@@ -309,6 +309,25 @@ TEST(KernelTlsTransport, ReadsAndWritesASocketWhoseRecordsAreData) {
   EXPECT_EQ(t.write(std::string_view("to nobody")).status, IoResult::Status::kError);
 }
 
+// On kTLS an empty application-data record splices as 0 bytes, like the end of the stream: a splice that
+// moves nothing is not taken for EOF but handed to read() (kNotData), which waits past an empty record and
+// returns EOF only at the end. Here, without kernel TLS, the FIN is what splices as 0.
+TEST(KernelTlsTransport, ASpliceThatMovesNothingIsConfirmedByARead) {
+  Pair p = socket_pair();
+  KernelTlsTransport t(p.a.get());
+  auto pipe = SplicePipe::create(64 * 1024);
+  ASSERT_TRUE(pipe);
+  EXPECT_EQ(t.splice_in(**pipe).status, IoResult::Status::kWouldBlock);
+  ASSERT_EQ(::send(p.b.get(), "data", 4, MSG_NOSIGNAL), 4);
+  EXPECT_EQ(t.splice_in(**pipe).bytes, 4u);
+  p.b.reset();
+  EXPECT_EQ(t.splice_in(**pipe).status, IoResult::Status::kNotData) << "zero is not EOF by itself on kTLS";
+  char buf[256];
+  EXPECT_EQ(t.read(buf).status, IoResult::Status::kEof) << "the read says it is";
+  TcpTransport plain(p.a.get());
+  EXPECT_EQ(plain.splice_in(**pipe).status, IoResult::Status::kEof) << "a TCP socket's zero is EOF";
+}
+
 // A reader whose buffer is nearly full reads through a small buffer of the transport's (a control record
 // must come whole): data still arrives, as much as fits, and the rest waits there, where poll cannot see
 // it (has_buffered_input), ahead of what the socket holds.
