@@ -39,12 +39,10 @@ std::string token_digest(std::string_view token) {
 }
 
 bool token_matches_digest(std::string_view token, std::string_view digest_hex) {
-  auto presented = token_sha256(token);
-  return presented && digest_matches_hex(*presented, digest_hex);
+  return hex_digest_matches(token_digest(token), digest_hex);
 }
 
-bool digest_matches_hex(const TokenDigest& presented, std::string_view digest_hex) {
-  const std::string presented_hex = hex_encode(presented);
+bool hex_digest_matches(std::string_view presented_hex, std::string_view digest_hex) {
   // The lengths are public (always 64 for a stored digest); only the contents are compared in constant time.
   if (digest_hex.empty() || presented_hex.size() != digest_hex.size()) return false;
   return CRYPTO_memcmp(presented_hex.data(), digest_hex.data(), presented_hex.size()) == 0;

@@ -25,7 +25,8 @@ std::string token_digest(std::string_view token);
 // Whether `token` hashes to `digest_hex`, compared in constant time (CRYPTO_memcmp) so the time taken says
 // nothing about how much of a guess was right. False for an empty digest (no token was ever set).
 bool token_matches_digest(std::string_view token, std::string_view digest_hex);
-// The same for a token already hashed: one hash of a presented token checks it against several digests.
-bool digest_matches_hex(const TokenDigest& presented, std::string_view digest_hex);
+// The same for a token already hashed and hex-encoded (token_digest's form): one hash of a presented token
+// checks it against several digests.
+bool hex_digest_matches(std::string_view presented_hex, std::string_view digest_hex);
 
 }  // namespace sg

@@ -75,7 +75,7 @@ namespace {
 void append_utc_time(std::string& out, std::chrono::sys_time<std::chrono::milliseconds> t) {
   using namespace std::chrono;
   thread_local int64_t cached_second = INT64_MIN;
-  thread_local char cached[20];  // "YYYY-MM-DDTHH:MM:SS"
+  thread_local char cached[19];  // "YYYY-MM-DDTHH:MM:SS"
   const int64_t since_epoch_ms = t.time_since_epoch().count();
   const int64_t second = since_epoch_ms >= 0 ? since_epoch_ms / 1000 : (since_epoch_ms - 999) / 1000;
   if (second != cached_second) {
@@ -100,7 +100,6 @@ void append_utc_time(std::string& out, std::chrono::sys_time<std::chrono::millis
     two(cached + 14, static_cast<unsigned>(clock.minutes().count()));
     cached[16] = ':';
     two(cached + 17, static_cast<unsigned>(clock.seconds().count()));
-    cached[19] = '\0';
     cached_second = second;
   }
   const unsigned millis = static_cast<unsigned>(since_epoch_ms - second * 1000);

@@ -1485,7 +1485,6 @@ void Connection::ForwardPhase::start_request_filters() {
   // What the edge consumed is recognised in every request and taken out: the credential the node accepted
   // (none on a public port), the operator token, and the sandbox's own token whatever the port.
   if (c_.snapshot_->operator_token_sha256) consumed_.add_digest(*c_.snapshot_->operator_token_sha256);
-  else consumed_.add_token(c_.snapshot_->operator_token);
   if (!c_.opened_public_ && c_.credential_index_ < c_.credentials_.size()) {
     if (c_.credential_sha256_) consumed_.add_digest(*c_.credential_sha256_);
     else consumed_.add_token(c_.credentials_[c_.credential_index_].token);

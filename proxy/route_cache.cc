@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <iterator>
 
+#include "common/hex.h"
 #include "common/token_digest.h"
 
 namespace sg {
@@ -111,8 +112,9 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
       if (credentials[i].empty()) continue;
       auto presented = token_sha256(credentials[i]);
       if (!presented) continue;
-      bool own = digest_matches_hex(*presented, r.token_sha256);
-      bool op = digest_matches_hex(*presented, r.operator_token_sha256);
+      const std::string presented_hex = hex_encode(*presented);
+      bool own = hex_digest_matches(presented_hex, r.token_sha256);
+      bool op = hex_digest_matches(presented_hex, r.operator_token_sha256);
       if (own || op) {
         credential = i;
         credential_sha256 = *presented;
