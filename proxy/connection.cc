@@ -436,11 +436,12 @@ void Connection::start() {
   if (via_fleet_ && !fleet()) return close(TerminationCause::kHandshakeFailed, "proxy.fleet_cert is no longer set");
   SSL* ssl = SSL_new(via_fleet_ ? fleet()->server.get() : tls()->default_ctx());
   if (!ssl) return close(TerminationCause::kHandshakeFailed, "SSL_new: " + take_ssl_error());
-  if (tls()->ktls_possible()) {
-    ktls_rx_tracker_ = std::make_unique<KtlsRxTracker>();
-    ktls_rx_tracker_->attach(ssl);
-  }
-  auto tls = std::make_unique<TlsTransport>(ssl, client_fd_.get(), ktls_rx_tracker_.get());
+  // The fleet's contexts track secrets only where kTLS can take them.
+  std::unique_ptr<Tls13SecretTracker> secrets;
+  if (via_fleet_ ? tls()->ktls_possible() : tls()->tracks_tls13_secrets())
+    secrets = std::make_unique<Tls13SecretTracker>();
+  const bool may_leave_openssl = !via_fleet_ && tls()->own_record_layer();
+  auto tls = std::make_unique<TlsTransport>(ssl, client_fd_.get(), std::move(secrets), may_leave_openssl);
   client_tls_ = tls.get();
   client_ = std::move(tls);
   SSL_set_fd(ssl, client_fd_.get());
@@ -469,11 +470,15 @@ void Connection::on_idle_timer() {
   if (holding_buffers_) {
     if (quiet < kReleaseIdleMemoryAfterMs) {
       next = std::min(next, kReleaseIdleMemoryAfterMs - quiet);
-    } else if (phase_->release_memory_while_idle()) {
-      next = std::min(next, kReleaseIdleMemoryAfterMs);  // bytes in flight keep their memory: again later
     } else {
-      holding_buffers_ = false;
-      worker_->shared()->metrics.buffers_held(-1);
+      const bool in_flight = phase_->release_memory_while_idle();
+      note_own_records();
+      if (in_flight) {
+        next = std::min(next, kReleaseIdleMemoryAfterMs);  // bytes in flight keep their memory: again later
+      } else {
+        holding_buffers_ = false;
+        worker_->shared()->metrics.buffers_held(-1);
+      }
     }
   }
   arm_idle_timer(next);
@@ -656,7 +661,7 @@ void Connection::remember_lookup(const std::string& target, const LookupAnswer& 
 void Connection::HandshakePhase::finished() {
   Connection& c = c_;  // this phase is left below
   SSL* ssl = c.client_tls_->ssl();
-  if (c.ktls_rx_tracker_) c.ktls_rx_tracker_->handshake_finished();
+  c.client_tls_->handshake_finished();
   c.rec_.tls_resumed = SSL_session_reused(ssl) == 1;
   c.worker_->shared()->metrics.handshake_done(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - c.rec_.started_steady).count(),
@@ -705,10 +710,17 @@ void Connection::plan_data_path() {
     openssl.keep_session_when_freed();
     client_tls_ = nullptr;
     client_ = std::make_unique<KernelTlsTransport>(client_fd_.get());
-    ktls_rx_tracker_.reset();
   }
   set_data_path_label(tx, client_tls_ == nullptr);
   if (!why.empty()) log_ktls_fallback_once(why);
+}
+
+// The client transport may have left OpenSSL for the proxy's own record layer (TlsTransport, at a read or
+// while the connection was quiet): the access log and the metrics say so, once.
+void Connection::note_own_records() {
+  if (client_tls_ == nullptr || !client_tls_->own_records() || rec_.data_path == kOwnRecordsPath) return;
+  rec_.data_path = kOwnRecordsPath;
+  worker_->shared()->metrics.tls_own_records();
 }
 
 void Connection::set_data_path_label(bool tx_spliced, bool rx_spliced) {
@@ -1800,6 +1812,7 @@ void Connection::close(TerminationCause cause, std::string detail) {
   enter<ClosedPhase>();
   rec_.cause = cause;
   if (!detail.empty() && rec_.detail.empty()) rec_.detail = std::move(detail);
+  note_own_records();
   worker_->shared()->access_log->write(rec_);
   worker_->shared()->metrics.connection_ended(rec_);
   release_sandbox_slot();

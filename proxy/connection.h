@@ -116,6 +116,8 @@ class Connection {
   // KernelTlsTransport and the SSL is freed; why not is logged once per reason.
   void plan_data_path();
   void set_data_path_label(bool tx_spliced, bool rx_spliced);
+  void note_own_records();
+  static constexpr std::string_view kOwnRecordsPath = "own-records";
   // A direction planned for splice cannot; false when that closed the connection (ktls = on).
   bool ktls_downgrade(std::string why);
 
@@ -191,8 +193,6 @@ class Connection {
   // The early wake this connection's ClientHello asks for (proxy.wake_at_client_hello): decided once; a call
   // of its own when no lookup was needed, kept until the node answered whatever phase the connection is in.
   std::unique_ptr<NodeCall> prewake_;
-  // What OpenSSL's callbacks saw, for the TLS 1.3 receive handover; only where kTLS is possible.
-  std::unique_ptr<KtlsRxTracker> ktls_rx_tracker_;
 
   // The first request: what every later phase goes by.
   // A public raw-TCP port (its policy known at the ClientHello): no request head, the server may speak

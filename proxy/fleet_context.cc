@@ -41,7 +41,7 @@ Result<SslCtxPtr> make_ctx(const ProxyConfig& pc, bool server) {
   // the sandbox as a client's do, and ktls = on means the same there.
   if (server && pc.ktls != KtlsMode::kOff) {
     SSL_CTX_set_options(ctx.get(), SSL_OP_ENABLE_KTLS);
-    if (ktls_unavailable_reason().empty()) enable_ktls_rx_tracking(ctx.get());
+    if (ktls_unavailable_reason().empty()) enable_tls13_secret_tracking(ctx.get());
   }
   if (SSL_CTX_use_certificate_chain_file(ctx.get(), pc.fleet_cert.c_str()) != 1)
     return fail(Error::kInvalidArgument, "proxy.fleet_cert " + pc.fleet_cert + ": " + take_ssl_error());

@@ -3,7 +3,7 @@
 #include <netinet/tcp.h>
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
-#include <openssl/kdf.h>
+#include <openssl/evp.h>
 
 #include <cerrno>
 #include <cstring>
@@ -13,50 +13,90 @@
 
 #include "common/hex.h"
 #include "common/log.h"
+#include "proxy/tls13_record_layer.h"
 
 namespace sg {
 namespace {
 
 constexpr std::string_view kClientTrafficSecretLabel = "CLIENT_TRAFFIC_SECRET_0 ";
+constexpr std::string_view kServerTrafficSecretLabel = "SERVER_TRAFFIC_SECRET_0 ";
+
+// "<label> <client random hex> <secret hex>" into `secret`; false (and `secret` wiped) when malformed.
+bool decode_secret(std::string_view line, unsigned char (&secret)[64], size_t* len) {
+  std::string_view hex = line.substr(line.rfind(' ') + 1);
+  *len = 0;
+  if (hex.size() / 2 > sizeof secret) return false;
+  if (!hex_decode(hex, std::span(secret, hex.size() / 2))) {  // an odd length fails too
+    OPENSSL_cleanse(secret, sizeof secret);
+    return false;
+  }
+  *len = hex.size() / 2;
+  return true;
+}
 
 int tracker_ex_index() {
   static int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
   return index;
 }
 
-KtlsRxTracker* tracker_of(const SSL* ssl) { return static_cast<KtlsRxTracker*>(SSL_get_ex_data(ssl, tracker_ex_index())); }
+Tls13SecretTracker* tracker_of(const SSL* ssl) { return static_cast<Tls13SecretTracker*>(SSL_get_ex_data(ssl, tracker_ex_index())); }
 
-// HKDF-Expand-Label(secret, label, "", length) from RFC 8446 section 7.1.
-Status hkdf_expand_label(const EVP_MD* digest, std::span<const unsigned char> secret, std::string_view label,
-                         unsigned char* out, size_t length) {
-  unsigned char info[2 + 1 + 255 + 1];
-  std::string full_label = "tls13 " + std::string(label);
-  size_t n = 0;
-  info[n++] = static_cast<unsigned char>(length >> 8);
-  info[n++] = static_cast<unsigned char>(length);
-  info[n++] = static_cast<unsigned char>(full_label.size());
-  std::memcpy(info + n, full_label.data(), full_label.size());
-  n += full_label.size();
-  info[n++] = 0;  // empty context
+}  // namespace
 
-  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, OSSL_KDF_NAME_HKDF, nullptr);
-  EVP_KDF_CTX* ctx = kdf ? EVP_KDF_CTX_new(kdf) : nullptr;
-  EVP_KDF_free(kdf);
-  if (!ctx) return fail(Error::kInternal, "HKDF is not available");
-  int mode = EVP_KDF_HKDF_MODE_EXPAND_ONLY;
+Status tls13_hkdf_expand_labels(const EVP_MD* digest, std::span<const unsigned char> secret,
+                                std::initializer_list<Tls13Label> labels) {
+  // HKDF-Expand (RFC 5869) of at most one hash length is a single HMAC: T(1) = HMAC(secret, info || 0x01).
+  // One HMAC context keyed once for all the labels; the MAC is fetched once per process.
+  static EVP_MAC* const hmac = EVP_MAC_fetch(nullptr, OSSL_MAC_NAME_HMAC, nullptr);
+  const size_t hash_len = static_cast<size_t>(EVP_MD_get_size(digest));
+  EVP_MAC_CTX* ctx = hmac ? EVP_MAC_CTX_new(hmac) : nullptr;
+  if (!ctx) return fail(Error::kInternal, "HMAC is not available");
   OSSL_PARAM params[] = {
-      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, const_cast<char*>(EVP_MD_get0_name(digest)), 0),
-      OSSL_PARAM_construct_int(OSSL_KDF_PARAM_MODE, &mode),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<unsigned char*>(secret.data()),
-                                        secret.size()),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, info, n),
+      OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, const_cast<char*>(EVP_MD_get0_name(digest)), 0),
       OSSL_PARAM_construct_end(),
   };
-  int ok = EVP_KDF_derive(ctx, out, length, params);
-  EVP_KDF_CTX_free(ctx);
-  if (ok != 1) return fail(Error::kInternal, "HKDF-Expand-Label(" + std::string(label) + ") failed");
-  return {};
+  Status result;
+  bool keyed = false;
+  for (const Tls13Label& l : labels) {
+    constexpr std::string_view kPrefix = "tls13 ";
+    unsigned char info[2 + 1 + 255 + 1 + 1];
+    if (l.length > hash_len || kPrefix.size() + l.label.size() > 255) {
+      result = fail(Error::kInternal, "HKDF-Expand-Label(" + std::string(l.label) + "): bad length");
+      break;
+    }
+    size_t n = 0;
+    info[n++] = static_cast<unsigned char>(l.length >> 8);
+    info[n++] = static_cast<unsigned char>(l.length);
+    info[n++] = static_cast<unsigned char>(kPrefix.size() + l.label.size());
+    std::memcpy(info + n, kPrefix.data(), kPrefix.size());
+    n += kPrefix.size();
+    std::memcpy(info + n, l.label.data(), l.label.size());
+    n += l.label.size();
+    info[n++] = 0;  // empty context
+    info[n++] = 1;  // the block counter of T(1)
+    unsigned char t[EVP_MAX_MD_SIZE];
+    size_t t_len = 0;
+    // The first init sets the key and the hash; the next ones start over with the same key.
+    const bool ok = (keyed ? EVP_MAC_init(ctx, nullptr, 0, nullptr) : EVP_MAC_init(ctx, secret.data(), secret.size(), params)) == 1 &&
+                    EVP_MAC_update(ctx, info, n) == 1 && EVP_MAC_final(ctx, t, &t_len, sizeof t) == 1 && t_len == hash_len;
+    keyed = true;
+    if (ok) std::memcpy(l.out, t, l.length);
+    OPENSSL_cleanse(t, sizeof t);
+    if (!ok) {
+      result = fail(Error::kInternal, "HKDF-Expand-Label(" + std::string(l.label) + ") failed");
+      break;
+    }
+  }
+  EVP_MAC_CTX_free(ctx);
+  return result;
 }
+
+Status tls13_hkdf_expand_label(const EVP_MD* digest, std::span<const unsigned char> secret, std::string_view label,
+                               unsigned char* out, size_t length) {
+  return tls13_hkdf_expand_labels(digest, secret, {{label, out, length}});
+}
+
+namespace {
 
 void put_be64(unsigned char* out, uint64_t v) {
   for (int i = 7; i >= 0; --i) {
@@ -68,42 +108,52 @@ void put_be64(unsigned char* out, uint64_t v) {
 }  // namespace
 
 void ktls_on_keylog(const SSL* ssl, const char* line) {
-  KtlsRxTracker* t = tracker_of(ssl);
+  Tls13SecretTracker* t = tracker_of(ssl);
+  if (!t) return;
   std::string_view text(line);
-  if (!t || !text.starts_with(kClientTrafficSecretLabel)) return;
-  // "CLIENT_TRAFFIC_SECRET_0 <client random hex> <secret hex>"
-  auto space = text.rfind(' ');
-  std::string_view hex = text.substr(space + 1);
-  if (hex.size() / 2 > sizeof t->client_secret_) return;
-  if (!hex_decode(hex, std::span(t->client_secret_, hex.size() / 2))) {  // an odd length fails too
-    OPENSSL_cleanse(t->client_secret_, sizeof t->client_secret_);
-    return;
-  }
-  t->client_secret_len_ = hex.size() / 2;
+  if (text.starts_with(kClientTrafficSecretLabel)) decode_secret(text, t->client_secret_, &t->client_secret_len_);
+  else if (text.starts_with(kServerTrafficSecretLabel)) decode_secret(text, t->server_secret_, &t->server_secret_len_);
 }
 
 void ktls_on_message(int write_p, int, int content_type, const void* buf, size_t len, SSL* ssl, void*) {
-  if (write_p) return;
-  KtlsRxTracker* t = tracker_of(ssl);
+  Tls13SecretTracker* t = tracker_of(ssl);
   if (!t) return;
+  const auto* bytes = static_cast<const unsigned char*>(buf);
+  if (write_p) {
+    // A handshake message is reported after the records that carried it.
+    if (content_type == SSL3_RT_HEADER) {
+      ++t->records_written_;
+    } else if (content_type == SSL3_RT_HANDSHAKE && len >= 1 && bytes[0] == SSL3_MT_FINISHED) {
+      t->records_written_at_server_finished_ = t->records_written_;
+      t->server_finished_written_ = true;
+    }
+    return;
+  }
   if (content_type == SSL3_RT_HEADER) {
     ++t->records_read_;
   } else if (content_type == SSL3_RT_INNER_CONTENT_TYPE && t->handshake_done_ && len == 1 &&
-             *static_cast<const unsigned char*>(buf) != SSL3_RT_APPLICATION_DATA) {
+             bytes[0] != SSL3_RT_APPLICATION_DATA) {
     t->non_data_after_handshake_ = true;
   }
 }
 
-KtlsRxTracker::~KtlsRxTracker() { OPENSSL_cleanse(client_secret_, sizeof client_secret_); }
+Tls13SecretTracker::~Tls13SecretTracker() { wipe_secrets(); }
 
-void KtlsRxTracker::attach(SSL* ssl) { SSL_set_ex_data(ssl, tracker_ex_index(), this); }
+void Tls13SecretTracker::wipe_secrets() {
+  OPENSSL_cleanse(client_secret_, sizeof client_secret_);
+  OPENSSL_cleanse(server_secret_, sizeof server_secret_);
+  client_secret_len_ = server_secret_len_ = 0;
+}
 
-void KtlsRxTracker::handshake_finished() {
+void Tls13SecretTracker::attach(SSL* ssl) { SSL_set_ex_data(ssl, tracker_ex_index(), this); }
+void Tls13SecretTracker::detach(SSL* ssl) { SSL_set_ex_data(ssl, tracker_ex_index(), nullptr); }
+
+void Tls13SecretTracker::handshake_finished() {
   records_read_at_handshake_end_ = records_read_;
   handshake_done_ = true;
 }
 
-Status KtlsRxTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
+Status Tls13SecretTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
   if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
   if (SSL_has_pending(ssl)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
   if (non_data_after_handshake_)
@@ -115,15 +165,36 @@ Status KtlsRxTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
                                  records_read_ - records_read_at_handshake_end_, out);
 }
 
-Status KtlsRxTracker::install_tls13_rx(SSL* ssl, int fd) {
+Status Tls13SecretTracker::install_tls13_rx(SSL* ssl, int fd) {
   KernelTlsKey key;
   auto derived = derive_rx_key(ssl, &key);
-  // The secret is not needed again: receive is the kernel's from here on, or stays with OpenSSL.
-  OPENSSL_cleanse(client_secret_, sizeof client_secret_);
-  client_secret_len_ = 0;
+  // The secrets are not needed again: receive is the kernel's from here on, or stays with OpenSSL.
+  wipe_secrets();
   if (!derived) return derived;
   if (::setsockopt(fd, SOL_TLS, TLS_RX, &key.info, key.size) != 0) return fail_errno("setsockopt(TLS_RX)", errno);
   return {};
+}
+
+Result<std::unique_ptr<Tls13RecordLayer>> Tls13SecretTracker::take_record_layer(SSL* ssl) {
+  auto layer = [&]() -> Result<std::unique_ptr<Tls13RecordLayer>> {
+    if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
+    if (!handshake_done_ || !server_finished_written_) return fail(Error::kConflict, "the handshake is not over");
+    if (SSL_has_pending(ssl)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
+    if (non_data_after_handshake_) return fail(Error::kUnsupported, "the client sent a post-handshake message");
+    if (client_secret_len_ == 0 || server_secret_len_ == 0)
+      return fail(Error::kInternal, "the traffic secrets were not captured");
+    const SSL_CIPHER* cipher = SSL_get_current_cipher(ssl);
+    return Tls13RecordLayer::create({
+        .cipher_suite = SSL_CIPHER_get_protocol_id(cipher),
+        .digest = SSL_CIPHER_get_handshake_digest(cipher),
+        .client_secret = std::span(client_secret_, client_secret_len_),
+        .client_seq = records_read_ - records_read_at_handshake_end_,
+        .server_secret = std::span(server_secret_, server_secret_len_),
+        .server_seq = records_written_ - records_written_at_server_finished_,
+    });
+  }();
+  wipe_secrets();
+  return layer;
 }
 
 KernelTlsKey::~KernelTlsKey() { OPENSSL_cleanse(&info, sizeof info); }
@@ -143,8 +214,8 @@ Result<void> derive_tls13_kernel_key(uint16_t cipher_suite, const EVP_MD* digest
                                            " has no kernel TLS implementation here");
   }
   if (!digest) return fail(Error::kInternal, "no handshake digest for the cipher suite");
-  if (auto st = hkdf_expand_label(digest, traffic_secret, "key", key, key_len); !st) return st;
-  if (auto st = hkdf_expand_label(digest, traffic_secret, "iv", iv, sizeof iv); !st) return st;
+  if (auto st = tls13_hkdf_expand_labels(digest, traffic_secret, {{"key", key, key_len}, {"iv", iv, sizeof iv}}); !st)
+    return st;
 
   std::memset(&out->info, 0, sizeof out->info);
   // The TLS 1.3 nonce is the 12-byte IV XOR the sequence number. The kernel's AES-GCM structures split it
@@ -188,7 +259,7 @@ Result<void> derive_tls13_kernel_key(uint16_t cipher_suite, const EVP_MD* digest
   return {};
 }
 
-void enable_ktls_rx_tracking(SSL_CTX* ctx) {
+void enable_tls13_secret_tracking(SSL_CTX* ctx) {
   SSL_CTX_set_keylog_callback(ctx, ktls_on_keylog);
   SSL_CTX_set_msg_callback(ctx, ktls_on_message);
 }

@@ -6,7 +6,8 @@
 // derived from it with HKDF-Expand-Label (RFC 8446 7.3), and the record sequence number is the count of
 // records OpenSSL read under that key (the msg callback counts them; none, when the switch comes at once).
 // From then on the connection reads the socket itself (recvmsg, with each record's type) and frees its
-// SSL (proxy/transport.h, KernelTlsTransport).
+// SSL (proxy/transport.h, KernelTlsTransport). Without kTLS, the same secrets and counts (both ways) let a
+// quiet connection move to the proxy's own record layer instead (proxy/tls13_record_layer.h).
 //
 // Why the switch is safe: read_ahead stays off, so OpenSSL reads the socket one record at a time and never
 // past a record boundary. Once SSL_has_pending() is false, every byte OpenSSL took from the socket has been
@@ -20,6 +21,8 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
 #include <span>
 #include <string_view>
 
@@ -43,15 +46,34 @@ Result<void> derive_tls13_kernel_key(uint16_t cipher_suite, const EVP_MD* digest
                                      std::span<const unsigned char> traffic_secret, uint64_t seq,
                                      KernelTlsKey* out);
 
-// What OpenSSL's callbacks saw of one connection's receive side; attached to its SSL with ex_data.
-class KtlsRxTracker {
+// HKDF-Expand-Label(secret, label, "", length) of RFC 8446 section 7.1, for lengths up to the hash's (every
+// key, IV and next secret TLS 1.3 derives from a traffic secret).
+Status tls13_hkdf_expand_label(const EVP_MD* digest, std::span<const unsigned char> secret, std::string_view label,
+                               unsigned char* out, size_t length);
+// The same for several labels of one secret, keyed once.
+struct Tls13Label {
+  std::string_view label;
+  unsigned char* out;
+  size_t length;
+};
+Status tls13_hkdf_expand_labels(const EVP_MD* digest, std::span<const unsigned char> secret,
+                                std::initializer_list<Tls13Label> labels);
+
+class Tls13RecordLayer;
+
+// What OpenSSL's callbacks saw of one connection's TLS 1.3 traffic secrets and records, so that its record
+// protection can leave OpenSSL after the handshake: receive to the kernel (install_tls13_rx), or both ways to
+// the proxy's own record layer once the connection is idle (take_record_layer, proxy/tls13_record_layer.h).
+// Attached to the connection's SSL with ex_data.
+class Tls13SecretTracker {
  public:
-  KtlsRxTracker() = default;
-  ~KtlsRxTracker();  // wipes the secret
-  KtlsRxTracker(const KtlsRxTracker&) = delete;
-  KtlsRxTracker& operator=(const KtlsRxTracker&) = delete;
+  Tls13SecretTracker() = default;
+  ~Tls13SecretTracker();  // wipes the secrets
+  Tls13SecretTracker(const Tls13SecretTracker&) = delete;
+  Tls13SecretTracker& operator=(const Tls13SecretTracker&) = delete;
 
   void attach(SSL* ssl);
+  void detach(SSL* ssl);
   // Called when SSL_do_handshake returns 1: records read from now on are under the application key.
   void handshake_finished();
   // Installs the TLS 1.3 receive key on `fd` (which must already carry the "tls" ULP, as it does once
@@ -60,25 +82,40 @@ class KtlsRxTracker {
   Status install_tls13_rx(SSL* ssl, int fd);
   // The key install_tls13_rx gives the kernel, for the next record the socket will deliver.
   Status derive_rx_key(SSL* ssl, KernelTlsKey* out) const;
+  // Both directions' keys and sequence numbers as a record layer of the proxy's own, for an SSL that is
+  // about to be freed. Fails, changing nothing, unless OpenSSL holds no received bytes (the socket's next
+  // byte starts a record) and its last write was whole (the caller knows: OpenSSL does not say), the
+  // connection is TLS 1.3 with a suite the layer has, both secrets were seen and no post-handshake message
+  // came (a KeyUpdate would have moved the keys on). The secrets are wiped here either way.
+  Result<std::unique_ptr<Tls13RecordLayer>> take_record_layer(SSL* ssl);
 
  private:
   friend void ktls_on_keylog(const SSL* ssl, const char* line);
   friend void ktls_on_message(int write_p, int version, int content_type, const void* buf, size_t len, SSL* ssl,
                               void* arg);
 
+  void wipe_secrets();
+
   unsigned char client_secret_[64] = {};  // CLIENT_TRAFFIC_SECRET_0 (32 or 48 bytes used)
   size_t client_secret_len_ = 0;
+  unsigned char server_secret_[64] = {};  // SERVER_TRAFFIC_SECRET_0
+  size_t server_secret_len_ = 0;
   uint64_t records_read_ = 0;
   uint64_t records_read_at_handshake_end_ = 0;
+  // The server's application key protects every record written after its Finished (the session tickets
+  // among them): the sequence number of the next one is the count since.
+  uint64_t records_written_ = 0;
+  uint64_t records_written_at_server_finished_ = 0;
+  bool server_finished_written_ = false;
   bool handshake_done_ = false;
   // A record other than application data arrived after the handshake (KeyUpdate, an alert): the key or
   // the sequence OpenSSL reads with may have moved on, so the kernel is not given the old one.
   bool non_data_after_handshake_ = false;
 };
 
-// Installs the keylog and msg callbacks that feed KtlsRxTracker. Only for contexts that may offload: the
-// callbacks run for every record, and the keylog callback sees secrets (they never leave the tracker).
-void enable_ktls_rx_tracking(SSL_CTX* ctx);
+// Installs the keylog and msg callbacks that feed Tls13SecretTracker: the callbacks run for every record, and
+// the keylog callback sees secrets (they never leave the tracker but for the record layer it makes).
+void enable_tls13_secret_tracking(SSL_CTX* ctx);
 
 // Reads from a kTLS receive socket with recvmsg: application data (one record or more), or one record of
 // another type, with the TLS content type (the cmsg TLS_GET_RECORD_TYPE).

@@ -55,6 +55,10 @@ std::string ProxyMetrics::render(uint32_t open_connections, uint32_t max_connect
            "Finished TLS handshakes with clients: full, or resumed from a session ticket.");
   m.sample("sandgate_proxy_tls_handshakes_total", {{"resumed", "false"}}, full_handshakes_.value());
   m.sample("sandgate_proxy_tls_handshakes_total", {{"resumed", "true"}}, resumed_handshakes_.value());
+  m.family("sandgate_proxy_tls_own_record_layer_total", "counter",
+           "Client connections whose TLS 1.3 records moved from OpenSSL to the proxy's own record layer after the "
+           "handshake, freeing OpenSSL's per-connection state (access log path \"own-records\").");
+  m.sample("sandgate_proxy_tls_own_record_layer_total", {}, own_records_.value());
   m.family("sandgate_proxy_wakes_total", "counter", "Connections that waited for their sandbox to wake.");
   m.sample("sandgate_proxy_wakes_total", {}, wakes_.value());
   m.histogram("sandgate_proxy_wake_duration_seconds",

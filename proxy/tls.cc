@@ -170,6 +170,7 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg, std:
   self->domain_ = cfg.domain;
   self->ktls_mode_ = cfg.proxy.ktls;
   if (self->ktls_mode_ != KtlsMode::kOff) self->ktls_kernel_reason_ = ktls_unavailable_reason();
+  self->own_record_layer_ = cfg.proxy.tls_own_record_layer;
   for (const auto& cc : cfg.proxy.certificates) {
     SslCtxPtr ctx(SSL_CTX_new(TLS_server_method()));
     if (!ctx) return fail(Error::kInternal, "SSL_CTX_new: " + take_ssl_error());
@@ -182,17 +183,16 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg, std:
     // the ones padding-oracle attacks (Lucky13) aim at, and every client that speaks TLS 1.2 has an AEAD one.
     if (SSL_CTX_set_cipher_list(ctx.get(), kTls12Ciphers) != 1)
       return fail(Error::kInternal, "SSL_CTX_set_cipher_list: " + take_ssl_error());
-    if (self->ktls_possible()) {
-      // Receive for TLS 1.3 is handed to the kernel by the connection (proxy/ktls.h), which needs the
-      // client traffic secret and a count of the records OpenSSL read. read_ahead stays off (the default)
-      // so OpenSSL never reads past a record boundary. TLS 1.3 session tickets are kept: OpenSSL sends
-      // them inside SSL_do_handshake, after the client's Finished and before the handshake reports
-      // success, so they are on the wire before any byte is spliced, and a server sends no other
-      // post-handshake message unless the client asks for one (KeyUpdate, handled as a termination cause).
-      enable_ktls_rx_tracking(ctx.get());
-    } else {
+    // With kTLS, receive for TLS 1.3 is handed to the kernel by the connection (proxy/ktls.h), which needs
+    // the client traffic secret and a count of the records OpenSSL read. read_ahead stays off (the default)
+    // so OpenSSL never reads past a record boundary. TLS 1.3 session tickets are kept: OpenSSL sends them
+    // inside SSL_do_handshake, after the client's Finished and before the handshake reports success, so
+    // they are on the wire before any byte is spliced, and a server sends no other post-handshake message
+    // unless the client asks for one (KeyUpdate, handled as a termination cause).
+    if (!self->ktls_possible()) {
       // Userspace TLS for every connection: read-ahead lets one read() bring in several records (64 KiB)
-      // instead of two reads per record (header, then body), halving syscalls on uploads.
+      // instead of two reads per record (header, then body), halving syscalls on uploads. The switch to the
+      // proxy's own record layer waits until OpenSSL's buffer is empty.
       SSL_CTX_set_read_ahead(ctx.get(), 1);
       SSL_CTX_set_default_read_buffer_len(ctx.get(), 64 * 1024);
     }
@@ -204,6 +204,8 @@ Result<std::shared_ptr<TlsContexts>> TlsContexts::create(const Config& cfg, std:
     // NO_AUTO_CHAIN: the chain sent is the certificate file's (leaf, then intermediates). Without it, OpenSSL
     // tries to build one from the context's trust store at every handshake where the file holds the leaf
     // alone, and that store is empty here: a verification context made and failed per connection for nothing.
+    // The TLS 1.3 secrets and record counts, for kTLS receive and for the proxy's own record layer.
+    if (self->tracks_tls13_secrets()) enable_tls13_secret_tracking(ctx.get());
     SSL_CTX_set_mode(ctx.get(),
                      SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_NO_AUTO_CHAIN);
     SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);

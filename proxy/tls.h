@@ -43,6 +43,10 @@ class TlsContexts {
   const std::string& ktls_kernel_reason() const { return ktls_kernel_reason_; }
   // The mode allows kTLS and the kernel has the TLS ULP: connections try to offload.
   bool ktls_possible() const { return ktls_mode_ != KtlsMode::kOff && ktls_kernel_reason_.empty(); }
+  // Whether a connection's TLS 1.3 records may move to the proxy's own record layer (proxy.tls_own_record_layer).
+  bool own_record_layer() const { return own_record_layer_; }
+  // Whether the contexts capture TLS 1.3 secrets (for kTLS receive or for the own record layer).
+  bool tracks_tls13_secrets() const { return ktls_possible() || own_record_layer_; }
 
  private:
   struct Cert {
@@ -58,6 +62,7 @@ class TlsContexts {
   std::string domain_;
   KtlsMode ktls_mode_ = KtlsMode::kAuto;
   std::string ktls_kernel_reason_;
+  bool own_record_layer_ = true;
 };
 
 // What the handshake learns about a connection before it completes, owned by the connection and reached

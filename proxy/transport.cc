@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "proxy/tls.h"
+#include "proxy/tls13_record_layer.h"
 
 namespace sg {
 namespace {
@@ -64,7 +65,48 @@ bool TcpTransport::shutdown_write() {
   return true;
 }
 
+TlsTransport::TlsTransport(SSL* ssl, int fd, std::unique_ptr<Tls13SecretTracker> tracker, bool may_leave_openssl)
+    : ssl_(ssl),
+      fd_(fd),
+      tracker_(std::move(tracker)),
+      read_ahead_(SSL_get_read_ahead(ssl) != 0),
+      may_leave_openssl_(may_leave_openssl) {
+  if (tracker_) tracker_->attach(ssl_);
+}
+
+TlsTransport::~TlsTransport() { SSL_free(ssl_); }
+
+void TlsTransport::handshake_finished() {
+  if (tracker_) tracker_->handshake_finished();
+}
+
+bool TlsTransport::has_buffered_input() const {
+  return own_ ? own_->has_buffered_input() : SSL_has_pending(ssl_) == 1;
+}
+
+void TlsTransport::release_memory_while_idle() {
+  if (own_) return own_->release_memory_while_idle();
+  if (!leave_openssl()) SSL_free_buffers(ssl_);
+}
+
+bool TlsTransport::leave_openssl() {
+  if (!may_leave_openssl_ || !tracker_ || ktls_tx_ || write_incomplete_ || shut_ || SSL_has_pending(ssl_) != 0)
+    return false;
+  auto layer = tracker_->take_record_layer(ssl_);
+  // Its secrets are wiped: whatever kept the keys in OpenSSL (TLS 1.2, a KeyUpdate) keeps them there.
+  tracker_->detach(ssl_);
+  tracker_.reset();
+  if (!layer) return false;
+  own_ = std::move(*layer);
+  // A TLS 1.3 session lives in its tickets; marked shut down so OpenSSL keeps any session it cached.
+  SSL_set_shutdown(ssl_, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);
+  SSL_free(ssl_);
+  ssl_ = nullptr;
+  return true;
+}
+
 IoResult TlsTransport::read(std::span<char> into) {
+  if (own_) return own_->read(fd_, into);
   int n = 0;
   size_t got = 0;
   while (got < into.size()) {
@@ -76,7 +118,12 @@ IoResult TlsTransport::read(std::span<char> into) {
     // all decrypted and handed over, the socket most likely holds nothing (and if it does, poll says so),
     // so the next SSL_read's read() would fail with EAGAIN. Without read-ahead it reads record by record,
     // and an empty OpenSSL buffer says nothing about the socket.
-    if (got < into.size() && read_ahead_ && SSL_has_pending(ssl_) == 0) return IoResult::ok_drained(got);
+    if (got < into.size() && read_ahead_ && SSL_has_pending(ssl_) == 0) {
+      // A record boundary on the receive side: the first one after the handshake is where the record
+      // protection leaves OpenSSL (it costs less per record on the proxy's own layer; RESULTS.md).
+      leave_openssl();
+      return IoResult::ok_drained(got);
+    }
   }
   if (n > 0) return IoResult::ok(got);  // stopped for room; an EOF or error behind the data comes next time
   int err = SSL_get_error(ssl_, n);
@@ -89,15 +136,20 @@ IoResult TlsTransport::read(std::span<char> into) {
 }
 
 IoResult TlsTransport::write(std::span<const char> from) {
+  if (own_) return own_->write(fd_, from);
   clear_stale_ssl_errors();
   int n = SSL_write(ssl_, from.data(), static_cast<int>(from.size()));
+  write_incomplete_ = false;
   if (n > 0) return IoResult::ok(static_cast<size_t>(n));
   int err = SSL_get_error(ssl_, n);
+  write_incomplete_ = true;
   if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return IoResult::would_block();
   return IoResult::error(err == SSL_ERROR_SYSCALL ? std::strerror(errno) : take_ssl_error());
 }
 
 bool TlsTransport::shutdown_write() {
+  if (own_) return own_->shutdown_write(fd_);
+  shut_ = true;
   clear_stale_ssl_errors();
   int r = SSL_shutdown(ssl_);
   if (r < 0) {

@@ -5,7 +5,8 @@
 //                 always works.
 //   TlsTransport  the client's socket during the handshake, and after it when the kernel cannot do its TLS
 //                 both ways: SSL_read/SSL_write. Transmit offloaded to the kernel alone (kTLS) means bytes
-//                 can splice out into the socket.
+//                 can splice out into the socket. Without kTLS, a TLS 1.3 connection quiet for a while
+//                 frees its SSL and protects its records itself (proxy/tls13_record_layer.h).
 //   KernelTlsTransport  the client's socket once the kernel does its TLS both ways: the SSL is freed,
 //                 reads are recvmsg (with each record's type), writes are send, and both directions splice.
 #pragma once
@@ -14,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -110,15 +112,18 @@ class TcpTransport : public Transport {
 
 class TlsTransport final : public Transport {
  public:
-  // `ssl` is set up on `fd` and owned by this transport; `tracker` (for handing TLS 1.3 receive to the
-  // kernel) is attached to it when kTLS is possible, and null otherwise.
-  TlsTransport(SSL* ssl, int fd, KtlsRxTracker* tracker)
-      : ssl_(ssl), fd_(fd), tracker_(tracker), read_ahead_(SSL_get_read_ahead(ssl) != 0) {}
-  ~TlsTransport() override { SSL_free(ssl_); }
+  // `ssl` is set up on `fd` and owned by this transport, and so is `tracker` (null: the record protection
+  // stays with OpenSSL), which is attached to it here.
+  // `may_leave_openssl`: the records may move to the proxy's own record layer (below).
+  TlsTransport(SSL* ssl, int fd, std::unique_ptr<Tls13SecretTracker> tracker, bool may_leave_openssl = true);
+  ~TlsTransport() override;
   TlsTransport(const TlsTransport&) = delete;
   TlsTransport& operator=(const TlsTransport&) = delete;
 
+  // Null once the SSL is freed (after the handshake only).
   SSL* ssl() const { return ssl_; }
+  // Called when SSL_do_handshake returned 1.
+  void handshake_finished();
   int fd() const override { return fd_; }
   // SSL_read until `into` is full or the socket is dry (or, with read-ahead, OpenSSL's buffer is: then the
   // result is `drained`): SSL_read returns one record at a time, and the sandbox should get one large send
@@ -126,7 +131,7 @@ class TlsTransport final : public Transport {
   IoResult read(std::span<char> into) override;
   IoResult write(std::span<const char> from) override;
   bool shutdown_write() override;
-  bool has_buffered_input() const override { return SSL_has_pending(ssl_) == 1; }
+  bool has_buffered_input() const override;
 
   // After the handshake: whether OpenSSL handed transmit to the kernel (then bytes can splice out).
   void plan_ktls();
@@ -142,16 +147,31 @@ class TlsTransport final : public Transport {
   // connection), and this connection has not ended. Keeps TLS 1.2 session-ID resumption working.
   void keep_session_when_freed() { SSL_set_shutdown(ssl_, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN); }
   bool can_splice_out() const override { return ktls_tx_; }
-  // OpenSSL keeps its record buffers between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc): freeing
-  // and taking 64 KiB + 16 KiB again per keep-alive request cost more than the request's own work.
-  void release_memory_while_idle() override { SSL_free_buffers(ssl_); }
+  // A TLS 1.3 connection without kTLS leaves OpenSSL altogether as soon as both sides are at a record
+  // boundary: its keys go to a record layer of the proxy's own and the SSL is freed (13 KiB of an idle
+  // connection's 18; and each record costs less there). With read-ahead that is the first read that emptied
+  // OpenSSL's buffer, else the first quiet spell. Where it cannot be (TLS 1.2, a transmit side in the
+  // kernel, a KeyUpdate OpenSSL followed), a quiet connection's SSL frees its record buffers: OpenSSL keeps
+  // them between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc), since freeing and taking 64 KiB +
+  // 16 KiB again per keep-alive request cost more than the request's own work.
+  void release_memory_while_idle() override;
+  // Whether the record protection has left OpenSSL for the proxy's own record layer.
+  bool own_records() const { return own_ != nullptr; }
 
  private:
+  // Hands the record protection to the proxy's own record layer and frees the SSL, if it can be done now.
+  bool leave_openssl();
+
   SSL* ssl_;
   int fd_;
-  KtlsRxTracker* tracker_;
+  std::unique_ptr<Tls13SecretTracker> tracker_;
+  std::unique_ptr<Tls13RecordLayer> own_;
   bool read_ahead_;  // set on the context when kTLS is not possible (proxy/tls.cc)
+  bool may_leave_openssl_;
   bool ktls_tx_ = false;
+  // OpenSSL holds part of a record it could not send: the next SSL_write must be the one that sends it.
+  bool write_incomplete_ = false;
+  bool shut_ = false;  // SSL_shutdown was called
 };
 
 // The client's socket once the kernel does its TLS both ways. The handshake is over and OpenSSL has nothing

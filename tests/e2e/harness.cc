@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 namespace sg::e2e {
@@ -402,6 +403,17 @@ std::vector<nlohmann::json> Cluster::access_log() const {
     }
   }
   return out;
+}
+
+uint16_t Cluster::metrics_port() {
+  std::smatch m;
+  std::string log;
+  EXPECT_TRUE(eventually([&] {
+    log = proxy().log();
+    static const std::regex re(R"(metrics on http://127\.0\.0\.1:(\d+)/metrics)");
+    return std::regex_search(log, m, re);
+  }, std::chrono::seconds(10))) << log;
+  return m.empty() ? 0 : static_cast<uint16_t>(std::stoi(m[1].str()));
 }
 
 nlohmann::json Cluster::wait_access_entry(const std::function<bool(const nlohmann::json&)>& pred, int timeout_ms) {

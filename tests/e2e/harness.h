@@ -149,6 +149,9 @@ class Cluster {
   // debug level, which the harness sets.
   size_t node_calls(const std::string& path);
   std::vector<nlohmann::json> access_log() const;
+  // The port of the proxy's metrics listener, from its log (a config with metrics_listen = ["127.0.0.1:0"]);
+  // 0 (and a failed expectation) when it never said.
+  uint16_t metrics_port();
   // Polls the access log until an entry satisfies pred.
   nlohmann::json wait_access_entry(const std::function<bool(const nlohmann::json&)>& pred, int timeout_ms = 10000);
 

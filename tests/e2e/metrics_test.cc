@@ -2,8 +2,6 @@
 // promtool (Debian's prometheus package), after traffic that must move the counters.
 #include <gtest/gtest.h>
 
-#include <regex>
-
 #include "tests/e2e/harness.h"
 
 namespace sg::e2e {
@@ -28,20 +26,9 @@ void expect_promtool_accepts(const std::string& text, const std::string& dir, co
   EXPECT_EQ(checked.out, "") << what << ": promtool lint: " << checked.out;
 }
 
-uint16_t metrics_port(Cluster& c) {
-  std::smatch m;
-  std::string log;
-  EXPECT_TRUE(eventually([&] {
-    log = c.proxy().log();
-    static const std::regex re(R"(metrics on http://127\.0\.0\.1:(\d+)/metrics)");
-    return std::regex_search(log, m, re);
-  }, std::chrono::seconds(10))) << log;
-  return m.empty() ? 0 : static_cast<uint16_t>(std::stoi(m[1].str()));
-}
-
 TEST(Metrics, BothDaemonsServeCountersThatMoveWithTraffic) {
   Cluster c(ClusterOptions::proxy("metrics_listen = [\"127.0.0.1:0\"]\n"));
-  const uint16_t port = metrics_port(c);
+  const uint16_t port = c.metrics_port();
   ASSERT_NE(port, 0);
   const std::string proxy_url = "http://127.0.0.1:" + std::to_string(port) + "/metrics";
   const std::string node_socket = c.api().substr(std::string("unix:").size());

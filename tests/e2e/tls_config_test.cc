@@ -76,5 +76,29 @@ TEST(TlsConfig, TestsslFindsNoWeakProtocolCipherOrVulnerability) {
   EXPECT_GT(checked, 30u) << "testssl reported too little to have scanned: " << r.out;
 }
 
+// A TLS 1.3 connection leaves OpenSSL for the proxy's own record layer (docs/architecture.md), and a real
+// client (openssl s_client) goes on over it, with a KeyUpdate that asks for the proxy's, a download, an
+// upload and a last request, and the access log says which path it ended on. For each suite the layer has.
+TEST(TlsRecords, AConnectionGoesOnThroughTheProxysOwnRecordLayer) {
+  for (const char* suite : {"TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256"}) {
+    Cluster c(ClusterOptions::proxy("metrics_listen = [\"127.0.0.1:0\"]\n"));
+    const uint16_t metrics = c.metrics_port();
+    ASSERT_NE(metrics, 0);
+    c.create_http_sandbox("web", 8080);
+    c.wait_until_serving("web", 8080);
+    auto r = run("/usr/bin/python3 " + source("tests/e2e/tools/tls_records_client.py") + " 127.0.0.1 " +
+                     std::to_string(c.port()) + " 8080-web.sandbox.localhost " + shell_quote(c.ca()) +
+                     " http://127.0.0.1:" + std::to_string(metrics) + "/metrics " + suite,
+                 90);
+    EXPECT_EQ(r.out, "ok\n") << suite << ": " << r.err;
+    // The connection that carried the download (the probes of wait_until_serving took the own layer too).
+    auto entry = c.wait_access_entry([](const nlohmann::json& e) {
+      return e.value("sni", "") == "8080-web.sandbox.localhost" && e.value("bytes_out", 0) >= 300000;
+    });
+    EXPECT_EQ(entry.value("path", ""), "own-records") << suite << ": " << entry.dump();
+    EXPECT_EQ(entry.value("cause", ""), "client_closed") << suite << ": " << entry.dump();
+  }
+}
+
 }  // namespace
 }  // namespace sg::e2e

@@ -15,7 +15,7 @@ set -euo pipefail
 build=$(cd "$1" && pwd)
 seconds=${2:-20}
 seeds=$(cd "$(dirname "$0")" && pwd)/corpus
-read -ra targets <<<"${FUZZ_TARGETS:-client_hello route http1 h2_headers api_body config}"
+read -ra targets <<<"${FUZZ_TARGETS:-client_hello route http1 h2_headers tls13_records api_body config}"
 run_limit=()
 if [[ -n ${FUZZ_RUNS:-} ]]; then
   [[ $FUZZ_RUNS =~ ^[1-9][0-9]*$ ]] || { echo "FUZZ_RUNS must be a positive integer" >&2; exit 2; }

@@ -101,6 +101,7 @@ listen = ["127.0.0.1:9443", "[::1]:9443"]
 workers = 3
 max_request_head_bytes = 4096
 ktls = "off"
+tls_own_record_layer = false
 [[proxy.certificates]]
 cert = "tls/cert.pem"
 key = "/abs/key.pem"
@@ -117,6 +118,7 @@ batch_scheduling = false
   EXPECT_EQ(cfg.proxy.listen.size(), 2u);
   EXPECT_EQ(cfg.proxy.workers, 3u);
   EXPECT_EQ(cfg.proxy.ktls, KtlsMode::kOff);
+  EXPECT_FALSE(cfg.proxy.tls_own_record_layer);
   ASSERT_EQ(cfg.proxy.certificates.size(), 1u);
   EXPECT_EQ(cfg.proxy.certificates[0].cert_file, "/base/tls/cert.pem");
   EXPECT_EQ(cfg.proxy.certificates[0].key_file, "/abs/key.pem");
@@ -318,6 +320,8 @@ TEST(Config, TheExampleFileLoadsAndShowsTheDefaults) {
   const ProxyConfig& d = (*defaults)->proxy;
   EXPECT_EQ(e.workers, d.workers);
   EXPECT_EQ(e.ktls, d.ktls);
+  EXPECT_EQ(e.tls_own_record_layer, d.tls_own_record_layer);
+  EXPECT_TRUE(d.tls_own_record_layer);
   EXPECT_EQ(e.handshake_timeout_ms, d.handshake_timeout_ms);
   EXPECT_EQ(e.tls13_session_tickets, d.tls13_session_tickets);
   EXPECT_EQ(e.tls_ticket_key_rotation_secs, d.tls_ticket_key_rotation_secs);

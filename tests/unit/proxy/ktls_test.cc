@@ -24,7 +24,7 @@ struct Pair {
   SSL* client = nullptr;
   int server_fd = -1;
   int client_fd = -1;
-  KtlsRxTracker tracker;
+  Tls13SecretTracker tracker;
 
   ~Pair() {
     SSL_free(server);
@@ -62,7 +62,7 @@ void handshake(Pair& p, const char* suite) {
   p.server_ctx = SSL_CTX_new(TLS_server_method());
   p.client_ctx = SSL_CTX_new(TLS_client_method());
   use_test_certificate(p.server_ctx);
-  enable_ktls_rx_tracking(p.server_ctx);
+  enable_tls13_secret_tracking(p.server_ctx);
   SSL_CTX_set_min_proto_version(p.client_ctx, TLS1_3_VERSION);
   SSL_CTX_set_ciphersuites(p.client_ctx, suite);
   p.server = SSL_new(p.server_ctx);

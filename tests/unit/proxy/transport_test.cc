@@ -10,6 +10,7 @@
 #include <openssl/err.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <string>
 
 #include "common/fd.h"
@@ -84,17 +85,20 @@ TEST(TcpTransport, SplicesThroughAPipe) {
 }
 
 class TlsTransportTest : public ::testing::Test {
- protected:
+ public:
   void SetUp() override {
     server_ctx_ = SSL_CTX_new(TLS_server_method());
     if (read_ahead_) SSL_CTX_set_read_ahead(server_ctx_, 1);  // as the proxy's contexts without kTLS
     SSL_CTX_use_certificate(server_ctx_, cert_.cert);
     SSL_CTX_use_PrivateKey(server_ctx_, cert_.key);
+    enable_tls13_secret_tracking(server_ctx_);  // as the proxy's contexts
     client_ctx_ = SSL_CTX_new(TLS_client_method());
+    if (client_max_version_) SSL_CTX_set_max_proto_version(client_ctx_, client_max_version_);
     SSL* server = SSL_new(server_ctx_);
     SSL_set_fd(server, pair_.a.get());
     SSL_set_accept_state(server);
-    transport_ = std::make_unique<TlsTransport>(server, pair_.a.get(), &tracker_);
+    transport_ = std::make_unique<TlsTransport>(server, pair_.a.get(), std::make_unique<Tls13SecretTracker>(),
+                                                may_leave_openssl_);
     client_ = SSL_new(client_ctx_);
     SSL_set_fd(client_, pair_.b.get());
     SSL_set_connect_state(client_);
@@ -102,7 +106,10 @@ class TlsTransportTest : public ::testing::Test {
     bool server_done = false;
     bool client_done = false;
     for (int i = 0; i < 100 && !(server_done && client_done); ++i) {
-      if (!server_done) server_done = SSL_do_handshake(server) == 1;
+      if (!server_done && SSL_do_handshake(server) == 1) {
+        server_done = true;
+        transport_->handshake_finished();
+      }
       if (!client_done) client_done = SSL_do_handshake(client_) == 1;
     }
     ASSERT_TRUE(server_done && client_done);
@@ -127,10 +134,41 @@ class TlsTransportTest : public ::testing::Test {
     return got;
   }
 
+  // Everything the transport has for the reader, until it would block (or `want` bytes came).
+  std::string server_reads(size_t want = SIZE_MAX) {
+    std::string got;
+    char buf[5000];  // less than a full record: some are decrypted in place and handed out in parts
+    for (int i = 0; i < 10000 && got.size() < want; ++i) {
+      IoResult r = transport_->read(buf);
+      got.append(buf, r.bytes);
+      if (r.status == IoResult::Status::kError || r.status == IoResult::Status::kEof) break;
+      if (r.status == IoResult::Status::kWouldBlock && want == SIZE_MAX) break;
+    }
+    return got;
+  }
+  // Writes all of `data` through the transport while the client reads; returns what the client got.
+  std::string send_to_client(const std::string& data) {
+    std::string got;
+    size_t written = 0;
+    char buf[16384];
+    for (int i = 0; i < 100000 && got.size() < data.size(); ++i) {
+      if (written < data.size()) {
+        IoResult w = transport_->write(std::string_view(data).substr(written));
+        EXPECT_NE(w.status, IoResult::Status::kError) << w.detail;
+        if (w.status == IoResult::Status::kError) break;
+        written += w.bytes;
+      }
+      int n = SSL_read(client_, buf, sizeof buf);
+      if (n > 0) got.append(buf, static_cast<size_t>(n));
+    }
+    return got;
+  }
+
   bool read_ahead_ = false;
+  bool may_leave_openssl_ = true;
+  int client_max_version_ = 0;
   test_support::TestCert cert_;
   Pair pair_ = socket_pair();
-  KtlsRxTracker tracker_;
   SSL_CTX* server_ctx_ = nullptr;
   SSL_CTX* client_ctx_ = nullptr;
   SSL* client_ = nullptr;
@@ -235,6 +273,205 @@ TEST_F(TlsTransportTest, NoSpliceWithoutKtlsAndReceiveStaysWithOpenSsl) {
   char buf[64];
   IoResult r = transport_->read(buf);
   EXPECT_EQ(std::string(buf, r.bytes), "still OpenSSL's");
+}
+
+// ---- A TLS 1.3 connection leaves OpenSSL for the proxy's own record layer ----
+
+std::string pattern(size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>('a' + (i * 7 + i / 251) % 26);
+  return s;
+}
+
+// Traffic both ways with OpenSSL (tickets, requests, answers: the sequence numbers move), the switch, then
+// records of every size both ways, a socket that fills up, and the end of both streams.
+void goes_on_after_the_switch(TlsTransportTest& t, SSL* client, TlsTransport& transport) {
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(SSL_write(client, "request", 7), 7);
+    EXPECT_EQ(t.server_reads(7), "request");
+    EXPECT_EQ(t.send_to_client("answer"), "answer");
+  }
+  transport.release_memory_while_idle();
+  ASSERT_TRUE(transport.own_records());
+  EXPECT_EQ(transport.ssl(), nullptr) << "the SSL is freed";
+
+  ASSERT_EQ(SSL_write(client, "after", 5), 5);
+  EXPECT_EQ(t.server_reads(5), "after");
+  EXPECT_EQ(t.send_to_client("reply"), "reply");
+  // An upload of several full records (one read() takes many), with the reader's room smaller than a record.
+  const std::string upload = pattern(100 * 1024 + 17);
+  size_t sent = 0;
+  std::string got;
+  for (int i = 0; i < 10000 && (sent < upload.size() || got.size() < upload.size()); ++i) {
+    if (sent < upload.size()) {
+      int n = SSL_write(client, upload.data() + sent, static_cast<int>(std::min<size_t>(upload.size() - sent, 30000)));
+      if (n > 0) sent += static_cast<size_t>(n);
+    }
+    std::string part = t.server_reads();
+    ASSERT_TRUE(part.size() > 0 || sent < upload.size() || got.size() == upload.size()) << "stalled at " << got.size();
+    got += part;
+  }
+  EXPECT_EQ(got, upload);
+  // A download larger than the socket's buffer: writes that would block resume with the same bytes.
+  const std::string download = pattern(600 * 1024 + 3);
+  EXPECT_EQ(t.send_to_client(download), download);
+  // The memory goes while quiet and comes back with the next bytes.
+  transport.release_memory_while_idle();
+  ASSERT_EQ(SSL_write(client, "again", 5), 5);
+  EXPECT_EQ(t.server_reads(5), "again");
+  EXPECT_EQ(t.send_to_client("still"), "still");
+
+  EXPECT_TRUE(transport.shutdown_write());
+  char buf[16];
+  EXPECT_LE(SSL_read(client, buf, sizeof buf), 0);
+  EXPECT_EQ(SSL_get_error(client, 0), SSL_ERROR_ZERO_RETURN) << "close_notify";
+  ASSERT_EQ(SSL_write(client, "bye", 3), 3);
+  SSL_shutdown(client);
+  char tail[16];
+  IoResult r = transport.read(tail);
+  EXPECT_EQ(r.status, IoResult::Status::kEof);
+  EXPECT_EQ(std::string(tail, r.bytes), "bye");
+}
+
+TEST_F(TlsTransportTest, AQuietTls13ConnectionLeavesOpenSslAndGoesOnBothWays) {
+  goes_on_after_the_switch(*this, client_, *transport_);
+}
+
+TEST_F(TlsTransportReadAheadTest, AQuietTls13ConnectionLeavesOpenSslAndGoesOnBothWays) {
+  goes_on_after_the_switch(*this, client_, *transport_);
+}
+
+// With read-ahead (contexts without kTLS) the first read that leaves OpenSSL's buffer empty is a record
+// boundary: the switch is made there, before the connection has been quiet. Without it, only when quiet.
+TEST_F(TlsTransportReadAheadTest, TheFirstReadThatEmptiesOpenSslsBufferLeavesOpenSsl) {
+  client_sends("request");
+  char small[4];
+  IoResult r = transport_->read(small);
+  EXPECT_EQ(std::string(small, r.bytes), "requ");
+  EXPECT_FALSE(transport_->own_records()) << "OpenSSL still holds the rest";
+  EXPECT_EQ(server_reads(3), "est");
+  EXPECT_TRUE(transport_->own_records());
+  EXPECT_EQ(send_to_client("answer"), "answer");
+}
+
+TEST_F(TlsTransportTest, WithoutReadAheadTheSwitchWaitsUntilTheConnectionIsQuiet) {
+  client_sends("request");
+  EXPECT_EQ(server_reads(7), "request");
+  EXPECT_FALSE(transport_->own_records());
+  transport_->release_memory_while_idle();
+  EXPECT_TRUE(transport_->own_records());
+}
+
+class TlsTransportOpenSslOnlyTest : public TlsTransportTest {
+ protected:
+  TlsTransportOpenSslOnlyTest() {
+    read_ahead_ = true;
+    may_leave_openssl_ = false;  // proxy.tls_own_record_layer = false
+  }
+};
+
+TEST_F(TlsTransportOpenSslOnlyTest, TheRecordsStayWithOpenSslWhenTheOwnLayerIsOff) {
+  client_sends("request");
+  EXPECT_EQ(server_reads(7), "request");
+  transport_->release_memory_while_idle();
+  EXPECT_FALSE(transport_->own_records());
+  EXPECT_NE(transport_->ssl(), nullptr);
+  EXPECT_EQ(send_to_client("answer"), "answer");
+}
+
+TEST_F(TlsTransportTest, AKeyUpdateFromTheClientIsFollowedBothWaysAfterTheSwitch) {
+  transport_->release_memory_while_idle();
+  ASSERT_TRUE(transport_->own_records());
+  // The client counts the KeyUpdates it receives.
+  static int updates_received = 0;
+  updates_received = 0;
+  SSL_set_msg_callback(client_, [](int write_p, int, int type, const void* buf, size_t len, SSL*, void*) {
+    if (!write_p && type == SSL3_RT_HANDSHAKE && len >= 1 && *static_cast<const unsigned char*>(buf) == SSL3_MT_KEY_UPDATE)
+      ++updates_received;
+  });
+  int asked = 0;
+  for (int type : {SSL_KEY_UPDATE_REQUESTED, SSL_KEY_UPDATE_NOT_REQUESTED, SSL_KEY_UPDATE_REQUESTED}) {
+    ASSERT_EQ(SSL_key_update(client_, type), 1);
+    client_sends("under the next key");  // the KeyUpdate goes first
+    EXPECT_EQ(server_reads(18), "under the next key");
+    // When asked, ours goes before the answer, and the answer is under the key that follows it.
+    EXPECT_EQ(send_to_client("answer"), "answer");
+    if (type == SSL_KEY_UPDATE_REQUESTED) ++asked;
+    EXPECT_EQ(updates_received, asked);
+  }
+}
+
+TEST_F(TlsTransportTest, PaddedRecordsAreReadWithoutTheirPadding) {
+  transport_->release_memory_while_idle();
+  ASSERT_TRUE(transport_->own_records());
+  SSL_set_block_padding(client_, 512);
+  client_sends("padded to 512 bytes");
+  client_sends("and another");
+  EXPECT_EQ(server_reads(30), "padded to 512 bytesand another");
+}
+
+TEST_F(TlsTransportTest, ARecordThatDoesNotAuthenticateAfterTheSwitchIsAnError) {
+  transport_->release_memory_while_idle();
+  ASSERT_TRUE(transport_->own_records());
+  std::string forged = std::string("\x17\x03\x03\x00\x20", 5) + std::string(32, 'x');
+  ASSERT_EQ(::send(pair_.b.get(), forged.data(), forged.size(), MSG_NOSIGNAL), static_cast<ssize_t>(forged.size()));
+  char buf[64];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kError);
+  EXPECT_NE(r.detail.find("bad_record_mac"), std::string::npos) << r.detail;
+}
+
+TEST_F(TlsTransportTest, ATooLongOrTooShortRecordAfterTheSwitchIsAnError) {
+  for (std::string header : {std::string("\x17\x03\x03\x41\x01", 5), std::string("\x17\x03\x03\x00\x05", 5),
+                             std::string("\x16\x03\x03\x00\x20", 5)}) {
+    TearDown();
+    pair_ = socket_pair();
+    SetUp();
+    transport_->release_memory_while_idle();
+    ASSERT_TRUE(transport_->own_records());
+    ASSERT_EQ(::send(pair_.b.get(), header.data(), header.size(), MSG_NOSIGNAL), 5);
+    char buf[64];
+    IoResult r = transport_->read(buf);
+    EXPECT_EQ(r.status, IoResult::Status::kError) << "header type " << int(header[0]) << " length " << int(header[3]);
+    EXPECT_FALSE(r.detail.empty());
+  }
+}
+
+class TlsTransportTls12Test : public TlsTransportTest {
+ protected:
+  TlsTransportTls12Test() { client_max_version_ = TLS1_2_VERSION; }
+};
+
+TEST_F(TlsTransportTls12Test, ATls12ConnectionStaysWithOpenSsl) {
+  transport_->release_memory_while_idle();
+  EXPECT_FALSE(transport_->own_records());
+  client_sends("tls 1.2");
+  EXPECT_EQ(server_reads(7), "tls 1.2");
+  EXPECT_EQ(send_to_client("answer"), "answer");
+}
+
+TEST_F(TlsTransportTest, AKeyUpdateBeforeTheSwitchKeepsTheConnectionWithOpenSsl) {
+  ASSERT_EQ(SSL_key_update(client_, SSL_KEY_UPDATE_NOT_REQUESTED), 1);
+  client_sends("moved on");
+  EXPECT_EQ(server_reads(8), "moved on");
+  transport_->release_memory_while_idle();
+  EXPECT_FALSE(transport_->own_records()) << "the tracker's key is the old one";
+  client_sends("still fine");
+  EXPECT_EQ(server_reads(10), "still fine");
+  EXPECT_EQ(send_to_client("answer"), "answer");
+}
+
+TEST_F(TlsTransportTest, ConnectionsWithAWriteOpenSslCouldNotFinishStayWithIt) {
+  // Fill the socket until OpenSSL keeps part of a record.
+  const std::string chunk = pattern(64 * 1024);
+  IoResult w;
+  for (int i = 0; i < 1000; ++i) {
+    w = transport_->write(chunk);
+    if (w.status == IoResult::Status::kWouldBlock) break;
+  }
+  ASSERT_EQ(w.status, IoResult::Status::kWouldBlock);
+  transport_->release_memory_while_idle();
+  EXPECT_FALSE(transport_->own_records());
 }
 
 // The switch to the kernel frees the SSL of a connection that goes on: its TLS 1.2 session must stay in the
