@@ -711,6 +711,7 @@ void Connection::plan_data_path() {
     client_tls_ = nullptr;
     client_ = std::make_unique<KernelTlsTransport>(client_fd_.get());
   }
+  if (client_tls_) client_tls_->forget_secrets_unless_needed();
   set_data_path_label(tx, client_tls_ == nullptr);
   if (!why.empty()) log_ktls_fallback_once(why);
 }

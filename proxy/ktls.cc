@@ -131,10 +131,13 @@ void ktls_on_message(int write_p, int, int content_type, const void* buf, size_t
   }
   if (content_type == SSL3_RT_HEADER) {
     ++t->records_read_;
-  } else if (content_type == SSL3_RT_INNER_CONTENT_TYPE && t->handshake_done_ && len == 1 &&
-             bytes[0] != SSL3_RT_APPLICATION_DATA) {
-    t->non_data_after_handshake_ = true;
+    t->inside_read_record_ = true;  // its header is read; its body may not be yet
+  } else if (content_type == SSL3_RT_INNER_CONTENT_TYPE) {
+    t->inside_read_record_ = false;  // decrypted whole
   }
+  if (content_type == SSL3_RT_INNER_CONTENT_TYPE && t->handshake_done_ && len == 1 &&
+      bytes[0] != SSL3_RT_APPLICATION_DATA)
+    t->non_data_after_handshake_ = true;
 }
 
 Tls13SecretTracker::~Tls13SecretTracker() { wipe_secrets(); }
@@ -155,7 +158,7 @@ void Tls13SecretTracker::handshake_finished() {
 
 Status Tls13SecretTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
   if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
-  if (SSL_has_pending(ssl)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
+  if (SSL_has_pending(ssl) || inside_read_record_) return fail(Error::kConflict, "OpenSSL still holds received bytes");
   if (non_data_after_handshake_)
     return fail(Error::kUnsupported, "the client sent a post-handshake message (KeyUpdate?) before the switch");
   if (client_secret_len_ == 0) return fail(Error::kInternal, "the client traffic secret was not captured");
@@ -180,6 +183,7 @@ Result<std::unique_ptr<Tls13RecordLayer>> Tls13SecretTracker::take_record_layer(
     if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
     if (!handshake_done_ || !server_finished_written_) return fail(Error::kConflict, "the handshake is not over");
     if (SSL_has_pending(ssl)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
+    if (inside_read_record_) return fail(Error::kConflict, "OpenSSL has read a record's header, not its body");
     if (non_data_after_handshake_) return fail(Error::kUnsupported, "the client sent a post-handshake message");
     if (client_secret_len_ == 0 || server_secret_len_ == 0)
       return fail(Error::kInternal, "the traffic secrets were not captured");

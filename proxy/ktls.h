@@ -84,10 +84,12 @@ class Tls13SecretTracker {
   Status derive_rx_key(SSL* ssl, KernelTlsKey* out) const;
   // Both directions' keys and sequence numbers as a record layer of the proxy's own, for an SSL that is
   // about to be freed. Fails, changing nothing, unless OpenSSL holds no received bytes (the socket's next
-  // byte starts a record) and its last write was whole (the caller knows: OpenSSL does not say), the
+  // byte starts a record, and no record's header was taken alone) and its last write was whole (the caller knows: OpenSSL does not say), the
   // connection is TLS 1.3 with a suite the layer has, both secrets were seen and no post-handshake message
   // came (a KeyUpdate would have moved the keys on). The secrets are wiped here either way.
   Result<std::unique_ptr<Tls13RecordLayer>> take_record_layer(SSL* ssl);
+  // False while OpenSSL has read a record's header and waits for its body.
+  bool at_read_record_boundary() const { return !inside_read_record_; }
 
  private:
   friend void ktls_on_keylog(const SSL* ssl, const char* line);
@@ -107,6 +109,9 @@ class Tls13SecretTracker {
   uint64_t records_written_ = 0;
   uint64_t records_written_at_server_finished_ = 0;
   bool server_finished_written_ = false;
+  // OpenSSL reported a record's header and not yet its decrypted content: it waits for the body, and the
+  // socket's next byte is inside that record (SSL_has_pending does not count what was taken already).
+  bool inside_read_record_ = false;
   bool handshake_done_ = false;
   // A record other than application data arrived after the handshake (KeyUpdate, an alert): the key or
   // the sequence OpenSSL reads with may have moved on, so the kernel is not given the old one.

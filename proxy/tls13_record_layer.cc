@@ -224,7 +224,12 @@ void Tls13RecordLayer::grow_in(size_t bytes) {
 }
 
 IoResult Tls13RecordLayer::control_record(uint8_t type, const unsigned char* content, size_t size) {
-  if (type == kAlert) return kernel_tls_record_result(type, reinterpret_cast<const char*>(content), size);
+  if (type == kAlert) {
+    IoResult r = kernel_tls_record_result(type, reinterpret_cast<const char*>(content), size);
+    if (r.status == IoResult::Status::kWouldBlock && ++warning_alerts_ > kMaxWarningAlerts)
+      return IoResult::error("too many TLS warning alerts");
+    return r;
+  }
   if (type != kHandshake) return IoResult::error(fmt::format("unexpected TLS record type {} after the handshake", type));
   // Only KeyUpdate may come from a client now; it ends its record (a key change is at a record boundary).
   if (size != 5 || content[0] != SSL3_MT_KEY_UPDATE || content[1] != 0 || content[2] != 0 || content[3] != 1 ||
@@ -255,6 +260,8 @@ IoResult Tls13RecordLayer::read(int fd, std::span<char> into) {
         return failed(got, fmt::format("unexpected TLS record type {} after the handshake", header[0]));
       if (len > kMaxCiphertext) return failed(got, "a TLS record longer than 2^14 + 256 bytes (record_overflow)");
       if (len < 1 + kTag) return failed(got, "a TLS record too short to hold its type and tag");
+      // The inner plaintext (content, type, padding) is at most 2^14 + 1 bytes (RFC 8446 5.4).
+      if (len - kTag > kMaxPlaintext + 1) return failed(got, "a TLS record's plaintext is longer than 2^14 + 1 bytes");
       if (held >= kHeader + len) {
         unsigned char* body = header + kHeader;
         in_begin_ += kHeader + len;
@@ -277,7 +284,14 @@ IoResult Tls13RecordLayer::read(int fd, std::span<char> into) {
         while (size > 0 && text[size - 1] == 0) --size;  // padding
         if (size == 0) return failed(got, "a TLS record with no content type");
         const uint8_t type = text[--size];
-        if (size > kMaxPlaintext) return failed(got, "a TLS record's content is longer than 2^14 bytes");
+        // Records that carry nothing cost a decryption each (a KeyUpdate three HMACs more) and end no read:
+        // a run of them is cut short, as OpenSSL and BoringSSL do (32 in a row; 5 warning alerts).
+        if (type != kApplicationData || size == 0) {
+          if (++empty_run_ > kMaxEmptyRecordsInARow)
+            return failed(got, "too many TLS records in a row that carry no data");
+        } else {
+          empty_run_ = 0;
+        }
         if (type == kApplicationData) {
           if (direct) {
             got += size;

@@ -56,6 +56,8 @@ class Tls13RecordLayer {
   static constexpr size_t kTag = 16;
   static constexpr size_t kRecordsPerWrite = 4;
   static constexpr uint64_t kKeyUpdateAfterRecords = uint64_t{1} << 23;
+  static constexpr unsigned kMaxEmptyRecordsInARow = 32;  // empty data, alerts, KeyUpdates
+  static constexpr unsigned kMaxWarningAlerts = 5;        // user_canceled
 
  private:
   // One direction's traffic secret, the key and IV derived from it, and the next record's sequence number.
@@ -93,6 +95,8 @@ class Tls13RecordLayer {
   size_t secret_len_;
   TrafficKey read_;
   TrafficKey write_;
+  unsigned empty_run_ = 0;
+  unsigned warning_alerts_ = 0;
   bool owe_key_update_ = false;  // the client asked for one: ours goes before our next record
   bool closing_ = false;         // close_notify sealed
 

@@ -89,13 +89,23 @@ void TlsTransport::release_memory_while_idle() {
   if (!leave_openssl()) SSL_free_buffers(ssl_);
 }
 
+void TlsTransport::forget_secrets() {
+  if (!tracker_) return;
+  tracker_->detach(ssl_);
+  tracker_.reset();  // wipes them
+}
+
+void TlsTransport::forget_secrets_unless_needed() {
+  if (!may_leave_openssl_ || ktls_tx_) forget_secrets();
+}
+
 bool TlsTransport::leave_openssl() {
-  if (!may_leave_openssl_ || !tracker_ || ktls_tx_ || write_incomplete_ || shut_ || SSL_has_pending(ssl_) != 0)
+  if (!may_leave_openssl_ || !tracker_ || ktls_tx_ || write_incomplete_ || shut_ || SSL_has_pending(ssl_) != 0 ||
+      !tracker_->at_read_record_boundary())
     return false;
   auto layer = tracker_->take_record_layer(ssl_);
   // Its secrets are wiped: whatever kept the keys in OpenSSL (TLS 1.2, a KeyUpdate) keeps them there.
-  tracker_->detach(ssl_);
-  tracker_.reset();
+  forget_secrets();
   if (!layer) return false;
   own_ = std::move(*layer);
   // A TLS 1.3 session lives in its tickets; marked shut down so OpenSSL keeps any session it cached.
@@ -150,6 +160,7 @@ IoResult TlsTransport::write(std::span<const char> from) {
 bool TlsTransport::shutdown_write() {
   if (own_) return own_->shutdown_write(fd_);
   shut_ = true;
+  forget_secrets();  // no switch after close_notify
   clear_stale_ssl_errors();
   int r = SSL_shutdown(ssl_);
   if (r < 0) {

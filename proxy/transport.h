@@ -157,10 +157,13 @@ class TlsTransport final : public Transport {
   void release_memory_while_idle() override;
   // Whether the record protection has left OpenSSL for the proxy's own record layer.
   bool own_records() const { return own_ != nullptr; }
+  // After plan_ktls and the receive handover: the traffic secrets go (wiped) when no switch can use them.
+  void forget_secrets_unless_needed();
 
  private:
   // Hands the record protection to the proxy's own record layer and frees the SSL, if it can be done now.
   bool leave_openssl();
+  void forget_secrets();
 
   SSL* ssl_;
   int fd_;

@@ -3,7 +3,8 @@
 // and types of the input's choosing), or a record sealed under the key the reader expects, with the input's
 // content type, content and padding, so that authentication passes and what lies behind it is reached
 // (alerts, KeyUpdate and the key change it makes, padding, empty records, lengths at the limits). The reader's
-// room comes from the input too, so records are also handed out in parts.
+// room comes from the input too, so records are also handed out in parts. What it hands out must be the
+// application data that was sealed, in order.
 #include <openssl/evp.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -77,6 +78,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!layer) __builtin_trap();
   const size_t room = 1 + data[0] % 128 * 200;  // 1 .. 25,401 bytes
   std::string wire;
+  // What the reader must hand out: the application data sealed, in order. It stops at the first record it
+  // refuses (raw bytes never authenticate), so what it hands out is a prefix of this.
+  std::string sealed_data;
   size_t at = 1;
   while (at < size && wire.size() < 150000) {
     const uint8_t op = data[at++];
@@ -89,6 +93,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const uint8_t type = op >> 1 & 3 ? static_cast<uint8_t>(20 + (op >> 1 & 3)) : static_cast<uint8_t>(op >> 3);
       const size_t padding = op >> 3 & 7 ? (op >> 3) * 9 : 0;
       wire += client.seal(type, data + at, len, padding);
+      // The type is the inner plaintext's last byte that is not zero (a type 0 lets content bytes be it).
+      std::string inner(reinterpret_cast<const char*>(data + at), len);
+      inner.push_back(static_cast<char>(type));
+      while (!inner.empty() && inner.back() == '\0') inner.pop_back();
+      if (!inner.empty() && inner.back() == 23) sealed_data.append(inner, 0, inner.size() - 1);
       // The reader moves its key on after a KeyUpdate; so must the writer, for what follows to authenticate.
       if (type == 22 && len == 5 && data[at] == 24 && data[at + 1] == 0 && data[at + 2] == 0 && data[at + 3] == 1 &&
           data[at + 4] <= 1)
@@ -102,6 +111,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ::setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
   size_t sent = 0;
   std::vector<char> buf(room);
+  std::string got;
   for (int rounds = 0; rounds < 10000; ++rounds) {
     if (sent < wire.size()) {
       ssize_t n = ::send(sv[1], wire.data() + sent, wire.size() - sent, MSG_NOSIGNAL);
@@ -110,6 +120,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     sg::IoResult r = (*layer)->read(sv[0], buf);
     if (r.bytes > buf.size()) __builtin_trap();
+    got.append(buf.data(), r.bytes);
+    if (got.size() > sealed_data.size() || sealed_data.compare(0, got.size(), got) != 0) __builtin_trap();
     (void)(*layer)->has_buffered_input();
     if (r.status == sg::IoResult::Status::kError || r.status == sg::IoResult::Status::kEof) break;
   }

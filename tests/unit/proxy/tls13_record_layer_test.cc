@@ -71,11 +71,17 @@ TEST(Tls13RecordLayer, ASuiteItDoesNotHaveOrASecretOfTheWrongLengthIsRefused) {
 // After 2^23 records its key moves on by itself: a KeyUpdate, then records under the next key.
 TEST(Tls13RecordLayer, ItsKeyMovesOnAfter2To23Records) {
   Peers p = make_peers(0x1301, EVP_sha256(), Tls13RecordLayer::kKeyUpdateAfterRecords - 1);
-  for (const char* text : {"last under the first key", "first under the next"}) {
-    ASSERT_EQ(p.a->write(p.a_fd.get(), std::string_view(text)).status, IoResult::Status::kOk);
-    EXPECT_EQ(read_all(*p.b, p.b_fd.get(), std::strlen(text)), text);
-  }
-  // The KeyUpdate was 27 bytes on the wire before the second record: 5 + 5 + 1 + 16.
+  const std::string first = "last under the first key", second = "first under the next";
+  for (const std::string& text : {first, second})
+    ASSERT_EQ(p.a->write(p.a_fd.get(), text).status, IoResult::Status::kOk);
+  // On the wire: the first record, a KeyUpdate (5 + 5 + 1 + 16 bytes), the second record.
+  char wire[256];
+  ssize_t n = ::recv(p.b_fd.get(), wire, sizeof wire, 0);
+  const size_t first_len = 5 + first.size() + 1 + 16;
+  ASSERT_EQ(static_cast<size_t>(n), first_len + 27 + 5 + second.size() + 1 + 16);
+  EXPECT_EQ(wire[first_len + 4], 22) << "a 22-byte KeyUpdate record's length";
+  ASSERT_EQ(::send(p.a_fd.get(), wire, static_cast<size_t>(n), MSG_NOSIGNAL), n);  // back, for the reader
+  EXPECT_EQ(read_all(*p.b, p.b_fd.get(), first.size() + second.size()), first + second);
 }
 
 TEST(Tls13RecordLayer, AReaderWithLittleRoomGetsARecordInPartsAndKnowsTheRestIsHeld) {

@@ -401,6 +401,48 @@ TEST_F(TlsTransportTest, AKeyUpdateFromTheClientIsFollowedBothWaysAfterTheSwitch
   }
 }
 
+// Records that carry nothing end no read: 32 in a row are taken (OpenSSL's and BoringSSL's limit), the 33rd
+// ends the connection, so a client cannot keep a worker decrypting KeyUpdates.
+TEST_F(TlsTransportTest, ARunOfRecordsThatCarryNothingIsCutShort) {
+  transport_->release_memory_while_idle();
+  ASSERT_TRUE(transport_->own_records());
+  auto key_updates = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(SSL_key_update(client_, SSL_KEY_UPDATE_NOT_REQUESTED), 1);
+      ASSERT_EQ(SSL_do_handshake(client_), 1);
+    }
+  };
+  key_updates(32);
+  client_sends("x");
+  EXPECT_EQ(server_reads(1), "x") << "32 in a row, then data, is fine";
+  key_updates(33);
+  char buf[16];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kError);
+  EXPECT_NE(r.detail.find("too many"), std::string::npos) << r.detail;
+}
+
+// A record whose header OpenSSL has read and whose body has not come: the socket's next byte is inside it,
+// so the switch waits for the body.
+TEST_F(TlsTransportTest, NoSwitchWhileOpenSslHasReadARecordsHeaderAlone) {
+  client_sends("split record");
+  char record[256];
+  ssize_t n = ::recv(pair_.a.get(), record, sizeof record, 0);  // taken off the server's socket
+  ASSERT_GT(n, 5);
+  ASSERT_EQ(::send(pair_.b.get(), record, 5, MSG_NOSIGNAL), 5);  // and put back: the header alone
+  char buf[64];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kWouldBlock);
+  transport_->release_memory_while_idle();
+  EXPECT_FALSE(transport_->own_records()) << "the switch would have lost the record's place";
+  ASSERT_EQ(::send(pair_.b.get(), record + 5, static_cast<size_t>(n) - 5, MSG_NOSIGNAL), n - 5);
+  EXPECT_EQ(server_reads(12), "split record");
+  transport_->release_memory_while_idle();
+  EXPECT_TRUE(transport_->own_records());
+  client_sends("after");
+  EXPECT_EQ(server_reads(5), "after");
+}
+
 TEST_F(TlsTransportTest, PaddedRecordsAreReadWithoutTheirPadding) {
   transport_->release_memory_while_idle();
   ASSERT_TRUE(transport_->own_records());
