@@ -156,12 +156,17 @@ void Tls13SecretTracker::handshake_finished() {
   handshake_done_ = true;
 }
 
-Status Tls13SecretTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
+Status Tls13SecretTracker::ready_to_leave_openssl(SSL* ssl) const {
   if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
-  if (SSL_has_pending(ssl) || inside_read_record_) return fail(Error::kConflict, "OpenSSL still holds received bytes");
   if (non_data_after_handshake_)
     return fail(Error::kUnsupported, "the client sent a post-handshake message (KeyUpdate?) before the switch");
   if (client_secret_len_ == 0) return fail(Error::kInternal, "the client traffic secret was not captured");
+  if (SSL_has_pending(ssl) || inside_read_record_) return fail(Error::kConflict, "OpenSSL still holds received bytes");
+  return {};
+}
+
+Status Tls13SecretTracker::derive_rx_key(SSL* ssl, KernelTlsKey* out) const {
+  if (auto st = ready_to_leave_openssl(ssl); !st) return st;
   const SSL_CIPHER* cipher = SSL_get_current_cipher(ssl);
   return derive_tls13_kernel_key(SSL_CIPHER_get_protocol_id(cipher), SSL_CIPHER_get_handshake_digest(cipher),
                                  std::span(client_secret_, client_secret_len_),
@@ -180,13 +185,9 @@ Status Tls13SecretTracker::install_tls13_rx(SSL* ssl, int fd) {
 
 Result<std::unique_ptr<Tls13RecordLayer>> Tls13SecretTracker::take_record_layer(SSL* ssl) {
   auto layer = [&]() -> Result<std::unique_ptr<Tls13RecordLayer>> {
-    if (SSL_version(ssl) != TLS1_3_VERSION) return fail(Error::kUnsupported, "not TLS 1.3");
     if (!handshake_done_ || !server_finished_written_) return fail(Error::kConflict, "the handshake is not over");
-    if (SSL_has_pending(ssl)) return fail(Error::kConflict, "OpenSSL still holds received bytes");
-    if (inside_read_record_) return fail(Error::kConflict, "OpenSSL has read a record's header, not its body");
-    if (non_data_after_handshake_) return fail(Error::kUnsupported, "the client sent a post-handshake message");
-    if (client_secret_len_ == 0 || server_secret_len_ == 0)
-      return fail(Error::kInternal, "the traffic secrets were not captured");
+    if (auto st = ready_to_leave_openssl(ssl); !st) return st.failure();
+    if (server_secret_len_ == 0) return fail(Error::kInternal, "the server traffic secret was not captured");
     const SSL_CIPHER* cipher = SSL_get_current_cipher(ssl);
     return Tls13RecordLayer::create({
         .cipher_suite = SSL_CIPHER_get_protocol_id(cipher),
@@ -197,7 +198,7 @@ Result<std::unique_ptr<Tls13RecordLayer>> Tls13SecretTracker::take_record_layer(
         .server_seq = records_written_ - records_written_at_server_finished_,
     });
   }();
-  wipe_secrets();
+  if (layer || layer.error() != Error::kConflict) wipe_secrets();
   return layer;
 }
 

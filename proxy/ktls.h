@@ -83,15 +83,16 @@ class Tls13SecretTracker {
   // The key install_tls13_rx gives the kernel, for the next record the socket will deliver.
   Status derive_rx_key(SSL* ssl, KernelTlsKey* out) const;
   // Both directions' keys and sequence numbers as a record layer of the proxy's own, for an SSL that is
-  // about to be freed. Fails, changing nothing, unless OpenSSL holds no received bytes (the socket's next
-  // byte starts a record, and no record's header was taken alone) and its last write was whole (the caller knows: OpenSSL does not say), the
-  // connection is TLS 1.3 with a suite the layer has, both secrets were seen and no post-handshake message
-  // came (a KeyUpdate would have moved the keys on). The secrets are wiped here either way.
+  // about to be freed; its last write must have been whole (the caller knows: OpenSSL does not say).
+  // kConflict, with the secrets kept for a later try: not now (the handshake is not over, OpenSSL holds
+  // received bytes or has read a record's header alone). Any other failure is for good (not TLS 1.3, a
+  // suite the layer lacks, a secret not seen, a post-handshake message that moved the keys on); it and
+  // success wipe the secrets.
   Result<std::unique_ptr<Tls13RecordLayer>> take_record_layer(SSL* ssl);
-  // False while OpenSSL has read a record's header and waits for its body.
-  bool at_read_record_boundary() const { return !inside_read_record_; }
 
  private:
+  // Whether the record protection can leave OpenSSL now (kConflict: not yet; another error: never).
+  Status ready_to_leave_openssl(SSL* ssl) const;
   friend void ktls_on_keylog(const SSL* ssl, const char* line);
   friend void ktls_on_message(int write_p, int version, int content_type, const void* buf, size_t len, SSL* ssl,
                               void* arg);

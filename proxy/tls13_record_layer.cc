@@ -33,14 +33,6 @@ const EVP_CIPHER* aead_for(uint16_t suite, size_t* key_len) {
   }
 }
 
-IoResult socket_failure(ssize_t n, size_t moved) {
-  IoResult r = n == 0 ? IoResult::eof(moved)
-               : errno == EAGAIN || errno == EINTR ? IoResult::would_block(moved)
-                                                   : IoResult::error(std::strerror(errno));
-  if (r.status == IoResult::Status::kError) r.bytes = moved;
-  return r;
-}
-
 IoResult failed(size_t moved, std::string detail) {
   IoResult r = IoResult::error(std::move(detail));
   r.bytes = moved;
@@ -158,10 +150,7 @@ size_t Tls13RecordLayer::seal_batch(std::span<const char> from) {
 IoResult Tls13RecordLayer::flush(int fd) {
   while (out_sent_ < out_len_) {
     ssize_t n = ::send(fd, out_.get() + out_sent_, out_len_ - out_sent_, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EINTR) return IoResult::would_block();
-      return IoResult::error(std::strerror(errno));
-    }
+    if (n < 0) return errno_result(n);
     out_sent_ += static_cast<size_t>(n);
   }
   return IoResult::ok(0);
@@ -322,7 +311,9 @@ IoResult Tls13RecordLayer::read(int fd, std::span<char> into) {
     ssize_t n = ::read(fd, in_.get() + in_end_, room);
     if (n <= 0) {
       if (n == 0 && held > 0) return failed(got, "the connection ended inside a TLS record");
-      return socket_failure(n, got);
+      IoResult r = errno_result(n);
+      r.bytes = got;
+      return r;
     }
     in_end_ += static_cast<size_t>(n);
     // A stream socket's read returns less than asked only when it took everything queued.

@@ -12,14 +12,13 @@
 #include "proxy/tls13_record_layer.h"
 
 namespace sg {
-namespace {
-
-// A socket call that failed: would-block (retry when polled) or an error that says how.
 IoResult errno_result(ssize_t n) {
   if (n == 0) return IoResult::eof();
   if (errno == EAGAIN || errno == EINTR) return IoResult::would_block();
   return IoResult::error(std::strerror(errno));
 }
+
+namespace {
 
 // The peer left without close_notify (or the socket was reset to silence) counts as finishing, as before
 // kTLS: browsers routinely close without one.
@@ -100,10 +99,9 @@ void TlsTransport::forget_secrets_unless_needed() {
 }
 
 bool TlsTransport::leave_openssl() {
-  if (!may_leave_openssl_ || !tracker_ || ktls_tx_ || write_incomplete_ || shut_ || SSL_has_pending(ssl_) != 0 ||
-      !tracker_->at_read_record_boundary())
-    return false;
+  if (!may_leave_openssl_ || !tracker_ || ktls_tx_ || write_incomplete_) return false;
   auto layer = tracker_->take_record_layer(ssl_);
+  if (!layer && layer.error() == Error::kConflict) return false;  // at a later record boundary
   // Its secrets are wiped: whatever kept the keys in OpenSSL (TLS 1.2, a KeyUpdate) keeps them there.
   forget_secrets();
   if (!layer) return false;
@@ -159,7 +157,6 @@ IoResult TlsTransport::write(std::span<const char> from) {
 
 bool TlsTransport::shutdown_write() {
   if (own_) return own_->shutdown_write(fd_);
-  shut_ = true;
   forget_secrets();  // no switch after close_notify
   clear_stale_ssl_errors();
   int r = SSL_shutdown(ssl_);

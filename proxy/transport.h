@@ -67,6 +67,10 @@ struct IoResult {
   }
 };
 
+// What a socket call that moved nothing means: 0 is EOF, -1 would-block (retry when polled) or an error
+// that says how (errno).
+IoResult errno_result(ssize_t n);
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -174,7 +178,6 @@ class TlsTransport final : public Transport {
   bool ktls_tx_ = false;
   // OpenSSL holds part of a record it could not send: the next SSL_write must be the one that sends it.
   bool write_incomplete_ = false;
-  bool shut_ = false;  // SSL_shutdown was called
 };
 
 // The client's socket once the kernel does its TLS both ways. The handshake is over and OpenSSL has nothing
