@@ -46,12 +46,16 @@ bool Direction::move() {
 }
 
 void Direction::release_memory_while_idle() {
-  if (source_ready_ || source_->has_buffered_input()) return;
+  // A source that may be read again keeps what its next read needs; one that ended is never read again (the
+  // read that saw its EOF took the buffer, and a half-closed connection may stay open for long).
+  if (state_ == State::kMoving && (source_ready_ || source_->has_buffered_input())) return;
   buffer_.release();
   if (out_pending() == 0 && out_.capacity() > kKeptStagingBytes) {
     std::string().swap(out_);
     out_sent_ = 0;
   }
+  // An empty pipe is two descriptors and a kernel pipe per idle kTLS connection; the next bytes take a new one.
+  if (pipe_ && pipe_->buffered() == 0 && !record_waits_) pipe_.reset();
 }
 
 bool Direction::run_stage() {
@@ -68,6 +72,12 @@ bool Direction::start_splice_if_possible(bool* started) {
   *started = false;
   if (splice_ != Splice::kCopying || !source_->can_splice_in() || !sink_->can_splice_out() || !events_.may_splice())
     return true;
+  if (!take_pipe()) return false;
+  *started = splice_ == Splice::kRunning;
+  return true;
+}
+
+bool Direction::take_pipe() {
   auto pipe = SplicePipe::create(kSplicePipeBytes);
   if (!pipe) {
     splice_ = Splice::kRefused;
@@ -75,7 +85,6 @@ bool Direction::start_splice_if_possible(bool* started) {
   }
   pipe_ = std::move(*pipe);
   splice_ = Splice::kRunning;
-  *started = true;
   return true;
 }
 
@@ -88,6 +97,7 @@ bool Direction::fill() {
   }
   const bool buffered = source_->has_buffered_input();
   if (!source_ready_ && !buffered) return true;
+  if (splice_ == Splice::kRunning && !pipe_ && !take_pipe()) return false;  // given back while idle
   // Input the transport holds came off the socket before what a splice would take now.
   if (pipe_ && !copy_while_spliced() && !buffered) return splice_from_source();
   return read_into_buffer();

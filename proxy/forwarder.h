@@ -107,10 +107,10 @@ class Direction {
   bool spliced() const { return splice_ == Splice::kRunning; }
   // Bytes taken from the source and not yet delivered to the sink.
   size_t pending() const { return buffer_.readable() + out_pending() + (pipe_ ? pipe_->buffered() : 0); }
-  // The direction holds forwarding memory (a buffer, a staging string larger than kKeptStagingBytes).
-  bool holds_memory() const { return buffer_.holds_memory() || out_.capacity() > kKeptStagingBytes; }
-  // Waiting for the source with nothing in flight: the buffer and the staging string go back to the
-  // allocator, so an idle connection holds no forwarding memory. The connection calls it once it has been
+  // The direction holds forwarding memory (a buffer, a staging string larger than kKeptStagingBytes, a pipe).
+  bool holds_memory() const { return buffer_.holds_memory() || out_.capacity() > kKeptStagingBytes || pipe_; }
+  // Waiting for the source (or done with it) with nothing in flight: the buffer, the staging string and the
+  // splice pipe go back, so an idle connection holds no forwarding memory and no pipe. The connection calls it once it has been
   // quiet for a while (Connection::kReleaseIdleMemoryAfterMs), not after every burst: a keep-alive client's
   // next request reuses the memory instead of taking it from the allocator again.
   void release_memory_while_idle();
@@ -146,6 +146,8 @@ class Direction {
   bool splice_to_sink();
   // Both ends can splice and the connection allows it: the pipe takes over (false when closed).
   bool start_splice_if_possible(bool* started);
+  // Creates the pipe (kRunning), or refuses splicing for good (kRefused); false when the connection closed.
+  bool take_pipe();
   // While spliced, the watcher needs to see the next bytes (or so few may pass unseen that a splice would
   // cost more syscalls than a copy): they are read into the buffer, once the pipe has delivered what came
   // before them.
@@ -169,7 +171,7 @@ class Direction {
   // kCopying until both ends can splice and the connection allows it; kRefused when that failed (for good).
   enum class Splice { kCopying, kRunning, kRefused };
   Splice splice_ = Splice::kCopying;
-  std::unique_ptr<SplicePipe> pipe_;  // set while kRunning
+  std::unique_ptr<SplicePipe> pipe_;  // set while kRunning, except while given back when idle
   bool read_filled_ = false;  // the last read stopped for room, not for want of input
   // splice stopped at a non-data TLS record while the pipe still held earlier bytes: the record is read
   // (recvmsg) only once those are delivered, so the order of the stream is kept.

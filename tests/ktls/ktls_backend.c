@@ -9,7 +9,8 @@
  *                            chunks; any other request (an Upgrade included) gets 404 with a short body. It
  *                            answers every request, pipelined ones too, and once the client has finished it
  *                            keeps its side open for 30 s, as a server that closes lazily does: whoever waits
- *                            for the sandbox's close waits that long. */
+ *                            for the sandbox's close waits that long.
+ *   ktls_backend PORT http LINGER_SECS   the same, keeping its side open LINGER_SECS instead (the soak: 0). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -35,14 +36,20 @@ static int write_all(int fd, const char* p, size_t n) {
   return 0;
 }
 
+/* Buffers are malloc'd per connection, not static __thread: glibc zeroes a thread's static TLS block when it
+ * starts the thread, so 144 KiB of them per thread would be resident for each of the soak's 10,000 held
+ * connections. */
+enum { kServeBuf = 1 << 16, kHttpIn = 1 << 14, kHttpOut = 1 << 16 };
+
 static void* serve(void* arg) {
   int fd = (int)(intptr_t)arg;
-  static __thread char buf[1 << 16];
+  char* buf = malloc(kServeBuf);
   size_t have = 0;
   char* body = NULL;
+  if (!buf) goto out;
   while (!body) {
-    if (have == sizeof buf) goto out;
-    ssize_t n = read(fd, buf + have, sizeof buf - have);
+    if (have == kServeBuf) goto out;
+    ssize_t n = read(fd, buf + have, kServeBuf - have);
     if (n <= 0) goto out;
     have += (size_t)n;
     body = memmem(buf, have, "\r\n\r\n", 4);
@@ -56,7 +63,7 @@ static void* serve(void* arg) {
   unsigned long long received = have - head;
   EVP_DigestUpdate(md, buf + head, have - head);
   for (;;) {
-    ssize_t n = read(fd, buf, sizeof buf);
+    ssize_t n = read(fd, buf, kServeBuf);
     if (n < 0) goto out;
     if (n == 0) break;
     received += (unsigned long long)n;
@@ -73,12 +80,13 @@ static void* serve(void* arg) {
   struct test_stream s;
   test_stream_init(&s, KTLS_DOWN_SEED);
   while (down > 0) {
-    size_t n = down < sizeof buf ? (size_t)down : sizeof buf;
+    size_t n = down < kServeBuf ? (size_t)down : kServeBuf;
     test_stream_fill(&s, (unsigned char*)buf, n);
     if (write_all(fd, buf, n) != 0) goto out;
     down -= n;
   }
 out:
+  free(buf);
   close(fd);
   return NULL;
 }
@@ -118,37 +126,44 @@ static int answer_http(int fd, const char* head, char* buf, size_t cap) {
   return write_all(fd, missing, sizeof missing - 1);
 }
 
+static unsigned linger_secs = 30;
+
 static void* serve_http(void* arg) {
   int fd = (int)(intptr_t)arg;
-  static __thread char in[1 << 14], out[1 << 16];
+  char* in = malloc(kHttpIn);
+  char* out = malloc(kHttpOut);
   size_t have = 0;
+  if (!in || !out) goto out;
   for (;;) {
     char* end;
     while ((end = memmem(in, have, "\r\n\r\n", 4)) != NULL) {  /* no request here has a body */
       *end = 0;
-      if (answer_http(fd, in, out, sizeof out) != 0) goto out;
+      if (answer_http(fd, in, out, kHttpOut) != 0) goto out;
       size_t used = (size_t)(end + 4 - in);
       memmove(in, in + used, have - used);
       have -= used;
     }
-    if (have == sizeof in) goto out;
-    ssize_t n = read(fd, in + have, sizeof in - have);
+    if (have == kHttpIn) goto out;
+    ssize_t n = read(fd, in + have, kHttpIn - have);
     if (n < 0) goto out;
     if (n == 0) break;
     have += (size_t)n;
   }
-  sleep(30);
+  sleep(linger_secs);
 out:
+  free(in);
+  free(out);
   close(fd);
   return NULL;
 }
 
 int main(int argc, char** argv) {
-  if (argc != 2 && !(argc == 3 && strcmp(argv[2], "http") == 0)) {
-    fprintf(stderr, "usage: %s PORT [http]\n", argv[0]);
+  if (argc < 2 || argc > 4 || (argc >= 3 && strcmp(argv[2], "http") != 0)) {
+    fprintf(stderr, "usage: %s PORT [http [LINGER_SECS]]\n", argv[0]);
     return 2;
   }
-  void* (*handler)(void*) = argc == 3 ? serve_http : serve;
+  void* (*handler)(void*) = argc >= 3 ? serve_http : serve;
+  if (argc == 4) linger_secs = (unsigned)strtoul(argv[3], NULL, 10);
   signal(SIGPIPE, SIG_IGN);
   int ls = socket(AF_INET, SOCK_STREAM, 0);
   int one = 1;

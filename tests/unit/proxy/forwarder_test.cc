@@ -4,6 +4,7 @@
 // EOF shuts the sink once everything is delivered, and a failing sink is reported.
 #include "proxy/forwarder.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -244,6 +245,64 @@ TEST_F(DirectionTest, AnIdleDirectionGivesItsMemoryBackWhenToldAndTakesItAgainFo
   }
   EXPECT_EQ(got, second);
   ASSERT_TRUE(dir_->move());
+  dir_->release_memory_while_idle();
+  EXPECT_FALSE(dir_->holds_memory());
+}
+
+// A half-closed connection (the client sent its FIN, the sandbox keeps its side open) may stay for long: the
+// buffer the read of the EOF took goes back too, although the direction never learnt that its source would
+// block (10,000 such connections kept 6.5-11 KiB each in the kTLS guest's soak before).
+TEST_F(DirectionTest, ADirectionWhoseSourceEndedGivesItsMemoryBack) {
+  make(/*may_splice=*/false);
+  const std::string data = pattern(3000);
+  EXPECT_EQ(pass(data, data.size()), data);
+  ASSERT_TRUE(dir_->move());  // the source has nothing more: the read would block
+  dir_->release_memory_while_idle();
+  ASSERT_FALSE(dir_->holds_memory());
+  src_.theirs.reset();  // EOF
+  dir_->source_readable();
+  ASSERT_TRUE(dir_->move());
+  ASSERT_TRUE(dir_->source_done());
+  EXPECT_TRUE(dir_->holds_memory()) << "the read that found the EOF took the buffer";
+  dir_->release_memory_while_idle();
+  EXPECT_FALSE(dir_->holds_memory());
+  dir_->shut_sink_when_done();
+  EXPECT_TRUE(dir_->sink_shut());
+}
+
+size_t open_descriptors() {
+  size_t n = 0;
+  for (int fd = 0; fd < 4096; ++fd) n += ::fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+
+// Issue 12: an idle spliced direction (kTLS) gives its pipe back, two descriptors and the kernel's pipe, and
+// the next bytes splice through a new one, in order.
+TEST_F(DirectionTest, AnIdleSplicedDirectionGivesItsPipeBackAndSplicesTheNextBytesThroughANewOne) {
+  make(/*may_splice=*/true);
+  const std::string first = pattern(200000);
+  EXPECT_TRUE(pass(first, first.size()) == first);
+  ASSERT_TRUE(dir_->spliced());
+  ASSERT_TRUE(dir_->move());  // the source has nothing more: the splice would block
+  EXPECT_TRUE(dir_->holds_memory()) << "the pipe is kept for the next bytes until the connection is quiet";
+  const size_t with_pipe = open_descriptors();
+  dir_->release_memory_while_idle();
+  EXPECT_FALSE(dir_->holds_memory());
+  EXPECT_EQ(open_descriptors(), with_pipe - 2) << "the pipe's two ends are closed";
+  EXPECT_TRUE(dir_->spliced()) << "still a spliced direction";
+  ASSERT_TRUE(dir_->move());
+  EXPECT_EQ(open_descriptors(), with_pipe - 2) << "no pipe before the source has bytes";
+
+  const std::string second = pattern(300000).substr(7);
+  dir_->source_readable();
+  EXPECT_TRUE(pass(second, second.size()) == second);
+  EXPECT_TRUE(dir_->spliced());
+  EXPECT_EQ(open_descriptors(), with_pipe) << "a new pipe for the new bytes";
+  EXPECT_EQ(events_.received_bytes, first.size() + second.size());
+  src_.theirs.reset();  // EOF
+  dir_->source_readable();
+  ASSERT_TRUE(dir_->move());
+  ASSERT_TRUE(dir_->source_done());
   dir_->release_memory_while_idle();
   EXPECT_FALSE(dir_->holds_memory());
 }
