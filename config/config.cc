@@ -209,6 +209,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.integer("handshake_timeout_ms", &out->handshake_timeout_ms, 100, 600'000);
   r.integer("tls13_session_tickets", &out->tls13_session_tickets, 0, 8);
   r.integer("tls_ticket_key_rotation_secs", &out->tls_ticket_key_rotation_secs, 60, 7 * 86'400);
+  r.string("tls_ticket_key_file", &out->tls_ticket_key_file);
   r.integer("request_head_timeout_ms", &out->request_head_timeout_ms, 100, 600'000);
   r.integer("max_request_head_bytes", &out->max_request_head_bytes, 1024, 1024 * 1024);
   r.integer("max_connections", &out->max_connections, 1, 10'000'000);
@@ -225,6 +226,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   out->access_log = resolve_path(base_dir, out->access_log);
   r.string("handover_socket", &out->handover_socket);
   out->handover_socket = resolve_path(base_dir, out->handover_socket);
+  out->tls_ticket_key_file = resolve_path(base_dir, out->tls_ticket_key_file);
   if (out->handover_socket.size() >= sizeof(sockaddr_un{}.sun_path))
     r.error(*t.get("handover_socket"), "proxy.handover_socket",
             "longer than a unix socket path can be (" + std::to_string(sizeof(sockaddr_un{}.sun_path) - 1) + " bytes)");

@@ -43,6 +43,10 @@ struct ProxyConfig {
   // under the two keys before it still resume, so a ticket resumes for at least twice this after it was
   // issued (OpenSSL's ticket lifetime is 2 h) and a key is gone three periods after it was made.
   uint32_t tls_ticket_key_rotation_secs = 3600;
+  // Session ticket keys shared with other proxies (proxy/ticket_keys.h): a file (relative to the config
+  // file's directory), one key per line; "" = the process's own keys, rotated as above. With a file its
+  // owner rotates the keys (a SIGHUP re-reads it).
+  std::string tls_ticket_key_file;
   uint32_t request_head_timeout_ms = 10'000;
   uint32_t max_request_head_bytes = 16 * 1024;
   uint32_t max_connections = 10'000;

@@ -132,6 +132,12 @@ void apply_reload(Proxy* p) {
   const std::string hint = as_user_hint(p);
   auto cfg = sg::load_config_file(p->config_path);
   if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}{}", cfg.message(), hint);
+  std::optional<std::vector<sg::TicketKeys::Key>> file_keys;
+  if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
+    auto keys = sg::TicketKeys::read_key_file(path);
+    if (!keys) return spdlog::error("reload failed, keeping the running config: {}{}", keys.message(), hint);
+    file_keys = std::move(*keys);
+  }
   auto tls = sg::TlsContexts::create(**cfg, p->ticket_keys);
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
@@ -142,6 +148,12 @@ void apply_reload(Proxy* p) {
   // routes, certificates and the operator token apply together to connections accepted from now on.
   if ((*cfg)->proxy.user != p->user || (*cfg)->proxy.group != p->group)
     spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
+  if (file_keys) {
+    p->ticket_keys->use_file_keys(std::move(*file_keys));
+  } else if (p->ticket_keys->from_file()) {
+    if (sg::Status own = p->ticket_keys->use_own_keys(); !own)
+      spdlog::warn("session ticket keys: {} (the key file's keys stay)", own.message());
+  }
   p->shared->replace(
       sg::make_snapshot(sg::ProxySnapshot{*cfg, *tls, std::move(*token), std::move(*fleet)}));
   spdlog::info("config reloaded from {}", p->config_path);
@@ -210,6 +222,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   proxy.ticket_keys = std::move(*ticket_keys);
+  if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
+    auto keys = sg::TicketKeys::read_key_file(path);
+    if (!keys) {
+      spdlog::error("{}", keys.message());
+      return 1;
+    }
+    proxy.ticket_keys->use_file_keys(std::move(*keys));
+  }
   auto tls = sg::TlsContexts::create(**cfg, proxy.ticket_keys);
   if (!tls) {
     spdlog::error("{}", tls.message());
@@ -283,10 +303,13 @@ int main(int argc, char** argv) {
       return 1;
     }
     spdlog::info("takeover: received {} listening sockets from the running proxy", taken->listeners().size());
-    if (taken->ticket_keys().empty())
+    if (proxy.ticket_keys->from_file()) {
+      spdlog::info("takeover: session ticket keys from proxy.tls_ticket_key_file (the running proxy's tickets resume here if it read the same file)");
+    } else if (taken->ticket_keys().empty()) {
       spdlog::info("takeover: the running proxy sent no session ticket keys: its clients' tickets will not resume here");
-    else if (auto kept = proxy.ticket_keys->replace_with(taken->ticket_keys()); !kept)
+    } else if (auto kept = proxy.ticket_keys->replace_with(taken->ticket_keys()); !kept) {
       spdlog::warn("takeover: {}: its clients' tickets will not resume here", kept.message());
+    }
     predecessor = std::move(*taken);
   }
   auto inherited = predecessor ? assign_inherited(std::move(predecessor->listeners()), (*cfg)->proxy, n)

@@ -5,10 +5,13 @@
 #include <openssl/rand.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <span>
 
+#include "common/base64.h"
 #include "common/hex.h"
+#include "common/secret_file.h"
 
 namespace sg {
 
@@ -54,6 +57,10 @@ Status TicketKeys::rotate() {
   auto key = fresh_key();
   if (!key) return key.failure();
   std::lock_guard lock(mu_);
+  if (from_file_) {
+    OPENSSL_cleanse(&*key, sizeof(Key));
+    return {};  // the file's owner rotates its keys
+  }
   keys_.insert(keys_.begin(), *key);
   while (keys_.size() > kKept) {
     OPENSSL_cleanse(&keys_.back(), sizeof(Key));
@@ -91,6 +98,82 @@ Status TicketKeys::replace_with(std::string_view serialized) {
   for (Key& k : keys_) OPENSSL_cleanse(&k, sizeof k);
   keys_ = std::move(keys);
   return {};
+}
+
+Result<std::vector<TicketKeys::Key>> TicketKeys::read_key_file(const std::string& path) {
+  auto text = read_secret_file(path, "proxy.tls_ticket_key_file", kMaxKeyFileBytes);
+  if (!text) return text.failure();
+  auto keys = parse_key_file(*text, path);
+  OPENSSL_cleanse(text->data(), text->size());
+  return keys;
+}
+
+Result<std::vector<TicketKeys::Key>> TicketKeys::parse_key_file(std::string_view text, const std::string& path) {
+  std::vector<Key> keys;
+  std::vector<size_t> lines;  // where each key was, for the message about a name used twice
+  auto refuse = [&](size_t line, const std::string& why) -> Result<std::vector<Key>> {
+    for (Key& k : keys) OPENSSL_cleanse(&k, sizeof k);
+    return fail(Error::kInvalidArgument, "proxy.tls_ticket_key_file: " + path +
+                                             (line ? " line " + std::to_string(line) : std::string()) + ": " + why);
+  };
+  size_t line_no = 0;
+  while (!text.empty()) {
+    ++line_no;
+    size_t end = text.find('\n');
+    std::string_view line = text.substr(0, end);
+    text.remove_prefix(end == std::string_view::npos ? text.size() : end + 1);
+    while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.remove_suffix(1);
+    while (!line.empty() && std::isspace(static_cast<unsigned char>(line.front()))) line.remove_prefix(1);
+    if (line.empty() || line.front() == '#') continue;
+    if (keys.size() == kMaxFileKeys) return refuse(line_no, "more than " + std::to_string(kMaxFileKeys) + " keys");
+    auto bytes = base64_decode(line);
+    if (!bytes) return refuse(line_no, "not base64 (each key is the base64 of 80 random bytes: openssl rand 80 | base64 -w0)");
+    if (bytes->size() != sizeof(Key)) {
+      const size_t got = bytes->size();
+      OPENSSL_cleanse(bytes->data(), bytes->size());
+      return refuse(line_no, std::to_string(got) + " bytes; a key is " + std::to_string(sizeof(Key)) +
+                                 " (16 name, 32 AES, 32 HMAC): openssl rand 80 | base64 -w0");
+    }
+    Key k;
+    std::memcpy(&k, bytes->data(), sizeof k);
+    OPENSSL_cleanse(bytes->data(), bytes->size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (CRYPTO_memcmp(keys[i].name.data(), k.name.data(), k.name.size()) == 0) {
+        OPENSSL_cleanse(&k, sizeof k);
+        return refuse(line_no, "the same key name as line " + std::to_string(lines[i]) +
+                                   " (a ticket names the key that reads it)");
+      }
+    }
+    keys.push_back(k);
+    lines.push_back(line_no);
+    OPENSSL_cleanse(&k, sizeof k);
+  }
+  if (keys.empty()) return refuse(0, "no key in it (one per line: openssl rand 80 | base64 -w0)");
+  return keys;
+}
+
+void TicketKeys::use_file_keys(std::vector<Key> keys) {
+  std::lock_guard lock(mu_);
+  for (Key& k : keys_) OPENSSL_cleanse(&k, sizeof k);
+  keys_ = std::move(keys);
+  from_file_ = true;
+}
+
+Status TicketKeys::use_own_keys() {
+  auto key = fresh_key();
+  if (!key) return key.failure();
+  std::lock_guard lock(mu_);
+  if (!from_file_) return {};
+  for (Key& k : keys_) OPENSSL_cleanse(&k, sizeof k);
+  keys_.assign(1, *key);
+  OPENSSL_cleanse(&*key, sizeof(Key));
+  from_file_ = false;
+  return {};
+}
+
+bool TicketKeys::from_file() const {
+  std::lock_guard lock(mu_);
+  return from_file_;
 }
 
 // OpenSSL's ticket callback (SSL_CTX_set_tlsext_ticket_key_evp_cb). Encrypting: 1 = issue the ticket under

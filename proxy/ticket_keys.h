@@ -9,6 +9,10 @@
 // newest key. A key is gone for good kKept rotations after it was made, so a ticket outlives its key by at
 // most that. A ticket under a key the ring does not have means a full handshake, never a failure.
 //
+// Shared keys (proxy.tls_ticket_key_file): the proxies of a fleet, or behind one load balancer, read the same
+// key file, so a ticket one of them issued resumes at another. The file's owner rotates them (the ring then
+// never rotates on its own): one key per line, the first issues tickets and every one reads them.
+//
 // Thread-safe: the workers' handshakes read the ring while the main thread rotates or replaces it.
 #pragma once
 
@@ -60,6 +64,20 @@ class TicketKeys {
 
   size_t size() const;
 
+  // proxy.tls_ticket_key_file: one key per line, the base64 of its 80 bytes in the order of Key (what
+  // `openssl rand 80 | base64 -w0` makes); blank lines and lines starting with '#' are skipped. The first key
+  // issues tickets. Read like every secret file (owner-only, common/secret_file.h). Errors name the line:
+  // not base64, not 80 bytes, a key name used twice, more than kMaxFileKeys keys, none.
+  static constexpr size_t kMaxFileKeys = 16;
+  static constexpr size_t kMaxKeyFileBytes = 16 * 1024;
+  static Result<std::vector<Key>> read_key_file(const std::string& path);
+  static Result<std::vector<Key>> parse_key_file(std::string_view text, const std::string& path);
+  // The ring becomes the file's keys, and stays so: rotate() leaves it until use_own_keys().
+  void use_file_keys(std::vector<Key> keys);
+  // Back to keys of the process's own (a reload dropped the key file): one fresh key, rotated again.
+  Status use_own_keys();
+  bool from_file() const;
+
  private:
   TicketKeys() = default;
   static int on_ticket(SSL* ssl, unsigned char key_name[16], unsigned char iv[EVP_MAX_IV_LENGTH],
@@ -68,6 +86,7 @@ class TicketKeys {
 
   mutable std::mutex mu_;
   std::vector<Key> keys_;  // newest first
+  bool from_file_ = false;
   EVP_CIPHER* aes_ = nullptr;  // fetched once, not per ticket
 };
 

@@ -5,6 +5,8 @@
 // after it.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <regex>
 
 #include "tests/e2e/harness.h"
@@ -144,6 +146,50 @@ TEST(Handover, ANewProcessTakesTheListenersUnderLoadWithNoFailedRequest) {
       << "a session ticket the old process issued resumes on the new one (the keys came with the listeners)";
   EXPECT_NE(next.log().find("handover socket"), std::string::npos) << next.log();
   next.stop();
+}
+
+// proxy.tls_ticket_key_file: another proxy process reading the same key file (another node's proxy; here the
+// same port after a restart, where keys of the process's own would not read the ticket) resumes the first's
+// tickets. A key file others can read stops a start and fails a reload, which keeps serving.
+TEST(Handover, AProxyReadingTheSameTicketKeyFileResumesAnothersTickets) {
+  ClusterOptions opts = ClusterOptions::proxy("tls_ticket_key_file = \"ticket.keys\"\n");
+  opts.start_proxy = false;
+  Cluster c(opts);
+  const std::string keys = c.dir() + "/ticket.keys";
+  ASSERT_EQ(run("(umask 077; openssl rand 80 | base64 -w0 > " + shell_quote(keys) + ")").exit_code, 0);
+  c.start_proxy();
+  auto created = c.cli("create --name web --public 8080 -- python3 -c " + shell_quote(kServer));
+  ASSERT_EQ(created.exit_code, 0) << created.out << created.err;
+  c.wait_until_serving("web", 8080);
+  ASSERT_EQ(tls13_session(c, c.dir() + "/session.pem", false), "New");
+  ASSERT_EQ(tls13_session(c, c.dir() + "/second.pem", false), "New");
+
+  c.stop_proxy();
+  c.start_proxy();
+  EXPECT_EQ(tls13_session(c, c.dir() + "/session.pem", true), "Reused")
+      << "a new process reading the same key file reads the ticket";
+
+  // Another key file (another fleet's keys): a full handshake, not a failure.
+  ASSERT_EQ(run("(umask 077; openssl rand 80 | base64 -w0 > " + shell_quote(keys) + ")").exit_code, 0);
+  size_t mark = c.proxy().log().size();
+  ::kill(c.proxy().pid(), SIGHUP);
+  ASSERT_FALSE(c.proxy().wait_for("config reloaded", 5000, mark).empty()) << c.proxy().log();
+  EXPECT_EQ(tls13_session(c, c.dir() + "/second.pem", true), "New");
+
+  ASSERT_EQ(::chmod(keys.c_str(), 0644), 0);
+  mark = c.proxy().log().size();
+  ::kill(c.proxy().pid(), SIGHUP);
+  const std::string refused = c.proxy().wait_for("reload failed", 5000, mark);
+  EXPECT_NE(refused.find("proxy.tls_ticket_key_file: " + keys + " has mode 0644"), std::string::npos)
+      << c.proxy().log();
+  EXPECT_EQ(Cluster::http_code(c.curl("8080-web.sandbox.localhost")), 200) << "still serving";
+  c.stop_proxy();
+  Daemon refusing;
+  ASSERT_TRUE(refusing.start({std::string(SANDGATE_BIN_DIR) + "/proxy/sandgate-proxy", "--config", c.config_path()},
+                             c.dir() + "/proxy-refusing.log"));
+  const int status = refusing.wait_exit(10'000);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  EXPECT_NE(refusing.log().find("chmod 600 " + keys), std::string::npos) << refusing.log();
 }
 
 TEST(Handover, TakeoverWithoutARunningProxyFailsClearly) {

@@ -325,6 +325,8 @@ TEST(Config, TheExampleFileLoadsAndShowsTheDefaults) {
   EXPECT_EQ(e.handshake_timeout_ms, d.handshake_timeout_ms);
   EXPECT_EQ(e.tls13_session_tickets, d.tls13_session_tickets);
   EXPECT_EQ(e.tls_ticket_key_rotation_secs, d.tls_ticket_key_rotation_secs);
+  EXPECT_EQ(e.tls_ticket_key_file, d.tls_ticket_key_file);
+  EXPECT_EQ(d.tls_ticket_key_file, "");
   EXPECT_EQ(e.request_head_timeout_ms, d.request_head_timeout_ms);
   EXPECT_EQ(e.max_request_head_bytes, d.max_request_head_bytes);
   EXPECT_EQ(e.max_connections, d.max_connections);

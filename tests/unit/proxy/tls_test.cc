@@ -4,6 +4,7 @@
 #include "proxy/tls.h"
 
 #include <gtest/gtest.h>
+#include <openssl/rand.h>
 #include <openssl/ssl.h>
 #include <sys/socket.h>
 
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/base64.h"
 #include "common/fd.h"
 #include "config/config.h"
 #include "tests/unit/temp_dir.h"
@@ -233,6 +235,74 @@ TEST_F(TlsContextsTest, ATls12TicketResumesAndIsRenewedOnlyAfterARotation) {
   if (again.session) SSL_SESSION_free(again.session);
   if (rotated.session) SSL_SESSION_free(rotated.session);
   SSL_SESSION_free(full.session);
+}
+
+// proxy.tls_ticket_key_file: two proxies (rings of their own) reading the same file resume each other's
+// tickets. The rotation the example config describes: a new key added at the end of the other's file still
+// resumes the old tickets and issues under the old key; moved to the top it issues under itself, the old
+// key still reads; dropped, the old tickets mean a full handshake.
+TEST_F(TlsContextsTest, ProxiesReadingOneKeyFileResumeEachOthersTickets) {
+  auto line = [] {
+    std::string k(80, '\0');
+    EXPECT_EQ(RAND_bytes(reinterpret_cast<unsigned char*>(k.data()), 80), 1);
+    return base64_encode(k);
+  };
+  const std::string old_key = line(), new_key = line();
+  auto ring_of = [](const std::string& file) {
+    auto ring = TicketKeys::generate();
+    EXPECT_TRUE(ring);
+    auto keys = TicketKeys::parse_key_file(file, "test");
+    EXPECT_TRUE(keys) << keys.message();
+    (*ring)->use_file_keys(std::move(*keys));
+    return *ring;
+  };
+  // Offers `session` once; whether it resumed (what the handshake issued is freed).
+  auto resumes = [this](TlsContexts& tls, SSL_SESSION* session) {
+    Outcome o = connect(tls, session);
+    if (o.session) SSL_SESSION_free(o.session);
+    return o.handshake_done && o.resumed;
+  };
+  auto a_keys = ring_of(old_key + "\n");
+  auto b_keys = ring_of(old_key + "\n");
+  auto a = contexts("", a_keys);
+  auto b = contexts("", b_keys);
+  ASSERT_TRUE(a && b);
+  Outcome at_a = connect(*a, nullptr);
+  ASSERT_TRUE(at_a.handshake_done);
+  ASSERT_NE(at_a.session, nullptr);
+  Outcome at_b = connect(*b, at_a.session);
+  ASSERT_TRUE(at_b.handshake_done);
+  EXPECT_TRUE(at_b.resumed) << "B reads A's ticket";
+  ASSERT_NE(at_b.session, nullptr);
+  EXPECT_TRUE(resumes(*a, at_b.session)) << "and A reads the one B issued";
+
+  Outcome second = connect(*a, nullptr);
+  Outcome third = connect(*a, nullptr);
+  ASSERT_TRUE(second.session && third.session);
+  auto keys = TicketKeys::parse_key_file(old_key + "\n" + new_key + "\n", "test");
+  ASSERT_TRUE(keys);
+  b_keys->use_file_keys(std::move(*keys));
+  Outcome added = connect(*b, second.session);
+  EXPECT_TRUE(added.resumed) << "the new key at the end only reads";
+  ASSERT_NE(added.session, nullptr);
+  EXPECT_TRUE(resumes(*a, added.session)) << "B still issues under the old key, which A has";
+
+  keys = TicketKeys::parse_key_file(new_key + "\n" + old_key + "\n", "test");
+  ASSERT_TRUE(keys);
+  b_keys->use_file_keys(std::move(*keys));
+  Outcome promoted = connect(*b, third.session);
+  EXPECT_TRUE(promoted.resumed) << "the old key still reads";
+  ASSERT_NE(promoted.session, nullptr);
+  EXPECT_FALSE(resumes(*a, promoted.session)) << "B issues under the new key, which A does not have yet";
+
+  keys = TicketKeys::parse_key_file(new_key + "\n", "test");
+  ASSERT_TRUE(keys);
+  b_keys->use_file_keys(std::move(*keys));
+  Outcome dropped = connect(*b, at_a.session);
+  EXPECT_TRUE(dropped.handshake_done);
+  EXPECT_FALSE(dropped.resumed) << "the old key gone: a full handshake, not a failure";
+  for (Outcome* o : {&at_a, &at_b, &second, &third, &added, &promoted, &dropped})
+    if (o->session) SSL_SESSION_free(o->session);
 }
 
 // A takeover hands the keys to the new process as text: the new process's ring then reads the old one's
