@@ -1,6 +1,7 @@
 #include "common/secret_file.h"
 
 #include <fcntl.h>
+#include <openssl/crypto.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -28,8 +29,10 @@ Result<std::string> read_secret_file(const std::string& path, std::string_view s
   }
   auto text = read_at_most(fd.get(), max_bytes, what + ": cannot read " + path);
   if (!text) return text.failure();
-  if (text->size() > max_bytes)
+  if (text->size() > max_bytes) {
+    OPENSSL_cleanse(text->data(), text->size());
     return fail(Error::kInvalidArgument, what + ": " + path + " is larger than " + std::to_string(max_bytes) + " bytes");
+  }
   return std::move(*text);
 }
 

@@ -55,7 +55,9 @@ void Direction::release_memory_while_idle() {
     out_sent_ = 0;
   }
   // An empty pipe is two descriptors and a kernel pipe per idle kTLS connection; the next bytes take a new one.
-  if (pipe_ && pipe_->buffered() == 0 && !record_waits_) pipe_.reset();
+  // Only with nothing else in flight: what the buffer or the staging string holds goes out before anything a
+  // new pipe takes (fill() waits for it, as at the first splice).
+  if (pipe_ && pending() == 0 && !record_waits_) pipe_.reset();
 }
 
 bool Direction::run_stage() {
@@ -72,12 +74,6 @@ bool Direction::start_splice_if_possible(bool* started) {
   *started = false;
   if (splice_ != Splice::kCopying || !source_->can_splice_in() || !sink_->can_splice_out() || !events_.may_splice())
     return true;
-  if (!take_pipe()) return false;
-  *started = splice_ == Splice::kRunning;
-  return true;
-}
-
-bool Direction::take_pipe() {
   auto pipe = SplicePipe::create(kSplicePipeBytes);
   if (!pipe) {
     splice_ = Splice::kRefused;
@@ -85,6 +81,7 @@ bool Direction::take_pipe() {
   }
   pipe_ = std::move(*pipe);
   splice_ = Splice::kRunning;
+  *started = true;
   return true;
 }
 
@@ -97,7 +94,12 @@ bool Direction::fill() {
   }
   const bool buffered = source_->has_buffered_input();
   if (!source_ready_ && !buffered) return true;
-  if (splice_ == Splice::kRunning && !pipe_ && !take_pipe()) return false;  // given back while idle
+  if (splice_ == Splice::kRunning && !pipe_) {
+    // Given back while idle. Without a pipe now (descriptors short for a moment) these bytes are copied and
+    // the next ones ask again: the connection is no less offloaded for it.
+    if (auto pipe = SplicePipe::create(kSplicePipeBytes)) pipe_ = std::move(*pipe);
+    if (!has_room()) return true;  // the buffer is delivered first
+  }
   // Input the transport holds came off the socket before what a splice would take now.
   if (pipe_ && !copy_while_spliced() && !buffered) return splice_from_source();
   return read_into_buffer();

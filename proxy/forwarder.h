@@ -146,8 +146,6 @@ class Direction {
   bool splice_to_sink();
   // Both ends can splice and the connection allows it: the pipe takes over (false when closed).
   bool start_splice_if_possible(bool* started);
-  // Creates the pipe (kRunning), or refuses splicing for good (kRefused); false when the connection closed.
-  bool take_pipe();
   // While spliced, the watcher needs to see the next bytes (or so few may pass unseen that a splice would
   // cost more syscalls than a copy): they are read into the buffer, once the pipe has delivered what came
   // before them.

@@ -125,14 +125,18 @@ std::vector<sg::Worker::Inherited> assign_inherited(std::vector<sg::HandedListen
 std::string as_user_hint(const Proxy* p) {
   if (p->user.empty()) return "";
   return " (sandgate-proxy runs as user " + p->user + ", which must be able to read the config file, the "
-         "certificates and keys, and the operator token file; docs/security.md#least-privilege)";
+         "certificates and keys, the operator token file and the ticket key file; docs/security.md#least-privilege)";
 }
 
 void apply_reload(Proxy* p) {
   const std::string hint = as_user_hint(p);
   auto cfg = sg::load_config_file(p->config_path);
   if (!cfg) return spdlog::error("reload failed, keeping the running config:\n{}{}", cfg.message(), hint);
-  std::optional<std::vector<sg::TicketKeys::Key>> file_keys;
+  std::vector<sg::TicketKeys::Key> file_keys;
+  struct Wiper {
+    std::vector<sg::TicketKeys::Key>& keys;
+    ~Wiper() { sg::TicketKeys::wipe(keys); }  // a reload that fails further on leaves no copy behind
+  } wiper{file_keys};
   if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
     auto keys = sg::TicketKeys::read_key_file(path);
     if (!keys) return spdlog::error("reload failed, keeping the running config: {}{}", keys.message(), hint);
@@ -148,8 +152,8 @@ void apply_reload(Proxy* p) {
   // routes, certificates and the operator token apply together to connections accepted from now on.
   if ((*cfg)->proxy.user != p->user || (*cfg)->proxy.group != p->group)
     spdlog::warn("proxy.user and proxy.group changes take effect only after a restart");
-  if (file_keys) {
-    p->ticket_keys->use_file_keys(std::move(*file_keys));
+  if (!file_keys.empty()) {
+    p->ticket_keys->use_file_keys(std::move(file_keys));
   } else if (p->ticket_keys->from_file()) {
     if (sg::Status own = p->ticket_keys->use_own_keys(); !own)
       spdlog::warn("session ticket keys: {} (the key file's keys stay)", own.message());
@@ -180,6 +184,11 @@ void check_access_as_user(const Proxy& p, const sg::Config& running) {
       spdlog::warn("a reload will fail: {}{}", tls.message(), as_user_hint(&p));
     if (auto token = sg::read_operator_token((*cfg)->operator_token_file); !token)
       spdlog::warn("a reload will fail: {}{}", token.message(), as_user_hint(&p));
+    if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
+      auto keys = sg::TicketKeys::read_key_file(path);
+      if (!keys) spdlog::warn("a reload will fail: {}{}", keys.message(), as_user_hint(&p));
+      else sg::TicketKeys::wipe(*keys);
+    }
     if (auto fleet = sg::FleetContext::create(**cfg); !fleet)
       spdlog::warn("a reload will fail: {}{}", fleet.message(), as_user_hint(&p));
   }

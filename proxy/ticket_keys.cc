@@ -84,8 +84,9 @@ std::string TicketKeys::serialize() const {
 
 Status TicketKeys::replace_with(std::string_view serialized) {
   const size_t per_key = sizeof(Key) * 2;
-  if (serialized.empty() || serialized.size() % per_key != 0 || serialized.size() / per_key > kKept)
-    return fail(Error::kInvalidArgument, "session ticket keys: expected 1 to " + std::to_string(kKept) + " keys of " +
+  // Up to kMaxFileKeys: a proxy that read a key file hands over all of them; the next rotation keeps kKept.
+  if (serialized.empty() || serialized.size() % per_key != 0 || serialized.size() / per_key > kMaxFileKeys)
+    return fail(Error::kInvalidArgument, "session ticket keys: expected 1 to " + std::to_string(kMaxFileKeys) + " keys of " +
                                              std::to_string(per_key) + " hex digits, got " +
                                              std::to_string(serialized.size()) + " characters");
   std::vector<Key> keys(serialized.size() / per_key);
@@ -110,9 +111,10 @@ Result<std::vector<TicketKeys::Key>> TicketKeys::read_key_file(const std::string
 
 Result<std::vector<TicketKeys::Key>> TicketKeys::parse_key_file(std::string_view text, const std::string& path) {
   std::vector<Key> keys;
+  keys.reserve(kMaxFileKeys);  // never reallocated: no copy of a key left unwiped in freed memory
   std::vector<size_t> lines;  // where each key was, for the message about a name used twice
   auto refuse = [&](size_t line, const std::string& why) -> Result<std::vector<Key>> {
-    for (Key& k : keys) OPENSSL_cleanse(&k, sizeof k);
+    wipe(keys);
     return fail(Error::kInvalidArgument, "proxy.tls_ticket_key_file: " + path +
                                              (line ? " line " + std::to_string(line) : std::string()) + ": " + why);
   };
@@ -150,6 +152,11 @@ Result<std::vector<TicketKeys::Key>> TicketKeys::parse_key_file(std::string_view
   }
   if (keys.empty()) return refuse(0, "no key in it (one per line: openssl rand 80 | base64 -w0)");
   return keys;
+}
+
+void TicketKeys::wipe(std::vector<Key>& keys) {
+  for (Key& k : keys) OPENSSL_cleanse(&k, sizeof k);
+  keys.clear();
 }
 
 void TicketKeys::use_file_keys(std::vector<Key> keys) {

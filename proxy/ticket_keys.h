@@ -72,6 +72,8 @@ class TicketKeys {
   static constexpr size_t kMaxKeyFileBytes = 16 * 1024;
   static Result<std::vector<Key>> read_key_file(const std::string& path);
   static Result<std::vector<Key>> parse_key_file(std::string_view text, const std::string& path);
+  // Overwrites the keys' bytes (a copy that is not to stay in memory) and empties the vector.
+  static void wipe(std::vector<Key>& keys);
   // The ring becomes the file's keys, and stays so: rotate() leaves it until use_own_keys().
   void use_file_keys(std::vector<Key> keys);
   // Back to keys of the process's own (a reload dropped the key file): one fresh key, rotated again.

@@ -307,6 +307,45 @@ TEST_F(DirectionTest, AnIdleSplicedDirectionGivesItsPipeBackAndSplicesTheNextByt
   EXPECT_FALSE(dir_->holds_memory());
 }
 
+// A pipe is given back only with nothing else in flight: bytes the buffer holds for a stalled sink (a
+// response head on kTLS, copied for the watcher) go out before anything spliced after them, so the pipe stays
+// until they are delivered.
+TEST_F(DirectionTest, APipeStaysWhileTheBufferHoldsBytesForAStalledSink) {
+  struct Watcher : Events {
+    uint64_t budget = 0;  // 0: every byte is copied, for the watcher to see
+    uint64_t splice_budget() const override { return budget; }
+  } watcher;
+  watcher.splice_allowed = true;
+  dir_ = std::make_unique<Direction>(&source_, &sink_, ByteBuffer(4096), watcher);
+  std::string filler(1 << 20, 'f');
+  while (::send(dst_.ours.get(), filler.data(), filler.size(), MSG_NOSIGNAL) > 0) {
+  }
+  const std::string head = pattern(100);
+  ASSERT_EQ(::send(src_.theirs.get(), head.data(), head.size(), MSG_NOSIGNAL), 100);
+  ASSERT_TRUE(dir_->move());
+  ASSERT_TRUE(dir_->move());  // the source has nothing more: its read would block
+  ASSERT_TRUE(dir_->spliced());
+  ASSERT_EQ(dir_->pending(), 100u) << "the head waits in the buffer for the sink";
+  const size_t with_pipe = open_descriptors();
+  dir_->release_memory_while_idle();
+  EXPECT_EQ(open_descriptors(), with_pipe) << "the pipe stays";
+
+  watcher.budget = UINT64_MAX;  // the body may pass unseen
+  const std::string body = pattern(50000).substr(3);
+  ASSERT_EQ(::send(src_.theirs.get(), body.data(), body.size(), MSG_NOSIGNAL), static_cast<ssize_t>(body.size()));
+  dir_->source_readable();
+  std::string got;
+  for (int spins = 0; spins < 100000 && got.size() < head.size() + body.size(); ++spins) {
+    ASSERT_TRUE(dir_->move());
+    char buf[65536];
+    ssize_t n = ::recv(dst_.theirs.get(), buf, sizeof buf, 0);
+    if (n > 0) got.append(buf, static_cast<size_t>(n));
+    got.erase(0, std::min(got.find_first_not_of('f'), got.size()));
+  }
+  EXPECT_TRUE(got == head + body) << got.size() << " bytes";
+  dir_.reset();  // before the watcher it holds
+}
+
 TEST_F(DirectionTest, StopsReadingWhenTheBufferIsFull) {
   make(/*may_splice=*/false, ByteBuffer(16));
   const std::string data = pattern(64);

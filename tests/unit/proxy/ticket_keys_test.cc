@@ -48,7 +48,9 @@ TEST(TicketKeys, TheTextOfARingRebuildsItAndMalformedTextChangesNothing) {
   const std::string text = (*from)->serialize();
   const std::string own = (*to)->serialize();
   // The last: hex up to its last character, so most of it decodes before it fails.
-  for (const std::string& bad : {std::string(), text.substr(1), std::string(text.size(), 'g'), text + text,
+  // 17 keys: more than a key file may hold (a key-file proxy hands over all of its up to 16).
+  for (const std::string& bad : {std::string(), text.substr(1), std::string(text.size(), 'g'),
+                                 std::string((TicketKeys::kMaxFileKeys + 1) * kHexPerKey, 'a'),
                                  text.substr(0, text.size() - 1) + "z"}) {
     EXPECT_FALSE((*to)->replace_with(bad)) << bad.size() << " characters";
     EXPECT_EQ((*to)->serialize(), own) << "unchanged";
@@ -56,6 +58,12 @@ TEST(TicketKeys, TheTextOfARingRebuildsItAndMalformedTextChangesNothing) {
   ASSERT_TRUE((*to)->replace_with(text));
   EXPECT_EQ((*to)->serialize(), text);
   EXPECT_EQ((*to)->size(), 2u);
+
+  // A key-file proxy's 16 keys are taken whole; the successor's own rotation then keeps kKept.
+  ASSERT_TRUE((*to)->replace_with(std::string(TicketKeys::kMaxFileKeys * kHexPerKey, 'a')));
+  EXPECT_EQ((*to)->size(), TicketKeys::kMaxFileKeys);
+  ASSERT_TRUE((*to)->rotate());
+  EXPECT_EQ((*to)->size(), TicketKeys::kKept);
 }
 
 std::string random_key_line(size_t bytes = 80) {
