@@ -26,16 +26,6 @@
 
 #include "ktls_stream.h"
 
-static int write_all(int fd, const char* p, size_t n) {
-  while (n > 0) {
-    ssize_t w = write(fd, p, n);
-    if (w <= 0) return -1;
-    p += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-
 /* Buffers are malloc'd per connection, not static __thread: glibc zeroes a thread's static TLS block when it
  * starts the thread, so 144 KiB of them per thread would be resident for each of the soak's 10,000 held
  * connections. */

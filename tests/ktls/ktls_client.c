@@ -101,16 +101,6 @@ struct sealer {
   unsigned long long seq;
 };
 
-static int write_all(int fd, const unsigned char* p, size_t n) {
-  while (n > 0) {
-    ssize_t w = write(fd, p, n);
-    if (w <= 0) return -1;
-    p += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-
 /* One record: n <= 16384 bytes of content of the given inner type (0 bytes is the empty record). */
 static int seal_record(struct sealer* w, unsigned char type, const unsigned char* data, size_t n) {
   static unsigned char record[5 + 16384 + 1 + 16];
