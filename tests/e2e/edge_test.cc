@@ -172,15 +172,20 @@ TEST(Edge, ConnectionsPerSandboxLimit) {
 }
 
 TEST(Edge, TotalConnectionLimit) {
-  Cluster c(ClusterOptions::proxy("max_connections = 2\n"));
+  Cluster c(ClusterOptions::proxy("max_connections = 2\nmetrics_listen = [\"127.0.0.1:0\"]\n"));
+  const std::string metrics = "http://127.0.0.1:" + std::to_string(c.metrics_port()) + "/metrics";
   c.create_http_sandbox("app", 8080);
   c.wait_until_serving("app", 8080);
-  // Two silent connections occupy the budget (they sit in the handshake phase).
+  // Two silent connections occupy the budget (they sit in the handshake phase, whose deadline is 10 s).
   std::string port = std::to_string(c.port());
   auto hold = std::async(std::launch::async, [&] {
-    return run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + port + "; exec 4<>/dev/tcp/127.0.0.1/" + port + "; sleep 3'");
+    return run("bash -c 'exec 3<>/dev/tcp/127.0.0.1/" + port + "; exec 4<>/dev/tcp/127.0.0.1/" + port + "; sleep 4'");
   });
-  ::usleep(1'000'000);
+  // Once the proxy counts them (and no longer the probes of wait_until_serving), not after a guessed delay:
+  // a slow start of bash under load let the request below in while the budget was still free.
+  ASSERT_TRUE(eventually([&] {
+    return run("curl -s " + shell_quote(metrics)).out.find("\nsandgate_proxy_connections_open 2\n") != std::string::npos;
+  }, std::chrono::seconds(4)));
   auto refused = c.curl("8080-app.sandbox.localhost");
   EXPECT_NE(Cluster::http_code(refused), 200);
   EXPECT_TRUE(c.wait_access_entry([](const nlohmann::json& j) { return j["cause"] == "too_many_connections"; }).is_object());
