@@ -223,8 +223,8 @@ soak() { # $1 = ktls mode
     why="$why; $fds_held descriptors while held"
   kill -0 $PROXY_PID 2>/dev/null && [ "$fds_after" -ge "$fds_start" ] || why="$why; the proxy is gone"
   [ "$back" != never ] || why="$why; descriptors not back to $fds_start within 90 s of the close"
-  # The allocator keeps some of what the N took (its metadata, partly filled slabs): 4-12% in the runs of
-  # 2026-12-07. A quarter would be a leak of about 1 KiB per connection.
+  # The allocator keeps some of what the N took (its metadata, partly filled slabs): what stayed in the runs of
+  # 2026-12-07 (4-13%). A quarter would be a leak of about 1 KiB per connection.
   [ $((rss_back_10s - rss_before)) -le $(((rss_held - rss_before) / 4)) ] ||
     why="$why; RSS $rss_back_10s KiB 10 s after the descriptors came back, baseline $rss_before"
   result=PASS
