@@ -257,7 +257,7 @@ TEST_F(TlsContextsTest, ProxiesReadingOneKeyFileResumeEachOthersTickets) {
     return *ring;
   };
   // Offers `session` once; whether it resumed (what the handshake issued is freed).
-  auto resumes = [this](TlsContexts& tls, SSL_SESSION* session) {
+  auto resumes = [](TlsContexts& tls, SSL_SESSION* session) {
     Outcome o = connect(tls, session);
     if (o.session) SSL_SESSION_free(o.session);
     return o.handshake_done && o.resumed;
