@@ -110,9 +110,9 @@ class Direction {
   // The direction holds forwarding memory (a buffer, a staging string larger than kKeptStagingBytes, a pipe).
   bool holds_memory() const { return buffer_.holds_memory() || out_.capacity() > kKeptStagingBytes || pipe_; }
   // Waiting for the source (or done with it) with nothing in flight: the buffer, the staging string and the
-  // splice pipe go back, so an idle connection holds no forwarding memory and no pipe. The connection calls it once it has been
-  // quiet for a while (Connection::kReleaseIdleMemoryAfterMs), not after every burst: a keep-alive client's
-  // next request reuses the memory instead of taking it from the allocator again.
+  // splice pipe go back, so an idle connection holds no forwarding memory and no pipe. The connection calls
+  // it once it has been quiet for a while (Connection::kReleaseIdleMemoryAfterMs), not after every burst: a
+  // keep-alive client's next request reuses the memory instead of taking it from the allocator again.
   void release_memory_while_idle();
   // Reading the source can make progress.
   bool has_room() const;

@@ -137,11 +137,9 @@ void apply_reload(Proxy* p) {
     std::vector<sg::TicketKeys::Key>& keys;
     ~Wiper() { sg::TicketKeys::wipe(keys); }  // a reload that fails further on leaves no copy behind
   } wiper{file_keys};
-  if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
-    auto keys = sg::TicketKeys::read_key_file(path);
-    if (!keys) return spdlog::error("reload failed, keeping the running config: {}{}", keys.message(), hint);
-    file_keys = std::move(*keys);
-  }
+  auto keys = sg::TicketKeys::read_key_file((*cfg)->proxy.tls_ticket_key_file);
+  if (!keys) return spdlog::error("reload failed, keeping the running config: {}{}", keys.message(), hint);
+  file_keys = std::move(*keys);
   auto tls = sg::TlsContexts::create(**cfg, p->ticket_keys);
   if (!tls) return spdlog::error("reload failed, keeping the running config: {}{}", tls.message(), hint);
   auto token = sg::read_operator_token((*cfg)->operator_token_file);
@@ -184,11 +182,10 @@ void check_access_as_user(const Proxy& p, const sg::Config& running) {
       spdlog::warn("a reload will fail: {}{}", tls.message(), as_user_hint(&p));
     if (auto token = sg::read_operator_token((*cfg)->operator_token_file); !token)
       spdlog::warn("a reload will fail: {}{}", token.message(), as_user_hint(&p));
-    if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
-      auto keys = sg::TicketKeys::read_key_file(path);
-      if (!keys) spdlog::warn("a reload will fail: {}{}", keys.message(), as_user_hint(&p));
-      else sg::TicketKeys::wipe(*keys);
-    }
+    if (auto keys = sg::TicketKeys::read_key_file((*cfg)->proxy.tls_ticket_key_file); !keys)
+      spdlog::warn("a reload will fail: {}{}", keys.message(), as_user_hint(&p));
+    else
+      sg::TicketKeys::wipe(*keys);
     if (auto fleet = sg::FleetContext::create(**cfg); !fleet)
       spdlog::warn("a reload will fail: {}{}", fleet.message(), as_user_hint(&p));
   }
@@ -231,14 +228,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   proxy.ticket_keys = std::move(*ticket_keys);
-  if (const std::string& path = (*cfg)->proxy.tls_ticket_key_file; !path.empty()) {
-    auto keys = sg::TicketKeys::read_key_file(path);
-    if (!keys) {
-      spdlog::error("{}", keys.message());
-      return 1;
-    }
-    proxy.ticket_keys->use_file_keys(std::move(*keys));
+  auto file_keys = sg::TicketKeys::read_key_file((*cfg)->proxy.tls_ticket_key_file);
+  if (!file_keys) {
+    spdlog::error("{}", file_keys.message());
+    return 1;
   }
+  if (!file_keys->empty()) proxy.ticket_keys->use_file_keys(std::move(*file_keys));
   auto tls = sg::TlsContexts::create(**cfg, proxy.ticket_keys);
   if (!tls) {
     spdlog::error("{}", tls.message());

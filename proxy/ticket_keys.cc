@@ -54,13 +54,10 @@ void TicketKeys::install(SSL_CTX* ctx) {
 }
 
 Status TicketKeys::rotate() {
+  if (from_file()) return {};  // the file's owner rotates its keys (only this thread changes from_file_)
   auto key = fresh_key();
   if (!key) return key.failure();
   std::lock_guard lock(mu_);
-  if (from_file_) {
-    OPENSSL_cleanse(&*key, sizeof(Key));
-    return {};  // the file's owner rotates its keys
-  }
   keys_.insert(keys_.begin(), *key);
   while (keys_.size() > kKept) {
     OPENSSL_cleanse(&keys_.back(), sizeof(Key));
@@ -102,6 +99,7 @@ Status TicketKeys::replace_with(std::string_view serialized) {
 }
 
 Result<std::vector<TicketKeys::Key>> TicketKeys::read_key_file(const std::string& path) {
+  if (path.empty()) return std::vector<Key>();
   auto text = read_secret_file(path, "proxy.tls_ticket_key_file", kMaxKeyFileBytes);
   if (!text) return text.failure();
   auto keys = parse_key_file(*text, path);

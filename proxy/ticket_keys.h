@@ -67,7 +67,8 @@ class TicketKeys {
   // proxy.tls_ticket_key_file: one key per line, the base64 of its 80 bytes in the order of Key (what
   // `openssl rand 80 | base64 -w0` makes); blank lines and lines starting with '#' are skipped. The first key
   // issues tickets. Read like every secret file (owner-only, common/secret_file.h). Errors name the line:
-  // not base64, not 80 bytes, a key name used twice, more than kMaxFileKeys keys, none.
+  // not base64, not 80 bytes, a key name used twice, more than kMaxFileKeys keys, none. An empty path (no
+  // file configured) reads no keys.
   static constexpr size_t kMaxFileKeys = 16;
   static constexpr size_t kMaxKeyFileBytes = 16 * 1024;
   static Result<std::vector<Key>> read_key_file(const std::string& path);

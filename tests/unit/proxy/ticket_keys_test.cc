@@ -147,6 +147,9 @@ TEST(TicketKeys, AKeyFileOthersCanReadIsRefused) {
   ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
   auto keys = TicketKeys::read_key_file(path);
   EXPECT_TRUE(keys) << keys.message();
+  auto none = TicketKeys::read_key_file("");
+  ASSERT_TRUE(none) << "no file configured";
+  EXPECT_TRUE(none->empty());
 }
 
 }  // namespace
