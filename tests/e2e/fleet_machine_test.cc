@@ -233,8 +233,14 @@ TEST_F(FleetMachine, ThreeMachinesFromTheScriptFormAFleetThatAnswersThroughEvery
     auto nodes = run(cli + " --api unix:" + socket(2) + " nodes");
     return nodes.out.find("m1") != std::string::npos && nodes.out.find("m3") != std::string::npos;
   }, 15s));
-  auto remote = run("curl -sS -H 'Authorization: Bearer fleet-machine-test-token' -w '\\n%{http_code}' http://" +
-                    ip(3) + ":" + std::to_string(api_) + "/v1/fleet/nodes");
+  // Machine 3's own view (over its API) may trail machine 2's by a watch event: asked until it has all three.
+  CommandResult remote;
+  eventually([&] {
+    remote = run("curl -sS -H 'Authorization: Bearer fleet-machine-test-token' -w '\\n%{http_code}' http://" +
+                 ip(3) + ":" + std::to_string(api_) + "/v1/fleet/nodes");
+    const json j = json::parse(Cluster::body(remote), nullptr, false);
+    return Cluster::http_code(remote) == 200 && j.is_object() && j.contains("nodes") && j["nodes"].size() == 3u;
+  }, 15s);
   ASSERT_EQ(Cluster::http_code(remote), 200) << remote.out;
   EXPECT_EQ(json::parse(Cluster::body(remote), nullptr, false)["nodes"].size(), 3u) << remote.out;
   auto unauthenticated = run("curl -sS -o /dev/null -w '%{http_code}' http://" + ip(3) + ":" + std::to_string(api_) +
