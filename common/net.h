@@ -47,8 +47,8 @@ Result<uint16_t> local_port(int fd);
 // The most spare sockets the node sends on one message (internal/open, internal/sockets), so the most a
 // proxy's route-cache refill asks for.
 inline constexpr size_t kMaxSpareSockets = 64;
-// The most descriptors one message carries: an open's socket plus its spares.
-inline constexpr size_t kMaxPassedFds = kMaxSpareSockets + 1;
+// The most descriptors one message carries: an open's socket, its spares and their network namespace.
+inline constexpr size_t kMaxPassedFds = kMaxSpareSockets + 2;
 // sendmsg() of `data` with `fds` (at most kMaxPassedFds) attached via SCM_RIGHTS. Returns bytes written (may
 // be short; the descriptors travel with the first byte).
 Result<size_t> send_with_fds(int sock, const void* data, size_t len, std::span<const int> fds);

@@ -220,6 +220,7 @@ void read_proxy(const toml::table& t, std::string_view source, const std::string
   r.integer("connect_timeout_ms", &out->connect_timeout_ms, 10, 600'000);
   r.integer("activity_report_interval_ms", &out->activity_report_interval_ms, 50, 1'000);
   r.boolean("route_cache", &out->route_cache);
+  r.integer("routes_without_node_secs", &out->routes_without_node_secs, 0, 7 * 24 * 3600);
   r.boolean("tls_own_record_layer", &out->tls_own_record_layer);
   r.boolean("wake_at_client_hello", &out->wake_at_client_hello);
   r.string("access_log", &out->access_log);

@@ -59,6 +59,9 @@ struct ProxyConfig {
   // Each worker routes new connections to a running sandbox it reached recently without asking the node
   // (proxy/route_cache.h). Read at start; off: every connection's open goes to the node.
   bool route_cache = true;
+  // While sandgate-node is down, the routes cached for running sandboxes keep serving for up to this long
+  // (a node that is down suspends nothing and rotates no token); 0: only within the cache_ms the node gave.
+  uint32_t routes_without_node_secs = 3600;
   // A ClientHello naming a sandbox that is not known to run asks the node to start waking it, so the resume
   // overlaps the handshake; the node decides whom it wakes for (node.prewake_window_secs). Off by default
   // until an SDK test that failed once under the sanitizers with it on is understood (docs/status.md).

@@ -1267,6 +1267,9 @@ void ApiServer::handle_open(const HttpMessage& request, bool can_pass_fds, Reply
         j["spare_sockets"] = more->fds.size();
         j["cache_ms"] = more->cache_ms;
         j["operator_token_sha256"] = node_->operator_token_sha256();
+        // Last, after the spares: where more like them can be made while the node is down.
+        j["netns"] = more->netns.valid();
+        if (more->netns.valid()) fds.push_back(std::move(more->netns));
       }
     }
     reply(Response{200, to_text(j), std::move(fds), ""});
@@ -1291,7 +1294,9 @@ void ApiServer::handle_sockets(const HttpMessage& request, bool can_pass_fds, Re
                     {"opened_at", spares->opened_at},
                     {"cache_ms", spares->cache_ms},
                     {"token_sha256", spares->token_sha256},
-                    {"operator_token_sha256", node_->operator_token_sha256()}};
+                    {"operator_token_sha256", node_->operator_token_sha256()},
+                    {"netns", spares->netns.valid()}};
+  if (spares->netns.valid()) spares->fds.push_back(std::move(spares->netns));  // after the `count` spares
   reply(Response{200, to_text(j), std::move(spares->fds), ""});
 }
 

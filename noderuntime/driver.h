@@ -162,6 +162,12 @@ class Driver {
     }
     return sockets;
   }
+  // The network namespace open_sockets() makes its sockets in (a descriptor of its own), handed to the proxy
+  // with its spares so that its socket maker can make more while the node is down (proxy/socket_maker.h).
+  // kUnsupported (the default): the driver's sockets live in no namespace of the instance's own.
+  virtual Result<UniqueFd> socket_namespace(const SandboxSpec& spec, const RuntimeInfo&) {
+    return fail(Error::kUnsupported, "the " + spec.driver + " driver has no network namespace of the instance's");
+  }
   // Filesystem checkpoints of a running instance; kUnsupported (the default) for a driver that has none.
   virtual Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo&) {
     return fail(Error::kUnsupported, "the " + spec.driver + " driver cannot take filesystem checkpoints yet");

@@ -983,6 +983,8 @@ Result<SpareSockets> Node::spare_sockets(std::string_view id, uint16_t port, siz
   spares.opened_at = route_events_.stamp();
   spares.cache_ms = route_cache_ms(sb->id());
   spares.token_sha256 = sb->rec.spec.token_sha256;
+  // Optional: without it the proxy serves a node outage with the spares it holds only.
+  if (auto netns = driver(*sb).socket_namespace(sb->rec.spec, sb->rec.runtime)) spares.netns = std::move(*netns);
   return spares;
 }
 

@@ -154,6 +154,9 @@ struct SpareSockets {
   uint64_t opened_at = 0;   // Node::stamp() when they were made
   uint32_t cache_ms = 0;    // how long the proxy may use them (route_cache_ms)
   std::string token_sha256; // the sandbox's token now (a proxy drops a route whose digest changed)
+  // The network namespace they live in, when the driver has one (Driver::socket_namespace): the proxy's
+  // socket maker makes more in it while the node is down.
+  UniqueFd netns;
 };
 
 struct ActivityAnswer {

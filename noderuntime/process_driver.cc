@@ -351,6 +351,7 @@ class ProcessDriver final : public Driver {
   void unwatch(const SandboxSpec& spec) override;
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
+  Result<UniqueFd> socket_namespace(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<std::vector<GuestSocket>> open_sockets(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port,
                                                 size_t count) override;
   Result<CheckpointSource> checkpoint_source(const SandboxSpec& spec, const RuntimeInfo& info) override;
@@ -389,6 +390,8 @@ class ProcessDriver final : public Driver {
     uv_timer_t* already_gone = nullptr;  // the instance had exited before the watch began
   };
 
+  // The sandbox's network namespace (an fd of netns_), opened once per instance.
+  Result<int> netns_of(const SandboxSpec& spec, const RuntimeInfo& info);
   // The sandbox's network namespace, kept open so open_socket() needs one setns() pair and no /proc lookup.
   struct Netns {
     int pid = 0;
@@ -969,8 +972,7 @@ Result<GuestSocket> ProcessDriver::open_socket(const SandboxSpec& spec, const Ru
   return std::move(sockets->front());
 }
 
-Result<std::vector<GuestSocket>> ProcessDriver::open_sockets(const SandboxSpec& spec, const RuntimeInfo& info,
-                                                             uint16_t port, size_t count) {
+Result<int> ProcessDriver::netns_of(const SandboxSpec& spec, const RuntimeInfo& info) {
   auto cached = netns_.find(spec.id);
   if (cached != netns_.end() &&
       (cached->second.pid != info.pid || cached->second.start_time_ticks != info.start_time_ticks)) {
@@ -986,11 +988,26 @@ Result<std::vector<GuestSocket>> ProcessDriver::open_sockets(const SandboxSpec& 
     if (!is_live_instance(info)) return fail(Error::kUnavailable, "sandbox " + spec.id + ": not running");
     cached = netns_.emplace(spec.id, Netns{info.pid, info.start_time_ticks, std::move(fd)}).first;
   }
+  return cached->second.fd.get();
+}
+
+Result<UniqueFd> ProcessDriver::socket_namespace(const SandboxSpec& spec, const RuntimeInfo& info) {
+  auto netns = netns_of(spec, info);
+  if (!netns) return netns.failure();
+  UniqueFd copy(::fcntl(*netns, F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) return fail_errno("sandbox " + spec.id + ": dup of its network namespace", errno);
+  return copy;
+}
+
+Result<std::vector<GuestSocket>> ProcessDriver::open_sockets(const SandboxSpec& spec, const RuntimeInfo& info,
+                                                             uint16_t port, size_t count) {
+  auto netns = netns_of(spec, info);
+  if (!netns) return netns.failure();
 
   // setns() switches only the calling thread; a socket keeps the namespace it was created in. One setns()
   // pair for all `count`: a refill of a proxy's spares is one node call, and the pair is most of its cost
   // after the call itself.
-  if (::setns(cached->second.fd.get(), CLONE_NEWNET) != 0)
+  if (::setns(*netns, CLONE_NEWNET) != 0)
     return fail_errno("sandbox " + spec.id + ": setns into its network namespace", errno);
   std::vector<GuestSocket> sockets;
   sockets.reserve(count);

@@ -266,6 +266,7 @@ class QemuDriver final : public VmmDriver {
   void restore(const SandboxSpec& spec, const RuntimeInfo& info, RuntimeDone done) override;
   ObservedInstance observe(const SandboxSpec& spec, const RuntimeInfo& info) override;
   Result<GuestSocket> open_socket(const SandboxSpec& spec, const RuntimeInfo& info, uint16_t port) override;
+  Result<UniqueFd> socket_namespace(const SandboxSpec& spec, const RuntimeInfo& info) override;
   void terminate(const SandboxSpec& spec, const RuntimeInfo& info, Done done) override {
     // A QEMU the record does not name (a create or a restore the node was killed in) goes too.
     if (Status s = stop_unrecorded_qemu(spec, info, false); !s) spdlog::warn("sandbox {}: {}", spec.id, s.message());
@@ -1607,6 +1608,14 @@ Result<GuestSocket> QemuDriver::open_socket(const SandboxSpec& spec, const Runti
   auto fd = socket_in(*netns, spec.id);
   if (!fd) return fd.failure();
   return GuestSocket{.fd = std::move(*fd), .connected = false, .connect_port = *host_port};
+}
+
+Result<UniqueFd> QemuDriver::socket_namespace(const SandboxSpec& spec, const RuntimeInfo& info) {
+  auto netns = netns_of(spec.id, info);
+  if (!netns) return netns.failure();
+  UniqueFd copy(::fcntl(*netns, F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) return fail_errno("sandbox " + spec.id + ": dup of QEMU's network namespace", errno);
+  return copy;
 }
 
 std::optional<VmmProcess> QemuDriver::unrecorded_qemu(const RuntimeInfo& info) {

@@ -1230,6 +1230,7 @@ void Connection::open_local_sandbox() {
     if (auto cached = worker_->routes().open(route_.target, route_.port, candidates, now_ms(worker_->loop()))) {
       rec_.route_cached = true;
       worker_->shared()->metrics.route_cache(true);
+      if (cached->made_without_node > 0) worker_->shared()->metrics.sockets_made_without_node(cached->made_without_node);
       if (cached->refill > 0)
         worker_->refill_route(route_.target, cached->opened.id, cached->opened.port, cached->refill);
       return use_opened(std::move(cached->opened));
@@ -1299,7 +1300,8 @@ void Connection::use_opened(OpenedSocket opened) {
                                        .token_sha256 = opened.token_sha256,
                                        .operator_token_sha256 = std::move(opened.operator_token_sha256),
                                        .cache_ms = opened.cache_ms,
-                                       .spares = std::move(opened.spares)},
+                                       .spares = std::move(opened.spares),
+                                       .netns = std::move(opened.netns)},
                             now_ms(worker_->loop()));
   // A policy that changed since the ClientHello (or since the first proxy's view of it, on a hop): the bytes
   // would pass unfiltered (credentials, Host) to a port that now expects HTTP or a token.

@@ -24,6 +24,7 @@
 #include "proxy/listener_handover.h"
 #include "proxy/metrics_server.h"
 #include "proxy/privileges.h"
+#include "proxy/socket_maker.h"
 #include "proxy/ticket_key_rotation.h"
 #include "proxy/ticket_keys.h"
 #include "proxy/worker.h"
@@ -200,7 +201,33 @@ void check_access_as_user(const Proxy& p, const sg::Config& running) {
 
 }  // namespace
 
+namespace {
+
+// While sandgate-node is down, a cached route out of spare sockets gets new ones from the socket maker
+// (proxy/socket_maker.h), which only root can start. Without it an outage is served with the spares held.
+void start_socket_maker(Proxy& proxy, const sg::Config& cfg) {
+  const char* without = "while sandgate-node is down, cached routes serve with the spare sockets they hold only";
+  if (::geteuid() != 0) return spdlog::info("no socket maker (not root): {}", without);
+  uid_t uid = ::getuid();
+  gid_t gid = ::getgid();
+  if (!cfg.proxy.user.empty()) {
+    auto who = sg::resolve_proxy_user(cfg.proxy.user, cfg.proxy.group);
+    if (!who) return;  // the switch to proxy.user below fails with this reason
+    uid = who->uid;
+    gid = who->gid;
+  }
+  auto maker = sg::start_socket_maker(proxy.workers.size(), uid, gid);
+  if (!maker) return spdlog::warn("{}: {}", maker.message(), without);
+  for (size_t i = 0; i < proxy.workers.size(); ++i) proxy.workers[i]->use_socket_maker(std::move(maker->clients[i]));
+  spdlog::info("socket maker pid {} (uid {}, CAP_SYS_ADMIN alone): makes sockets for cached routes while "
+               "sandgate-node is down", maker->pid, uid);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  // Before anything else: the maker is this binary run again, and reads no configuration.
+  if (argc > 1 && std::strcmp(argv[1], sg::kSocketMakerFlag) == 0) return sg::socket_maker_main(argc, argv);
   CLI::App app{"sandgate-proxy: TLS ingress for sandboxes"};
   Proxy proxy;
   bool check_only = false;
@@ -350,6 +377,8 @@ int main(int argc, char** argv) {
     for (const auto& ep : proxy.metrics->bound()) where += (where.empty() ? "" : ", ") + ep.to_string();
     spdlog::info("metrics on http://{}/metrics", where);
   }
+
+  if ((*cfg)->proxy.route_cache) start_socket_maker(proxy, **cfg);
 
   // Least privilege: everything only root can get (privileged ports, root-only keys and token, the access
   // log) is held now, so root goes, before any worker thread runs: no connection is ever handled as root, and

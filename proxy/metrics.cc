@@ -71,6 +71,9 @@ std::string ProxyMetrics::render(uint32_t open_connections, uint32_t max_connect
            "Connections routed from a worker's route cache (hit: no node round trip) or through the node (miss).");
   m.sample("sandgate_proxy_route_cache_total", {{"result", "hit"}}, route_hits_.value());
   m.sample("sandgate_proxy_route_cache_total", {{"result", "miss"}}, route_misses_.value());
+  m.family("sandgate_proxy_sockets_made_without_node_total", "counter",
+           "Sockets the socket maker made in sandboxes' network namespaces for cached routes while the node was down.");
+  m.sample("sandgate_proxy_sockets_made_without_node_total", {}, made_without_node_.value());
   return m.text();
 }
 

@@ -36,6 +36,8 @@ class ProxyMetrics {
   void node_call(NodeCallKind k) { node_calls_[static_cast<size_t>(k)].add(); }
   // A connection's route came from the worker's cache (hit) or from a node call (miss).
   void route_cache(bool hit) { (hit ? route_hits_ : route_misses_).add(); }
+  // The socket maker made `n` sockets for a cached route while the node was down.
+  void sockets_made_without_node(size_t n) { made_without_node_.add(n); }
   // A connection's TLS 1.3 records left OpenSSL for the proxy's own record layer (its SSL freed).
   void tls_own_records() { own_records_.add(); }
   // A connection took forwarding memory it keeps between bursts (+1), or gave it back or ended (-1).
@@ -51,6 +53,7 @@ class ProxyMetrics {
   std::array<Counter, kTerminationCauses> refused_streams_;
   std::array<Counter, kNodeCallKinds> node_calls_;
   Counter bytes_in_, bytes_out_, wakes_, own_records_, route_hits_, route_misses_, full_handshakes_, resumed_handshakes_;
+  Counter made_without_node_;
   std::atomic<int64_t> holding_buffers_{0};
   Histogram handshake_ = make_handshake_histogram();
   Histogram wake_ = make_wake_histogram();

@@ -44,7 +44,7 @@ Status check_no_capabilities() {
 
 }  // namespace
 
-Result<DroppedPrivileges> drop_privileges(const std::string& user, const std::string& group) {
+Result<DroppedPrivileges> resolve_proxy_user(const std::string& user, const std::string& group) {
   auto account = find_user(user);
   if (!account) return fail(account.error(), "proxy.user: " + account.message());
   if (!*account) return fail(Error::kNotFound, "proxy.user: no user named \"" + user + "\"");
@@ -63,6 +63,13 @@ Result<DroppedPrivileges> drop_privileges(const std::string& user, const std::st
     return fail(Error::kInvalidArgument, group.empty() ? "proxy.user: the primary group of \"" + user +
                                                              "\" is root's (gid 0); set proxy.group"
                                                        : "proxy.group: \"" + group + "\" is root's group (gid 0)");
+  return d;
+}
+
+Result<DroppedPrivileges> drop_privileges(const std::string& user, const std::string& group) {
+  auto resolved = resolve_proxy_user(user, group);
+  if (!resolved) return resolved.failure();
+  DroppedPrivileges d = std::move(*resolved);
 
   if (::geteuid() != 0) {
     uid_t ruid, euid, suid;

@@ -19,6 +19,10 @@ struct DroppedPrivileges {
   bool switched = false;      // false: the process already ran as that user and group
 };
 
+// `user` and `group` ("" = the user's primary group) as ids, refused as drop_privileges refuses them (root's
+// uid or gid, unknown names); `switched` false, `groups` empty.
+Result<DroppedPrivileges> resolve_proxy_user(const std::string& user, const std::string& group);
+
 // Makes the process run as `user` (and `group`, "" = the user's primary group) for good:
 // setgroups (the user's supplementary groups from the group database, plus `group`), setgid, setuid, each
 // checked, then verifies that real, effective and saved ids are the new ones, that setuid(0) and setgid(0)

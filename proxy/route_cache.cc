@@ -16,8 +16,26 @@ std::string RouteCache::key(std::string_view sandbox_ref, uint16_t port) {
 }
 
 void RouteCache::drop_route(Entry& e) {
-  if (e.route) spares_held_ -= e.route->spares.size();
+  if (e.route) {
+    spares_held_ -= e.route->spares.size();
+    namespaces_held_ -= e.route->netns.valid() ? 1 : 0;
+  }
   e.route.reset();
+}
+
+void RouteCache::keep_namespace(Route& r, UniqueFd& netns) {
+  if (r.netns.valid() || !netns.valid() || held() >= max_spares_) return;
+  r.netns = std::move(netns);
+  ++namespaces_held_;
+}
+
+size_t RouteCache::make_spares_without_node(Route& r) {
+  if (socket_source_ == nullptr || !r.netns.valid() || held() >= max_spares_) return 0;
+  auto made = socket_source_->make(r.netns.get(), std::min(kSparesPerRefill, max_spares_ - held()));
+  if (!made) return 0;  // the connection asks the node, which answers 503 while it is down
+  spares_held_ += made->size();
+  std::move(made->begin(), made->end(), std::back_inserter(r.spares));
+  return made->size();
 }
 
 std::optional<PortPolicy> RouteCache::find(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
@@ -38,6 +56,7 @@ RouteCache::Entry* RouteCache::slot(std::string_view sandbox_ref, uint16_t port,
   if (entries_.size() >= max_entries_ && !entries_.contains(k)) {
     entries_.clear();
     spares_held_ = 0;
+    namespaces_held_ = 0;
   }
   Entry& e = entries_[std::move(k)];
   e.policy_expires_ms = now_ms + policy_ttl_ms_;
@@ -102,7 +121,8 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
     drop_route(e);
     return std::nullopt;
   }
-  if (r.spares.empty()) return std::nullopt;
+  const bool can_make = stream_ == Stream::kNodeGone && socket_source_ != nullptr && r.netns.valid();
+  if (r.spares.empty() && !can_make) return std::nullopt;
   std::optional<size_t> credential;
   std::optional<TokenDigest> credential_sha256;
   if (!e.policy.is_public) {
@@ -122,7 +142,11 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
     }
     if (!credential) return std::nullopt;
   }
+  // Only for a connection the route lets through: a wrong token makes none.
+  const size_t made = r.spares.empty() ? make_spares_without_node(r) : 0;
+  if (r.spares.empty()) return std::nullopt;
   CachedOpen out;
+  out.made_without_node = made;
   OpenedSocket& o = out.opened;
   o.id = e.policy.sandbox_id;
   o.port = port;
@@ -135,7 +159,8 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   o.socket = std::move(r.spares.back());
   r.spares.pop_back();
   --spares_held_;
-  if (r.spares.size() < kRefillBelow && !r.refill_asked) {
+  // The node's refills; while it is gone, make_spares_without_node does its job when the last is taken.
+  if (stream_ == Stream::kUp && r.spares.size() < kRefillBelow && !r.refill_asked) {
     // How long the last refill lasted sizes the next (the first is kSparesPerRefill: an open's few spares
     // going fast say little).
     if (r.refilled_ms != 0) {
@@ -144,7 +169,7 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
       if (lasted_ms > 4 * kBusyRefillMs) r.refill_size = std::max(r.refill_size / 2, kSparesPerRefill);
     }
     // Beyond the descriptor budget the refill's spares would be closed as they came.
-    out.refill = std::min(r.refill_size, max_spares_ - std::min(spares_held_, max_spares_));
+    out.refill = std::min(r.refill_size, max_spares_ - std::min(held(), max_spares_));
     r.refill_asked = out.refill > 0;
   }
   return out;
@@ -159,8 +184,10 @@ bool RouteCache::stale(const std::string& sandbox_id, uint64_t opened_at) const 
 void RouteCache::grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t now_ms) {
   if (grant.spares.empty() || grant.cache_ms == 0 || stale(grant.sandbox_id, grant.opened_at)) return;
   auto existing = entries_.find(key(sandbox_ref, grant.port));
-  size_t replaced = existing != entries_.end() && existing->second.route ? existing->second.route->spares.size() : 0;
-  if (spares_held_ - replaced + grant.spares.size() > max_spares_) return;  // the descriptor budget is spent
+  size_t replaced = 0;
+  if (existing != entries_.end() && existing->second.route)
+    replaced = existing->second.route->spares.size() + (existing->second.route->netns.valid() ? 1 : 0);
+  if (held() - replaced + grant.spares.size() > max_spares_) return;  // the descriptor budget is spent
   Entry* e = slot(sandbox_ref, grant.port, now_ms);
   if (e == nullptr) return;
   Route r;
@@ -178,6 +205,7 @@ void RouteCache::grant(std::string_view sandbox_ref, RouteGrant grant, uint64_t 
   r.expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
   r.spares = std::move(grant.spares);
   spares_held_ += r.spares.size();
+  keep_namespace(r, grant.netns);
   e->route = std::move(r);
 }
 
@@ -202,7 +230,8 @@ void RouteCache::refill(std::string_view sandbox_ref, RouteGrant grant, uint64_t
   r->connect_port = grant.connect_port;
   r->opened_at = grant.opened_at;
   r->expires_ms = now_ms + std::min(grant.cache_ms, kMaxRouteMs);
-  if (spares_held_ + grant.spares.size() > max_spares_) return;  // over budget: they are closed
+  keep_namespace(*r, grant.netns);  // an open from a node without it, refilled by one with it
+  if (held() + grant.spares.size() > max_spares_) return;  // over budget: they are closed
   r->refilled_ms = now_ms;
   spares_held_ += grant.spares.size();
   std::move(grant.spares.begin(), grant.spares.end(), std::back_inserter(r->spares));
@@ -225,8 +254,14 @@ void RouteCache::stream_down() {
   floor_stamp_ = UINT64_MAX;
 }
 
-void RouteCache::node_gone() {
-  if (stream_ == Stream::kDown) stream_ = Stream::kNodeGone;
+void RouteCache::node_gone(uint64_t now_ms) {
+  if (stream_ != Stream::kDown) return;
+  stream_ = Stream::kNodeGone;
+  // A node that is down suspends nothing and rotates no token: what was true of a live route when it went
+  // stays true until it is back. cache_ms only bounds how late the connections it let through are reported.
+  for (auto& [k, e] : entries_)
+    if (e.route && now_ms < e.route->expires_ms)
+      e.route->expires_ms = std::max(e.route->expires_ms, now_ms + hold_without_node_ms_);
 }
 
 void RouteCache::node_back() {

@@ -10,9 +10,10 @@
 //   event stream says the sandbox stopped running or got a new token (invalidate), or the operator token
 //   changed (flush). While that stream is down nothing is routed from the cache, with one exception: while
 //   the node is gone (its socket refuses connections, checked again before each such use), the routes still
-//   within their `cache_ms` keep serving with the spares they hold, since a node that is down changes
-//   nothing; the first sign of the node back stops that until the stream is back (which drops them all:
-//   events may have been missed).
+//   within their `cache_ms` when it went keep serving for up to `hold_without_node_ms` (a node that is down
+//   changes nothing: no suspend, no new token), and a route out of spares has the SocketSource make more in
+//   the namespace the node sent with them; the first sign of the node back stops that until the stream is
+//   back (which drops them all: events may have been missed).
 //
 // Ordering: an open answered before an invalidation may arrive after it (two sockets). Every answer
 // carries the node's stamp of the open, every event the stamp it happened at; an answer older than the
@@ -30,11 +31,20 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/error.h"
 #include "common/fd.h"
 #include "common/net.h"
 #include "common/token_digest.h"
 
 namespace sg {
+
+// Makes unconnected TCP sockets (non-blocking, close-on-exec) in a network namespace: the node's job,
+// done for a route cache while the node is down (proxy/socket_maker.h).
+class SocketSource {
+ public:
+  virtual ~SocketSource() = default;
+  virtual Result<std::vector<UniqueFd>> make(int netns, size_t count) = 0;
+};
 
 struct PortPolicy {
   std::string sandbox_id;
@@ -53,6 +63,7 @@ struct RouteGrant {
   std::string operator_token_sha256;  // the node's operator token ("" = none)
   uint32_t cache_ms = 0;
   std::vector<UniqueFd> spares;
+  UniqueFd netns;  // the namespace the spares live in, if the node sent it (SocketSource)
 };
 
 // What opening a sandbox port gave a connection: the node's internal/open answer, or the route cache in its
@@ -75,12 +86,14 @@ struct OpenedSocket {
   std::vector<UniqueFd> spares;
   uint32_t cache_ms = 0;
   std::string operator_token_sha256;
+  UniqueFd netns;  // the spares' network namespace, if the node sent it
 };
 
 // A connection routed from the cache.
 struct CachedOpen {
   OpenedSocket opened;
   size_t refill = 0;  // few spares left and no refill asked for yet: the caller asks the node for this many
+  size_t made_without_node = 0;  // sockets the SocketSource made for this open (the node is down)
 };
 
 class RouteCache {
@@ -148,9 +161,16 @@ class RouteCache {
   void stream_up(uint64_t stamp);
   // Broken: nothing is routed from the cache or cached. Routes are kept, for node_gone().
   void stream_down();
-  // With the stream down, the node is not accepting connections: the routes kept serve until they expire
-  // or node_back(). Ignored while the stream is up.
-  void node_gone();
+  // With the stream down, the node is not accepting connections: the routes still live serve until
+  // node_back(), for at most hold_without_node_ms from now (at least their own cache_ms). Ignored while the
+  // stream is up.
+  void node_gone(uint64_t now_ms);
+  // How a node outage is served: routes kept live up to `hold_ms` after it began (0: only their cache_ms),
+  // and `source` (none: nothing made) makes sockets for a route whose spares ran out.
+  void serve_without_node(SocketSource* source, uint64_t hold_ms) {
+    socket_source_ = source;
+    hold_without_node_ms_ = hold_ms;
+  }
   // The node accepts connections again (the stream is not back yet): no more routing from the cache.
   void node_back();
   bool stream_is_up() const { return stream_ == Stream::kUp; }
@@ -165,6 +185,7 @@ class RouteCache {
 
   size_t size() const { return entries_.size(); }
   size_t spare_count() const { return spares_held_; }
+  size_t namespace_count() const { return namespaces_held_; }
   void set_ttl_ms(uint64_t ttl_ms) { policy_ttl_ms_ = ttl_ms; }
 
  private:
@@ -178,6 +199,7 @@ class RouteCache {
     bool refill_asked = false;
     size_t refill_size = kSparesPerRefill;  // what the next refill asks for
     uint64_t refilled_ms = 0;               // when the latest refill came (0: none yet)
+    UniqueFd netns;                         // where the spares live, for socket_source_ (may be none)
   };
   struct Entry {
     PortPolicy policy;
@@ -189,6 +211,12 @@ class RouteCache {
   bool stale(const std::string& sandbox_id, uint64_t opened_at) const;
   Entry* slot(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
   void drop_route(Entry& e);
+  // Descriptors held: spares and namespaces (the budget is max_spares_).
+  size_t held() const { return spares_held_ + namespaces_held_; }
+  // Takes `netns` for `r` unless it has one or the budget is spent (then it is closed with the caller's).
+  void keep_namespace(Route& r, UniqueFd& netns);
+  // Node gone and `r` out of spares: the socket source makes some. How many.
+  size_t make_spares_without_node(Route& r);
   // The live route of `sandbox_ref`:`port` if it still belongs to `sandbox_id`.
   Route* asked_route(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port);
 
@@ -196,6 +224,9 @@ class RouteCache {
   size_t max_entries_;
   size_t max_spares_;
   size_t spares_held_ = 0;
+  size_t namespaces_held_ = 0;
+  SocketSource* socket_source_ = nullptr;
+  uint64_t hold_without_node_ms_ = 0;
   std::unordered_map<std::string, Entry> entries_;
   enum class Stream {
     kDown,      // no event stream: nothing routed or cached (the start, or a break not yet explained)

@@ -105,10 +105,12 @@ Result<OpenAnswer> parse_open_answer(int status, std::string_view body, std::vec
   if (j.contains("credential") && j["credential"].is_number_unsigned())
     o.credential = static_cast<size_t>(j["credential"].get<uint64_t>());
   o.socket = std::move(fds.front());
-  // Spares only when the answer accounts for each one (the rest were closed with `fds`).
+  // Spares only when the answer accounts for each one (the rest were closed with `fds`), their namespace last.
   uint64_t spares = j.contains("spare_sockets") && j["spare_sockets"].is_number_unsigned() ? j["spare_sockets"].get<uint64_t>() : 0;
-  if (spares > 0 && spares == fds.size() - 1) {
-    for (size_t i = 1; i < fds.size(); ++i) o.spares.push_back(std::move(fds[i]));
+  const size_t netns = get_bool(j, "netns") ? 1 : 0;
+  if (spares > 0 && spares + netns == fds.size() - 1) {
+    for (size_t i = 1; i <= spares; ++i) o.spares.push_back(std::move(fds[i]));
+    if (netns) o.netns = std::move(fds.back());
     if (j.contains("cache_ms") && j["cache_ms"].is_number_unsigned())
       o.cache_ms = static_cast<uint32_t>(std::min<uint64_t>(j["cache_ms"].get<uint64_t>(), RouteCache::kMaxRouteMs));
     get_string(j, "operator_token_sha256", &o.operator_token_sha256);
@@ -120,15 +122,20 @@ Result<RouteGrant> parse_sockets_answer(int status, std::string_view body, std::
   auto j = json::parse(body, nullptr, false);
   if (status != 200) return fail(Error::kUnavailable, "internal/sockets: " + std::to_string(status) + " " + message_of(j));
   RouteGrant g;
+  const size_t netns = j.is_object() && get_bool(j, "netns") ? 1 : 0;
   if (!j.is_object() || !get_string(j, "id", &g.sandbox_id) || !get_port(j, "port", &g.port) ||
       !get_port(j, "connect_port", &g.connect_port) || !j.contains("count") || !j["count"].is_number_unsigned() ||
-      j["count"].get<uint64_t>() != fds.size() || !j.contains("opened_at") || !j["opened_at"].is_number_unsigned())
+      j["count"].get<uint64_t>() + netns != fds.size() || !j.contains("opened_at") || !j["opened_at"].is_number_unsigned())
     return not_the_api("internal/sockets");
   g.opened_at = j["opened_at"].get<uint64_t>();
   if (j.contains("cache_ms") && j["cache_ms"].is_number_unsigned())
     g.cache_ms = static_cast<uint32_t>(std::min<uint64_t>(j["cache_ms"].get<uint64_t>(), RouteCache::kMaxRouteMs));
   get_string(j, "token_sha256", &g.token_sha256);
   get_string(j, "operator_token_sha256", &g.operator_token_sha256);
+  if (netns) {
+    g.netns = std::move(fds.back());
+    fds.pop_back();
+  }
   g.spares = std::move(fds);
   return g;
 }

@@ -359,10 +359,14 @@ void Worker::on_route_stream_end(const Failure& why) {
   // A node that is down changes nothing, so the routes kept may serve until it is back (recheck_node). The
   // stream's end can come before the dying node's listening socket is closed: each retry looks again.
   if (!node_->accepting()) {
-    routes_.node_gone();
+    const uint32_t hold_secs = shared_->snapshot()->config->proxy.routes_without_node_secs;
+    routes_.serve_without_node(socket_maker_.get(), uint64_t{hold_secs} * 1000);
+    routes_.node_gone(uv_now(&loop_));
     if (!was_gone)
-      spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve with the sockets they "
-                   "hold, every other connection gets 503, until it is back", index_);
+      spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve for up to {} s ({}), "
+                   "every other connection gets 503, until it is back",
+                   index_, hold_secs,
+                   socket_maker_ ? "the socket maker makes their sockets" : "with the spare sockets they hold");
   }
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
                  kRouteStreamRetryMs, 0);

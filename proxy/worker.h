@@ -128,6 +128,9 @@ class Worker {
   void recheck_node();
   // A connection took one of the last spares of a cached route: ask the node for more in the background.
   void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port, size_t count);
+  // Before start(): this worker's end of the socket maker (proxy/socket_maker.h), which makes sockets for
+  // routes out of spares while the node is down. Without one, such a route serves no more connections.
+  void use_socket_maker(std::unique_ptr<SocketSource> maker) { socket_maker_ = std::move(maker); }
   NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
@@ -185,6 +188,7 @@ class Worker {
   std::vector<Connection*> pump_again_;  // queued for the next turn
   std::vector<Connection*> pumping_;     // this turn's (kept to keep its capacity)
   WorkerTraffic traffic_;
+  std::unique_ptr<SocketSource> socket_maker_;  // before routes_, which points to it: outlives it
   RouteCache routes_;
   std::unique_ptr<NodeClient> node_;
   std::unique_ptr<NodeCall> route_stream_;

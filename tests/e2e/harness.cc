@@ -360,8 +360,8 @@ CommandResult Cluster::api_raw(const std::string& method, const std::string& pat
              " -w '\\n%{http_code}' http://node" + path);
 }
 
-std::string Cluster::create_private_serving(const std::string& name) {
-  auto r = cli("create --json --name " + name + " --expose 8080 -- /usr/bin/python3 " + tool("testserver.py") +
+std::string Cluster::create_private_serving(const std::string& name, const std::string& create_options) {
+  auto r = cli("create --json --name " + name + " " + create_options + " --expose 8080 -- /usr/bin/python3 " + tool("testserver.py") +
                " http 8080 " + name);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);

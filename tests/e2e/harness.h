@@ -128,7 +128,7 @@ class Cluster {
   // Creates a sandbox running tests/e2e/tools/testserver.py; returns its JSON (fails the test on error).
   nlohmann::json create_http_sandbox(const std::string& name, uint16_t port, const std::string& extra_flags = "");
   // A testserver.py sandbox whose port 8080 needs its token; returns that token once the port serves it.
-  std::string create_private_serving(const std::string& name);
+  std::string create_private_serving(const std::string& name, const std::string& create_options = "");
   nlohmann::json get(const std::string& ref);
   // Waits until the backend answers through the proxy (the server needs a moment to listen).
   void wait_until_serving(const std::string& name, uint16_t port);

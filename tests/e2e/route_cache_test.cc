@@ -122,5 +122,45 @@ TEST(RouteCache, WhileTheNodeIsDownCachedRoutesServeAndEverythingElseGets503) {
   EXPECT_EQ(Cluster::http_code(c.curl("8080-other.sandbox.localhost", "/", bearer(other))), 200);
 }
 
+// Past the spares its route holds and past its cache_ms: while the node is down, the proxy's socket maker
+// makes the route's sockets in the sandbox's network namespace (routes_without_node_secs, an hour by default).
+TEST(RouteCache, WhileTheNodeIsDownARunningSandboxTakesNewConnectionsPastItsSparesAndItsCacheMs) {
+  Cluster c(one_worker("metrics_listen = [\"127.0.0.1:0\"]\n"));
+  // A 5 s idle timeout: the node lets a proxy cache the route for less than that (route_cache_ms).
+  const std::string token = c.create_private_serving("busy", "--timeout 5");
+  ASSERT_FALSE(token.empty());
+  EXPECT_NE(c.proxy().log().find("socket maker pid"), std::string::npos) << c.proxy().log();
+  const std::string host = "8080-busy.sandbox.localhost";
+  ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+  c.stop_node(SIGKILL);
+  const auto killed = std::chrono::steady_clock::now();
+  ASSERT_TRUE(eventually([&] { return c.proxy().log().find("the node is down: routes cached") != std::string::npos; },
+                         std::chrono::seconds(5)))
+      << c.proxy().log();
+  // Each curl is a new TLS connection, so a new socket into the sandbox. A route holds at most 4 + 16 + 32
+  // spares here (an open's, then refills doubling from 16 while used up fast).
+  size_t served = 0;
+  while (served < 150 || std::chrono::steady_clock::now() - killed < std::chrono::seconds(7)) {
+    auto r = c.curl(host, "/", bearer(token));
+    ASSERT_EQ(Cluster::http_code(r), 200) << "connection " << served << "\n" << r.out << c.proxy().log();
+    ASSERT_EQ(Cluster::body(r), "hello from busy");
+    ++served;
+    ASSERT_LT(served, 1000u);
+  }
+  const std::string metrics =
+      run("curl -s http://127.0.0.1:" + std::to_string(c.metrics_port()) + "/metrics").out;
+  const std::string name = "\nsandgate_proxy_sockets_made_without_node_total ";
+  const size_t at = metrics.find(name);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  const size_t made = std::stoul(metrics.substr(at + name.size()));
+  EXPECT_GE(made, served - 4 - 16 - 32) << "the connections the spares held could not carry had sockets made";
+  // The node back: its events first, then the cache as before.
+  c.start_node();
+  EXPECT_TRUE(eventually([&] { return c.proxy().log().find("route events from sandgate-node again") != std::string::npos; },
+                         std::chrono::seconds(10)))
+      << c.proxy().log();
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);
+}
+
 }  // namespace
 }  // namespace sg::e2e

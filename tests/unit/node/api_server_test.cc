@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 #include <fcntl.h>
+#include <linux/nsfs.h>
+#include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
@@ -505,9 +508,11 @@ TEST_F(ApiServerTest, OpenHandsOverSparesAndTheVerdictForTheRouteCache) {
   Reply r = c.request("POST", "/v1/internal/open", R"({"sandbox":"demo","port":8080,"spare_sockets":3})");
   ASSERT_EQ(r.status, 200) << r.message.body;
   EXPECT_TRUE(r.fd.valid());
-  EXPECT_EQ(r.spares.size(), 3u) << "every spare travels with the answer";
+  ASSERT_EQ(r.spares.size(), 4u) << "every spare travels with the answer, and their namespace last";
+  EXPECT_EQ(::ioctl(r.spares.back().get(), NS_GET_NSTYPE), CLONE_NEWNET);
   json body = r.body();
   EXPECT_EQ(body["spare_sockets"], 3);
+  EXPECT_EQ(body["netns"], true);
   // default_timeout_secs 300: capped at the most a proxy may cache a route.
   EXPECT_EQ(body["cache_ms"], Node::kMaxRouteCacheMs);
   EXPECT_EQ(body["operator_token_sha256"], "");
@@ -531,8 +536,10 @@ TEST_F(ApiServerTest, SocketsRefillsARunningSandboxOnlyAndNeverWakesIt) {
   Reply r = c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"count":2})");
   ASSERT_EQ(r.status, 200) << r.message.body;
   EXPECT_TRUE(r.fd.valid());
-  EXPECT_EQ(r.spares.size(), 1u);
+  ASSERT_EQ(r.spares.size(), 2u) << "the second socket and, after the `count`, their namespace";
+  EXPECT_EQ(::ioctl(r.spares.back().get(), NS_GET_NSTYPE), CLONE_NEWNET);
   EXPECT_EQ(r.body()["count"], 2);
+  EXPECT_EQ(r.body()["netns"], true);
   EXPECT_GT(r.body()["opened_at"].get<uint64_t>(), 0u);
   EXPECT_EQ(r.body()["token_sha256"], node_->get("demo")->spec.token_sha256);
   expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":9999,"count":2})"), 403,

@@ -3,6 +3,8 @@
 // condition. Header-only because it is shared by several test files of one binary.
 #pragma once
 
+#include <fcntl.h>
+
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -174,6 +176,13 @@ class FakeDriver : public Driver {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return fail_errno("socket", errno);
     return GuestSocket{UniqueFd(fd), false, static_cast<uint16_t>(port + port_offset)};
+  }
+
+  // The test process's own network namespace stands for the instance's (the spares above live in it).
+  Result<UniqueFd> socket_namespace(const SandboxSpec&, const RuntimeInfo&) override {
+    UniqueFd fd(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return fail_errno("open /proc/thread-self/ns/net", errno);
+    return fd;
   }
 
   // A freezer the test holds: freeze() blocks (on the checkpoint's pool thread) until release().

@@ -1,7 +1,9 @@
 #include "proxy/route_cache.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include "common/token_digest.h"
 
@@ -139,15 +141,15 @@ TEST(RouteCache, NothingIsRoutedWithoutTheEventStream) {
 // they cannot verify still goes to the node (503 there), and the first sign of the node back ends it.
 TEST(RouteCache, RoutesKeptServeWhileTheNodeIsGoneAndStopWhenItIsBack) {
   RouteCache cache(1000, 100);
-  cache.node_gone();
+  cache.node_gone(0);
   cache.stream_up(10);
-  cache.node_gone();
+  cache.node_gone(0);
   cache.grant("demo", grant("sb-1", false, 20, 3, 500), 0);
   ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 1)) << "node_gone is ignored while the stream is up";
   cache.stream_down();
   EXPECT_FALSE(cache.serving_without_node());
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 2)) << "a break alone: not known whether the node is gone";
-  cache.node_gone();
+  cache.node_gone(0);
   EXPECT_TRUE(cache.serving_without_node());
   EXPECT_FALSE(cache.open("demo", 8080, std::vector<std::string>{"sgt_wrong"}, 3)) << "a token the route cannot verify";
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 3)) << "gone: the route serves";
@@ -158,9 +160,100 @@ TEST(RouteCache, RoutesKeptServeWhileTheNodeIsGoneAndStopWhenItIsBack) {
   EXPECT_FALSE(cache.serving_without_node());
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5)) << "the node is back: it answers, not the cache";
   cache.stream_down();
-  cache.node_gone();  // down again before its stream came back
+  cache.node_gone(0);  // down again before its stream came back
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 6)) << "the last spare";
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 7)) << "out of spares: none can be made without the node";
+}
+
+// Stands for the socket maker: counts what it is asked, makes plain sockets (or fails when told to).
+class FakeSocketSource : public SocketSource {
+ public:
+  Result<std::vector<UniqueFd>> make(int netns, size_t count) override {
+    ++calls;
+    asked = count;
+    struct stat st{};
+    netns_inode = ::fstat(netns, &st) == 0 ? st.st_ino : 0;
+    if (fail) return sg::fail(Error::kTimeout, "the socket maker did not answer");
+    return sockets(count);
+  }
+  int calls = 0;
+  size_t asked = 0;
+  ino_t netns_inode = 0;
+  bool fail = false;
+};
+
+ino_t own_netns_inode() {
+  struct stat st{};
+  return ::stat("/proc/self/ns/net", &st) == 0 ? st.st_ino : 0;
+}
+
+RouteGrant grant_with_namespace(std::string id, uint64_t opened_at, size_t spares, uint32_t cache_ms) {
+  RouteGrant g = grant(std::move(id), false, opened_at, spares, cache_ms);
+  g.netns = UniqueFd(::open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
+  return g;
+}
+
+// issue 12: the proxy keeps serving running sandboxes while the node is down. A node that is down changes
+// nothing, so a route live when it went serves for hold_without_node_ms, and one out of spares has the
+// socket source make more in the namespace the node sent: for a connection it lets through only.
+TEST(RouteCache, WhileTheNodeIsGoneARouteOutOfSparesGetsSocketsMadeInItsNamespaceAndOutlivesItsCacheMs) {
+  FakeSocketSource maker;
+  RouteCache cache(1000, 100);
+  cache.serve_without_node(&maker, 60'000);
+  cache.stream_up(10);
+  cache.grant("demo", grant_with_namespace("sb-1", 20, 1, 500), 0);
+  cache.grant("late", grant_with_namespace("sb-2", 20, 1, 500), 0);
+  EXPECT_EQ(cache.namespace_count(), 2u);
+  ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 1)) << "its one spare";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 2)) << "node up: out of spares means an open, not the maker";
+  EXPECT_EQ(maker.calls, 0);
+
+  cache.stream_down();
+  cache.node_gone(100);
+  EXPECT_FALSE(cache.open("demo", 8080, std::vector<std::string>{"sgt_wrong"}, 101)) << "a wrong token";
+  EXPECT_FALSE(cache.open("demo", 8080, {}, 101)) << "or none";
+  EXPECT_EQ(maker.calls, 0) << "makes nothing";
+  auto hit = cache.open("demo", 8080, kOwnToken, 5'000);
+  ASSERT_TRUE(hit) << "past its cache_ms (500), out of spares: made";
+  EXPECT_EQ(maker.calls, 1);
+  EXPECT_EQ(maker.asked, RouteCache::kSparesPerRefill);
+  EXPECT_EQ(maker.netns_inode, own_netns_inode()) << "in the namespace the node sent";
+  EXPECT_EQ(hit->refill, 0u) << "no refill is asked of a node that is gone";
+  EXPECT_EQ(hit->made_without_node, RouteCache::kSparesPerRefill) << "counted by the caller";
+  EXPECT_EQ(cache.spare_count(), RouteCache::kSparesPerRefill - 1 + 1) << "the rest, and late's one";
+  for (size_t i = 1; i < RouteCache::kSparesPerRefill; ++i) ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 6'000));
+  EXPECT_EQ(maker.calls, 1) << "one call per kSparesPerRefill connections";
+  ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 60'099));
+  EXPECT_EQ(maker.calls, 2);
+  EXPECT_TRUE(cache.open("late", 8080, kOwnToken, 60'099));
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 60'100)) << "held for 60 s from the outage's start, no longer";
+  cache.sweep(60'100);
+  EXPECT_EQ(cache.namespace_count(), 0u) << "expired routes close their namespaces";
+}
+
+TEST(RouteCache, WithoutTheNodeNothingIsMadeForAnExpiredRouteARouteWithoutANamespaceOrAfterAFailure) {
+  FakeSocketSource maker;
+  RouteCache cache(1000, 100, /*max_spares=*/6);
+  cache.serve_without_node(&maker, 60'000);
+  cache.stream_up(10);
+  cache.grant("expired", grant_with_namespace("sb-1", 20, 1, 500), 0);
+  cache.grant("plain", grant("sb-2", false, 20, 1, 5'000), 0);
+  cache.grant("failing", grant_with_namespace("sb-3", 20, 1, 5'000), 0);
+  EXPECT_EQ(cache.spare_count() + cache.namespace_count(), 5u);
+  cache.stream_down();
+  cache.node_gone(600);
+  EXPECT_FALSE(cache.open("expired", 8080, kOwnToken, 601)) << "expired before the node went: not revived";
+  ASSERT_TRUE(cache.open("plain", 8080, kOwnToken, 601));
+  EXPECT_FALSE(cache.open("plain", 8080, kOwnToken, 602)) << "no namespace from its node: its spares only";
+  EXPECT_EQ(maker.calls, 0);
+  ASSERT_TRUE(cache.open("failing", 8080, kOwnToken, 602));
+  maker.fail = true;
+  EXPECT_FALSE(cache.open("failing", 8080, kOwnToken, 603)) << "the maker failed: the node's answer (503)";
+  EXPECT_EQ(maker.calls, 1);
+  maker.fail = false;
+  auto hit = cache.open("failing", 8080, kOwnToken, 604);
+  ASSERT_TRUE(hit);
+  EXPECT_EQ(maker.asked, 5u) << "within the descriptor budget (6), which its namespace shares";
 }
 
 TEST(RouteCache, ChangedPortsDropTheSandboxsPoliciesTooAndStillWinOverOlderOpens) {

@@ -90,6 +90,32 @@ TEST(UnixNodeClient, AnOpenAnswerCarriesSparesForTheRouteCache) {
   EXPECT_EQ(mismatch->opened.cache_ms, 0u);
 }
 
+TEST(UnixNodeClient, TheSparesNamespaceComesLastWhenTheAnswerSaysSo) {
+  constexpr std::string_view kOpen =
+      R"({"id":"sb-1","port":8080,"protocol":"http1","connect_port":8080,"opened_at":42,"token_sha256":"abc",)"
+      R"("spare_sockets":2,"cache_ms":1000,"operator_token_sha256":"","netns":true})";
+  std::vector<UniqueFd> passed = fds(4);
+  const int last = passed.back().get();
+  auto a = parse_open_answer(200, kOpen, std::move(passed));
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_EQ(a->opened.spares.size(), 2u);
+  EXPECT_EQ(a->opened.netns.get(), last);
+  auto unaccounted = parse_open_answer(200, kOpen, fds(3));
+  ASSERT_TRUE(unaccounted);
+  EXPECT_TRUE(unaccounted->opened.spares.empty()) << "one descriptor short: neither spares nor namespace";
+  EXPECT_FALSE(unaccounted->opened.netns.valid());
+
+  constexpr std::string_view kSockets =
+      R"({"id":"sb-1","port":8080,"count":2,"connect_port":8080,"opened_at":7,"cache_ms":1000,"netns":true})";
+  passed = fds(3);
+  const int namespace_fd = passed.back().get();
+  auto g = parse_sockets_answer(200, kSockets, std::move(passed));
+  ASSERT_TRUE(g) << g.message();
+  EXPECT_EQ(g->spares.size(), 2u);
+  EXPECT_EQ(g->netns.get(), namespace_fd);
+  EXPECT_FALSE(parse_sockets_answer(200, kSockets, fds(2))) << "count + the namespace must match the descriptors";
+}
+
 TEST(UnixNodeClient, ParsesSocketsAnswersAndRouteEvents) {
   auto g = parse_sockets_answer(200,
                                 R"({"id":"sb-1","port":8080,"count":2,"connect_port":8080,"opened_at":7,)"

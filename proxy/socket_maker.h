@@ -1,0 +1,62 @@
+// The socket maker: makes sockets in a sandbox's network namespace for a route cache while sandgate-node is
+// down, so a running sandbox keeps taking new connections through a node outage beyond the spares its route
+// held (proxy/route_cache.h). Entering a network namespace takes CAP_SYS_ADMIN, which the proxy gives up
+// with root; the maker is the one process beside it that keeps it.
+//
+// The proxy starts it as root, before it drops root, by running its own binary again
+// (`sandgate-proxy --socket-maker ...`): a new process image, so none of the proxy's memory (its private
+// keys, session ticket keys, tokens) is in it. The maker then
+//   - closes every descriptor but one SOCK_SEQPACKET socket per worker, and dies with the proxy
+//     (PR_SET_PDEATHSIG; it also exits once every worker's end is closed);
+//   - keeps CAP_SYS_ADMIN alone (bounding set, permitted and effective; none inheritable or ambient), switches
+//     to proxy.user's uid and gid (no supplementary groups), and sets no_new_privs.
+// A request is {version, count} with one descriptor attached: a network namespace (NS_GET_NSTYPE says so,
+// else refused). The maker enters it, makes `count` (1..kMaxSpareSockets) unconnected AF_INET stream
+// sockets, returns to its own namespace and sends them back: {0 or an errno, count} with the sockets. A
+// proxy can get nothing this way that it could not get without it: the namespace descriptors it may hold are
+// those the node sent it with spares (sockets in them), its own, and those of processes it could ptrace.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fd.h"
+#include "proxy/route_cache.h"
+
+namespace sg {
+
+// One worker's end: make() is synchronous (one round trip to a process that only makes sockets, ~0.1 ms
+// for 16), and only runs while the node is down. An answer later than kAnswerTimeoutMs (a stopped maker)
+// ends this end for good: a late answer must never be read as the next request's.
+class SocketMakerClient final : public SocketSource {
+ public:
+  static constexpr int kAnswerTimeoutMs = 1000;
+  explicit SocketMakerClient(UniqueFd end) : end_(std::move(end)) {}
+  Result<std::vector<UniqueFd>> make(int netns, size_t count) override;
+
+ private:
+  Failure give_up(Failure why);  // closes end_, logs once
+  UniqueFd end_;
+};
+
+struct SocketMaker {
+  pid_t pid = -1;
+  std::vector<std::unique_ptr<SocketMakerClient>> clients;  // one per worker
+};
+
+// Starts the maker for `workers` workers as `uid`:`gid` (the process's own when not switching), and checks
+// it answers (sockets in the proxy's own namespace). Needs root; kPermissionDenied otherwise. `executable`:
+// the sandgate-proxy binary to run (a test's is not the one running).
+Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid,
+                                       const std::string& executable = "/proc/self/exe");
+
+// `sandgate-proxy --socket-maker UID GID PARENT_PID FD...`: the maker's main (argv as main's). Returns its
+// exit status.
+int socket_maker_main(int argc, char** argv);
+inline constexpr const char* kSocketMakerFlag = "--socket-maker";
+
+}  // namespace sg
