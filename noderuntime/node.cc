@@ -14,6 +14,7 @@
 #include "common/failpoint.h"
 #include "common/operator_token.h"
 #include "common/token_digest.h"
+#include "common/vouched_netns.h"
 #include "noderuntime/names.h"
 #include "noderuntime/port_exposure.h"
 #include "noderuntime/state_machine.h"
@@ -59,6 +60,7 @@ Node::Node(uv_loop_t* loop, const ConfigHolder* config, std::vector<std::unique_
       config_(config),
       drivers_(std::move(drivers)),
       store_(std::move(store)),
+      vouchers_(vouched_netns_dir(config->get()->node_socket)),
       idle_(loop, [this](const std::string& id) { on_idle(id); }),
       reports_(loop, [this] { return report_ttl(); },
                [this](const std::string& id, uint64_t before, uint64_t total) {
@@ -962,6 +964,9 @@ void Node::on_idle(const std::string& id) {
 // ---- route caches of the proxies ----
 
 void Node::publish(const Sandbox* sb, std::string reason) {
+  // Whatever the event says (stopped running, a new token, gone), the proxy's socket maker may no longer
+  // enter the sandbox's namespace; the next spares vouch for it again.
+  if (sb) vouchers_.revoke(sb->id());
   route_events_.publish(sb ? sb->id() : std::string(), sb ? sb->rec.spec.name : std::string(), std::move(reason));
 }
 
@@ -983,8 +988,15 @@ Result<SpareSockets> Node::spare_sockets(std::string_view id, uint16_t port, siz
   spares.opened_at = route_events_.stamp();
   spares.cache_ms = route_cache_ms(sb->id());
   spares.token_sha256 = sb->rec.spec.token_sha256;
-  // Optional: without it the proxy serves a node outage with the spares it holds only.
-  if (auto netns = driver(*sb).socket_namespace(sb->rec.spec, sb->rec.runtime)) spares.netns = std::move(*netns);
+  // Optional: without it the proxy serves a node outage with the spares it holds only. Vouched for first:
+  // its socket maker enters no namespace the node did not mark.
+  if (auto netns = driver(*sb).socket_namespace(sb->rec.spec, sb->rec.runtime)) {
+    if (Status vouched = vouchers_.vouch(sb->id(), netns->get()))
+      spares.netns = std::move(*netns);
+    else
+      spdlog::warn("sandbox {}: its network namespace goes to the proxy unvouched for, so not at all: {}", sb->id(),
+                   vouched.message());
+  }
   return spares;
 }
 

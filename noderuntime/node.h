@@ -50,6 +50,7 @@
 #include "noderuntime/idle_clocks.h"
 #include "noderuntime/image_users.h"
 #include "noderuntime/node_metrics.h"
+#include "noderuntime/netns_vouchers.h"
 #include "noderuntime/port_exposure.h"
 #include "noderuntime/route_events.h"
 #include "noderuntime/sandbox.h"
@@ -371,6 +372,7 @@ class Node {
   NodeMetrics metrics_;
   SandboxRegistry registry_;
   RouteEvents route_events_;
+  NetnsVouchers vouchers_;  // the namespaces sent with spares, for the proxy's socket maker
   IdleClocks idle_;
   ConnectionReports reports_;
   WakeWaiters waiters_;

@@ -20,6 +20,7 @@
 #include "common/operator_token.h"
 #include "config/config.h"
 #include "common/service_notify.h"
+#include "common/vouched_netns.h"
 #include "proxy/fd_limits.h"
 #include "proxy/listener_handover.h"
 #include "proxy/metrics_server.h"
@@ -216,7 +217,9 @@ void start_socket_maker(Proxy& proxy, const sg::Config& cfg) {
     uid = who->uid;
     gid = who->gid;
   }
-  auto maker = sg::start_socket_maker(proxy.workers.size(), uid, gid);
+  const std::string vouched = sg::vouched_netns_dir(cfg.node_socket);
+  if (vouched.empty()) return spdlog::info("no socket maker (node_socket is not a unix socket): {}", without);
+  auto maker = sg::start_socket_maker(proxy.workers.size(), uid, gid, vouched);
   if (!maker) return spdlog::warn("{}: {}", maker.message(), without);
   for (size_t i = 0; i < proxy.workers.size(); ++i) proxy.workers[i]->use_socket_maker(std::move(maker->clients[i]));
   spdlog::info("socket maker pid {} (uid {}, CAP_SYS_ADMIN alone): makes sockets for cached routes while "

@@ -74,6 +74,10 @@ std::string ProxyMetrics::render(uint32_t open_connections, uint32_t max_connect
   m.family("sandgate_proxy_sockets_made_without_node_total", "counter",
            "Sockets the socket maker made in sandboxes' network namespaces for cached routes while the node was down.");
   m.sample("sandgate_proxy_sockets_made_without_node_total", {}, made_without_node_.value());
+  m.family("sandgate_proxy_route_cache_dormant_routes", "gauge",
+           "Cached routes past their cache_ms kept, with their sandbox's network namespace, for a node outage.");
+  m.sample("sandgate_proxy_route_cache_dormant_routes", {},
+           static_cast<uint64_t>(std::max<int64_t>(dormant_routes_.load(std::memory_order_relaxed), 0)));
   return m.text();
 }
 

@@ -38,6 +38,8 @@ class ProxyMetrics {
   void route_cache(bool hit) { (hit ? route_hits_ : route_misses_).add(); }
   // The socket maker made `n` sockets for a cached route while the node was down.
   void sockets_made_without_node(size_t n) { made_without_node_.add(n); }
+  // Routes kept dormant for a node outage (route_cache.h), as each worker's count changes.
+  void dormant_routes(int64_t delta) { dormant_routes_.fetch_add(delta, std::memory_order_relaxed); }
   // A connection's TLS 1.3 records left OpenSSL for the proxy's own record layer (its SSL freed).
   void tls_own_records() { own_records_.add(); }
   // A connection took forwarding memory it keeps between bursts (+1), or gave it back or ended (-1).
@@ -55,6 +57,7 @@ class ProxyMetrics {
   Counter bytes_in_, bytes_out_, wakes_, own_records_, route_hits_, route_misses_, full_handshakes_, resumed_handshakes_;
   Counter made_without_node_;
   std::atomic<int64_t> holding_buffers_{0};
+  std::atomic<int64_t> dormant_routes_{0};
   Histogram handshake_ = make_handshake_histogram();
   Histogram wake_ = make_wake_histogram();
 };

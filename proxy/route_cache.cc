@@ -19,8 +19,27 @@ void RouteCache::drop_route(Entry& e) {
   if (e.route) {
     spares_held_ -= e.route->spares.size();
     namespaces_held_ -= e.route->netns.valid() ? 1 : 0;
+    dormant_routes_ -= e.route->state == RouteState::kDormant ? 1 : 0;
   }
   e.route.reset();
+}
+
+bool RouteCache::serves(const Route& r, uint64_t now_ms) const {
+  if (stream_ == Stream::kNodeGone && outage_since_ms_ && !outage_ended_)
+    return now_ms < std::max(r.expires_ms, *outage_since_ms_ + hold_without_node_ms_);
+  return r.state == RouteState::kLive && now_ms < r.expires_ms;
+}
+
+void RouteCache::expire(Entry& e) {
+  Route& r = *e.route;
+  if (r.state == RouteState::kDormant) return;
+  if (!r.netns.valid() || socket_source_ == nullptr || hold_without_node_ms_ == 0 || dormant_routes_ >= max_spares_ / 2)
+    return drop_route(e);
+  spares_held_ -= r.spares.size();
+  r.spares.clear();
+  r.refill_asked = false;
+  r.state = RouteState::kDormant;
+  ++dormant_routes_;
 }
 
 void RouteCache::keep_namespace(Route& r, UniqueFd& netns) {
@@ -42,9 +61,10 @@ std::optional<PortPolicy> RouteCache::find(std::string_view sandbox_ref, uint16_
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end()) return std::nullopt;
   Entry& e = it->second;
-  if (e.route && now_ms >= e.route->expires_ms) drop_route(e);
-  if (now_ms >= e.policy_expires_ms && !e.route) {
-    entries_.erase(it);
+  if (e.route && !serves(*e.route, now_ms)) expire(e);
+  // A route that serves vouches for the policy (the events keep both); a dormant one does not.
+  if (now_ms >= e.policy_expires_ms && !(e.route && serves(*e.route, now_ms))) {
+    if (!e.route) entries_.erase(it);
     return std::nullopt;
   }
   return e.policy;
@@ -57,6 +77,7 @@ RouteCache::Entry* RouteCache::slot(std::string_view sandbox_ref, uint16_t port,
     entries_.clear();
     spares_held_ = 0;
     namespaces_held_ = 0;
+    dormant_routes_ = 0;
   }
   Entry& e = entries_[std::move(k)];
   e.policy_expires_ms = now_ms + policy_ttl_ms_;
@@ -95,7 +116,7 @@ void RouteCache::erase_sandbox(std::string_view sandbox_id) {
 bool RouteCache::has_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) const {
   if (stream_ == Stream::kDown) return false;
   auto it = entries_.find(key(sandbox_ref, port));
-  return it != entries_.end() && it->second.route && now_ms < it->second.route->expires_ms;
+  return it != entries_.end() && it->second.route && serves(*it->second.route, now_ms);
 }
 
 void RouteCache::mark_awake(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
@@ -107,7 +128,7 @@ bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end()) return false;
   const Entry& e = it->second;
-  return now_ms < e.awake_until_ms || (stream_ != Stream::kDown && e.route && now_ms < e.route->expires_ms);
+  return now_ms < e.awake_until_ms || (stream_ != Stream::kDown && e.route && serves(*e.route, now_ms));
 }
 
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
@@ -117,8 +138,8 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   if (it == entries_.end() || !it->second.route) return std::nullopt;
   Entry& e = it->second;
   Route& r = *e.route;
-  if (now_ms >= r.expires_ms) {
-    drop_route(e);
+  if (!serves(r, now_ms)) {  // past its cache_ms, or dormant while the node answers
+    expire(e);
     return std::nullopt;
   }
   const bool can_make = stream_ == Stream::kNodeGone && socket_source_ != nullptr && r.netns.valid();
@@ -220,6 +241,10 @@ void RouteCache::refill(std::string_view sandbox_ref, RouteGrant grant, uint64_t
   Route* r = asked_route(sandbox_ref, grant.sandbox_id, grant.port);
   if (r == nullptr) return;  // dropped meanwhile: the spares are closed with `grant`
   r->refill_asked = false;
+  if (r->state == RouteState::kDormant) {  // asked before it expired: the node's answer makes it live again
+    r->state = RouteState::kLive;
+    --dormant_routes_;
+  }
   // A new digest means the route changed under us (the token was rotated): the stream's invalidation is on
   // its way; keep nothing until a full open.
   if (r->token_sha256 != grant.token_sha256 || grant.cache_ms == 0) {
@@ -247,9 +272,12 @@ void RouteCache::stream_up(uint64_t stamp) {
   stream_ = Stream::kUp;
   floor_stamp_ = stamp;
   invalidated_at_.clear();
+  outage_since_ms_.reset();
+  outage_ended_ = false;
 }
 
-void RouteCache::stream_down() {
+void RouteCache::stream_down(uint64_t now_ms) {
+  if (stream_ == Stream::kUp) stream_down_ms_ = now_ms;
   stream_ = Stream::kDown;
   floor_stamp_ = UINT64_MAX;
 }
@@ -257,15 +285,17 @@ void RouteCache::stream_down() {
 void RouteCache::node_gone(uint64_t now_ms) {
   if (stream_ != Stream::kDown) return;
   stream_ = Stream::kNodeGone;
-  // A node that is down suspends nothing and rotates no token: what was true of a live route when it went
-  // stays true until it is back. cache_ms only bounds how late the connections it let through are reported.
-  for (auto& [k, e] : entries_)
-    if (e.route && now_ms < e.route->expires_ms)
-      e.route->expires_ms = std::max(e.route->expires_ms, now_ms + hold_without_node_ms_);
+  // A node that is down suspends nothing and rotates no token: what the stream said of a route until the
+  // node went stays true until it is back. cache_ms only bounds how late the connections it let through are
+  // reported. The hold counts from the first call: the stream's retries call again every second.
+  if (!outage_since_ms_ && !outage_ended_ && now_ms - stream_down_ms_ <= kNodeGoneAfterStreamMs)
+    outage_since_ms_ = now_ms;
 }
 
 void RouteCache::node_back() {
-  if (stream_ == Stream::kNodeGone) stream_ = Stream::kDown;
+  if (stream_ != Stream::kNodeGone) return;
+  stream_ = Stream::kDown;
+  outage_ended_ = true;  // until the stream is up again: the node may have changed things meanwhile
 }
 
 void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {
@@ -301,7 +331,7 @@ void RouteCache::flush(uint64_t stamp) {
 void RouteCache::sweep(uint64_t now_ms) {
   for (auto it = entries_.begin(); it != entries_.end();) {
     Entry& e = it->second;
-    if (e.route && now_ms >= e.route->expires_ms) drop_route(e);
+    if (e.route && !serves(*e.route, now_ms)) expire(e);
     it = !e.route && now_ms >= e.policy_expires_ms ? entries_.erase(it) : std::next(it);
   }
 }

@@ -14,6 +14,10 @@
 //   changes nothing: no suspend, no new token), and a route out of spares has the SocketSource make more in
 //   the namespace the node sent with them; the first sign of the node back stops that until the stream is
 //   back (which drops them all: events may have been missed).
+// - past its `cache_ms`, a route with such a namespace is kept dormant (its spares closed, its namespace and
+//   digests kept) instead of dropped: it routes nothing while the node is up, but the events still drop it
+//   when its sandbox stops running, so when the node goes down it is known to run and serves like the rest.
+//   At most half the descriptor budget is dormant; the rest is dropped at expiry as before.
 //
 // Ordering: an open answered before an invalidation may arrive after it (two sockets). Every answer
 // carries the node's stamp of the open, every event the stamp it happened at; an answer older than the
@@ -160,18 +164,22 @@ class RouteCache {
   // kept from before the stream broke are dropped: what happened meanwhile is not known.
   void stream_up(uint64_t stamp);
   // Broken: nothing is routed from the cache or cached. Routes are kept, for node_gone().
-  void stream_down();
-  // With the stream down, the node is not accepting connections: the routes still live serve until
-  // node_back(), for at most hold_without_node_ms from now (at least their own cache_ms). Ignored while the
-  // stream is up.
+  void stream_down(uint64_t now_ms);
+  // With the stream down, the node is not accepting connections: the live routes serve out their cache_ms
+  // until node_back(). If the stream ended with the node (within kNodeGoneAfterStreamMs) and the node has not
+  // been back since the stream was last up, this is an outage the stream saw everything before: every route,
+  // dormant ones too, serves until hold_without_node_ms after the first such call (at least its cache_ms).
+  // Ignored while the stream is up.
   void node_gone(uint64_t now_ms);
+  static constexpr uint64_t kNodeGoneAfterStreamMs = 5'000;
   // How a node outage is served: routes kept live up to `hold_ms` after it began (0: only their cache_ms),
   // and `source` (none: nothing made) makes sockets for a route whose spares ran out.
   void serve_without_node(SocketSource* source, uint64_t hold_ms) {
     socket_source_ = source;
     hold_without_node_ms_ = hold_ms;
   }
-  // The node accepts connections again (the stream is not back yet): no more routing from the cache.
+  // The node accepts connections again (the stream is not back yet): no more routing from the cache, and
+  // the outage's hold ends for good (the node may change what the routes say before the stream is back).
   void node_back();
   bool stream_is_up() const { return stream_ == Stream::kUp; }
   bool serving_without_node() const { return stream_ == Stream::kNodeGone; }
@@ -180,16 +188,23 @@ class RouteCache {
   void forget(std::string_view sandbox_id, uint64_t stamp);
   void flush(uint64_t stamp);
 
-  // Closes the spares of expired routes (each holds a sandbox's network namespace alive).
+  // Closes the spares of expired routes (each holds a sandbox's network namespace alive); those with a
+  // namespace go dormant (expire), within the limit.
   void sweep(uint64_t now_ms);
 
   size_t size() const { return entries_.size(); }
   size_t spare_count() const { return spares_held_; }
   size_t namespace_count() const { return namespaces_held_; }
+  size_t dormant_count() const { return dormant_routes_; }
   void set_ttl_ms(uint64_t ttl_ms) { policy_ttl_ms_ = ttl_ms; }
 
  private:
+  enum class RouteState : uint8_t {
+    kLive,     // routes connections until expires_ms
+    kDormant,  // past expires_ms, no spares: kept only for a node outage (node_gone)
+  };
   struct Route {
+    RouteState state = RouteState::kLive;
     std::string token_sha256;
     std::string operator_token_sha256;
     uint16_t connect_port = 0;
@@ -211,6 +226,10 @@ class RouteCache {
   bool stale(const std::string& sandbox_id, uint64_t opened_at) const;
   Entry* slot(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
   void drop_route(Entry& e);
+  // `e`'s live route reached expires_ms: dormant if it may be, else dropped.
+  void expire(Entry& e);
+  // Whether `r` routes connections now: live within its cache_ms, or anything within an outage's hold.
+  bool serves(const Route& r, uint64_t now_ms) const;
   // Descriptors held: spares and namespaces (the budget is max_spares_).
   size_t held() const { return spares_held_ + namespaces_held_; }
   // Takes `netns` for `r` unless it has one or the budget is spent (then it is closed with the caller's).
@@ -225,6 +244,11 @@ class RouteCache {
   size_t max_spares_;
   size_t spares_held_ = 0;
   size_t namespaces_held_ = 0;
+  size_t dormant_routes_ = 0;
+  uint64_t stream_down_ms_ = 0;  // when the stream last went from up to down
+  // The outage node_gone() describes: since when (nullopt: none), and whether node_back() ended it.
+  std::optional<uint64_t> outage_since_ms_;
+  bool outage_ended_ = false;
   SocketSource* socket_source_ = nullptr;
   uint64_t hold_without_node_ms_ = 0;
   std::unordered_map<std::string, Entry> entries_;

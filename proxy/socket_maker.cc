@@ -3,12 +3,10 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/capability.h>
-#include <linux/nsfs.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -22,10 +20,9 @@
 #include <cstring>
 #include <string>
 
-#include "common/net.h"
 #include "common/log.h"
-
-extern char** environ;
+#include "common/net.h"
+#include "common/vouched_netns.h"
 
 namespace sg {
 namespace {
@@ -60,10 +57,11 @@ bool parse_number(const char* text, unsigned long max, unsigned long* out) {
 void close_all_but(const std::vector<int>& keep) {
   unsigned first = 3;
   for (int fd : keep) {
-    if (static_cast<unsigned>(fd) > first) ::close_range(first, static_cast<unsigned>(fd) - 1, 0);
+    if (static_cast<unsigned>(fd) > first && ::close_range(first, static_cast<unsigned>(fd) - 1, 0) != 0)
+      die("close_range", errno);
     first = static_cast<unsigned>(fd) + 1;
   }
-  ::close_range(first, ~0U, 0);
+  if (::close_range(first, ~0U, 0) != 0) die("close_range", errno);
 }
 
 // CAP_SYS_ADMIN alone, as uid:gid, for good.
@@ -99,20 +97,36 @@ void keep_only_sys_admin(uid_t uid, gid_t gid) {
   if (::getresuid(&ru, &eu, &su) != 0 || ru != uid || eu != uid || su != uid) die("the uid did not switch", EPERM);
 }
 
-// One request on `end`. false: the worker's end is gone (or unusable).
-bool answer_one(int end, int home) {
+// One request on `end`: exactly a Request and one descriptor; anything else is refused. false: the
+// worker's end is gone (or unusable).
+bool answer_one(int end, const std::string& vouched, int home) {
   Request request{};
-  std::vector<UniqueFd> passed;
-  bool would_block = false;
-  auto n = recv_with_fds(end, &request, sizeof request, &passed, &would_block);
-  if (!n) return false;
-  if (would_block) return true;
-  if (*n == 0) return false;  // the worker's end closed
+  iovec iov{&request, sizeof request};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 2)] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  const ssize_t n = ::recvmsg(end, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (n < 0) return errno == EAGAIN || errno == EINTR;
+  if (n == 0) return false;  // the worker's end closed
+  std::vector<UniqueFd> passed;  // closed on return, whatever the answer (the kernel closed any beyond `control`)
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      passed.emplace_back(fd);
+    }
+  }
   Answer answer{0, 0};
   std::vector<UniqueFd> made;
-  if (*n != sizeof request || request.version != kProtocolVersion || passed.size() != 1 || request.count == 0 ||
-      request.count > kMaxSpareSockets || ::ioctl(passed[0].get(), NS_GET_NSTYPE) != CLONE_NEWNET) {
+  if (n != sizeof request || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || passed.size() != 1 ||
+      request.version != kProtocolVersion || request.count == 0 || request.count > kMaxSpareSockets) {
     answer.error = EINVAL;
+  } else if (Status vouched_for = check_vouched(vouched, passed[0].get()); !vouched_for) {
+    answer.error = vouched_for.error() == Error::kInvalidArgument ? EINVAL : EPERM;
   } else if (::setns(passed[0].get(), CLONE_NEWNET) != 0) {
     answer.error = errno;
   } else {
@@ -125,6 +139,7 @@ bool answer_one(int end, int home) {
     if (::setns(home, CLONE_NEWNET) != 0) die("setns back into its own network namespace", errno);
     if (answer.error != 0) made.clear();
   }
+  passed.clear();  // before the answer: once the worker has it, the maker holds nothing of the request
   answer.count = static_cast<uint32_t>(made.size());
   std::vector<int> raw;
   for (const UniqueFd& s : made) raw.push_back(s.get());
@@ -132,7 +147,7 @@ bool answer_one(int end, int home) {
   return sent && *sent == sizeof answer;
 }
 
-int serve(std::vector<int> ends, int home) {
+int serve(std::vector<int> ends, const std::string& vouched, int home) {
   while (!ends.empty()) {
     std::vector<pollfd> polls;
     for (int fd : ends) polls.push_back(pollfd{fd, POLLIN, 0});
@@ -143,7 +158,7 @@ int serve(std::vector<int> ends, int home) {
     std::vector<int> open;
     for (const pollfd& p : polls) {
       bool keep = true;
-      if (p.revents & POLLIN) keep = answer_one(p.fd, home);
+      if (p.revents & POLLIN) keep = answer_one(p.fd, vouched, home);
       else if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) keep = false;
       if (keep) open.push_back(p.fd);
       else ::close(p.fd);
@@ -178,7 +193,12 @@ Result<std::vector<UniqueFd>> SocketMakerClient::make(int netns, size_t count) {
   auto n = recv_with_fds(end_.get(), &answer, sizeof answer, &got, &would_block);
   if (!n || would_block || *n != sizeof answer || answer.count != got.size() || got.size() > count)
     return give_up(fail(Error::kUnavailable, "the socket maker's answer is unusable"));
-  if (answer.error != 0) return fail_errno("socket maker", answer.error);
+  if (answer.error != 0) {
+    const Error code = answer.error == EPERM    ? Error::kPermissionDenied
+                       : answer.error == EINVAL ? Error::kInvalidArgument
+                                                : Error::kIo;
+    return fail(code, std::string("socket maker: ") + std::strerror(answer.error));
+  }
   return got;
 }
 
@@ -188,7 +208,8 @@ Failure SocketMakerClient::give_up(Failure why) {
   return why;
 }
 
-Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, const std::string& executable) {
+Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, const std::string& vouched_dir,
+                                       const std::string& executable) {
   if (::geteuid() != 0) return fail(Error::kPermissionDenied, "the socket maker needs root to start (it keeps CAP_SYS_ADMIN)");
   SocketMaker maker;
   std::vector<UniqueFd> theirs;
@@ -199,7 +220,7 @@ Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, con
     theirs.emplace_back(pair[1]);
   }
   std::vector<std::string> args = {"sandgate-proxy", kSocketMakerFlag, std::to_string(uid), std::to_string(gid),
-                                   std::to_string(::getpid())};
+                                   std::to_string(::getpid()), vouched_dir};
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   for (const UniqueFd& fd : theirs) {
@@ -211,18 +232,20 @@ Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, con
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   pid_t pid = -1;
-  const int spawned = ::posix_spawn(&pid, executable.c_str(), &actions, nullptr, argv.data(), environ);
+  char* no_environment[] = {nullptr};  // nothing of the proxy's it needs
+  const int spawned = ::posix_spawn(&pid, executable.c_str(), &actions, nullptr, argv.data(), no_environment);
   posix_spawn_file_actions_destroy(&actions);
   if (spawned != 0) return fail_errno("start the socket maker", spawned);
   maker.pid = pid;
   theirs.clear();  // the maker holds them now: its end of a worker's pair closes only when it exits
-  // Each end answers, from a maker that dropped what it should (it exits otherwise): sockets in our own
-  // namespace.
+  // Each end answers, from a maker that dropped what it should (it exits before serving otherwise): it
+  // refuses our own namespace, which no node vouches for.
   UniqueFd own(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
   Status checked = own.valid() ? Status{} : Status(fail_errno("open /proc/thread-self/ns/net", errno));
   for (size_t i = 0; i < maker.clients.size() && checked; ++i) {
     auto made = maker.clients[i]->make(own.get(), 1);
-    if (!made) checked = made.failure();
+    if (made) checked = fail(Error::kInternal, "it made sockets in the proxy's own network namespace");
+    else if (made.error() != Error::kPermissionDenied) checked = made.failure();
   }
   if (!checked) {
     ::kill(pid, SIGKILL);
@@ -233,21 +256,21 @@ Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, con
 }
 
 int socket_maker_main(int argc, char** argv) {
-  // sandgate-proxy --socket-maker UID GID PARENT_PID FD...
+  // sandgate-proxy --socket-maker UID GID PARENT_PID VOUCHED_DIR FD...
   unsigned long uid, gid, parent;
-  if (argc < 6 || std::strcmp(argv[1], kSocketMakerFlag) != 0 || !parse_number(argv[2], UINT32_MAX - 1, &uid) ||
-      !parse_number(argv[3], UINT32_MAX - 1, &gid) || !parse_number(argv[4], INT32_MAX, &parent)) {
+  if (argc < 7 || std::strcmp(argv[1], kSocketMakerFlag) != 0 || !parse_number(argv[2], UINT32_MAX - 1, &uid) ||
+      !parse_number(argv[3], UINT32_MAX - 1, &gid) || !parse_number(argv[4], INT32_MAX, &parent) ||
+      argv[5][0] != '/') {
     fprintf(stderr, "sandgate-proxy --socket-maker is started by sandgate-proxy itself\n");
     return 2;
   }
+  const std::string vouched = argv[5];
   // Its life is the proxy's: a signal for the proxy's process group (a terminal's ^C, a hangup) is not its.
   ::signal(SIGINT, SIG_IGN);
   ::signal(SIGHUP, SIG_IGN);
   ::signal(SIGPIPE, SIG_IGN);
-  if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) die("PR_SET_PDEATHSIG", errno);
-  if (::getppid() != static_cast<pid_t>(parent)) return 1;  // the proxy died before the line above
   std::vector<int> ends;
-  for (int i = 5; i < argc; ++i) {
+  for (int i = 6; i < argc; ++i) {
     unsigned long fd;
     if (!parse_number(argv[i], INT32_MAX, &fd) || fd < 3) {
       fprintf(stderr, "sandgate-proxy socket maker: bad descriptor %s\n", argv[i]);
@@ -270,7 +293,11 @@ int socket_maker_main(int argc, char** argv) {
   const int home = ::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
   if (home < 0) die("open /proc/thread-self/ns/net", errno);
   keep_only_sys_admin(static_cast<uid_t>(uid), static_cast<gid_t>(gid));
-  return serve(std::move(ends), home);
+  // After the switch, which clears the parent-death signal; then the parent is checked: a proxy that died
+  // before this line made it an orphan.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) die("PR_SET_PDEATHSIG", errno);
+  if (::getppid() != static_cast<pid_t>(parent)) return 1;
+  return serve(std::move(ends), vouched, home);
 }
 
 }  // namespace sg

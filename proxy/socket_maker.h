@@ -7,14 +7,15 @@
 // (`sandgate-proxy --socket-maker ...`): a new process image, so none of the proxy's memory (its private
 // keys, session ticket keys, tokens) is in it. The maker then
 //   - closes every descriptor but one SOCK_SEQPACKET socket per worker, and dies with the proxy
-//     (PR_SET_PDEATHSIG; it also exits once every worker's end is closed);
+//     (PR_SET_PDEATHSIG, set after the uid switch that clears it; it also exits once every worker's end is
+//     closed); its environment is empty;
 //   - keeps CAP_SYS_ADMIN alone (bounding set, permitted and effective; none inheritable or ambient), switches
 //     to proxy.user's uid and gid (no supplementary groups), and sets no_new_privs.
-// A request is {version, count} with one descriptor attached: a network namespace (NS_GET_NSTYPE says so,
-// else refused). The maker enters it, makes `count` (1..kMaxSpareSockets) unconnected AF_INET stream
-// sockets, returns to its own namespace and sends them back: {0 or an errno, count} with the sockets. A
-// proxy can get nothing this way that it could not get without it: the namespace descriptors it may hold are
-// those the node sent it with spares (sockets in them), its own, and those of processes it could ptrace.
+// A request is {version, count} with one descriptor attached: a network namespace that sandgate-node
+// vouches for (common/vouched_netns.h; else EPERM). The maker enters it, makes `count` (1..kMaxSpareSockets)
+// unconnected AF_INET stream sockets, returns to its own namespace and sends them back: {0 or an errno,
+// count} with the sockets. A proxy gets nothing this way it could not get without it: sockets in the
+// namespaces of running sandboxes, whose spares the node sent it.
 #pragma once
 
 #include <sys/types.h>
@@ -48,10 +49,11 @@ struct SocketMaker {
   std::vector<std::unique_ptr<SocketMakerClient>> clients;  // one per worker
 };
 
-// Starts the maker for `workers` workers as `uid`:`gid` (the process's own when not switching), and checks
-// it answers (sockets in the proxy's own namespace). Needs root; kPermissionDenied otherwise. `executable`:
-// the sandgate-proxy binary to run (a test's is not the one running).
-Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid,
+// Starts the maker for `workers` workers as `uid`:`gid` (the process's own when not switching), entering
+// only namespaces vouched for in `vouched_dir` (common/vouched_netns.h), and checks that each end answers.
+// Needs root; kPermissionDenied otherwise. `executable`: the sandgate-proxy binary to run (a test's is not
+// the one running).
+Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, const std::string& vouched_dir,
                                        const std::string& executable = "/proc/self/exe");
 
 // `sandgate-proxy --socket-maker UID GID PARENT_PID FD...`: the maker's main (argv as main's). Returns its

@@ -108,7 +108,7 @@ Result<OpenAnswer> parse_open_answer(int status, std::string_view body, std::vec
   // Spares only when the answer accounts for each one (the rest were closed with `fds`), their namespace last.
   uint64_t spares = j.contains("spare_sockets") && j["spare_sockets"].is_number_unsigned() ? j["spare_sockets"].get<uint64_t>() : 0;
   const size_t netns = get_bool(j, "netns") ? 1 : 0;
-  if (spares > 0 && spares + netns == fds.size() - 1) {
+  if (spares > 0 && spares <= kMaxSpareSockets && spares + netns + 1 == fds.size()) {
     for (size_t i = 1; i <= spares; ++i) o.spares.push_back(std::move(fds[i]));
     if (netns) o.netns = std::move(fds.back());
     if (j.contains("cache_ms") && j["cache_ms"].is_number_unsigned())
@@ -125,7 +125,8 @@ Result<RouteGrant> parse_sockets_answer(int status, std::string_view body, std::
   const size_t netns = j.is_object() && get_bool(j, "netns") ? 1 : 0;
   if (!j.is_object() || !get_string(j, "id", &g.sandbox_id) || !get_port(j, "port", &g.port) ||
       !get_port(j, "connect_port", &g.connect_port) || !j.contains("count") || !j["count"].is_number_unsigned() ||
-      j["count"].get<uint64_t>() + netns != fds.size() || !j.contains("opened_at") || !j["opened_at"].is_number_unsigned())
+      j["count"].get<uint64_t>() > kMaxSpareSockets || j["count"].get<uint64_t>() + netns != fds.size() ||
+      !j.contains("opened_at") || !j["opened_at"].is_number_unsigned())
     return not_the_api("internal/sockets");
   g.opened_at = j["opened_at"].get<uint64_t>();
   if (j.contains("cache_ms") && j["cache_ms"].is_number_unsigned())

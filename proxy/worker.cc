@@ -120,7 +120,7 @@ Status Worker::bind(const std::vector<Endpoint>& listen, const std::vector<Endpo
     uv_close(reinterpret_cast<uv_handle_t*>(&self->route_stream_retry_), nullptr);
     self->route_stream_.reset();
     self->refills_.clear();
-    self->routes_.stream_down();
+    self->routes_.stream_down(uv_now(&self->loop_));
     uv_close(reinterpret_cast<uv_handle_t*>(&self->accept_pause_timer_), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->stop_async_), nullptr);
     self->report_in_flight_.reset();
@@ -296,6 +296,9 @@ void Worker::end_fd_shortage() {
 
 void Worker::report_activity() {
   routes_.sweep(uv_now(&loop_));  // each spare holds a sandbox's network namespace; expired ones go now
+  const auto dormant = static_cast<int64_t>(routes_.dormant_count());
+  shared_->metrics.dormant_routes(dormant - dormant_reported_);
+  dormant_reported_ = dormant;
   if (report_in_flight_) return;  // the node is slow; the next report carries the accumulated deltas
   std::string body = traffic_.take_report(reporter_id_);
   WorkerTraffic::Totals reported = traffic_.take_reported_totals();
@@ -335,6 +338,7 @@ void Worker::on_route_event(const RouteStreamEvent& e) {
     case RouteStreamEvent::Kind::kHello:
       if (route_stream_warned_) spdlog::info("worker {}: route events from sandgate-node again", index_);
       route_stream_warned_ = false;
+      serve_outages();  // a reload may have changed proxy.routes_without_node_secs
       routes_.stream_up(e.stamp);
       return;
     case RouteStreamEvent::Kind::kInvalidate:
@@ -351,7 +355,7 @@ void Worker::on_route_stream_end(const Failure& why) {
   // Called from inside the stream's own callback: the call object is released after it returns.
   auto ended = std::move(route_stream_);
   const bool was_gone = routes_.serving_without_node();
-  routes_.stream_down();
+  routes_.stream_down(uv_now(&loop_));
   if (!route_stream_warned_)
     spdlog::warn("worker {}: route events from sandgate-node stopped ({}); every connection asks the node until "
                  "they are back", index_, why.message);
@@ -359,17 +363,26 @@ void Worker::on_route_stream_end(const Failure& why) {
   // A node that is down changes nothing, so the routes kept may serve until it is back (recheck_node). The
   // stream's end can come before the dying node's listening socket is closed: each retry looks again.
   if (!node_->accepting()) {
-    const uint32_t hold_secs = shared_->snapshot()->config->proxy.routes_without_node_secs;
-    routes_.serve_without_node(socket_maker_.get(), uint64_t{hold_secs} * 1000);
+    serve_outages();
     routes_.node_gone(uv_now(&loop_));
     if (!was_gone)
       spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve for up to {} s ({}), "
                    "every other connection gets 503, until it is back",
-                   index_, hold_secs,
+                   index_, shared_->snapshot()->config->proxy.routes_without_node_secs,
                    socket_maker_ ? "the socket maker makes their sockets" : "with the spare sockets they hold");
   }
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
                  kRouteStreamRetryMs, 0);
+}
+
+void Worker::use_socket_maker(std::unique_ptr<SocketSource> maker) {
+  socket_maker_ = std::move(maker);
+  serve_outages();
+}
+
+void Worker::serve_outages() {
+  routes_.serve_without_node(socket_maker_.get(),
+                             uint64_t{shared_->snapshot()->config->proxy.routes_without_node_secs} * 1000);
 }
 
 void Worker::recheck_node() {

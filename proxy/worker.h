@@ -130,7 +130,7 @@ class Worker {
   void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port, size_t count);
   // Before start(): this worker's end of the socket maker (proxy/socket_maker.h), which makes sockets for
   // routes out of spares while the node is down. Without one, such a route serves no more connections.
-  void use_socket_maker(std::unique_ptr<SocketSource> maker) { socket_maker_ = std::move(maker); }
+  void use_socket_maker(std::unique_ptr<SocketSource> maker);
   NodeClient& node() { return *node_; }
   int index() const { return index_; }
   void forget(Connection* c) { connections_.erase(c); }
@@ -158,6 +158,8 @@ class Worker {
   // The node's route events keep routes_ honest; while the stream is down routes_ serves no route (but
   // those it kept, while the node is gone), and it is reconnected after kRouteStreamRetryMs.
   void watch_routes();
+  // What routes_ does for a node outage: the socket maker, proxy.routes_without_node_secs.
+  void serve_outages();
   void on_route_event(const RouteStreamEvent& e);
   void on_route_stream_end(const Failure& why);
 
@@ -190,6 +192,7 @@ class Worker {
   WorkerTraffic traffic_;
   std::unique_ptr<SocketSource> socket_maker_;  // before routes_, which points to it: outlives it
   RouteCache routes_;
+  int64_t dormant_reported_ = 0;  // routes_.dormant_count() as last added to the metrics' gauge
   std::unique_ptr<NodeClient> node_;
   std::unique_ptr<NodeCall> route_stream_;
   uv_timer_t route_stream_retry_{};

@@ -4,11 +4,14 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -59,6 +62,21 @@ class Netns {
   }
   pid_t pid_ = -1;
 };
+
+// The inode of the namespace `fd` refers to (0 if none), and of the network namespace a socket lives in
+// (SIOCGSKNS): equal when the socket was made inside it.
+inline ino_t namespace_inode(int fd) {
+  struct stat st{};
+  return ::fstat(fd, &st) == 0 ? st.st_ino : 0;
+}
+inline ino_t socket_namespace_inode(int sock) {
+  UniqueFd ns(::ioctl(sock, SIOCGSKNS));
+  return ns.valid() ? namespace_inode(ns.get()) : 0;
+}
+inline ino_t own_netns_inode() {
+  UniqueFd own(::open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
+  return namespace_inode(own.get());
+}
 
 // Runs `fn` on a thread that has entered `netns` (setns switches one thread only).
 template <typename Fn>

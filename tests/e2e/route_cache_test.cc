@@ -162,5 +162,38 @@ TEST(RouteCache, WhileTheNodeIsDownARunningSandboxTakesNewConnectionsPastItsSpar
   EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);
 }
 
+// A sandbox reached a while before the node went down (its route past cache_ms, dormant): served too, since
+// the node's events dropped nothing of it meanwhile.
+TEST(RouteCache, WhileTheNodeIsDownASandboxReachedBeforeItsLastCacheMsServesToo) {
+  Cluster c(one_worker("metrics_listen = [\"127.0.0.1:0\"]\n"));
+  // A 10 s idle timeout: the node lets a proxy cache the route for 7 s (route_cache_ms: the timeout less two
+  // report intervals and a second), so the route goes dormant 3 s before the sandbox could be suspended.
+  const std::string token = c.create_private_serving("quiet", "--timeout 10");
+  ASSERT_FALSE(token.empty());
+  const std::string host = "8080-quiet.sandbox.localhost";
+  ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+  const std::string metrics = "http://127.0.0.1:" + std::to_string(c.metrics_port()) + "/metrics";
+  ASSERT_TRUE(eventually([&] {
+    return run("curl -s " + shell_quote(metrics)).out.find("\nsandgate_proxy_route_cache_dormant_routes 1\n") !=
+           std::string::npos;
+  }, std::chrono::seconds(15)));
+  c.stop_node(SIGKILL);
+  ASSERT_TRUE(eventually([&] { return c.proxy().log().find("the node is down: routes cached") != std::string::npos; },
+                         std::chrono::seconds(5)))
+      << c.proxy().log();
+  for (int i = 0; i < 20; ++i) {
+    auto r = c.curl(host, "/", bearer(token));
+    ASSERT_EQ(Cluster::http_code(r), 200) << "connection " << i << "\n" << r.out << c.proxy().log();
+    ASSERT_EQ(Cluster::body(r), "hello from quiet");
+  }
+  auto wrong = c.curl(host, "/", "-i " + bearer("sgt_not-the-token"));
+  EXPECT_EQ(Cluster::http_code(wrong), 503) << "a credential the route cannot verify: the node's to answer";
+  c.start_node();
+  EXPECT_TRUE(eventually([&] { return c.proxy().log().find("route events from sandgate-node again") != std::string::npos; },
+                         std::chrono::seconds(10)))
+      << c.proxy().log();
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);
+}
+
 }  // namespace
 }  // namespace sg::e2e

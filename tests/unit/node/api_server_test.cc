@@ -14,6 +14,7 @@
 #include <sstream>
 #include <nlohmann/json.hpp>
 
+#include "common/vouched_netns.h"
 #include "noderuntime/image_service.h"
 #include "noderuntime/names.h"
 #include "tests/unit/snapshot/archive_builder.h"
@@ -510,6 +511,7 @@ TEST_F(ApiServerTest, OpenHandsOverSparesAndTheVerdictForTheRouteCache) {
   EXPECT_TRUE(r.fd.valid());
   ASSERT_EQ(r.spares.size(), 4u) << "every spare travels with the answer, and their namespace last";
   EXPECT_EQ(::ioctl(r.spares.back().get(), NS_GET_NSTYPE), CLONE_NEWNET);
+  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.spares.back().get())) << "vouched for the socket maker";
   json body = r.body();
   EXPECT_EQ(body["spare_sockets"], 3);
   EXPECT_EQ(body["netns"], true);
@@ -546,8 +548,11 @@ TEST_F(ApiServerTest, SocketsRefillsARunningSandboxOnlyAndNeverWakesIt) {
                "permission_denied");
   expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"credentials":[]})"),
                400, "invalid_argument");
+  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.spares.back().get()));
   c.request("POST", "/v1/sandboxes/demo/suspend");
   ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
+  EXPECT_FALSE(check_vouched(socket_path_ + ".netns", r.spares.back().get()))
+      << "suspended: the proxy's socket maker may not enter its namespace";
   expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"count":2})"), 503,
                "unavailable");
   EXPECT_EQ(node_->get("demo")->state, SandboxState::kSuspended) << "a refill never wakes";

@@ -25,6 +25,7 @@
 
 #include "noderuntime/cgroup.h"
 #include "snapshot/image_store.h"
+#include "tests/netns.h"
 #include "tests/unit/temp_dir.h"
 
 namespace sg {
@@ -742,10 +743,17 @@ TEST_F(ProcessDriverTest, ObserveTellsTheInstanceFromAReusedPid) {
   auto info = start(spec);
   ASSERT_TRUE(info.ok()) << info.message();
   EXPECT_TRUE(driver_->observe(spec, *info).alive);
+  // The namespace handed to the proxy with spares (for its socket maker) is the one its sockets live in.
+  auto sock = driver_->open_socket(spec, *info, 8080);
+  auto netns = driver_->socket_namespace(spec, *info);
+  ASSERT_TRUE(sock.ok() && netns.ok()) << netns.message();
+  EXPECT_EQ(testing::namespace_inode(netns->get()), testing::socket_namespace_inode(sock->fd.get()));
+  EXPECT_NE(testing::namespace_inode(netns->get()), testing::own_netns_inode()) << "not the node's";
   RuntimeInfo impostor = *info;
   impostor.start_time_ticks += 1;
   EXPECT_FALSE(driver_->observe(spec, impostor).alive);
   EXPECT_FALSE(driver_->open_socket(spec, impostor, 8080).ok());
+  EXPECT_FALSE(driver_->socket_namespace(spec, impostor).ok()) << "not a process that reused the pid";
   ASSERT_TRUE(terminate(spec, *info).ok());
   EXPECT_FALSE(driver_->observe(spec, *info).alive);
   EXPECT_EQ(driver_->open_socket(spec, *info, 8080).error(), Error::kUnavailable);

@@ -28,6 +28,7 @@
 #include "noderuntime/hypervisor_client.h"
 #include "noderuntime/sandbox_egress.h"
 #include "snapshot/snapshot_store.h"
+#include "tests/netns.h"
 #include "tests/unit/node/fake_hypervisor.h"
 
 namespace sg {
@@ -538,6 +539,11 @@ TEST_F(QemuDriverTest, PauseHibernateRestoreTerminate) {
   EXPECT_FALSE(sock->connected);
   EXPECT_EQ(std::to_string(sock->connect_port), info->driver_data["port:8080"]);
   EXPECT_EQ(driver().open_socket(spec_, *info, 9999).error(), Error::kUnreachable);
+  // The namespace handed to the proxy with spares (for its socket maker) is QEMU's, where its sockets live.
+  auto netns = driver().socket_namespace(spec_, *info);
+  ASSERT_TRUE(netns.ok()) << netns.message();
+  EXPECT_EQ(testing::namespace_inode(netns->get()), testing::socket_namespace_inode(sock->fd.get()));
+  EXPECT_NE(testing::namespace_inode(netns->get()), testing::own_netns_inode()) << "not the node's";
 
   ASSERT_TRUE(pause(*info).ok());
   EXPECT_TRUE(driver().observe(spec_, *info).paused);

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include "common/token_digest.h"
+#include "tests/netns.h"
 
 namespace sg {
 namespace {
@@ -127,7 +128,7 @@ TEST(RouteCache, NothingIsRoutedWithoutTheEventStream) {
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "an open from before the stream started";
   cache.grant("demo", grant("sb-1", false, 20, 2), 0);
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 1));
-  cache.stream_down();
+  cache.stream_down(0);
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 1)) << "down: nothing is routed";
   EXPECT_EQ(cache.spare_count(), 1u) << "but the route is kept, for a node that turns out to be gone";
   cache.grant("demo", grant("sb-1", false, 30, 2), 0);
@@ -146,7 +147,7 @@ TEST(RouteCache, RoutesKeptServeWhileTheNodeIsGoneAndStopWhenItIsBack) {
   cache.node_gone(0);
   cache.grant("demo", grant("sb-1", false, 20, 3, 500), 0);
   ASSERT_TRUE(cache.open("demo", 8080, kOwnToken, 1)) << "node_gone is ignored while the stream is up";
-  cache.stream_down();
+  cache.stream_down(0);
   EXPECT_FALSE(cache.serving_without_node());
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 2)) << "a break alone: not known whether the node is gone";
   cache.node_gone(0);
@@ -159,7 +160,7 @@ TEST(RouteCache, RoutesKeptServeWhileTheNodeIsGoneAndStopWhenItIsBack) {
   cache.node_back();
   EXPECT_FALSE(cache.serving_without_node());
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5)) << "the node is back: it answers, not the cache";
-  cache.stream_down();
+  cache.stream_down(0);
   cache.node_gone(0);  // down again before its stream came back
   EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 6)) << "the last spare";
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 7)) << "out of spares: none can be made without the node";
@@ -182,10 +183,16 @@ class FakeSocketSource : public SocketSource {
   bool fail = false;
 };
 
-ino_t own_netns_inode() {
-  struct stat st{};
-  return ::stat("/proc/self/ns/net", &st) == 0 ? st.st_ino : 0;
-}
+// A cache whose event stream is up, serving a node outage with a fake maker for `hold_ms`.
+struct OutageCache {
+  OutageCache(size_t max_spares, uint64_t hold_ms) : cache(1000, 100, max_spares) {
+    cache.serve_without_node(&maker, hold_ms);
+    cache.stream_up(10);
+  }
+  FakeSocketSource maker;
+  RouteCache cache;
+};
+
 
 RouteGrant grant_with_namespace(std::string id, uint64_t opened_at, size_t spares, uint32_t cache_ms) {
   RouteGrant g = grant(std::move(id), false, opened_at, spares, cache_ms);
@@ -197,10 +204,9 @@ RouteGrant grant_with_namespace(std::string id, uint64_t opened_at, size_t spare
 // nothing, so a route live when it went serves for hold_without_node_ms, and one out of spares has the
 // socket source make more in the namespace the node sent: for a connection it lets through only.
 TEST(RouteCache, WhileTheNodeIsGoneARouteOutOfSparesGetsSocketsMadeInItsNamespaceAndOutlivesItsCacheMs) {
-  FakeSocketSource maker;
-  RouteCache cache(1000, 100);
-  cache.serve_without_node(&maker, 60'000);
-  cache.stream_up(10);
+  OutageCache t(RouteCache::kDefaultMaxSpares, 60'000);
+  RouteCache& cache = t.cache;
+  FakeSocketSource& maker = t.maker;
   cache.grant("demo", grant_with_namespace("sb-1", 20, 1, 500), 0);
   cache.grant("late", grant_with_namespace("sb-2", 20, 1, 500), 0);
   EXPECT_EQ(cache.namespace_count(), 2u);
@@ -208,7 +214,7 @@ TEST(RouteCache, WhileTheNodeIsGoneARouteOutOfSparesGetsSocketsMadeInItsNamespac
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 2)) << "node up: out of spares means an open, not the maker";
   EXPECT_EQ(maker.calls, 0);
 
-  cache.stream_down();
+  cache.stream_down(0);
   cache.node_gone(100);
   EXPECT_FALSE(cache.open("demo", 8080, std::vector<std::string>{"sgt_wrong"}, 101)) << "a wrong token";
   EXPECT_FALSE(cache.open("demo", 8080, {}, 101)) << "or none";
@@ -217,7 +223,7 @@ TEST(RouteCache, WhileTheNodeIsGoneARouteOutOfSparesGetsSocketsMadeInItsNamespac
   ASSERT_TRUE(hit) << "past its cache_ms (500), out of spares: made";
   EXPECT_EQ(maker.calls, 1);
   EXPECT_EQ(maker.asked, RouteCache::kSparesPerRefill);
-  EXPECT_EQ(maker.netns_inode, own_netns_inode()) << "in the namespace the node sent";
+  EXPECT_EQ(maker.netns_inode, testing::own_netns_inode()) << "in the namespace the node sent";
   EXPECT_EQ(hit->refill, 0u) << "no refill is asked of a node that is gone";
   EXPECT_EQ(hit->made_without_node, RouteCache::kSparesPerRefill) << "counted by the caller";
   EXPECT_EQ(cache.spare_count(), RouteCache::kSparesPerRefill - 1 + 1) << "the rest, and late's one";
@@ -228,21 +234,18 @@ TEST(RouteCache, WhileTheNodeIsGoneARouteOutOfSparesGetsSocketsMadeInItsNamespac
   EXPECT_TRUE(cache.open("late", 8080, kOwnToken, 60'099));
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 60'100)) << "held for 60 s from the outage's start, no longer";
   cache.sweep(60'100);
-  EXPECT_EQ(cache.namespace_count(), 0u) << "expired routes close their namespaces";
+  EXPECT_EQ(cache.spare_count(), 0u) << "past the hold their spares are closed";
 }
 
-TEST(RouteCache, WithoutTheNodeNothingIsMadeForAnExpiredRouteARouteWithoutANamespaceOrAfterAFailure) {
-  FakeSocketSource maker;
-  RouteCache cache(1000, 100, /*max_spares=*/6);
-  cache.serve_without_node(&maker, 60'000);
-  cache.stream_up(10);
-  cache.grant("expired", grant_with_namespace("sb-1", 20, 1, 500), 0);
+TEST(RouteCache, WithoutTheNodeNothingIsMadeForARouteWithoutANamespaceOrAfterAFailure) {
+  OutageCache t(6, 60'000);
+  RouteCache& cache = t.cache;
+  FakeSocketSource& maker = t.maker;
   cache.grant("plain", grant("sb-2", false, 20, 1, 5'000), 0);
   cache.grant("failing", grant_with_namespace("sb-3", 20, 1, 5'000), 0);
-  EXPECT_EQ(cache.spare_count() + cache.namespace_count(), 5u);
-  cache.stream_down();
+  EXPECT_EQ(cache.spare_count() + cache.namespace_count(), 3u);
+  cache.stream_down(600);
   cache.node_gone(600);
-  EXPECT_FALSE(cache.open("expired", 8080, kOwnToken, 601)) << "expired before the node went: not revived";
   ASSERT_TRUE(cache.open("plain", 8080, kOwnToken, 601));
   EXPECT_FALSE(cache.open("plain", 8080, kOwnToken, 602)) << "no namespace from its node: its spares only";
   EXPECT_EQ(maker.calls, 0);
@@ -254,6 +257,107 @@ TEST(RouteCache, WithoutTheNodeNothingIsMadeForAnExpiredRouteARouteWithoutANames
   auto hit = cache.open("failing", 8080, kOwnToken, 604);
   ASSERT_TRUE(hit);
   EXPECT_EQ(maker.asked, 5u) << "within the descriptor budget (6), which its namespace shares";
+}
+
+// Past its cache_ms a route with a namespace is kept dormant: it routes nothing while the node answers (the
+// node's idle clock must see every connection), but the events keep it honest, so an outage revives it.
+TEST(RouteCache, PastItsCacheMsARouteWithANamespaceIsKeptDormantForANodeOutage) {
+  OutageCache t(8, 60'000);
+  RouteCache& cache = t.cache;
+  FakeSocketSource& maker = t.maker;
+  cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
+  cache.grant("plain", grant("sb-2", false, 20, 1, 500), 0);
+  cache.sweep(500);
+  EXPECT_EQ(cache.dormant_count(), 1u);
+  EXPECT_EQ(cache.spare_count(), 0u) << "its spares are closed; the route without a namespace is gone";
+  EXPECT_EQ(cache.namespace_count(), 1u);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 600)) << "dormant: the node answers while it is up";
+  EXPECT_FALSE(cache.has_route("demo", 8080, 600));
+  EXPECT_FALSE(cache.known_awake("demo", 8080, 600));
+  EXPECT_FALSE(cache.find("demo", 8080, 5'000)) << "nor does it keep the policy past its ttl";
+  EXPECT_EQ(maker.calls, 0);
+  cache.stream_down(20'000);
+  cache.node_gone(20'100);  // the stream ended with the node
+  auto hit = cache.open("demo", 8080, kOwnToken, 20'200);
+  ASSERT_TRUE(hit) << "the outage revives it, with sockets made in its namespace";
+  EXPECT_EQ(maker.calls, 1);
+  EXPECT_EQ(hit->made_without_node, 7u) << "the descriptor budget (8) less its namespace";
+  EXPECT_TRUE(cache.find("demo", 8080, 20'200)) << "its policy answers the ClientHello again";
+  EXPECT_FALSE(cache.open("plain", 8080, kOwnToken, 20'200));
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 80'099));
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 80'100)) << "for hold_without_node_ms from the outage";
+}
+
+TEST(RouteCache, EventsDropDormantRoutesAndAStreamThatEndedBeforeTheNodeRevivesNone) {
+  OutageCache t(12, 60'000);
+  RouteCache& cache = t.cache;
+  cache.grant("suspended", grant_with_namespace("sb-1", 20, 1, 500), 0);
+  cache.grant("kept", grant_with_namespace("sb-2", 20, 1, 500), 0);
+  cache.grant("fresh", grant_with_namespace("sb-3", 20, 1, 30'000), 0);
+  cache.sweep(600);
+  EXPECT_EQ(cache.dormant_count(), 2u);
+  cache.invalidate("sb-1", 30);
+  EXPECT_EQ(cache.dormant_count(), 1u) << "the sandbox stopped running: its dormant route goes";
+  EXPECT_EQ(cache.namespace_count(), 2u);
+  cache.stream_down(1'000);
+  cache.node_gone(1'000 + RouteCache::kNodeGoneAfterStreamMs + 1);  // the stream broke well before the node went
+  EXPECT_FALSE(cache.open("kept", 8080, kOwnToken, 7'000)) << "what the node did after the stream broke is unknown";
+  ASSERT_TRUE(cache.open("fresh", 8080, kOwnToken, 7'000)) << "a live route serves out its cache_ms";
+  EXPECT_TRUE(cache.open("fresh", 8080, kOwnToken, 29'999)) << "with sockets made";
+  EXPECT_FALSE(cache.open("fresh", 8080, kOwnToken, 30'000)) << "and no longer";
+}
+
+// The stream's retries call node_gone every second: the hold counts from the first. A node that was back
+// meanwhile (accepting, the stream not up yet) may have changed what the routes say: no hold after that.
+TEST(RouteCache, AnOutagesHoldCountsFromItsStartAndEndsWhenTheNodeWasBack) {
+  OutageCache t(RouteCache::kDefaultMaxSpares, 10'000);
+  RouteCache& cache = t.cache;
+  cache.grant("demo", grant_with_namespace("sb-1", 20, 4, 500), 0);
+  cache.stream_down(100);
+  cache.node_gone(100);
+  for (uint64_t t = 1'100; t < 9'000; t += 1'000) {  // retries, each finding the node still gone
+    cache.stream_down(t);
+    cache.node_gone(t);
+  }
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 10'099));
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 10'100)) << "10 s from the first call, not from the last";
+
+  OutageCache second(RouteCache::kDefaultMaxSpares, 10'000);
+  RouteCache& flapping = second.cache;
+  flapping.grant("demo", grant_with_namespace("sb-1", 20, 4, 500), 0);
+  flapping.stream_down(100);
+  flapping.node_gone(100);
+  flapping.node_back();  // the node accepts again; its stream is not back yet
+  flapping.stream_down(200);
+  flapping.node_gone(200);
+  EXPECT_TRUE(flapping.open("demo", 8080, kOwnToken, 499)) << "within its cache_ms, as any outage";
+  EXPECT_FALSE(flapping.open("demo", 8080, kOwnToken, 500)) << "but no hold past it";
+  flapping.stream_up(300);
+  flapping.grant("demo", grant_with_namespace("sb-1", 320, 4, 500), 1'000);
+  flapping.stream_down(1'100);
+  flapping.node_gone(1'100);
+  EXPECT_TRUE(flapping.open("demo", 8080, kOwnToken, 5'000)) << "the stream up again: the next outage holds";
+}
+
+TEST(RouteCache, AtMostHalfTheDescriptorBudgetIsDormant) {
+  OutageCache t(5, 60'000);
+  RouteCache& cache = t.cache;
+  FakeSocketSource& maker = t.maker;
+  for (const std::string ref : {"a", "b", "c"}) {
+    cache.grant(ref, grant_with_namespace("sb-" + ref, 20, 1, 500), 0);
+    ASSERT_TRUE(cache.open(ref, 8080, kOwnToken, 1)) << ref;  // its one spare: only its namespace is held
+  }
+  ASSERT_EQ(cache.namespace_count(), 3u);
+  cache.sweep(500);
+  EXPECT_EQ(cache.dormant_count(), 2u);
+  EXPECT_EQ(cache.namespace_count(), 2u) << "the third was dropped at expiry, its namespace closed";
+  RouteCache off(1000, 100, 5);
+  off.serve_without_node(&maker, 0);  // routes_without_node_secs = 0: nothing past cache_ms
+  off.stream_up(10);
+  off.grant("a", grant_with_namespace("sb-a", 20, 1, 500), 0);
+  off.sweep(500);
+  EXPECT_EQ(off.dormant_count(), 0u);
+  EXPECT_EQ(off.namespace_count(), 0u);
 }
 
 TEST(RouteCache, ChangedPortsDropTheSandboxsPoliciesTooAndStillWinOverOlderOpens) {
@@ -334,7 +438,7 @@ TEST(RouteCache, HasRouteOnlyForALiveRouteWhileTheStreamIsUp) {
   EXPECT_FALSE(cache.has_route("demo", 8080, 601));
   cache.grant("demo", grant("sb-1", false, 50, 3, 500), 700);
   ASSERT_TRUE(cache.has_route("demo", 8080, 701));
-  cache.stream_down();
+  cache.stream_down(0);
   EXPECT_FALSE(cache.has_route("demo", 8080, 701)) << "without the event stream nothing is known to run";
 }
 

@@ -114,6 +114,18 @@ TEST(UnixNodeClient, TheSparesNamespaceComesLastWhenTheAnswerSaysSo) {
   EXPECT_EQ(g->spares.size(), 2u);
   EXPECT_EQ(g->netns.get(), namespace_fd);
   EXPECT_FALSE(parse_sockets_answer(200, kSockets, fds(2))) << "count + the namespace must match the descriptors";
+  // A count that wraps around with the namespace's one: refused, not read past the descriptors.
+  EXPECT_FALSE(parse_sockets_answer(
+      200, R"({"id":"sb-1","port":8080,"count":18446744073709551615,"connect_port":8080,"opened_at":7,"netns":true})",
+      {}));
+  auto wrapped = parse_open_answer(
+      200,
+      R"({"id":"sb-1","port":8080,"protocol":"http1","connect_port":8080,"spare_sockets":18446744073709551615,)"
+      R"("cache_ms":1000,"netns":true})",
+      fds(1));
+  ASSERT_TRUE(wrapped);
+  EXPECT_TRUE(wrapped->opened.spares.empty());
+  EXPECT_FALSE(wrapped->opened.netns.valid());
 }
 
 TEST(UnixNodeClient, ParsesSocketsAnswersAndRouteEvents) {
