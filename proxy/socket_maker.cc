@@ -172,34 +172,55 @@ int serve(std::vector<int> ends, const std::string& vouched, int home) {
 
 // ---- the proxy's side ----
 
+namespace {
+
+// The maker's answer to one request on `end`: its errno (0 or why it refused) and the sockets. A failure:
+// no usable answer (the end must not be used again: a late answer would be read as the next one's).
+struct Answered {
+  int error = 0;
+  std::vector<UniqueFd> sockets;
+};
+Result<Answered> exchange(int end, int netns, size_t count) {
+  const Request request{kProtocolVersion, static_cast<uint32_t>(count)};
+  const int fds[] = {netns};
+  auto sent = send_with_fds(end, &request, sizeof request, fds);
+  if (!sent || *sent != sizeof request)
+    return fail(Error::kUnavailable, "socket maker: " + (sent ? std::string("short send") : sent.message()));
+  pollfd p{end, POLLIN, 0};
+  int ready;
+  do {
+    ready = ::poll(&p, 1, SocketMakerClient::kAnswerTimeoutMs);
+  } while (ready < 0 && errno == EINTR);
+  if (ready <= 0)
+    return fail(Error::kTimeout, "the socket maker did not answer within " +
+                                     std::to_string(SocketMakerClient::kAnswerTimeoutMs) + " ms");
+  Answer answer{};
+  Answered out;
+  bool would_block = false;
+  auto n = recv_with_fds(end, &answer, sizeof answer, &out.sockets, &would_block);
+  if (!n || would_block || *n != sizeof answer || answer.count != out.sockets.size() || out.sockets.size() > count ||
+      (answer.error != 0 && answer.count != 0))
+    return fail(Error::kUnavailable, "the socket maker's answer is unusable");
+  out.error = answer.error;
+  return out;
+}
+
+}  // namespace
+
 Result<std::vector<UniqueFd>> SocketMakerClient::make(int netns, size_t count) {
   if (!end_.valid()) return fail(Error::kUnavailable, "the socket maker stopped answering");
   if (count == 0 || count > kMaxSpareSockets) return fail(Error::kInvalidArgument, "socket maker: bad count");
-  const Request request{kProtocolVersion, static_cast<uint32_t>(count)};
-  const int fds[] = {netns};
-  auto sent = send_with_fds(end_.get(), &request, sizeof request, fds);
-  if (!sent || *sent != sizeof request)
-    return give_up(fail(Error::kUnavailable, "socket maker: " + (sent ? std::string("short send") : sent.message())));
-  pollfd p{end_.get(), POLLIN, 0};
-  int ready;
-  do {
-    ready = ::poll(&p, 1, kAnswerTimeoutMs);
-  } while (ready < 0 && errno == EINTR);
-  if (ready <= 0)
-    return give_up(fail(Error::kTimeout, "the socket maker did not answer within " + std::to_string(kAnswerTimeoutMs) + " ms"));
-  Answer answer{};
-  std::vector<UniqueFd> got;
-  bool would_block = false;
-  auto n = recv_with_fds(end_.get(), &answer, sizeof answer, &got, &would_block);
-  if (!n || would_block || *n != sizeof answer || answer.count != got.size() || got.size() > count)
-    return give_up(fail(Error::kUnavailable, "the socket maker's answer is unusable"));
-  if (answer.error != 0) {
-    const Error code = answer.error == EPERM    ? Error::kPermissionDenied
-                       : answer.error == EINVAL ? Error::kInvalidArgument
-                                                : Error::kIo;
-    return fail(code, std::string("socket maker: ") + std::strerror(answer.error));
+  auto answered = exchange(end_.get(), netns, count);
+  if (!answered) return give_up(answered.failure());
+  if (answered->error != 0) {
+    const int err = answered->error;
+    const Error code = err == EPERM ? Error::kPermissionDenied : err == EINVAL ? Error::kInvalidArgument : Error::kIo;
+    // Each refusal is a connection answered 503 during an outage: said, but not once per connection.
+    if (refusals_++ % 1000 == 0)
+      spdlog::warn("the socket maker refused to make sockets ({} refusals so far): {}", refusals_, std::strerror(err));
+    return fail(code, std::string("socket maker: ") + std::strerror(err));
   }
-  return got;
+  return std::move(answered->sockets);
 }
 
 Failure SocketMakerClient::give_up(Failure why) {
@@ -212,11 +233,11 @@ Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, con
                                        const std::string& executable) {
   if (::geteuid() != 0) return fail(Error::kPermissionDenied, "the socket maker needs root to start (it keeps CAP_SYS_ADMIN)");
   SocketMaker maker;
-  std::vector<UniqueFd> theirs;
+  std::vector<UniqueFd> ours, theirs;
   for (size_t i = 0; i < workers; ++i) {
     int pair[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) return fail_errno("socketpair", errno);
-    maker.clients.push_back(std::make_unique<SocketMakerClient>(UniqueFd(pair[0])));
+    ours.emplace_back(pair[0]);
     theirs.emplace_back(pair[1]);
   }
   std::vector<std::string> args = {"sandgate-proxy", kSocketMakerFlag, std::to_string(uid), std::to_string(gid),
@@ -242,16 +263,19 @@ Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, con
   // refuses our own namespace, which no node vouches for.
   UniqueFd own(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
   Status checked = own.valid() ? Status{} : Status(fail_errno("open /proc/thread-self/ns/net", errno));
-  for (size_t i = 0; i < maker.clients.size() && checked; ++i) {
-    auto made = maker.clients[i]->make(own.get(), 1);
-    if (made) checked = fail(Error::kInternal, "it made sockets in the proxy's own network namespace");
-    else if (made.error() != Error::kPermissionDenied) checked = made.failure();
+  for (size_t i = 0; i < ours.size() && checked; ++i) {
+    auto answered = exchange(ours[i].get(), own.get(), 1);
+    if (!answered) checked = answered.failure();
+    else if (answered->error != EPERM)
+      checked = fail(Error::kInternal, std::string("it answered the proxy's own namespace with ") +
+                                           (answered->error == 0 ? "sockets" : std::strerror(answered->error)));
   }
   if (!checked) {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
     return fail(checked.error(), "the socket maker did not start: " + checked.message());
   }
+  for (UniqueFd& end : ours) maker.clients.push_back(std::make_unique<SocketMakerClient>(std::move(end)));
   return maker;
 }
 

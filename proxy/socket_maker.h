@@ -42,6 +42,7 @@ class SocketMakerClient final : public SocketSource {
  private:
   Failure give_up(Failure why);  // closes end_, logs once
   UniqueFd end_;
+  uint64_t refusals_ = 0;
 };
 
 struct SocketMaker {

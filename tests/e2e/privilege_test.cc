@@ -147,6 +147,16 @@ TEST_F(Privilege, ProxyDropsRootAfterBindingAndStillServesAndReloads) {
   }
   for (const std::string& g : status_fields(pid, "Groups")) EXPECT_NE(g, "0") << "root's group kept";
   EXPECT_EQ(status_fields(pid, "NoNewPrivs"), std::vector<std::string>{"1"});
+  // Its socket maker, started before the switch: the same user, CAP_SYS_ADMIN alone, the proxy's child.
+  const std::string log = c.proxy().log();
+  const size_t at = log.find("socket maker pid ");
+  ASSERT_NE(at, std::string::npos) << log;
+  const pid_t maker = static_cast<pid_t>(std::stol(log.substr(at + 17)));
+  EXPECT_EQ(status_fields(maker, "Uid"), std::vector<std::string>(4, uid));
+  EXPECT_EQ(status_fields(maker, "Gid"), std::vector<std::string>(4, gid));
+  for (const char* key : {"CapEff", "CapPrm", "CapBnd"})
+    EXPECT_EQ(status_fields(maker, key), std::vector<std::string>{"0000000000200000"}) << key;
+  EXPECT_EQ(status_fields(maker, "PPid"), std::vector<std::string>{std::to_string(pid)});
 
   // A sandbox and the node API answer through it: the node socket is reachable as that user.
   c.create_http_sandbox("web", 8080);
@@ -183,6 +193,27 @@ TEST_F(Privilege, ProxyDropsRootAfterBindingAndStillServesAndReloads) {
       << line;
   EXPECT_NE(line.find("runs as user " + nobody_.user), std::string::npos) << line;
   EXPECT_EQ(Cluster::body(c.curl("8080-web.sandbox.localhost")), "hello from web");
+}
+
+// The socket maker as proxy.user: it reads the node's marks and makes a route's sockets while the node is
+// down. One worker, so every connection meets the route the first one cached.
+TEST_F(Privilege, TheSocketMakerServesANodeOutageAsTheProxysUser) {
+  ClusterOptions o = options();
+  o.proxy_extra += "workers = 1\n";
+  Cluster c(o);
+  give_files_to(c, nobody_);
+  c.start_proxy();
+  c.create_http_sandbox("web", 8080);
+  c.wait_until_serving("web", 8080);
+  ASSERT_EQ(Cluster::body(c.curl("8080-web.sandbox.localhost")), "hello from web");
+  c.stop_node(SIGKILL);
+  ASSERT_TRUE(eventually([&] { return c.proxy().log().find("the node is down: routes cached") != std::string::npos; },
+                         std::chrono::seconds(5)))
+      << c.proxy().log();
+  // Past the route's spares (at most 20 here: an open's 4 and one refill of 16).
+  for (int i = 0; i < 40; ++i)
+    ASSERT_EQ(Cluster::body(c.curl("8080-web.sandbox.localhost")), "hello from web") << i << c.proxy().log();
+  EXPECT_EQ(c.proxy().log().find("the socket maker refused"), std::string::npos) << c.proxy().log();
 }
 
 TEST_F(Privilege, StartWarnsAboutFilesAndASocketTheUserCannotUse) {
