@@ -30,8 +30,8 @@
 
 namespace sg {
 
-// One worker's end: make() is synchronous (one round trip to a process that only makes sockets, ~0.1 ms
-// for 16), and only runs while the node is down. An answer later than kAnswerTimeoutMs (a stopped maker)
+// One worker's end: make() is synchronous (one round trip to a process that only makes sockets, 0.17-0.2 ms
+// for 16 by bench/socket_maker.py), and only runs while the node is down. An answer later than kAnswerTimeoutMs (a stopped maker)
 // ends this end for good: a late answer must never be read as the next request's.
 class SocketMakerClient final : public SocketSource {
  public:
