@@ -4,13 +4,14 @@
 // `ip netns`, which any user may open) would otherwise get sockets inside it.
 //
 // The node marks each sandbox namespace it sends a proxy with an empty file named after the namespace's
-// device and inode, in a directory beside its socket that only root writes (`<node_socket>.netns/`), and
-// removes the mark when the sandbox stops running, gets a new token or goes (any route event about it); a
-// node that starts empties the directory. Marks stay while the node is down, which is when the maker works.
-// A namespace's inode is not reused while any descriptor of it is open, and the proxy holds one for every
-// mark it can use.
+// cookie (SO_NETNS_COOKIE: a 64-bit number the kernel never gives another namespace, unlike an inode
+// number), in a directory beside its socket that only root writes (`<node_socket>.netns/`), and removes
+// the mark when the sandbox stops running, gets a new token or goes (any route event about it); a node that
+// starts empties the directory. Marks stay while the node is down, which is when the maker works; a mark
+// left for a namespace that has since gone matches no other.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "common/error.h"
@@ -21,13 +22,17 @@ namespace sg {
 // "<node_socket's path>.netns"; "" when the node socket is not a unix socket (no maker then).
 std::string vouched_netns_dir(const Endpoint& node_socket);
 
-// The mark's file name for the namespace `netns_fd` refers to: "<st_dev>-<st_ino>". kInvalidArgument if it
-// is not a network namespace (checked on the nsfs file system first, so a file of a FUSE mount is never
-// asked an ioctl).
-Result<std::string> netns_mark_name(int netns_fd);
+// The cookie of the network namespace socket `sock` lives in.
+Result<uint64_t> netns_cookie(int sock);
+// The mark's file name for the namespace of that cookie.
+std::string netns_mark_name(uint64_t cookie);
 
-// The maker's check: `netns_fd` is a network namespace and `dir` holds its mark, both owned by root and
-// `dir` writable by root only. kPermissionDenied otherwise.
-Status check_vouched(const std::string& dir, int netns_fd);
+// Whether `dir` and every directory above it are root's and writable by nobody else (or sticky, as /tmp
+// is): no one but root can put a mark there or swap the directory for another. kPermissionDenied if not.
+Status check_marks_dir(const std::string& dir);
+
+// The maker's check, on a socket it just made inside the namespace it was sent: check_marks_dir, and a mark
+// of root's for the socket's namespace. kPermissionDenied otherwise.
+Status check_vouched(const std::string& dir, int sock);
 
 }  // namespace sg

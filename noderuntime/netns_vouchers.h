@@ -15,10 +15,12 @@ class NetnsVouchers {
   // `dir` "": vouch for nothing (a node without a unix socket has no proxy maker to tell).
   explicit NetnsVouchers(std::string dir) : dir_(std::move(dir)) {}
 
-  // At node start: the directory (0755, root's) made, or emptied of what an earlier node vouched for.
+  // At node start: the directory made (0755, root's) or emptied of what an earlier node vouched for, and
+  // checked as the maker will check it (check_marks_dir): a directory others could write vouches nothing.
   Status reset();
-  // The sandbox's namespace is `netns_fd` now: its mark is made (an older one of the sandbox removed).
-  Status vouch(const std::string& sandbox_id, int netns_fd);
+  // The sandbox's namespace is the one `sock` (a socket made inside it) lives in: its mark is made (the
+  // sandbox's older one removed).
+  Status vouch(const std::string& sandbox_id, int sock);
   // Something about the sandbox changed (it stopped running, a new token, removed): its mark goes.
   void revoke(const std::string& sandbox_id);
 

@@ -990,12 +990,15 @@ Result<SpareSockets> Node::spare_sockets(std::string_view id, uint16_t port, siz
   spares.token_sha256 = sb->rec.spec.token_sha256;
   // Optional: without it the proxy serves a node outage with the spares it holds only. Vouched for first:
   // its socket maker enters no namespace the node did not mark.
-  if (auto netns = driver(*sb).socket_namespace(sb->rec.spec, sb->rec.runtime)) {
-    if (Status vouched = vouchers_.vouch(sb->id(), netns->get()))
+  if (auto netns = driver(*sb).socket_namespace(sb->rec.spec, sb->rec.runtime); netns && !spares.fds.empty()) {
+    Status vouched = vouchers_.vouch(sb->id(), spares.fds.front().get());
+    if (vouched) {
       spares.netns = std::move(*netns);
-    else
-      spdlog::warn("sandbox {}: its network namespace goes to the proxy unvouched for, so not at all: {}", sb->id(),
+    } else if (!vouch_failure_said_) {  // once: every refill would say it again
+      spdlog::warn("sandbox {}: no network namespace goes to the proxy, since it cannot be vouched for: {}", sb->id(),
                    vouched.message());
+      vouch_failure_said_ = true;
+    }
   }
   return spares;
 }

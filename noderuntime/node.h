@@ -373,6 +373,7 @@ class Node {
   SandboxRegistry registry_;
   RouteEvents route_events_;
   NetnsVouchers vouchers_;  // the namespaces sent with spares, for the proxy's socket maker
+  bool vouch_failure_said_ = false;
   IdleClocks idle_;
   ConnectionReports reports_;
   WakeWaiters waiters_;

@@ -25,21 +25,27 @@ void RouteCache::drop_route(Entry& e) {
 }
 
 bool RouteCache::serves(const Route& r, uint64_t now_ms) const {
-  if (stream_ == Stream::kNodeGone && outage_since_ms_ && !outage_ended_)
-    return now_ms < std::max(r.expires_ms, *outage_since_ms_ + hold_without_node_ms_);
+  if (stream_ == Stream::kNodeGone) {
+    // The node answered since the stream was last up: it may have changed what any route says, unseen.
+    if (node_answered_without_stream_) return false;
+    if (outage_since_ms_) return now_ms < std::max(r.expires_ms, *outage_since_ms_ + hold_without_node_ms_);
+  }
   return r.state == RouteState::kLive && now_ms < r.expires_ms;
 }
 
 void RouteCache::expire(Entry& e) {
   Route& r = *e.route;
-  if (r.state == RouteState::kDormant) return;
-  if (!r.netns.valid() || socket_source_ == nullptr || hold_without_node_ms_ == 0 || dormant_routes_ >= max_spares_ / 2)
-    return drop_route(e);
-  spares_held_ -= r.spares.size();
+  // Dormant only where an outage could use it: a maker to make its sockets and a hold (a reload may have
+  // taken either away since it went dormant).
+  const bool may_sleep = r.netns.valid() && socket_source_ != nullptr && hold_without_node_ms_ > 0;
+  if (!may_sleep || (r.state == RouteState::kLive && dormant_routes_ >= max_spares_ / 2)) return drop_route(e);
+  spares_held_ -= r.spares.size();  // a dormant route holds no sockets (those an outage made included)
   r.spares.clear();
   r.refill_asked = false;
-  r.state = RouteState::kDormant;
-  ++dormant_routes_;
+  if (r.state == RouteState::kLive) {
+    r.state = RouteState::kDormant;
+    ++dormant_routes_;
+  }
 }
 
 void RouteCache::keep_namespace(Route& r, UniqueFd& netns) {
@@ -273,7 +279,7 @@ void RouteCache::stream_up(uint64_t stamp) {
   floor_stamp_ = stamp;
   invalidated_at_.clear();
   outage_since_ms_.reset();
-  outage_ended_ = false;
+  node_answered_without_stream_ = false;
 }
 
 void RouteCache::stream_down(uint64_t now_ms) {
@@ -288,14 +294,18 @@ void RouteCache::node_gone(uint64_t now_ms) {
   // A node that is down suspends nothing and rotates no token: what the stream said of a route until the
   // node went stays true until it is back. cache_ms only bounds how late the connections it let through are
   // reported. The hold counts from the first call: the stream's retries call again every second.
-  if (!outage_since_ms_ && !outage_ended_ && now_ms - stream_down_ms_ <= kNodeGoneAfterStreamMs)
+  if (!outage_since_ms_ && !node_answered_without_stream_ && now_ms - stream_down_ms_ <= kNodeGoneAfterStreamMs)
     outage_since_ms_ = now_ms;
 }
 
 void RouteCache::node_back() {
   if (stream_ != Stream::kNodeGone) return;
   stream_ = Stream::kDown;
-  outage_ended_ = true;  // until the stream is up again: the node may have changed things meanwhile
+  node_answered_without_stream_ = true;
+}
+
+void RouteCache::node_answered(uint64_t now_ms) {
+  if (stream_ != Stream::kUp && now_ms - stream_down_ms_ >= kDyingNodeMs) node_answered_without_stream_ = true;
 }
 
 void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {

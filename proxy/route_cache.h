@@ -166,10 +166,10 @@ class RouteCache {
   // Broken: nothing is routed from the cache or cached. Routes are kept, for node_gone().
   void stream_down(uint64_t now_ms);
   // With the stream down, the node is not accepting connections: the live routes serve out their cache_ms
-  // until node_back(). If the stream ended with the node (within kNodeGoneAfterStreamMs) and the node has not
-  // been back since the stream was last up, this is an outage the stream saw everything before: every route,
-  // dormant ones too, serves until hold_without_node_ms after the first such call (at least its cache_ms).
-  // Ignored while the stream is up.
+  // until node_back(). If the stream ended with the node (within kNodeGoneAfterStreamMs), this is an outage
+  // the stream saw everything before: every route, dormant ones too, serves until hold_without_node_ms after
+  // the first such call (at least its cache_ms). Nothing serves if the node answered since the stream was
+  // last up (node_answered). Ignored while the stream is up.
   void node_gone(uint64_t now_ms);
   static constexpr uint64_t kNodeGoneAfterStreamMs = 5'000;
   // How a node outage is served: routes kept live up to `hold_ms` after it began (0: only their cache_ms),
@@ -179,8 +179,14 @@ class RouteCache {
     hold_without_node_ms_ = hold_ms;
   }
   // The node accepts connections again (the stream is not back yet): no more routing from the cache, and
-  // the outage's hold ends for good (the node may change what the routes say before the stream is back).
+  // as node_answered().
   void node_back();
+  // The node accepted a connection while the stream was down (alive without its events: it may change what
+  // the routes say, unseen): until the stream is back, a node that goes down is served from no route. Not
+  // within kDyingNodeMs of the stream's end: a node being killed may close its listener a moment after the
+  // stream.
+  void node_answered(uint64_t now_ms);
+  static constexpr uint64_t kDyingNodeMs = 500;
   bool stream_is_up() const { return stream_ == Stream::kUp; }
   bool serving_without_node() const { return stream_ == Stream::kNodeGone; }
   void invalidate(std::string_view sandbox_id, uint64_t stamp);
@@ -246,9 +252,10 @@ class RouteCache {
   size_t namespaces_held_ = 0;
   size_t dormant_routes_ = 0;
   uint64_t stream_down_ms_ = 0;  // when the stream last went from up to down
-  // The outage node_gone() describes: since when (nullopt: none), and whether node_back() ended it.
+  // The outage node_gone() describes: since when (nullopt: none), and whether the node answered since the
+  // stream was last up (node_answered: then no route serves until the stream is back).
   std::optional<uint64_t> outage_since_ms_;
-  bool outage_ended_ = false;
+  bool node_answered_without_stream_ = false;
   SocketSource* socket_source_ = nullptr;
   uint64_t hold_without_node_ms_ = 0;
   std::unordered_map<std::string, Entry> entries_;

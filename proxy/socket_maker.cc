@@ -3,12 +3,16 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/capability.h>
+#include <linux/magic.h>
+#include <linux/nsfs.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -97,6 +101,12 @@ void keep_only_sys_admin(uid_t uid, gid_t gid) {
   if (::getresuid(&ru, &eu, &su) != 0 || ru != uid || eu != uid || su != uid) die("the uid did not switch", EPERM);
 }
 
+// A descriptor of a network namespace: nsfs first, so no file of a FUSE mount is asked an ioctl.
+bool is_network_namespace(int fd) {
+  struct statfs fs{};
+  return ::fstatfs(fd, &fs) == 0 && fs.f_type == NSFS_MAGIC && ::ioctl(fd, NS_GET_NSTYPE) == CLONE_NEWNET;
+}
+
 // One request on `end`: exactly a Request and one descriptor; anything else is refused. false: the
 // worker's end is gone (or unusable).
 bool answer_one(int end, const std::string& vouched, int home) {
@@ -125,8 +135,8 @@ bool answer_one(int end, const std::string& vouched, int home) {
   if (n != sizeof request || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || passed.size() != 1 ||
       request.version != kProtocolVersion || request.count == 0 || request.count > kMaxSpareSockets) {
     answer.error = EINVAL;
-  } else if (Status vouched_for = check_vouched(vouched, passed[0].get()); !vouched_for) {
-    answer.error = vouched_for.error() == Error::kInvalidArgument ? EINVAL : EPERM;
+  } else if (!is_network_namespace(passed[0].get())) {
+    answer.error = EINVAL;
   } else if (::setns(passed[0].get(), CLONE_NEWNET) != 0) {
     answer.error = errno;
   } else {
@@ -134,6 +144,9 @@ bool answer_one(int end, const std::string& vouched, int home) {
       UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
       if (s.valid()) made.push_back(std::move(s));
       else answer.error = errno;
+      // The first socket tells the namespace's cookie, which names the node's mark (never an inode number,
+      // which a later namespace may get).
+      if (i == 0 && answer.error == 0 && !check_vouched(vouched, made.front().get())) answer.error = EACCES;
     }
     // Every later socket would be made in the sandbox's namespace: no way to go on.
     if (::setns(home, CLONE_NEWNET) != 0) die("setns back into its own network namespace", errno);
@@ -214,7 +227,7 @@ Result<std::vector<UniqueFd>> SocketMakerClient::make(int netns, size_t count) {
   if (!answered) return give_up(answered.failure());
   if (answered->error != 0) {
     const int err = answered->error;
-    const Error code = err == EPERM ? Error::kPermissionDenied : err == EINVAL ? Error::kInvalidArgument : Error::kIo;
+    const Error code = err == EACCES ? Error::kPermissionDenied : err == EINVAL ? Error::kInvalidArgument : Error::kIo;
     // Each refusal is a connection answered 503 during an outage: said, but not once per connection.
     if (refusals_++ % 1000 == 0)
       spdlog::warn("the socket maker refused to make sockets ({} refusals so far): {}", refusals_, std::strerror(err));
@@ -260,13 +273,13 @@ Result<SocketMaker> start_socket_maker(size_t workers, uid_t uid, gid_t gid, con
   maker.pid = pid;
   theirs.clear();  // the maker holds them now: its end of a worker's pair closes only when it exits
   // Each end answers, from a maker that dropped what it should (it exits before serving otherwise): it
-  // refuses our own namespace, which no node vouches for.
+  // enters our own namespace (so its CAP_SYS_ADMIN works here) and refuses it, since no node vouches for it.
   UniqueFd own(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
   Status checked = own.valid() ? Status{} : Status(fail_errno("open /proc/thread-self/ns/net", errno));
   for (size_t i = 0; i < ours.size() && checked; ++i) {
     auto answered = exchange(ours[i].get(), own.get(), 1);
     if (!answered) checked = answered.failure();
-    else if (answered->error != EPERM)
+    else if (answered->error != EACCES)
       checked = fail(Error::kInternal, std::string("it answered the proxy's own namespace with ") +
                                            (answered->error == 0 ? "sockets" : std::strerror(answered->error)));
   }

@@ -11,10 +11,10 @@
 //     closed); its environment is empty;
 //   - keeps CAP_SYS_ADMIN alone (bounding set, permitted and effective; none inheritable or ambient), switches
 //     to proxy.user's uid and gid (no supplementary groups), and sets no_new_privs.
-// A request is {version, count} with one descriptor attached: a network namespace that sandgate-node
-// vouches for (common/vouched_netns.h; else EPERM). The maker enters it, makes `count` (1..kMaxSpareSockets)
-// unconnected AF_INET stream sockets, returns to its own namespace and sends them back: {0 or an errno,
-// count} with the sockets. A proxy gets nothing this way it could not get without it: sockets in the
+// A request is {version, count} with one descriptor attached: a network namespace. The maker enters it,
+// makes a socket whose namespace cookie must name sandgate-node's mark (common/vouched_netns.h; else it
+// answers EACCES), makes the rest of `count` (1..kMaxSpareSockets) unconnected AF_INET stream sockets,
+// returns to its own namespace and sends them back: {0 or an errno, count} with the sockets. A proxy gets nothing this way it could not get without it: sockets in the
 // namespaces of running sandboxes, whose spares the node sent it.
 #pragma once
 

@@ -362,7 +362,9 @@ void Worker::on_route_stream_end(const Failure& why) {
   route_stream_warned_ = true;
   // A node that is down changes nothing, so the routes kept may serve until it is back (recheck_node). The
   // stream's end can come before the dying node's listening socket is closed: each retry looks again.
-  if (!node_->accepting()) {
+  if (node_->accepting()) {
+    routes_.node_answered(uv_now(&loop_));  // alive without its events: what it does now is not seen
+  } else {
     serve_outages();
     routes_.node_gone(uv_now(&loop_));
     if (!was_gone)

@@ -167,11 +167,18 @@ TEST(RouteCache, WhileTheNodeIsDownARunningSandboxTakesNewConnectionsPastItsSpar
 TEST(RouteCache, WhileTheNodeIsDownASandboxReachedBeforeItsLastCacheMsServesToo) {
   Cluster c(one_worker("metrics_listen = [\"127.0.0.1:0\"]\n"));
   // A 10 s idle timeout: the node lets a proxy cache the route for 7 s (route_cache_ms: the timeout less two
-  // report intervals and a second), so the route goes dormant 3 s before the sandbox could be suspended.
+  // report intervals and a second).
   const std::string token = c.create_private_serving("quiet", "--timeout 10");
   ASSERT_FALSE(token.empty());
   const std::string host = "8080-quiet.sandbox.localhost";
   ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);
+  // One keep-alive connection with a request every half second keeps the sandbox busy (never idle for the
+  // node) while no new connection renews the route: it goes dormant at its cache_ms.
+  const std::string pidfile = c.dir() + "/keepalive.pid";
+  run("(curl -sS --cacert " + shell_quote(c.ca()) + " --resolve " + host + ":" + std::to_string(c.port()) +
+      ":127.0.0.1 -H " + shell_quote("Authorization: Bearer " + token) + " --rate 2/s -o /dev/null " +
+      shell_quote("https://" + host + ":" + std::to_string(c.port()) + "/?[1-120]") +
+      " >/dev/null 2>&1 & echo $! > " + shell_quote(pidfile) + ")");
   const std::string metrics = "http://127.0.0.1:" + std::to_string(c.metrics_port()) + "/metrics";
   ASSERT_TRUE(eventually([&] {
     return run("curl -s " + shell_quote(metrics)).out.find("\nsandgate_proxy_route_cache_dormant_routes 1\n") !=
@@ -188,6 +195,7 @@ TEST(RouteCache, WhileTheNodeIsDownASandboxReachedBeforeItsLastCacheMsServesToo)
   }
   auto wrong = c.curl(host, "/", "-i " + bearer("sgt_not-the-token"));
   EXPECT_EQ(Cluster::http_code(wrong), 503) << "a credential the route cannot verify: the node's to answer";
+  run("kill " + read_file(pidfile));
   c.start_node();
   EXPECT_TRUE(eventually([&] { return c.proxy().log().find("route events from sandgate-node again") != std::string::npos; },
                          std::chrono::seconds(10)))

@@ -511,10 +511,15 @@ TEST_F(ApiServerTest, OpenHandsOverSparesAndTheVerdictForTheRouteCache) {
   EXPECT_TRUE(r.fd.valid());
   ASSERT_EQ(r.spares.size(), 4u) << "every spare travels with the answer, and their namespace last";
   EXPECT_EQ(::ioctl(r.spares.back().get(), NS_GET_NSTYPE), CLONE_NEWNET);
-  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.spares.back().get())) << "vouched for the socket maker";
+  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.spares.front().get())) << "vouched for the socket maker";
   json body = r.body();
   EXPECT_EQ(body["spare_sockets"], 3);
   EXPECT_EQ(body["netns"], true);
+  // A new token is a route event about the sandbox: the mark goes with it (the next spares bring it back).
+  ASSERT_EQ(c.request("POST", "/v1/sandboxes/demo/token").status, 200);
+  EXPECT_FALSE(check_vouched(socket_path_ + ".netns", r.spares.front().get())) << "revoked by the rotation";
+  ASSERT_EQ(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"count":1})").status, 200);
+  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.spares.front().get())) << "vouched again";
   // default_timeout_secs 300: capped at the most a proxy may cache a route.
   EXPECT_EQ(body["cache_ms"], Node::kMaxRouteCacheMs);
   EXPECT_EQ(body["operator_token_sha256"], "");
@@ -548,10 +553,10 @@ TEST_F(ApiServerTest, SocketsRefillsARunningSandboxOnlyAndNeverWakesIt) {
                "permission_denied");
   expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"credentials":[]})"),
                400, "invalid_argument");
-  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.spares.back().get()));
+  EXPECT_TRUE(check_vouched(socket_path_ + ".netns", r.fd.get()));
   c.request("POST", "/v1/sandboxes/demo/suspend");
   ASSERT_TRUE(run_until(&loop_, [&] { return node_->get("demo")->state == SandboxState::kSuspended; }));
-  EXPECT_FALSE(check_vouched(socket_path_ + ".netns", r.spares.back().get()))
+  EXPECT_FALSE(check_vouched(socket_path_ + ".netns", r.fd.get()))
       << "suspended: the proxy's socket maker may not enter its namespace";
   expect_error(c.request("POST", "/v1/internal/sockets", R"({"sandbox":")" + id + R"(","port":8080,"count":2})"), 503,
                "unavailable");

@@ -162,8 +162,35 @@ TEST(RouteCache, RoutesKeptServeWhileTheNodeIsGoneAndStopWhenItIsBack) {
   EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 5)) << "the node is back: it answers, not the cache";
   cache.stream_down(0);
   cache.node_gone(0);  // down again before its stream came back
-  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 6)) << "the last spare";
-  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 7)) << "out of spares: none can be made without the node";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 6))
+      << "the node answered meanwhile and may have changed the route unseen: nothing until the stream is back";
+  cache.stream_up(40);
+  cache.grant("demo", grant("sb-1", false, 50, 1, 500), 10);
+  cache.stream_down(20);
+  cache.node_gone(20);
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 21)) << "the stream back: the next outage is served";
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 22)) << "out of spares: none can be made without a maker";
+}
+
+// The stream ended, and the node still accepts connections a while later: alive without its events, it may
+// change what the routes say unseen. If it goes down after that, no route serves until the stream is back.
+// Within kDyingNodeMs of the stream's end, though, that is a node being killed, whose listener closes a
+// moment after its stream.
+TEST(RouteCache, ANodeThatAnswersWithoutItsStreamIsNotTrustedWhenItGoesDown) {
+  RouteCache cache(1000, 100);
+  cache.stream_up(10);
+  cache.grant("demo", grant("sb-1", false, 20, 3, 5'000), 0);
+  cache.stream_down(100);
+  cache.node_answered(100 + RouteCache::kDyingNodeMs - 1);  // the dying node's listener, still there
+  cache.node_gone(1'100);
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 1'101));
+  cache.node_back();
+  cache.stream_up(2'000);
+  cache.grant("demo", grant("sb-1", false, 2'010, 3, 5'000), 2'000);
+  cache.stream_down(2'100);
+  cache.node_answered(2'100 + RouteCache::kDyingNodeMs);  // a retry a while later finds it answering
+  cache.node_gone(3'100);
+  EXPECT_FALSE(cache.open("demo", 8080, kOwnToken, 3'101));
 }
 
 // Stands for the socket maker: counts what it is asked, makes plain sockets (or fails when told to).
@@ -330,13 +357,44 @@ TEST(RouteCache, AnOutagesHoldCountsFromItsStartAndEndsWhenTheNodeWasBack) {
   flapping.node_back();  // the node accepts again; its stream is not back yet
   flapping.stream_down(200);
   flapping.node_gone(200);
-  EXPECT_TRUE(flapping.open("demo", 8080, kOwnToken, 499)) << "within its cache_ms, as any outage";
-  EXPECT_FALSE(flapping.open("demo", 8080, kOwnToken, 500)) << "but no hold past it";
+  EXPECT_FALSE(flapping.open("demo", 8080, kOwnToken, 201)) << "not even within its cache_ms";
   flapping.stream_up(300);
   flapping.grant("demo", grant_with_namespace("sb-1", 320, 4, 500), 1'000);
   flapping.stream_down(1'100);
   flapping.node_gone(1'100);
   EXPECT_TRUE(flapping.open("demo", 8080, kOwnToken, 5'000)) << "the stream up again: the next outage holds";
+}
+
+TEST(RouteCache, AnOpenOrARefillMakesADormantRouteLiveAgainAndTheCountsFollow) {
+  OutageCache t(RouteCache::kDefaultMaxSpares, 60'000);
+  RouteCache& cache = t.cache;
+  cache.grant("demo", grant_with_namespace("sb-1", 20, 4, 500), 0);
+  cache.grant("other", grant_with_namespace("sb-2", 20, 4, 500), 0);
+  ASSERT_TRUE(cache.open("other", 8080, kOwnToken, 1));
+  ASSERT_TRUE(cache.open("other", 8080, kOwnToken, 1));  // two left: a refill is asked
+  cache.sweep(500);
+  ASSERT_EQ(cache.dormant_count(), 2u);
+  ASSERT_EQ(cache.spare_count(), 0u);
+  // The node's next open of demo replaces its dormant route.
+  cache.grant("demo", grant_with_namespace("sb-1", 30, 2, 500), 600);
+  EXPECT_EQ(cache.dormant_count(), 1u);
+  EXPECT_EQ(cache.spare_count(), 2u);
+  EXPECT_EQ(cache.namespace_count(), 2u) << "the replaced route's namespace closed, the new one's kept";
+  EXPECT_TRUE(cache.open("demo", 8080, kOwnToken, 601));
+  // The refill other asked for before it went dormant comes back: live again, with its spares.
+  RouteGrant refill = grant_with_namespace("sb-2", 40, 16, 500);
+  cache.refill("other", std::move(refill), 700);
+  EXPECT_EQ(cache.dormant_count(), 0u);
+  EXPECT_EQ(cache.spare_count(), 1u + 16u);
+  EXPECT_EQ(cache.namespace_count(), 2u) << "the refill's namespace is closed: the route has one";
+  EXPECT_TRUE(cache.open("other", 8080, kOwnToken, 701));
+  // A reload to routes_without_node_secs = 0: dormant routes go at their next look.
+  cache.sweep(1'200);
+  ASSERT_EQ(cache.dormant_count(), 2u);
+  cache.serve_without_node(&t.maker, 0);
+  cache.sweep(1'201);
+  EXPECT_EQ(cache.dormant_count(), 0u);
+  EXPECT_EQ(cache.namespace_count(), 0u);
 }
 
 TEST(RouteCache, AtMostHalfTheDescriptorBudgetIsDormant) {

@@ -89,14 +89,18 @@ class SocketMakerTest : public ::testing::Test {
     if (maker) pids_.push_back(maker->pid);
     return maker;
   }
-  // What sandgate-node does for a namespace it sends a proxy (noderuntime/netns_vouchers.h).
-  void vouch(int netns) {
-    auto name = netns_mark_name(netns);
-    ASSERT_TRUE(name) << name.message();
-    UniqueFd mark(::open((vouched_ + "/" + *name).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0444));
+  // What sandgate-node does for the namespace of `ns`, which it sends a proxy with spares made inside it
+  // (noderuntime/netns_vouchers.h): a mark named after the namespace's cookie.
+  std::string mark_of(const testing::Netns& ns) {
+    UniqueFd sock = testing::in_netns(ns.path(), [] { return UniqueFd(::socket(AF_INET, SOCK_STREAM, 0)); });
+    auto cookie = netns_cookie(sock.get());
+    return cookie ? vouched_ + "/" + netns_mark_name(*cookie) : std::string();
+  }
+  void vouch(const testing::Netns& ns) {
+    UniqueFd mark(::open(mark_of(ns).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0444));
     ASSERT_TRUE(mark.valid());
   }
-  void revoke(int netns) { ::unlink((vouched_ + "/" + *netns_mark_name(netns)).c_str()); }
+  void revoke(const testing::Netns& ns) { ::unlink(mark_of(ns).c_str()); }
 
   // The maker started by hand, for requests SocketMakerClient never sends: its end, and its pid in pids_.
   UniqueFd start_raw(pid_t parent) {
@@ -144,8 +148,9 @@ TEST_F(SocketMakerTest, MakesSocketsOnlyInANamespaceTheNodeVouchesForAndTheyReac
   auto unvouched = maker->clients[0]->make(netns.get(), 1);
   ASSERT_FALSE(unvouched) << "a namespace the node did not mark";
   EXPECT_EQ(unvouched.error(), Error::kPermissionDenied) << unvouched.message();
+  EXPECT_NE(unvouched.message().find("Permission denied"), std::string::npos) << "EACCES";
 
-  vouch(netns.get());
+  vouch(sandbox);
   for (auto& client : maker->clients) {
     auto made = client->make(netns.get(), 3);
     ASSERT_TRUE(made) << made.message();
@@ -161,7 +166,7 @@ TEST_F(SocketMakerTest, MakesSocketsOnlyInANamespaceTheNodeVouchesForAndTheyReac
   ASSERT_TRUE(most) << most.message();
   EXPECT_EQ(most->size(), kMaxSpareSockets);
 
-  revoke(netns.get());  // the sandbox stopped running
+  revoke(sandbox);  // the sandbox stopped running
   auto revoked = maker->clients[1]->make(netns.get(), 1);
   ASSERT_FALSE(revoked);
   EXPECT_EQ(revoked.error(), Error::kPermissionDenied);
@@ -210,7 +215,7 @@ TEST_F(SocketMakerTest, RefusesEveryMalformedRequestWithAnAnswerAndGoesOn) {
   testing::Netns sandbox;
   ASSERT_TRUE(sandbox.valid());
   UniqueFd netns(::open(sandbox.path().c_str(), O_RDONLY | O_CLOEXEC));
-  vouch(netns.get());
+  vouch(sandbox);
   UniqueFd mount_ns(::open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC));
   UniqueFd file(::open("/proc/self/status", O_RDONLY | O_CLOEXEC));
   struct Request {
@@ -239,6 +244,7 @@ TEST_F(SocketMakerTest, RefusesEveryMalformedRequestWithAnAnswerAndGoesOn) {
   const char long_request[12] = {1, 0, 0, 0, 2};
   EXPECT_EQ(ask(&good, sizeof good, {}).error, EINVAL) << "no namespace";
   EXPECT_EQ(ask(&good, sizeof good, {netns.get(), netns.get()}).error, EINVAL) << "two";
+  EXPECT_EQ(ask(&good, sizeof good, {netns.get(), netns.get(), netns.get()}).error, EINVAL) << "three (truncated)";
   EXPECT_EQ(ask(&short_request, sizeof short_request, {netns.get()}).error, EINVAL) << "short";
   EXPECT_EQ(ask(long_request, sizeof long_request, {netns.get()}).error, EINVAL) << "long (truncated)";
   EXPECT_EQ(ask(&bad_version, sizeof bad_version, {netns.get()}).error, EINVAL) << "version";
@@ -247,7 +253,7 @@ TEST_F(SocketMakerTest, RefusesEveryMalformedRequestWithAnAnswerAndGoesOn) {
   EXPECT_EQ(ask(&good, sizeof good, {mount_ns.get()}).error, EINVAL) << "a mount namespace";
   EXPECT_EQ(ask(&good, sizeof good, {file.get()}).error, EINVAL) << "a file";
   UniqueFd own(::open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
-  EXPECT_EQ(ask(&good, sizeof good, {own.get()}).error, EPERM) << "a namespace no node vouched for";
+  EXPECT_EQ(ask(&good, sizeof good, {own.get()}).error, EACCES) << "a namespace no node vouched for";
   const Answer answer = ask(&good, sizeof good, {netns.get()});
   EXPECT_EQ(answer.error, 0);
   EXPECT_EQ(answer.count, 2u) << "still answering";
@@ -260,6 +266,61 @@ TEST_F(SocketMakerTest, ExitsAtOnceUnlessItsParentIsTheProxyNamed) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
 }
 
+// The proxy killed (SIGKILL: no end closed in an orderly way, no exit code run): its maker dies with it.
+// The "proxy" here is a shell that starts the maker as the proxy does and then waits.
+TEST_F(SocketMakerTest, DiesWithTheProxyThatStartedIt) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair), 0);  // inherited by the shell, then the maker
+  UniqueFd mine(pair[0]), theirs(pair[1]);
+  ::fcntl(mine.get(), F_SETFD, FD_CLOEXEC);
+  const std::string script = kProxyBinary + " " + kSocketMakerFlag + " 65534 65534 $$ " + vouched_ + " " +
+                             std::to_string(theirs.get()) + " & echo $!; exec sleep 600";
+  int out[2];
+  ASSERT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  UniqueFd out_read(out[0]), out_write(out[1]);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out_write.get(), 1);
+  std::vector<std::string> args = {"/bin/sh", "-c", script};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t shell = -1;
+  char* env[] = {nullptr};
+  const int spawned = ::posix_spawn(&shell, "/bin/sh", &actions, nullptr, argv.data(), env);
+  posix_spawn_file_actions_destroy(&actions);
+  ASSERT_EQ(spawned, 0);
+  theirs.reset();
+  out_write.reset();
+  std::string line;
+  for (char ch = 0; ch != '\n';) {
+    ASSERT_EQ(::read(out_read.get(), &ch, 1), 1);
+    line += ch;
+  }
+  const pid_t maker = static_cast<pid_t>(std::stol(line));
+  // It serves (so it is past its parent check) before its parent goes.
+  pollfd p{mine.get(), POLLOUT, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  UniqueFd own(::open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
+  const uint32_t request[2] = {1, 1};
+  const int fds[] = {own.get()};
+  ASSERT_TRUE(send_with_fds(mine.get(), request, sizeof request, fds));
+  pollfd answered{mine.get(), POLLIN, 0};
+  ASSERT_EQ(::poll(&answered, 1, 5000), 1);
+  ::kill(shell, SIGKILL);
+  ::waitpid(shell, nullptr, 0);
+  // Not our child: gone (or a zombie its new parent has yet to reap) is what can be seen.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  bool gone = false;
+  while (!gone && std::chrono::steady_clock::now() < until) {
+    const std::string state = status_field(maker, "State");
+    gone = state.empty() || state.find("zombie") != std::string::npos;
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(gone) << "the maker outlived its proxy";
+  ::kill(maker, SIGKILL);  // in case it did
+}
+
 TEST_F(SocketMakerTest, EndsWhenTheProxysEndsClose) {
   testing::Netns sandbox;  // first: its process, forked from this one, would hold copies of the ends
   ASSERT_TRUE(sandbox.valid());
@@ -267,7 +328,7 @@ TEST_F(SocketMakerTest, EndsWhenTheProxysEndsClose) {
   ASSERT_TRUE(maker) << maker.message();
   maker->clients[0].reset();
   UniqueFd netns(::open(sandbox.path().c_str(), O_RDONLY | O_CLOEXEC));
-  vouch(netns.get());
+  vouch(sandbox);
   EXPECT_TRUE(maker->clients[1]->make(netns.get(), 1)) << "one worker's end left: it serves on";
   maker->clients[1].reset();
   const int status = wait_exit(maker->pid, std::chrono::seconds(10));
