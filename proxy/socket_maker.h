@@ -14,8 +14,9 @@
 // A request is {version, count} with one descriptor attached: a network namespace. The maker enters it,
 // makes a socket whose namespace cookie must name sandgate-node's mark (common/vouched_netns.h; else it
 // answers EACCES), makes the rest of `count` (1..kMaxSpareSockets) unconnected AF_INET stream sockets,
-// returns to its own namespace and sends them back: {0 or an errno, count} with the sockets. A proxy gets nothing this way it could not get without it: sockets in the
-// namespaces of running sandboxes, whose spares the node sent it.
+// returns to its own namespace and sends them back: {0 or an errno, count} with the sockets. A proxy gets
+// nothing this way it could not get without it: sockets in the namespaces of running sandboxes, whose
+// spares the node sent it.
 #pragma once
 
 #include <sys/types.h>
@@ -30,9 +31,10 @@
 
 namespace sg {
 
-// One worker's end: make() is synchronous (one round trip to a process that only makes sockets, 0.17-0.2 ms
-// for 16 by bench/socket_maker.py), and only runs while the node is down. An answer later than kAnswerTimeoutMs (a stopped maker)
-// ends this end for good: a late answer must never be read as the next request's.
+// One worker's end: make() is synchronous (one round trip to a process that only makes sockets, 0.17-0.2
+// ms for 16 by bench/socket_maker.py), and only runs while the node is down. An answer later than
+// kAnswerTimeoutMs (a stopped maker) ends this end for good: a late answer must never be read as the next
+// request's.
 class SocketMakerClient final : public SocketSource {
  public:
   static constexpr int kAnswerTimeoutMs = 1000;
