@@ -1099,7 +1099,9 @@ void kill_node_during_checkpoint(Cluster& c, const std::string& point, const std
 // none of its files, and the guest goes on with its memory: the restarted node lets the guest it finds
 // stopped (running on record) run again, and the counter continues. Then a checkpoint succeeds.
 TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn) {
-  Cluster c(ClusterOptions::node(node_config() + "images_dir = \"\"\n"));
+  ClusterOptions options = ClusterOptions::node(node_config() + "images_dir = \"\"\n");
+  options.proxy_extra = "workers = 1\n";  // the end's outage: every connection meets the one route cache
+  Cluster c(options);
   auto created = c.cli("create --json --name q --driver qemu --public 8080 --timeout 600 --memory-mb 256 -- "
                        "/bin/sh -c " + shell_quote(kGuestServer),
                        180);
@@ -1115,6 +1117,16 @@ TEST_F(Qemu, ANodeKilledDuringAMemoryCheckpointLeavesNoSnapshotAndTheGuestGoesOn
   auto checkpoint = c.cli("checkpoint q --type memory --json", 180);
   ASSERT_EQ(checkpoint.exit_code, 0) << checkpoint.out << checkpoint.err << c.node().log();
   EXPECT_EQ(counter(c).count, ++expected);
+
+  // The node killed once more, for good this time: the guest keeps taking new connections through the
+  // proxy past the route's spares, on sockets the proxy's socket maker makes in QEMU's network namespace
+  // (the one the node vouched for).
+  c.stop_node(SIGKILL);
+  ASSERT_TRUE(eventually([&] { return c.proxy().log().find("the node is down: routes cached") != std::string::npos; },
+                         std::chrono::seconds(5)))
+      << c.proxy().log();
+  for (int i = 0; i < 40; ++i) ASSERT_EQ(counter(c).count, ++expected) << i << "\n" << c.proxy().log();
+  EXPECT_EQ(c.proxy().log().find("the socket maker refused"), std::string::npos) << c.proxy().log();
 }
 
 // The node killed during a disk checkpoint, while QEMU's backup job runs and once it has finished but before
