@@ -22,6 +22,7 @@
 #include "common/net.h"
 #include "common/vouched_netns.h"
 #include "tests/netns.h"
+#include "tests/unit/temp_dir.h"
 
 namespace sg {
 namespace {
@@ -66,9 +67,8 @@ class SocketMakerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (::geteuid() != 0) GTEST_SKIP() << "the socket maker needs root to start";
-    std::string pattern = ::testing::TempDir() + "socket-maker-XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
+    dir_ = tmp_.path();
+    ASSERT_FALSE(dir_.empty());
     ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);  // the maker runs as another user
     vouched_ = dir_ + "/node.sock.netns";
     ASSERT_EQ(::mkdir(vouched_.c_str(), 0755), 0);
@@ -81,7 +81,6 @@ class SocketMakerTest : public ::testing::Test {
       const int status = wait_exit(pid, std::chrono::seconds(10));
       EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "maker " << pid << " status " << status;
     }
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
 
   Result<SocketMaker> start(size_t workers, uid_t uid, gid_t gid) {
@@ -124,6 +123,7 @@ class SocketMakerTest : public ::testing::Test {
     return mine;
   }
 
+  testing::TempDir tmp_{"socket-maker"};
   std::string dir_;
   std::string vouched_;
   std::vector<pid_t> pids_;
