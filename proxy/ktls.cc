@@ -13,6 +13,7 @@
 
 #include "common/hex.h"
 #include "common/log.h"
+#include "proxy/keylog_format.h"
 #include "proxy/tls13_record_layer.h"
 
 namespace sg {
@@ -265,6 +266,13 @@ Result<void> derive_tls13_kernel_key(uint16_t cipher_suite, const EVP_MD* digest
 }
 
 void enable_tls13_secret_tracking(SSL_CTX* ctx) {
+  // With a keylog callback OpenSSL formats every secret as hex; proxy/keylog_format.h keeps that cheap.
+  static const bool fast_hex = [] {
+    bool in_use = keylog_hex_fast_path_in_use();
+    if (!in_use) spdlog::warn("OpenSSL's keylog hex goes through glibc's sprintf: about 25 us more per handshake");
+    return in_use;
+  }();
+  (void)fast_hex;
   SSL_CTX_set_keylog_callback(ctx, ktls_on_keylog);
   SSL_CTX_set_msg_callback(ctx, ktls_on_message);
 }
