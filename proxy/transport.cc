@@ -127,9 +127,11 @@ IoResult TlsTransport::read(std::span<char> into) {
     // so the next SSL_read's read() would fail with EAGAIN. Without read-ahead it reads record by record,
     // and an empty OpenSSL buffer says nothing about the socket.
     if (got < into.size() && read_ahead_ && SSL_has_pending(ssl_) == 0) {
-      // A record boundary on the receive side: the first one after the handshake is where the record
-      // protection leaves OpenSSL (it costs less per record on the proxy's own layer; RESULTS.md).
-      leave_openssl();
+      // A record boundary on the receive side. The record protection leaves OpenSSL at the second (it costs
+      // less per record on the proxy's own layer), not the first: a connection that carries one request and
+      // closes would pay for deriving keys and making AEAD contexts it never uses (RESULTS.md).
+      if (emptied_reads_ < 2) ++emptied_reads_;
+      if (emptied_reads_ == 2) leave_openssl();
       return IoResult::ok_drained(got);
     }
   }

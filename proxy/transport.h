@@ -153,8 +153,9 @@ class TlsTransport final : public Transport {
   bool can_splice_out() const override { return ktls_tx_; }
   // A TLS 1.3 connection without kTLS leaves OpenSSL altogether as soon as both sides are at a record
   // boundary: its keys go to a record layer of the proxy's own and the SSL is freed (13 KiB of an idle
-  // connection's 18; and each record costs less there). With read-ahead that is the first read that emptied
-  // OpenSSL's buffer, else the first quiet spell. Where it cannot be (TLS 1.2, a transmit side in the
+  // connection's 18; and each record costs less there). With read-ahead that is the second read that emptied
+  // OpenSSL's buffer (a connection that carries one request and closes never pays for the keys and AEAD
+  // contexts), else the first quiet spell. Where it cannot be (TLS 1.2, a transmit side in the
   // kernel, a KeyUpdate OpenSSL followed), a quiet connection's SSL frees its record buffers: OpenSSL keeps
   // them between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc), since freeing and taking 64 KiB +
   // 16 KiB again per keep-alive request cost more than the request's own work.
@@ -174,6 +175,8 @@ class TlsTransport final : public Transport {
   std::unique_ptr<Tls13SecretTracker> tracker_;
   std::unique_ptr<Tls13RecordLayer> own_;
   bool read_ahead_;  // set on the context when kTLS is not possible (proxy/tls.cc)
+  // With read-ahead: the reads so far that left OpenSSL's buffer empty (record boundaries), up to 2.
+  unsigned emptied_reads_ = 0;
   bool may_leave_openssl_;
   bool ktls_tx_ = false;
   // OpenSSL holds part of a record it could not send: the next SSL_write must be the one that sends it.

@@ -341,17 +341,34 @@ TEST_F(TlsTransportReadAheadTest, AQuietTls13ConnectionLeavesOpenSslAndGoesOnBot
   goes_on_after_the_switch(*this, client_, *transport_);
 }
 
-// With read-ahead (contexts without kTLS) the first read that leaves OpenSSL's buffer empty is a record
-// boundary: the switch is made there, before the connection has been quiet. Without it, only when quiet.
-TEST_F(TlsTransportReadAheadTest, TheFirstReadThatEmptiesOpenSslsBufferLeavesOpenSsl) {
+// With read-ahead (contexts without kTLS) a read that leaves OpenSSL's buffer empty is a record boundary:
+// the switch is made at the second, before the connection has been quiet; a connection that carries one
+// request and closes never makes it. Without read-ahead, only when quiet.
+TEST_F(TlsTransportReadAheadTest, TheSecondReadThatEmptiesOpenSslsBufferLeavesOpenSsl) {
   client_sends("request");
   char small[4];
   IoResult r = transport_->read(small);
   EXPECT_EQ(std::string(small, r.bytes), "requ");
   EXPECT_FALSE(transport_->own_records()) << "OpenSSL still holds the rest";
   EXPECT_EQ(server_reads(3), "est");
+  EXPECT_FALSE(transport_->own_records()) << "one request so far";
+  EXPECT_EQ(send_to_client("answer"), "answer");
+  client_sends("second");
+  EXPECT_EQ(server_reads(6), "second");
   EXPECT_TRUE(transport_->own_records());
   EXPECT_EQ(send_to_client("answer"), "answer");
+}
+
+TEST_F(TlsTransportReadAheadTest, AConnectionWithOneRequestEndsWithoutLeavingOpenSsl) {
+  client_sends("request");
+  EXPECT_EQ(server_reads(7), "request");
+  EXPECT_EQ(send_to_client("answer"), "answer");
+  SSL_shutdown(client_);
+  char buf[16];
+  IoResult r = transport_->read(buf);
+  EXPECT_EQ(r.status, IoResult::Status::kEof);
+  EXPECT_FALSE(transport_->own_records());
+  EXPECT_TRUE(transport_->shutdown_write());
 }
 
 TEST_F(TlsTransportTest, WithoutReadAheadTheSwitchWaitsUntilTheConnectionIsQuiet) {
