@@ -1,12 +1,17 @@
 #include "proxy/route_cache.h"
 
+#include <fcntl.h>
+
 #include <algorithm>
 #include <iterator>
 
 #include "common/hex.h"
 #include "common/token_digest.h"
+#include "proxy/outage_routes.h"
 
 namespace sg {
+
+RouteCache::~RouteCache() { withdraw_outage_routes(); }
 
 std::string RouteCache::key(std::string_view sandbox_ref, uint16_t port) {
   std::string k(sandbox_ref);
@@ -63,7 +68,53 @@ size_t RouteCache::make_spares_without_node(Route& r) {
   return made->size();
 }
 
+void RouteCache::publish_outage_routes() {
+  if (outage_routes_ == nullptr || published_ || !in_outage()) return;
+  std::vector<OutageRoutes::Shared> mine;
+  for (const auto& [k, e] : entries_) {
+    if (!e.route || !e.route->netns.valid()) continue;
+    UniqueFd netns(::fcntl(e.route->netns.get(), F_DUPFD_CLOEXEC, 0));
+    if (!netns.valid()) break;  // out of descriptors: the rest is this worker's alone
+    const Route& r = *e.route;
+    mine.push_back({k, e.policy, r.token_sha256, r.operator_token_sha256, r.connect_port, r.opened_at,
+                    std::move(netns)});
+  }
+  outage_routes_->publish(this, std::move(mine));
+  published_ = true;
+}
+
+void RouteCache::withdraw_outage_routes() {
+  if (!published_) return;
+  outage_routes_->withdraw(this);
+  published_ = false;
+}
+
+void RouteCache::adopt_outage_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
+  if (outage_routes_ == nullptr || !in_outage() || held() >= max_spares_ || dormant_routes_ >= max_spares_ / 2)
+    return;
+  std::string k = key(sandbox_ref, port);
+  if (auto it = entries_.find(k); it != entries_.end() && it->second.route) return;
+  auto shared = outage_routes_->find(k);
+  if (!shared) return;
+  Entry* e = slot(sandbox_ref, port, now_ms);
+  if (e == nullptr) return;
+  e->policy = std::move(shared->policy);
+  e->awake_until_ms = 0;
+  // Dormant: it serves within this outage's hold only (serves()), like a route of this worker's own past
+  // its cache_ms, and makes its sockets in the namespace.
+  Route r;
+  r.state = RouteState::kDormant;
+  r.token_sha256 = std::move(shared->token_sha256);
+  r.operator_token_sha256 = std::move(shared->operator_token_sha256);
+  r.connect_port = shared->connect_port;
+  r.opened_at = shared->opened_at;
+  keep_namespace(r, shared->netns);
+  ++dormant_routes_;
+  e->route = std::move(r);
+}
+
 std::optional<PortPolicy> RouteCache::find(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
+  if (stream_ == Stream::kNodeGone) adopt_outage_route(sandbox_ref, port, now_ms);
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end()) return std::nullopt;
   Entry& e = it->second;
@@ -140,6 +191,7 @@ bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
                                            std::span<const std::string> credentials, uint64_t now_ms) {
   if (stream_ == Stream::kDown) return std::nullopt;
+  if (stream_ == Stream::kNodeGone) adopt_outage_route(sandbox_ref, port, now_ms);
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end() || !it->second.route) return std::nullopt;
   Entry& e = it->second;
@@ -273,6 +325,7 @@ void RouteCache::refill_failed(std::string_view sandbox_ref, std::string_view sa
 }
 
 void RouteCache::stream_up(uint64_t stamp) {
+  withdraw_outage_routes();
   if (stream_ != Stream::kUp)
     for (auto& [k, e] : entries_) drop_route(e);
   stream_ = Stream::kUp;
@@ -296,16 +349,21 @@ void RouteCache::node_gone(uint64_t now_ms) {
   // reported. The hold counts from the first call: the stream's retries call again every second.
   if (!outage_since_ms_ && !node_answered_without_stream_ && now_ms - stream_down_ms_ <= kNodeGoneAfterStreamMs)
     outage_since_ms_ = now_ms;
+  publish_outage_routes();
 }
 
 void RouteCache::node_back() {
   if (stream_ != Stream::kNodeGone) return;
   stream_ = Stream::kDown;
   node_answered_without_stream_ = true;
+  withdraw_outage_routes();
 }
 
 void RouteCache::node_answered(uint64_t now_ms) {
-  if (stream_ != Stream::kUp && now_ms - stream_down_ms_ >= kDyingNodeMs) node_answered_without_stream_ = true;
+  if (stream_ != Stream::kUp && now_ms - stream_down_ms_ >= kDyingNodeMs) {
+    node_answered_without_stream_ = true;
+    withdraw_outage_routes();
+  }
 }
 
 void RouteCache::invalidate(std::string_view sandbox_id, uint64_t stamp) {

@@ -24,7 +24,9 @@
 // latest invalidation of its sandbox (or than the stream's start) is not cached.
 //
 // One per worker (no locking). Only positive verdicts are cached: a credential that matches no digest goes
-// to the node, which answers the 401 (and never wakes the sandbox for it).
+// to the node, which answers the 401 (and never wakes the sandbox for it). During an outage the workers'
+// caches share what they serve through an OutageRoutes (proxy/outage_routes.h): a connection landing on a
+// worker that never routed its sandbox is served from another worker's route.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,8 @@
 #include "common/token_digest.h"
 
 namespace sg {
+
+class OutageRoutes;
 
 // Makes unconnected TCP sockets (non-blocking, close-on-exec) in a network namespace: the node's job,
 // done for a route cache while the node is down (proxy/socket_maker.h).
@@ -108,7 +112,7 @@ class RouteCache {
   RouteCache(uint64_t policy_ttl_ms, size_t max_entries, size_t max_spares = kDefaultMaxSpares)
       : policy_ttl_ms_(policy_ttl_ms), max_entries_(max_entries), max_spares_(max_spares) {}
   static constexpr size_t kDefaultMaxSpares = 512;
-  ~RouteCache() = default;
+  ~RouteCache();
   RouteCache(const RouteCache&) = delete;
   RouteCache& operator=(const RouteCache&) = delete;
 
@@ -178,6 +182,9 @@ class RouteCache {
     socket_source_ = source;
     hold_without_node_ms_ = hold_ms;
   }
+  // Where this cache publishes the routes it serves during an outage, and finds those of the other workers'
+  // caches for a sandbox port it holds no route for (null: none; set before any outage).
+  void share_outage_routes(OutageRoutes* routes) { outage_routes_ = routes; }
   // The node accepts connections again (the stream is not back yet): no more routing from the cache, and
   // as node_answered().
   void node_back();
@@ -242,6 +249,17 @@ class RouteCache {
   void keep_namespace(Route& r, UniqueFd& netns);
   // Node gone and `r` out of spares: the socket source makes some. How many.
   size_t make_spares_without_node(Route& r);
+  // An outage this cache serves routes in: the stream ended with the node, which has not answered since.
+  bool in_outage() const {
+    return stream_ == Stream::kNodeGone && outage_since_ms_ && !node_answered_without_stream_ &&
+           socket_source_ != nullptr && hold_without_node_ms_ > 0;
+  }
+  // In an outage: what this cache serves goes to outage_routes_ (once per outage), and when it ends comes
+  // back out.
+  void publish_outage_routes();
+  void withdraw_outage_routes();
+  // In an outage, `sandbox_ref`:`port` has no route here: a copy of another worker's, if it published one.
+  void adopt_outage_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
   // The live route of `sandbox_ref`:`port` if it still belongs to `sandbox_id`.
   Route* asked_route(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port);
 
@@ -258,6 +276,8 @@ class RouteCache {
   bool node_answered_without_stream_ = false;
   SocketSource* socket_source_ = nullptr;
   uint64_t hold_without_node_ms_ = 0;
+  OutageRoutes* outage_routes_ = nullptr;
+  bool published_ = false;  // in outage_routes_
   std::unordered_map<std::string, Entry> entries_;
   enum class Stream {
     kDown,      // no event stream: nothing routed or cached (the start, or a break not yet explained)

@@ -41,6 +41,7 @@ Worker::Worker(int index, ProxyShared* shared, std::unique_ptr<NodeClient> node)
       routes_(kPortPolicyTtlMs, kMaxPortPolicies, shared->spare_sockets_per_worker),
       reporter_id_(std::to_string(::getpid()) + "/" + std::to_string(index)) {
   uv_loop_init(&loop_);
+  routes_.share_outage_routes(&shared_->outage_routes);
   node_ = node ? std::move(node) : std::make_unique<UnixNodeClient>(&loop_, &sockets_, shared_);
 }
 
@@ -337,7 +338,9 @@ void Worker::on_route_event(const RouteStreamEvent& e) {
   switch (e.kind) {
     case RouteStreamEvent::Kind::kHello:
       if (route_stream_warned_) spdlog::info("worker {}: route events from sandgate-node again", index_);
+      else if (!route_stream_seen_) spdlog::info("worker {}: following sandgate-node's route events", index_);
       route_stream_warned_ = false;
+      route_stream_seen_ = true;
       serve_outages();  // a reload may have changed proxy.routes_without_node_secs
       routes_.stream_up(e.stamp);
       return;

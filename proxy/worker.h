@@ -22,6 +22,7 @@
 #include "proxy/listener_handover.h"
 #include "proxy/metrics.h"
 #include "proxy/node_api.h"
+#include "proxy/outage_routes.h"
 #include "proxy/route_cache.h"
 #include "proxy/socket_watch.h"
 #include "proxy/tls.h"
@@ -63,6 +64,8 @@ struct ProxyShared {
   // Each worker's route cache holds at most this many spare sockets (spare_sockets_for_fd_limit); set with
   // fd_max_connections, out of the same descriptor budget.
   uint32_t spare_sockets_per_worker = RouteCache::kDefaultMaxSpares;
+  // What each worker's route cache serves during a node outage, for the others (outlives the workers).
+  OutageRoutes outage_routes;
 
  private:
   std::atomic<std::shared_ptr<const ProxySnapshot>> snapshot_;
@@ -197,6 +200,7 @@ class Worker {
   std::unique_ptr<NodeCall> route_stream_;
   uv_timer_t route_stream_retry_{};
   bool route_stream_warned_ = false;  // one warning per outage, not one per retry
+  bool route_stream_seen_ = false;    // its first start is logged (tests wait for it), not every one
   static constexpr uint64_t kRouteStreamRetryMs = 1000;
   // Background refills by "ref:port": one in flight per route.
   std::unordered_map<std::string, std::unique_ptr<NodeCall>> refills_;

@@ -203,5 +203,47 @@ TEST(RouteCache, WhileTheNodeIsDownASandboxReachedBeforeItsLastCacheMsServesToo)
   EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);
 }
 
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
+  return n;
+}
+
+// Route caches are per worker, and a new connection lands on either of the two (one SO_REUSEPORT listener
+// each, as in production): a sandbox one connection reached before the node went down has its route on one
+// worker only. In the outage the other serves it from that route (proxy/outage_routes.h).
+TEST(RouteCache, WhileTheNodeIsDownEitherWorkerServesASandboxOnlyOneOfThemRouted) {
+  Cluster c;  // two workers
+  const std::string token = c.create_private_serving("once");
+  ASSERT_FALSE(token.empty());
+  const std::string host = "8080-once.sandbox.localhost";
+  // A new proxy: its caches are empty (the serving check's connections reached both workers of the last one).
+  c.stop_proxy();
+  const size_t from = c.proxy().log().size();
+  c.start_proxy();
+  ASSERT_TRUE(eventually([&] { return count(c.proxy().log().substr(from), "following sandgate-node's route events") == 2; },
+                         std::chrono::seconds(10)))
+      << c.proxy().log().substr(from);
+  ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);  // one worker's route now
+  const size_t before_kill = c.proxy().log().size();
+  c.stop_node(SIGKILL);
+  ASSERT_TRUE(eventually([&] { return count(c.proxy().log().substr(before_kill), "the node is down: routes cached") == 2; },
+                         std::chrono::seconds(5)))
+      << c.proxy().log().substr(before_kill);
+  // 24 new connections: all on one worker has a chance of 2^-23.
+  for (int i = 0; i < 24; ++i) {
+    auto r = c.curl(host, "/", bearer(token));
+    ASSERT_EQ(Cluster::http_code(r), 200) << "connection " << i << "\n" << r.out << c.proxy().log().substr(before_kill);
+    ASSERT_EQ(Cluster::body(r), "hello from once");
+  }
+  auto wrong = c.curl(host, "/", "-i " + bearer("sgt_not-the-token"));
+  EXPECT_EQ(Cluster::http_code(wrong), 503) << "a credential the route cannot verify: the node's to answer";
+  c.start_node();
+  EXPECT_TRUE(eventually([&] { return count(c.proxy().log().substr(before_kill), "route events from sandgate-node again") == 2; },
+                         std::chrono::seconds(10)))
+      << c.proxy().log();
+  EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);
+}
+
 }  // namespace
 }  // namespace sg::e2e

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include "common/token_digest.h"
+#include "proxy/outage_routes.h"
 #include "tests/netns.h"
 
 namespace sg {
@@ -363,6 +364,96 @@ TEST(RouteCache, AnOutagesHoldCountsFromItsStartAndEndsWhenTheNodeWasBack) {
   flapping.stream_down(1'100);
   flapping.node_gone(1'100);
   EXPECT_TRUE(flapping.open("demo", 8080, kOwnToken, 5'000)) << "the stream up again: the next outage holds";
+}
+
+// Route caches are per worker and a new connection lands on any worker: during an outage a worker that never
+// routed a sandbox serves it from another worker's route (OutageRoutes), with the same credential check, as
+// long as both are in the outage.
+TEST(RouteCache, InAnOutageAWorkerWithoutTheRouteServesItFromAnotherWorkers) {
+  OutageRoutes board;
+  OutageCache first(RouteCache::kDefaultMaxSpares, 60'000), second(RouteCache::kDefaultMaxSpares, 60'000);
+  first.cache.share_outage_routes(&board);
+  second.cache.share_outage_routes(&board);
+  first.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
+  first.cache.grant("plain", grant("sb-2", true, 20, 2), 0);  // no namespace: nothing to share
+  EXPECT_FALSE(second.cache.open("demo", 8080, kOwnToken, 1)) << "node up: the other worker asks it";
+  EXPECT_EQ(board.size(), 0u) << "nothing shared while the node is up";
+
+  second.cache.stream_down(100);  // its outage begins first, with nothing published yet
+  second.cache.node_gone(100);
+  EXPECT_FALSE(second.cache.open("demo", 8080, kOwnToken, 101));
+  first.cache.stream_down(100);
+  first.cache.node_gone(100);
+  EXPECT_EQ(board.size(), 1u) << "demo, which has a namespace";
+
+  EXPECT_FALSE(second.cache.open("demo", 8080, std::vector<std::string>{"sgt_wrong"}, 200)) << "a wrong token";
+  auto policy = second.cache.find("demo", 8080, 200);
+  ASSERT_TRUE(policy) << "the policy comes with it (the ClientHello asks)";
+  EXPECT_EQ(policy->sandbox_id, "sb-1");
+  auto hit = second.cache.open("demo", 8080, kOwnToken, 5'000);
+  ASSERT_TRUE(hit) << "past the route's cache_ms: within the outage's hold";
+  EXPECT_EQ(hit->opened.id, "sb-1");
+  EXPECT_EQ(hit->opened.connect_port, 8080);
+  EXPECT_EQ(hit->opened.token_sha256, token_digest("sandbox-token"));
+  EXPECT_EQ(second.maker.calls, 1) << "its sockets made in the namespace";
+  EXPECT_EQ(second.maker.netns_inode, testing::own_netns_inode());
+  EXPECT_EQ(second.cache.namespace_count(), 1u) << "a copy of its own";
+  EXPECT_FALSE(second.cache.open("plain", 8080, {}, 5'000)) << "a route without a namespace is not shared";
+  EXPECT_FALSE(second.cache.open("demo", 8080, kOwnToken, 60'100)) << "no longer than its own hold";
+
+  first.cache.node_back();  // the node answers the first worker: its routes are not served any more
+  EXPECT_EQ(board.size(), 0u);
+}
+
+TEST(RouteCache, OutageRoutesAreWithdrawnWhenTheNodeAnswersOrTheStreamIsBackAndNotTakenOutsideAnOutage) {
+  OutageRoutes board;
+  {
+    OutageCache first(RouteCache::kDefaultMaxSpares, 60'000), second(RouteCache::kDefaultMaxSpares, 60'000);
+    first.cache.share_outage_routes(&board);
+    second.cache.share_outage_routes(&board);
+    first.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
+    first.cache.stream_down(100);
+    first.cache.node_gone(100);
+    ASSERT_EQ(board.size(), 1u);
+    second.cache.stream_down(100);  // its stream is down but the node accepts: not an outage for it
+    second.cache.node_answered(1'000);
+    second.cache.node_gone(1'100);
+    EXPECT_FALSE(second.cache.open("demo", 8080, kOwnToken, 1'200)) << "a node alive without its events";
+    EXPECT_EQ(second.maker.calls, 0);
+    first.cache.stream_up(2'000);
+    EXPECT_EQ(board.size(), 0u) << "the stream back: withdrawn";
+    first.cache.grant("demo", grant_with_namespace("sb-1", 2'020, 2, 500), 2'100);
+    first.cache.stream_down(3'000);
+    first.cache.node_gone(3'000);
+    ASSERT_EQ(board.size(), 1u) << "the next outage publishes again";
+    first.cache.stream_down(4'000);
+    first.cache.node_answered(4'000);
+    EXPECT_EQ(board.size(), 0u) << "the node answered: withdrawn";
+    first.cache.stream_up(5'000);
+    first.cache.grant("demo", grant_with_namespace("sb-1", 5'020, 2, 500), 5'100);
+    first.cache.stream_down(6'000);
+    first.cache.node_gone(6'000);
+    ASSERT_EQ(board.size(), 1u);
+  }
+  EXPECT_EQ(board.size(), 0u) << "a cache destroyed in an outage withdraws too";
+}
+
+TEST(RouteCache, NothingIsSharedWithoutAMakerOrAHold) {
+  OutageRoutes board;
+  RouteCache spares_only(1000, 100);
+  spares_only.share_outage_routes(&board);
+  spares_only.serve_without_node(nullptr, 60'000);  // not root: no socket maker
+  spares_only.stream_up(10);
+  spares_only.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
+  spares_only.stream_down(100);
+  spares_only.node_gone(100);
+  EXPECT_EQ(board.size(), 0u);
+  OutageCache no_hold(RouteCache::kDefaultMaxSpares, 0);  // routes_without_node_secs = 0
+  no_hold.cache.share_outage_routes(&board);
+  no_hold.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
+  no_hold.cache.stream_down(100);
+  no_hold.cache.node_gone(100);
+  EXPECT_EQ(board.size(), 0u);
 }
 
 TEST(RouteCache, AnOpenOrARefillMakesADormantRouteLiveAgainAndTheCountsFollow) {

@@ -1,0 +1,58 @@
+// The routes each worker serves during a node outage, for the other workers. Route caches are per worker
+// (proxy/route_cache.h) and a new connection lands on any worker (one SO_REUSEPORT listener each), so
+// without this a sandbox reached only through one worker before the node went down got 503 on the others.
+//
+// A worker's route cache publishes, when its outage begins, the routes it will serve whose network
+// namespace the node sent (descriptors duplicated here), and withdraws them when the outage ends for it (the
+// node back, alive without its events, or the event stream back). Another worker in an outage of its own
+// that holds no route for a sandbox port takes a copy of a published one (namespace duplicated again) and
+// serves it as its own: every worker's event stream saw the same events until the node went, and a node
+// that is down changes nothing. Thread-safe (one mutex; used only during outages, per connection that
+// misses its worker's cache).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/fd.h"
+#include "proxy/route_cache.h"
+
+namespace sg {
+
+class OutageRoutes {
+ public:
+  // A route as one worker serves it in an outage: what a copy needs, without spares.
+  struct Shared {
+    std::string key;  // "<sandbox ref>:<port>", as the publisher's cache keys it
+    PortPolicy policy;
+    std::string token_sha256;
+    std::string operator_token_sha256;
+    uint16_t connect_port = 0;
+    uint64_t opened_at = 0;
+    UniqueFd netns;
+  };
+  // Descriptors held here per publisher (one namespace per route): the rest of a larger publication is
+  // left out.
+  static constexpr size_t kMaxPerPublisher = 1024;
+
+  // Replaces what `publisher` published before.
+  void publish(const void* publisher, std::vector<Shared> routes);
+  // Closes what `publisher` published. Nothing if it published nothing.
+  void withdraw(const void* publisher);
+  // A copy of a route published for `key` (its namespace a new descriptor), if any publisher has one.
+  std::optional<Shared> find(std::string_view key) const;
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  // Per publisher (a few: one per worker), by key.
+  std::unordered_map<const void*, std::unordered_map<std::string, Shared>> by_publisher_;
+};
+
+}  // namespace sg
