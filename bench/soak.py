@@ -3,6 +3,7 @@
 
     bench/soak.py BUILD_DIR [N]        (default 10000; run as root)
     IMAGES_DIR=DIR  reuse a node images dir that has the `default` image (else it is built first)
+    IMAGE=NAME      with IMAGES_DIR: another image of it with python3 (e.g. the tests' sandgate-test-*)
     HELD_WAIT=3     seconds between the last connection opened and the "held" reading
 
 One sandgate-node + sandgate-proxy (one worker, userspace TLS). A sandbox on the default image runs a
@@ -70,8 +71,10 @@ async def main():
     c = Cluster(sys.argv[1], "soak", f"max_connections = {limit}\nmax_connections_per_client = {limit}\n"
                                      f"max_connections_per_sandbox = {limit}\n")
     try:
-        c.ensure_default_image()
-        c.create({"name": "soak", "command": ["python3", "-c", OK_SERVER], "timeout_secs": 3600,
+        image = os.environ.get("IMAGE", "default")
+        if image == "default":
+            c.ensure_default_image()
+        c.create({"name": "soak", "image": image, "command": ["python3", "-c", OK_SERVER], "timeout_secs": 3600,
                   "ports": [{"port": 8080, "public": True}]})
         host = f"8080-soak.{DOMAIN}"
         ctx = ssl.create_default_context(cafile=c.ca)

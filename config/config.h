@@ -30,9 +30,10 @@ struct ProxyConfig {
   KtlsMode ktls = KtlsMode::kAuto;
   // Where the kernel cannot take a TLS 1.3 connection's records (no kTLS), they move from OpenSSL to the
   // proxy's own record layer after the handshake and the SSL is freed (proxy/tls13_record_layer.h): an idle
-  // connection holds about 5 KiB instead of 18. The price is in every handshake: capturing the traffic
-  // secrets (OpenSSL's keylog callback, which formats each secret as text) and deriving the keys cost about
-  // 25 µs of CPU per new connection on the benchmark machine (bench/RESULTS.md). Off: OpenSSL throughout.
+  // connection holds about 5 KiB instead of 18. The price is in every handshake, capturing the traffic
+  // secrets (OpenSSL's keylog callback formats each as hex, made cheap by proxy/keylog_format.h), and in
+  // deriving the keys once a connection makes a second request or is quiet (bench/RESULTS.md, "Thirteenth
+  // session"). Off: OpenSSL throughout.
   bool tls_own_record_layer = true;
   uint32_t handshake_timeout_ms = 10'000;
   // NewSessionTicket messages after a full TLS 1.3 handshake (a resumed one brings one, whatever this says).

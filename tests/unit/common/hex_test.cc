@@ -31,5 +31,20 @@ TEST(Hex, DecodeRefusesAWrongLengthOrANonHexDigit) {
   EXPECT_TRUE(hex_decode("", std::span<unsigned char>{}));
 }
 
+TEST(Hex, EveryCharacterIsADigitExactlyWhenItIsOne) {
+  for (int c = 0; c < 256; ++c) {
+    const bool digit = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+    for (int at = 0; at < 2; ++at) {
+      std::string text = "00";
+      text[static_cast<size_t>(at)] = static_cast<char>(c);
+      std::array<unsigned char, 1> out{};
+      ASSERT_EQ(hex_decode(text, out), digit) << c;
+      if (!digit) continue;
+      const int value = c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10;
+      EXPECT_EQ(out[0], at == 0 ? value << 4 : value) << c;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sg
