@@ -1253,6 +1253,12 @@ void Connection::on_open_result(Result<OpenAnswer> r) {
     spdlog::warn("node request failed: {}", r.message());
     if (r.error() == Error::kInternal)
       return respond(502, "bad answer from the sandbox runtime\n", TerminationCause::kNodeUnavailable);
+    // Right after a crash: the node is gone, but the worker may not know yet (its event stream's end found
+    // the dying node still listening). Then the outage starts now, and the cache answers as it would.
+    if (!looked_for_outage_ && !cached_route_failed_) {
+      looked_for_outage_ = true;
+      if (worker_->outage_found()) return open_sandbox();
+    }
     return respond(503, "sandbox runtime unavailable\n", TerminationCause::kNodeUnavailable, {{"Retry-After", "5"}});
   }
   const std::string& message = r->message;

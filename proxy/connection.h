@@ -230,6 +230,7 @@ class Connection {
   bool answers_request_ = false;      // an HTTP request (not CONNECT, not raw TCP) is being forwarded
   bool opened_public_ = false;        // the port needed no token
   bool cached_route_failed_ = false;  // the route cache's socket did not connect: this open asks the node
+  bool looked_for_outage_ = false;    // the node's open failed and Worker::outage_found was asked (once)
   bool holds_sandbox_slot_ = false;
   // Fleet: which end of a hop this connection is.
   bool via_fleet_ = false;  // accepted on the fleet listener: it never hops again

@@ -367,17 +367,30 @@ void Worker::on_route_stream_end(const Failure& why) {
   // stream's end can come before the dying node's listening socket is closed: each retry looks again.
   if (node_->accepting()) {
     routes_.node_answered(uv_now(&loop_));  // alive without its events: what it does now is not seen
+  } else if (!was_gone) {
+    node_is_down();
   } else {
     serve_outages();
     routes_.node_gone(uv_now(&loop_));
-    if (!was_gone)
-      spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve for up to {} s ({}), "
-                   "every other connection gets 503, until it is back",
-                   index_, shared_->snapshot()->config->proxy.routes_without_node_secs,
-                   socket_maker_ ? "the socket maker makes their sockets" : "with the spare sockets they hold");
   }
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
                  kRouteStreamRetryMs, 0);
+}
+
+void Worker::node_is_down() {
+  serve_outages();
+  routes_.node_gone(uv_now(&loop_));
+  spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve for up to {} s ({}), "
+               "every other connection gets 503, until it is back",
+               index_, shared_->snapshot()->config->proxy.routes_without_node_secs,
+               socket_maker_ ? "the socket maker makes their sockets" : "with the spare sockets they hold");
+}
+
+bool Worker::outage_found() {
+  if (routes_.stream_is_up() || routes_.serving_without_node() || !route_stream_warned_ || node_->accepting())
+    return false;
+  node_is_down();
+  return routes_.serving_without_node();
 }
 
 void Worker::use_socket_maker(std::unique_ptr<SocketSource> maker) {

@@ -129,6 +129,10 @@ class Worker {
   // Before a connection is routed from the cache without the node (routes_.serving_without_node()): if the
   // node accepts connections again, the cache stops serving and the event stream is asked for at once.
   void recheck_node();
+  // A node call failed while the event stream is down and no outage is known: if the node's socket now
+  // refuses, the outage starts here rather than at the stream's next retry (up to a second later: its end
+  // may have found a dying node still listening). True when the cache then serves without the node.
+  bool outage_found();
   // A connection took one of the last spares of a cached route: ask the node for more in the background.
   void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port, size_t count);
   // Before start(): this worker's end of the socket maker (proxy/socket_maker.h), which makes sockets for
@@ -161,6 +165,8 @@ class Worker {
   // The node's route events keep routes_ honest; while the stream is down routes_ serves no route (but
   // those it kept, while the node is gone), and it is reconnected after kRouteStreamRetryMs.
   void watch_routes();
+  // The node is down (its socket refuses): the cache's outage starts or goes on; logged once per outage.
+  void node_is_down();
   // What routes_ does for a node outage: the socket maker, proxy.routes_without_node_secs.
   void serve_outages();
   void on_route_event(const RouteStreamEvent& e);

@@ -221,13 +221,13 @@ TEST(RouteCache, WhileTheNodeIsDownEitherWorkerServesASandboxOnlyOneOfThemRouted
   c.stop_proxy();
   const size_t from = c.proxy().log().size();
   c.start_proxy();
-  ASSERT_TRUE(eventually([&] { return count(c.proxy().log().substr(from), "following sandgate-node's route events") == 2; },
+  ASSERT_TRUE(eventually([&] { return count(c.proxy().log().substr(from), "following sandgate-node's route events") >= 2; },
                          std::chrono::seconds(10)))
       << c.proxy().log().substr(from);
   ASSERT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token))), 200);  // one worker's route now
   const size_t before_kill = c.proxy().log().size();
   c.stop_node(SIGKILL);
-  ASSERT_TRUE(eventually([&] { return count(c.proxy().log().substr(before_kill), "the node is down: routes cached") == 2; },
+  ASSERT_TRUE(eventually([&] { return count(c.proxy().log().substr(before_kill), "the node is down: routes cached") >= 2; },
                          std::chrono::seconds(5)))
       << c.proxy().log().substr(before_kill);
   // 24 new connections: all on one worker has a chance of 2^-23.
@@ -239,7 +239,7 @@ TEST(RouteCache, WhileTheNodeIsDownEitherWorkerServesASandboxOnlyOneOfThemRouted
   auto wrong = c.curl(host, "/", "-i " + bearer("sgt_not-the-token"));
   EXPECT_EQ(Cluster::http_code(wrong), 503) << "a credential the route cannot verify: the node's to answer";
   c.start_node();
-  EXPECT_TRUE(eventually([&] { return count(c.proxy().log().substr(before_kill), "route events from sandgate-node again") == 2; },
+  EXPECT_TRUE(eventually([&] { return count(c.proxy().log().substr(before_kill), "route events from sandgate-node again") >= 2; },
                          std::chrono::seconds(10)))
       << c.proxy().log();
   EXPECT_EQ(Cluster::http_code(c.curl(host, "/", bearer(token), 20)), 200);

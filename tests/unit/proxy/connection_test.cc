@@ -71,14 +71,38 @@ class FakeNode : public NodeClient {
     return later([done = std::move(done), held] { done(std::move(*held)); });
   }
 
+  // With `route_events`: one event stream, up at once (stamp 1); the worker's later attempts get none.
+  bool accepting() override { return accepting_; }
+  std::unique_ptr<NodeCall> watch_routes(std::function<void(const RouteStreamEvent&)> on_event,
+                                         std::function<void(Failure)> ended) override {
+    if (!route_events || route_stream_started_) return nullptr;
+    route_stream_started_ = true;
+    route_stream_ended_ = std::move(ended);
+    return later([on_event = std::move(on_event)] { on_event(RouteStreamEvent{RouteStreamEvent::Kind::kHello, "", "", 1}); });
+  }
+
   std::unique_ptr<NodeCall> report_activity(std::string, std::function<void(Result<ActivityCuts>)> done) override {
-    return later([done = std::move(done)] { done(ActivityCuts{}); });
+    const bool crash = crash_at_next_report.exchange(false);
+    return later([this, done = std::move(done), crash] {
+      if (crash) {
+        // A kill -9 as the proxy may see it: the event stream ends while the dying node still accepts
+        // connections, and a moment later its socket refuses them.
+        accepting_ = true;
+        if (auto ended = std::move(route_stream_ended_)) ended(fail(Error::kUnavailable, "the node's stream ended"));
+        accepting_ = false;
+        crashed = true;
+      }
+      done(ActivityCuts{});
+    });
   }
 
   std::mutex mu;
   int lookups = 0;
   std::vector<OpenRequest> opens;
   std::vector<std::string> calls;  // lookups and opens in order, with what the hint said
+  bool route_events = false;                      // set before start()
+  std::atomic<bool> crash_at_next_report = false;  // the first activity report (traffic) ends the node
+  std::atomic<bool> crashed = false;
 
  private:
   // A timer 0 on the loop runs the answer; destroying the call first cancels it.
@@ -106,6 +130,9 @@ class FakeNode : public NodeClient {
   std::unique_ptr<NodeCall> later(std::function<void()> fire) { return std::make_unique<Pending>(loop_, std::move(fire)); }
 
   uv_loop_t* loop_ = nullptr;
+  bool accepting_ = true;
+  bool route_stream_started_ = false;
+  std::function<void(Failure)> route_stream_ended_;
 };
 
 // Opened, with the connection's socket end; `sandbox` keeps the other end.
@@ -202,6 +229,7 @@ class ConnectionTest : public ::testing::Test {
     ASSERT_TRUE(log) << log.message();
     shared_->access_log = std::move(*log);
     auto fake = std::make_unique<FakeNode>();
+    fake->route_events = route_events_;
     node_ = fake.get();
     worker_ = std::make_unique<Worker>(0, shared_.get(), std::move(fake));
     node_->attach(worker_->loop());
@@ -320,6 +348,7 @@ class ConnectionTest : public ::testing::Test {
   }
 
   std::function<void()> on_sent;
+  bool route_events_ = false;  // the fake node's event stream (route cache), for start()
   std::filesystem::path dir_;
   test_support::TestCert cert_;
   std::unique_ptr<ProxyShared> shared_;
@@ -492,6 +521,61 @@ TEST_F(ConnectionTest, AnH2ConnectionErrorInALaterRequestIsAnsweredWithGoaway) {
   }
   EXPECT_EQ(header_streams, std::vector<uint32_t>{1});
   EXPECT_NE(access_log_when("bad_request").find("HPACK"), std::string::npos);
+}
+
+// Right after a crash the worker may not know the node is gone: its event stream ended while the dying node
+// still accepted (its listener closes a moment after the stream), so the outage would begin at the stream's
+// next attempt, a second later. Until then the cache routes nothing; a connection whose open the node then
+// refuses starts the outage itself and is served from the cached route, not answered 503.
+TEST_F(ConnectionTest, AnOpenTheCrashedNodeRefusesIsServedFromTheCacheBeforeTheStreamNoticesTheOutage) {
+  route_events_ = true;
+  start("activity_report_interval_ms = 50\n");
+  node_->policy.is_public = true;
+  node_->crash_at_next_report = true;
+  // The sandbox's port for the cached route's spares.
+  UniqueFd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener.get(), 8), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const uint16_t port = ntohs(addr.sin_port);
+
+  SandboxEnd end;
+  std::atomic<int> opens{0};
+  node_->on_open = [&](const OpenRequest&) -> std::optional<Result<OpenAnswer>> {
+    if (opens++ > 0) return Result<OpenAnswer>(fail(Error::kUnavailable, "connect: Connection refused"));
+    Result<OpenAnswer> a = end.open(std::nullopt, true);
+    for (int i = 0; i < 4; ++i) a->opened.spares.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    a->opened.cache_ms = 60'000;
+    a->opened.connect_port = port;
+    return a;
+  };
+  on_sent = [&] {
+    UniqueFd sandbox = end.take();
+    sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string answer = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nfirst";
+    ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+  };
+  const std::string request = "GET / HTTP/1.1\r\nHost: " + kHost + "\r\n\r\n";
+  ASSERT_NE(exchange(kHost, request).find("first"), std::string::npos);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!node_->crashed && std::chrono::steady_clock::now() < deadline) ::usleep(5000);
+  ASSERT_TRUE(node_->crashed) << "the activity report that ends the node's stream never came";
+
+  on_sent = [&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    if (::poll(&p, 1, 5000) != 1) return;
+    UniqueFd sandbox(::accept(listener.get(), nullptr, nullptr));
+    sandbox_reads(sandbox.get(), "\r\n\r\n");
+    const std::string answer = "HTTP/1.1 200 OK\r\nContent-Length: 6\r\nConnection: close\r\n\r\ncached";
+    ::send(sandbox.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+  };
+  const std::string second = exchange(kHost, request);
+  EXPECT_NE(second.find("cached"), std::string::npos) << second;
+  EXPECT_EQ(opens, 2) << "the node was asked, refused, and the cache answered";
 }
 
 TEST_F(ConnectionTest, ARefusedPipelinedRequestIsAnsweredWhenTheSandboxHasAnsweredTheOnesBefore) {
