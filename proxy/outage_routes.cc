@@ -4,7 +4,7 @@
 
 namespace sg {
 
-void OutageRoutes::publish(const void* publisher, std::vector<Shared> routes) {
+size_t OutageRoutes::publish(const void* publisher, std::vector<Shared> routes) {
   std::unordered_map<std::string, Shared> mine;
   for (Shared& r : routes) {
     if (mine.size() >= kMaxPerPublisher) break;
@@ -12,6 +12,7 @@ void OutageRoutes::publish(const void* publisher, std::vector<Shared> routes) {
     std::string key = r.key;
     mine.insert_or_assign(std::move(key), std::move(r));
   }
+  const size_t held = mine.size();
   std::lock_guard lock(mu_);
   // The previous publication's descriptors close with `mine`, after the lock is released.
   if (mine.empty()) {
@@ -23,6 +24,7 @@ void OutageRoutes::publish(const void* publisher, std::vector<Shared> routes) {
   } else {
     std::swap(by_publisher_[publisher], mine);
   }
+  return held;
 }
 
 void OutageRoutes::withdraw(const void* publisher) {
@@ -34,15 +36,18 @@ void OutageRoutes::withdraw(const void* publisher) {
   by_publisher_.erase(it);
 }
 
-std::optional<OutageRoutes::Shared> OutageRoutes::find(std::string_view key) const {
+std::optional<OutageRoutes::Shared> OutageRoutes::find(std::string_view key, bool with_namespace) const {
   std::lock_guard lock(mu_);
   for (const auto& [publisher, routes] : by_publisher_) {
     auto it = routes.find(std::string(key));
     if (it == routes.end()) continue;
     const Shared& r = it->second;
     // Under the lock: the publisher's copy cannot be closed meanwhile.
-    UniqueFd netns(::fcntl(r.netns.get(), F_DUPFD_CLOEXEC, 0));
-    if (!netns.valid()) return std::nullopt;  // out of descriptors: the connection gets the node's 503
+    UniqueFd netns;
+    if (with_namespace) {
+      netns = UniqueFd(::fcntl(r.netns.get(), F_DUPFD_CLOEXEC, 0));
+      if (!netns.valid()) return std::nullopt;  // out of descriptors: the connection gets the node's 503
+    }
     return Shared{r.key, r.policy, r.token_sha256, r.operator_token_sha256, r.connect_port, r.opened_at,
                   std::move(netns)};
   }

@@ -27,26 +27,19 @@ namespace sg {
 
 class OutageRoutes {
  public:
-  // A route as one worker serves it in an outage: what a copy needs, without spares.
-  struct Shared {
-    std::string key;  // "<sandbox ref>:<port>", as the publisher's cache keys it
-    PortPolicy policy;
-    std::string token_sha256;
-    std::string operator_token_sha256;
-    uint16_t connect_port = 0;
-    uint64_t opened_at = 0;
-    UniqueFd netns;
-  };
+  using Shared = SharedRoute;
   // Descriptors held here per publisher (one namespace per route): the rest of a larger publication is
   // left out.
   static constexpr size_t kMaxPerPublisher = 1024;
 
-  // Replaces what `publisher` published before.
-  void publish(const void* publisher, std::vector<Shared> routes);
+  // Replaces what `publisher` published before. How many are held (those with a namespace, up to the
+  // bound): the descriptors the publisher's budget pays for.
+  size_t publish(const void* publisher, std::vector<Shared> routes);
   // Closes what `publisher` published. Nothing if it published nothing.
   void withdraw(const void* publisher);
-  // A copy of a route published for `key` (its namespace a new descriptor), if any publisher has one.
-  std::optional<Shared> find(std::string_view key) const;
+  // A copy of a route published for `key` (its namespace a new descriptor, or none without
+  // `with_namespace`), if any publisher has one.
+  std::optional<Shared> find(std::string_view key, bool with_namespace = true) const;
   size_t size() const;
 
  private:

@@ -11,6 +11,37 @@
 
 namespace sg {
 
+namespace {
+
+struct Verified {
+  std::optional<size_t> credential;  // none: a public port
+  std::optional<TokenDigest> credential_sha256;
+};
+
+// The node's check (Node::check_credential): the sandbox's token or the operator token, both digests
+// compared for each candidate so the time taken does not tell which one a guess matched. nullopt: none did.
+std::optional<Verified> verify(const PortPolicy& policy, const std::string& sandbox_digest,
+                               const std::string& operator_digest, std::span<const std::string> credentials) {
+  Verified out;
+  if (policy.is_public) return out;
+  for (size_t i = 0; i < credentials.size() && !out.credential; ++i) {
+    if (credentials[i].empty()) continue;
+    auto presented = token_sha256(credentials[i]);
+    if (!presented) continue;
+    const std::string presented_hex = hex_encode(*presented);
+    bool own = hex_digest_matches(presented_hex, sandbox_digest);
+    bool op = hex_digest_matches(presented_hex, operator_digest);
+    if (own || op) {
+      out.credential = i;
+      out.credential_sha256 = *presented;
+    }
+  }
+  if (!out.credential) return std::nullopt;
+  return out;
+}
+
+}  // namespace
+
 RouteCache::~RouteCache() { withdraw_outage_routes(); }
 
 std::string RouteCache::key(std::string_view sandbox_ref, uint16_t port) {
@@ -69,9 +100,12 @@ size_t RouteCache::make_spares_without_node(Route& r) {
 }
 
 void RouteCache::publish_outage_routes() {
-  if (outage_routes_ == nullptr || published_ || !in_outage()) return;
+  if (outage_routes_ == nullptr || published_ || !shares_outage_routes()) return;
+  // The copies count against this cache's descriptor budget while they are published.
+  const size_t room = max_spares_ - std::min(held(), max_spares_);
   std::vector<OutageRoutes::Shared> mine;
   for (const auto& [k, e] : entries_) {
+    if (mine.size() >= std::min(room, OutageRoutes::kMaxPerPublisher)) break;
     if (!e.route || !e.route->netns.valid()) continue;
     UniqueFd netns(::fcntl(e.route->netns.get(), F_DUPFD_CLOEXEC, 0));
     if (!netns.valid()) break;  // out of descriptors: the rest is this worker's alone
@@ -79,7 +113,7 @@ void RouteCache::publish_outage_routes() {
     mine.push_back({k, e.policy, r.token_sha256, r.operator_token_sha256, r.connect_port, r.opened_at,
                     std::move(netns)});
   }
-  outage_routes_->publish(this, std::move(mine));
+  published_held_ = outage_routes_->publish(this, std::move(mine));
   published_ = true;
 }
 
@@ -87,15 +121,30 @@ void RouteCache::withdraw_outage_routes() {
   if (!published_) return;
   outage_routes_->withdraw(this);
   published_ = false;
+  published_held_ = 0;
 }
 
-void RouteCache::adopt_outage_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
-  if (outage_routes_ == nullptr || !in_outage() || held() >= max_spares_ || dormant_routes_ >= max_spares_ / 2)
+std::optional<SharedRoute> RouteCache::outage_route(const std::string& k, bool with_namespace) const {
+  if (outage_routes_ == nullptr || !shares_outage_routes() || unadoptable_.contains(k)) return std::nullopt;
+  auto shared = outage_routes_->find(k, with_namespace);
+  if (!shared) return std::nullopt;
+  // What this worker's own stream said before the node went wins over another worker's route: the other may
+  // not have got that event yet (a suspend, a new token, a flush), and the routes of both came from it.
+  if (shared->opened_at < flushed_at_) return std::nullopt;
+  auto it = invalidated_at_.find(shared->policy.sandbox_id);
+  if (it != invalidated_at_.end() && shared->opened_at < it->second) return std::nullopt;
+  return shared;
+}
+
+void RouteCache::adopt_outage_route(std::string_view sandbox_ref, uint16_t port,
+                                    std::span<const std::string> credentials, uint64_t now_ms) {
+  if (outage_routes_ == nullptr || !shares_outage_routes() || held() >= max_spares_ || dormant_routes_ >= max_spares_ / 2)
     return;
   std::string k = key(sandbox_ref, port);
   if (auto it = entries_.find(k); it != entries_.end() && it->second.route) return;
-  auto shared = outage_routes_->find(k);
-  if (!shared) return;
+  auto shared = outage_route(k, true);
+  // Only for a connection it lets through: a client naming sandboxes takes no descriptor and no slot.
+  if (!shared || !verify(shared->policy, shared->token_sha256, shared->operator_token_sha256, credentials)) return;
   Entry* e = slot(sandbox_ref, port, now_ms);
   if (e == nullptr) return;
   e->policy = std::move(shared->policy);
@@ -114,8 +163,12 @@ void RouteCache::adopt_outage_route(std::string_view sandbox_ref, uint16_t port,
 }
 
 std::optional<PortPolicy> RouteCache::find(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
-  if (stream_ == Stream::kNodeGone) adopt_outage_route(sandbox_ref, port, now_ms);
   auto it = entries_.find(key(sandbox_ref, port));
+  if (stream_ == Stream::kNodeGone && (it == entries_.end() || !it->second.route)) {
+    // Another worker's route tells the policy (the ClientHello needs it); it is taken only by an open whose
+    // credential it verifies.
+    if (auto shared = outage_route(key(sandbox_ref, port), false)) return shared->policy;
+  }
   if (it == entries_.end()) return std::nullopt;
   Entry& e = it->second;
   if (e.route && !serves(*e.route, now_ms)) expire(e);
@@ -153,6 +206,10 @@ void RouteCache::store(std::string_view sandbox_ref, uint16_t port, PortPolicy p
 }
 
 void RouteCache::erase(std::string_view sandbox_ref, uint16_t port) {
+  // In an outage a route is erased when its socket did not connect (the sandbox is gone): no copy of it
+  // from another worker either, until the stream is back.
+  if (stream_ == Stream::kNodeGone && unadoptable_.size() < kMaxUnadoptable)
+    unadoptable_.insert(key(sandbox_ref, port));
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end()) return;
   drop_route(it->second);
@@ -188,10 +245,11 @@ bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64
   return now_ms < e.awake_until_ms || (stream_ != Stream::kDown && e.route && serves(*e.route, now_ms));
 }
 
+
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
                                            std::span<const std::string> credentials, uint64_t now_ms) {
   if (stream_ == Stream::kDown) return std::nullopt;
-  if (stream_ == Stream::kNodeGone) adopt_outage_route(sandbox_ref, port, now_ms);
+  if (stream_ == Stream::kNodeGone) adopt_outage_route(sandbox_ref, port, credentials, now_ms);
   auto it = entries_.find(key(sandbox_ref, port));
   if (it == entries_.end() || !it->second.route) return std::nullopt;
   Entry& e = it->second;
@@ -202,25 +260,8 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   }
   const bool can_make = stream_ == Stream::kNodeGone && socket_source_ != nullptr && r.netns.valid();
   if (r.spares.empty() && !can_make) return std::nullopt;
-  std::optional<size_t> credential;
-  std::optional<TokenDigest> credential_sha256;
-  if (!e.policy.is_public) {
-    // The node's check (Node::check_credential): the sandbox's token or the operator token, both digests
-    // compared for each candidate so the time taken does not tell which one a guess matched.
-    for (size_t i = 0; i < credentials.size() && !credential; ++i) {
-      if (credentials[i].empty()) continue;
-      auto presented = token_sha256(credentials[i]);
-      if (!presented) continue;
-      const std::string presented_hex = hex_encode(*presented);
-      bool own = hex_digest_matches(presented_hex, r.token_sha256);
-      bool op = hex_digest_matches(presented_hex, r.operator_token_sha256);
-      if (own || op) {
-        credential = i;
-        credential_sha256 = *presented;
-      }
-    }
-    if (!credential) return std::nullopt;
-  }
+  auto verified = verify(e.policy, r.token_sha256, r.operator_token_sha256, credentials);
+  if (!verified) return std::nullopt;
   // Only for a connection the route lets through: a wrong token makes none.
   const size_t made = r.spares.empty() ? make_spares_without_node(r) : 0;
   if (r.spares.empty()) return std::nullopt;
@@ -233,8 +274,8 @@ std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_
   o.connect_port = r.connect_port;
   o.opened_at = r.opened_at;
   o.token_sha256 = r.token_sha256;
-  o.credential = credential;
-  o.credential_sha256 = credential_sha256;
+  o.credential = verified->credential;
+  o.credential_sha256 = verified->credential_sha256;
   o.socket = std::move(r.spares.back());
   r.spares.pop_back();
   --spares_held_;
@@ -326,6 +367,8 @@ void RouteCache::refill_failed(std::string_view sandbox_ref, std::string_view sa
 
 void RouteCache::stream_up(uint64_t stamp) {
   withdraw_outage_routes();
+  flushed_at_ = 0;
+  unadoptable_.clear();
   if (stream_ != Stream::kUp)
     for (auto& [k, e] : entries_) drop_route(e);
   stream_ = Stream::kUp;
@@ -393,6 +436,7 @@ void RouteCache::flush(uint64_t stamp) {
     e.awake_until_ms = 0;
   }
   floor_stamp_ = std::max(floor_stamp_, stamp);
+  flushed_at_ = std::max(flushed_at_, stamp);  // kept past the stream's end, unlike the floor
   invalidated_at_.clear();
 }
 

@@ -35,6 +35,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/error.h"
@@ -72,6 +73,18 @@ struct RouteGrant {
   uint32_t cache_ms = 0;
   std::vector<UniqueFd> spares;
   UniqueFd netns;  // the namespace the spares live in, if the node sent it (SocketSource)
+};
+
+// A route as one worker serves it during a node outage, for the other workers (proxy/outage_routes.h): what
+// a copy needs, without spares.
+struct SharedRoute {
+  std::string key;  // "<sandbox ref>:<port>", as the publisher's cache keys it
+  PortPolicy policy;
+  std::string token_sha256;
+  std::string operator_token_sha256;
+  uint16_t connect_port = 0;
+  uint64_t opened_at = 0;
+  UniqueFd netns;
 };
 
 // What opening a sandbox port gave a connection: the node's internal/open answer, or the route cache in its
@@ -195,6 +208,10 @@ class RouteCache {
   void node_answered(uint64_t now_ms);
   static constexpr uint64_t kDyingNodeMs = 500;
   bool stream_is_up() const { return stream_ == Stream::kUp; }
+  // An outage whose routes serve: the stream ended with the node, which has not answered since.
+  bool outage_serves() const {
+    return stream_ == Stream::kNodeGone && outage_since_ms_ && !node_answered_without_stream_;
+  }
   bool serving_without_node() const { return stream_ == Stream::kNodeGone; }
   void invalidate(std::string_view sandbox_id, uint64_t stamp);
   // As invalidate, and the sandbox's port policies go too: its ports changed (exposed, closed, public or not).
@@ -243,23 +260,28 @@ class RouteCache {
   void expire(Entry& e);
   // Whether `r` routes connections now: live within its cache_ms, or anything within an outage's hold.
   bool serves(const Route& r, uint64_t now_ms) const;
-  // Descriptors held: spares and namespaces (the budget is max_spares_).
-  size_t held() const { return spares_held_ + namespaces_held_; }
+  // Descriptors held: spares, namespaces and the copies published for an outage (the budget is max_spares_).
+  size_t held() const { return spares_held_ + namespaces_held_ + published_held_; }
   // Takes `netns` for `r` unless it has one or the budget is spent (then it is closed with the caller's).
   void keep_namespace(Route& r, UniqueFd& netns);
   // Node gone and `r` out of spares: the socket source makes some. How many.
   size_t make_spares_without_node(Route& r);
-  // An outage this cache serves routes in: the stream ended with the node, which has not answered since.
-  bool in_outage() const {
-    return stream_ == Stream::kNodeGone && outage_since_ms_ && !node_answered_without_stream_ &&
-           socket_source_ != nullptr && hold_without_node_ms_ > 0;
+  // An outage whose routes the workers share: it serves, and a maker can make sockets for a copy within a
+  // hold.
+  bool shares_outage_routes() const {
+    return outage_serves() && socket_source_ != nullptr && hold_without_node_ms_ > 0;
   }
   // In an outage: what this cache serves goes to outage_routes_ (once per outage), and when it ends comes
   // back out.
   void publish_outage_routes();
   void withdraw_outage_routes();
-  // In an outage, `sandbox_ref`:`port` has no route here: a copy of another worker's, if it published one.
-  void adopt_outage_route(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms);
+  // In an outage: another worker's route for key `k`, unless this cache knows it stale (an invalidation or
+  // a flush its stream got after the route was opened) or erased it in this outage.
+  std::optional<SharedRoute> outage_route(const std::string& k, bool with_namespace) const;
+  // In an outage, `sandbox_ref`:`port` has no route here: a copy of another worker's, if one of
+  // `credentials` verifies against it (or the port is public).
+  void adopt_outage_route(std::string_view sandbox_ref, uint16_t port, std::span<const std::string> credentials,
+                          uint64_t now_ms);
   // The live route of `sandbox_ref`:`port` if it still belongs to `sandbox_id`.
   Route* asked_route(std::string_view sandbox_ref, std::string_view sandbox_id, uint16_t port);
 
@@ -277,7 +299,12 @@ class RouteCache {
   SocketSource* socket_source_ = nullptr;
   uint64_t hold_without_node_ms_ = 0;
   OutageRoutes* outage_routes_ = nullptr;
-  bool published_ = false;  // in outage_routes_
+  bool published_ = false;     // in outage_routes_
+  size_t published_held_ = 0;  // the namespace copies outage_routes_ holds for this cache
+  uint64_t flushed_at_ = 0;    // the latest flush since the stream was last up
+  // Erased in this outage (their sockets did not connect): not adopted again. Bounded; cleared at stream_up.
+  std::unordered_set<std::string> unadoptable_;
+  static constexpr size_t kMaxUnadoptable = 4096;
   std::unordered_map<std::string, Entry> entries_;
   enum class Stream {
     kDown,      // no event stream: nothing routed or cached (the start, or a break not yet explained)

@@ -146,11 +146,17 @@ IoResult TlsTransport::read(std::span<char> into) {
 }
 
 IoResult TlsTransport::write(std::span<const char> from) {
+  // A long answer to one request (a download, a stream of events) brings no second read: past
+  // kLeaveOpenSslAfterBytesOut the switch is tried here, between records.
+  if (!own_ && read_ahead_ && emptied_reads_ < 2 && written_by_openssl_ >= kLeaveOpenSslAfterBytesOut) leave_openssl();
   if (own_) return own_->write(fd_, from);
   clear_stale_ssl_errors();
   int n = SSL_write(ssl_, from.data(), static_cast<int>(from.size()));
   write_incomplete_ = false;
-  if (n > 0) return IoResult::ok(static_cast<size_t>(n));
+  if (n > 0) {
+    written_by_openssl_ += static_cast<size_t>(n);
+    return IoResult::ok(static_cast<size_t>(n));
+  }
   int err = SSL_get_error(ssl_, n);
   write_incomplete_ = true;
   if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) return IoResult::would_block();

@@ -155,7 +155,7 @@ class TlsTransport final : public Transport {
   // boundary: its keys go to a record layer of the proxy's own and the SSL is freed (13 KiB of an idle
   // connection's 18; and each record costs less there). With read-ahead that is the second read that emptied
   // OpenSSL's buffer (a connection that carries one request and closes never pays for the keys and AEAD
-  // contexts), else the first quiet spell. Where it cannot be (TLS 1.2, a transmit side in the
+  // contexts) or a write after 64 KiB went out (a long answer to one request), else the first quiet spell. Where it cannot be (TLS 1.2, a transmit side in the
   // kernel, a KeyUpdate OpenSSL followed), a quiet connection's SSL frees its record buffers: OpenSSL keeps
   // them between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc), since freeing and taking 64 KiB +
   // 16 KiB again per keep-alive request cost more than the request's own work.
@@ -177,6 +177,10 @@ class TlsTransport final : public Transport {
   bool read_ahead_;  // set on the context when kTLS is not possible (proxy/tls.cc)
   // With read-ahead: the reads so far that left OpenSSL's buffer empty (record boundaries), up to 2.
   unsigned emptied_reads_ = 0;
+  // Application bytes OpenSSL sent; past the bound a connection that read once leaves it at a write (a long
+  // answer to one request), while a short answer to one request never pays for the switch.
+  size_t written_by_openssl_ = 0;
+  static constexpr size_t kLeaveOpenSslAfterBytesOut = 64 * 1024;
   bool may_leave_openssl_;
   bool ktls_tx_ = false;
   // OpenSSL holds part of a record it could not send: the next SSL_write must be the one that sends it.

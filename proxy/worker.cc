@@ -390,7 +390,7 @@ bool Worker::outage_found() {
   if (routes_.stream_is_up() || routes_.serving_without_node() || !route_stream_warned_ || node_->accepting())
     return false;
   node_is_down();
-  return routes_.serving_without_node();
+  return routes_.outage_serves();
 }
 
 void Worker::use_socket_maker(std::unique_ptr<SocketSource> maker) {

@@ -131,7 +131,7 @@ class Worker {
   void recheck_node();
   // A node call failed while the event stream is down and no outage is known: if the node's socket now
   // refuses, the outage starts here rather than at the stream's next retry (up to a second later: its end
-  // may have found a dying node still listening). True when the cache then serves without the node.
+  // may have found a dying node still listening). True when the cache then serves routes in an outage.
   bool outage_found();
   // A connection took one of the last spares of a cached route: ask the node for more in the background.
   void refill_route(const std::string& sandbox_ref, const std::string& sandbox_id, uint16_t port, size_t count);

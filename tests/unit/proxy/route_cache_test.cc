@@ -390,6 +390,8 @@ TEST(RouteCache, InAnOutageAWorkerWithoutTheRouteServesItFromAnotherWorkers) {
   auto policy = second.cache.find("demo", 8080, 200);
   ASSERT_TRUE(policy) << "the policy comes with it (the ClientHello asks)";
   EXPECT_EQ(policy->sandbox_id, "sb-1");
+  EXPECT_EQ(second.cache.namespace_count(), 0u) << "a ClientHello or a wrong token takes no copy";
+  EXPECT_EQ(second.cache.dormant_count(), 0u);
   auto hit = second.cache.open("demo", 8080, kOwnToken, 5'000);
   ASSERT_TRUE(hit) << "past the route's cache_ms: within the outage's hold";
   EXPECT_EQ(hit->opened.id, "sb-1");
@@ -436,6 +438,61 @@ TEST(RouteCache, OutageRoutesAreWithdrawnWhenTheNodeAnswersOrTheStreamIsBackAndN
     ASSERT_EQ(board.size(), 1u);
   }
   EXPECT_EQ(board.size(), 0u) << "a cache destroyed in an outage withdraws too";
+}
+
+// What a worker's own stream said before the node went wins over another worker's route: that worker may
+// not have got the event yet. And a route whose socket did not connect in the outage is not taken again.
+TEST(RouteCache, AWorkerTakesNoRouteItsOwnStreamSaidIsStaleOrThatFailedInThisOutage) {
+  OutageRoutes board;
+  OutageCache first(RouteCache::kDefaultMaxSpares, 60'000), second(RouteCache::kDefaultMaxSpares, 60'000);
+  first.cache.share_outage_routes(&board);
+  second.cache.share_outage_routes(&board);
+  first.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
+  first.cache.grant("other", grant_with_namespace("sb-2", 20, 2, 500), 0);
+  first.cache.grant("third", grant_with_namespace("sb-3", 20, 2, 500), 0);
+  second.cache.invalidate("sb-1", 30);  // the first worker's stream had not delivered this one yet
+  for (RouteCache* c : {&first.cache, &second.cache}) {
+    c->stream_down(100);
+    c->node_gone(100);
+  }
+  ASSERT_EQ(board.size(), 3u);
+  EXPECT_FALSE(second.cache.find("demo", 8080, 200)) << "invalidated here";
+  EXPECT_FALSE(second.cache.open("demo", 8080, kOwnToken, 200));
+  ASSERT_TRUE(second.cache.open("other", 8080, kOwnToken, 200));
+  second.cache.erase("other", 8080);  // its socket did not connect: the sandbox is gone
+  EXPECT_FALSE(second.cache.open("other", 8080, kOwnToken, 300)) << "not taken again in this outage";
+  EXPECT_TRUE(second.cache.open("third", 8080, kOwnToken, 300));
+
+  OutageCache flushed(RouteCache::kDefaultMaxSpares, 60'000);
+  flushed.cache.share_outage_routes(&board);
+  flushed.cache.flush(40);  // the operator token changed
+  flushed.cache.stream_down(100);
+  flushed.cache.node_gone(100);
+  EXPECT_FALSE(flushed.cache.open("third", 8080, kOwnToken, 200)) << "opened before the flush this worker saw";
+}
+
+// The copies a cache publishes are descriptors: they count against its budget while published.
+TEST(RouteCache, PublishedCopiesCountAgainstTheDescriptorBudget) {
+  OutageRoutes board;
+  OutageCache small(6, 60'000);
+  small.cache.share_outage_routes(&board);
+  small.cache.grant("demo", grant_with_namespace("sb-1", 20, 1, 500), 0);
+  small.cache.grant("other", grant_with_namespace("sb-2", 20, 1, 500), 0);
+  ASSERT_EQ(small.cache.spare_count() + small.cache.namespace_count(), 4u);
+  small.cache.stream_down(100);
+  small.cache.node_gone(100);
+  EXPECT_EQ(board.size(), 2u) << "room for both";
+  ASSERT_TRUE(small.cache.open("demo", 8080, kOwnToken, 200));  // its spare
+  ASSERT_TRUE(small.cache.open("demo", 8080, kOwnToken, 200)) << "one more made: the budget's last";
+  EXPECT_EQ(small.maker.asked, 1u) << "6 held: 1 spare, 2 namespaces, 2 published, and room for 1";
+
+  OutageCache full(4, 60'000);
+  full.cache.share_outage_routes(&board);
+  full.cache.grant("demo", grant_with_namespace("sb-1", 20, 1, 500), 0);
+  full.cache.grant("other", grant_with_namespace("sb-2", 20, 1, 500), 0);
+  full.cache.stream_down(100);
+  full.cache.node_gone(100);
+  EXPECT_EQ(board.size(), 2u) << "the first cache's two; this one's budget is spent: it published none";
 }
 
 TEST(RouteCache, NothingIsSharedWithoutAMakerOrAHold) {

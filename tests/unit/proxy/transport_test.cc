@@ -371,6 +371,21 @@ TEST_F(TlsTransportReadAheadTest, AConnectionWithOneRequestEndsWithoutLeavingOpe
   EXPECT_TRUE(transport_->shutdown_write());
 }
 
+// A long answer to one request (a download, server-sent events) brings no second read: past 64 KiB out the
+// switch is made at a write, and the rest goes out through the own layer.
+TEST_F(TlsTransportReadAheadTest, ALongAnswerToOneRequestLeavesOpenSslPast64KiB) {
+  client_sends("request");
+  EXPECT_EQ(server_reads(7), "request");
+  EXPECT_EQ(send_to_client(pattern(60 * 1024)), pattern(60 * 1024));
+  EXPECT_FALSE(transport_->own_records()) << "a short answer stays with OpenSSL";
+  // The answer goes on in pieces, as the forwarder writes what it read from the sandbox.
+  const std::string piece = pattern(64 * 1024 + 5);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(send_to_client(piece), piece) << i;
+  EXPECT_TRUE(transport_->own_records());
+  client_sends("next");
+  EXPECT_EQ(server_reads(4), "next");
+}
+
 TEST_F(TlsTransportTest, WithoutReadAheadTheSwitchWaitsUntilTheConnectionIsQuiet) {
   client_sends("request");
   EXPECT_EQ(server_reads(7), "request");
