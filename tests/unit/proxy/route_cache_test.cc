@@ -366,14 +366,23 @@ TEST(RouteCache, AnOutagesHoldCountsFromItsStartAndEndsWhenTheNodeWasBack) {
   EXPECT_TRUE(flapping.open("demo", 8080, kOwnToken, 5'000)) << "the stream up again: the next outage holds";
 }
 
+// Two workers' caches publishing to and copying from one board (which the caller keeps past them).
+struct SharingCaches {
+  explicit SharingCaches(OutageRoutes& board) {
+    first.cache.share_outage_routes(&board);
+    second.cache.share_outage_routes(&board);
+  }
+  OutageCache first{RouteCache::kDefaultMaxSpares, 60'000};
+  OutageCache second{RouteCache::kDefaultMaxSpares, 60'000};
+};
+
 // Route caches are per worker and a new connection lands on any worker: during an outage a worker that never
 // routed a sandbox serves it from another worker's route (OutageRoutes), with the same credential check, as
 // long as both are in the outage.
 TEST(RouteCache, InAnOutageAWorkerWithoutTheRouteServesItFromAnotherWorkers) {
   OutageRoutes board;
-  OutageCache first(RouteCache::kDefaultMaxSpares, 60'000), second(RouteCache::kDefaultMaxSpares, 60'000);
-  first.cache.share_outage_routes(&board);
-  second.cache.share_outage_routes(&board);
+  SharingCaches workers(board);
+  auto& [first, second] = workers;
   first.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
   first.cache.grant("plain", grant("sb-2", true, 20, 2), 0);  // no namespace: nothing to share
   EXPECT_FALSE(second.cache.open("demo", 8080, kOwnToken, 1)) << "node up: the other worker asks it";
@@ -410,9 +419,8 @@ TEST(RouteCache, InAnOutageAWorkerWithoutTheRouteServesItFromAnotherWorkers) {
 TEST(RouteCache, OutageRoutesAreWithdrawnWhenTheNodeAnswersOrTheStreamIsBackAndNotTakenOutsideAnOutage) {
   OutageRoutes board;
   {
-    OutageCache first(RouteCache::kDefaultMaxSpares, 60'000), second(RouteCache::kDefaultMaxSpares, 60'000);
-    first.cache.share_outage_routes(&board);
-    second.cache.share_outage_routes(&board);
+    SharingCaches workers(board);
+    auto& [first, second] = workers;
     first.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
     first.cache.stream_down(100);
     first.cache.node_gone(100);
@@ -444,9 +452,8 @@ TEST(RouteCache, OutageRoutesAreWithdrawnWhenTheNodeAnswersOrTheStreamIsBackAndN
 // not have got the event yet. And a route whose socket did not connect in the outage is not taken again.
 TEST(RouteCache, AWorkerTakesNoRouteItsOwnStreamSaidIsStaleOrThatFailedInThisOutage) {
   OutageRoutes board;
-  OutageCache first(RouteCache::kDefaultMaxSpares, 60'000), second(RouteCache::kDefaultMaxSpares, 60'000);
-  first.cache.share_outage_routes(&board);
-  second.cache.share_outage_routes(&board);
+  SharingCaches workers(board);
+  auto& [first, second] = workers;
   first.cache.grant("demo", grant_with_namespace("sb-1", 20, 2, 500), 0);
   first.cache.grant("other", grant_with_namespace("sb-2", 20, 2, 500), 0);
   first.cache.grant("third", grant_with_namespace("sb-3", 20, 2, 500), 0);
