@@ -4,9 +4,9 @@
 
 namespace sg {
 
-size_t OutageRoutes::publish(const void* publisher, std::vector<Shared> routes) {
-  std::unordered_map<std::string, Shared> mine;
-  for (Shared& r : routes) {
+size_t OutageRoutes::publish(const void* publisher, std::vector<SharedRoute> routes) {
+  std::unordered_map<std::string, SharedRoute> mine;
+  for (SharedRoute& r : routes) {
     if (mine.size() >= kMaxPerPublisher) break;
     if (!r.netns.valid()) continue;  // nothing to make its sockets in
     std::string key = r.key;
@@ -28,7 +28,7 @@ size_t OutageRoutes::publish(const void* publisher, std::vector<Shared> routes) 
 }
 
 void OutageRoutes::withdraw(const void* publisher) {
-  std::unordered_map<std::string, Shared> gone;  // closed outside the lock
+  std::unordered_map<std::string, SharedRoute> gone;  // closed outside the lock
   std::lock_guard lock(mu_);
   auto it = by_publisher_.find(publisher);
   if (it == by_publisher_.end()) return;
@@ -36,19 +36,20 @@ void OutageRoutes::withdraw(const void* publisher) {
   by_publisher_.erase(it);
 }
 
-std::optional<OutageRoutes::Shared> OutageRoutes::find(std::string_view key, bool with_namespace) const {
+std::optional<SharedRoute> OutageRoutes::find(std::string_view key, bool with_namespace) const {
+  const std::string k(key);
   std::lock_guard lock(mu_);
   for (const auto& [publisher, routes] : by_publisher_) {
-    auto it = routes.find(std::string(key));
+    auto it = routes.find(k);
     if (it == routes.end()) continue;
-    const Shared& r = it->second;
+    const SharedRoute& r = it->second;
     // Under the lock: the publisher's copy cannot be closed meanwhile.
     UniqueFd netns;
     if (with_namespace) {
       netns = UniqueFd(::fcntl(r.netns.get(), F_DUPFD_CLOEXEC, 0));
       if (!netns.valid()) return std::nullopt;  // out of descriptors: the connection gets the node's 503
     }
-    return Shared{r.key, r.policy, r.token_sha256, r.operator_token_sha256, r.connect_port, r.opened_at,
+    return SharedRoute{r.key, r.policy, r.token_sha256, r.operator_token_sha256, r.connect_port, r.opened_at,
                   std::move(netns)};
   }
   return std::nullopt;

@@ -27,25 +27,24 @@ namespace sg {
 
 class OutageRoutes {
  public:
-  using Shared = SharedRoute;
   // Descriptors held here per publisher (one namespace per route): the rest of a larger publication is
   // left out.
   static constexpr size_t kMaxPerPublisher = 1024;
 
   // Replaces what `publisher` published before. How many are held (those with a namespace, up to the
   // bound): the descriptors the publisher's budget pays for.
-  size_t publish(const void* publisher, std::vector<Shared> routes);
+  size_t publish(const void* publisher, std::vector<SharedRoute> routes);
   // Closes what `publisher` published. Nothing if it published nothing.
   void withdraw(const void* publisher);
   // A copy of a route published for `key` (its namespace a new descriptor, or none without
   // `with_namespace`), if any publisher has one.
-  std::optional<Shared> find(std::string_view key, bool with_namespace = true) const;
+  std::optional<SharedRoute> find(std::string_view key, bool with_namespace = true) const;
   size_t size() const;
 
  private:
   mutable std::mutex mu_;
   // Per publisher (a few: one per worker), by key.
-  std::unordered_map<const void*, std::unordered_map<std::string, Shared>> by_publisher_;
+  std::unordered_map<const void*, std::unordered_map<std::string, SharedRoute>> by_publisher_;
 };
 
 }  // namespace sg

@@ -103,7 +103,7 @@ void RouteCache::publish_outage_routes() {
   if (outage_routes_ == nullptr || published_ || !shares_outage_routes()) return;
   // The copies count against this cache's descriptor budget while they are published.
   const size_t room = max_spares_ - std::min(held(), max_spares_);
-  std::vector<OutageRoutes::Shared> mine;
+  std::vector<SharedRoute> mine;
   for (const auto& [k, e] : entries_) {
     if (mine.size() >= std::min(room, OutageRoutes::kMaxPerPublisher)) break;
     if (!e.route || !e.route->netns.valid()) continue;
@@ -138,8 +138,7 @@ std::optional<SharedRoute> RouteCache::outage_route(const std::string& k, bool w
 
 void RouteCache::adopt_outage_route(std::string_view sandbox_ref, uint16_t port,
                                     std::span<const std::string> credentials, uint64_t now_ms) {
-  if (outage_routes_ == nullptr || !shares_outage_routes() || held() >= max_spares_ || dormant_routes_ >= max_spares_ / 2)
-    return;
+  if (held() >= max_spares_ || dormant_routes_ >= max_spares_ / 2) return;
   std::string k = key(sandbox_ref, port);
   if (auto it = entries_.find(k); it != entries_.end() && it->second.route) return;
   auto shared = outage_route(k, true);
@@ -163,11 +162,12 @@ void RouteCache::adopt_outage_route(std::string_view sandbox_ref, uint16_t port,
 }
 
 std::optional<PortPolicy> RouteCache::find(std::string_view sandbox_ref, uint16_t port, uint64_t now_ms) {
-  auto it = entries_.find(key(sandbox_ref, port));
+  const std::string k = key(sandbox_ref, port);
+  auto it = entries_.find(k);
   if (stream_ == Stream::kNodeGone && (it == entries_.end() || !it->second.route)) {
     // Another worker's route tells the policy (the ClientHello needs it); it is taken only by an open whose
     // credential it verifies.
-    if (auto shared = outage_route(key(sandbox_ref, port), false)) return shared->policy;
+    if (auto shared = outage_route(k, false)) return shared->policy;
   }
   if (it == entries_.end()) return std::nullopt;
   Entry& e = it->second;
@@ -208,9 +208,9 @@ void RouteCache::store(std::string_view sandbox_ref, uint16_t port, PortPolicy p
 void RouteCache::erase(std::string_view sandbox_ref, uint16_t port) {
   // In an outage a route is erased when its socket did not connect (the sandbox is gone): no copy of it
   // from another worker either, until the stream is back.
-  if (stream_ == Stream::kNodeGone && unadoptable_.size() < kMaxUnadoptable)
-    unadoptable_.insert(key(sandbox_ref, port));
-  auto it = entries_.find(key(sandbox_ref, port));
+  std::string k = key(sandbox_ref, port);
+  auto it = entries_.find(k);
+  if (stream_ == Stream::kNodeGone && unadoptable_.size() < kMaxUnadoptable) unadoptable_.insert(std::move(k));
   if (it == entries_.end()) return;
   drop_route(it->second);
   entries_.erase(it);
@@ -244,7 +244,6 @@ bool RouteCache::known_awake(std::string_view sandbox_ref, uint16_t port, uint64
   const Entry& e = it->second;
   return now_ms < e.awake_until_ms || (stream_ != Stream::kDown && e.route && serves(*e.route, now_ms));
 }
-
 
 std::optional<CachedOpen> RouteCache::open(std::string_view sandbox_ref, uint16_t port,
                                            std::span<const std::string> credentials, uint64_t now_ms) {

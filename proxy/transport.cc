@@ -148,7 +148,8 @@ IoResult TlsTransport::read(std::span<char> into) {
 IoResult TlsTransport::write(std::span<const char> from) {
   // A long answer to one request (a download, a stream of events) brings no second read: past
   // kLeaveOpenSslAfterBytesOut the switch is tried here, between records.
-  if (!own_ && read_ahead_ && emptied_reads_ < 2 && written_by_openssl_ >= kLeaveOpenSslAfterBytesOut) leave_openssl();
+  if (!own_ && read_ahead_ && emptied_reads_ < 2 && written_by_openssl_ >= kLeaveOpenSslAfterBytesOut)
+    leave_openssl();
   if (own_) return own_->write(fd_, from);
   clear_stale_ssl_errors();
   int n = SSL_write(ssl_, from.data(), static_cast<int>(from.size()));

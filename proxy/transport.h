@@ -155,10 +155,11 @@ class TlsTransport final : public Transport {
   // boundary: its keys go to a record layer of the proxy's own and the SSL is freed (13 KiB of an idle
   // connection's 18; and each record costs less there). With read-ahead that is the second read that emptied
   // OpenSSL's buffer (a connection that carries one request and closes never pays for the keys and AEAD
-  // contexts) or a write after 64 KiB went out (a long answer to one request), else the first quiet spell. Where it cannot be (TLS 1.2, a transmit side in the
-  // kernel, a KeyUpdate OpenSSL followed), a quiet connection's SSL frees its record buffers: OpenSSL keeps
-  // them between records (no SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc), since freeing and taking 64 KiB +
-  // 16 KiB again per keep-alive request cost more than the request's own work.
+  // contexts) or a write after 64 KiB went out (a long answer to one request), else the first quiet spell.
+  // Where it cannot be (TLS 1.2, a transmit side in the kernel, a KeyUpdate OpenSSL followed), a quiet
+  // connection's SSL frees its record buffers: OpenSSL keeps them between records (no
+  // SSL_MODE_RELEASE_BUFFERS, proxy/tls.cc), since freeing and taking 64 KiB + 16 KiB again per keep-alive
+  // request cost more than the request's own work.
   void release_memory_while_idle() override;
   // Whether the record protection has left OpenSSL for the proxy's own record layer.
   bool own_records() const { return own_ != nullptr; }

@@ -367,19 +367,17 @@ void Worker::on_route_stream_end(const Failure& why) {
   // stream's end can come before the dying node's listening socket is closed: each retry looks again.
   if (node_->accepting()) {
     routes_.node_answered(uv_now(&loop_));  // alive without its events: what it does now is not seen
-  } else if (!was_gone) {
-    node_is_down();
   } else {
-    serve_outages();
-    routes_.node_gone(uv_now(&loop_));
+    node_is_down(was_gone);
   }
   uv_timer_start(&route_stream_retry_, [](uv_timer_t* t) { static_cast<Worker*>(t->data)->watch_routes(); },
                  kRouteStreamRetryMs, 0);
 }
 
-void Worker::node_is_down() {
+void Worker::node_is_down(bool known) {
   serve_outages();
   routes_.node_gone(uv_now(&loop_));
+  if (known) return;
   spdlog::warn("worker {}: the node is down: routes cached for running sandboxes serve for up to {} s ({}), "
                "every other connection gets 503, until it is back",
                index_, shared_->snapshot()->config->proxy.routes_without_node_secs,
@@ -389,7 +387,7 @@ void Worker::node_is_down() {
 bool Worker::outage_found() {
   if (routes_.stream_is_up() || routes_.serving_without_node() || !route_stream_warned_ || node_->accepting())
     return false;
-  node_is_down();
+  node_is_down(false);
   return routes_.outage_serves();
 }
 

@@ -165,8 +165,8 @@ class Worker {
   // The node's route events keep routes_ honest; while the stream is down routes_ serves no route (but
   // those it kept, while the node is gone), and it is reconnected after kRouteStreamRetryMs.
   void watch_routes();
-  // The node is down (its socket refuses): the cache's outage starts or goes on; logged once per outage.
-  void node_is_down();
+  // The node is down (its socket refuses): the cache's outage starts or goes on (`known`: not logged again).
+  void node_is_down(bool known);
   // What routes_ does for a node outage: the socket maker, proxy.routes_without_node_secs.
   void serve_outages();
   void on_route_event(const RouteStreamEvent& e);

@@ -10,8 +10,8 @@
 namespace sg {
 namespace {
 
-OutageRoutes::Shared route(std::string key, std::string id) {
-  OutageRoutes::Shared r;
+SharedRoute route(std::string key, std::string id) {
+  SharedRoute r;
   r.key = std::move(key);
   r.policy = PortPolicy{std::move(id), "http1", false};
   r.token_sha256 = "aa";
@@ -26,9 +26,9 @@ bool open_fd(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
 TEST(OutageRoutes, AFoundRouteIsACopyWithANamespaceDescriptorOfItsOwn) {
   OutageRoutes board;
   int a = 0, b = 0;
-  std::vector<OutageRoutes::Shared> mine;
+  std::vector<SharedRoute> mine;
   mine.push_back(route("demo:8080", "sb-1"));
-  mine.push_back(OutageRoutes::Shared{"nons:8080", {}, "", "", 0, 0, UniqueFd()});  // no namespace: left out
+  mine.push_back(SharedRoute{"nons:8080", {}, "", "", 0, 0, UniqueFd()});  // no namespace: left out
   const int published_fd = mine[0].netns.get();
   board.publish(&a, std::move(mine));
   EXPECT_EQ(board.size(), 1u);
@@ -47,7 +47,7 @@ TEST(OutageRoutes, AFoundRouteIsACopyWithANamespaceDescriptorOfItsOwn) {
   EXPECT_EQ(x.st_ino, y.st_ino);
   EXPECT_TRUE(::fcntl(found->netns.get(), F_GETFD) & FD_CLOEXEC);
 
-  std::vector<OutageRoutes::Shared> theirs;
+  std::vector<SharedRoute> theirs;
   theirs.push_back(route("other:8080", "sb-2"));
   board.publish(&b, std::move(theirs));
   EXPECT_EQ(board.size(), 2u);
@@ -57,7 +57,7 @@ TEST(OutageRoutes, AFoundRouteIsACopyWithANamespaceDescriptorOfItsOwn) {
   EXPECT_FALSE(board.find("demo:8080"));
   EXPECT_TRUE(board.find("other:8080"));
   board.withdraw(&a);  // twice: nothing
-  std::vector<OutageRoutes::Shared> again;
+  std::vector<SharedRoute> again;
   again.push_back(route("third:8080", "sb-3"));
   board.publish(&b, std::move(again));
   EXPECT_FALSE(board.find("other:8080")) << "a publication replaces the last";
@@ -69,7 +69,7 @@ TEST(OutageRoutes, AFoundRouteIsACopyWithANamespaceDescriptorOfItsOwn) {
 TEST(OutageRoutes, APublicationIsBounded) {
   OutageRoutes board;
   int a = 0;
-  std::vector<OutageRoutes::Shared> many;
+  std::vector<SharedRoute> many;
   for (size_t i = 0; i < OutageRoutes::kMaxPerPublisher + 5; ++i) many.push_back(route("sb" + std::to_string(i) + ":1", "x"));
   board.publish(&a, std::move(many));
   EXPECT_EQ(board.size(), OutageRoutes::kMaxPerPublisher);
@@ -83,7 +83,7 @@ TEST(OutageRoutes, WorkersUseItFromTheirThreads) {
     threads.emplace_back([&board, w] {
       int me = 0;  // the publisher
       for (int i = 0; i < 200; ++i) {
-        std::vector<OutageRoutes::Shared> mine;
+        std::vector<SharedRoute> mine;
         mine.push_back(route("w" + std::to_string(w) + ":1", "x"));
         board.publish(&me, std::move(mine));
         auto found = board.find("w" + std::to_string((w + 1) % 4) + ":1");
